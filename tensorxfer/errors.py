@@ -1,0 +1,125 @@
+"""The tensorxfer exception tree.
+
+Every error tensorxfer raises on purpose derives from :class:`TensorXferError`,
+so ``except tensorxfer.TensorXferError`` catches all of them.  Where a standard
+exception already means the same thing, ours derive from it too (a manifest
+that fails validation is a ``ValueError``; a failed system call is an
+``OSError`` carrying ``errno``), so generic handlers keep working.
+
+Messages say what was asked, what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class TensorXferError(Exception):
+    """Root of every error tensorxfer raises on purpose."""
+
+
+class RegionError(TensorXferError, OSError):
+    """Allocating, mapping or releasing region memory failed (carries ``errno``)."""
+
+
+class ExtentError(TensorXferError, ValueError):
+    """A byte range does not resolve to mapped, contiguous memory.
+
+    ``address`` is the first address that is not usable (the start of a hole,
+    or the end of the region for a request that runs past it).
+    """
+
+    def __init__(self, message: str, address: int | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class CudaError(TensorXferError):
+    """A CUDA driver call failed, or CUDA is not usable on this machine.
+
+    ``result`` is the ``CUresult`` code (``None`` when CUDA is absent) and
+    ``name`` its symbolic name, e.g. ``CUDA_ERROR_INVALID_VALUE``.
+    """
+
+    def __init__(self, message: str, result: int | None = None, name: str | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.name = name
+
+
+class VerbsError(TensorXferError, OSError):
+    """A libibverbs call or an RDMA work completion failed.
+
+    For completions ``status`` is the ``ibv_wc_status`` name, and ``qp_num``,
+    ``offset`` and ``length`` locate the failed request in the region.
+    """
+
+    def __init__(
+        self,
+        *args: object,
+        status: str | None = None,
+        qp_num: int | None = None,
+        offset: int | None = None,
+        length: int | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.status = status
+        self.qp_num = qp_num
+        self.offset = offset
+        self.length = length
+
+
+class ManifestError(TensorXferError, ValueError):
+    """A manifest is malformed, inconsistent, or over a configured limit."""
+
+
+class LayoutError(TensorXferError, ValueError):
+    """Tensors do not match a region's layout (names, dtypes or shapes differ)."""
+
+
+class ProtocolError(TensorXferError):
+    """A peer sent a frame that is malformed, oversized, truncated or out of order."""
+
+
+class AuthError(ProtocolError):
+    """The peer failed authentication (wrong or missing token)."""
+
+
+class TransportUnavailable(TensorXferError):
+    """A requested transport cannot run here; the message says why."""
+
+
+class TransferError(TensorXferError):
+    """A transfer did not complete."""
+
+
+class PeerLost(TransferError, ConnectionError):
+    """The peer closed the connection or died before the transfer completed."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The peer stalled for longer than the configured timeout."""
+
+
+class ChecksumMismatch(TransferError):
+    """Verified data differed from what the sender checksummed (``tensor`` names it)."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+__all__ = [
+    "AuthError",
+    "ChecksumMismatch",
+    "CudaError",
+    "ExtentError",
+    "LayoutError",
+    "ManifestError",
+    "PeerLost",
+    "ProtocolError",
+    "RegionError",
+    "TensorXferError",
+    "TransferError",
+    "TransferTimeout",
+    "TransportUnavailable",
+    "VerbsError",
+]

@@ -1,0 +1,410 @@
+"""The manifest: the layout of many tensors inside one region.
+
+A manifest names every tensor with its dtype, shape, byte offset and size,
+plus free-form string metadata and, optionally, one checksum per tensor.  It
+travels as msgpack — never pickle — and :meth:`Manifest.unpack` treats its
+input as hostile: size limits apply before anything is allocated, and every
+field is validated.
+
+Wire format: one msgpack map, stored by column so that a 100,000-tensor
+manifest decodes into a handful of objects instead of half a million, and
+validates with vectorized numpy instead of a Python loop::
+
+    {"format": "tensorxfer.manifest", "version": 1,
+     "alignment": int,            # power of two; every offset is a multiple
+     "nbytes": int,               # end of the last tensor = bytes to allocate
+     "names": [str, ...],         # one per tensor, unique
+     "dtype_names": [str, ...],   # the dtypes used, safetensors spelling
+     "dtypes": bin,               # uint8 per tensor: index into dtype_names
+     "ndims": bin,                # uint8 per tensor
+     "dims": bin,                 # uint64 little-endian, all shapes concatenated
+     "offsets": bin,              # uint64 little-endian per tensor
+     "sizes": bin,                # uint64 little-endian per tensor (bytes)
+     "metadata": {str: str},
+     "checksums": null | [algorithm, bin]}   # uint64 little-endian per tensor
+
+``nbytes`` must equal the end of the last tensor, so a peer cannot make a
+receiver allocate more memory than its tensors need.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+from tensorxfer.dtypes import DTYPES
+from tensorxfer.errors import ManifestError
+
+FORMAT = "tensorxfer.manifest"
+VERSION = 1
+DEFAULT_ALIGNMENT = 256          # CUDA's allocation alignment; enough for any vector copy
+MAX_ALIGNMENT = 1 << 30
+MAX_NAME_BYTES = 1024
+MAX_NDIM = 64
+MAX_METADATA_ITEMS = 1024
+MAX_METADATA_STR = 1 << 16
+MAX_CHECKSUM_NAME = 32
+DEFAULT_MAX_REGION_BYTES = 1 << 40      # 1 TiB
+DEFAULT_MAX_TENSORS = 1 << 20
+DEFAULT_MAX_MANIFEST_BYTES = 256 << 20
+_KEYS = frozenset(("format", "version", "alignment", "nbytes", "names", "dtype_names", "dtypes",
+                   "ndims", "dims", "offsets", "sizes", "metadata", "checksums"))
+_U64 = np.dtype("<u8")
+_DTYPE_NAMES = tuple(DTYPES)
+_ITEMSIZE_BY_NAME = {k: v.itemsize for k, v in DTYPES.items()}
+
+
+class TensorSpec(NamedTuple):
+    """One tensor's place in a region."""
+
+    name: str
+    dtype: str          # safetensors spelling: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class Manifest:
+    """An immutable, validated layout of named tensors in one region.
+
+    Build one with :meth:`layout` (from names, dtypes and shapes), from
+    :class:`TensorSpec` records, or with :meth:`unpack` (bytes from a peer).
+    Every path goes through the same validation, so every Manifest object is
+    consistent.  Columns (``offsets``, ``sizes``) are read-only numpy arrays;
+    ``tensors`` gives the same data as :class:`TensorSpec` records.
+    """
+
+    __slots__ = ("_by_name", "_dims", "_dtype_idx", "_dtype_names", "_ndims", "_specs",
+                 "alignment", "checksums", "metadata", "names", "nbytes", "offsets", "sizes")
+
+    def __init__(
+        self,
+        tensors: Iterable[TensorSpec | Sequence[Any]],
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        metadata: Mapping[str, str] | None = None,
+        checksums: tuple[str, Sequence[int]] | None = None,
+        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
+    ) -> None:
+        specs = [TensorSpec(*t) for t in tensors]
+        try:
+            used = sorted({s.dtype for s in specs}, key=lambda d: _DTYPE_NAMES.index(d) if d in DTYPES else 99)
+            index = {d: i for i, d in enumerate(used)}
+            obj = {
+                "format": FORMAT, "version": VERSION, "alignment": alignment,
+                "nbytes": max((s.offset + s.nbytes for s in specs), default=0),
+                "names": [s.name for s in specs],
+                "dtype_names": used,
+                "dtypes": bytes(index[s.dtype] for s in specs),
+                "ndims": bytes(len(s.shape) for s in specs),
+                "dims": np.array([d for s in specs for d in s.shape], dtype=_U64).tobytes(),
+                "offsets": np.array([s.offset for s in specs], dtype=_U64).tobytes(),
+                "sizes": np.array([s.nbytes for s in specs], dtype=_U64).tobytes(),
+                "metadata": dict(metadata or {}),
+                "checksums": None if checksums is None else
+                [checksums[0], np.array(checksums[1], dtype=_U64).tobytes()],
+            }
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ManifestError(f"invalid tensor records: {e}") from None
+        _validate(obj, self, max_region_bytes, max_tensors)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def layout(
+        cls,
+        entries: Iterable[tuple[str, str, Sequence[int]]],
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Manifest:
+        """Place ``(name, dtype, shape)`` entries at aligned offsets, in order."""
+        specs = []
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in DTYPES:
+                raise ManifestError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+            shape = tuple(int(d) for d in shape)
+            nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+            specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
+            offset = align_up(offset + nbytes, alignment)
+        return cls(specs, alignment=alignment, metadata=metadata)
+
+    def pack(self) -> bytes:
+        """Serialize to msgpack bytes (the module docstring gives the format)."""
+        return msgpack.packb(
+            {
+                "format": FORMAT, "version": VERSION, "alignment": self.alignment, "nbytes": self.nbytes,
+                "names": list(self.names), "dtype_names": list(self._dtype_names),
+                "dtypes": self._dtype_idx.tobytes(), "ndims": self._ndims.tobytes(),
+                "dims": self._dims.tobytes(), "offsets": self.offsets.tobytes(), "sizes": self.sizes.tobytes(),
+                "metadata": dict(self.metadata),
+                "checksums": None if self.checksums is None else
+                [self.checksums[0], np.asarray(self.checksums[1], dtype=_U64).tobytes()],
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def unpack(
+        cls,
+        data: bytes | bytearray | memoryview,
+        *,
+        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
+        max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
+    ) -> Manifest:
+        """Parse and validate a packed manifest from an untrusted peer.
+
+        Checks, in order: the input size; msgpack's per-object limits (no
+        header can make the decoder allocate more than the input could
+        hold); the exact key set, format name and version; unique, non-empty
+        UTF-8 names of at most 1024 bytes without NUL; known dtypes; column
+        lengths that agree; ``prod(shape) * itemsize == size`` per tensor;
+        offsets that are aligned, in bounds and non-overlapping; ``nbytes``
+        equal to the end of the last tensor and at most ``max_region_bytes``;
+        the shapes of metadata and checksums.
+
+        Raises
+        ------
+        ManifestError
+            For any violation, saying which; never another exception.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ManifestError(f"manifest must be bytes, got {type(data).__name__}")
+        size = len(data)
+        if size > max_manifest_bytes:
+            raise ManifestError(f"manifest is {size} bytes, over the limit of {max_manifest_bytes}; "
+                                f"raise max_manifest_bytes if this is expected")
+        # Every msgpack element takes at least one byte, so no honest header
+        # declares more elements than the input has bytes: bounding the
+        # limits by `size` keeps a lying header from allocating memory.
+        lim = max(size, 1)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()     # msgpack's advice for large inputs: no GC passes over half-built lists
+        try:
+            obj = msgpack.unpackb(
+                data, raw=False, strict_map_key=True, use_list=True,
+                max_str_len=min(lim, MAX_METADATA_STR), max_bin_len=lim, max_ext_len=0,
+                max_array_len=min(lim, max(max_tensors, 2)), max_map_len=min(lim, MAX_METADATA_ITEMS),
+            )
+        except Exception as e:   # msgpack raises many types for bad input; all mean the same here
+            raise ManifestError(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        self = cls.__new__(cls)
+        _validate(obj, self, max_region_bytes, max_tensors)
+        return self
+
+    # ------------------------------------------------------------ queries
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """Every tensor as a :class:`TensorSpec`, in manifest order (built once, on first use)."""
+        if self._specs is None:
+            dims = self._dims.tolist()
+            starts = np.concatenate(([0], np.cumsum(self._ndims, dtype=np.int64))).tolist()
+            dt = [self._dtype_names[i] for i in self._dtype_idx.tolist()]
+            self._specs = tuple(
+                TensorSpec(n, d, tuple(dims[a:b]), o, s)
+                for n, d, a, b, o, s in zip(self.names, dt, starts, starts[1:],
+                                            self.offsets.tolist(), self.sizes.tolist())
+            )
+        return self._specs
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self.tensors)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        try:
+            return self.tensors[self._by_name[name]]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in this manifest") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def index(self, name: str) -> int:
+        return self._by_name[name]
+
+    def same_layout(self, other: Manifest) -> bool:
+        """True if ``other`` places the same tensors, dtypes and shapes at the same offsets."""
+        return self.nbytes == other.nbytes and self.tensors == other.tensors
+
+    def with_checksums(self, algorithm: str, values: Sequence[int]) -> Manifest:
+        """A copy carrying one checksum per tensor, in manifest order."""
+        return Manifest(self.tensors, alignment=self.alignment, metadata=self.metadata,
+                        checksums=(algorithm, list(values)))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Manifest) and self.same_layout(other) and self.alignment == other.alignment
+                and self.metadata == other.metadata and self.checksums == other.checksums)
+
+    def __hash__(self) -> int:
+        return hash((self.nbytes, len(self.names)))
+
+    def __repr__(self) -> str:
+        return f"<Manifest {len(self.names)} tensors, {self.nbytes} bytes, alignment {self.alignment}>"
+
+
+def _u64_column(obj: dict, key: str, count: int) -> np.ndarray:
+    raw = obj[key]
+    if not isinstance(raw, bytes) or len(raw) != 8 * count:
+        raise ManifestError(f"{key} must be {count} little-endian uint64 values ({8 * count} bytes)")
+    return np.frombuffer(raw, dtype=_U64)
+
+
+def _u8_column(obj: dict, key: str, count: int) -> np.ndarray:
+    raw = obj[key]
+    if not isinstance(raw, bytes) or len(raw) != count:
+        raise ManifestError(f"{key} must be {count} bytes, one per tensor")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) -> None:
+    """Validate a decoded manifest and fill ``out``; ManifestError on any violation."""
+    fail = ManifestError
+    if not isinstance(obj, dict):
+        raise fail(f"manifest must be a map, got {type(obj).__name__}")
+    if obj.keys() != _KEYS:
+        missing, extra = _KEYS - obj.keys(), obj.keys() - _KEYS
+        raise fail(f"manifest keys wrong: missing {sorted(missing)}, unexpected {sorted(map(repr, extra))}")
+    if obj["format"] != FORMAT:
+        raise fail(f"not a tensorxfer manifest (format {obj['format']!r:.80})")
+    version = obj["version"]
+    if type(version) is not int or version != VERSION:
+        raise fail(f"manifest version {version!r:.40} is not supported (this tensorxfer speaks {VERSION})")
+    alignment = obj["alignment"]
+    if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise fail(f"alignment must be a power of two up to {MAX_ALIGNMENT}, got {alignment!r:.40}")
+    nbytes = obj["nbytes"]
+    if type(nbytes) is not int or nbytes < 0:
+        raise fail(f"nbytes must be a non-negative integer, got {nbytes!r:.40}")
+    if nbytes > max_region_bytes:
+        raise fail(f"manifest needs {nbytes} bytes, over this receiver's limit of {max_region_bytes} "
+                   f"(max_region_bytes)")
+
+    # ---- names
+    names = obj["names"]
+    if not isinstance(names, list):
+        raise fail("names must be a list of strings")
+    n = len(names)
+    if n > max_tensors:
+        raise fail(f"{n} tensors, over the limit of {max_tensors} (max_tensors)")
+    if not all(type(x) is str for x in names):
+        raise fail("every tensor name must be a string")
+    if n and min(map(len, names)) == 0:
+        raise fail("tensor names must not be empty")
+    if n and max(map(len, names)) * 4 > MAX_NAME_BYTES:      # only then can UTF-8 exceed the limit
+        long = [x for x in names if len(x.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES]
+        if long:
+            raise fail(f"tensor name {long[0][:60]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    if "\x00" in "".join(names):
+        raise fail("a tensor name contains a NUL character")
+    by_name = {x: i for i, x in enumerate(names)}
+    if len(by_name) != n:
+        seen: set[str] = set()
+        dup = next(x for x in names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
+        raise fail(f"tensor name {dup!r} appears twice")
+
+    # ---- dtypes
+    dtype_names = obj["dtype_names"]
+    if (not isinstance(dtype_names, list) or len(dtype_names) > len(DTYPES)
+            or not all(isinstance(d, str) and d in DTYPES for d in dtype_names)
+            or len(set(dtype_names)) != len(dtype_names)):
+        raise fail(f"dtype_names must list distinct known dtypes ({', '.join(DTYPES)}), "
+                   f"got {dtype_names!r:.200}")
+    dtype_idx = _u8_column(obj, "dtypes", n)
+    if n and int(dtype_idx.max()) >= len(dtype_names):
+        raise fail("a tensor's dtype index is outside dtype_names")
+    itemsizes = np.array([_ITEMSIZE_BY_NAME[d] for d in dtype_names] or [1], dtype=np.uint64)[dtype_idx]
+
+    # ---- shapes, sizes, offsets
+    ndims = _u8_column(obj, "ndims", n)
+    if n and int(ndims.max()) > MAX_NDIM:
+        raise fail(f"a tensor has more than {MAX_NDIM} dimensions")
+    total_dims = int(ndims.sum(dtype=np.int64))
+    dims = _u64_column(obj, "dims", total_dims)
+    offsets = _u64_column(obj, "offsets", n)
+    sizes = _u64_column(obj, "sizes", n)
+    if n:
+        # Element counts: pad each shape to the widest with ones, then multiply
+        # exactly in uint64 and approximately in float64; a float product
+        # beyond 2**62 cannot be a valid size (it exceeds any region limit)
+        # and would make the exact product wrap.
+        width = int(ndims.max())
+        padded = np.ones((n, max(width, 1)), dtype=np.uint64)
+        if total_dims:
+            rows = np.repeat(np.arange(n), ndims)
+            starts = np.repeat(np.cumsum(ndims, dtype=np.int64) - ndims, ndims)
+            padded[rows, np.arange(total_dims) - starts] = dims
+        approx = np.prod(padded.astype(np.float64), axis=1) * itemsizes
+        if approx.max() >= 2.0**62:
+            bad = int(np.argmax(approx >= 2.0**62))
+            raise fail(f"tensor {names[bad]!r}: shape is impossibly large")
+        exact = np.prod(padded, axis=1, dtype=np.uint64) * itemsizes
+        wrong = np.flatnonzero(exact != sizes)
+        if wrong.size:
+            i = int(wrong[0])
+            raise fail(f"tensor {names[i]!r}: size {int(sizes[i])} != prod(shape) * itemsize = {int(exact[i])}")
+        misaligned = np.flatnonzero(offsets % np.uint64(alignment))
+        if misaligned.size:
+            i = int(misaligned[0])
+            raise fail(f"tensor {names[i]!r}: offset {int(offsets[i])} is not a multiple of the alignment "
+                       f"{alignment}")
+        if offsets.max() >= np.uint64(1 << 62):
+            i = int(np.argmax(offsets))
+            raise fail(f"tensor {names[i]!r}: offset {int(offsets[i])} is impossibly large")
+        ends = offsets + sizes
+        end = int(ends.max())
+    else:
+        end = 0
+    if end != nbytes:
+        raise fail(f"nbytes is {nbytes} but the tensors end at {end}; they must agree")
+    nonempty = np.flatnonzero(sizes)
+    if nonempty.size > 1:
+        order = nonempty[np.argsort(offsets[nonempty], kind="stable")]
+        clash = np.flatnonzero(offsets[order][1:] < (offsets + sizes)[order][:-1])
+        if clash.size:
+            a, b = int(order[clash[0]]), int(order[clash[0] + 1])
+            raise fail(f"tensors {names[a]!r} and {names[b]!r} overlap at offset {int(offsets[b])}")
+
+    # ---- metadata, checksums
+    metadata = obj["metadata"]
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_ITEMS:
+        raise fail(f"metadata must be a map of at most {MAX_METADATA_ITEMS} items")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise fail(f"metadata must map strings to strings (key {k!r:.60})")
+    checksums = obj["checksums"]
+    if checksums is not None:
+        if (not isinstance(checksums, list) or len(checksums) != 2 or not isinstance(checksums[0], str)
+                or not 0 < len(checksums[0]) <= MAX_CHECKSUM_NAME):
+            raise fail("checksums must be null or [algorithm, uint64 column]")
+        checksums = (checksums[0], tuple(_u64_column({"checksums": checksums[1]}, "checksums", n).tolist()))
+
+    out.names = tuple(names)
+    out.nbytes = nbytes
+    out.alignment = alignment
+    out.metadata = dict(metadata)
+    out.checksums = checksums
+    out.offsets = offsets
+    out.sizes = sizes
+    out._dtype_names = tuple(dtype_names)
+    out._dtype_idx = dtype_idx
+    out._ndims = ndims
+    out._dims = dims
+    out._by_name = by_name
+    out._specs = None

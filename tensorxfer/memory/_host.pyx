@@ -1,0 +1,417 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""HostRegion: one virtual range backed by many memfd chunks.
+
+This is the host twin of a CUDA VMM reservation: ``mmap(PROT_NONE)``
+reserves the range (``cuMemAddressReserve``), one ``memfd_create`` +
+``ftruncate`` per chunk creates a physical handle (``cuMemCreate``), and
+``mmap(MAP_FIXED|MAP_SHARED)`` maps each at its offset (``cuMemMap``).
+Every multi-handle code path (extent resolution, one MR over many handles,
+handle passing over IPC) therefore runs and is tested on CPU-only machines.
+"""
+
+import warnings
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo
+from libc.errno cimport errno
+from libc.stdint cimport uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport strerror
+from posix.mman cimport (mmap, munmap, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
+                         MAP_ANONYMOUS, MAP_SHARED, MAP_FIXED, MAP_FAILED)
+from posix.unistd cimport close, ftruncate, sysconf, _SC_PAGESIZE
+
+from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE, MAP_POPULATE
+from tensorxfer.memory._extent cimport AllocationMap
+
+from tensorxfer.errors import RegionError
+
+cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
+
+#: Default chunk size.  64 MiB keeps the handle count of a 31 GB region
+#: (~480 memfds) well under common fd limits while still giving several
+#: chunks to any region bigger than one; ``_default_chunk_size`` grows it so
+#: that no region needs more than ``MAX_DEFAULT_CHUNKS`` chunks.
+DEFAULT_CHUNK_SIZE = 64 << 20
+MAX_DEFAULT_CHUNKS = 512
+
+
+cdef int check_errno(int rc, const char* what) except -1 nogil:
+    """Raise RegionError for a failed libc call; the GIL is taken only on failure."""
+    cdef int err
+    if rc == -1:
+        err = errno
+        with gil:
+            raise RegionError(err, f"{what.decode()} failed: {strerror(err).decode()}")
+    return 0
+
+
+def page_size():
+    """The system page size, which every host chunk is a multiple of."""
+    return PAGE_SIZE
+
+
+def _default_chunk_size(size_t size):
+    cdef size_t chunk = DEFAULT_CHUNK_SIZE
+    while size > chunk * MAX_DEFAULT_CHUNKS:
+        chunk *= 2
+    return chunk
+
+
+cdef inline size_t _round_up(size_t n, size_t align) nogil:
+    return (n + align - 1) // align * align
+
+
+cdef struct Chunk:
+    size_t offset
+    size_t size
+    int fd          # the memfd, -1 for adopted memory or an unmapped hole
+    bint mapped
+
+
+cdef class HostRegion(AllocationMap):
+    """One contiguous virtual range of host memory backed by several handles.
+
+    Create one with :meth:`allocate` (tensorxfer owns the memory) or
+    :meth:`adopt` (the caller owns it).  The region supports the buffer
+    protocol: ``memoryview(region)`` and ``numpy.frombuffer(region, ...)``
+    give zero-copy, writable access.  While such views exist :meth:`close`
+    refuses (``BufferError``), exactly like :class:`mmap.mmap`, so no view can
+    outlive the mapping.
+    """
+    cdef char* _base
+    cdef size_t _size          # usable bytes: [base, base+size) is what views cover
+    cdef Chunk* _chunks
+    cdef Py_ssize_t _nchunks
+    cdef bint _owner
+    cdef bint _closed
+    cdef bint _readonly
+    cdef bint _has_view
+    cdef Py_buffer _adopted     # export held on an adopted object until close()
+    cdef Py_ssize_t _exports
+
+    def __cinit__(self):
+        self._base = NULL
+        self._chunks = NULL
+        self._nchunks = 0
+        self._closed = True
+        self._has_view = False
+        self._exports = 0
+
+    # ---------------------------------------------------------------- factories
+    @staticmethod
+    def allocate(size, chunk_size=None):
+        """Reserve ``size`` bytes and back them with memfd chunks.
+
+        Parameters
+        ----------
+        size : int
+            Bytes wanted; rounded up to the page size.
+        chunk_size : int, optional
+            Bytes per chunk (rounded up to the page size).  Defaults to
+            64 MiB, grown so that no region has more than 512 chunks.
+
+        Returns
+        -------
+        HostRegion
+            Owned by the caller; release it with :meth:`close` (or ``with``).
+
+        Raises
+        ------
+        ValueError
+            ``size`` or ``chunk_size`` is not positive.
+        RegionError
+            A system call failed (``errno`` says which).  Nothing stays
+            allocated: every fd and mapping made so far is released.
+        """
+        size = int(size)
+        if size <= 0:
+            raise ValueError(f"region size must be positive, got {size}")
+        size = _round_up(size, PAGE_SIZE)
+        if chunk_size is None:
+            chunk_size = _default_chunk_size(size)
+        chunk_size = int(chunk_size)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        chunk_size = _round_up(chunk_size, PAGE_SIZE)
+        sizes = [chunk_size] * (size // chunk_size)
+        if size % chunk_size:
+            sizes.append(size % chunk_size)
+        return HostRegion._from_chunks(sizes)
+
+    @staticmethod
+    def _from_chunks(sizes, size_t unmapped_tail=0, holes=()):
+        """Build a region from explicit chunk sizes (page multiples).
+
+        ``unmapped_tail`` reserves that many extra bytes past the last chunk
+        without mapping them, and the chunk indexes in ``holes`` are
+        reserved but left unmapped: the shapes a VMM reservation can have,
+        used by tests to prove extents never widen into unmapped memory.
+        """
+        cdef HostRegion self = HostRegion.__new__(HostRegion)
+        cdef size_t total = 0, s
+        sizes = [int(x) for x in sizes]
+        if not sizes:
+            raise ValueError("a region needs at least one chunk")
+        for x in sizes:
+            if x <= 0 or x % PAGE_SIZE:
+                raise ValueError(f"chunk sizes must be positive multiples of {PAGE_SIZE}, got {x}")
+            total += x
+        if unmapped_tail % PAGE_SIZE:
+            raise ValueError(f"unmapped_tail must be a multiple of {PAGE_SIZE}")
+        hole_set = frozenset(int(h) for h in holes)
+        self._owner = True
+        self._closed = False
+        try:
+            self._map_all(sizes, total, unmapped_tail, hole_set)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    cdef _map_all(self, list sizes, size_t total, size_t tail, frozenset holes):
+        cdef void* p
+        cdef size_t off = 0
+        cdef Py_ssize_t i, n = len(sizes)
+        cdef Chunk* c
+        self._chunks = <Chunk*>calloc(n, sizeof(Chunk))
+        if self._chunks == NULL:
+            raise MemoryError()
+        # MAP_NORESERVE: the reservation itself commits no memory, like
+        # cuMemAddressReserve; only mapped chunks are backed.
+        p = mmap(NULL, total + tail, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if p == MAP_FAILED:
+            check_errno(-1, b"mmap(PROT_NONE) reserving the region")
+        self._base = <char*>p
+        self._va_base = <uintptr_t>p
+        self._va_size = total + tail
+        self._size = total
+        for i in range(n):
+            c = &self._chunks[i]
+            c.offset = off
+            c.size = sizes[i]
+            c.fd = -1
+            c.mapped = False
+            self._nchunks = i + 1           # _release() sees every chunk begun
+            off += c.size
+            if i in holes:
+                continue
+            c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC)
+            check_errno(c.fd, b"memfd_create")
+            check_errno(ftruncate(c.fd, c.size), b"ftruncate(memfd)")
+            # MAP_POPULATE commits the pages now (as cuMemCreate does), so the
+            # first copy into the region does not pay a fault per page.
+            p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | MAP_FIXED | MAP_POPULATE, c.fd, 0)
+            if p == MAP_FAILED:
+                check_errno(-1, b"mmap(MAP_FIXED) of a chunk")
+            c.mapped = True
+
+    @staticmethod
+    def adopt(obj, bint writable=True):
+        """Wrap memory tensorxfer did not allocate, without copying or owning it.
+
+        ``obj`` is any object with the buffer protocol (a bytearray, a numpy
+        array, an ``mmap``, a CPU tensor's numpy view).  The region holds a
+        buffer export on ``obj`` until :meth:`close`, so ``obj`` cannot be
+        resized meanwhile; tensorxfer never frees adopted memory.  The caller
+        keeps ``obj`` alive and must not free it by other means (for example
+        ``mmap.close()`` fails while the export is held).
+
+        Raises
+        ------
+        BufferError / TypeError
+            ``obj`` does not export a contiguous (writable, if asked) buffer.
+        """
+        cdef HostRegion self = HostRegion.__new__(HostRegion)
+        flags = PyBUF_WRITABLE if writable else PyBUF_SIMPLE
+        PyObject_GetBuffer(obj, &self._adopted, flags)
+        self._has_view = True
+        self._closed = False
+        self._owner = False
+        self._readonly = self._adopted.readonly
+        if self._adopted.len == 0:
+            self._release()
+            raise ValueError("cannot adopt an empty buffer")
+        self._chunks = <Chunk*>calloc(1, sizeof(Chunk))
+        if self._chunks == NULL:
+            self._release()
+            raise MemoryError()
+        self._nchunks = 1
+        self._chunks[0].offset = 0
+        self._chunks[0].size = self._adopted.len
+        self._chunks[0].fd = -1
+        self._chunks[0].mapped = True
+        self._base = <char*>self._adopted.buf
+        self._va_base = <uintptr_t>self._adopted.buf
+        self._va_size = self._adopted.len
+        self._size = self._adopted.len
+        return self
+
+    # ---------------------------------------------------------------- lifetime
+    cdef void _release(self) noexcept:
+        cdef Py_ssize_t i
+        if self._chunks != NULL:
+            for i in range(self._nchunks):
+                if self._chunks[i].fd >= 0:
+                    close(self._chunks[i].fd)
+                    self._chunks[i].fd = -1
+            free(self._chunks)
+            self._chunks = NULL
+        if self._owner and self._base != NULL:
+            # one munmap over the reservation removes every chunk mapping too
+            munmap(self._base, self._va_size)
+        self._base = NULL
+        if self._has_view:
+            PyBuffer_Release(&self._adopted)
+            self._has_view = False
+        self._nchunks = 0
+        self._size = 0
+        self._va_size = 0
+        self._closed = True
+
+    def close(self):
+        """Unmap and release every chunk; safe to call more than once.
+
+        Raises
+        ------
+        BufferError
+            Views of the region (memoryviews, numpy arrays, tensors) still
+            exist; drop them first.
+        """
+        if self._closed:
+            return
+        if self._exports:
+            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
+                              f"delete the arrays/tensors viewing it first")
+        self._release()
+
+    def __dealloc__(self):
+        if not self._closed:
+            try:
+                warnings.warn(f"unclosed HostRegion of {self._size} bytes; call close() or use "
+                              f"'with'", ResourceWarning, source=self)
+            except BaseException:
+                pass
+            self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    cdef int _check_open(self) except -1:
+        if self._closed:
+            raise ValueError("operation on a closed HostRegion")
+        return 0
+
+    # ---------------------------------------------------------------- queries
+    cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:
+        cdef Py_ssize_t lo = 0, hi = self._nchunks - 1, mid
+        cdef size_t off
+        if addr < self._va_base or addr - self._va_base >= self._size:
+            return 0
+        off = addr - self._va_base
+        while lo < hi:                   # last chunk whose offset <= off
+            mid = (lo + hi + 1) // 2
+            if self._chunks[mid].offset <= off:
+                lo = mid
+            else:
+                hi = mid - 1
+        if not self._chunks[lo].mapped:
+            return 0
+        base[0] = self._va_base + self._chunks[lo].offset
+        size[0] = self._chunks[lo].size
+        return 1
+
+    @property
+    def ptr(self):
+        """Address of the first byte."""
+        self._check_open()
+        return <uintptr_t>self._base
+
+    @property
+    def size(self):
+        """Usable bytes (the reservation may extend past them, unmapped)."""
+        return self._size
+
+    @property
+    def reserved_size(self):
+        """Bytes reserved, unmapped tail included."""
+        return self._va_size
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def owner(self):
+        """True if tensorxfer allocated this memory (False for adopted memory)."""
+        return self._owner
+
+    @property
+    def readonly(self):
+        return self._readonly
+
+    @property
+    def device(self):
+        return "cpu"
+
+    @property
+    def chunks(self):
+        """``(offset, size, fd)`` per chunk; fd is -1 for adopted memory and holes.
+
+        The fds belong to the region: do not close them.  ``os.dup`` one to
+        keep it beyond :meth:`close`.
+        """
+        self._check_open()
+        return [(self._chunks[i].offset, self._chunks[i].size, self._chunks[i].fd)
+                for i in range(self._nchunks)]
+
+    def __len__(self):
+        return self._size
+
+    def __repr__(self):
+        if self._closed:
+            return "<HostRegion closed>"
+        kind = "owned" if self._owner else "adopted"
+        return (f"<HostRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x}, "
+                f"{self._nchunks} chunk(s)>")
+
+    # ---------------------------------------------------------------- buffer
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        self._check_open()
+        if self._size == 0:
+            raise BufferError("region has no mapped bytes")
+        PyBuffer_FillInfo(buffer, self, self._base, self._size, self._readonly, flags)
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        self._exports -= 1
+
+    # ---------------------------------------------------------------- test hooks
+    def _unmap_chunk(self, Py_ssize_t index):
+        """Unmap one chunk, leaving a PROT_NONE hole (what ``cuMemUnmap`` does).
+
+        For tests and diagnostics of extent resolution; views over the hole
+        would fault, so this refuses while views exist.
+        """
+        cdef void* p
+        cdef Chunk* c
+        self._check_open()
+        if not self._owner:
+            raise ValueError("cannot unmap chunks of adopted memory")
+        if self._exports:
+            raise BufferError("cannot unmap a chunk while views of the region exist")
+        if index < 0 or index >= self._nchunks:
+            raise IndexError(index)
+        c = &self._chunks[index]
+        if not c.mapped:
+            return
+        p = mmap(self._base + c.offset, c.size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+        if p == MAP_FAILED:
+            check_errno(-1, b"mmap(PROT_NONE) over a chunk")
+        close(c.fd)
+        c.fd = -1
+        c.mapped = False
