@@ -85,6 +85,19 @@ class Manifest:
 
     __slots__ = ("_by_name", "_dims", "_dtype_idx", "_dtype_names", "_ndims", "_specs",
                  "alignment", "checksums", "metadata", "names", "nbytes", "offsets", "sizes")
+    names: tuple[str, ...]
+    nbytes: int
+    alignment: int
+    metadata: dict[str, str]
+    checksums: tuple[str, tuple[int, ...]] | None
+    offsets: np.ndarray          # uint64, read-only
+    sizes: np.ndarray            # uint64, read-only
+    _dtype_names: tuple[str, ...]
+    _dtype_idx: np.ndarray
+    _ndims: np.ndarray
+    _dims: np.ndarray
+    _by_name: dict[str, int]
+    _specs: tuple[TensorSpec, ...] | None
 
     def __init__(
         self,
@@ -195,7 +208,7 @@ class Manifest:
             obj = msgpack.unpackb(
                 data, raw=False, strict_map_key=True, use_list=True,
                 max_str_len=min(lim, MAX_METADATA_STR), max_bin_len=lim, max_ext_len=0,
-                max_array_len=min(lim, max(max_tensors, 2)), max_map_len=min(lim, MAX_METADATA_ITEMS),
+                max_array_len=min(lim, max(max_tensors, len(DTYPES) + 1)), max_map_len=min(lim, MAX_METADATA_ITEMS),
             )
         except Exception as e:   # msgpack raises many types for bad input; all mean the same here
             raise ManifestError(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None

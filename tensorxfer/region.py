@@ -238,16 +238,23 @@ class TensorRegion:
     def closed(self) -> bool:
         return self.region.closed
 
-    def close(self) -> None:
-        """Release the region; idempotent.  BufferError while views are alive."""
+    def close(self, defer: bool = False) -> None:
+        """Release the region; idempotent.
+
+        Raises ``BufferError`` while views from :meth:`tensors` are alive,
+        unless ``defer`` is true: then the memory is released when the last
+        view is dropped.
+        """
         self._bytes = None
-        self.region.close()
+        self.region.close(defer=defer)
 
     def __enter__(self) -> TensorRegion:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # With an exception in flight its traceback may still hold views;
+        # defer instead of masking the real error with a BufferError.
+        self.close(defer=exc_type is not None)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.nbytes} bytes"

@@ -88,6 +88,7 @@ cdef class HostRegion(AllocationMap):
     cdef bint _has_view
     cdef Py_buffer _adopted     # export held on an adopted object until close()
     cdef Py_ssize_t _exports
+    cdef bint _close_pending    # close(defer=True) while views were alive
 
     def __cinit__(self):
         self._base = NULL
@@ -96,6 +97,7 @@ cdef class HostRegion(AllocationMap):
         self._closed = True
         self._has_view = False
         self._exports = 0
+        self._close_pending = False
 
     # ---------------------------------------------------------------- factories
     @staticmethod
@@ -269,16 +271,26 @@ cdef class HostRegion(AllocationMap):
         self._va_size = 0
         self._closed = True
 
-    def close(self):
+    def close(self, bint defer=False):
         """Unmap and release every chunk; safe to call more than once.
+
+        Parameters
+        ----------
+        defer : bool
+            If views are alive, release when the last one is dropped instead
+            of raising (``__exit__`` uses this while an exception is in
+            flight, since the traceback may hold views).
 
         Raises
         ------
         BufferError
             Views of the region (memoryviews, numpy arrays, tensors) still
-            exist; drop them first.
+            exist and ``defer`` is false; drop them first.
         """
         if self._closed:
+            return
+        if self._exports and defer:
+            self._close_pending = True
             return
         if self._exports:
             raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
@@ -289,7 +301,7 @@ cdef class HostRegion(AllocationMap):
         if not self._closed:
             try:
                 warnings.warn(f"unclosed HostRegion of {self._size} bytes; call close() or use "
-                              f"'with'", ResourceWarning, source=self)
+                              f"'with'", ResourceWarning)
             except BaseException:
                 pass
             self._release()
@@ -297,8 +309,8 @@ cdef class HostRegion(AllocationMap):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        self.close(defer=exc_type is not None)
 
     cdef int _check_open(self) except -1:
         if self._closed:
@@ -388,6 +400,8 @@ cdef class HostRegion(AllocationMap):
 
     def __releasebuffer__(self, Py_buffer* buffer):
         self._exports -= 1
+        if self._exports == 0 and self._close_pending:
+            self._release()
 
     # ---------------------------------------------------------------- test hooks
     def _unmap_chunk(self, Py_ssize_t index):

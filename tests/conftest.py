@@ -1,0 +1,42 @@
+"""Shared fixtures: every test is checked for leaked tensorxfer resources."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+
+def resource_fds() -> dict[int, str]:
+    """Open fds of the kinds tensorxfer creates: memfd chunks, sockets, dmabufs."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(("/memfd:tensorxfer", "socket:", "anon_inode:dmabuf")):
+            out[int(name)] = target
+    return out
+
+
+def tensorxfer_mappings() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "memfd:tensorxfer" in line]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves a memfd, socket or dmabuf fd, or a chunk mapping, behind."""
+    before = resource_fds()
+    maps_before = len(tensorxfer_mappings())
+    yield
+    gc.collect()
+    leaked = {fd: t for fd, t in resource_fds().items() if before.get(fd) != t}
+    assert not leaked, f"test leaked fds: {leaked}"
+    assert len(tensorxfer_mappings()) <= maps_before, "test leaked memfd mappings"
+
+
+def torch_or_skip():
+    return pytest.importorskip("torch", reason="PyTorch is not installed")
