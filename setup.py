@@ -1,16 +1,24 @@
 """Build the Cython extensions.
 
 Core modules always build.  Optional native parts build only where their
-headers are found and can be forced off:
+headers are found, and can be forced off:
 
 - ``TENSORXFER_NO_CUDA=1``  skips ``tensorxfer.memory._cuda`` (needs cuda.h
-  and the cuda-bindings .pxd files; no link to libcuda, it is loaded at run
-  time by cuda.bindings).
+  and the cuda-bindings .pxd files; it does not link libcuda: cuda.bindings
+  loads the driver at run time, so the module imports on machines without
+  a GPU and reports that CUDA is unusable there).
 - ``TENSORXFER_NO_VERBS=1`` skips ``tensorxfer.transport._verbs`` (needs
-  infiniband/verbs.h and libibverbs).
+  infiniband/verbs.h, from Debian's libibverbs-dev, and links libibverbs).
+
+Set ``TENSORXFER_REQUIRE_OPTIONAL=1`` (CI does) to make a missing optional
+part a build error instead of a silent skip.
 """
 
+from __future__ import annotations
+
 import os
+import sys
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -18,17 +26,69 @@ from setuptools import Extension, setup
 DIRECTIVES = {"language_level": "3", "embedsignature": True}
 
 
+def env_on(var: str) -> bool:
+    return os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
+
+
 def ext(name: str, **kw) -> Extension:
     return Extension(name, [name.replace(".", "/") + ".pyx"], **kw)
 
 
-def env_off(var: str) -> bool:
-    return os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
+def find_cuda_include() -> str | None:
+    candidates = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    for root in filter(None, candidates):
+        if (Path(root) / "include" / "cuda.h").exists():
+            return str(Path(root) / "include")
+    try:  # pip's cuda-toolkit / nvidia-cuda-runtime wheels
+        import nvidia.cuda_runtime  # type: ignore[import-not-found]
+
+        inc = Path(nvidia.cuda_runtime.__path__[0]) / "include"
+        if (inc / "cuda.h").exists():
+            return str(inc)
+    except ImportError:
+        pass
+    return None
+
+
+def have_cuda_bindings_pxd() -> bool:
+    try:
+        import cuda.bindings  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def find_verbs() -> bool:
+    return any(Path(p, "infiniband", "verbs.h").exists() for p in ("/usr/include", "/usr/local/include"))
+
+
+def optional(name: str, reason: str | None) -> bool:
+    if reason is None:
+        return True
+    msg = f"tensorxfer: not building {name}: {reason}"
+    if env_on("TENSORXFER_REQUIRE_OPTIONAL"):
+        sys.exit(msg + " (TENSORXFER_REQUIRE_OPTIONAL is set)")
+    print(msg, file=sys.stderr)
+    return False
 
 
 extensions = [
     ext("tensorxfer.memory._extent"),
     ext("tensorxfer.memory._host"),
 ]
+
+cuda_include = find_cuda_include()
+if Path("tensorxfer/memory/_cuda.pyx").exists() and optional("tensorxfer.memory._cuda",
+            "TENSORXFER_NO_CUDA is set" if env_on("TENSORXFER_NO_CUDA")
+            else "cuda.h not found (set CUDA_HOME)" if cuda_include is None
+            else "cuda-bindings is not installed" if not have_cuda_bindings_pxd()
+            else None):
+    extensions.append(ext("tensorxfer.memory._cuda", include_dirs=[cuda_include]))
+
+if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.transport._verbs",
+            "TENSORXFER_NO_VERBS is set" if env_on("TENSORXFER_NO_VERBS")
+            else "infiniband/verbs.h not found (apt-get install libibverbs-dev)" if not find_verbs()
+            else None):
+    extensions.append(ext("tensorxfer.transport._verbs", libraries=["ibverbs"]))
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, nthreads=2))
