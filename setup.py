@@ -83,7 +83,8 @@ if Path("tensorxfer/memory/_cuda.pyx").exists() and optional("tensorxfer.memory.
             else "cuda.h not found (set CUDA_HOME)" if cuda_include is None
             else "cuda-bindings is not installed" if not have_cuda_bindings_pxd()
             else None):
-    extensions.append(ext("tensorxfer.memory._cuda", include_dirs=[cuda_include]))
+    # C++: cydriver.pxd names anonymous struct members through C++ type traits
+    extensions.append(ext("tensorxfer.memory._cuda", include_dirs=[cuda_include], language="c++"))
 
 if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.transport._verbs",
             "TENSORXFER_NO_VERBS is set" if env_on("TENSORXFER_NO_VERBS")

@@ -11,12 +11,13 @@ values into the same memory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from tensorxfer import dtypes as _dt
-from tensorxfer.errors import LayoutError
+from tensorxfer import memory as _memory
+from tensorxfer.errors import CudaError, LayoutError
 from tensorxfer.manifest import DEFAULT_ALIGNMENT, Manifest
 from tensorxfer.memory import HostRegion
 
@@ -46,19 +47,20 @@ def _items(tensors: TensorsLike) -> list[tuple[str, Any]]:
 def _as_numpy(name: str, obj: Any) -> np.ndarray:
     """A host numpy array with the tensor's own dtype (ml_dtypes for bf16/fp8).
 
-    Zero-copy where the source allows; a CUDA tensor is copied to the host.
+    Zero-copy where the source allows; device tensors are copied to the host.
     """
     if isinstance(obj, np.ndarray):
         _dt.from_numpy(obj.dtype)
         return obj
-    mod = type(obj).__module__
-    if mod.startswith("torch"):
+    if _is_torch(obj):
         d = _dt.from_torch(obj.dtype)
         t = obj.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
         return t.reshape(-1).view(_torch().uint8).numpy().view(d.numpy).reshape(tuple(t.shape))
+    if hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "get"):
+        return _as_numpy(name, obj.get())          # CuPy: copy to the host
     if hasattr(obj, "__dlpack__"):
         try:
             return np.from_dlpack(obj)
@@ -73,6 +75,43 @@ def _as_numpy(name: str, obj: Any) -> np.ndarray:
     return arr
 
 
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+class _DeviceSource(NamedTuple):
+    """A tensor already in CUDA memory: copied device-to-device, never through the host."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    ptr: int
+    nbytes: int
+    keepalive: Any
+
+
+Source = np.ndarray | _DeviceSource
+
+
+def _as_source(name: str, obj: Any, to_device: bool) -> Source:
+    """Where a tensor's bytes are: on a device (for a CUDA region) or as a host array."""
+    if to_device and _is_torch(obj) and obj.is_cuda:
+        d = _dt.from_torch(obj.dtype)
+        t = obj.detach().contiguous()
+        return _DeviceSource(d.numpy, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), t)
+    if to_device and hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        dtype = np.dtype(cai["typestr"])
+        _dt.from_numpy(dtype)
+        shape = tuple(cai["shape"])
+        contiguous = cai.get("strides") is None or tuple(cai["strides"]) == tuple(
+            int(np.prod(shape[i + 1:])) * dtype.itemsize for i in range(len(shape)))
+        if contiguous:
+            return _DeviceSource(dtype, shape, cai["data"][0], int(np.prod(shape)) * dtype.itemsize, obj)
+        if hasattr(obj, "copy"):
+            return _as_source(name, obj.copy(), to_device)  # CuPy: a contiguous device copy
+    return _as_numpy(name, obj)
+
+
 def _torch() -> Any:
     try:
         import torch
@@ -85,18 +124,22 @@ class TensorRegion:
     """Named tensors laid out in one multi-handle memory region.
 
     Use :meth:`from_tensors` to pack existing tensors, or
-    :meth:`from_manifest` to allocate the same layout for receiving.  The
-    region owns its memory; :meth:`close` releases it (refusing, with
-    ``BufferError``, while views returned by :meth:`tensors` are alive).
+    :meth:`from_manifest` to allocate the same layout for receiving.  On
+    ``device="cpu"`` the region is a :class:`HostRegion` (memfd chunks); on
+    ``"cuda:N"`` a ``CudaRegion`` (VMM handles).  The region owns its memory;
+    :meth:`close` releases it (refusing, with ``BufferError``, while views
+    returned by :meth:`tensors` are alive).
     """
 
-    def __init__(self, region: HostRegion, manifest: Manifest, device: str = "cpu") -> None:
+    def __init__(self, region: Any, manifest: Manifest, device: str = "cpu") -> None:
         if manifest.nbytes > region.size:
             raise ValueError(f"manifest needs {manifest.nbytes} bytes, region has {region.size}")
         self.region = region
         self.manifest = manifest
         self.device = device
+        self.is_cuda = parse_device(device)[0] == "cuda"
         self._bytes: np.ndarray | None = None
+        self._copier: Any = None
 
     # ------------------------------------------------------------ factories
     @classmethod
@@ -114,13 +157,16 @@ class TensorRegion:
         ----------
         tensors
             A mapping name → array, or a sequence of (name, array) pairs.
-            Arrays: numpy (bf16/fp8 through ml_dtypes), torch tensors,
-            anything with DLPack or the buffer protocol.  Non-contiguous
-            inputs are copied contiguously; inputs are never modified.
+            Arrays: numpy (bf16/fp8 through ml_dtypes), torch tensors (CPU
+            or CUDA), CuPy arrays, anything with DLPack or the buffer
+            protocol.  Non-contiguous inputs are copied contiguously; inputs
+            are never modified.
         device : str
-            ``"cpu"`` for a memfd-backed region.
+            ``"cpu"`` (memfd-backed region) or ``"cuda"`` / ``"cuda:N"``
+            (VMM-backed).  CUDA tensors reach a CUDA region device-to-device
+            on a stream; host tensors through pinned staging buffers.
         chunk_size : int, optional
-            Bytes per physical handle (default: see ``HostRegion.allocate``).
+            Bytes per physical handle (default: see the region's ``allocate``).
         alignment : int, optional
             Offset alignment of every tensor (default 256, a power of two).
         metadata : mapping of str to str, optional
@@ -132,19 +178,21 @@ class TensorRegion:
             An input is not an array, or its dtype is not supported.
         ManifestError
             Names are not unique, or the layout is invalid.
+        CudaError
+            A CUDA device was asked for and CUDA is not usable.
         """
         kind, _ = parse_device(device)
         items = _items(tensors)
         if not items:
             raise ValueError("from_tensors needs at least one tensor")
-        arrays = [(name, _as_numpy(name, obj)) for name, obj in items]
+        sources = [(name, _as_source(name, obj, kind == "cuda")) for name, obj in items]
         manifest = Manifest.layout(
-            ((name, _dt.from_numpy(a.dtype).name, a.shape) for name, a in arrays),
+            ((name, _dt.from_numpy(src.dtype).name, src.shape) for name, src in sources),
             alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata,
         )
-        self = cls._allocate(manifest, kind, device, chunk_size)
+        self = cls._allocate(manifest, device, chunk_size)
         try:
-            self._copy_in(arrays)
+            self._copy_in(sources)
         except BaseException:
             self.close()
             raise
@@ -153,43 +201,84 @@ class TensorRegion:
     @classmethod
     def from_manifest(cls, manifest: Manifest, device: str = "cpu", chunk_size: int | None = None) -> TensorRegion:
         """Allocate a zeroed region with ``manifest``'s layout (to receive into)."""
-        kind, _ = parse_device(device)
-        return cls._allocate(manifest, kind, device, chunk_size)
+        self = cls._allocate(manifest, device, chunk_size)
+        if self.is_cuda:
+            try:
+                copier = self._get_copier()
+                copier.memset(self.region.ptr, self.region.size)
+                copier.synchronize()
+            except BaseException:
+                self.close()
+                raise
+        return self
 
     @classmethod
-    def _allocate(cls, manifest: Manifest, kind: str, device: str, chunk_size: int | None) -> TensorRegion:
-        if kind != "cpu":
-            from tensorxfer.errors import CudaError
-            raise CudaError(f"device {device!r}: CUDA regions are not available in this build")
-        region = HostRegion.allocate(max(manifest.nbytes, 1), chunk_size)
+    def _allocate(cls, manifest: Manifest, device: str, chunk_size: int | None) -> TensorRegion:
+        kind, index = parse_device(device)
+        size = max(manifest.nbytes, 1)
+        if kind == "cuda":
+            if _memory.CudaRegion is None:
+                raise CudaError(f"device {device!r}: {_memory.CUDA_UNAVAILABLE}")
+            region = _memory.CudaRegion.allocate(size, chunk_size, index)
+            device = f"cuda:{index}"
+        else:
+            region = HostRegion.allocate(size, chunk_size)
         return cls(region, manifest, device)
 
     # ------------------------------------------------------------ access
     def _byte_view(self) -> np.ndarray:
+        if self.is_cuda:
+            raise ValueError(f"this region lives on {self.device}: use tensors(framework='torch') or 'cupy'")
         if self._bytes is None:
             self._bytes = np.frombuffer(self.region, dtype=np.uint8)
         return self._bytes
 
-    def tensors(self, framework: str = "numpy") -> dict[str, Any]:
+    def _get_copier(self) -> Any:
+        if self._copier is None:
+            from tensorxfer.memory._cuda import Copier
+
+            self._copier = Copier(self.region.device_index)
+        return self._copier
+
+    def tensors(self, framework: str | None = None) -> dict[str, Any]:
         """Zero-copy views of every tensor, by name.
 
-        ``framework="numpy"`` (bf16/fp8 as ml_dtypes dtypes) or ``"torch"``.
-        Writing through a view writes the region.  Views keep the region's
-        memory mapped: :meth:`close` refuses while any is alive.
+        ``framework``: ``"numpy"`` (host regions; bf16/fp8 as ml_dtypes
+        dtypes), ``"torch"`` (host or CUDA), ``"cupy"`` (CUDA).  Default:
+        numpy for host regions, torch for CUDA regions.  Writing through a
+        view writes the region.  Views keep the region's memory mapped:
+        :meth:`close` refuses while any is alive.
         """
-        if framework not in ("numpy", "torch"):
-            raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
-        buf = self._byte_view()
-        torch = _torch() if framework == "torch" else None
-        out: dict[str, Any] = {}
-        for t in self.manifest.tensors:
-            raw = buf[t.offset:t.offset + t.nbytes]
-            if torch is None:
-                out[t.name] = raw.view(_dt.DTYPES[t.dtype].numpy).reshape(t.shape)
-            else:
-                tt = torch.from_dlpack(raw).view(getattr(torch, _dt.DTYPES[t.dtype].torch_name))
-                out[t.name] = tt.reshape(t.shape)
-        return out
+        framework = framework or ("torch" if self.is_cuda else "numpy")
+        if framework not in ("numpy", "torch", "cupy"):
+            raise ValueError(f"framework must be 'numpy', 'torch' or 'cupy', got {framework!r}")
+        specs = self.manifest.tensors
+        if not self.is_cuda:
+            if framework == "cupy":
+                raise ValueError("framework='cupy' needs a CUDA region (device='cuda:N')")
+            buf = self._byte_view()
+            raws = [buf[t.offset:t.offset + t.nbytes] for t in specs]
+            if framework == "numpy":
+                return {t.name: r.view(_dt.DTYPES[t.dtype].numpy).reshape(t.shape) for t, r in zip(specs, raws)}
+            torch = _torch()
+            return {t.name: torch.from_dlpack(r).view(getattr(torch, _dt.DTYPES[t.dtype].torch_name)).reshape(t.shape)
+                    for t, r in zip(specs, raws)}
+        if framework == "numpy":
+            raise ValueError(f"this region lives on {self.device}: use framework='torch' or 'cupy'")
+        device_bytes = self.region.cuda_array(0, max(self.manifest.nbytes, 1))
+        if framework == "torch":
+            torch = _torch()
+            base = torch.as_tensor(device_bytes, device=self.device)
+            return {t.name: base[t.offset:t.offset + t.nbytes].view(getattr(torch, _dt.DTYPES[t.dtype].torch_name))
+                    .reshape(t.shape) for t in specs}
+        try:
+            import cupy
+        except ImportError:
+            raise ImportError("framework='cupy' needs CuPy installed") from None
+        with cupy.cuda.Device(self.region.device_index):
+            base = cupy.asarray(device_bytes)
+            return {t.name: base[t.offset:t.offset + t.nbytes].view(_dt.DTYPES[t.dtype].numpy).reshape(t.shape)
+                    for t in specs}
 
     def update_from(self, tensors: TensorsLike) -> None:
         """Copy a new step's values into the region, in place.
@@ -202,29 +291,46 @@ class TensorRegion:
             Names are missing or extra, or a dtype or shape differs; nothing
             is copied in that case.
         """
-        arrays = [(name, _as_numpy(name, obj)) for name, obj in _items(tensors)]
-        given = {name for name, _ in arrays}
+        sources = [(name, _as_source(name, obj, self.is_cuda)) for name, obj in _items(tensors)]
+        given = {name for name, _ in sources}
         missing = [n for n in self.manifest.names if n not in given]
         extra = [n for n in given if n not in self.manifest]
-        if missing or extra or len(arrays) != len(given):
+        if missing or extra or len(sources) != len(given):
             raise LayoutError(f"update does not match the region: missing {missing[:5]}, unexpected "
-                              f"{extra[:5]}{', duplicate names' if len(arrays) != len(given) else ''}")
-        for name, a in arrays:
+                              f"{extra[:5]}{', duplicate names' if len(sources) != len(given) else ''}")
+        for name, src in sources:
             spec = self.manifest[name]
-            dt = _dt.from_numpy(a.dtype).name
-            if dt != spec.dtype or tuple(a.shape) != spec.shape:
-                raise LayoutError(f"tensor {name!r}: got {dt}{list(a.shape)}, the region holds "
+            dt = _dt.from_numpy(src.dtype).name
+            if dt != spec.dtype or tuple(src.shape) != spec.shape:
+                raise LayoutError(f"tensor {name!r}: got {dt}{list(src.shape)}, the region holds "
                                   f"{spec.dtype}{list(spec.shape)}")
-        self._copy_in(arrays)
+        self._copy_in(sources)
 
-    def _copy_in(self, arrays: list[tuple[str, np.ndarray]]) -> None:
-        buf = self._byte_view()
-        for name, a in arrays:
+    def _copy_in(self, sources: list[tuple[str, Source]]) -> None:
+        if not self.is_cuda:
+            buf = self._byte_view()
+            for name, a in sources:
+                assert isinstance(a, np.ndarray)   # host regions get host sources only
+                t = self.manifest[name]
+                dst = buf[t.offset:t.offset + t.nbytes].view(a.dtype).reshape(a.shape)
+                np.copyto(dst, a, casting="no")
+            return
+        if any(isinstance(s, _DeviceSource) and _is_torch(s.keepalive) for _, s in sources):
+            # Work queued on PyTorch's streams must land before our stream reads it.
+            _torch().cuda.synchronize()
+        copier = self._get_copier()
+        base = self.region.ptr
+        for name, src in sources:
             t = self.manifest[name]
-            dst = buf[t.offset:t.offset + t.nbytes].view(a.dtype).reshape(a.shape)
-            np.copyto(dst, a, casting="no")
+            if not t.nbytes:
+                continue
+            if isinstance(src, _DeviceSource):
+                copier.dtod(base + t.offset, src.ptr, t.nbytes)
+            else:
+                copier.htod(base + t.offset, np.ascontiguousarray(src).reshape(-1).view(np.uint8))
+        copier.synchronize()
 
-    def resolve_extent(self, whole_alloc: bool = False):
+    def resolve_extent(self, whole_alloc: bool = False) -> Any:
         """The registration extent of the whole payload (see ``AllocationMap.resolve_extent``)."""
         return self.region.resolve_extent(0, max(self.manifest.nbytes, 1), whole_alloc)
 
@@ -236,7 +342,7 @@ class TensorRegion:
 
     @property
     def closed(self) -> bool:
-        return self.region.closed
+        return bool(self.region.closed)
 
     def close(self, defer: bool = False) -> None:
         """Release the region; idempotent.
@@ -246,6 +352,9 @@ class TensorRegion:
         view is dropped.
         """
         self._bytes = None
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         self.region.close(defer=defer)
 
     def __enter__(self) -> TensorRegion:

@@ -1,0 +1,866 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""CudaRegion: one CUDA VMM reservation backed by many physical handles.
+
+``cuMemAddressReserve`` reserves one virtual range; one ``cuMemCreate`` per
+chunk makes a physical handle; ``cuMemMap`` places each at its offset and
+``cuMemSetAccess`` opens the mapped runs to the device.  This is exactly the
+shape on which ``cuMemGetAddressRange`` answers with a single handle, the
+answer UCX trusted when it registered only the first handle.  Here extents
+are resolved by walking the driver (see ``_extent.pyx``).
+
+The driver is reached only through ``cuda.bindings.cydriver`` (cimported,
+called without the GIL).  Nothing links libcuda: cuda.bindings loads it at
+run time, so this module imports on machines without a GPU, and every call
+there raises :class:`~tensorxfer.errors.CudaError` saying so.
+
+Contexts: every call runs in the device's *primary* context (the one
+PyTorch and CuPy use), made current on the calling thread first.
+"""
+
+import threading
+import warnings
+
+from cuda.bindings cimport cydriver
+from libc.stdint cimport uintptr_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset, memcpy
+from posix.unistd cimport close, sysconf, _SC_PAGESIZE
+
+from tensorxfer.memory._extent cimport AllocationMap
+
+from tensorxfer.errors import CudaError, ExtentError
+
+cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
+
+#: Default bytes per physical handle.  Measured on an H200 (DESIGN.md):
+#: mapping 31.2 GB takes 1.06 s with 2 MiB handles, 27 ms with 64 MiB and
+#: 4 ms with 1 GiB; 64 MiB keeps several handles in any region over 64 MiB
+#: (so the multi-handle paths are always exercised) and is grown to keep at
+#: most 512 handles, which bounds the fds an IPC export needs.
+DEFAULT_CHUNK_SIZE = 64 << 20
+MAX_DEFAULT_CHUNKS = 512
+
+
+# ------------------------------------------------------------------ errors
+def _error_name(int result):
+    cdef const char* s = NULL
+    try:
+        if cydriver.cuGetErrorName(<cydriver.CUresult>result, &s) == cydriver.CUDA_SUCCESS and s != NULL:
+            return s.decode()
+    except Exception:
+        pass
+    return f"CUresult {result}"
+
+
+cdef int check_cu(cydriver.CUresult result, const char* what) except -1 nogil:
+    """Raise CudaError for a failed driver call; the GIL is taken only on failure."""
+    if result == cydriver.CUDA_SUCCESS:
+        return 0
+    with gil:
+        name = _error_name(<int>result)
+        raise CudaError(f"{what.decode()} failed: {name}", <int>result, name)
+
+
+# ------------------------------------------------------------------ driver / contexts
+cdef bint _initialized = False
+_contexts = {}                # device ordinal -> primary CUcontext (as int), retained for the process
+_lock = threading.Lock()
+
+
+cdef int ensure_driver() except -1:
+    global _initialized
+    if _initialized:
+        return 0
+    cdef cydriver.CUresult r
+    try:
+        with nogil:
+            r = cydriver.cuInit(0)
+    except CudaError:
+        raise
+    except Exception as e:       # cuda.bindings could not load libcuda
+        raise CudaError(f"the CUDA driver is not available on this machine ({type(e).__name__}: {e}); "
+                        f"use device='cpu', or install the NVIDIA driver") from None
+    if r == cydriver.CUDA_ERROR_NO_DEVICE:
+        raise CudaError("no CUDA device is visible (cuInit: CUDA_ERROR_NO_DEVICE); use device='cpu'",
+                        <int>r, "CUDA_ERROR_NO_DEVICE")
+    check_cu(r, b"cuInit")
+    _initialized = True
+    return 0
+
+
+cdef cydriver.CUcontext bind_device(int device) except? NULL:
+    """Make ``device``'s primary context current on this thread and return it."""
+    cdef cydriver.CUdevice dev
+    cdef cydriver.CUcontext ctx
+    cdef int count = 0
+    ensure_driver()
+    cached = _contexts.get(device)
+    if cached is None:
+        with _lock:
+            cached = _contexts.get(device)
+            if cached is None:
+                check_cu(cydriver.cuDeviceGetCount(&count), b"cuDeviceGetCount")
+                if device < 0 or device >= count:
+                    raise CudaError(f"CUDA device {device} does not exist ({count} visible)")
+                check_cu(cydriver.cuDeviceGet(&dev, device), b"cuDeviceGet")
+                check_cu(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev), b"cuDevicePrimaryCtxRetain")
+                cached = <uintptr_t>ctx
+                _contexts[device] = cached
+    ctx = <cydriver.CUcontext><uintptr_t>cached
+    check_cu(cydriver.cuCtxSetCurrent(ctx), b"cuCtxSetCurrent")
+    return ctx
+
+
+cdef int _attr(cydriver.CUdevice_attribute attr, int device) except? -1:
+    cdef int value = 0
+    cdef cydriver.CUdevice dev
+    check_cu(cydriver.cuDeviceGet(&dev, device), b"cuDeviceGet")
+    check_cu(cydriver.cuDeviceGetAttribute(&value, attr, dev), b"cuDeviceGetAttribute")
+    return value
+
+
+cdef void _fill_prop(cydriver.CUmemAllocationProp* prop, int device, bint shareable, bint gdr) noexcept nogil:
+    memset(prop, 0, sizeof(cydriver.CUmemAllocationProp))
+    prop.type = cydriver.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    prop.requestedHandleTypes = (cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if shareable
+                                 else cydriver.CU_MEM_HANDLE_TYPE_NONE)
+    prop.allocFlags.gpuDirectRDMACapable = 1 if gdr else 0
+
+
+def driver_version():
+    """The CUDA driver's version as an int (e.g. 13000); CudaError without a driver."""
+    cdef int v = 0
+    ensure_driver()
+    check_cu(cydriver.cuDriverGetVersion(&v), b"cuDriverGetVersion")
+    return v
+
+
+def device_count():
+    cdef int n = 0
+    ensure_driver()
+    check_cu(cydriver.cuDeviceGetCount(&n), b"cuDeviceGetCount")
+    return n
+
+
+def device_info(int device=0):
+    """What this device supports that tensorxfer uses (for ``doctor`` and for choices here)."""
+    cdef char name[256]
+    cdef cydriver.CUdevice dev
+    cdef cydriver.CUmemAllocationProp prop
+    cdef size_t gran = 0
+    bind_device(device)
+    check_cu(cydriver.cuDeviceGet(&dev, device), b"cuDeviceGet")
+    check_cu(cydriver.cuDeviceGetName(name, 256, dev), b"cuDeviceGetName")
+    info = {
+        "device": device,
+        "name": name.decode(errors="replace"),
+        "driver_version": driver_version(),
+        "vmm": bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device)),
+        "posix_fd_handles": bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                       device)),
+        "gpudirect_rdma_with_vmm": bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                              device)),
+        "dmabuf": bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device)),
+    }
+    _fill_prop(&prop, device, False, False)
+    check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+             b"cuMemGetAllocationGranularity")
+    info["granularity"] = gran
+    return info
+
+
+def pointer_range(uintptr_t ptr):
+    """The driver's two one-shot answers for ``ptr``, for diagnostics and tests.
+
+    Returns ``{"address_range": (base, size) | None, "range_size_attribute":
+    (start, size) | None}``: ``cuMemGetAddressRange`` (the one handle holding
+    ``ptr`` on VMM memory — too small to register from) and
+    ``CU_POINTER_ATTRIBUTE_RANGE_START_ADDR/RANGE_SIZE`` (the whole
+    reservation, unmapped parts included — too large).  tensorxfer uses
+    neither alone: see ``AllocationMap.resolve_extent``.
+    """
+    cdef cydriver.CUdeviceptr base = 0, start = 0
+    cdef size_t size = 0, rsize = 0
+    ensure_driver()
+    out = {"address_range": None, "range_size_attribute": None}
+    if cydriver.cuMemGetAddressRange(&base, &size, <cydriver.CUdeviceptr>ptr) == cydriver.CUDA_SUCCESS:
+        out["address_range"] = (<uintptr_t>base, size)
+    if (cydriver.cuPointerGetAttribute(&start, cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                       <cydriver.CUdeviceptr>ptr) == cydriver.CUDA_SUCCESS and
+            cydriver.cuPointerGetAttribute(&rsize, cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                           <cydriver.CUdeviceptr>ptr) == cydriver.CUDA_SUCCESS):
+        out["range_size_attribute"] = (<uintptr_t>start, rsize)
+    return out
+
+
+def is_vmm(uintptr_t ptr):
+    """True if ``ptr`` lies in VMM memory (cuMemCreate+cuMemMap), False for cudaMalloc memory."""
+    cdef cydriver.CUmemGenericAllocationHandle h
+    ensure_driver()
+    if cydriver.cuMemRetainAllocationHandle(&h, <void*>ptr) != cydriver.CUDA_SUCCESS:
+        return False
+    cydriver.cuMemRelease(h)          # drop the reference Retain took
+    return True
+
+
+def _default_chunk_size(size_t size, size_t granularity):
+    cdef size_t chunk = DEFAULT_CHUNK_SIZE
+    while size > chunk * MAX_DEFAULT_CHUNKS:
+        chunk *= 2
+    return _round_up(chunk, granularity)
+
+
+cdef inline size_t _round_up(size_t n, size_t align) noexcept nogil:
+    return (n + align - 1) // align * align
+
+
+# ------------------------------------------------------------------ the region
+cdef struct CuChunk:
+    size_t offset
+    size_t size
+    cydriver.CUmemGenericAllocationHandle handle
+    bint created        # the handle exists (created or imported) and must be released
+    bint mapped
+
+
+cdef class CudaRegion(AllocationMap):
+    """One contiguous device virtual range backed by several VMM handles.
+
+    Create with :meth:`allocate` (owned), :meth:`import_handles` (owned
+    mapping of another process's handles) or :meth:`adopt` (memory the
+    caller allocated: never freed here).  Views (:meth:`cuda_array`) keep
+    the mapping alive: :meth:`close` refuses while any exists, unless
+    ``defer=True``.
+    """
+    cdef cydriver.CUdeviceptr _base
+    cdef size_t _size
+    cdef CuChunk* _chunks
+    cdef Py_ssize_t _nchunks
+    cdef int _device
+    cdef bint _owner
+    cdef bint _reserved         # we hold the VA reservation
+    cdef bint _closed
+    cdef bint _close_pending
+    cdef bint _shareable
+    cdef bint _gdr
+    cdef Py_ssize_t _exports
+    cdef object _keepalive
+
+    def __cinit__(self):
+        self._base = 0
+        self._chunks = NULL
+        self._nchunks = 0
+        self._closed = True
+        self._reserved = False
+        self._exports = 0
+        self._close_pending = False
+
+    # ---------------------------------------------------------------- factories
+    @staticmethod
+    def allocate(size, chunk_size=None, int device=0):
+        """Reserve ``size`` bytes of device address space and back it with VMM handles.
+
+        Chunks are rounded up to the allocation granularity (2 MiB on an
+        H200); each is created with a POSIX-fd shareable handle type (for
+        IPC) and, where the device supports it, ``gpuDirectRDMACapable``.
+
+        Raises
+        ------
+        ValueError
+            ``size`` or ``chunk_size`` is not positive.
+        CudaError
+            CUDA is unusable here, or a driver call failed; nothing stays
+            allocated (every step is undone in reverse order).
+        """
+        cdef cydriver.CUmemAllocationProp prop
+        cdef size_t gran = 0
+        size = int(size)
+        if size <= 0:
+            raise ValueError(f"region size must be positive, got {size}")
+        bind_device(device)
+        if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
+            raise CudaError(f"CUDA device {device} does not support virtual memory management")
+        shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
+        gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
+        _fill_prop(&prop, device, shareable, gdr)
+        check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                 b"cuMemGetAllocationGranularity")
+        size = _round_up(size, gran)
+        chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk}")
+        chunk = _round_up(chunk, gran)
+        sizes = [chunk] * (size // chunk)
+        if size % chunk:
+            sizes.append(size % chunk)
+        return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None)
+
+    @staticmethod
+    def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):
+        """A region from explicit chunk sizes (granularity multiples), with
+        reserved-but-unmapped ``holes`` (chunk indexes) and tail: the VMM
+        shapes tests use to prove extents never widen into unmapped memory."""
+        bind_device(device)
+        shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
+        gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
+        return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
+                                 device, shareable, gdr, None)
+
+    @staticmethod
+    def import_handles(handles, int device=0, access_devices=None):
+        """Map another process's exported chunk handles contiguously.
+
+        Parameters
+        ----------
+        handles : sequence of (size, fd)
+            As produced by :meth:`export_handles` on the other side (the fds
+            arrive over a Unix socket with SCM_RIGHTS, or are inherited).
+            The fds stay the caller's: close them when done.
+        device : int
+            The device whose context performs the mapping.
+        access_devices : sequence of int, optional
+            Devices granted read/write access (default: ``[device]``); a
+            device other than the memory's own reaches it over NVLink/P2P.
+
+        Raises
+        ------
+        CudaError
+            A handle cannot be imported or mapped; nothing stays mapped.
+        """
+        handles = [(int(s), int(fd)) for s, fd in handles]
+        return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,
+                                 [fd for _, fd in handles], access_devices)
+
+    @staticmethod
+    def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):
+        """Wrap device memory the caller allocated (cudaMalloc, a PyTorch
+        tensor, an expandable segment), without owning it.
+
+        The extent is resolved now, so memory that is not fully mapped
+        raises :class:`ExtentError` here.  ``keepalive`` (e.g. the tensor)
+        is referenced until :meth:`close`; otherwise the caller keeps the
+        memory alive.  tensorxfer never frees adopted memory.
+        """
+        cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
+        if size == 0:
+            raise ValueError("cannot adopt an empty range")
+        bind_device(device)
+        self._device = device
+        self._base = <cydriver.CUdeviceptr>ptr
+        self._va_base = ptr
+        self._va_size = size
+        self._size = size
+        self._owner = False
+        self._closed = False
+        self._keepalive = keepalive
+        self.resolve_extent(0, size)
+        return self
+
+    @staticmethod
+    def from_tensor(tensor):
+        """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
+        if not getattr(tensor, "is_cuda", False):
+            raise ValueError("from_tensor needs a CUDA tensor")
+        return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                tensor.device.index or 0, keepalive=tensor)
+
+    @staticmethod
+    cdef CudaRegion _build(list sizes, size_t tail, frozenset holes, int device, bint shareable, bint gdr,
+                           list import_fds, access_devices=None):
+        cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
+        self._device = device
+        self._owner = True
+        self._closed = False
+        self._shareable = shareable
+        self._gdr = gdr
+        try:
+            self._map_all(sizes, tail, holes, import_fds, access_devices)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    cdef _map_all(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):
+        cdef cydriver.CUmemAllocationProp prop
+        cdef cydriver.CUmemAccessDesc access[16]
+        cdef cydriver.CUdeviceptr ptr = 0
+        cdef size_t gran = 0, total = 0, off = 0, run_start = 0, s
+        cdef Py_ssize_t i, n = len(sizes), naccess
+        cdef CuChunk* c
+        cdef int fd
+        if n == 0:
+            raise ValueError("a region needs at least one chunk")
+        bind_device(self._device)
+        _fill_prop(&prop, self._device, self._shareable, self._gdr)
+        check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                 b"cuMemGetAllocationGranularity")
+        for s in sizes:
+            if s == 0 or s % gran:
+                raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
+            total += s
+        if tail % gran:
+            raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
+        devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
+        naccess = len(devices)
+        if naccess == 0 or naccess > 16:
+            raise ValueError("access_devices must name 1 to 16 devices")
+        for i in range(naccess):
+            memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
+            access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+            access[i].location.id = devices[i]
+            access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+        self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
+        if self._chunks == NULL:
+            raise MemoryError()
+        with nogil:
+            check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
+        self._base = ptr
+        self._reserved = True
+        self._va_base = <uintptr_t>ptr
+        self._va_size = total + tail
+        self._size = total
+        for i in range(n):
+            c = &self._chunks[i]
+            c.offset = off
+            c.size = sizes[i]
+            self._nchunks = i + 1
+            off += c.size
+            if i in holes:
+                continue
+            if import_fds is not None:
+                fd = import_fds[i]
+                with nogil:
+                    check_cu(cydriver.cuMemImportFromShareableHandle(
+                        &c.handle, <void*><uintptr_t>fd, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                        b"cuMemImportFromShareableHandle")
+            else:
+                with nogil:
+                    check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
+            c.created = True
+            with nogil:
+                check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")
+            c.mapped = True
+        # Access is set per run of mapped chunks: one call for the usual
+        # hole-free region, however many handles it has.
+        i = 0
+        while i < n:
+            if not self._chunks[i].mapped:
+                i += 1
+                continue
+            run_start = self._chunks[i].offset
+            while i < n and self._chunks[i].mapped:
+                i += 1
+            s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
+            with nogil:
+                check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
+
+    # ---------------------------------------------------------------- lifetime
+    cdef void _release(self) noexcept:
+        cdef Py_ssize_t i
+        cdef CuChunk* c
+        if self._owner and (self._chunks != NULL or self._reserved):
+            try:
+                bind_device(self._device)
+            except BaseException:
+                pass
+            if self._chunks != NULL:
+                for i in range(self._nchunks):
+                    c = &self._chunks[i]
+                    if c.mapped:
+                        cydriver.cuMemUnmap(self._base + c.offset, c.size)
+                        c.mapped = False
+                    if c.created:
+                        cydriver.cuMemRelease(c.handle)
+                        c.created = False
+            if self._reserved:
+                cydriver.cuMemAddressFree(self._base, self._va_size)
+                self._reserved = False
+        if self._chunks != NULL:
+            free(self._chunks)
+            self._chunks = NULL
+        self._nchunks = 0
+        self._base = 0
+        self._size = 0
+        self._va_size = 0
+        self._keepalive = None
+        self._closed = True
+
+    def close(self, bint defer=False):
+        """Unmap, release and free; safe to call more than once.
+
+        Raises ``BufferError`` while views exist, unless ``defer`` is true
+        (then the release happens when the last view is dropped).
+        """
+        if self._closed:
+            return
+        if self._exports:
+            if defer:
+                self._close_pending = True
+                return
+            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
+                              f"delete the tensors viewing it first")
+        self._release()
+
+    def __dealloc__(self):
+        if not self._closed:
+            if self._owner:
+                try:
+                    warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
+                                  ResourceWarning)
+                except BaseException:
+                    pass
+            self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(defer=exc_type is not None)
+
+    cdef int _check_open(self) except -1:
+        # Also makes the device's context current: every method that talks
+        # to the driver starts here, and the extent walk runs right after.
+        if self._closed:
+            raise ValueError("operation on a closed CudaRegion")
+        bind_device(self._device)
+        return 0
+
+    cdef int _view_released(self) except -1:
+        self._exports -= 1
+        if self._exports == 0 and self._close_pending:
+            self._release()
+        return 0
+
+    # ---------------------------------------------------------------- queries
+    cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:
+        # The driver, not our chunk table, answers: this is what must be
+        # right for memory we did not allocate (PyTorch segments), and the
+        # same walk proves our own mappings.
+        cdef cydriver.CUdeviceptr b = 0
+        cdef size_t s = 0
+        if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:
+            return 0
+        base[0] = <uintptr_t>b
+        size[0] = s
+        return 1
+
+    @property
+    def ptr(self):
+        if self._closed:
+            raise ValueError("operation on a closed CudaRegion")
+        return <uintptr_t>self._base
+
+    @property
+    def size(self):
+        return self._size
+
+    @property
+    def reserved_size(self):
+        return self._va_size
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def owner(self):
+        return self._owner
+
+    @property
+    def device_index(self):
+        return self._device
+
+    @property
+    def device(self):
+        return f"cuda:{self._device}"
+
+    @property
+    def gpudirect_rdma_capable(self):
+        """True if the handles were created with ``gpuDirectRDMACapable``."""
+        return self._gdr
+
+    @property
+    def chunks(self):
+        """``(offset, size, mapped)`` per chunk (adopted memory: empty — the driver knows its handles)."""
+        if self._closed:
+            raise ValueError("operation on a closed CudaRegion")
+        return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
+                for i in range(self._nchunks)]
+
+    def __len__(self):
+        return self._size
+
+    def __repr__(self):
+        if self._closed:
+            return "<CudaRegion closed>"
+        kind = "owned" if self._owner else "adopted"
+        return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "
+                f"{self._nchunks} handle(s)>")
+
+    # ---------------------------------------------------------------- exports
+    def export_dmabuf(self, size_t offset=0, length=None):
+        """One dmabuf fd over ``[offset, offset+length)``, resolved first.
+
+        ``offset`` must be page aligned; ``length`` (default: to the end) is
+        rounded up to the page size.  The range is resolved before the
+        driver is asked, so a range touching unmapped memory raises
+        :class:`ExtentError` naming the address, never a driver error.
+
+        Returns
+        -------
+        int
+            The dmabuf fd, owned by the caller (close it with ``os.close``).
+        """
+        cdef int fd = -1
+        cdef cydriver.CUdeviceptr ptr
+        cdef size_t n
+        self._check_open()
+        if offset % PAGE_SIZE:
+            raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
+        n = (self._size - offset) if length is None else int(length)
+        if offset >= self._size and length is None:
+            raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
+                              <uintptr_t>self._base + self._size)
+        n = _round_up(n, PAGE_SIZE)
+        ext = self.resolve_extent(offset, n)
+        ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
+        with nogil:
+            check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                                                            0), b"cuMemGetHandleForAddressRange(DMA_BUF_FD)")
+        return fd
+
+    def export_handles(self):
+        """One POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.
+
+        Returns ``[(offset, size, fd), ...]``; the fds are the caller's to
+        close.  On failure every fd exported so far is closed.
+        """
+        cdef int fd
+        cdef Py_ssize_t i
+        self._check_open()
+        if not self._owner or self._nchunks == 0:
+            raise CudaError("only regions tensorxfer allocated can export their handles")
+        if not self._shareable:
+            raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
+        out = []
+        try:
+            for i in range(self._nchunks):
+                if not self._chunks[i].mapped:
+                    raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)
+                fd = -1
+                check_cu(cydriver.cuMemExportToShareableHandle(
+                    &fd, self._chunks[i].handle, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    b"cuMemExportToShareableHandle")
+                out.append((self._chunks[i].offset, self._chunks[i].size, fd))
+        except BaseException:
+            for _, _, fd in out:
+                close(fd)
+            raise
+        return out
+
+    def cuda_array(self, size_t offset=0, length=None):
+        """A ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.
+
+        torch.as_tensor / cupy.asarray take it zero-copy; while it (or
+        anything built on it) is alive the region cannot be closed.
+        """
+        self._check_open()
+        n = (self._size - offset) if length is None else int(length)
+        if offset + n > self._size:
+            raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
+                              <uintptr_t>self._base + self._size)
+        return _DeviceBytes._make(self, offset, n)
+
+    # ---------------------------------------------------------------- test hooks
+    def _unmap_chunk(self, Py_ssize_t index):
+        """``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution)."""
+        cdef CuChunk* c
+        self._check_open()
+        if not self._owner or index < 0 or index >= self._nchunks:
+            raise IndexError(index)
+        if self._exports:
+            raise BufferError("cannot unmap a chunk while views of the region exist")
+        c = &self._chunks[index]
+        if c.mapped:
+            check_cu(cydriver.cuMemUnmap(self._base + c.offset, c.size), b"cuMemUnmap")
+            c.mapped = False
+
+
+cdef class _DeviceBytes:
+    """A uint8 ``__cuda_array_interface__`` over part of a CudaRegion; pins the region while alive."""
+    cdef CudaRegion _region
+    cdef uintptr_t _ptr
+    cdef size_t _n
+
+    @staticmethod
+    cdef _DeviceBytes _make(CudaRegion region, size_t offset, size_t n):
+        cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)
+        self._region = region
+        self._ptr = <uintptr_t>region._base + offset
+        self._n = n
+        region._exports += 1
+        return self
+
+    def __dealloc__(self):
+        if self._region is not None:
+            self._region._view_released()
+
+    @property
+    def __cuda_array_interface__(self):
+        # stream None: the producer makes no stream promise; our copies are
+        # synchronous with respect to the host before any view is handed out.
+        return {"shape": (self._n,), "typestr": "|u1", "data": (self._ptr, False), "version": 3,
+                "strides": None, "stream": None}
+
+    @property
+    def device(self):
+        return self._region._device
+
+
+# ------------------------------------------------------------------ copies
+cdef class Copier:
+    """Copies into and out of device memory on one non-blocking stream.
+
+    Host data moves through two pinned staging buffers, double-buffered: the
+    CPU fills one while the DMA engine drains the other, so pageable
+    sources need no registration and the copy overlaps.  Device-to-device
+    copies are queued back to back.  Call :meth:`synchronize` before reading
+    what was written.  One owner; ``close()`` idempotent.
+    """
+    cdef int _device
+    cdef cydriver.CUstream _stream
+    cdef cydriver.CUevent _events[2]
+    cdef void* _staging[2]
+    cdef size_t _stage_size
+    cdef bint _closed
+
+    def __cinit__(self, int device=0, size_t stage_size=64 << 20):
+        self._stream = NULL
+        self._events[0] = NULL
+        self._events[1] = NULL
+        self._staging[0] = NULL
+        self._staging[1] = NULL
+        self._closed = True
+        self._device = device
+        self._stage_size = stage_size
+        bind_device(device)
+        self._closed = False
+        try:
+            check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
+        except BaseException:
+            self.close()
+            raise
+
+    cdef int _ensure_staging(self) except -1:
+        cdef int i
+        if self._staging[0] != NULL:
+            return 0
+        for i in range(2):
+            check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
+            check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
+        return 0
+
+    def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
+        """Queue a device-to-device copy of ``n`` bytes."""
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
+                                                self._stream), b"cuMemcpyDtoDAsync")
+
+    def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+                     b"cuMemsetD8Async")
+
+    def htod(self, uintptr_t dst, src):
+        """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+        cdef const unsigned char[::1] view = memoryview(src).cast("B")
+        cdef size_t n = view.shape[0], off = 0, k
+        cdef const unsigned char* p
+        cdef int b = 0
+        if n == 0:
+            return
+        p = &view[0]
+        bind_device(self._device)
+        self._ensure_staging()
+        with nogil:
+            while off < n:
+                k = n - off if n - off < self._stage_size else self._stage_size
+                check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
+                memcpy(self._staging[b], p + off, k)
+                check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
+                                                    self._stream), b"cuMemcpyHtoDAsync")
+                check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
+                off += k
+                b ^= 1
+
+    def dtoh(self, dst, uintptr_t src):
+        """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+        cdef unsigned char[::1] view = memoryview(dst).cast("B")
+        cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
+        cdef unsigned char* p
+        cdef int b = 0
+        if n == 0:
+            return
+        p = &view[0]
+        bind_device(self._device)
+        self._ensure_staging()
+        with nogil:
+            while off < n:
+                k = n - off if n - off < self._stage_size else self._stage_size
+                check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
+                                                    self._stream), b"cuMemcpyDtoHAsync")
+                check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
+                if prev_k:
+                    check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
+                    memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
+                prev_off, prev_k = off, k
+                off += k
+                b ^= 1
+            check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
+            memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
+
+    def synchronize(self):
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+
+    @property
+    def stream(self):
+        """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
+        return <uintptr_t>self._stream
+
+    def close(self):
+        cdef int i
+        if self._closed:
+            return
+        try:
+            bind_device(self._device)
+        except BaseException:
+            pass
+        if self._stream != NULL:
+            cydriver.cuStreamSynchronize(self._stream)
+            cydriver.cuStreamDestroy(self._stream)
+            self._stream = NULL
+        for i in range(2):
+            if self._events[i] != NULL:
+                cydriver.cuEventDestroy(self._events[i])
+                self._events[i] = NULL
+            if self._staging[i] != NULL:
+                cydriver.cuMemFreeHost(self._staging[i])
+                self._staging[i] = NULL
+        self._closed = True
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
