@@ -10,10 +10,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from tensorxfer.memory._host import DEFAULT_CHUNK_SIZE
 
 from tensorxfer import HostRegion
 from tensorxfer.memory import page_size
+from tensorxfer.memory._host import DEFAULT_CHUNK_SIZE
 
 from .conftest import tensorxfer_mappings
 

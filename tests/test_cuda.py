@@ -1,0 +1,343 @@
+"""CudaRegion on a real GPU: VMM handles, extents against the driver, dmabuf, IPC handles, GPU views.
+
+Marked ``cuda``: these run on the device machine (an H200); elsewhere they
+skip with the reason.  ``test_without_a_driver_*`` runs where the extension
+is built but no driver exists (CI), and proves the clear error there.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tensorxfer import CudaError, ExtentError, LayoutError, TensorRegion
+from tensorxfer import memory as mem
+from tensorxfer.dtypes import DTYPES
+
+
+def _gpu_reason() -> str | None:
+    if mem.CudaRegion is None:
+        return mem.CUDA_UNAVAILABLE
+    from tensorxfer.memory import _cuda
+
+    try:
+        return None if _cuda.device_count() > 0 else "no CUDA device"
+    except CudaError as e:
+        return str(e)
+
+
+GPU_REASON = _gpu_reason()
+needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
+
+
+def test_without_a_driver_cuda_calls_raise_a_clear_cuda_error():
+    if mem.CudaRegion is None:
+        pytest.skip(mem.CUDA_UNAVAILABLE)
+    if GPU_REASON is None:
+        pytest.skip("a GPU is present: this test is for machines without one")
+    with pytest.raises(CudaError, match="use device='cpu'"):
+        mem.CudaRegion.allocate(1 << 20)
+    with pytest.raises(CudaError):
+        TensorRegion.from_tensors({"x": np.zeros(4)}, device="cuda:0")
+
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gran():
+    from tensorxfer.memory import _cuda
+
+    return _cuda.device_info(0)["granularity"]
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+@cuda
+@needs_gpu
+def test_device_info_reports_what_we_use():
+    from tensorxfer.memory import _cuda
+
+    info = _cuda.device_info(0)
+    print(json.dumps(info))
+    assert info["vmm"] and info["granularity"] > 0
+
+
+@cuda
+@needs_gpu
+def test_ucx_shape_three_handles_against_the_driver(gran):
+    from tensorxfer.memory._cuda import pointer_range
+
+    with mem.CudaRegion._from_chunks([gran] * 3) as r:
+        assert [c[1] for c in r.chunks] == [gran] * 3
+        # What UCX trusted: the driver's answer at the base is ONE handle.
+        one = pointer_range(r.ptr)["address_range"]
+        assert one == (r.ptr, gran)
+        assert r.allocation_at(0) == one
+        assert not (one[0] <= r.ptr and r.ptr + 3 * gran <= one[0] + one[1]), "one handle must not cover the request"
+        ext = r.resolve_extent(0, 3 * gran)
+        assert ext.segments == tuple((r.ptr + i * gran, gran) for i in range(3))
+        assert (ext.ptr, ext.length) == (r.ptr, 3 * gran)
+        mid = r.resolve_extent(gran, gran)
+        assert mid.segments == ((r.ptr + gran, gran),)
+        # a request crossing a handle boundary by a few bytes spans both
+        assert len(r.resolve_extent(gran - 8, 16).segments) == 2
+
+
+@cuda
+@needs_gpu
+def test_unmapped_tail_is_never_widened_into_and_range_size_attribute_is_wrong(gran):
+    from tensorxfer.memory._cuda import pointer_range
+
+    with mem.CudaRegion._from_chunks([gran] * 3, unmapped_tail=4 * gran) as r:
+        start, rsize = pointer_range(r.ptr)["range_size_attribute"]
+        # The attribute answers with the whole reservation, unmapped tail
+        # included: registering from it would cover memory that is not there.
+        assert start == r.ptr and rsize == 7 * gran and rsize > r.size
+        ext = r.resolve_extent(gran, 10, whole_alloc=True)
+        assert (ext.ptr, ext.length) == (r.ptr + gran, gran)
+        whole = r.resolve_extent(0, 3 * gran, whole_alloc=True)
+        assert whole.length == 3 * gran
+        with pytest.raises(ExtentError) as e:
+            r.resolve_extent(0, 3 * gran + 1)
+        assert e.value.address == r.ptr + 3 * gran
+
+
+@cuda
+@needs_gpu
+def test_holes_are_named(gran):
+    with mem.CudaRegion._from_chunks([gran] * 4, holes={2}) as r:
+        with pytest.raises(ExtentError, match=f"offset {2 * gran}") as e:
+            r.resolve_extent(0, 4 * gran)
+        assert e.value.address == r.ptr + 2 * gran
+        # a dmabuf over the hole is refused before the driver is asked
+        with pytest.raises(ExtentError):
+            r.export_dmabuf(0, 4 * gran)
+        assert r.resolve_extent(0, 2 * gran).length == 2 * gran
+    with mem.CudaRegion.allocate(3 * gran, chunk_size=gran) as r:
+        r._unmap_chunk(1)
+        with pytest.raises(ExtentError):
+            r.resolve_extent(0, 3 * gran)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("handles", [1, 3, 120])
+def test_dmabuf_spans_every_handle(gran, handles):
+    with mem.CudaRegion.allocate(handles * gran, chunk_size=gran) as r:
+        assert len(r.chunks) == handles
+        fd = r.export_dmabuf()
+        try:
+            assert os.lseek(fd, 0, os.SEEK_END) == handles * gran
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith("anon_inode:dmabuf")
+        finally:
+            os.close(fd)
+        if handles > 1:
+            fd = r.export_dmabuf(gran, gran)
+            try:
+                assert os.lseek(fd, 0, os.SEEK_END) == gran
+            finally:
+                os.close(fd)
+
+
+CHILD_EXPANDABLE = """
+import json, torch
+from tensorxfer.memory import CudaRegion
+from tensorxfer.memory._cuda import pointer_range, is_vmm
+t = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+r = CudaRegion.from_tensor(t)
+ext = r.resolve_extent(0, t.numel())
+out = {"segments": len(ext.segments), "length": ext.length, "nbytes": t.numel(),
+       "one_handle": pointer_range(t.data_ptr())["address_range"][1], "vmm": is_vmm(t.data_ptr()),
+       "sizes": sorted({s for _, s in ext.segments})}
+r.close()
+print(json.dumps(out))
+"""
+
+
+@cuda
+@needs_gpu
+def test_torch_expandable_segments_resolve_to_the_full_tensor(torch):
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    p = subprocess.run([sys.executable, "-c", CHILD_EXPANDABLE], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    print(out)
+    assert out["vmm"]
+    assert out["segments"] >= 5, out
+    assert out["length"] == out["nbytes"]
+    assert out["one_handle"] < out["nbytes"], "the driver's one-shot answer must be shown too small"
+
+
+@cuda
+@needs_gpu
+def test_plain_cudamalloc_memory_adopts_as_one_allocation(torch):
+    from tensorxfer.memory._cuda import is_vmm
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    code = ("import torch, json\nfrom tensorxfer.memory import CudaRegion\nfrom tensorxfer.memory._cuda import is_vmm\n"
+            "t = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\n"
+            "r = CudaRegion.from_tensor(t); e = r.resolve_extent(0, t.numel())\n"
+            "print(json.dumps([is_vmm(t.data_ptr()), len(e.segments), e.length == t.numel()])); r.close()")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, 1, True]
+    assert is_vmm is not None
+
+
+CHILD_IMPORT = """
+import hashlib, json, sys
+import numpy as np
+from tensorxfer.memory import CudaRegion
+from tensorxfer.memory._cuda import Copier
+handles = json.loads(sys.argv[1])
+with CudaRegion.import_handles([(s, fd) for s, fd in handles], device=0) as r, Copier(0) as c:
+    host = np.empty(r.size, np.uint8)
+    c.dtoh(host, r.ptr)
+    ext = r.resolve_extent(0, r.size)
+    print(json.dumps({"sha": hashlib.sha256(host).hexdigest(), "segments": len(ext.segments)}))
+"""
+
+
+@cuda
+@needs_gpu
+def test_export_and_import_handles_between_two_processes(gran):
+    from tensorxfer.memory._cuda import Copier
+
+    data = np.random.default_rng(3).integers(0, 256, 3 * gran, dtype=np.uint8)
+    with mem.CudaRegion.allocate(3 * gran, chunk_size=gran) as r, Copier(0) as c:
+        c.htod(r.ptr, data)
+        c.synchronize()
+        exported = r.export_handles()
+        try:
+            assert len(exported) == 3
+            fds = [fd for _, _, fd in exported]
+            arg = json.dumps([[size, fd] for _, size, fd in exported])
+            p = subprocess.run([sys.executable, "-c", CHILD_IMPORT, arg], pass_fds=fds, capture_output=True,
+                               text=True, timeout=120)
+        finally:
+            for _, _, fd in exported:
+                os.close(fd)
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out == {"sha": hashlib.sha256(data).hexdigest(), "segments": 3}
+
+
+@cuda
+@needs_gpu
+def test_staged_copies_round_trip_larger_than_the_staging_buffers():
+    from tensorxfer.memory._cuda import Copier
+
+    n = (150 << 20) + 12345
+    data = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
+    with mem.CudaRegion.allocate(n) as r, Copier(0, stage_size=16 << 20) as c:
+        c.htod(r.ptr, data)
+        c.synchronize()
+        back = np.empty_like(data)
+        c.dtoh(back, r.ptr)
+        assert np.array_equal(back, data)
+
+
+def _random_torch(torch, dtype, shape, device):
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+@cuda
+@needs_gpu
+def test_tensor_region_on_gpu_all_dtypes_torch_and_cupy_views(torch):
+    src = {f"{name}": _random_torch(torch, getattr(torch, d.torch_name), (7, 33), "cuda") for name, d in DTYPES.items()}
+    src["host.f32"] = np.random.default_rng(5).standard_normal((100, 10)).astype(np.float32)
+    src["strided"] = torch.arange(600, device="cuda", dtype=torch.int32).reshape(20, 30).t()
+    with TensorRegion.from_tensors(src, device="cuda:0", chunk_size=2 << 20) as r:
+        assert r.device == "cuda:0" and r.region.size >= r.nbytes
+        views = r.tensors(framework="torch")
+        for name, t in src.items():
+            v = views[name]
+            assert v.is_cuda and v.shape == tuple(t.shape)
+            expect = torch.as_tensor(t) if isinstance(t, np.ndarray) else t.contiguous()
+            assert torch.equal(v.cpu().view(torch.uint8) if v.dim() else v.cpu(),
+                               expect.cpu().view(torch.uint8) if expect.dim() else expect.cpu()), name
+        # a write through a view is visible in the region (and through another framework)
+        views["F32"][0, 0] = 1234.5
+        cp = pytest.importorskip("cupy")
+        cviews = r.tensors(framework="cupy")
+        assert float(cviews["F32"][0, 0]) == 1234.5
+        bf16 = cviews["BF16"]
+        print("cupy bf16 view dtype:", bf16.dtype)
+        assert bf16.dtype.itemsize == 2 and bf16.shape == (7, 33)
+        assert cp.asnumpy(bf16).view(np.uint16).tobytes() == views["BF16"].cpu().view(torch.uint16).numpy().tobytes()
+        with pytest.raises(BufferError):
+            r.close()
+        del views, cviews, bf16, v
+        gc.collect()
+
+
+@cuda
+@needs_gpu
+def test_update_from_and_from_manifest_on_gpu(torch):
+    src = {"w": _random_torch(torch, torch.bfloat16, (256, 256), "cuda"), "b": torch.zeros(256, device="cuda")}
+    with TensorRegion.from_tensors(src, device="cuda") as r:
+        step = {"w": _random_torch(torch, torch.bfloat16, (256, 256), "cuda"), "b": torch.ones(256)}   # b from host
+        ptr = r.region.ptr
+        r.update_from(step)
+        assert r.region.ptr == ptr
+        v = r.tensors()
+        assert torch.equal(v["w"], step["w"]) and torch.equal(v["b"].cpu(), step["b"])
+        del v
+        with pytest.raises(LayoutError):
+            r.update_from({"w": step["w"]})
+        with TensorRegion.from_manifest(r.manifest, device="cuda:0") as dst:
+            dv = dst.tensors()
+            assert not dv["w"].view(torch.uint16).any()
+            del dv
+            dst.update_from(r.tensors())
+            assert torch.equal(dst.tensors()["w"], step["w"])
+        ext = r.resolve_extent()
+        assert ext.length == r.nbytes
+
+
+@cuda
+@needs_gpu
+def test_unclosed_cuda_region_is_released_with_a_resource_warning(gran):
+    r = mem.CudaRegion.allocate(gran)
+    with pytest.warns(ResourceWarning, match="unclosed CudaRegion"):
+        del r
+        gc.collect()
+
+
+@cuda
+@needs_gpu
+def test_close_is_idempotent_and_rollback_leaves_nothing(gran):
+    r = mem.CudaRegion.allocate(2 * gran, chunk_size=gran)
+    r.close()
+    r.close()
+    assert r.closed
+    with pytest.raises(ValueError, match="closed"):
+        r.resolve_extent(0, 1)
+    # an impossible allocation fails cleanly (CUDA_ERROR_OUT_OF_MEMORY), leaving nothing behind
+    from tensorxfer.memory._cuda import device_info
+
+    free_before = _free_mem()
+    with pytest.raises(CudaError, match=r"OUT_OF_MEMORY|cuMemCreate|cuMemAddressReserve"):
+        mem.CudaRegion.allocate(1 << 48, chunk_size=1 << 30)
+    assert abs(_free_mem() - free_before) < (64 << 20)
+    assert device_info(0)["vmm"]
+
+
+def _free_mem() -> int:
+    torch = pytest.importorskip("torch")
+    return int(torch.cuda.mem_get_info(0)[0])
