@@ -52,7 +52,6 @@ def torch_reference(src: dict, nbytes: int, repeat: int) -> tuple[float, float]:
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flat_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     t_flat, _ = timed(lambda: flat_dst.copy_(flat_src), repeat)
-    del flat_src
     dsts, off = {}, 0
     for name, t in src.items():
         n = t.numel() * 2
