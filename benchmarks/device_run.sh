@@ -4,13 +4,13 @@
 # Usage (on the GPU machine, from the repo root): bash benchmarks/device_run.sh [bench args]
 set -uo pipefail
 OUT=${OUT:-/tmp/tensorxfer-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # cuda-bindings pinned to the 13.0 line (the headers' version) when carried as a wheel in .whl/
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys, torch, cupy, numpy, Cython, cuda.bindings as cb; print(sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'Cython', Cython.__version__, 'cuda-bindings', cb.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 python3 setup.py build_ext --inplace -q 2>&1 | tail -5 | tee "$OUT/build.txt"
-python3 -m pytest -p no:cacheprovider -v -rs tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt" | tail -40
+python3 -m pytest -p no:cacheprovider -v -s -rs tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt" | tail -40
 python3 -m pytest -p no:cacheprovider -q -x --ignore=tests/test_cuda.py 2>&1 | tail -5 | tee "$OUT/test_rest.txt"
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 benchmarks/bench_cuda.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_cuda.txt"

@@ -16,7 +16,7 @@ def resource_fds() -> dict[int, str]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target.startswith(("/memfd:tensorxfer", "socket:", "anon_inode:dmabuf")):
+        if target.startswith(("/memfd:tensorxfer", "socket:", "anon_inode:dmabuf", "/dmabuf:")):
             out[int(name)] = target
     return out
 

@@ -139,7 +139,7 @@ def test_dmabuf_spans_every_handle(gran, handles):
         fd = r.export_dmabuf()
         try:
             assert os.lseek(fd, 0, os.SEEK_END) == handles * gran
-            assert os.readlink(f"/proc/self/fd/{fd}").startswith("anon_inode:dmabuf")
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith(("anon_inode:dmabuf", "/dmabuf:"))
         finally:
             os.close(fd)
         if handles > 1:
@@ -296,7 +296,9 @@ def test_update_from_and_from_manifest_on_gpu(torch):
         r.update_from(step)
         assert r.region.ptr == ptr
         v = r.tensors()
-        assert torch.equal(v["w"], step["w"]) and torch.equal(v["b"].cpu(), step["b"])
+        # compare bits: random bf16 bits include NaNs, which never compare equal
+        assert torch.equal(v["w"].view(torch.int16), step["w"].view(torch.int16))
+        assert torch.equal(v["b"].cpu(), step["b"])
         del v
         with pytest.raises(LayoutError):
             r.update_from({"w": step["w"]})
@@ -305,7 +307,7 @@ def test_update_from_and_from_manifest_on_gpu(torch):
             assert not dv["w"].view(torch.uint16).any()
             del dv
             dst.update_from(r.tensors())
-            assert torch.equal(dst.tensors()["w"], step["w"])
+            assert torch.equal(dst.tensors()["w"].view(torch.int16), step["w"].view(torch.int16))
         ext = r.resolve_extent()
         assert ext.length == r.nbytes
 
