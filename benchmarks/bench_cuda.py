@@ -66,20 +66,31 @@ def torch_reference(src: dict, nbytes: int, repeat: int) -> tuple[float, float]:
     return t_flat, t_per
 
 
-def tensorxfer_pack(src: dict, repeat: int) -> tuple[float, list[float], float, bool, int]:
-    def pack():
-        TensorRegion.from_tensors(src, device="cuda:0").close()
+def tensorxfer_pack(src: dict, repeat: int, chunk_size: int | None, batch: bool) -> dict:
+    """from_tensors (region closed outside the timer) and update_from, medians."""
+    from tensorxfer.region import _as_source
 
-    t_pack, pack_all = timed(pack, max(3, repeat // 2))
-    region = TensorRegion.from_tensors(src, device="cuda:0")
+    packs = []
+    for _ in range(max(3, repeat)):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        region = TensorRegion.from_tensors(src, device="cuda:0", chunk_size=chunk_size)
+        torch.cuda.synchronize()
+        packs.append(time.perf_counter() - t)
+        region.close()
+    region = TensorRegion.from_tensors(src, device="cuda:0", chunk_size=chunk_size)
+    region.batch_copies = batch
     t_update, _ = timed(lambda: region.update_from(src), repeat)
+    t_prep, _ = timed(lambda: [_as_source(n, v, True) for n, v in src.items()], repeat)
     views = region.tensors()
     names = list(src)[:5] + list(src)[-5:]
     ok = all(torch.equal(views[n].view(torch.int16), src[n].view(torch.int16)) for n in names)
     del views
     handles = len(region.region.chunks)
     region.close()
-    return t_pack, pack_all, t_update, ok, handles
+    return {"from_tensors_s": statistics.median(packs), "from_tensors_all": packs, "update_from_s": t_update,
+            "python_prep_s": t_prep, "verified_sample": ok, "handles": handles, "chunk_size": chunk_size,
+            "batch_api": batch}
 
 
 def main() -> int:
@@ -109,31 +120,30 @@ def main() -> int:
 
     t_flat, t_per = torch_reference(src, nbytes, args.repeat)
     torch.cuda.empty_cache()
-    t_pack, pack_all, t_update, ok, handles = tensorxfer_pack(src, args.repeat)
+    variants = [tensorxfer_pack(src, args.repeat, chunk, batch)
+                for chunk, batch in ((None, False), (None, True), (1 << 30, False), (64 << 20, False))]
     src.clear()
     torch.cuda.empty_cache()
 
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
-    res.update({
-        "torch_copy_contiguous": {"seconds": t_flat, "GBps": gbs(t_flat)},
-        "torch_copy_per_tensor": {"seconds": t_per, "GBps": gbs(t_per)},
-        "from_tensors": {"seconds": t_pack, "GBps": gbs(t_pack), "all": pack_all, "handles": handles},
-        "update_from": {"seconds": t_update, "GBps": gbs(t_update)},
-        "ratio_update_vs_torch_per_tensor": t_per / t_update,
-        "ratio_update_vs_torch_contiguous": t_flat / t_update,
-        "ratio_from_tensors_vs_torch_per_tensor": t_per / t_pack,
-        "verified_sample": ok,
-    })
-    print(f"{'':38}{'seconds':>10}{'GB/s':>10}")
-    for k in ("torch_copy_contiguous", "torch_copy_per_tensor", "from_tensors", "update_from"):
-        print(f"{k:38}{res[k]['seconds']:10.4f}{res[k]['GBps']:10.1f}")
-    print(f"update_from / torch per-tensor copy: {res['ratio_update_vs_torch_per_tensor']:.3f}; "
-          f"from_tensors: {res['ratio_from_tensors_vs_torch_per_tensor']:.3f}; sample verified: {ok}", flush=True)
+    res["torch_copy_contiguous"] = {"seconds": t_flat, "GBps": gbs(t_flat)}
+    res["torch_copy_per_tensor"] = {"seconds": t_per, "GBps": gbs(t_per)}
+    res["variants"] = variants
+    print(f"torch copy_, one contiguous buffer : {t_flat * 1e3:8.2f} ms {gbs(t_flat):8.1f} GB/s")
+    print(f"torch copy_, 820 tensors           : {t_per * 1e3:8.2f} ms {gbs(t_per):8.1f} GB/s")
+    for v in variants:
+        print(f"tensorxfer chunk={v['chunk_size'] or 'default'} batch_api={v['batch_api']} handles={v['handles']}: "
+              f"from_tensors {v['from_tensors_s'] * 1e3:8.2f} ms (ratio {t_per / v['from_tensors_s']:.3f}), "
+              f"update_from {v['update_from_s'] * 1e3:8.2f} ms (ratio {t_per / v['update_from_s']:.3f}), "
+              f"python prep {v['python_prep_s'] * 1e3:.2f} ms, verified {v['verified_sample']}", flush=True)
+        v["ratio_from_tensors_vs_torch_per_tensor"] = t_per / v["from_tensors_s"]
+        v["ratio_update_vs_torch_per_tensor"] = t_per / v["update_from_s"]
+        v["ratio_update_vs_torch_contiguous"] = t_flat / v["update_from_s"]
 
     # --- allocate + map per chunk size; extent walk and dmabuf on each
     size = nbytes
     res["chunk_sweep"] = []
-    for chunk in (2 << 20, 20 << 20, 64 << 20, 1 << 30):
+    for chunk in (2 << 20, 20 << 20, 64 << 20, 256 << 20, 1 << 30):
         t0 = time.perf_counter()
         r = CudaRegion.allocate(size, chunk_size=chunk)
         t_alloc = time.perf_counter() - t0

@@ -62,11 +62,18 @@ def from_numpy(dtype: np.dtype) -> DType:
         ) from None
 
 
+_BY_TORCH_OBJECT: dict[Any, DType] = {}
+
+
 def from_torch(dtype: Any) -> DType:
     """The DType of a torch dtype (``torch.bfloat16`` ...); TypeError otherwise."""
+    found = _BY_TORCH_OBJECT.get(dtype)
+    if found is not None:
+        return found
     name = str(dtype).removeprefix("torch.")
     try:
-        return _BY_TORCH[name]
+        found = _BY_TORCH_OBJECT[dtype] = _BY_TORCH[name]
+        return found
     except KeyError:
         raise TypeError(
             f"unsupported torch dtype {dtype}; supported: {', '.join(sorted(_BY_TORCH))}"

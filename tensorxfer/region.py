@@ -96,8 +96,8 @@ def _as_source(name: str, obj: Any, to_device: bool) -> Source:
     """Where a tensor's bytes are: on a device (for a CUDA region) or as a host array."""
     if to_device and _is_torch(obj) and obj.is_cuda:
         d = _dt.from_torch(obj.dtype)
-        t = obj.detach().contiguous()
-        return _DeviceSource(d.numpy, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), t)
+        t = obj if obj.is_contiguous() else obj.contiguous()     # data_ptr needs no detach
+        return _DeviceSource(d.numpy, tuple(t.shape), t.data_ptr(), t.numel() * d.itemsize, t)
     if to_device and hasattr(obj, "__cuda_array_interface__"):
         cai = obj.__cuda_array_interface__
         dtype = np.dtype(cai["typestr"])
@@ -140,6 +140,9 @@ class TensorRegion:
         self.is_cuda = parse_device(device)[0] == "cuda"
         self._bytes: np.ndarray | None = None
         self._copier: Any = None
+        #: CUDA only: queue device copies with one cuMemcpyBatchAsync call
+        #: instead of one cuMemcpyDtoDAsync per tensor.
+        self.batch_copies = False
 
     # ------------------------------------------------------------ factories
     @classmethod
@@ -190,11 +193,42 @@ class TensorRegion:
             ((name, _dt.from_numpy(src.dtype).name, src.shape) for name, src in sources),
             alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata,
         )
+        if kind == "cuda":
+            return cls._from_sources_cuda(manifest, sources, device, chunk_size)
         self = cls._allocate(manifest, device, chunk_size)
         try:
             self._copy_in(sources)
         except BaseException:
             self.close()
+            raise
+        return self
+
+    @classmethod
+    def _from_sources_cuda(cls, manifest: Manifest, sources: list[tuple[str, Source]], device: str,
+                           chunk_size: int | None) -> TensorRegion:
+        # Allocation overlaps the copy-in: the region is reserved, then mapped
+        # one handle at a time, and each tensor's copy is queued as soon as
+        # the mapped prefix covers it, while the CPU creates the next handle.
+        _, index = parse_device(device)
+        if _memory.CudaRegion is None:
+            raise CudaError(f"device {device!r}: {_memory.CUDA_UNAVAILABLE}")
+        region = _memory.CudaRegion.reserve(max(manifest.nbytes, 1), chunk_size, index)
+        self = cls(region, manifest, f"cuda:{index}")
+        try:
+            self._sync_producers(sources)
+            specs = self.manifest.tensors
+            ordered = sorted(range(len(sources)), key=lambda i: specs[i].offset)
+            done = 0
+            while region.mapped_size < region.size:
+                end = region.map_next()
+                ready = done
+                while ready < len(ordered) and specs[ordered[ready]].offset + specs[ordered[ready]].nbytes <= end:
+                    ready += 1
+                self._issue_copies([sources[i] for i in ordered[done:ready]])
+                done = ready
+            self._get_copier().synchronize()
+        except BaseException:
+            self.close()       # closes the copier first: its stream is drained before memory goes
             raise
         return self
 
@@ -315,20 +349,31 @@ class TensorRegion:
                 dst = buf[t.offset:t.offset + t.nbytes].view(a.dtype).reshape(a.shape)
                 np.copyto(dst, a, casting="no")
             return
+        self._sync_producers(sources)
+        self._issue_copies(sources)
+        self._get_copier().synchronize()
+
+    @staticmethod
+    def _sync_producers(sources: list[tuple[str, Source]]) -> None:
         if any(isinstance(s, _DeviceSource) and _is_torch(s.keepalive) for _, s in sources):
             # Work queued on PyTorch's streams must land before our stream reads it.
             _torch().cuda.synchronize()
+
+    def _issue_copies(self, sources: list[tuple[str, Source]]) -> None:
+        """Queue copies into a CUDA region: device sources in one batched call, host ones staged."""
         copier = self._get_copier()
         base = self.region.ptr
+        manifest = self.manifest
+        dev = [(manifest[name], src) for name, src in sources if isinstance(src, _DeviceSource)]
+        dev = [(t, src) for t, src in dev if t.nbytes]
+        if dev:
+            copier.dtod_batch(np.fromiter((base + t.offset for t, _ in dev), np.uint64, len(dev)),
+                              np.fromiter((src.ptr for _, src in dev), np.uint64, len(dev)),
+                              np.fromiter((t.nbytes for t, _ in dev), np.uint64, len(dev)),
+                              batch_api=self.batch_copies)
         for name, src in sources:
-            t = self.manifest[name]
-            if not t.nbytes:
-                continue
-            if isinstance(src, _DeviceSource):
-                copier.dtod(base + t.offset, src.ptr, t.nbytes)
-            else:
-                copier.htod(base + t.offset, np.ascontiguousarray(src).reshape(-1).view(np.uint8))
-        copier.synchronize()
+            if not isinstance(src, _DeviceSource) and src.nbytes:
+                copier.htod(base + manifest[name].offset, np.ascontiguousarray(src).reshape(-1).view(np.uint8))
 
     def resolve_extent(self, whole_alloc: bool = False) -> Any:
         """The registration extent of the whole payload (see ``AllocationMap.resolve_extent``)."""

@@ -343,3 +343,40 @@ def test_close_is_idempotent_and_rollback_leaves_nothing(gran):
 def _free_mem() -> int:
     torch = pytest.importorskip("torch")
     return int(torch.cuda.mem_get_info(0)[0])
+
+
+@cuda
+@needs_gpu
+def test_reserve_then_map_next_exposes_only_the_mapped_prefix(gran):
+    with mem.CudaRegion.reserve(3 * gran, chunk_size=gran) as r:
+        assert r.mapped_size == 0
+        with pytest.raises(ExtentError):
+            r.resolve_extent(0, 1)
+        assert r.map_next() == gran
+        assert r.resolve_extent(0, gran).length == gran
+        with pytest.raises(ExtentError) as e:
+            r.resolve_extent(0, gran + 1)
+        assert e.value.address == r.ptr + gran
+        assert r.map_next(5) == 3 * gran
+        assert len(r.resolve_extent(0, 3 * gran).segments) == 3
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("batch_api", [False, True])
+def test_pipelined_from_tensors_and_batched_copies_across_many_handles(torch, gran, batch_api):
+    # tensors larger than a handle, smaller ones between them: every copy
+    # lands in a prefix mapped just before it was queued
+    shapes = [(3 * gran // 2,), (7,), (5 * gran // 2,), (gran // 2 + 3,), (11, 13)]
+    src = {f"t{i}": _random_torch(torch, torch.bfloat16, s, "cuda") for i, s in enumerate(shapes)}
+    with TensorRegion.from_tensors(src, device="cuda:0", chunk_size=gran) as r:
+        assert len(r.region.chunks) >= 8
+        r.batch_copies = batch_api
+        v = r.tensors()
+        for k, t in src.items():
+            assert torch.equal(v[k].view(torch.int16), t.view(torch.int16)), k
+        step = {k: _random_torch(torch, torch.bfloat16, t.shape, "cuda") for k, t in src.items()}
+        r.update_from(step)
+        for k, t in step.items():
+            assert torch.equal(v[k].view(torch.int16), t.view(torch.int16)), k
+        del v

@@ -33,12 +33,14 @@ from tensorxfer.errors import CudaError, ExtentError
 
 cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
 
-#: Default bytes per physical handle.  Measured on an H200 (DESIGN.md):
-#: mapping 31.2 GB takes 1.06 s with 2 MiB handles, 27 ms with 64 MiB and
-#: 4 ms with 1 GiB; 64 MiB keeps several handles in any region over 64 MiB
-#: (so the multi-handle paths are always exercised) and is grown to keep at
+#: Default bytes per physical handle, chosen by measurement on an H200
+#: (benchmarks/results/cuda-*.json): creating + mapping 31 GB took 910 ms
+#: with 2 MiB handles, 86 ms with 20 MiB, 25 ms with 64 MiB, 3.9 ms with
+#: 1 GiB.  At 256 MiB a handle is created faster than the copy engine fills
+#: it (~130 us at 2 TB/s), so from_tensors' allocation hides behind its
+#: copies, while a 31 GB model still spans ~120 handles.  Grown to keep at
 #: most 512 handles, which bounds the fds an IPC export needs.
-DEFAULT_CHUNK_SIZE = 64 << 20
+DEFAULT_CHUNK_SIZE = 256 << 20
 MAX_DEFAULT_CHUNKS = 512
 
 
@@ -248,6 +250,11 @@ cdef class CudaRegion(AllocationMap):
     cdef bint _gdr
     cdef Py_ssize_t _exports
     cdef object _keepalive
+    cdef Py_ssize_t _next_chunk     # chunks [0, _next_chunk) have been set up by _map_upto
+    cdef size_t _granularity
+    cdef list _access_devices
+    cdef list _import_fds
+    cdef frozenset _holes
 
     def __cinit__(self):
         self._base = 0
@@ -260,8 +267,22 @@ cdef class CudaRegion(AllocationMap):
 
     # ---------------------------------------------------------------- factories
     @staticmethod
+    def reserve(size, chunk_size=None, int device=0):
+        """Reserve the address range and plan its chunks, mapping none yet.
+
+        Call :meth:`map_next` until ``mapped_size == size``: a caller can
+        start copying into the mapped prefix while later chunks are still
+        being created (``TensorRegion.from_tensors`` does, overlapping
+        allocation with the copy-in).  Same arguments and errors as
+        :meth:`allocate`.
+        """
+        return CudaRegion._plan(size, chunk_size, device, False)
+
+    @staticmethod
     def allocate(size, chunk_size=None, int device=0):
         """Reserve ``size`` bytes of device address space and back it with VMM handles.
+
+        Equivalent to :meth:`reserve` followed by mapping every chunk.
 
         Chunks are rounded up to the allocation granularity (2 MiB on an
         H200); each is created with a POSIX-fd shareable handle type (for
@@ -275,6 +296,11 @@ cdef class CudaRegion(AllocationMap):
             CUDA is unusable here, or a driver call failed; nothing stays
             allocated (every step is undone in reverse order).
         """
+        return CudaRegion._plan(size, chunk_size, device, True)
+
+    @staticmethod
+    def _plan(size, chunk_size, int device, bint map_now):
+        """Shared by allocate and reserve: granularity, handle types, chunk plan."""
         cdef cydriver.CUmemAllocationProp prop
         cdef size_t gran = 0
         size = int(size)
@@ -296,7 +322,7 @@ cdef class CudaRegion(AllocationMap):
         sizes = [chunk] * (size // chunk)
         if size % chunk:
             sizes.append(size % chunk)
-        return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None)
+        return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
 
     @staticmethod
     def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):
@@ -307,7 +333,7 @@ cdef class CudaRegion(AllocationMap):
         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
-                                 device, shareable, gdr, None)
+                                 device, shareable, gdr, None, None, True)
 
     @staticmethod
     def import_handles(handles, int device=0, access_devices=None):
@@ -332,7 +358,7 @@ cdef class CudaRegion(AllocationMap):
         """
         handles = [(int(s), int(fd)) for s, fd in handles]
         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,
-                                 [fd for _, fd in handles], access_devices)
+                                 [fd for _, fd in handles], access_devices, True)
 
     @staticmethod
     def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):
@@ -369,7 +395,7 @@ cdef class CudaRegion(AllocationMap):
 
     @staticmethod
     cdef CudaRegion _build(list sizes, size_t tail, frozenset holes, int device, bint shareable, bint gdr,
-                           list import_fds, access_devices=None):
+                           list import_fds, access_devices, bint map_now):
         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
         self._device = device
         self._owner = True
@@ -377,20 +403,19 @@ cdef class CudaRegion(AllocationMap):
         self._shareable = shareable
         self._gdr = gdr
         try:
-            self._map_all(sizes, tail, holes, import_fds, access_devices)
+            self._reserve(sizes, tail, holes, import_fds, access_devices)
+            if map_now:
+                self._map_upto(self._nchunks)
         except BaseException:
             self._release()
             raise
         return self
 
-    cdef _map_all(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):
+    cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):
         cdef cydriver.CUmemAllocationProp prop
-        cdef cydriver.CUmemAccessDesc access[16]
         cdef cydriver.CUdeviceptr ptr = 0
-        cdef size_t gran = 0, total = 0, off = 0, run_start = 0, s
-        cdef Py_ssize_t i, n = len(sizes), naccess
-        cdef CuChunk* c
-        cdef int fd
+        cdef size_t gran = 0, total = 0, off = 0, s
+        cdef Py_ssize_t i, n = len(sizes)
         if n == 0:
             raise ValueError("a region needs at least one chunk")
         bind_device(self._device)
@@ -404,18 +429,22 @@ cdef class CudaRegion(AllocationMap):
         if tail % gran:
             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
-        naccess = len(devices)
-        if naccess == 0 or naccess > 16:
+        if not 0 < len(devices) <= 16:
             raise ValueError("access_devices must name 1 to 16 devices")
-        for i in range(naccess):
-            memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
-            access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
-            access[i].location.id = devices[i]
-            access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-
+        if import_fds is not None and len(import_fds) != n:
+            raise ValueError("one fd per chunk is needed")
+        self._access_devices = devices
+        self._import_fds = import_fds
+        self._holes = holes
+        self._granularity = gran
         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
         if self._chunks == NULL:
             raise MemoryError()
+        self._nchunks = n
+        for i in range(n):
+            self._chunks[i].offset = off
+            self._chunks[i].size = sizes[i]
+            off += sizes[i]
         with nogil:
             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
         self._base = ptr
@@ -423,16 +452,31 @@ cdef class CudaRegion(AllocationMap):
         self._va_base = <uintptr_t>ptr
         self._va_size = total + tail
         self._size = total
-        for i in range(n):
+        self._next_chunk = 0
+
+    cdef _map_upto(self, Py_ssize_t stop):
+        """Create (or import), map and open chunks [_next_chunk, stop) to the access devices."""
+        cdef cydriver.CUmemAllocationProp prop
+        cdef cydriver.CUmemAccessDesc access[16]
+        cdef cydriver.CUdeviceptr ptr = self._base
+        cdef size_t run_start, s
+        cdef Py_ssize_t i, first = self._next_chunk, naccess = len(self._access_devices)
+        cdef CuChunk* c
+        cdef int fd
+        bind_device(self._device)
+        _fill_prop(&prop, self._device, self._shareable, self._gdr)
+        for i in range(naccess):
+            memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
+            access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+            access[i].location.id = self._access_devices[i]
+            access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        for i in range(first, stop):
             c = &self._chunks[i]
-            c.offset = off
-            c.size = sizes[i]
-            self._nchunks = i + 1
-            off += c.size
-            if i in holes:
+            self._next_chunk = i + 1
+            if i in self._holes:
                 continue
-            if import_fds is not None:
-                fd = import_fds[i]
+            if self._import_fds is not None:
+                fd = self._import_fds[i]
                 with nogil:
                     check_cu(cydriver.cuMemImportFromShareableHandle(
                         &c.handle, <void*><uintptr_t>fd, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
@@ -444,19 +488,39 @@ cdef class CudaRegion(AllocationMap):
             with nogil:
                 check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")
             c.mapped = True
-        # Access is set per run of mapped chunks: one call for the usual
+        # Access is set per run of newly mapped chunks: one call for a
         # hole-free region, however many handles it has.
-        i = 0
-        while i < n:
+        i = first
+        while i < stop:
             if not self._chunks[i].mapped:
                 i += 1
                 continue
             run_start = self._chunks[i].offset
-            while i < n and self._chunks[i].mapped:
+            while i < stop and self._chunks[i].mapped:
                 i += 1
             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
             with nogil:
                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
+
+    def map_next(self, Py_ssize_t count=1):
+        """Map the next ``count`` planned chunks (see :meth:`reserve`); returns :attr:`mapped_size`.
+
+        Raises CudaError if the driver refuses; the region stays valid (its
+        mapped prefix usable) and :meth:`close` releases everything.
+        """
+        self._check_open()
+        if count < 1:
+            raise ValueError("count must be at least 1")
+        self._map_upto(min(self._nchunks, self._next_chunk + count))
+        return self.mapped_size
+
+    @property
+    def mapped_size(self):
+        """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
+        if self._next_chunk == 0:
+            return 0
+        c = &self._chunks[self._next_chunk - 1]
+        return c.offset + c.size
 
     # ---------------------------------------------------------------- lifetime
     cdef void _release(self) noexcept:
@@ -776,6 +840,37 @@ cdef class Copier:
         with nogil:
             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
                      b"cuMemsetD8Async")
+
+    def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):
+        """Queue many device-to-device copies in one call, without the GIL.
+
+        ``dsts``, ``srcs``, ``sizes``: equal-length C-contiguous uint64
+        buffers (numpy arrays).  ``batch_api`` uses ``cuMemcpyBatchAsync``
+        (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
+        """
+        cdef const unsigned long long[::1] d = dsts
+        cdef const unsigned long long[::1] s = srcs
+        cdef const unsigned long long[::1] n = sizes
+        cdef size_t i, count = d.shape[0]
+        cdef cydriver.CUmemcpyAttributes attr
+        cdef size_t attr_index = 0
+        if s.shape[0] != count or n.shape[0] != count:
+            raise ValueError("dsts, srcs and sizes must have the same length")
+        if count == 0:
+            return
+        bind_device(self._device)
+        if batch_api:
+            memset(&attr, 0, sizeof(attr))
+            attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            with nogil:
+                check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+                                                     <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+                         b"cuMemcpyBatchAsync")
+            return
+        with nogil:
+            for i in range(count):
+                check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+                                                    self._stream), b"cuMemcpyDtoDAsync")
 
     def htod(self, uintptr_t dst, src):
         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
