@@ -93,6 +93,51 @@ def tensorxfer_pack(src: dict, repeat: int, chunk_size: int | None, batch: bool)
             "batch_api": batch}
 
 
+def probe_copy_paths(src: dict, nbytes: int, repeat: int) -> dict:
+    """Where does a batched copy's time go: the copy API, or the destination memory?"""
+    from tensorxfer.memory._cuda import Copier
+
+    out = {}
+    names = list(src)
+    region = TensorRegion.from_tensors(src, device="cuda:0")
+    views = region.tensors()
+    flat = torch.empty(nbytes + 256 * len(src), dtype=torch.uint8, device="cuda")
+    srcp = torch.tensor([src[n].data_ptr() for n in names], dtype=torch.int64).numpy().view("uint64")
+    sizes = torch.tensor([src[n].numel() * 2 for n in names], dtype=torch.int64).numpy().view("uint64")
+    offs = [t.offset for t in region.manifest.tensors]
+    dst_region = (torch.tensor(offs, dtype=torch.int64).numpy().view("uint64") + region.region.ptr)
+    dst_torch = (torch.tensor(offs, dtype=torch.int64).numpy().view("uint64") + flat.data_ptr())
+    with Copier(0) as c:
+        out["cuMemcpyDtoDAsync_into_region_ms"] = timed(lambda: (c.dtod_batch(dst_region, srcp, sizes),
+                                                                  c.synchronize()), repeat)[0] * 1e3
+        out["cuMemcpyDtoDAsync_into_torch_memory_ms"] = timed(lambda: (c.dtod_batch(dst_torch, srcp, sizes),
+                                                                        c.synchronize()), repeat)[0] * 1e3
+        out["cuMemcpyBatchAsync_into_region_ms"] = timed(lambda: (c.dtod_batch(dst_region, srcp, sizes, True),
+                                                                   c.synchronize()), repeat)[0] * 1e3
+
+    def torch_into_region():
+        for n in names:
+            views[n].copy_(src[n])
+
+    out["torch_copy_into_region_ms"] = timed(torch_into_region, repeat)[0] * 1e3
+    side = torch.cuda.Stream()
+
+    def torch_into_region_side_stream():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for n in names:
+                views[n].copy_(src[n])
+        side.synchronize()
+
+    out["torch_copy_into_region_side_stream_ms"] = timed(torch_into_region_side_stream, repeat)[0] * 1e3
+    views.clear()
+    del flat
+    region.close()
+    for k, v in out.items():
+        print(f"probe {k:45} {v:8.2f} ms", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=float, default=31.2e9)
@@ -119,6 +164,8 @@ def main() -> int:
                  "tensors": len(src), "bytes": nbytes, "repeat": args.repeat}
 
     t_flat, t_per = torch_reference(src, nbytes, args.repeat)
+    torch.cuda.empty_cache()
+    res["probe"] = probe_copy_paths(src, nbytes, args.repeat)
     torch.cuda.empty_cache()
     variants = [tensorxfer_pack(src, args.repeat, chunk, batch)
                 for chunk, batch in ((None, False), (None, True), (1 << 30, False), (64 << 20, False))]
