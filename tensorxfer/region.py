@@ -143,6 +143,7 @@ class TensorRegion:
         #: CUDA only: queue device copies with one cuMemcpyBatchAsync call
         #: instead of one cuMemcpyDtoDAsync per tensor.
         self.batch_copies = False
+        self._plan: tuple | None = None
 
     # ------------------------------------------------------------ factories
     @classmethod
@@ -325,7 +326,10 @@ class TensorRegion:
             Names are missing or extra, or a dtype or shape differs; nothing
             is copied in that case.
         """
-        sources = [(name, _as_source(name, obj, self.is_cuda)) for name, obj in _items(tensors)]
+        items = _items(tensors)
+        if self.is_cuda and self._replay_plan(items):
+            return
+        sources = [(name, _as_source(name, obj, self.is_cuda)) for name, obj in items]
         given = {name for name, _ in sources}
         missing = [n for n in self.manifest.names if n not in given]
         extra = [n for n in given if n not in self.manifest]
@@ -339,6 +343,39 @@ class TensorRegion:
                 raise LayoutError(f"tensor {name!r}: got {dt}{list(src.shape)}, the region holds "
                                   f"{spec.dtype}{list(spec.shape)}")
         self._copy_in(sources)
+        if self.is_cuda:
+            self._remember_plan(items, sources)
+
+    # A trainer calls update_from with the same parameter tensors every step.
+    # Validating and converting 820 of them costs a few ms of Python, as much
+    # as a fifth of the copy itself; when every tensor is the same object
+    # with the same storage, shape and dtype as last time, the batched copy
+    # is replayed from the remembered pointer arrays instead.
+    def _remember_plan(self, items: list[tuple[str, Any]], sources: list[tuple[str, Source]]) -> None:
+        if not all(isinstance(s, _DeviceSource) and _is_torch(s.keepalive) and s.keepalive is obj
+                   for (_, obj), (_, s) in zip(items, sources)):
+            self._plan = None
+            return
+        manifest, base = self.manifest, self.region.ptr
+        keep = [(name, obj, obj.data_ptr(), tuple(obj.shape), obj.dtype) for name, obj in items]
+        rows = [(base + manifest[name].offset, ptr, manifest[name].nbytes) for name, _, ptr, _, _ in keep
+                if manifest[name].nbytes]
+        dsts, srcs, sizes = (np.array([r[i] for r in rows], dtype=np.uint64) for i in range(3))
+        self._plan = (keep, dsts, srcs, sizes)
+
+    def _replay_plan(self, items: list[tuple[str, Any]]) -> bool:
+        plan = self._plan
+        if plan is None or len(items) != len(plan[0]):
+            return False
+        for (name, obj), (pname, pobj, ptr, shape, dtype) in zip(items, plan[0]):
+            if (obj is not pobj or name != pname or obj.data_ptr() != ptr or obj.dtype is not dtype
+                    or obj.shape != shape or not obj.is_contiguous()):
+                return False
+        _torch().cuda.synchronize()
+        copier = self._get_copier()
+        copier.dtod_batch(plan[1], plan[2], plan[3], batch_api=self.batch_copies)
+        copier.synchronize()
+        return True
 
     def _copy_in(self, sources: list[tuple[str, Source]]) -> None:
         if not self.is_cuda:

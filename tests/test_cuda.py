@@ -380,3 +380,25 @@ def test_pipelined_from_tensors_and_batched_copies_across_many_handles(torch, gr
         for k, t in step.items():
             assert torch.equal(v[k].view(torch.int16), t.view(torch.int16)), k
         del v
+
+
+@cuda
+@needs_gpu
+def test_repeated_updates_replay_the_plan_and_notice_changed_storage(torch):
+    params = {f"p{i}": _random_torch(torch, torch.bfloat16, (64, 33), "cuda") for i in range(20)}
+    with TensorRegion.from_tensors(params, device="cuda:0") as r:
+        r.update_from(params)
+        assert r._plan is not None
+        for step in range(3):
+            for t in params.values():
+                t.add_(1)                          # an optimizer step, in place
+            r.update_from(params)
+            v = r.tensors()
+            assert all(torch.equal(v[k].view(torch.int16), t.view(torch.int16)) for k, t in params.items()), step
+            del v
+        params["p3"].data = torch.zeros(64, 33, dtype=torch.bfloat16, device="cuda")   # new storage
+        r.update_from(params)
+        assert int(r.tensors()["p3"].view(torch.int16).count_nonzero()) == 0
+        params["p4"].data = torch.zeros(3, dtype=torch.bfloat16, device="cuda")        # new shape: refused
+        with pytest.raises(LayoutError):
+            r.update_from(params)
