@@ -141,8 +141,9 @@ class TensorRegion:
         self._bytes: np.ndarray | None = None
         self._copier: Any = None
         #: CUDA only: queue device copies with one cuMemcpyBatchAsync call
-        #: instead of one cuMemcpyDtoDAsync per tensor.
-        self.batch_copies = False
+        #: instead of one cuMemcpyDtoDAsync per tensor (measured on an H200,
+        #: 820 tensors / 30.9 GB: update_from 19.5 ms vs 21.2 ms).
+        self.batch_copies = True
         self._plan: tuple | None = None
 
     # ------------------------------------------------------------ factories
