@@ -435,6 +435,7 @@ class TensorRegion:
         view is dropped.
         """
         self._bytes = None
+        self._plan = None          # it references the caller's tensors
         if self._copier is not None:
             self._copier.close()
             self._copier = None
