@@ -325,7 +325,7 @@ class Receiver:
         self.close()
 
     def __repr__(self) -> str:
-        where = "closed" if self.closed else "%s:%d" % self.address
+        where = "closed" if self.closed else "{}:{}".format(*self.address)
         return f"<Receiver {where}>"
 
 

@@ -77,7 +77,7 @@ def choose(requested: str, peer_supports: Iterable[str]) -> str:
             raise TransportUnavailable(f"transport {requested!r} was requested but the receiver does not support "
                                        f"it (it offers {sorted(peer)})")
         return requested
-    skipped = []
+    skipped: list[str] = []
     for name in AUTO_ORDER:
         reason = unavailable_reason(name) or (None if name in peer else "the receiver does not offer it")
         if reason is None:

@@ -57,16 +57,24 @@ STREAM_HEADER = struct.Struct(">4sQII32s")
 def plan_slices(nbytes: int, streams: int) -> list[tuple[int, int]]:
     """Cut ``[0, nbytes)`` into at most ``streams`` contiguous ``(offset, length)`` slices.
 
-    Both ends compute this from the same two numbers, so only the stream
-    count travels.  Slices are ``SLICE_ALIGN``-aligned and at least
-    ``MIN_SLICE_BYTES`` (so a small region uses fewer streams); an empty
-    region has no slices.
+    The receiver plans; the slice size travels in the accept descriptors and
+    the sender rebuilds the same list with :func:`slices_of`.  Slices are
+    ``SLICE_ALIGN``-aligned and at least ``MIN_SLICE_BYTES`` (so a small
+    region uses fewer streams); an empty region has no slices.
     """
     if nbytes <= 0:
         return []
-    k = max(1, min(streams, -(-nbytes // MIN_SLICE_BYTES)))
-    step = -(-(-(-nbytes // k)) // SLICE_ALIGN) * SLICE_ALIGN
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+    k = max(1, min(streams, _ceil_div(nbytes, MIN_SLICE_BYTES)))
+    return slices_of(nbytes, _ceil_div(_ceil_div(nbytes, k), SLICE_ALIGN) * SLICE_ALIGN)
+
+
+def slices_of(nbytes: int, slice_bytes: int) -> list[tuple[int, int]]:
+    """``[0, nbytes)`` in consecutive slices of ``slice_bytes`` (the last one shorter)."""
+    return [(off, min(slice_bytes, nbytes - off)) for off in range(0, nbytes, slice_bytes)]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def host_view(region: TensorRegion) -> memoryview:
@@ -177,7 +185,8 @@ class TcpReceiver(ReceiverTransport):
             listener.close()
             raise
         self._listener = listener
-        return {"port": listener.getsockname()[1], "nonce": self._nonce, "streams": len(self._slices)}
+        return {"port": listener.getsockname()[1], "nonce": self._nonce, "streams": len(self._slices),
+                "slice_bytes": self._slices[0][1] if self._slices else 0}
 
     def wait(self, progress: Progress | None = None) -> int:
         """Accept every stream, receive every slice; return the byte count.
@@ -294,6 +303,7 @@ class TcpSender(SenderTransport):
         super().__init__(ctx)
         self._streams = _Streams("send")
         self._count = 0
+        self._slice_bytes = 0
 
     def connect(self, descriptors: dict[str, Any]) -> None:
         """Open and authenticate one connection per stream the receiver asked for.
@@ -308,10 +318,13 @@ class TcpSender(SenderTransport):
         port = field(descriptors, "port", int)
         stream_nonce = field(descriptors, "nonce", bytes)
         count = field(descriptors, "streams", int)
-        if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES or not 0 <= count <= MAX_STREAMS:
+        slice_bytes = field(descriptors, "slice_bytes", int)
+        if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES or not 0 <= count <= MAX_STREAMS \
+                or slice_bytes < 0 or (count > 0) != (slice_bytes > 0):
             raise ProtocolError(f"tcp accept descriptors out of range: port {port}, {len(stream_nonce)}-byte "
-                                f"nonce, {count} streams")
+                                f"nonce, {count} streams of {slice_bytes} bytes")
         self._count = count
+        self._slice_bytes = slice_bytes
         for index in range(count):
             try:
                 sock = socket.create_connection((self.ctx.peer_host, port), timeout=self.ctx.stall_timeout)
@@ -336,10 +349,10 @@ class TcpSender(SenderTransport):
         TransferTimeout
             A stream made no progress for ``stall_timeout`` seconds.
         """
-        slices = plan_slices(region.nbytes, self._count)
+        slices = slices_of(region.nbytes, self._slice_bytes) if self._slice_bytes else []
         if len(slices) != self._count:
-            raise ProtocolError(f"receiver asked for {self._count} streams; {region.nbytes} bytes make "
-                                f"{len(slices)} slices")
+            raise ProtocolError(f"receiver asked for {self._count} streams of {self._slice_bytes} bytes; "
+                                f"{region.nbytes} bytes make {len(slices)} such slices")
         self._streams._progress = progress
         with host_view(region) as view:
             for index, sock in enumerate(self._streams.socks):
