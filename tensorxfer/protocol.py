@@ -135,8 +135,9 @@ class Channel:
         self._sock: socket.socket | None = sock
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
-        # Control frames are small and latency-bound: never wait for Nagle.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Control frames are small and latency-bound: never wait for Nagle.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.peer = _peername(sock)
 
     @property
@@ -266,10 +267,10 @@ def decode_frame(body: bytes) -> dict[str, Any]:
 
 def _peername(sock: socket.socket) -> str:
     try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
+        name = sock.getpeername()
     except OSError:
         return "peer"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "local peer"
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
