@@ -60,7 +60,7 @@ def test_sender_killed_mid_transfer_receiver_raises_peer_lost_promptly():
         proc = child(SELF_HARMING_SENDER, "{}:{}".format(*rx.address), str(SIZE), "SIGKILL")
         t0 = time.monotonic()
         try:
-            with pytest.raises(tx.PeerLost, match="sender closed|lost"):
+            with pytest.raises(tx.PeerLost, match=r"sender closed|lost"):
                 rx.receive(timeout=20)
             assert time.monotonic() - t0 < 10, "PeerLost must come promptly, not after the stall timeout"
         finally:
@@ -99,7 +99,7 @@ def test_sender_that_stops_sending_times_out_the_receiver():
         proc = child(SELF_HARMING_SENDER, "{}:{}".format(*rx.address), str(SIZE), "SIGSTOP")
         try:
             t0 = time.monotonic()
-            with pytest.raises(tx.TransferTimeout, match="stalled|no data"):
+            with pytest.raises(tx.TransferTimeout, match=r"stalled|no data"):
                 rx.receive(timeout=20)
             assert time.monotonic() - t0 < 10
         finally:
@@ -123,7 +123,7 @@ with Receiver("127.0.0.1:0", token="right") as rx:
     port = int(proc.stdout.readline())
     with pytest.raises(tx.AuthError):
         Sender(f"127.0.0.1:{port}", token="wrong")
-    rc, out, _ = finish(proc)
+    _, out, _ = finish(proc)
     assert out.split() == ["AuthError", "True"]
 
 

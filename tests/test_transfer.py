@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -90,7 +91,7 @@ def test_empty_and_tiny_regions():
 def test_offer_over_the_limit_is_refused_before_allocating():
     with region_of(8 << 20) as big, Receiver(max_region_bytes=1 << 20) as rx:
         job = Background(rx.receive, timeout=10)
-        with Sender(addr(rx)) as s, pytest.raises(tx.ManifestError, match="refused|limit|max"):
+        with Sender(addr(rx)) as s, pytest.raises(tx.ManifestError, match=r"refused|limit|max"):
             s.send(big)
         with pytest.raises(tx.ManifestError):
             job.result()
@@ -210,7 +211,7 @@ def test_plan_slices_tile_the_region(nbytes, streams):
     assert len(slices) <= streams
     assert sum(n for _, n in slices) == nbytes
     assert all(off % SLICE_ALIGN == 0 and n > 0 for off, n in slices)
-    assert all(a + n == b for (a, n), (b, _) in zip(slices, slices[1:]))
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(slices))
     if slices:
         assert slices_of(nbytes, slices[0][1]) == slices
 
