@@ -1,10 +1,10 @@
 """tensorxfer's TCP transport over loopback against iperf3 with the same stream counts.
 
-For each stream count, back to back in one invocation: ``tensorxfer-bench``'s
-engine (sender here, receiver in a child process, an 820-tensor synthetic
-model, ``--repeat`` transfers in one session, median of the warm ones) and
-``iperf3 -c 127.0.0.1 -P <streams> -n <same bytes>`` (median of
-``--iperf-runs`` runs).  Writes ``benchmarks/results/tcp-<UTC date>.json``
+Back to back in one invocation: ``tensorxfer-bench``'s engine (sender here,
+receiver in a child process, an 820-tensor synthetic model; one cold
+transfer, then per stream count a session of ``--repeat`` warm transfers,
+median) and, per stream count, ``iperf3 -c 127.0.0.1 -P <streams> -n <same
+bytes>`` (median of ``--iperf-runs`` runs).  Writes ``benchmarks/results/tcp-<UTC date>.json``
 (the exact command, machine facts, every run) and a PNG plot of throughput
 against streams when matplotlib is installed.
 
@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     size = int(args.size)
     rows = []
     for rnd in range(args.rounds):
+        tx = run_bench(size, list(args.streams), args.repeat, verify=False, quiet=True)
+        print(f"round {rnd}: cold transfer {tx['cold']['gbps']:.2f} Gbps (receiver first-touches its region)")
         for streams in args.streams:
-            tx = run_bench(size, streams, args.repeat, verify=False, quiet=True)
+            mine = tx["by_streams"][streams]
             ip_runs = []
             for _ in range(args.iperf_runs):
                 r = iperf3_gbps(streams, tx["bytes"])
@@ -51,14 +53,13 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 ip_runs.append(r)
             ip = statistics.median(r["gbps"] for r in ip_runs)
-            rows.append({"round": rnd, "streams": streams, "tensorxfer_gbps": tx["gbps_warm_median"],
-                         "tensorxfer_runs": [r["gbps"] for r in tx["runs"]], "iperf3_gbps": ip,
-                         "iperf3_runs": [r["gbps"] for r in ip_runs], "iperf3_command": ip_runs[0]["command"],
-                         "ratio": tx["gbps_warm_median"] / ip})
-            runs = ", ".join(f"{r['gbps']:.1f}" for r in tx["runs"])
-            print(f"round {rnd} streams {streams:2d}: tensorxfer {tx['gbps_warm_median']:6.2f} Gbps "
-                  f"(runs {runs}), iperf3 {ip:6.2f} Gbps "
-                  f"-> ratio {tx['gbps_warm_median'] / ip:.2f}", flush=True)
+            runs = ", ".join(f"{r['gbps']:.1f}" for r in mine["runs"])
+            rows.append({"round": rnd, "streams": streams, "tensorxfer_gbps": mine["gbps_median"],
+                         "tensorxfer_runs": [r["gbps"] for r in mine["runs"]], "tensorxfer_cold_gbps":
+                         tx["cold"]["gbps"], "iperf3_gbps": ip, "iperf3_runs": [r["gbps"] for r in ip_runs],
+                         "iperf3_command": ip_runs[0]["command"], "ratio": mine["gbps_median"] / ip})
+            print(f"round {rnd} streams {streams:2d}: tensorxfer {mine['gbps_median']:6.2f} Gbps (runs {runs}), "
+                  f"iperf3 {ip:6.2f} Gbps -> ratio {mine['gbps_median'] / ip:.2f}", flush=True)
     summary = {}
     for streams in args.streams:
         mine = [r for r in rows if r["streams"] == streams]

@@ -129,10 +129,14 @@ class Channel:
         closes it).
     max_frame : int
         The frame size limit once authenticated (see :meth:`authenticated`).
+    send_timeout : float
+        Seconds a frame may take to leave (a peer that stops reading the
+        control connection cannot block us forever).
     """
 
-    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, send_timeout: float = 30.0) -> None:
         self._sock: socket.socket | None = sock
+        self.send_timeout = send_timeout
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -166,6 +170,7 @@ class Channel:
         """
         body = msgpack.packb({"type": type_, **fields}, use_bin_type=True)
         try:
+            self.sock.settimeout(self.send_timeout)
             self.sock.sendall(HEADER.pack(len(body)) + body)
         except TimeoutError:
             raise TransferTimeout(f"control channel to {self.peer}: peer stopped reading") from None

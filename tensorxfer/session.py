@@ -33,9 +33,11 @@ import numpy as np
 from tensorxfer.checksum import ALGORITHM, first_mismatch, tensor_checksums
 from tensorxfer.errors import (
     ChecksumMismatch,
+    CudaError,
     ManifestError,
     PeerLost,
     ProtocolError,
+    RegionError,
     TensorXferError,
     TransferError,
     TransferTimeout,
@@ -263,7 +265,12 @@ class Receiver:
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()})"
             ch.send_error("transport", msg)
             raise TransportUnavailable(msg)
-        region, reallocated = self._region_for(manifest)
+        try:
+            region, reallocated = self._region_for(manifest)
+        except (CudaError, RegionError, MemoryError) as e:
+            ch.send_error("transfer", f"the receiver cannot allocate {manifest.nbytes} bytes on "
+                                      f"{self.device!r}: {e}")
+            raise
         ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
                               session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
                               streams=streams)

@@ -194,7 +194,7 @@ def test_bench_small(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(proc.stdout)
-    assert rec["tensors"] == 820 and len(rec["runs"]) == 2 and rec["gbps_warm_median"] > 0
+    assert rec["tensors"] == 820 and len(rec["runs"]) == 2 and rec["gbps_warm_median"] > 0 and rec["cold"]["bytes"]
 
 
 def test_bench_refuses_what_does_not_fit():

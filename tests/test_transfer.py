@@ -152,7 +152,7 @@ def test_auto_logs_its_choice(caplog):
 def test_cuda_device_is_refused_clearly():
     with Receiver(device="cuda:0") as rx, region_of(1 << 20) as r:
         job = Background(rx.receive, timeout=10)
-        with Sender(addr(rx)) as s, pytest.raises(tx.TransferError):
+        with Sender(addr(rx)) as s, pytest.raises(tx.TransferError, match="cannot allocate"):
             s.send(r)
         with pytest.raises(tx.CudaError):
             job.result()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -43,12 +44,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STREAMS = 4            # measured: see benchmarks/results and the module docstring
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
+# Tuning knobs, chosen by measurement (module docstring); the environment overrides them for other networks.
+DEFAULT_STREAMS = _env_int("TENSORXFER_TCP_STREAMS", 4)
 MAX_STREAMS = 64
 MIN_SLICE_BYTES = 4 << 20      # below this, another stream costs more than it brings
 SLICE_ALIGN = 64 << 10
-PIECE_BYTES = 8 << 20          # one sendall: progress and stall granularity
-SOCKET_BUFFER_BYTES = 0        # 0 = leave the kernel's autotuning on (measured best on loopback)
+PIECE_BYTES = _env_int("TENSORXFER_TCP_PIECE", 8 << 20)            # one sendall: progress and stall granularity
+SOCKET_BUFFER_BYTES = _env_int("TENSORXFER_TCP_SOCKBUF", 0)         # 0: the kernel's autotuning
 HEADER_TIMEOUT = 5.0           # a connected stream must identify itself this fast
 STREAM_MAGIC = b"TXS1"
 STREAM_HEADER = struct.Struct(">4sQII32s")
