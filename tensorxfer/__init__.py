@@ -4,6 +4,7 @@ Public API (everything else is private):
 
 - :class:`TensorRegion` — many tensors packed into one region, one manifest.
 - :class:`Manifest` / :class:`TensorSpec` — the validated msgpack layout.
+- :class:`Sender` / :class:`Receiver` — sessions moving regions (TCP today).
 - :class:`HostRegion` — one virtual range backed by many memfd chunks.
 - the exception tree in :mod:`tensorxfer.errors`.
 """
@@ -27,6 +28,7 @@ from tensorxfer.errors import (
 from tensorxfer.manifest import Manifest, TensorSpec
 from tensorxfer.memory import Extent, HostRegion
 from tensorxfer.region import TensorRegion
+from tensorxfer.session import Receiver, Sender, TransferStats
 
 __version__ = "0.1.0"
 
@@ -42,11 +44,14 @@ __all__ = [
     "ManifestError",
     "PeerLost",
     "ProtocolError",
+    "Receiver",
     "RegionError",
+    "Sender",
     "TensorRegion",
     "TensorSpec",
     "TensorXferError",
     "TransferError",
+    "TransferStats",
     "TransferTimeout",
     "TransportUnavailable",
     "VerbsError",

@@ -1,0 +1,138 @@
+"""What ``tensorxfer-send`` and ``tensorxfer-recv`` share: flags, tokens, exit codes, progress, summaries.
+
+Exit codes (both commands):
+
+====  =====================================================================
+0     success
+1     the transfer failed (peer lost, stalled, checksum mismatch, refused)
+2     bad usage or bad input (arguments, malformed or unsafe files, token file)
+3     authentication failed (wrong or missing token)
+4     the requested transport or device is not available
+5     protocol error (the peer speaks another version, or garbage)
+130   interrupted (Ctrl-C)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from tensorxfer.errors import (
+    AuthError,
+    CudaError,
+    ManifestError,
+    ProtocolError,
+    TensorXferError,
+    TransportUnavailable,
+)
+
+EXIT_OK, EXIT_TRANSFER, EXIT_USAGE, EXIT_AUTH, EXIT_UNAVAILABLE, EXIT_PROTOCOL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
+TOKEN_ENV = "TENSORXFER_TOKEN"
+
+
+def exit_code(error: BaseException) -> int:
+    """The documented exit code for an error."""
+    if isinstance(error, AuthError):
+        return EXIT_AUTH
+    if isinstance(error, (TransportUnavailable, CudaError)):
+        return EXIT_UNAVAILABLE
+    if isinstance(error, ProtocolError):
+        return EXIT_PROTOCOL
+    if isinstance(error, ManifestError):
+        return EXIT_TRANSFER       # the receiver refused the offer
+    if isinstance(error, (ValueError, FileNotFoundError, IsADirectoryError, PermissionError)):
+        return EXIT_USAGE
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_TRANSFER
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="PATH",
+                   help=f"file holding the shared token (default: ${TOKEN_ENV}; none: no authentication)")
+    p.add_argument("--transport", default="auto", help="auto (default) or tcp; a forced transport never falls back")
+    p.add_argument("--device", default="cpu", help="where the region lives (cpu)")
+    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
+                   help="fail when no data moves for S seconds (default 30)")
+    p.add_argument("--verify", action="store_true", help="per-tensor xxh3_64 checksums, checked by the receiver")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON lines on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The token from ``--token-file`` or ``$TENSORXFER_TOKEN`` (never from the command line).
+
+    Raises
+    ------
+    ValueError
+        The token file is unreadable or empty.
+    """
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --token-file: {e}") from None
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class Progress:
+    """A tiny progress bar on stderr, drawn only on a TTY; thread-safe ``__call__(nbytes)``."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total = total          # 0: unknown (a receiver learns it only from the offer)
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self.done = 0
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._last = 0.0
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = time.perf_counter()
+            if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+                self._last = now
+                rate = self.done * 8 / max(now - self._t0, 1e-9) / 1e9
+                if self.total:
+                    frac = min(self.done / self.total, 1.0)
+                    sys.stderr.write(f"\r{self.label} [{'#' * int(frac * 30):<30}] {frac:6.1%} "
+                                     f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {rate:.1f} Gbps")
+                else:
+                    sys.stderr.write(f"\r{self.label} {self.done / 1e9:.2f} GB {rate:.1f} Gbps")
+                sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled and self.done:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
+    return (f"{verb} {stats['bytes']:,} bytes in {stats['seconds']:.3f} s = {stats['gbps']:.2f} Gbps over "
+            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{extra}")
+
+
+def emit_json(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def report_error(prog: str, error: BaseException, as_json: bool) -> int:
+    code = exit_code(error)
+    if as_json:
+        emit_json({"event": "error", "error": type(error).__name__, "message": str(error), "exit_code": code})
+    print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
+    return code
+
+
+__all__ = ["EXIT_OK", "TensorXferError", "add_common", "exit_code", "read_token", "report_error", "summary"]

@@ -1,0 +1,386 @@
+"""The control protocol: length-prefixed msgpack frames over one TCP connection.
+
+``docs/protocol.md`` is the full specification; this module implements it.
+
+A frame is a 4-byte big-endian unsigned length ``N`` followed by ``N`` bytes
+of msgpack encoding one map whose ``"type"`` key names the frame.  Frames are
+read with a bounds-checked reader: the length is checked against a limit
+before anything is allocated (64 KiB until the peer is authenticated, then
+``max_frame`` — a manifest of a million tensors fits), msgpack's own
+per-object limits are bounded by the frame size, and every field a caller
+reads goes through :func:`field`, which checks its type.  Never pickle.
+
+Connections are owned by :class:`Channel`; ``close()`` is idempotent.
+Errors map onto the exception tree: EOF or a reset is :class:`PeerLost`, a
+socket timeout is :class:`TransferTimeout`, anything malformed, oversized,
+truncated or unexpected is :class:`ProtocolError`, and an ``error`` frame
+from the peer is raised as the error it names (:func:`raise_peer_error`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgpack
+
+from tensorxfer.errors import (
+    AuthError,
+    ChecksumMismatch,
+    ManifestError,
+    PeerLost,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+PREAUTH_MAX_FRAME = 64 << 10          # hello/auth frames are tiny; a stranger cannot make us allocate more
+DEFAULT_MAX_FRAME = (256 << 20) + (1 << 20)   # the largest manifest Manifest.unpack accepts, plus room
+NONCE_BYTES = 32
+AUTH_CONTEXT = b"tensorxfer-auth-v1"
+FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "ack", "error", "bye"))
+
+T = TypeVar("T")
+
+
+def field(frame: Mapping[str, Any], name: str, kind: type[T] | tuple[type, ...], optional: bool = False) -> T:
+    """``frame[name]`` checked to be an instance of ``kind``.
+
+    Raises
+    ------
+    ProtocolError
+        The field is missing (and not ``optional``) or has another type.
+    """
+    if name not in frame:
+        if optional:
+            return None  # type: ignore[return-value]
+        raise ProtocolError(f"{frame.get('type', '?')} frame lacks the {name!r} field")
+    value = frame[name]
+    if value is None and optional:
+        return None  # type: ignore[return-value]
+    # bool is an int subclass; a count or size field must not accept True.
+    if isinstance(value, bool) and kind is int:
+        raise ProtocolError(f"{frame.get('type')} frame: field {name!r} must be an integer, got a bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(f"{frame.get('type')} frame: field {name!r} has type {type(value).__name__}")
+    return value  # type: ignore[return-value]
+
+
+def nonce() -> bytes:
+    """A fresh random nonce (challenges, stream proofs)."""
+    return os.urandom(NONCE_BYTES)
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over the length-prefixed ``parts`` (prefixes keep concatenations unambiguous)."""
+    h = hmac.new(key, AUTH_CONTEXT, hashlib.sha256)
+    for p in parts:
+        h.update(HEADER.pack(len(p)))
+        h.update(p)
+    return h.digest()
+
+
+def token_key(token: str | bytes | None) -> bytes | None:
+    """The HMAC key for a shared token (``None`` when there is no token)."""
+    if token is None:
+        return None
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if not raw:
+        raise ValueError("the token must not be empty (pass None for no authentication)")
+    return hashlib.sha256(b"tensorxfer-token" + raw).digest()
+
+
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    "auth": AuthError,
+    "version": ProtocolError,
+    "protocol": ProtocolError,
+    "refused": ManifestError,
+    "transport": TransportUnavailable,
+    "checksum": ChecksumMismatch,
+    "transfer": TransferError,
+}
+
+
+def raise_peer_error(frame: Mapping[str, Any]) -> None:
+    """Raise the exception an ``error`` frame names (``code``, ``message``, optional ``tensor``)."""
+    code = field(frame, "code", str)
+    message = f"peer reported: {field(frame, 'message', str)}"
+    cls = _ERROR_TYPES.get(code, TransferError)
+    if cls is ChecksumMismatch:
+        raise ChecksumMismatch(message, tensor=field(frame, "tensor", str, optional=True))
+    raise cls(message)
+
+
+class Channel:
+    """One control connection: sends and receives frames, owns the socket.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected TCP socket; the channel takes ownership (``close()``
+        closes it).
+    max_frame : int
+        The frame size limit once authenticated (see :meth:`authenticated`).
+    send_timeout : float
+        Seconds a frame may take to leave (a peer that stops reading the
+        control connection cannot block us forever).
+    """
+
+    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, send_timeout: float = 30.0) -> None:
+        self._sock: socket.socket | None = sock
+        self.send_timeout = send_timeout
+        self._limit = PREAUTH_MAX_FRAME
+        self._max_frame = max_frame
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Control frames are small and latency-bound: never wait for Nagle.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer = _peername(sock)
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    @property
+    def sock(self) -> socket.socket:
+        if self._sock is None:
+            raise ProtocolError("the control channel is closed")
+        return self._sock
+
+    def authenticated(self) -> None:
+        """Raise the frame limit from the pre-authentication 64 KiB to ``max_frame``."""
+        self._limit = self._max_frame
+
+    def send(self, type_: str, **fields: Any) -> None:
+        """Send one frame.
+
+        Raises
+        ------
+        PeerLost
+            The connection is gone.
+        TransferTimeout
+            The peer did not read for longer than the socket timeout.
+        """
+        body = msgpack.packb({"type": type_, **fields}, use_bin_type=True)
+        try:
+            self.sock.settimeout(self.send_timeout)
+            self.sock.sendall(HEADER.pack(len(body)) + body)
+        except TimeoutError:
+            raise TransferTimeout(f"control channel to {self.peer}: peer stopped reading") from None
+        except OSError as e:
+            raise PeerLost(f"control channel to {self.peer} lost while sending {type_!r}: {e}") from None
+
+    def send_error(self, code: str, message: str, **extra: Any) -> None:
+        """Best-effort ``error`` frame before closing: the peer may already be gone."""
+        try:
+            self.send("error", code=code, message=message, **extra)
+        except (PeerLost, TransferTimeout, ProtocolError):
+            pass   # the peer is gone or stuck; the caller raises the real error
+
+    def recv(self, *expected: str, timeout: float | None = None) -> dict[str, Any]:
+        """Receive one frame whose type is one of ``expected``.
+
+        An ``error`` frame from the peer is raised as the error it names.
+
+        Raises
+        ------
+        ProtocolError
+            Oversized, truncated, malformed or unexpected frame.
+        PeerLost
+            The connection closed or reset (including mid-frame).
+        TransferTimeout
+            Nothing arrived within ``timeout`` seconds.
+        """
+        sock = self.sock
+        sock.settimeout(timeout)
+        head = self._read_exact(HEADER.size, what="frame header")
+        (size,) = HEADER.unpack(head)
+        if size == 0 or size > self._limit:
+            raise ProtocolError(f"frame of {size} bytes from {self.peer}: the limit here is {self._limit} "
+                                f"(and frames are never empty)")
+        body = self._read_exact(size, what=f"frame body of {size} bytes")
+        frame = decode_frame(body)
+        if frame["type"] == "error" and "error" not in expected:
+            raise_peer_error(frame)
+        if frame["type"] not in expected:
+            raise ProtocolError(f"expected a {' or '.join(expected)} frame from {self.peer}, got {frame['type']!r}")
+        return frame
+
+    def _read_exact(self, n: int, what: str) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:])
+                if k == 0:
+                    if got == 0 and what == "frame header":
+                        raise PeerLost(f"{self.peer} closed the control connection")
+                    raise PeerLost(f"{self.peer} closed the control connection mid-frame ({what}: {got} of {n})")
+                got += k
+        except TimeoutError:
+            raise TransferTimeout(f"control channel to {self.peer}: no {what} within "
+                                  f"{self.sock.gettimeout()} s") from None
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, PeerLost):
+                raise
+            raise PeerLost(f"control channel to {self.peer} lost: {e}") from None
+        finally:
+            view.release()
+        return bytes(buf)
+
+    def close(self) -> None:
+        """Close the socket; idempotent."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def decode_frame(body: bytes) -> dict[str, Any]:
+    """Decode one frame body with msgpack limits bounded by its size.
+
+    Raises
+    ------
+    ProtocolError
+        Not one msgpack map with a known ``type``.
+    """
+    lim = len(body)
+    try:
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=lim, max_bin_len=lim,
+                                max_array_len=lim, max_map_len=lim, max_ext_len=0)
+    except Exception as e:   # msgpack raises several types for bad input; all mean the same here
+        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+        raise ProtocolError("frame is not a msgpack map with a 'type' string")
+    if frame["type"] not in FRAME_TYPES:
+        raise ProtocolError(f"unknown frame type {frame['type']!r}")
+    return frame
+
+
+def _peername(sock: socket.socket) -> str:
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return "peer"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "local peer"
+
+
+def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"`` or ``":port"`` → (host, port).
+
+    Raises
+    ------
+    ValueError
+        Not an address with a port in 0..65535.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address must be HOST:PORT, got {text!r}")
+    host = host.strip("[]") or default_host
+    return host, int(port)
+
+
+# ------------------------------------------------------------------ handshake
+def session_key(key: bytes | None, sender_nonce: bytes, receiver_nonce: bytes) -> bytes:
+    """The per-session secret transports prove data connections with.
+
+    Without a token it is derived from public nonces only: it then keeps
+    data connections of different sessions apart but is not a secret.
+    """
+    return mac(key or bytes(32), b"session", sender_nonce, receiver_nonce)
+
+
+def client_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, Any],
+                     timeout: float) -> tuple[dict, bytes]:
+    """The sender's half of hello + mutual authentication.
+
+    Returns the receiver's hello frame and the session key.
+
+    Raises
+    ------
+    ProtocolError
+        The versions differ (the message names both), or a frame is bad.
+    AuthError
+        The tokens differ, only one side has one, or the receiver could not
+        prove it knows the token.
+    """
+    my_nonce = nonce()
+    ch.send("hello", version=PROTOCOL_VERSION, role="sender", auth=key is not None, nonce=my_nonce,
+            capabilities=dict(capabilities))
+    hello = ch.recv("hello", timeout=timeout)
+    _check_hello(hello, key, "receiver")
+    if key is not None:
+        peer_nonce = field(hello, "nonce", bytes)
+        ch.send("auth", mac=mac(key, b"sender", peer_nonce, my_nonce))
+        reply = ch.recv("auth", timeout=timeout)
+        if not hmac.compare_digest(field(reply, "mac", bytes), mac(key, b"receiver", my_nonce, peer_nonce)):
+            raise AuthError(f"receiver {ch.peer} failed to prove it holds the token; nothing was sent")
+    ch.authenticated()
+    return hello, session_key(key, my_nonce, field(hello, "nonce", bytes))
+
+
+def server_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, Any],
+                     timeout: float) -> tuple[dict, bytes]:
+    """The receiver's half of hello + mutual authentication.
+
+    Returns the sender's hello frame and the session key.
+
+    A failure is also reported to the peer in an ``error`` frame.
+
+    Raises
+    ------
+    ProtocolError, AuthError
+        As :func:`client_handshake`.
+    """
+    hello = ch.recv("hello", timeout=timeout)
+    try:
+        _check_hello(hello, key, "sender")
+    except AuthError as e:
+        ch.send_error("auth", str(e))
+        raise
+    except ProtocolError as e:
+        ch.send_error("version" if "version" in str(e) else "protocol", str(e))
+        raise
+    peer_nonce = field(hello, "nonce", bytes)
+    my_nonce = nonce()
+    ch.send("hello", version=PROTOCOL_VERSION, role="receiver", auth=key is not None, nonce=my_nonce,
+            capabilities=dict(capabilities))
+    if key is not None:
+        proof = field(ch.recv("auth", timeout=timeout), "mac", bytes)
+        if not hmac.compare_digest(proof, mac(key, b"sender", my_nonce, peer_nonce)):
+            ch.send_error("auth", "wrong token")
+            raise AuthError(f"sender {ch.peer} presented a wrong token; connection refused, no data moved")
+        ch.send("auth", mac=mac(key, b"receiver", peer_nonce, my_nonce))
+    ch.authenticated()
+    return hello, session_key(key, peer_nonce, my_nonce)
+
+
+def _check_hello(hello: Mapping[str, Any], key: bytes | None, peer_role: str) -> None:
+    version = field(hello, "version", int)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version mismatch: this side speaks version {PROTOCOL_VERSION}, "
+                            f"the {peer_role} speaks version {version}; upgrade the older side")
+    if field(hello, "role", str) != peer_role:
+        raise ProtocolError(f"expected a {peer_role} on the other end, got role {hello['role']!r}")
+    nonce_ = field(hello, "nonce", bytes)
+    if len(nonce_) != NONCE_BYTES:
+        raise ProtocolError(f"hello nonce must be {NONCE_BYTES} bytes, got {len(nonce_)}")
+    field(hello, "capabilities", dict)
+    peer_auth = field(hello, "auth", bool)
+    if peer_auth != (key is not None):
+        mine = "has a token" if key is not None else "has no token"
+        theirs = "has one" if peer_auth else "has none"
+        raise AuthError(f"token mismatch: this side {mine}, the {peer_role} {theirs}; give both the same token")

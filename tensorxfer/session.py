@@ -1,0 +1,488 @@
+"""Sender and Receiver: sessions that move whole regions, repeatedly.
+
+A :class:`Sender` opens one control connection to a :class:`Receiver`
+(hello, mutual HMAC authentication when a token is set) and keeps it for its
+lifetime; every :meth:`Sender.send` is one offer → accept → data → done →
+ack exchange (``docs/protocol.md``).  The receiver allocates a region from
+the first offer's manifest and lands every later offer with the same layout
+in that same region — a training step's update allocates and registers
+nothing.  An offer with a *different* layout is re-allocated explicitly:
+the old region is closed (deferred while views of it are alive) and a new
+one allocated; the ``accept`` frame and :attr:`Receiver.last_stats` say so.
+
+A receiver serves senders one after another: when a sender closes its
+session, :meth:`Receiver.receive` accepts the next.  Everything is plain
+blocking code usable from threads; no event loop is needed.
+
+Ownership: the receiver owns the region it returns and reuses it for the
+next offer; copy what you need to keep before calling ``receive()`` again.
+``close()`` on either side is idempotent and releases every socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorxfer.checksum import ALGORITHM, first_mismatch, tensor_checksums
+from tensorxfer.errors import (
+    ChecksumMismatch,
+    CudaError,
+    ManifestError,
+    PeerLost,
+    ProtocolError,
+    RegionError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from tensorxfer.manifest import DEFAULT_MAX_REGION_BYTES, Manifest
+from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
+from tensorxfer.region import TensorRegion, parse_device
+from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_transports
+from tensorxfer.transport.base import Progress, TransferContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STALL_TIMEOUT = 30.0
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one transfer did.
+
+    ``seconds`` runs from the offer to the ack (allocation on first use,
+    data, verification); ``gbps`` is ``bytes * 8 / seconds / 1e9``.
+    """
+
+    bytes: int
+    seconds: float
+    transport: str
+    streams: int
+    verified: bool = False
+    reallocated: bool = False
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps, "transport": self.transport,
+                "streams": self.streams, "verified": self.verified, "reallocated": self.reallocated}
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Receiver:
+    """Listens for senders and receives their regions.
+
+    Parameters
+    ----------
+    listen : str
+        ``HOST:PORT`` to bind (port 0 picks a free one; see :attr:`address`).
+    token : str or bytes, optional
+        Shared secret; senders must present the same one.  Without a token
+        only token-less senders are accepted.
+    device : str
+        Where received regions live (``"cpu"``).
+    max_region_bytes : int
+        Offers larger than this are refused before anything is allocated.
+    stall_timeout : float
+        Seconds without progress before a transfer fails with
+        :class:`TransferTimeout`.
+
+    Raises
+    ------
+    ValueError
+        A malformed address or device.
+    OSError
+        The address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        token: str | bytes | None = None,
+        device: str = "cpu",
+        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    ) -> None:
+        parse_device(device)
+        host, port = parse_address(listen)
+        self.device = device
+        self.max_region_bytes = int(max_region_bytes)
+        self.stall_timeout = float(stall_timeout)
+        self.handshake_timeout = float(handshake_timeout)
+        self._key = token_key(token)
+        self._channel: Channel | None = None
+        self._session_key = b""
+        self._seq = 0
+        self._region: TensorRegion | None = None
+        self.last_stats: TransferStats | None = None
+        self._lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(16)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener: socket.socket | None = listener
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` this receiver listens on."""
+        host, port = self._open_listener().getsockname()[:2]
+        return host, port
+
+    @property
+    def closed(self) -> bool:
+        return self._listener is None
+
+    @property
+    def region(self) -> TensorRegion | None:
+        """The region the last transfer landed in (reused for the next same-layout offer)."""
+        return self._region
+
+    def _open_listener(self) -> socket.socket:
+        if self._listener is None:
+            raise TransferError("this Receiver is closed")
+        return self._listener
+
+    # ------------------------------------------------------------ receiving
+    def receive(self, timeout: float | None = None, progress: Progress | None = None) -> TensorRegion:
+        """Wait for the next offer (from the current sender, or the next one) and receive it.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait for an offer to *start* (``None``: forever).
+            Once data flows, ``stall_timeout`` applies instead.
+        progress : callable, optional
+            Called with byte counts as data lands (from stream threads).
+
+        Returns
+        -------
+        TensorRegion
+            Owned by the receiver; valid until the next ``receive`` or
+            ``close`` (same-layout offers overwrite it in place).
+
+        Raises
+        ------
+        TransferTimeout
+            No offer within ``timeout``, or the sender stalled mid-transfer.
+        AuthError
+            A sender presented the wrong token (it got no data path).
+        ProtocolError
+            A peer spoke something else (bad frames, version mismatch).
+        ManifestError
+            The offer was malformed or over ``max_region_bytes`` (refused
+            before allocating).
+        PeerLost
+            The sender died mid-transfer.
+        ChecksumMismatch
+            ``verify`` was requested and a tensor's data differs.
+        """
+        with self._lock:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                if self._channel is None:
+                    self._accept_session(deadline)
+                assert self._channel is not None
+                try:
+                    frame = self._channel.recv("offer", "bye", timeout=_remaining(deadline))
+                except TransferTimeout:
+                    raise TransferTimeout(f"no offer within {timeout} s") from None
+                except PeerLost:
+                    log.info("sender %s ended its session", self._channel.peer)
+                    self._end_session()
+                    continue
+                except TensorXferError:
+                    self._end_session()
+                    raise
+                if frame["type"] == "bye":
+                    log.info("sender %s said goodbye", self._channel.peer)
+                    self._end_session()
+                    continue
+                try:
+                    return self._serve_offer(self._channel, frame, progress)
+                except BaseException:
+                    # After a failed transfer the control stream's state is unknown: end the session.
+                    self._end_session()
+                    raise
+
+    def _accept_session(self, deadline: float | None) -> None:
+        listener = self._open_listener()
+        listener.settimeout(_remaining(deadline))
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            raise TransferTimeout("no sender connected within the timeout") from None
+        ch = Channel(sock)
+        try:
+            caps = {"transports": local_transports(), "device": self.device}
+            _, self._session_key = server_handshake(ch, self._key, caps, self.handshake_timeout)
+        except BaseException:
+            ch.close()
+            raise
+        self._channel = ch
+        self._seq = 0
+        log.info("session with sender %s", ch.peer)
+
+    def _end_session(self) -> None:
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            ch.close()
+
+    def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None) -> TensorRegion:
+        t0 = time.perf_counter()
+        seq = field(offer, "seq", int)
+        if seq != self._seq + 1:
+            raise ProtocolError(f"offer out of order: expected sequence {self._seq + 1}, got {seq}")
+        self._seq = seq
+        name = field(offer, "transport", str)
+        streams = field(offer, "streams", int, optional=True)
+        verify = field(offer, "verify", bool)
+        try:
+            manifest = Manifest.unpack(field(offer, "manifest", bytes), max_region_bytes=self.max_region_bytes)
+        except ManifestError as e:
+            ch.send_error("refused", str(e))
+            raise
+        if name not in local_transports():
+            msg = f"transport {name!r} is not available on this receiver (it has {local_transports()})"
+            ch.send_error("transport", msg)
+            raise TransportUnavailable(msg)
+        try:
+            region, reallocated = self._region_for(manifest)
+        except (CudaError, RegionError, MemoryError) as e:
+            ch.send_error("transfer", f"the receiver cannot allocate {manifest.nbytes} bytes on "
+                                      f"{self.device!r}: {e}")
+            raise
+        ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
+                              session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
+                              streams=streams)
+        with TRANSPORTS[name][1](ctx) as transport:
+            descriptors = transport.prepare(region)
+            ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
+            nbytes = transport.wait(progress)
+        done = ch.recv("done", timeout=self.stall_timeout)
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
+            raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
+                                f"{nbytes} landed, the manifest has {manifest.nbytes}")
+        if verify:
+            self._verify(ch, region, done)
+        ch.send("ack", seq=seq, bytes=nbytes)
+        self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
+                                        verified=verify, reallocated=reallocated)
+        return region
+
+    def _region_for(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
+        old = self._region
+        if old is not None and not old.closed and old.manifest.same_layout(manifest):
+            old.manifest = manifest     # same layout; metadata and checksums may be new
+            return old, False
+        if old is not None:
+            log.info("offer changes the layout (%d -> %d tensors, %d -> %d bytes): re-allocating the region",
+                     len(old.manifest), len(manifest), old.nbytes, manifest.nbytes)
+            self._region = None
+            old.close(defer=True)       # views the caller still holds keep the old memory alive
+        self._region = TensorRegion.from_manifest(manifest, device=self.device)
+        return self._region, old is not None
+
+    def _verify(self, ch: Channel, region: TensorRegion, done: dict[str, Any]) -> None:
+        sums = field(done, "checksums", list)
+        if len(sums) != 2 or sums[0] != ALGORITHM or not isinstance(sums[1], bytes) \
+                or len(sums[1]) != 8 * len(region.manifest):
+            raise ProtocolError(f"done frame: checksums must be [{ALGORITHM!r}, 8 bytes per tensor]")
+        expected = np.frombuffer(sums[1], dtype="<u8").tolist()
+        bad = first_mismatch(region, expected)
+        if bad is not None:
+            msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
+            ch.send_error("checksum", msg, tensor=bad)
+            raise ChecksumMismatch(msg, tensor=bad)
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close the session, the listener and the region; idempotent."""
+        self._end_session()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        region, self._region = self._region, None
+        if region is not None:
+            region.close(defer=True)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "closed" if self.closed else "{}:{}".format(*self.address)
+        return f"<Receiver {where}>"
+
+
+class Sender:
+    """One session to a receiver; sends regions, repeatedly.
+
+    Parameters
+    ----------
+    connect : str
+        The receiver's ``HOST:PORT``.
+    token : str or bytes, optional
+        Shared secret (must match the receiver's).
+    transport : str
+        ``"auto"`` or a forced transport name (``"tcp"``).
+    streams : int, optional
+        Parallel data streams to ask for (default: the transport's measured
+        default).
+    stall_timeout : float
+        Seconds without progress before :class:`TransferTimeout`.
+
+    Raises
+    ------
+    PeerLost
+        The receiver cannot be reached.
+    AuthError
+        Tokens differ (no data moves).
+    ProtocolError
+        The receiver speaks another protocol version.
+    TransportUnavailable
+        A forced transport cannot run here or on the receiver.
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        token: str | bytes | None = None,
+        transport: str = "auto",
+        streams: int | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        connect_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    ) -> None:
+        check_requested(transport)
+        if streams is not None and not 1 <= streams <= 64:
+            raise ValueError(f"streams must be between 1 and 64, got {streams}")
+        host, port = parse_address(connect)
+        self.streams = streams
+        self.stall_timeout = float(stall_timeout)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._channel: Channel | None = None
+        self._broken: str | None = None
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as e:
+            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None
+        ch = Channel(sock)
+        try:
+            hello, self._session_key = client_handshake(ch, token_key(token), {"transports": local_transports()},
+                                                        connect_timeout)
+            peer = field(field(hello, "capabilities", dict), "transports", list)
+            self.transport = choose(transport, [t for t in peer if isinstance(t, str)])
+        except BaseException:
+            ch.close()
+            raise
+        self._channel = ch
+
+    @property
+    def closed(self) -> bool:
+        return self._channel is None
+
+    def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None) -> TransferStats:
+        """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
+
+        Parameters
+        ----------
+        region : TensorRegion
+            The caller keeps it alive and unchanged until this returns.
+        verify : bool
+            Send per-tensor xxh3_64 checksums; the receiver checks them.
+        progress : callable, optional
+            Called with byte counts as data goes out (from stream threads).
+
+        Raises
+        ------
+        PeerLost
+            The receiver died or closed the session.
+        TransferTimeout
+            The receiver stopped reading for ``stall_timeout`` seconds.
+        ManifestError
+            The receiver refused the offer (e.g. over its size limit).
+        ChecksumMismatch
+            ``verify`` found a tensor that arrived corrupted (``.tensor``).
+        TransferError
+            The session is closed, or broken by an earlier failure.
+        """
+        with self._lock:
+            ch = self._channel
+            if ch is None:
+                raise TransferError(f"this Sender is closed{': ' + self._broken if self._broken else ''}; "
+                                    f"open a new one")
+            try:
+                return self._send(ch, region, verify, progress)
+            except BaseException as e:
+                self._broken = f"an earlier transfer failed ({type(e).__name__})"
+                self.close()
+                raise
+
+    def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None) -> TransferStats:
+        t0 = time.perf_counter()
+        self._seq += 1
+        seq = self._seq
+        checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()] if verify else None
+        ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
+                streams=self.streams, verify=verify)
+        accept = ch.recv("accept", timeout=self.stall_timeout)
+        if field(accept, "seq", int) != seq or field(accept, "transport", str) != self.transport:
+            raise ProtocolError(f"accept does not match offer {seq} over {self.transport!r}: {accept.get('seq')}, "
+                                f"{accept.get('transport')!r}")
+        descriptors = field(accept, "descriptors", dict)
+        ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
+                              session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
+                              streams=self.streams)
+        with TRANSPORTS[self.transport][0](ctx) as transport:
+            transport.connect(descriptors)
+            nbytes = transport.send(region, progress)
+        ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
+        ack = ch.recv("ack", timeout=self.stall_timeout)
+        if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
+            raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
+        return TransferStats(nbytes, time.perf_counter() - t0, self.transport,
+                             field(descriptors, "streams", int, optional=True) or 0, verified=verify,
+                             reallocated=bool(accept.get("reallocated")))
+
+    def close(self) -> None:
+        """Say goodbye (best effort) and close the session; idempotent."""
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            if self._broken is None:
+                try:
+                    ch.sock.settimeout(1.0)
+                    ch.send("bye")
+                except TensorXferError:
+                    pass   # the receiver is already gone; closing is all that is left
+            ch.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Sender {'closed' if self.closed else self._channel.peer if self._channel else ''}>"

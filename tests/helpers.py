@@ -1,0 +1,195 @@
+"""Test helpers: receivers in threads, peers in child processes, a byte-flipping proxy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import msgpack
+
+from tensorxfer import Manifest, TensorRegion
+from tensorxfer.protocol import HEADER
+from tensorxfer.transport.tcp import STREAM_HEADER
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def region_of(nbytes: int, name: str = "w", fill: int | None = None) -> TensorRegion:
+    r = TensorRegion.from_manifest(Manifest.layout([(name, "U8", (nbytes,))]))
+    if fill is not None:
+        mv = memoryview(r.region)
+        mv[:nbytes] = bytes([fill]) * nbytes
+        mv.release()
+    return r
+
+
+class Background:
+    """Run ``fn`` in a thread; ``result()`` returns its value or raises its exception."""
+
+    def __init__(self, fn: Any, *args: Any, **kw: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn(*args, **kw)
+            except BaseException as e:
+                self.error = e
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 30) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "background call did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def child(code: str, *args: str, **kw: Any) -> subprocess.Popen:
+    """Start ``python -c code args...`` with the package importable; stdout/stderr piped."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
+def _pump(src: socket.socket, dst: socket.socket, transform: Any = None) -> None:
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            dst.sendall(transform(data) if transform else data)
+    except OSError:
+        pass   # either side closed: the proxy just stops forwarding
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass   # already closed
+
+
+class FlipProxy:
+    """A TCP proxy between a Sender and a Receiver that corrupts one payload byte.
+
+    It forwards the control connection, rewrites the ``accept`` frame so the
+    sender's data streams go through the proxy too, and flips the byte at
+    ``flip_at`` (an offset inside stream 0's slice) on its way through.
+    With ``inject=True`` it first opens a stranger connection to the real
+    data port that presents a forged stream header and garbage.
+    """
+
+    def __init__(self, target: tuple[str, int], flip_at: int | None, inject: bool = False) -> None:
+        self.target = target
+        self.flip_at = flip_at
+        self.inject = inject
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.socks: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        self.injected = False
+        self._spawn(self._serve_control)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _serve_control(self) -> None:
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
+        upstream = socket.create_connection(self.target)
+        self.socks += [client, upstream]
+        self._spawn(_pump, client, upstream)
+        self._spawn(self._frames, upstream, client)
+
+    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                buf += data
+                while len(buf) >= 4 and len(buf) >= 4 + HEADER.unpack(buf[:4])[0]:
+                    n = HEADER.unpack(buf[:4])[0]
+                    body, buf = buf[4:4 + n], buf[4 + n:]
+                    frame = msgpack.unpackb(body, raw=False)
+                    if frame.get("type") == "accept":
+                        frame["descriptors"]["port"] = self._data_proxy(frame["descriptors"]["port"])
+                        body = msgpack.packb(frame, use_bin_type=True)
+                    dst.sendall(HEADER.pack(len(body)) + body)
+        except OSError:
+            pass   # a side closed
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass   # already closed
+
+    def _data_proxy(self, real_port: int) -> int:
+        lst = socket.create_server(("127.0.0.1", 0))
+        self.socks.append(lst)
+        if self.inject:
+            stranger = socket.create_connection((self.target[0], real_port))
+            self.socks.append(stranger)
+            stranger.sendall(STREAM_HEADER.pack(b"TXS1", 1, 0, 1, b"\0" * 32) + b"\xff" * 4096)
+            self.injected = True
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = lst.accept()
+                except OSError:
+                    return
+                up = socket.create_connection((self.target[0], real_port))
+                self.socks += [conn, up]
+                self._spawn(self._flip_stream, conn, up)
+                self._spawn(_pump, up, conn)
+        self._spawn(serve)
+        return int(lst.getsockname()[1])
+
+    def _flip_stream(self, src: socket.socket, dst: socket.socket) -> None:
+        seen = -STREAM_HEADER.size
+        header = b""
+
+        def transform(data: bytes) -> bytes:
+            nonlocal seen, header
+            if len(header) < STREAM_HEADER.size:
+                header += data[:STREAM_HEADER.size - len(header)]
+            start, seen = seen, seen + len(data)
+            index = STREAM_HEADER.unpack(header)[2] if len(header) == STREAM_HEADER.size else -1
+            if self.flip_at is not None and index == 0 and start <= self.flip_at < seen:
+                b = bytearray(data)
+                b[self.flip_at - start] ^= 0x01
+                return bytes(b)
+            return data
+        _pump(src, dst, transform)
+
+    def close(self) -> None:
+        for s in [self.listener, *self.socks]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass   # not connected
+            s.close()
+        for t in self.threads:
+            t.join(5)

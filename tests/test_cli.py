@@ -1,0 +1,203 @@
+"""tensorxfer-send / tensorxfer-recv / demo / bench as real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT, Background, finish
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
+
+
+def cli(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    e.pop("TENSORXFER_TOKEN", None) if not (env and "TENSORXFER_TOKEN" in env) else None
+    return subprocess.Popen([sys.executable, "-m", f"tensorxfer.cli.{module}", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e)
+
+
+def start_recv(out: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = cli("recv", "--out", str(out), "--json", *extra, env=env)
+    assert proc.stdout is not None
+    line = json.loads(proc.stdout.readline())
+    assert line["event"] == "listening"
+    return proc, f"{line['host']}:{line['port']}"
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def model_dir(d: Path, shards: int = 3, rows: int = 1000) -> Path:
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    weight_map = {}
+    for s in range(shards):
+        t = {f"layers.{s}.{i}.weight": rng.standard_normal((rows, 64)).astype(np.float32) for i in range(4)}
+        t[f"layers.{s}.norm"] = np.ones(64, np.float16)
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        safetensors_numpy.save_file(t, str(d / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(t, name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
+                                                                "weight_map": weight_map}, indent=2))
+    return d
+
+
+def test_send_recv_model_dir_byte_identical(tmp_path):
+    src = model_dir(tmp_path / "src")
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once")
+    send = cli("send", str(src), "--to", where, "--verify", "--json")
+    rc_s, out_s, err_s = finish(send)
+    rc_r, out_r, err_r = finish(recv)
+    assert rc_s == 0, err_s
+    assert rc_r == 0, err_r
+    sent = json.loads(out_s)
+    assert sent["event"] == "sent" and sent["files"] == 4 and sent["verified"] and sent["transport"] == "tcp"
+    got = json.loads(out_r.splitlines()[-1])
+    assert got["event"] == "received" and got["bytes"] == sent["bytes"]
+    for p in src.iterdir():
+        assert sha(p) == sha(out / p.name), p.name
+    assert sorted(os.listdir(out)) == sorted(os.listdir(src))
+
+
+def test_send_single_file_with_token_and_summary(tmp_path):
+    f = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"a": np.arange(10, dtype=np.int64)}, str(f))
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once", "--token-file", str(token))
+    send = cli("send", str(f), "--to", where, env={"TENSORXFER_TOKEN": "s3cret"})
+    rc_s, out_s, err_s = finish(send)
+    assert rc_s == 0, err_s
+    assert out_s.startswith("sent ") and "Gbps over tcp" in out_s
+    assert finish(recv)[0] == 0
+    assert sha(f) == sha(out / f.name)
+
+
+def test_wrong_token_exit_code_and_no_files(tmp_path):
+    f = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"a": np.arange(10, dtype=np.int64)}, str(f))
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once", env={"TENSORXFER_TOKEN": "right"})
+    send = cli("send", str(f), "--to", where, env={"TENSORXFER_TOKEN": "wrong"})
+    rc_s, _, err_s = finish(send)
+    rc_r, _, err_r = finish(recv)
+    assert rc_s == 3 and "AuthError" in err_s
+    assert rc_r == 3 and "AuthError" in err_r
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_sender_killed_mid_transfer_writes_no_output(tmp_path):
+    f = tmp_path / "big.safetensors"
+    safetensors_numpy.save_file({"w": np.zeros(96 << 20, np.uint8)}, str(f))
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once", "--quiet")
+    # A tensorxfer-send that SIGKILLs itself once a quarter of the bytes are out.
+    code = (
+        "import os, signal, sys\n"
+        "import tensorxfer.session as s\n"
+        "real = s.Sender.send\n"
+        "def send(self, region, verify=False, progress=None):\n"
+        "    sent = [0]\n"
+        "    def p(n):\n"
+        "        sent[0] += n\n"
+        "        if sent[0] > region.nbytes // 4: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(self, region, verify, p)\n"
+        "s.Sender.send = send\n"
+        "from tensorxfer.cli.send import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    send = subprocess.Popen([sys.executable, "-c", code, str(f), "--to", where, "--quiet", "--streams", "2"],
+                            env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True)
+    rc_s, _, _ = finish(send)
+    t0 = time.monotonic()
+    rc_r, _, err_r = finish(recv)
+    assert rc_s == -signal.SIGKILL
+    assert rc_r == 1 and "PeerLost" in err_r, err_r
+    assert time.monotonic() - t0 < 10
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_bad_source_is_usage_error(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    rc, _, err = finish(cli("send", str(bad), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "FileFormatError" in err
+    rc, _, err = finish(cli("send", str(tmp_path / "missing"), "--to", "127.0.0.1:1"))
+    assert rc == 2
+
+
+def test_unreachable_receiver_is_transfer_error(tmp_path):
+    f = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
+    rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1"))
+    assert rc == 1 and "PeerLost" in err
+
+
+def test_forced_unavailable_transport_exit_code(tmp_path):
+    f = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
+    rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1", "--transport", "rdma"))
+    assert rc == 4 and "TransportUnavailable" in err
+
+
+def test_listening_beyond_loopback_without_token_warns(tmp_path):
+    proc, _ = start_recv(tmp_path / "o", "--listen", "0.0.0.0:0")
+    try:
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, _, err = finish(proc)
+    assert "WARNING" in err and "without a token" in err
+
+
+def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    out = tmp_path / "out"
+    recv, where = start_recv(out, env={"TENSORXFER_TOKEN": "t"})
+    try:
+        assert finish(cli("send", str(src), "--to", where, env={"TENSORXFER_TOKEN": "x"}))[0] == 3
+        assert finish(cli("send", str(src), "--to", where, env={"TENSORXFER_TOKEN": "t"}))[0] == 0
+        # the sender has its ack; the receiver writes the files after that
+        lines = Background(lambda: [recv.stdout.readline() for _ in range(2)]).result(timeout=20)
+    finally:
+        recv.send_signal(signal.SIGINT)
+        rc, _, _ = finish(recv)
+    assert [json.loads(x)["event"] for x in lines] == ["error", "received"]
+    assert rc == 130
+    for p in src.iterdir():
+        assert sha(p) == sha(out / p.name)
+
+
+def test_demo_runs():
+    proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "demo", "--size", str(32 << 20)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "digests match the sender's: True" in proc.stdout
+
+
+def test_bench_small(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.bench", "--size", "5e7", "--repeat", "2", "--json",
+                           "--no-iperf"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    assert rec["tensors"] == 820 and len(rec["runs"]) == 2 and rec["gbps_warm_median"] > 0 and rec["cold"]["bytes"]
+
+
+def test_bench_refuses_what_does_not_fit():
+    proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.bench", "--size", "1e15"], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert proc.returncode == 2 and "--size" in proc.stderr
