@@ -402,3 +402,29 @@ def test_repeated_updates_replay_the_plan_and_notice_changed_storage(torch):
         params["p4"].data = torch.zeros(3, dtype=torch.bfloat16, device="cuda")        # new shape: refused
         with pytest.raises(LayoutError):
             r.update_from(params)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("src_device, dst_device", [("cuda:0", "cuda:0"), ("cpu", "cuda:0"), ("cuda:0", "cpu")])
+def test_tcp_transfer_stages_gpu_regions_through_pinned_buffers(torch, src_device, dst_device):
+    from tensorxfer import Receiver, Sender
+    from tests.helpers import Background
+
+    # 3 streams, pieces of 8 MiB: slices span many pieces and handles
+    tensors = {f"w{i}": _random_torch(torch, torch.bfloat16, (1024, 1024 + i), "cuda") for i in range(24)}
+    tensors["odd"] = _random_torch(torch, torch.uint8, (12345,), "cuda")
+    with TensorRegion.from_tensors(tensors, device=src_device, chunk_size=16 << 20) as region, \
+            Receiver(device=dst_device) as rx:
+        job = Background(lambda: [rx.receive(timeout=60) for _ in range(2)])
+        with Sender("{}:{}".format(*rx.address), streams=3) as s:
+            st1 = s.send(region, verify=True)
+            region.update_from({k: v.add(1) if v.dtype != torch.uint8 else v for k, v in tensors.items()})
+            st2 = s.send(region, verify=True)
+        got = job.result()
+        assert got[0] is got[1] and st1.verified and st2.verified and st2.transport == "tcp"
+        a = region.tensors(framework="torch")
+        b = got[1].tensors(framework="torch")
+        assert all(torch.equal(a[k].view(torch.uint8).cpu(), b[k].view(torch.uint8).cpu()) for k in tensors)
+        print(f"tcp {src_device} -> {dst_device}: {st2.bytes / 1e6:.1f} MB at {st2.gbps:.2f} Gbps")
+        del a, b, got

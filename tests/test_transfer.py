@@ -149,6 +149,20 @@ def test_auto_logs_its_choice(caplog):
     assert any("chose 'tcp'" in r.message and "ipc" in r.message for r in caplog.records)
 
 
+def _gpu_present() -> bool:
+    from tensorxfer import memory
+
+    if memory.CudaRegion is None:
+        return False
+    from tensorxfer.memory import _cuda
+
+    try:
+        return _cuda.device_count() > 0
+    except tx.CudaError:
+        return False
+
+
+@pytest.mark.skipif(_gpu_present(), reason="a GPU is present: the receiver can allocate on it")
 def test_cuda_device_is_refused_clearly():
     with Receiver(device="cuda:0") as rx, region_of(1 << 20) as r:
         job = Background(rx.receive, timeout=10)

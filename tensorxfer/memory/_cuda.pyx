@@ -21,6 +21,8 @@ PyTorch and CuPy use), made current on the calling thread first.
 import threading
 import warnings
 
+from cpython.buffer cimport PyBUF_WRITE
+from cpython.memoryview cimport PyMemoryView_FromMemory
 from cuda.bindings cimport cydriver
 from libc.stdint cimport uintptr_t, uint64_t
 from libc.stdlib cimport calloc, free
@@ -950,6 +952,117 @@ cdef class Copier:
                 cydriver.cuMemFreeHost(self._staging[i])
                 self._staging[i] = NULL
         self._closed = True
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+cdef class Stager:
+    """Two pinned host buffers and one stream, for streaming a device range through the host.
+
+    A network data path uses one per connection: while the socket sends (or
+    receives) one buffer, the DMA engine fills (or drains) the other, so the
+    device copy overlaps the network.  ``view(i)`` is a writable memoryview
+    of buffer ``i``, valid until :meth:`close`.  One owner; ``close()`` is
+    idempotent.
+    """
+    cdef int _device
+    cdef cydriver.CUstream _stream
+    cdef cydriver.CUevent _events[2]
+    cdef void* _pinned[2]
+    cdef size_t _size
+    cdef bint _closed
+    cdef list _views
+
+    def __cinit__(self, int device, size_t buffer_bytes):
+        cdef int i
+        self._stream = NULL
+        self._closed = False
+        self._device = device
+        self._size = buffer_bytes
+        self._views = []
+        for i in range(2):
+            self._events[i] = NULL
+            self._pinned[i] = NULL
+        if buffer_bytes == 0:
+            raise ValueError("buffer_bytes must be positive")
+        try:
+            bind_device(device)
+            check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
+            for i in range(2):
+                check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+                         b"cuEventCreate")
+                check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
+                self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
+        except BaseException:
+            self.close()
+            raise
+
+    def view(self, int i):
+        """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        return self._views[i]
+
+    def start_dtoh(self, int i, uintptr_t src, size_t n):
+        """Queue device → buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
+        self._check(i, n)
+        with nogil:
+            check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+                     b"cuMemcpyDtoHAsync")
+            check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+
+    def start_htod(self, int i, uintptr_t dst, size_t n):
+        """Queue buffer ``i`` → device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
+        self._check(i, n)
+        with nogil:
+            check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+                     b"cuMemcpyHtoDAsync")
+            check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+
+    def wait(self, int i):
+        """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
+        self._check(i, 0)
+        with nogil:
+            check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+
+    cdef int _check(self, int i, size_t n) except -1:
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        if i < 0 or i > 1 or n > self._size:
+            raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+        bind_device(self._device)
+        return 0
+
+    def close(self):
+        cdef int i
+        if self._closed:
+            return
+        self._closed = True
+        for v in self._views:
+            v.release()
+        self._views = []
+        try:
+            bind_device(self._device)
+        except BaseException:
+            pass
+        if self._stream != NULL:
+            cydriver.cuStreamSynchronize(self._stream)
+            cydriver.cuStreamDestroy(self._stream)
+            self._stream = NULL
+        for i in range(2):
+            if self._events[i] != NULL:
+                cydriver.cuEventDestroy(self._events[i])
+                self._events[i] = NULL
+            if self._pinned[i] != NULL:
+                cydriver.cuMemFreeHost(self._pinned[i])
+                self._pinned[i] = NULL
 
     def __dealloc__(self):
         self.close()
