@@ -14,3 +14,10 @@ python3 setup.py build_ext --inplace -q 2>&1 | tail -5 | tee "$OUT/build.txt"
 python3 -m pytest -p no:cacheprovider -v -s -rs tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt" | tail -40
 python3 -m pytest -p no:cacheprovider -q -x --ignore=tests/test_cuda.py 2>&1 | tail -5 | tee "$OUT/test_rest.txt"
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 benchmarks/bench_cuda.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_cuda.txt"
+if [ "${TCP_BENCH:-0}" = 1 ]; then
+  # loopback TCP on the GPU machine: host regions, then GPU regions staged through pinned buffers
+  for dev in cpu cuda:0; do
+    python3 -c "import sys; from tensorxfer.cli.bench import main; sys.exit(main(sys.argv[1:]))" \
+      --size "${TCP_SIZE:-8e9}" --repeat 3 --no-iperf --device "$dev" --json 2>&1 | tee "$OUT/tcp-$dev.json"
+  done
+fi

@@ -18,7 +18,8 @@ import sys
 from typing import IO, Any
 
 
-def start(count: int, *, digest: bool = False, stall_timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+def start(count: int, *, digest: bool = False, stall_timeout: float = 60.0,
+          device: str = "cpu") -> tuple[subprocess.Popen, int]:
     """Start a receiver child; returns the process and its port.
 
     Raises
@@ -27,7 +28,7 @@ def start(count: int, *, digest: bool = False, stall_timeout: float = 60.0) -> t
         The child did not start (its stderr is in the message).
     """
     cmd = [sys.executable, "-m", "tensorxfer.cli._loopback", "--count", str(count),
-           "--stall-timeout", str(stall_timeout)] + (["--digest"] if digest else [])
+           "--stall-timeout", str(stall_timeout), "--device", device] + (["--digest"] if digest else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -66,9 +67,10 @@ def _child(argv: list[str] | None = None, stdout: IO[str] = sys.stdout) -> int:
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--digest", action="store_true")
     p.add_argument("--stall-timeout", type=float, default=60.0)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     try:
-        with Receiver("127.0.0.1:0", stall_timeout=args.stall_timeout) as rx:
+        with Receiver("127.0.0.1:0", stall_timeout=args.stall_timeout, device=args.device) as rx:
             print(f"PORT {rx.address[1]}", file=stdout, flush=True)
             for _ in range(args.count):
                 region = rx.receive(timeout=120)

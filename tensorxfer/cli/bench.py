@@ -108,6 +108,14 @@ def machine_facts() -> dict[str, Any]:
 def fill(region: Any, seed: int = 0) -> None:
     """Fill a region with a repeated random 1 MiB block (cheap, and not compressible to nothing)."""
     block = np.random.default_rng(seed).integers(0, 256, size=1 << 20, dtype=np.uint8)
+    if region.is_cuda:
+        from tensorxfer.memory._cuda import Copier
+
+        with Copier(region.region.device_index) as c:
+            for off in range(0, region.region.size, block.size):
+                c.htod(region.region.ptr + off, block[:min(block.size, region.region.size - off)])
+            c.synchronize()
+        return
     view = np.frombuffer(region.region, dtype=np.uint8)
     for off in range(0, view.size, block.size):
         n = min(block.size, view.size - off)
@@ -116,7 +124,7 @@ def fill(region: Any, seed: int = 0) -> None:
 
 
 def run_bench(size: int, streams: list[int | None], repeat: int, verify: bool, transport: str = "auto",
-              quiet: bool = False) -> dict[str, Any]:
+              quiet: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Run the benchmark; return a JSON-able record.
 
     One receiver process serves every run.  A first, cold transfer pays the
@@ -137,9 +145,9 @@ def run_bench(size: int, streams: list[int | None], repeat: int, verify: bool, t
 
     manifest = Manifest.layout(synthetic.layout(size))
     by_streams: dict[int, list[dict[str, Any]]] = {}
-    with TensorRegion.from_manifest(manifest) as region:
+    with TensorRegion.from_manifest(manifest, device=device) as region:
         fill(region)
-        proc, port = _loopback.start(1 + repeat * len(streams), stall_timeout=60.0)
+        proc, port = _loopback.start(1 + repeat * len(streams), stall_timeout=60.0, device=device)
         try:
             with Sender(f"127.0.0.1:{port}", transport=transport, streams=streams[0]) as tx:
                 cold = tx.send(region, verify=verify).as_dict()
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto")
     p.add_argument("--repeat", type=int, default=3, help="warm transfers after the first (cold) one")
     p.add_argument("--verify", action="store_true", help="per-tensor xxh3 checksums")
+    p.add_argument("--device", default="cpu", help="where both regions live: cpu or cuda:N (GPU regions stage "
+                   "through pinned buffers)")
     p.add_argument("--no-iperf", action="store_true", help="skip the iperf3 comparison")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of text")
     args = p.parse_args(argv)
@@ -192,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tensorxfer-bench: {len(synthetic.layout(size))} tensors, {size / 1e9:.2f} GB, loopback, "
               f"sender and receiver in separate processes", flush=True)
     try:
-        record = run_bench(size, [args.streams], args.repeat, args.verify, args.transport, quiet=quiet)
+        record = run_bench(size, [args.streams], args.repeat, args.verify, args.transport, quiet=quiet,
+                           device=args.device)
     except (TensorXferError, RuntimeError) as e:
         print(f"tensorxfer-bench: transfer failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
