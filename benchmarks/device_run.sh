@@ -18,6 +18,6 @@ if [ "${TCP_BENCH:-0}" = 1 ]; then
   # loopback TCP on the GPU machine: host regions, then GPU regions staged through pinned buffers
   for dev in cpu cuda:0; do
     python3 -c "import sys; from tensorxfer.cli.bench import main; sys.exit(main(sys.argv[1:]))" \
-      --size "${TCP_SIZE:-8e9}" --repeat 3 --no-iperf --device "$dev" --json 2>&1 | tee "$OUT/tcp-$dev.json"
+      --size "${TCP_SIZE:-8e9}" --repeat 3 --no-iperf --device "$dev" --json 2>&1 | tee "$OUT/tcp-${dev/:/}.json"
   done
 fi
