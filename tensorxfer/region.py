@@ -252,6 +252,7 @@ class TensorRegion:
     def _allocate(cls, manifest: Manifest, device: str, chunk_size: int | None) -> TensorRegion:
         kind, index = parse_device(device)
         size = max(manifest.nbytes, 1)
+        region: Any
         if kind == "cuda":
             if _memory.CudaRegion is None:
                 raise CudaError(f"device {device!r}: {_memory.CUDA_UNAVAILABLE}")

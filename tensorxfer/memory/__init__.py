@@ -13,7 +13,7 @@ try:
     from tensorxfer.memory._cuda import CudaRegion
     CUDA_UNAVAILABLE: str | None = None
 except ImportError as _e:  # extension not built, or cuda-bindings missing
-    CudaRegion = None
+    CudaRegion = None  # type: ignore[assignment,misc]
     CUDA_UNAVAILABLE = f"tensorxfer.memory._cuda cannot be imported ({_e}); pip install 'tensorxfer[cuda]'"
 
 __all__ = ["CUDA_UNAVAILABLE", "AllocationMap", "CudaRegion", "Extent", "HostRegion", "page_size"]
