@@ -9,6 +9,8 @@ Every multi-handle code path (extent resolution, one MR over many handles,
 handle passing over IPC) therefore runs and is tested on CPU-only machines.
 """
 
+import os
+import threading
 import warnings
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo
@@ -16,16 +18,24 @@ from libc.errno cimport errno
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport strerror
-from posix.mman cimport (mmap, munmap, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
+from posix.mman cimport (mmap, munmap, madvise, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
                          MAP_ANONYMOUS, MAP_SHARED, MAP_FIXED, MAP_FAILED)
 from posix.unistd cimport close, ftruncate, sysconf, _SC_PAGESIZE
 
-from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE, MAP_POPULATE
+from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE
 from tensorxfer.memory._extent cimport AllocationMap
 
 from tensorxfer.errors import RegionError
 
 cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
+cdef int MADV_POPULATE_WRITE = 23       # Linux 5.14+; older kernels answer EINVAL
+cdef int EINVAL_ = 22
+
+#: Threads that commit a new region's pages.  Committing shmem pages is
+#: kernel work (allocate + zero each page) that scales with cores: measured
+#: on the 2-core development VM, 2 GB took 3.6 s with one thread and 2.6 s
+#: with two.
+POPULATE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 #: Default chunk size.  64 MiB keeps the handle count of a 31 GB region
 #: (~480 memfds) well under common fd limits while still giving several
@@ -200,13 +210,59 @@ cdef class HostRegion(AllocationMap):
             c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC)
             check_errno(c.fd, b"memfd_create")
             check_errno(ftruncate(c.fd, c.size), b"ftruncate(memfd)")
-            # MAP_POPULATE commits the pages now (as cuMemCreate does), so the
-            # first copy into the region does not pay a fault per page.
-            p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE,
-                     MAP_SHARED | MAP_FIXED | MAP_POPULATE, c.fd, 0)
+            p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, c.fd, 0)
             if p == MAP_FAILED:
                 check_errno(-1, b"mmap(MAP_FIXED) of a chunk")
             c.mapped = True
+        self._populate()
+
+    cdef _populate(self):
+        """Commit every chunk's pages now, as cuMemCreate does, in parallel threads.
+
+        Later copies into the region then pay no page fault per page.
+        """
+        cdef Py_ssize_t n = self._nchunks
+        threads = min(POPULATE_THREADS, n)
+        if threads <= 1:
+            self._populate_chunks(0, n, 1)
+            return
+        errors = []
+
+        def work(start):
+            try:
+                self._populate_chunks(start, n, threads)
+            except BaseException as e:
+                errors.append(e)
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _populate_chunks(self, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t step):
+        cdef Py_ssize_t i
+        cdef size_t off
+        cdef int rc = 0
+        cdef Chunk* c
+        with nogil:
+            i = start
+            while i < stop:
+                c = &self._chunks[i]
+                if c.mapped:
+                    rc = madvise(self._base + c.offset, c.size, MADV_POPULATE_WRITE)
+                    if rc == -1 and errno == EINVAL_:
+                        # an older kernel: touch one byte per page (the memory
+                        # is zero, so writing zero changes nothing)
+                        off = 0
+                        while off < c.size:
+                            (<volatile char*>(self._base + c.offset + off))[0] = 0
+                            off += PAGE_SIZE
+                        rc = 0
+                    check_errno(rc, b"madvise(MADV_POPULATE_WRITE) committing a chunk")
+                i += step
 
     @staticmethod
     def adopt(obj, bint writable=True):
