@@ -2990,6 +2990,9 @@ struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap {
   struct __pyx_vtabstruct_10tensorxfer_6memory_7_extent_AllocationMap *__pyx_vtab;
   uintptr_t _va_base;
   size_t _va_size;
+  int _closed;
+  Py_ssize_t _exports;
+  int _close_pending;
 };
 
 
@@ -3009,11 +3012,8 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion {
   int _device;
   int _owner;
   int _reserved;
-  int _closed;
-  int _close_pending;
   int _shareable;
   int _gdr;
-  Py_ssize_t _exports;
   PyObject *_keepalive;
   Py_ssize_t _next_chunk;
   size_t _granularity;
@@ -3023,7 +3023,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":759
+/* "tensorxfer/memory/_cuda.pyx":720
  * 
  * 
  * cdef class _DeviceBytes:             # <<<<<<<<<<<<<<
@@ -3039,7 +3039,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":791
+/* "tensorxfer/memory/_cuda.pyx":752
  * 
  * # ------------------------------------------------------------------ copies
  * cdef class Copier:             # <<<<<<<<<<<<<<
@@ -3058,7 +3058,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":966
+/* "tensorxfer/memory/_cuda.pyx":927
  * 
  * 
  * cdef class Stager:             # <<<<<<<<<<<<<<
@@ -3078,7 +3078,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":337
+/* "tensorxfer/memory/_cuda.pyx":331
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -3181,6 +3181,8 @@ struct __pyx_memoryviewslice_obj {
 */
 
 struct __pyx_vtabstruct_10tensorxfer_6memory_7_extent_AllocationMap {
+  void (*_release)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *);
+  int (*_view_released)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *);
   int (*lookup)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *, uintptr_t, uintptr_t *, size_t *);
   int (*_check_open)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *);
 };
@@ -3200,13 +3202,11 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion {
   struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *(*_build)(PyObject *, size_t, PyObject *, int, int, int, PyObject *, PyObject *, int);
   PyObject *(*_reserve)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, PyObject *, size_t, PyObject *, PyObject *, PyObject *);
   PyObject *(*_map_upto)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, Py_ssize_t);
-  void (*_release)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *);
-  int (*_view_released)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *);
 };
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_CudaRegion;
 
 
-/* "tensorxfer/memory/_cuda.pyx":759
+/* "tensorxfer/memory/_cuda.pyx":720
  * 
  * 
  * cdef class _DeviceBytes:             # <<<<<<<<<<<<<<
@@ -3220,7 +3220,7 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda__DeviceBytes {
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes;
 
 
-/* "tensorxfer/memory/_cuda.pyx":791
+/* "tensorxfer/memory/_cuda.pyx":752
  * 
  * # ------------------------------------------------------------------ copies
  * cdef class Copier:             # <<<<<<<<<<<<<<
@@ -3234,7 +3234,7 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier {
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier;
 
 
-/* "tensorxfer/memory/_cuda.pyx":966
+/* "tensorxfer/memory/_cuda.pyx":927
  * 
  * 
  * cdef class Stager:             # <<<<<<<<<<<<<<
@@ -4275,9 +4275,6 @@ static void __Pyx_WriteUnraisable(const char *name, int clineno,
                                   int lineno, const char *filename,
                                   int full_traceback, int nogil);
 
-/* PyBufferError_Check.proto */
-#define __Pyx_PyExc_BufferError_Check(obj)  __Pyx_TypeCheck(obj, PyExc_BufferError)
-
 /* PyResourceWarning_Check.proto */
 #define __Pyx_PyExc_ResourceWarning_Check(obj)  __Pyx_TypeCheck(obj, PyExc_ResourceWarning)
 
@@ -4305,6 +4302,9 @@ static CYTHON_INLINE int __Pyx_PyObject_CompareBoolGt_int_int(PyObject *op1, PyO
 
 /* PyIndexError_Check.proto */
 #define __Pyx_PyExc_IndexError_Check(obj)  __Pyx_TypeCheck(obj, PyExc_IndexError)
+
+/* PyBufferError_Check.proto */
+#define __Pyx_PyExc_BufferError_Check(obj)  __Pyx_TypeCheck(obj, PyExc_BufferError)
 
 /* DeallocKeepAlive.proto */
 #if CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -4975,7 +4975,6 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_stop); /* proto*/
 static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto*/
 static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto*/
-static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__view_released(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto*/
 static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, uintptr_t __pyx_v_addr, uintptr_t *__pyx_v_base, size_t *__pyx_v_size); /* proto*/
 static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_region, size_t __pyx_v_offset, size_t __pyx_v_n); /* proto*/
 static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto*/
@@ -5215,27 +5214,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor(PyObject *__pyx_v_tensor); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_count); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, int __pyx_v_defer); /* proto */
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, PyObject *__pyx_v_exc_type, CYTHON_UNUSED PyObject *__pyx_v_exc, CYTHON_UNUSED PyObject *__pyx_v_tb); /* proto */
+static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_index___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_rdma_capable___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
+static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_array_interface_____get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
@@ -5506,9 +5501,9 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_frozenset[1];
     PyObject *__pyx_slice[1];
-    PyObject *__pyx_tuple[12];
-    PyObject *__pyx_codeobj_tab[48];
-    PyObject *__pyx_string_tab[371];
+    PyObject *__pyx_tuple[11];
+    PyObject *__pyx_codeobj_tab[45];
+    PyObject *__pyx_string_tab[361];
     PyObject *__pyx_number_tab[8];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -5588,360 +5583,350 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_kp_u_is_past_the_end_of_the_region __pyx_string_tab[14]
 #define __pyx_kp_u_object __pyx_string_tab[15]
 #define __pyx_kp_u_on_cuda __pyx_string_tab[16]
-#define __pyx_kp_u_view_s_of_it_exist_delete_the_t __pyx_string_tab[17]
-#define __pyx_kp_u_visible __pyx_string_tab[18]
-#define __pyx_kp_u_x_2 __pyx_string_tab[19]
-#define __pyx_kp_u_tree_fragment __pyx_string_tab[20]
-#define __pyx_kp_u__8 __pyx_string_tab[21]
-#define __pyx_kp_u_runs_past_the_region_s __pyx_string_tab[22]
-#define __pyx_kp_u_use_device_cpu_or_install_the_N __pyx_string_tab[23]
-#define __pyx_kp_u__6 __pyx_string_tab[24]
-#define __pyx_kp_u_got __pyx_string_tab[25]
-#define __pyx_kp_u__3 __pyx_string_tab[26]
-#define __pyx_kp_u__2 __pyx_string_tab[27]
-#define __pyx_kp_u_CudaRegion __pyx_string_tab[28]
-#define __pyx_kp_u_CudaRegion_closed __pyx_string_tab[29]
-#define __pyx_kp_u_MemoryView_of __pyx_string_tab[30]
-#define __pyx_kp_u_contiguous_and_direct __pyx_string_tab[31]
-#define __pyx_kp_u_contiguous_and_indirect __pyx_string_tab[32]
-#define __pyx_kp_u_strided_and_direct_or_indirect __pyx_string_tab[33]
-#define __pyx_kp_u_strided_and_direct __pyx_string_tab[34]
-#define __pyx_kp_u_strided_and_indirect __pyx_string_tab[35]
-#define __pyx_kp_u__4 __pyx_string_tab[36]
-#define __pyx_kp_u_ __pyx_string_tab[37]
-#define __pyx_kp_u_CUDA_device __pyx_string_tab[38]
-#define __pyx_kp_u_CUresult __pyx_string_tab[39]
-#define __pyx_kp_u_Cannot_assign_to_read_only_memor __pyx_string_tab[40]
-#define __pyx_kp_u_Invalid_mode_expected_c_or_fortr __pyx_string_tab[41]
-#define __pyx_kp_u_Invalid_shape_in_axis __pyx_string_tab[42]
-#define __pyx_kp_u_None __pyx_string_tab[43]
-#define __pyx_kp_u_Note_that_Cython_is_deliberately __pyx_string_tab[44]
-#define __pyx_kp_u_a_region_needs_at_least_one_chun __pyx_string_tab[45]
-#define __pyx_kp_u_access_devices_must_name_1_to_16 __pyx_string_tab[46]
-#define __pyx_kp_u_add_note __pyx_string_tab[47]
-#define __pyx_kp_u_buffer __pyx_string_tab[48]
-#define __pyx_kp_u_buffer_bytes_must_be_positive __pyx_string_tab[49]
-#define __pyx_kp_u_cannot_adopt_an_empty_range __pyx_string_tab[50]
-#define __pyx_kp_u_cannot_close_a_region_while __pyx_string_tab[51]
-#define __pyx_kp_u_cannot_unmap_a_chunk_while_views __pyx_string_tab[52]
-#define __pyx_kp_u_chunk __pyx_string_tab[53]
-#define __pyx_kp_u_chunk_sizes_must_be_positive_mul __pyx_string_tab[54]
-#define __pyx_kp_u_chunk_size_must_be_positive_got __pyx_string_tab[55]
-#define __pyx_kp_u_collections_abc __pyx_string_tab[56]
-#define __pyx_kp_u_count_must_be_at_least_1 __pyx_string_tab[57]
-#define __pyx_kp_u_cuda __pyx_string_tab[58]
-#define __pyx_kp_u_device_2 __pyx_string_tab[59]
-#define __pyx_kp_u_disable __pyx_string_tab[60]
-#define __pyx_kp_u_dmabuf_offset_must_be_a_multiple __pyx_string_tab[61]
-#define __pyx_kp_u_dsts_srcs_and_sizes_must_have_th __pyx_string_tab[62]
-#define __pyx_kp_u_enable __pyx_string_tab[63]
-#define __pyx_kp_u_from_tensor_needs_a_CUDA_tensor __pyx_string_tab[64]
-#define __pyx_kp_u_gc __pyx_string_tab[65]
-#define __pyx_kp_u_isenabled __pyx_string_tab[66]
-#define __pyx_kp_u_no_CUDA_device_is_visible_cuInit __pyx_string_tab[67]
-#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[68]
-#define __pyx_kp_u_offset_2 __pyx_string_tab[69]
-#define __pyx_kp_u_one_fd_per_chunk_is_needed __pyx_string_tab[70]
-#define __pyx_kp_u_only_regions_tensorxfer_allocate __pyx_string_tab[71]
-#define __pyx_kp_u_operation_on_a_closed_CudaRegion __pyx_string_tab[72]
-#define __pyx_kp_u_operation_on_a_closed_Stager __pyx_string_tab[73]
-#define __pyx_kp_u_region_size_must_be_positive_got __pyx_string_tab[74]
-#define __pyx_kp_u_tensorxfer_memory__cuda_pyx __pyx_string_tab[75]
-#define __pyx_kp_u_the_CUDA_driver_is_not_available __pyx_string_tab[76]
-#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[77]
-#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[78]
-#define __pyx_kp_u_unclosed_CudaRegion_of __pyx_string_tab[79]
-#define __pyx_kp_u_unmapped_tail_must_be_a_multiple __pyx_string_tab[80]
-#define __pyx_kp_u_view __pyx_string_tab[81]
-#define __pyx_kp_u_u1 __pyx_string_tab[82]
-#define __pyx_n_u_ASCII __pyx_string_tab[83]
-#define __pyx_n_u_B __pyx_string_tab[84]
-#define __pyx_n_u_CUDA_ERROR_NO_DEVICE __pyx_string_tab[85]
-#define __pyx_n_u_Copier __pyx_string_tab[86]
-#define __pyx_n_u_Copier___enter __pyx_string_tab[87]
-#define __pyx_n_u_Copier___exit __pyx_string_tab[88]
-#define __pyx_n_u_Copier___reduce_cython __pyx_string_tab[89]
-#define __pyx_n_u_Copier___setstate_cython __pyx_string_tab[90]
-#define __pyx_n_u_Copier_close __pyx_string_tab[91]
-#define __pyx_n_u_Copier_dtod __pyx_string_tab[92]
-#define __pyx_n_u_Copier_dtod_batch __pyx_string_tab[93]
-#define __pyx_n_u_Copier_dtoh __pyx_string_tab[94]
-#define __pyx_n_u_Copier_htod __pyx_string_tab[95]
-#define __pyx_n_u_Copier_memset __pyx_string_tab[96]
-#define __pyx_n_u_Copier_synchronize __pyx_string_tab[97]
-#define __pyx_n_u_CudaError __pyx_string_tab[98]
-#define __pyx_n_u_CudaRegion_2 __pyx_string_tab[99]
-#define __pyx_n_u_CudaRegion___enter __pyx_string_tab[100]
-#define __pyx_n_u_CudaRegion___exit __pyx_string_tab[101]
-#define __pyx_n_u_CudaRegion___reduce_cython __pyx_string_tab[102]
-#define __pyx_n_u_CudaRegion___setstate_cython __pyx_string_tab[103]
-#define __pyx_n_u_CudaRegion__from_chunks __pyx_string_tab[104]
-#define __pyx_n_u_CudaRegion__plan __pyx_string_tab[105]
-#define __pyx_n_u_CudaRegion__unmap_chunk __pyx_string_tab[106]
-#define __pyx_n_u_CudaRegion_adopt __pyx_string_tab[107]
-#define __pyx_n_u_CudaRegion_allocate __pyx_string_tab[108]
-#define __pyx_n_u_CudaRegion_close __pyx_string_tab[109]
-#define __pyx_n_u_CudaRegion_cuda_array __pyx_string_tab[110]
-#define __pyx_n_u_CudaRegion_export_dmabuf __pyx_string_tab[111]
-#define __pyx_n_u_CudaRegion_export_handles __pyx_string_tab[112]
-#define __pyx_n_u_CudaRegion_from_tensor __pyx_string_tab[113]
-#define __pyx_n_u_CudaRegion_import_handles __pyx_string_tab[114]
-#define __pyx_n_u_CudaRegion_map_next __pyx_string_tab[115]
-#define __pyx_n_u_CudaRegion_reserve __pyx_string_tab[116]
-#define __pyx_n_u_DEFAULT_CHUNK_SIZE __pyx_string_tab[117]
-#define __pyx_n_u_Ellipsis __pyx_string_tab[118]
-#define __pyx_n_u_ExtentError __pyx_string_tab[119]
-#define __pyx_n_u_Lock __pyx_string_tab[120]
-#define __pyx_n_u_MAX_DEFAULT_CHUNKS __pyx_string_tab[121]
-#define __pyx_n_u_Sequence __pyx_string_tab[122]
-#define __pyx_n_u_Stager __pyx_string_tab[123]
-#define __pyx_n_u_Stager___enter __pyx_string_tab[124]
-#define __pyx_n_u_Stager___exit __pyx_string_tab[125]
-#define __pyx_n_u_Stager___reduce_cython __pyx_string_tab[126]
-#define __pyx_n_u_Stager___setstate_cython __pyx_string_tab[127]
-#define __pyx_n_u_Stager_close __pyx_string_tab[128]
-#define __pyx_n_u_Stager_start_dtoh __pyx_string_tab[129]
-#define __pyx_n_u_Stager_start_htod __pyx_string_tab[130]
-#define __pyx_n_u_Stager_view __pyx_string_tab[131]
-#define __pyx_n_u_Stager_wait __pyx_string_tab[132]
-#define __pyx_n_u_View_MemoryView __pyx_string_tab[133]
-#define __pyx_n_u__9 __pyx_string_tab[134]
-#define __pyx_n_u_DeviceBytes __pyx_string_tab[135]
-#define __pyx_n_u_DeviceBytes___reduce_cython __pyx_string_tab[136]
-#define __pyx_n_u_DeviceBytes___setstate_cython __pyx_string_tab[137]
-#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[138]
-#define __pyx_n_u_annotate __pyx_string_tab[139]
-#define __pyx_n_u_class __pyx_string_tab[140]
-#define __pyx_n_u_class_getitem __pyx_string_tab[141]
-#define __pyx_n_u_dict __pyx_string_tab[142]
-#define __pyx_n_u_enter __pyx_string_tab[143]
-#define __pyx_n_u_exit __pyx_string_tab[144]
-#define __pyx_n_u_func __pyx_string_tab[145]
-#define __pyx_n_u_getstate __pyx_string_tab[146]
-#define __pyx_n_u_import __pyx_string_tab[147]
-#define __pyx_n_u_main __pyx_string_tab[148]
-#define __pyx_n_u_module __pyx_string_tab[149]
-#define __pyx_n_u_name_2 __pyx_string_tab[150]
-#define __pyx_n_u_new __pyx_string_tab[151]
-#define __pyx_n_u_pyx_checksum __pyx_string_tab[152]
-#define __pyx_n_u_pyx_result __pyx_string_tab[153]
-#define __pyx_n_u_pyx_state __pyx_string_tab[154]
-#define __pyx_n_u_pyx_type __pyx_string_tab[155]
-#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[156]
-#define __pyx_n_u_pyx_unpickle__DeviceBytes __pyx_string_tab[157]
-#define __pyx_n_u_pyx_vtable __pyx_string_tab[158]
-#define __pyx_n_u_qualname __pyx_string_tab[159]
-#define __pyx_n_u_reduce __pyx_string_tab[160]
-#define __pyx_n_u_reduce_cython __pyx_string_tab[161]
-#define __pyx_n_u_reduce_ex __pyx_string_tab[162]
-#define __pyx_n_u_set_name __pyx_string_tab[163]
-#define __pyx_n_u_setstate __pyx_string_tab[164]
-#define __pyx_n_u_setstate_cython __pyx_string_tab[165]
-#define __pyx_n_u_test __pyx_string_tab[166]
-#define __pyx_n_u_contexts __pyx_string_tab[167]
-#define __pyx_n_u_default_chunk_size __pyx_string_tab[168]
-#define __pyx_n_u_dict_2 __pyx_string_tab[169]
-#define __pyx_n_u_error_name __pyx_string_tab[170]
-#define __pyx_n_u_from_chunks __pyx_string_tab[171]
-#define __pyx_n_u_from_chunks_locals_genexpr __pyx_string_tab[172]
-#define __pyx_n_u_is_coroutine __pyx_string_tab[173]
-#define __pyx_n_u_lock __pyx_string_tab[174]
-#define __pyx_n_u_plan __pyx_string_tab[175]
-#define __pyx_n_u_unmap_chunk __pyx_string_tab[176]
-#define __pyx_n_u_abc __pyx_string_tab[177]
-#define __pyx_n_u_access_devices __pyx_string_tab[178]
-#define __pyx_n_u_address_range __pyx_string_tab[179]
-#define __pyx_n_u_adopt __pyx_string_tab[180]
-#define __pyx_n_u_adopted __pyx_string_tab[181]
-#define __pyx_n_u_allocate __pyx_string_tab[182]
-#define __pyx_n_u_allocate_buffer __pyx_string_tab[183]
-#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[184]
-#define __pyx_n_u_attr __pyx_string_tab[185]
-#define __pyx_n_u_attr_index __pyx_string_tab[186]
-#define __pyx_n_u_b __pyx_string_tab[187]
-#define __pyx_n_u_base __pyx_string_tab[188]
-#define __pyx_n_u_batch_api __pyx_string_tab[189]
-#define __pyx_n_u_buffer_bytes __pyx_string_tab[190]
-#define __pyx_n_u_c __pyx_string_tab[191]
-#define __pyx_n_u_cast __pyx_string_tab[192]
-#define __pyx_n_u_chunk_2 __pyx_string_tab[193]
-#define __pyx_n_u_chunk_size __pyx_string_tab[194]
-#define __pyx_n_u_cline_in_traceback __pyx_string_tab[195]
-#define __pyx_n_u_close __pyx_string_tab[196]
-#define __pyx_n_u_count __pyx_string_tab[197]
-#define __pyx_n_u_cuda_array __pyx_string_tab[198]
-#define __pyx_n_u_d __pyx_string_tab[199]
-#define __pyx_n_u_data __pyx_string_tab[200]
-#define __pyx_n_u_data_ptr __pyx_string_tab[201]
-#define __pyx_n_u_decode __pyx_string_tab[202]
-#define __pyx_n_u_defer __pyx_string_tab[203]
-#define __pyx_n_u_dev __pyx_string_tab[204]
-#define __pyx_n_u_device __pyx_string_tab[205]
-#define __pyx_n_u_device_count __pyx_string_tab[206]
-#define __pyx_n_u_device_info __pyx_string_tab[207]
-#define __pyx_n_u_dmabuf __pyx_string_tab[208]
-#define __pyx_n_u_driver_version __pyx_string_tab[209]
-#define __pyx_n_u_dst __pyx_string_tab[210]
-#define __pyx_n_u_dsts __pyx_string_tab[211]
-#define __pyx_n_u_dtod __pyx_string_tab[212]
-#define __pyx_n_u_dtod_batch __pyx_string_tab[213]
-#define __pyx_n_u_dtoh __pyx_string_tab[214]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[215]
-#define __pyx_n_u_element_size __pyx_string_tab[216]
-#define __pyx_n_u_encode __pyx_string_tab[217]
-#define __pyx_n_u_enumerate __pyx_string_tab[218]
-#define __pyx_n_u_error __pyx_string_tab[219]
-#define __pyx_n_u_errors __pyx_string_tab[220]
-#define __pyx_n_u_exc __pyx_string_tab[221]
-#define __pyx_n_u_exc_type __pyx_string_tab[222]
-#define __pyx_n_u_export_dmabuf __pyx_string_tab[223]
-#define __pyx_n_u_export_handles __pyx_string_tab[224]
-#define __pyx_n_u_ext __pyx_string_tab[225]
-#define __pyx_n_u_fd __pyx_string_tab[226]
-#define __pyx_n_u_flags __pyx_string_tab[227]
-#define __pyx_n_u_format __pyx_string_tab[228]
-#define __pyx_n_u_fortran __pyx_string_tab[229]
-#define __pyx_n_u_from_tensor __pyx_string_tab[230]
-#define __pyx_n_u_gdr __pyx_string_tab[231]
-#define __pyx_n_u_genexpr __pyx_string_tab[232]
-#define __pyx_n_u_get __pyx_string_tab[233]
-#define __pyx_n_u_gpudirect_rdma_with_vmm __pyx_string_tab[234]
-#define __pyx_n_u_gran __pyx_string_tab[235]
-#define __pyx_n_u_granularity __pyx_string_tab[236]
-#define __pyx_n_u_h __pyx_string_tab[237]
-#define __pyx_n_u_handles __pyx_string_tab[238]
-#define __pyx_n_u_holes __pyx_string_tab[239]
-#define __pyx_n_u_htod __pyx_string_tab[240]
-#define __pyx_n_u_i __pyx_string_tab[241]
-#define __pyx_n_u_id __pyx_string_tab[242]
-#define __pyx_n_u_import_handles __pyx_string_tab[243]
-#define __pyx_n_u_index __pyx_string_tab[244]
-#define __pyx_n_u_info __pyx_string_tab[245]
-#define __pyx_n_u_is_cuda __pyx_string_tab[246]
-#define __pyx_n_u_is_vmm __pyx_string_tab[247]
-#define __pyx_n_u_items __pyx_string_tab[248]
-#define __pyx_n_u_itemsize __pyx_string_tab[249]
-#define __pyx_n_u_k __pyx_string_tab[250]
-#define __pyx_n_u_keepalive __pyx_string_tab[251]
-#define __pyx_n_u_length __pyx_string_tab[252]
-#define __pyx_n_u_map_next __pyx_string_tab[253]
-#define __pyx_n_u_map_now __pyx_string_tab[254]
-#define __pyx_n_u_mapped_size __pyx_string_tab[255]
-#define __pyx_n_u_memset __pyx_string_tab[256]
-#define __pyx_n_u_memview __pyx_string_tab[257]
-#define __pyx_n_u_mode __pyx_string_tab[258]
-#define __pyx_n_u_n __pyx_string_tab[259]
-#define __pyx_n_u_name __pyx_string_tab[260]
-#define __pyx_n_u_ndim __pyx_string_tab[261]
-#define __pyx_n_u_next __pyx_string_tab[262]
-#define __pyx_n_u_numel __pyx_string_tab[263]
-#define __pyx_n_u_obj __pyx_string_tab[264]
-#define __pyx_n_u_off __pyx_string_tab[265]
-#define __pyx_n_u_offset __pyx_string_tab[266]
-#define __pyx_n_u_out __pyx_string_tab[267]
-#define __pyx_n_u_owned __pyx_string_tab[268]
-#define __pyx_n_u_p __pyx_string_tab[269]
-#define __pyx_n_u_pack __pyx_string_tab[270]
-#define __pyx_n_u_pointer_range __pyx_string_tab[271]
-#define __pyx_n_u_pop __pyx_string_tab[272]
-#define __pyx_n_u_posix_fd_handles __pyx_string_tab[273]
-#define __pyx_n_u_prev_k __pyx_string_tab[274]
-#define __pyx_n_u_prev_off __pyx_string_tab[275]
-#define __pyx_n_u_prop __pyx_string_tab[276]
-#define __pyx_n_u_ptr __pyx_string_tab[277]
-#define __pyx_n_u_range_size_attribute __pyx_string_tab[278]
-#define __pyx_n_u_register __pyx_string_tab[279]
-#define __pyx_n_u_release __pyx_string_tab[280]
-#define __pyx_n_u_replace __pyx_string_tab[281]
-#define __pyx_n_u_reserve __pyx_string_tab[282]
-#define __pyx_n_u_resolve_extent __pyx_string_tab[283]
-#define __pyx_n_u_result __pyx_string_tab[284]
-#define __pyx_n_u_rsize __pyx_string_tab[285]
-#define __pyx_n_u_s __pyx_string_tab[286]
-#define __pyx_n_u_self __pyx_string_tab[287]
-#define __pyx_n_u_send __pyx_string_tab[288]
-#define __pyx_n_u_setdefault __pyx_string_tab[289]
-#define __pyx_n_u_shape __pyx_string_tab[290]
-#define __pyx_n_u_shareable __pyx_string_tab[291]
-#define __pyx_n_u_size __pyx_string_tab[292]
-#define __pyx_n_u_sizes __pyx_string_tab[293]
-#define __pyx_n_u_src __pyx_string_tab[294]
-#define __pyx_n_u_srcs __pyx_string_tab[295]
-#define __pyx_n_u_stage_size __pyx_string_tab[296]
-#define __pyx_n_u_start __pyx_string_tab[297]
-#define __pyx_n_u_start_dtoh __pyx_string_tab[298]
-#define __pyx_n_u_start_htod __pyx_string_tab[299]
-#define __pyx_n_u_state __pyx_string_tab[300]
-#define __pyx_n_u_staticmethod __pyx_string_tab[301]
-#define __pyx_n_u_step __pyx_string_tab[302]
-#define __pyx_n_u_stop __pyx_string_tab[303]
-#define __pyx_n_u_stream __pyx_string_tab[304]
-#define __pyx_n_u_strides __pyx_string_tab[305]
-#define __pyx_n_u_struct __pyx_string_tab[306]
-#define __pyx_n_u_synchronize __pyx_string_tab[307]
-#define __pyx_n_u_tb __pyx_string_tab[308]
-#define __pyx_n_u_tensor __pyx_string_tab[309]
-#define __pyx_n_u_tensorxfer_errors __pyx_string_tab[310]
-#define __pyx_n_u_tensorxfer_memory__cuda __pyx_string_tab[311]
-#define __pyx_n_u_threading __pyx_string_tab[312]
-#define __pyx_n_u_throw __pyx_string_tab[313]
-#define __pyx_n_u_typestr __pyx_string_tab[314]
-#define __pyx_n_u_unmapped_tail __pyx_string_tab[315]
-#define __pyx_n_u_unpack __pyx_string_tab[316]
-#define __pyx_n_u_update __pyx_string_tab[317]
-#define __pyx_n_u_use_setstate __pyx_string_tab[318]
-#define __pyx_n_u_v __pyx_string_tab[319]
-#define __pyx_n_u_value __pyx_string_tab[320]
-#define __pyx_n_u_values __pyx_string_tab[321]
-#define __pyx_n_u_version __pyx_string_tab[322]
-#define __pyx_n_u_view_2 __pyx_string_tab[323]
-#define __pyx_n_u_vmm __pyx_string_tab[324]
-#define __pyx_n_u_wait __pyx_string_tab[325]
-#define __pyx_n_u_warn __pyx_string_tab[326]
-#define __pyx_n_u_warnings __pyx_string_tab[327]
-#define __pyx_n_u_x __pyx_string_tab[328]
-#define __pyx_kp_b_CUresult_CUcontext_CUdevice_CUre __pyx_string_tab[329]
-#define __pyx_n_b_O __pyx_string_tab[330]
-#define __pyx_kp_b_iso88591_Q __pyx_string_tab[331]
-#define __pyx_kp_b_iso88591_I_aq_A_1 __pyx_string_tab[332]
-#define __pyx_kp_b_iso88591_r_r_9AWA __pyx_string_tab[333]
-#define __pyx_kp_b_iso88591_6has___aadde_1G1_aq __pyx_string_tab[334]
-#define __pyx_kp_b_iso88591_6 __pyx_string_tab[335]
-#define __pyx_kp_b_iso88591_I_a_1 __pyx_string_tab[336]
-#define __pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1 __pyx_string_tab[337]
-#define __pyx_kp_b_iso88591_1AS_uKq_q_1 __pyx_string_tab[338]
-#define __pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T __pyx_string_tab[339]
-#define __pyx_kp_b_iso88591_F_AQfAV3I_kYZ_1_6_aq_q_U_1O1_A __pyx_string_tab[340]
-#define __pyx_kp_b_iso88591_A_F __pyx_string_tab[341]
-#define __pyx_kp_b_iso88591_A_F_6 __pyx_string_tab[342]
-#define __pyx_kp_b_iso88591_A_q __pyx_string_tab[343]
-#define __pyx_kp_b_iso88591_A_1D_I_1_k __pyx_string_tab[344]
-#define __pyx_kp_b_iso88591_A_2_z_q_l __pyx_string_tab[345]
-#define __pyx_kp_b_iso88591_A_31_z_q_l __pyx_string_tab[346]
-#define __pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA __pyx_string_tab[347]
-#define __pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E __pyx_string_tab[348]
-#define __pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja __pyx_string_tab[349]
-#define __pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs __pyx_string_tab[350]
-#define __pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT __pyx_string_tab[351]
-#define __pyx_kp_b_iso88591_A_4q_AQ_t7_1 __pyx_string_tab[352]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A __pyx_string_tab[353]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T __pyx_string_tab[354]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1 __pyx_string_tab[355]
-#define __pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq __pyx_string_tab[356]
-#define __pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r __pyx_string_tab[357]
-#define __pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4 __pyx_string_tab[358]
-#define __pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A __pyx_string_tab[359]
-#define __pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I __pyx_string_tab[360]
-#define __pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1 __pyx_string_tab[361]
-#define __pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q __pyx_string_tab[362]
-#define __pyx_kp_b_iso88591_q_q_I_5_I_QfE_q_G1G1_t1E_D_iq_4 __pyx_string_tab[363]
-#define __pyx_kp_b_iso88591_q_4q_4q_q_a_Q_AT_IQ __pyx_string_tab[364]
-#define __pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ __pyx_string_tab[365]
-#define __pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1 __pyx_string_tab[366]
-#define __pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ __pyx_string_tab[367]
-#define __pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6 __pyx_string_tab[368]
-#define __pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX __pyx_string_tab[369]
-#define __pyx_kp_b_iso88591_VW __pyx_string_tab[370]
+#define __pyx_kp_u_visible __pyx_string_tab[17]
+#define __pyx_kp_u_x_2 __pyx_string_tab[18]
+#define __pyx_kp_u_tree_fragment __pyx_string_tab[19]
+#define __pyx_kp_u__8 __pyx_string_tab[20]
+#define __pyx_kp_u_runs_past_the_region_s __pyx_string_tab[21]
+#define __pyx_kp_u_use_device_cpu_or_install_the_N __pyx_string_tab[22]
+#define __pyx_kp_u__6 __pyx_string_tab[23]
+#define __pyx_kp_u_got __pyx_string_tab[24]
+#define __pyx_kp_u__3 __pyx_string_tab[25]
+#define __pyx_kp_u__2 __pyx_string_tab[26]
+#define __pyx_kp_u_CudaRegion __pyx_string_tab[27]
+#define __pyx_kp_u_CudaRegion_closed __pyx_string_tab[28]
+#define __pyx_kp_u_MemoryView_of __pyx_string_tab[29]
+#define __pyx_kp_u_contiguous_and_direct __pyx_string_tab[30]
+#define __pyx_kp_u_contiguous_and_indirect __pyx_string_tab[31]
+#define __pyx_kp_u_strided_and_direct_or_indirect __pyx_string_tab[32]
+#define __pyx_kp_u_strided_and_direct __pyx_string_tab[33]
+#define __pyx_kp_u_strided_and_indirect __pyx_string_tab[34]
+#define __pyx_kp_u__4 __pyx_string_tab[35]
+#define __pyx_kp_u_ __pyx_string_tab[36]
+#define __pyx_kp_u_CUDA_device __pyx_string_tab[37]
+#define __pyx_kp_u_CUresult __pyx_string_tab[38]
+#define __pyx_kp_u_Cannot_assign_to_read_only_memor __pyx_string_tab[39]
+#define __pyx_kp_u_Invalid_mode_expected_c_or_fortr __pyx_string_tab[40]
+#define __pyx_kp_u_Invalid_shape_in_axis __pyx_string_tab[41]
+#define __pyx_kp_u_None __pyx_string_tab[42]
+#define __pyx_kp_u_Note_that_Cython_is_deliberately __pyx_string_tab[43]
+#define __pyx_kp_u_a_region_needs_at_least_one_chun __pyx_string_tab[44]
+#define __pyx_kp_u_access_devices_must_name_1_to_16 __pyx_string_tab[45]
+#define __pyx_kp_u_add_note __pyx_string_tab[46]
+#define __pyx_kp_u_buffer __pyx_string_tab[47]
+#define __pyx_kp_u_buffer_bytes_must_be_positive __pyx_string_tab[48]
+#define __pyx_kp_u_cannot_adopt_an_empty_range __pyx_string_tab[49]
+#define __pyx_kp_u_cannot_unmap_a_chunk_while_views __pyx_string_tab[50]
+#define __pyx_kp_u_chunk __pyx_string_tab[51]
+#define __pyx_kp_u_chunk_sizes_must_be_positive_mul __pyx_string_tab[52]
+#define __pyx_kp_u_chunk_size_must_be_positive_got __pyx_string_tab[53]
+#define __pyx_kp_u_collections_abc __pyx_string_tab[54]
+#define __pyx_kp_u_count_must_be_at_least_1 __pyx_string_tab[55]
+#define __pyx_kp_u_cuda __pyx_string_tab[56]
+#define __pyx_kp_u_device_2 __pyx_string_tab[57]
+#define __pyx_kp_u_disable __pyx_string_tab[58]
+#define __pyx_kp_u_dmabuf_offset_must_be_a_multiple __pyx_string_tab[59]
+#define __pyx_kp_u_dsts_srcs_and_sizes_must_have_th __pyx_string_tab[60]
+#define __pyx_kp_u_enable __pyx_string_tab[61]
+#define __pyx_kp_u_from_tensor_needs_a_CUDA_tensor __pyx_string_tab[62]
+#define __pyx_kp_u_gc __pyx_string_tab[63]
+#define __pyx_kp_u_isenabled __pyx_string_tab[64]
+#define __pyx_kp_u_no_CUDA_device_is_visible_cuInit __pyx_string_tab[65]
+#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[66]
+#define __pyx_kp_u_offset_2 __pyx_string_tab[67]
+#define __pyx_kp_u_one_fd_per_chunk_is_needed __pyx_string_tab[68]
+#define __pyx_kp_u_only_regions_tensorxfer_allocate __pyx_string_tab[69]
+#define __pyx_kp_u_operation_on_a_closed_CudaRegion __pyx_string_tab[70]
+#define __pyx_kp_u_operation_on_a_closed_Stager __pyx_string_tab[71]
+#define __pyx_kp_u_region_size_must_be_positive_got __pyx_string_tab[72]
+#define __pyx_kp_u_tensorxfer_memory__cuda_pyx __pyx_string_tab[73]
+#define __pyx_kp_u_the_CUDA_driver_is_not_available __pyx_string_tab[74]
+#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[75]
+#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[76]
+#define __pyx_kp_u_unclosed_CudaRegion_of __pyx_string_tab[77]
+#define __pyx_kp_u_unmapped_tail_must_be_a_multiple __pyx_string_tab[78]
+#define __pyx_kp_u_view __pyx_string_tab[79]
+#define __pyx_kp_u_u1 __pyx_string_tab[80]
+#define __pyx_n_u_ASCII __pyx_string_tab[81]
+#define __pyx_n_u_B __pyx_string_tab[82]
+#define __pyx_n_u_CUDA_ERROR_NO_DEVICE __pyx_string_tab[83]
+#define __pyx_n_u_Copier __pyx_string_tab[84]
+#define __pyx_n_u_Copier___enter __pyx_string_tab[85]
+#define __pyx_n_u_Copier___exit __pyx_string_tab[86]
+#define __pyx_n_u_Copier___reduce_cython __pyx_string_tab[87]
+#define __pyx_n_u_Copier___setstate_cython __pyx_string_tab[88]
+#define __pyx_n_u_Copier_close __pyx_string_tab[89]
+#define __pyx_n_u_Copier_dtod __pyx_string_tab[90]
+#define __pyx_n_u_Copier_dtod_batch __pyx_string_tab[91]
+#define __pyx_n_u_Copier_dtoh __pyx_string_tab[92]
+#define __pyx_n_u_Copier_htod __pyx_string_tab[93]
+#define __pyx_n_u_Copier_memset __pyx_string_tab[94]
+#define __pyx_n_u_Copier_synchronize __pyx_string_tab[95]
+#define __pyx_n_u_CudaError __pyx_string_tab[96]
+#define __pyx_n_u_CudaRegion_2 __pyx_string_tab[97]
+#define __pyx_n_u_CudaRegion___reduce_cython __pyx_string_tab[98]
+#define __pyx_n_u_CudaRegion___setstate_cython __pyx_string_tab[99]
+#define __pyx_n_u_CudaRegion__from_chunks __pyx_string_tab[100]
+#define __pyx_n_u_CudaRegion__plan __pyx_string_tab[101]
+#define __pyx_n_u_CudaRegion__unmap_chunk __pyx_string_tab[102]
+#define __pyx_n_u_CudaRegion_adopt __pyx_string_tab[103]
+#define __pyx_n_u_CudaRegion_allocate __pyx_string_tab[104]
+#define __pyx_n_u_CudaRegion_cuda_array __pyx_string_tab[105]
+#define __pyx_n_u_CudaRegion_export_dmabuf __pyx_string_tab[106]
+#define __pyx_n_u_CudaRegion_export_handles __pyx_string_tab[107]
+#define __pyx_n_u_CudaRegion_from_tensor __pyx_string_tab[108]
+#define __pyx_n_u_CudaRegion_import_handles __pyx_string_tab[109]
+#define __pyx_n_u_CudaRegion_map_next __pyx_string_tab[110]
+#define __pyx_n_u_CudaRegion_reserve __pyx_string_tab[111]
+#define __pyx_n_u_DEFAULT_CHUNK_SIZE __pyx_string_tab[112]
+#define __pyx_n_u_Ellipsis __pyx_string_tab[113]
+#define __pyx_n_u_ExtentError __pyx_string_tab[114]
+#define __pyx_n_u_Lock __pyx_string_tab[115]
+#define __pyx_n_u_MAX_DEFAULT_CHUNKS __pyx_string_tab[116]
+#define __pyx_n_u_Sequence __pyx_string_tab[117]
+#define __pyx_n_u_Stager __pyx_string_tab[118]
+#define __pyx_n_u_Stager___enter __pyx_string_tab[119]
+#define __pyx_n_u_Stager___exit __pyx_string_tab[120]
+#define __pyx_n_u_Stager___reduce_cython __pyx_string_tab[121]
+#define __pyx_n_u_Stager___setstate_cython __pyx_string_tab[122]
+#define __pyx_n_u_Stager_close __pyx_string_tab[123]
+#define __pyx_n_u_Stager_start_dtoh __pyx_string_tab[124]
+#define __pyx_n_u_Stager_start_htod __pyx_string_tab[125]
+#define __pyx_n_u_Stager_view __pyx_string_tab[126]
+#define __pyx_n_u_Stager_wait __pyx_string_tab[127]
+#define __pyx_n_u_View_MemoryView __pyx_string_tab[128]
+#define __pyx_n_u__9 __pyx_string_tab[129]
+#define __pyx_n_u_DeviceBytes __pyx_string_tab[130]
+#define __pyx_n_u_DeviceBytes___reduce_cython __pyx_string_tab[131]
+#define __pyx_n_u_DeviceBytes___setstate_cython __pyx_string_tab[132]
+#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[133]
+#define __pyx_n_u_annotate __pyx_string_tab[134]
+#define __pyx_n_u_class __pyx_string_tab[135]
+#define __pyx_n_u_class_getitem __pyx_string_tab[136]
+#define __pyx_n_u_dict __pyx_string_tab[137]
+#define __pyx_n_u_enter __pyx_string_tab[138]
+#define __pyx_n_u_exit __pyx_string_tab[139]
+#define __pyx_n_u_func __pyx_string_tab[140]
+#define __pyx_n_u_getstate __pyx_string_tab[141]
+#define __pyx_n_u_import __pyx_string_tab[142]
+#define __pyx_n_u_main __pyx_string_tab[143]
+#define __pyx_n_u_module __pyx_string_tab[144]
+#define __pyx_n_u_name_2 __pyx_string_tab[145]
+#define __pyx_n_u_new __pyx_string_tab[146]
+#define __pyx_n_u_pyx_checksum __pyx_string_tab[147]
+#define __pyx_n_u_pyx_result __pyx_string_tab[148]
+#define __pyx_n_u_pyx_state __pyx_string_tab[149]
+#define __pyx_n_u_pyx_type __pyx_string_tab[150]
+#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[151]
+#define __pyx_n_u_pyx_unpickle__DeviceBytes __pyx_string_tab[152]
+#define __pyx_n_u_pyx_vtable __pyx_string_tab[153]
+#define __pyx_n_u_qualname __pyx_string_tab[154]
+#define __pyx_n_u_reduce __pyx_string_tab[155]
+#define __pyx_n_u_reduce_cython __pyx_string_tab[156]
+#define __pyx_n_u_reduce_ex __pyx_string_tab[157]
+#define __pyx_n_u_set_name __pyx_string_tab[158]
+#define __pyx_n_u_setstate __pyx_string_tab[159]
+#define __pyx_n_u_setstate_cython __pyx_string_tab[160]
+#define __pyx_n_u_test __pyx_string_tab[161]
+#define __pyx_n_u_contexts __pyx_string_tab[162]
+#define __pyx_n_u_default_chunk_size __pyx_string_tab[163]
+#define __pyx_n_u_dict_2 __pyx_string_tab[164]
+#define __pyx_n_u_error_name __pyx_string_tab[165]
+#define __pyx_n_u_from_chunks __pyx_string_tab[166]
+#define __pyx_n_u_from_chunks_locals_genexpr __pyx_string_tab[167]
+#define __pyx_n_u_is_coroutine __pyx_string_tab[168]
+#define __pyx_n_u_lock __pyx_string_tab[169]
+#define __pyx_n_u_plan __pyx_string_tab[170]
+#define __pyx_n_u_unmap_chunk __pyx_string_tab[171]
+#define __pyx_n_u_abc __pyx_string_tab[172]
+#define __pyx_n_u_access_devices __pyx_string_tab[173]
+#define __pyx_n_u_address_range __pyx_string_tab[174]
+#define __pyx_n_u_adopt __pyx_string_tab[175]
+#define __pyx_n_u_adopted __pyx_string_tab[176]
+#define __pyx_n_u_allocate __pyx_string_tab[177]
+#define __pyx_n_u_allocate_buffer __pyx_string_tab[178]
+#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[179]
+#define __pyx_n_u_attr __pyx_string_tab[180]
+#define __pyx_n_u_attr_index __pyx_string_tab[181]
+#define __pyx_n_u_b __pyx_string_tab[182]
+#define __pyx_n_u_base __pyx_string_tab[183]
+#define __pyx_n_u_batch_api __pyx_string_tab[184]
+#define __pyx_n_u_buffer_bytes __pyx_string_tab[185]
+#define __pyx_n_u_c __pyx_string_tab[186]
+#define __pyx_n_u_cast __pyx_string_tab[187]
+#define __pyx_n_u_chunk_2 __pyx_string_tab[188]
+#define __pyx_n_u_chunk_size __pyx_string_tab[189]
+#define __pyx_n_u_cline_in_traceback __pyx_string_tab[190]
+#define __pyx_n_u_close __pyx_string_tab[191]
+#define __pyx_n_u_count __pyx_string_tab[192]
+#define __pyx_n_u_cuda_array __pyx_string_tab[193]
+#define __pyx_n_u_d __pyx_string_tab[194]
+#define __pyx_n_u_data __pyx_string_tab[195]
+#define __pyx_n_u_data_ptr __pyx_string_tab[196]
+#define __pyx_n_u_decode __pyx_string_tab[197]
+#define __pyx_n_u_dev __pyx_string_tab[198]
+#define __pyx_n_u_device __pyx_string_tab[199]
+#define __pyx_n_u_device_count __pyx_string_tab[200]
+#define __pyx_n_u_device_info __pyx_string_tab[201]
+#define __pyx_n_u_dmabuf __pyx_string_tab[202]
+#define __pyx_n_u_driver_version __pyx_string_tab[203]
+#define __pyx_n_u_dst __pyx_string_tab[204]
+#define __pyx_n_u_dsts __pyx_string_tab[205]
+#define __pyx_n_u_dtod __pyx_string_tab[206]
+#define __pyx_n_u_dtod_batch __pyx_string_tab[207]
+#define __pyx_n_u_dtoh __pyx_string_tab[208]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[209]
+#define __pyx_n_u_element_size __pyx_string_tab[210]
+#define __pyx_n_u_encode __pyx_string_tab[211]
+#define __pyx_n_u_enumerate __pyx_string_tab[212]
+#define __pyx_n_u_error __pyx_string_tab[213]
+#define __pyx_n_u_errors __pyx_string_tab[214]
+#define __pyx_n_u_exc __pyx_string_tab[215]
+#define __pyx_n_u_export_dmabuf __pyx_string_tab[216]
+#define __pyx_n_u_export_handles __pyx_string_tab[217]
+#define __pyx_n_u_ext __pyx_string_tab[218]
+#define __pyx_n_u_fd __pyx_string_tab[219]
+#define __pyx_n_u_flags __pyx_string_tab[220]
+#define __pyx_n_u_format __pyx_string_tab[221]
+#define __pyx_n_u_fortran __pyx_string_tab[222]
+#define __pyx_n_u_from_tensor __pyx_string_tab[223]
+#define __pyx_n_u_gdr __pyx_string_tab[224]
+#define __pyx_n_u_genexpr __pyx_string_tab[225]
+#define __pyx_n_u_get __pyx_string_tab[226]
+#define __pyx_n_u_gpudirect_rdma_with_vmm __pyx_string_tab[227]
+#define __pyx_n_u_gran __pyx_string_tab[228]
+#define __pyx_n_u_granularity __pyx_string_tab[229]
+#define __pyx_n_u_h __pyx_string_tab[230]
+#define __pyx_n_u_handles __pyx_string_tab[231]
+#define __pyx_n_u_holes __pyx_string_tab[232]
+#define __pyx_n_u_htod __pyx_string_tab[233]
+#define __pyx_n_u_i __pyx_string_tab[234]
+#define __pyx_n_u_id __pyx_string_tab[235]
+#define __pyx_n_u_import_handles __pyx_string_tab[236]
+#define __pyx_n_u_index __pyx_string_tab[237]
+#define __pyx_n_u_info __pyx_string_tab[238]
+#define __pyx_n_u_is_cuda __pyx_string_tab[239]
+#define __pyx_n_u_is_vmm __pyx_string_tab[240]
+#define __pyx_n_u_items __pyx_string_tab[241]
+#define __pyx_n_u_itemsize __pyx_string_tab[242]
+#define __pyx_n_u_k __pyx_string_tab[243]
+#define __pyx_n_u_keepalive __pyx_string_tab[244]
+#define __pyx_n_u_length __pyx_string_tab[245]
+#define __pyx_n_u_map_next __pyx_string_tab[246]
+#define __pyx_n_u_map_now __pyx_string_tab[247]
+#define __pyx_n_u_mapped_size __pyx_string_tab[248]
+#define __pyx_n_u_memset __pyx_string_tab[249]
+#define __pyx_n_u_memview __pyx_string_tab[250]
+#define __pyx_n_u_mode __pyx_string_tab[251]
+#define __pyx_n_u_n __pyx_string_tab[252]
+#define __pyx_n_u_name __pyx_string_tab[253]
+#define __pyx_n_u_ndim __pyx_string_tab[254]
+#define __pyx_n_u_next __pyx_string_tab[255]
+#define __pyx_n_u_numel __pyx_string_tab[256]
+#define __pyx_n_u_obj __pyx_string_tab[257]
+#define __pyx_n_u_off __pyx_string_tab[258]
+#define __pyx_n_u_offset __pyx_string_tab[259]
+#define __pyx_n_u_out __pyx_string_tab[260]
+#define __pyx_n_u_owned __pyx_string_tab[261]
+#define __pyx_n_u_p __pyx_string_tab[262]
+#define __pyx_n_u_pack __pyx_string_tab[263]
+#define __pyx_n_u_pointer_range __pyx_string_tab[264]
+#define __pyx_n_u_pop __pyx_string_tab[265]
+#define __pyx_n_u_posix_fd_handles __pyx_string_tab[266]
+#define __pyx_n_u_prev_k __pyx_string_tab[267]
+#define __pyx_n_u_prev_off __pyx_string_tab[268]
+#define __pyx_n_u_prop __pyx_string_tab[269]
+#define __pyx_n_u_ptr __pyx_string_tab[270]
+#define __pyx_n_u_range_size_attribute __pyx_string_tab[271]
+#define __pyx_n_u_register __pyx_string_tab[272]
+#define __pyx_n_u_release __pyx_string_tab[273]
+#define __pyx_n_u_replace __pyx_string_tab[274]
+#define __pyx_n_u_reserve __pyx_string_tab[275]
+#define __pyx_n_u_resolve_extent __pyx_string_tab[276]
+#define __pyx_n_u_result __pyx_string_tab[277]
+#define __pyx_n_u_rsize __pyx_string_tab[278]
+#define __pyx_n_u_s __pyx_string_tab[279]
+#define __pyx_n_u_self __pyx_string_tab[280]
+#define __pyx_n_u_send __pyx_string_tab[281]
+#define __pyx_n_u_setdefault __pyx_string_tab[282]
+#define __pyx_n_u_shape __pyx_string_tab[283]
+#define __pyx_n_u_shareable __pyx_string_tab[284]
+#define __pyx_n_u_size __pyx_string_tab[285]
+#define __pyx_n_u_sizes __pyx_string_tab[286]
+#define __pyx_n_u_src __pyx_string_tab[287]
+#define __pyx_n_u_srcs __pyx_string_tab[288]
+#define __pyx_n_u_stage_size __pyx_string_tab[289]
+#define __pyx_n_u_start __pyx_string_tab[290]
+#define __pyx_n_u_start_dtoh __pyx_string_tab[291]
+#define __pyx_n_u_start_htod __pyx_string_tab[292]
+#define __pyx_n_u_state __pyx_string_tab[293]
+#define __pyx_n_u_staticmethod __pyx_string_tab[294]
+#define __pyx_n_u_step __pyx_string_tab[295]
+#define __pyx_n_u_stop __pyx_string_tab[296]
+#define __pyx_n_u_stream __pyx_string_tab[297]
+#define __pyx_n_u_strides __pyx_string_tab[298]
+#define __pyx_n_u_struct __pyx_string_tab[299]
+#define __pyx_n_u_synchronize __pyx_string_tab[300]
+#define __pyx_n_u_tensor __pyx_string_tab[301]
+#define __pyx_n_u_tensorxfer_errors __pyx_string_tab[302]
+#define __pyx_n_u_tensorxfer_memory__cuda __pyx_string_tab[303]
+#define __pyx_n_u_threading __pyx_string_tab[304]
+#define __pyx_n_u_throw __pyx_string_tab[305]
+#define __pyx_n_u_typestr __pyx_string_tab[306]
+#define __pyx_n_u_unmapped_tail __pyx_string_tab[307]
+#define __pyx_n_u_unpack __pyx_string_tab[308]
+#define __pyx_n_u_update __pyx_string_tab[309]
+#define __pyx_n_u_use_setstate __pyx_string_tab[310]
+#define __pyx_n_u_v __pyx_string_tab[311]
+#define __pyx_n_u_value __pyx_string_tab[312]
+#define __pyx_n_u_values __pyx_string_tab[313]
+#define __pyx_n_u_version __pyx_string_tab[314]
+#define __pyx_n_u_view_2 __pyx_string_tab[315]
+#define __pyx_n_u_vmm __pyx_string_tab[316]
+#define __pyx_n_u_wait __pyx_string_tab[317]
+#define __pyx_n_u_warn __pyx_string_tab[318]
+#define __pyx_n_u_warnings __pyx_string_tab[319]
+#define __pyx_n_u_x __pyx_string_tab[320]
+#define __pyx_kp_b_CUresult_CUcontext_CUdevice_CUre __pyx_string_tab[321]
+#define __pyx_n_b_O __pyx_string_tab[322]
+#define __pyx_kp_b_iso88591_Q __pyx_string_tab[323]
+#define __pyx_kp_b_iso88591_I_aq_A_1 __pyx_string_tab[324]
+#define __pyx_kp_b_iso88591_r_r_9AWA __pyx_string_tab[325]
+#define __pyx_kp_b_iso88591_6has___aadde_1G1_aq __pyx_string_tab[326]
+#define __pyx_kp_b_iso88591_6 __pyx_string_tab[327]
+#define __pyx_kp_b_iso88591_I_a_1 __pyx_string_tab[328]
+#define __pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1 __pyx_string_tab[329]
+#define __pyx_kp_b_iso88591_1AS_uKq_q_1 __pyx_string_tab[330]
+#define __pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T __pyx_string_tab[331]
+#define __pyx_kp_b_iso88591_F_AQfAV3I_kYZ_1_6_aq_q_U_1O1_A __pyx_string_tab[332]
+#define __pyx_kp_b_iso88591_A_F __pyx_string_tab[333]
+#define __pyx_kp_b_iso88591_A_q __pyx_string_tab[334]
+#define __pyx_kp_b_iso88591_A_1D_I_1_k __pyx_string_tab[335]
+#define __pyx_kp_b_iso88591_A_2_z_q_l __pyx_string_tab[336]
+#define __pyx_kp_b_iso88591_A_31_z_q_l __pyx_string_tab[337]
+#define __pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA __pyx_string_tab[338]
+#define __pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E __pyx_string_tab[339]
+#define __pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja __pyx_string_tab[340]
+#define __pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs __pyx_string_tab[341]
+#define __pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT __pyx_string_tab[342]
+#define __pyx_kp_b_iso88591_A_4q_AQ_t7_1 __pyx_string_tab[343]
+#define __pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A __pyx_string_tab[344]
+#define __pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T __pyx_string_tab[345]
+#define __pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1 __pyx_string_tab[346]
+#define __pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq __pyx_string_tab[347]
+#define __pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r __pyx_string_tab[348]
+#define __pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4 __pyx_string_tab[349]
+#define __pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A __pyx_string_tab[350]
+#define __pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I __pyx_string_tab[351]
+#define __pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1 __pyx_string_tab[352]
+#define __pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q __pyx_string_tab[353]
+#define __pyx_kp_b_iso88591_q_q_I_5_I_QfE_q_G1G1_t1E_D_iq_4 __pyx_string_tab[354]
+#define __pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ __pyx_string_tab[355]
+#define __pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1 __pyx_string_tab[356]
+#define __pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ __pyx_string_tab[357]
+#define __pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6 __pyx_string_tab[358]
+#define __pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX __pyx_string_tab[359]
+#define __pyx_kp_b_iso88591_VW __pyx_string_tab[360]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_1 __pyx_number_tab[2]
@@ -5988,9 +5973,9 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_frozenset[i]); }
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
-  for (int i=0; i<12; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<48; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<371; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<11; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
+  for (int i=0; i<45; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<361; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<8; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -6041,9 +6026,9 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_frozenset[i]); }
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
-  for (int i=0; i<12; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<48; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<371; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<11; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
+  for (int i=0; i<45; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<361; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<8; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -23322,7 +23307,7 @@ static CYTHON_INLINE size_t __pyx_f_10tensorxfer_6memory_5_cuda__round_up(size_t
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":261
+/* "tensorxfer/memory/_cuda.pyx":258
  *     cdef frozenset _holes
  * 
  *     def __cinit__(self):             # <<<<<<<<<<<<<<
@@ -23358,7 +23343,7 @@ static int __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_1__cinit__(PyObject
 static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   int __pyx_r;
 
-  /* "tensorxfer/memory/_cuda.pyx":262
+  /* "tensorxfer/memory/_cuda.pyx":259
  * 
  *     def __cinit__(self):
  *         self._base = 0             # <<<<<<<<<<<<<<
@@ -23367,61 +23352,34 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
 */
   __pyx_v_self->_base = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":263
+  /* "tensorxfer/memory/_cuda.pyx":260
  *     def __cinit__(self):
  *         self._base = 0
  *         self._chunks = NULL             # <<<<<<<<<<<<<<
  *         self._nchunks = 0
- *         self._closed = True
+ *         self._reserved = False
 */
   __pyx_v_self->_chunks = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":264
+  /* "tensorxfer/memory/_cuda.pyx":261
  *         self._base = 0
  *         self._chunks = NULL
  *         self._nchunks = 0             # <<<<<<<<<<<<<<
- *         self._closed = True
  *         self._reserved = False
+ * 
 */
   __pyx_v_self->_nchunks = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":265
+  /* "tensorxfer/memory/_cuda.pyx":262
  *         self._chunks = NULL
  *         self._nchunks = 0
- *         self._closed = True             # <<<<<<<<<<<<<<
- *         self._reserved = False
- *         self._exports = 0
-*/
-  __pyx_v_self->_closed = 1;
-
-  /* "tensorxfer/memory/_cuda.pyx":266
- *         self._nchunks = 0
- *         self._closed = True
  *         self._reserved = False             # <<<<<<<<<<<<<<
- *         self._exports = 0
- *         self._close_pending = False
-*/
-  __pyx_v_self->_reserved = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":267
- *         self._closed = True
- *         self._reserved = False
- *         self._exports = 0             # <<<<<<<<<<<<<<
- *         self._close_pending = False
- * 
-*/
-  __pyx_v_self->_exports = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":268
- *         self._reserved = False
- *         self._exports = 0
- *         self._close_pending = False             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- factories
 */
-  __pyx_v_self->_close_pending = 0;
+  __pyx_v_self->_reserved = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":261
+  /* "tensorxfer/memory/_cuda.pyx":258
  *     cdef frozenset _holes
  * 
  *     def __cinit__(self):             # <<<<<<<<<<<<<<
@@ -23435,7 +23393,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":271
+/* "tensorxfer/memory/_cuda.pyx":265
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23485,28 +23443,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 271, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 265, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 265, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reserve", 0) < (0)) __PYX_ERR(0, 271, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reserve", 0) < (0)) __PYX_ERR(0, 265, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":272
+      /* "tensorxfer/memory/_cuda.pyx":266
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod
  *     def reserve(size, chunk_size=None, int device=0):             # <<<<<<<<<<<<<<
@@ -23515,21 +23473,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, i); __PYX_ERR(0, 271, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, i); __PYX_ERR(0, 265, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 265, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -23538,14 +23496,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 272, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 266, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 271, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 265, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23558,7 +23516,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(__pyx_v_size, __pyx_v_chunk_size, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":271
+  /* "tensorxfer/memory/_cuda.pyx":265
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23587,7 +23545,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("reserve", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":281
+  /* "tensorxfer/memory/_cuda.pyx":275
  *         :meth:`allocate`.
  *         """
  *         return CudaRegion._plan(size, chunk_size, device, False)             # <<<<<<<<<<<<<<
@@ -23596,7 +23554,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
 */
   __pyx_t_2 = ((PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion);
   __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 281, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 0;
   {
@@ -23604,7 +23562,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_plan, __pyx_callargs+__pyx_t_4, (5-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 281, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 275, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -23618,7 +23576,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":271
+  /* "tensorxfer/memory/_cuda.pyx":265
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23639,7 +23597,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":283
+/* "tensorxfer/memory/_cuda.pyx":277
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23689,28 +23647,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 283, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 277, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "allocate", 0) < (0)) __PYX_ERR(0, 283, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "allocate", 0) < (0)) __PYX_ERR(0, 277, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":284
+      /* "tensorxfer/memory/_cuda.pyx":278
  * 
  *     @staticmethod
  *     def allocate(size, chunk_size=None, int device=0):             # <<<<<<<<<<<<<<
@@ -23719,21 +23677,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, i); __PYX_ERR(0, 283, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, i); __PYX_ERR(0, 277, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -23742,14 +23700,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 284, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 278, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 283, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 277, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23762,7 +23720,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(__pyx_v_size, __pyx_v_chunk_size, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":283
+  /* "tensorxfer/memory/_cuda.pyx":277
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23791,7 +23749,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("allocate", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":301
+  /* "tensorxfer/memory/_cuda.pyx":295
  *             allocated (every step is undone in reverse order).
  *         """
  *         return CudaRegion._plan(size, chunk_size, device, True)             # <<<<<<<<<<<<<<
@@ -23800,7 +23758,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
 */
   __pyx_t_2 = ((PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion);
   __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 301, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 0;
   {
@@ -23808,7 +23766,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_plan, __pyx_callargs+__pyx_t_4, (5-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 301, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 295, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -23822,7 +23780,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":283
+  /* "tensorxfer/memory/_cuda.pyx":277
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23843,7 +23801,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":303
+/* "tensorxfer/memory/_cuda.pyx":297
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23894,53 +23852,53 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_map_now,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 303, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 297, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 303, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 297, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 303, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 297, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 303, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 297, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 303, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_plan", 0) < (0)) __PYX_ERR(0, 303, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_plan", 0) < (0)) __PYX_ERR(0, 297, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 4; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, i); __PYX_ERR(0, 303, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, i); __PYX_ERR(0, 297, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 4)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 303, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 303, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 297, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 303, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 297, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 303, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 297, __pyx_L3_error)
     }
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
-    __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L3_error)
-    __pyx_v_map_now = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_map_now == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L3_error)
+    __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L3_error)
+    __pyx_v_map_now = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_map_now == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 303, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 297, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23991,7 +23949,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __Pyx_RefNannySetupContext("_plan", 0);
   __Pyx_INCREF(__pyx_v_size);
 
-  /* "tensorxfer/memory/_cuda.pyx":307
+  /* "tensorxfer/memory/_cuda.pyx":301
  *         """Shared by allocate and reserve: granularity, handle types, chunk plan."""
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef size_t gran = 0             # <<<<<<<<<<<<<<
@@ -24000,30 +23958,30 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   __pyx_v_gran = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":308
+  /* "tensorxfer/memory/_cuda.pyx":302
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef size_t gran = 0
  *         size = int(size)             # <<<<<<<<<<<<<<
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")
 */
-  __pyx_t_1 = __Pyx_PyNumber_Int(__pyx_v_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 308, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyNumber_Int(__pyx_v_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF_SET(__pyx_v_size, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":309
+  /* "tensorxfer/memory/_cuda.pyx":303
  *         cdef size_t gran = 0
  *         size = int(size)
  *         if size <= 0:             # <<<<<<<<<<<<<<
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
 */
-  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_size, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 309, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_size, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 303, __pyx_L1_error)
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":310
+    /* "tensorxfer/memory/_cuda.pyx":304
  *         size = int(size)
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")             # <<<<<<<<<<<<<<
@@ -24031,9 +23989,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
 */
     __pyx_t_3 = NULL;
-    __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_v_size, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 310, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_v_size, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_region_size_must_be_positive_got, __pyx_t_4); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 310, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_region_size_must_be_positive_got, __pyx_t_4); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_t_6 = 1;
@@ -24042,14 +24000,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 310, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 310, __pyx_L1_error)
+    __PYX_ERR(0, 304, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":309
+    /* "tensorxfer/memory/_cuda.pyx":303
  *         cdef size_t gran = 0
  *         size = int(size)
  *         if size <= 0:             # <<<<<<<<<<<<<<
@@ -24058,31 +24016,31 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":311
+  /* "tensorxfer/memory/_cuda.pyx":305
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
 */
-  __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+  __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":312
+  /* "tensorxfer/memory/_cuda.pyx":306
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):             # <<<<<<<<<<<<<<
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
   __pyx_t_2 = (!(__pyx_t_8 != 0));
 
 
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":313
+    /* "tensorxfer/memory/_cuda.pyx":307
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")             # <<<<<<<<<<<<<<
@@ -24090,9 +24048,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
 */
     __pyx_t_5 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 313, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 313, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 307, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_CUDA_device;
     __pyx_t_9[1] = __pyx_t_4;
@@ -24103,7 +24061,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
     #endif
     __pyx_t_8 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_8);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 313, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 307, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_t_6 = 1;
@@ -24124,14 +24082,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 313, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 307, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 313, __pyx_L1_error)
+    __PYX_ERR(0, 307, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":312
+    /* "tensorxfer/memory/_cuda.pyx":306
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):             # <<<<<<<<<<<<<<
@@ -24140,29 +24098,29 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":314
+  /* "tensorxfer/memory/_cuda.pyx":308
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
   __pyx_v_shareable = (!(!(__pyx_t_8 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":315
+  /* "tensorxfer/memory/_cuda.pyx":309
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, device, shareable, gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
   __pyx_v_gdr = (!(!(__pyx_t_8 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":316
+  /* "tensorxfer/memory/_cuda.pyx":310
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)             # <<<<<<<<<<<<<<
@@ -24171,33 +24129,33 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":317
+  /* "tensorxfer/memory/_cuda.pyx":311
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),             # <<<<<<<<<<<<<<
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)
 */
-  __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_12, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 317, __pyx_L1_error)
+  __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_12, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 311, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":319
+  /* "tensorxfer/memory/_cuda.pyx":313
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)             # <<<<<<<<<<<<<<
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:
 */
-  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_size); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 319, __pyx_L1_error)
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 319, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_size); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 313, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
   __Pyx_DECREF_SET(__pyx_v_size, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":320
+  /* "tensorxfer/memory/_cuda.pyx":314
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)             # <<<<<<<<<<<<<<
@@ -24207,9 +24165,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_t_2 = (__pyx_v_chunk_size == Py_None);
   if (__pyx_t_2) {
     __pyx_t_11 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_default_chunk_size); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 320, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_default_chunk_size); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 314, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_PyLong_FromSize_t(__pyx_v_gran); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 320, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_FromSize_t(__pyx_v_gran); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 314, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_6 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -24229,13 +24187,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 320, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __pyx_t_1 = __pyx_t_3;
     __pyx_t_3 = 0;
   } else {
-    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_chunk_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 320, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_chunk_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __pyx_t_1 = __pyx_t_3;
     __pyx_t_3 = 0;
@@ -24244,18 +24202,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_v_chunk = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":321
+  /* "tensorxfer/memory/_cuda.pyx":315
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:             # <<<<<<<<<<<<<<
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)
 */
-  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_chunk, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 321, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_chunk, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 315, __pyx_L1_error)
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":322
+    /* "tensorxfer/memory/_cuda.pyx":316
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")             # <<<<<<<<<<<<<<
@@ -24263,9 +24221,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         sizes = [chunk] * (size // chunk)
 */
     __pyx_t_3 = NULL;
-    __pyx_t_5 = __Pyx_PyObject_FormatSimple(__pyx_v_chunk, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 322, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_FormatSimple(__pyx_v_chunk, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 316, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_chunk_size_must_be_positive_got, __pyx_t_5); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 322, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_chunk_size_must_be_positive_got, __pyx_t_5); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 316, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = 1;
@@ -24274,14 +24232,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 322, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 322, __pyx_L1_error)
+    __PYX_ERR(0, 316, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":321
+    /* "tensorxfer/memory/_cuda.pyx":315
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:             # <<<<<<<<<<<<<<
@@ -24290,35 +24248,35 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":323
+  /* "tensorxfer/memory/_cuda.pyx":317
  *         if chunk <= 0:
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)             # <<<<<<<<<<<<<<
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:
 */
-  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_chunk); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 323, __pyx_L1_error)
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 323, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_chunk); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
   __Pyx_DECREF_SET(__pyx_v_chunk, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":324
+  /* "tensorxfer/memory/_cuda.pyx":318
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)             # <<<<<<<<<<<<<<
  *         if size % chunk:
  *             sizes.append(size % chunk)
 */
-  __pyx_t_1 = PyNumber_FloorDivide(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 324, __pyx_L1_error)
+  __pyx_t_1 = PyNumber_FloorDivide(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 318, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 324, __pyx_L1_error)
+  __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 318, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_INCREF(__pyx_v_chunk);
   __Pyx_GIVEREF(__pyx_v_chunk);
-  if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_v_chunk) != (0)) __PYX_ERR(0, 324, __pyx_L1_error);
-  { PyObject* __pyx_temp = PyNumber_InPlaceMultiply(__pyx_t_4, __pyx_t_1); if (unlikely(!__pyx_temp)) __PYX_ERR(0, 324, __pyx_L1_error)
+  if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_v_chunk) != (0)) __PYX_ERR(0, 318, __pyx_L1_error);
+  { PyObject* __pyx_temp = PyNumber_InPlaceMultiply(__pyx_t_4, __pyx_t_1); if (unlikely(!__pyx_temp)) __PYX_ERR(0, 318, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_temp);
     __Pyx_DECREF(__pyx_t_4);
     __pyx_t_4 = __pyx_temp;
@@ -24327,34 +24285,34 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_v_sizes = ((PyObject*)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":325
+  /* "tensorxfer/memory/_cuda.pyx":319
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:             # <<<<<<<<<<<<<<
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
 */
-  __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":326
+    /* "tensorxfer/memory/_cuda.pyx":320
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:
  *             sizes.append(size % chunk)             # <<<<<<<<<<<<<<
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
 */
-    __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 326, __pyx_L1_error)
+    __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 320, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_13 = __Pyx_PyList_Append(__pyx_v_sizes, __pyx_t_4); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 326, __pyx_L1_error)
+    __pyx_t_13 = __Pyx_PyList_Append(__pyx_v_sizes, __pyx_t_4); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 320, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
 
-    /* "tensorxfer/memory/_cuda.pyx":325
+    /* "tensorxfer/memory/_cuda.pyx":319
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:             # <<<<<<<<<<<<<<
@@ -24363,14 +24321,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":327
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         if size % chunk:
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(__pyx_v_sizes, 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, __pyx_v_map_now)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 327, __pyx_L1_error)
+  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(__pyx_v_sizes, 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, __pyx_v_map_now)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   {
     PyObject *__pyx_temp;
@@ -24383,7 +24341,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":303
+  /* "tensorxfer/memory/_cuda.pyx":297
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24413,7 +24371,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":329
+/* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24464,32 +24422,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_unmapped_tail,&__pyx_mstate_global->__pyx_n_u_holes,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 329, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 323, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_from_chunks", 0) < (0)) __PYX_ERR(0, 329, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_from_chunks", 0) < (0)) __PYX_ERR(0, 323, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":330
+      /* "tensorxfer/memory/_cuda.pyx":324
  * 
  *     @staticmethod
  *     def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):             # <<<<<<<<<<<<<<
@@ -24498,25 +24456,25 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)__pyx_mstate_global->__pyx_empty_tuple));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, i); __PYX_ERR(0, 329, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, i); __PYX_ERR(0, 323, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 323, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 329, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 323, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -24524,20 +24482,20 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     }
     __pyx_v_sizes = values[0];
     if (values[1]) {
-      __pyx_v_unmapped_tail = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_unmapped_tail == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 330, __pyx_L3_error)
+      __pyx_v_unmapped_tail = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_unmapped_tail == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L3_error)
     } else {
       __pyx_v_unmapped_tail = ((size_t)0);
     }
     __pyx_v_holes = values[2];
     if (values[3]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 330, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, __pyx_nargs); __PYX_ERR(0, 329, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, __pyx_nargs); __PYX_ERR(0, 323, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -24550,7 +24508,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks(__pyx_v_sizes, __pyx_v_unmapped_tail, __pyx_v_holes, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":329
+  /* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24569,7 +24527,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 }
 static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator(__pyx_CoroutineObject *__pyx_generator, CYTHON_UNUSED PyThreadState *__pyx_tstate, PyObject *__pyx_sent_value); /* proto */
 
-/* "tensorxfer/memory/_cuda.pyx":337
+/* "tensorxfer/memory/_cuda.pyx":331
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -24589,7 +24547,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   if (unlikely(!__pyx_cur_scope)) {
     __pyx_cur_scope = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr *)Py_None);
     __Pyx_INCREF(Py_None);
-    __PYX_ERR(0, 337, __pyx_L1_error)
+    __PYX_ERR(0, 331, __pyx_L1_error)
   } else {
     __Pyx_GOTREF((PyObject *)__pyx_cur_scope);
   }
@@ -24597,7 +24555,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   __Pyx_INCREF(__pyx_cur_scope->__pyx_genexpr_arg_0);
   __Pyx_GIVEREF(__pyx_cur_scope->__pyx_genexpr_arg_0);
   {
-    __pyx_CoroutineObject *gen = __Pyx_Generator_New((__pyx_coroutine_body_t) __pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0]), (PyObject *) __pyx_cur_scope, __pyx_mstate_global->__pyx_n_u_genexpr, __pyx_mstate_global->__pyx_n_u_from_chunks_locals_genexpr, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda); if (unlikely(!gen)) __PYX_ERR(0, 337, __pyx_L1_error)
+    __pyx_CoroutineObject *gen = __Pyx_Generator_New((__pyx_coroutine_body_t) __pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0]), (PyObject *) __pyx_cur_scope, __pyx_mstate_global->__pyx_n_u_genexpr, __pyx_mstate_global->__pyx_n_u_from_chunks_locals_genexpr, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda); if (unlikely(!gen)) __PYX_ERR(0, 331, __pyx_L1_error)
     __Pyx_DECREF(__pyx_cur_scope);
     __Pyx_RefNannyFinishContext();
     return (PyObject *) gen;
@@ -24636,17 +24594,17 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   __pyx_L3_first_run:;
   if (unlikely(__pyx_sent_value != Py_None)) {
     if (unlikely(__pyx_sent_value)) PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started generator");
-    __PYX_ERR(0, 337, __pyx_L1_error)
+    __PYX_ERR(0, 331, __pyx_L1_error)
   }
-  if (unlikely(!__pyx_cur_scope->__pyx_genexpr_arg_0)) { __Pyx_RaiseUnboundLocalError(".0"); __PYX_ERR(0, 337, __pyx_L1_error) }
+  if (unlikely(!__pyx_cur_scope->__pyx_genexpr_arg_0)) { __Pyx_RaiseUnboundLocalError(".0"); __PYX_ERR(0, 331, __pyx_L1_error) }
   if (likely(PyList_CheckExact(__pyx_cur_scope->__pyx_genexpr_arg_0)) || PyTuple_CheckExact(__pyx_cur_scope->__pyx_genexpr_arg_0)) {
     __pyx_t_1 = __pyx_cur_scope->__pyx_genexpr_arg_0; __Pyx_INCREF(__pyx_t_1);
     __pyx_t_2 = 0;
     __pyx_t_3 = NULL;
   } else {
-    __pyx_t_2 = -1; __pyx_t_1 = PyObject_GetIter(__pyx_cur_scope->__pyx_genexpr_arg_0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 337, __pyx_L1_error)
+    __pyx_t_2 = -1; __pyx_t_1 = PyObject_GetIter(__pyx_cur_scope->__pyx_genexpr_arg_0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 331, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_3 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 337, __pyx_L1_error)
+    __pyx_t_3 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
   }
   for (;;) {
     if (likely(!__pyx_t_3)) {
@@ -24654,7 +24612,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         {
           Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_1);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 337, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L1_error)
           #endif
           if (__pyx_t_2 >= __pyx_temp) break;
         }
@@ -24664,7 +24622,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         {
           Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_1);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 337, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L1_error)
           #endif
           if (__pyx_t_2 >= __pyx_temp) break;
         }
@@ -24675,13 +24633,13 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         #endif
         ++__pyx_t_2;
       }
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 337, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
     } else {
       __pyx_t_4 = __pyx_t_3(__pyx_t_1);
       if (unlikely(!__pyx_t_4)) {
         PyObject* exc_type = PyErr_Occurred();
         if (exc_type) {
-          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 337, __pyx_L1_error)
+          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 331, __pyx_L1_error)
           PyErr_Clear();
         }
         break;
@@ -24692,7 +24650,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
     __Pyx_XDECREF_SET(__pyx_cur_scope->__pyx_v_h, __pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_4);
     __pyx_t_4 = 0;
-    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_cur_scope->__pyx_v_h); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 337, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_cur_scope->__pyx_v_h); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_r = __pyx_t_4;
     __pyx_t_4 = 0;
@@ -24714,7 +24672,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
     __Pyx_XGOTREF(__pyx_t_1);
     __pyx_t_2 = __pyx_cur_scope->__pyx_t_1;
     __pyx_t_3 = __pyx_cur_scope->__pyx_t_2;
-    if (unlikely(!__pyx_sent_value)) __PYX_ERR(0, 337, __pyx_L1_error)
+    if (unlikely(!__pyx_sent_value)) __PYX_ERR(0, 331, __pyx_L1_error)
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   CYTHON_MAYBE_UNUSED_VAR(__pyx_cur_scope);
@@ -24740,7 +24698,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":329
+/* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24767,39 +24725,39 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_from_chunks", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":334
+  /* "tensorxfer/memory/_cuda.pyx":328
  *         reserved-but-unmapped ``holes`` (chunk indexes) and tail: the VMM
  *         shapes tests use to prove extents never widen into unmapped memory."""
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 334, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 328, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":335
+  /* "tensorxfer/memory/_cuda.pyx":329
  *         shapes tests use to prove extents never widen into unmapped memory."""
  *         bind_device(device)
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
 */
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 335, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 329, __pyx_L1_error)
   __pyx_v_shareable = (!(!(__pyx_t_2 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":336
+  /* "tensorxfer/memory/_cuda.pyx":330
  *         bind_device(device)
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
  *                                  device, shareable, gdr, None, None, True)
 */
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 330, __pyx_L1_error)
   __pyx_v_gdr = (!(!(__pyx_t_2 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":337
+  /* "tensorxfer/memory/_cuda.pyx":331
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -24807,16 +24765,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
  * 
 */
   { /* enter inner scope */
-    __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 337, __pyx_L5_error)
+    __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L5_error)
     __Pyx_GOTREF(__pyx_t_3);
     if (likely(PyList_CheckExact(__pyx_v_sizes)) || PyTuple_CheckExact(__pyx_v_sizes)) {
       __pyx_t_4 = __pyx_v_sizes; __Pyx_INCREF(__pyx_t_4);
       __pyx_t_5 = 0;
       __pyx_t_6 = NULL;
     } else {
-      __pyx_t_5 = -1; __pyx_t_4 = PyObject_GetIter(__pyx_v_sizes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 337, __pyx_L5_error)
+      __pyx_t_5 = -1; __pyx_t_4 = PyObject_GetIter(__pyx_v_sizes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 337, __pyx_L5_error)
+      __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 331, __pyx_L5_error)
     }
     for (;;) {
       if (likely(!__pyx_t_6)) {
@@ -24824,7 +24782,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_4);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 337, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L5_error)
             #endif
             if (__pyx_t_5 >= __pyx_temp) break;
           }
@@ -24834,7 +24792,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_4);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 337, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L5_error)
             #endif
             if (__pyx_t_5 >= __pyx_temp) break;
           }
@@ -24845,13 +24803,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           #endif
           ++__pyx_t_5;
         }
-        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 337, __pyx_L5_error)
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L5_error)
       } else {
         __pyx_t_7 = __pyx_t_6(__pyx_t_4);
         if (unlikely(!__pyx_t_7)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 337, __pyx_L5_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 331, __pyx_L5_error)
             PyErr_Clear();
           }
           break;
@@ -24860,10 +24818,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
       __Pyx_GOTREF(__pyx_t_7);
       __Pyx_XDECREF_SET(__pyx_7genexpr__pyx_v_s, __pyx_t_7);
       __pyx_t_7 = 0;
-      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_7genexpr__pyx_v_s); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 337, __pyx_L5_error)
+      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_7genexpr__pyx_v_s); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_7);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_3, __pyx_t_7))) __PYX_ERR(0, 337, __pyx_L5_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_3, __pyx_t_7))) __PYX_ERR(0, 331, __pyx_L5_error)
       __pyx_t_7 = 0;
     }
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
@@ -24874,20 +24832,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
     goto __pyx_L1_error;
     __pyx_L9_exit_scope:;
   } /* exit inner scope */
-  __pyx_t_4 = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_genexpr(NULL, __pyx_v_holes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 337, __pyx_L1_error)
+  __pyx_t_4 = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_genexpr(NULL, __pyx_v_holes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_7 = __Pyx_PyFrozenSet_New(__pyx_t_4); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 337, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyFrozenSet_New(__pyx_t_4); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":338
+  /* "tensorxfer/memory/_cuda.pyx":332
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
  *                                  device, shareable, gdr, None, None, True)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_3), __pyx_v_unmapped_tail, ((PyObject*)__pyx_t_7), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 337, __pyx_L1_error)
+  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_3), __pyx_v_unmapped_tail, ((PyObject*)__pyx_t_7), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -24902,7 +24860,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":329
+  /* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24927,7 +24885,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":340
+/* "tensorxfer/memory/_cuda.pyx":334
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24977,28 +24935,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_handles,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_access_devices,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 340, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 334, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 334, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 334, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 334, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "import_handles", 0) < (0)) __PYX_ERR(0, 340, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "import_handles", 0) < (0)) __PYX_ERR(0, 334, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":341
+      /* "tensorxfer/memory/_cuda.pyx":335
  * 
  *     @staticmethod
  *     def import_handles(handles, int device=0, access_devices=None):             # <<<<<<<<<<<<<<
@@ -25007,21 +24965,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, i); __PYX_ERR(0, 340, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, i); __PYX_ERR(0, 334, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 334, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 334, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 340, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 334, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -25029,7 +24987,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     }
     __pyx_v_handles = values[0];
     if (values[1]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[1]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 341, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[1]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 335, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
@@ -25037,7 +24995,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 340, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 334, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25050,7 +25008,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_handles(__pyx_v_handles, __pyx_v_device, __pyx_v_access_devices);
 
-  /* "tensorxfer/memory/_cuda.pyx":340
+  /* "tensorxfer/memory/_cuda.pyx":334
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25092,7 +25050,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __Pyx_RefNannySetupContext("import_handles", 0);
   __Pyx_INCREF(__pyx_v_handles);
 
-  /* "tensorxfer/memory/_cuda.pyx":361
+  /* "tensorxfer/memory/_cuda.pyx":355
  *             A handle cannot be imported or mapped; nothing stays mapped.
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]             # <<<<<<<<<<<<<<
@@ -25100,16 +25058,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
  *                                  [fd for _, fd in handles], access_devices, True)
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L5_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 355, __pyx_L5_error)
     __Pyx_GOTREF(__pyx_t_1);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_2 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_2);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 361, __pyx_L5_error)
+      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 355, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 361, __pyx_L5_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 355, __pyx_L5_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25117,7 +25075,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 361, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L5_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25127,7 +25085,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 361, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L5_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25138,13 +25096,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 361, __pyx_L5_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 355, __pyx_L5_error)
       } else {
         __pyx_t_5 = __pyx_t_4(__pyx_t_2);
         if (unlikely(!__pyx_t_5)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 361, __pyx_L5_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 355, __pyx_L5_error)
             PyErr_Clear();
           }
           break;
@@ -25157,7 +25115,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 361, __pyx_L5_error)
+          __PYX_ERR(0, 355, __pyx_L5_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25167,22 +25125,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_7);
         } else {
           __pyx_t_6 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 361, __pyx_L5_error)
+          if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
           __Pyx_XGOTREF(__pyx_t_6);
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 361, __pyx_L5_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
           __Pyx_XGOTREF(__pyx_t_7);
         }
         #else
-        __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 361, __pyx_L5_error)
+        __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_6);
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 361, __pyx_L5_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_7);
         #endif
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_8 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 361, __pyx_L5_error)
+        __pyx_t_8 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 355, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
@@ -25190,7 +25148,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_6);
         index = 1; __pyx_t_7 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_7)) goto __pyx_L8_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_7);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 361, __pyx_L5_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 355, __pyx_L5_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         goto __pyx_L9_unpacking_done;
@@ -25198,27 +25156,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 361, __pyx_L5_error)
+        __PYX_ERR(0, 355, __pyx_L5_error)
         __pyx_L9_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr2__pyx_v_s, __pyx_t_6);
       __pyx_t_6 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr2__pyx_v_fd, __pyx_t_7);
       __pyx_t_7 = 0;
-      __pyx_t_5 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_s); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 361, __pyx_L5_error)
+      __pyx_t_5 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_s); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 355, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_fd); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 361, __pyx_L5_error)
+      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_fd); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_7);
-      __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 361, __pyx_L5_error)
+      __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_GIVEREF(__pyx_t_5);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 361, __pyx_L5_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 355, __pyx_L5_error);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 361, __pyx_L5_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 355, __pyx_L5_error);
       __pyx_t_5 = 0;
       __pyx_t_7 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 361, __pyx_L5_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 355, __pyx_L5_error)
       __pyx_t_6 = 0;
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -25234,7 +25192,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __Pyx_DECREF_SET(__pyx_v_handles, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":362
+  /* "tensorxfer/memory/_cuda.pyx":356
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,             # <<<<<<<<<<<<<<
@@ -25242,16 +25200,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 362, __pyx_L14_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 356, __pyx_L14_error)
     __Pyx_GOTREF(__pyx_t_1);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_2 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_2);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 362, __pyx_L14_error)
+      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 356, __pyx_L14_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 362, __pyx_L14_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 356, __pyx_L14_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25259,7 +25217,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 362, __pyx_L14_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 356, __pyx_L14_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25269,7 +25227,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 362, __pyx_L14_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 356, __pyx_L14_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25280,13 +25238,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 362, __pyx_L14_error)
+        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 356, __pyx_L14_error)
       } else {
         __pyx_t_6 = __pyx_t_4(__pyx_t_2);
         if (unlikely(!__pyx_t_6)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 362, __pyx_L14_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 356, __pyx_L14_error)
             PyErr_Clear();
           }
           break;
@@ -25299,7 +25257,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 362, __pyx_L14_error)
+          __PYX_ERR(0, 356, __pyx_L14_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25309,22 +25267,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_5);
         } else {
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 362, __pyx_L14_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 356, __pyx_L14_error)
           __Pyx_XGOTREF(__pyx_t_7);
           __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 362, __pyx_L14_error)
+          if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 356, __pyx_L14_error)
           __Pyx_XGOTREF(__pyx_t_5);
         }
         #else
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 362, __pyx_L14_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 356, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_7);
-        __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 362, __pyx_L14_error)
+        __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 356, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_5);
         #endif
         __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_8 = PyObject_GetIter(__pyx_t_6); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 362, __pyx_L14_error)
+        __pyx_t_8 = PyObject_GetIter(__pyx_t_6); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 356, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
@@ -25332,7 +25290,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_7);
         index = 1; __pyx_t_5 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_5)) goto __pyx_L17_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_5);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 362, __pyx_L14_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 356, __pyx_L14_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         goto __pyx_L18_unpacking_done;
@@ -25340,14 +25298,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 362, __pyx_L14_error)
+        __PYX_ERR(0, 356, __pyx_L14_error)
         __pyx_L18_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr3__pyx_v_s, __pyx_t_7);
       __pyx_t_7 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr3__pyx_v__, __pyx_t_5);
       __pyx_t_5 = 0;
-      if (unlikely(__Pyx_ListComp_Append(__pyx_t_1, __pyx_8genexpr3__pyx_v_s))) __PYX_ERR(0, 362, __pyx_L14_error)
+      if (unlikely(__Pyx_ListComp_Append(__pyx_t_1, __pyx_8genexpr3__pyx_v_s))) __PYX_ERR(0, 356, __pyx_L14_error)
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_XDECREF(__pyx_8genexpr3__pyx_v__); __pyx_8genexpr3__pyx_v__ = 0;
@@ -25361,23 +25319,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   } /* exit inner scope */
   { /* enter inner scope */
 
-    /* "tensorxfer/memory/_cuda.pyx":363
+    /* "tensorxfer/memory/_cuda.pyx":357
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,
  *                                  [fd for _, fd in handles], access_devices, True)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-    __pyx_t_2 = PyList_New(0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 363, __pyx_L23_error)
+    __pyx_t_2 = PyList_New(0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 357, __pyx_L23_error)
     __Pyx_GOTREF(__pyx_t_2);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_6 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_6);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_6 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 363, __pyx_L23_error)
+      __pyx_t_3 = -1; __pyx_t_6 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 357, __pyx_L23_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 363, __pyx_L23_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 357, __pyx_L23_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25385,7 +25343,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_6);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 363, __pyx_L23_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 357, __pyx_L23_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25395,7 +25353,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_6);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 363, __pyx_L23_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 357, __pyx_L23_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25406,13 +25364,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 363, __pyx_L23_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 357, __pyx_L23_error)
       } else {
         __pyx_t_5 = __pyx_t_4(__pyx_t_6);
         if (unlikely(!__pyx_t_5)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 363, __pyx_L23_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 357, __pyx_L23_error)
             PyErr_Clear();
           }
           break;
@@ -25425,7 +25383,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 363, __pyx_L23_error)
+          __PYX_ERR(0, 357, __pyx_L23_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25435,22 +25393,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_8);
         } else {
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 363, __pyx_L23_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 357, __pyx_L23_error)
           __Pyx_XGOTREF(__pyx_t_7);
           __pyx_t_8 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 363, __pyx_L23_error)
+          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 357, __pyx_L23_error)
           __Pyx_XGOTREF(__pyx_t_8);
         }
         #else
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 363, __pyx_L23_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 357, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_7);
-        __pyx_t_8 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 363, __pyx_L23_error)
+        __pyx_t_8 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 357, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_8);
         #endif
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_10 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 363, __pyx_L23_error)
+        __pyx_t_10 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 357, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_10);
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10);
@@ -25458,7 +25416,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_7);
         index = 1; __pyx_t_8 = __pyx_t_9(__pyx_t_10); if (unlikely(!__pyx_t_8)) goto __pyx_L26_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_8);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_10), 2) < (0)) __PYX_ERR(0, 363, __pyx_L23_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_10), 2) < (0)) __PYX_ERR(0, 357, __pyx_L23_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
         goto __pyx_L27_unpacking_done;
@@ -25466,14 +25424,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 363, __pyx_L23_error)
+        __PYX_ERR(0, 357, __pyx_L23_error)
         __pyx_L27_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr4__pyx_v__, __pyx_t_7);
       __pyx_t_7 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr4__pyx_v_fd, __pyx_t_8);
       __pyx_t_8 = 0;
-      if (unlikely(__Pyx_ListComp_Append(__pyx_t_2, __pyx_8genexpr4__pyx_v_fd))) __PYX_ERR(0, 363, __pyx_L23_error)
+      if (unlikely(__Pyx_ListComp_Append(__pyx_t_2, __pyx_8genexpr4__pyx_v_fd))) __PYX_ERR(0, 357, __pyx_L23_error)
     }
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_XDECREF(__pyx_8genexpr4__pyx_v__); __pyx_8genexpr4__pyx_v__ = 0;
@@ -25486,14 +25444,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
     __pyx_L29_exit_scope:;
   } /* exit inner scope */
 
-  /* "tensorxfer/memory/_cuda.pyx":362
+  /* "tensorxfer/memory/_cuda.pyx":356
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,             # <<<<<<<<<<<<<<
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
 */
-  __pyx_t_6 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_1), 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, 0, 0, ((PyObject*)__pyx_t_2), __pyx_v_access_devices, 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_6 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_1), 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, 0, 0, ((PyObject*)__pyx_t_2), __pyx_v_access_devices, 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 356, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -25508,7 +25466,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __pyx_t_6 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":340
+  /* "tensorxfer/memory/_cuda.pyx":334
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25540,7 +25498,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":365
+/* "tensorxfer/memory/_cuda.pyx":359
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25591,32 +25549,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ptr,&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_keepalive,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 365, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 359, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "adopt", 0) < (0)) __PYX_ERR(0, 365, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "adopt", 0) < (0)) __PYX_ERR(0, 359, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":366
+      /* "tensorxfer/memory/_cuda.pyx":360
  * 
  *     @staticmethod
  *     def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):             # <<<<<<<<<<<<<<
@@ -25625,32 +25583,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, i); __PYX_ERR(0, 365, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, i); __PYX_ERR(0, 359, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 359, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 359, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 365, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 359, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
     }
-    __pyx_v_ptr = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_ptr == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
-    __pyx_v_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+    __pyx_v_ptr = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_ptr == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
@@ -25658,7 +25616,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 365, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 359, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25671,7 +25629,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(__pyx_v_ptr, __pyx_v_size, __pyx_v_device, __pyx_v_keepalive);
 
-  /* "tensorxfer/memory/_cuda.pyx":365
+  /* "tensorxfer/memory/_cuda.pyx":359
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25705,19 +25663,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("adopt", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":375
+  /* "tensorxfer/memory/_cuda.pyx":369
  *         memory alive.  tensorxfer never frees adopted memory.
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)             # <<<<<<<<<<<<<<
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 369, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":376
+  /* "tensorxfer/memory/_cuda.pyx":370
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:             # <<<<<<<<<<<<<<
@@ -25729,7 +25687,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":377
+    /* "tensorxfer/memory/_cuda.pyx":371
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")             # <<<<<<<<<<<<<<
@@ -25742,14 +25700,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
       PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_cannot_adopt_an_empty_range};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 371, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 377, __pyx_L1_error)
+    __PYX_ERR(0, 371, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":376
+    /* "tensorxfer/memory/_cuda.pyx":370
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:             # <<<<<<<<<<<<<<
@@ -25758,17 +25716,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":378
+  /* "tensorxfer/memory/_cuda.pyx":372
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr
 */
-  __pyx_t_5 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_5 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_5 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_5 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 372, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":379
+  /* "tensorxfer/memory/_cuda.pyx":373
  *             raise ValueError("cannot adopt an empty range")
  *         bind_device(device)
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -25777,7 +25735,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":380
+  /* "tensorxfer/memory/_cuda.pyx":374
  *         bind_device(device)
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr             # <<<<<<<<<<<<<<
@@ -25786,7 +25744,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_base = ((CUdeviceptr)__pyx_v_ptr);
 
-  /* "tensorxfer/memory/_cuda.pyx":381
+  /* "tensorxfer/memory/_cuda.pyx":375
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr
  *         self._va_base = ptr             # <<<<<<<<<<<<<<
@@ -25795,7 +25753,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->__pyx_base._va_base = __pyx_v_ptr;
 
-  /* "tensorxfer/memory/_cuda.pyx":382
+  /* "tensorxfer/memory/_cuda.pyx":376
  *         self._base = <cydriver.CUdeviceptr>ptr
  *         self._va_base = ptr
  *         self._va_size = size             # <<<<<<<<<<<<<<
@@ -25804,7 +25762,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->__pyx_base._va_size = __pyx_v_size;
 
-  /* "tensorxfer/memory/_cuda.pyx":383
+  /* "tensorxfer/memory/_cuda.pyx":377
  *         self._va_base = ptr
  *         self._va_size = size
  *         self._size = size             # <<<<<<<<<<<<<<
@@ -25813,7 +25771,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_size = __pyx_v_size;
 
-  /* "tensorxfer/memory/_cuda.pyx":384
+  /* "tensorxfer/memory/_cuda.pyx":378
  *         self._va_size = size
  *         self._size = size
  *         self._owner = False             # <<<<<<<<<<<<<<
@@ -25822,16 +25780,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_owner = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":385
+  /* "tensorxfer/memory/_cuda.pyx":379
  *         self._size = size
  *         self._owner = False
  *         self._closed = False             # <<<<<<<<<<<<<<
  *         self._keepalive = keepalive
  *         self.resolve_extent(0, size)
 */
-  __pyx_v_self->_closed = 0;
+  __pyx_v_self->__pyx_base._closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":386
+  /* "tensorxfer/memory/_cuda.pyx":380
  *         self._owner = False
  *         self._closed = False
  *         self._keepalive = keepalive             # <<<<<<<<<<<<<<
@@ -25843,7 +25801,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   __Pyx_GOTREF(__pyx_v_self->_keepalive);
   __Pyx_DECREF_SET(__pyx_v_self->_keepalive, __pyx_v_keepalive);
 
-  /* "tensorxfer/memory/_cuda.pyx":387
+  /* "tensorxfer/memory/_cuda.pyx":381
  *         self._closed = False
  *         self._keepalive = keepalive
  *         self.resolve_extent(0, size)             # <<<<<<<<<<<<<<
@@ -25852,7 +25810,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_t_3 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_3);
-  __pyx_t_6 = __Pyx_PyLong_FromSize_t(__pyx_v_size); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_FromSize_t(__pyx_v_size); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 381, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __pyx_t_4 = 0;
   {
@@ -25860,12 +25818,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_resolve_extent, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 381, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":388
+  /* "tensorxfer/memory/_cuda.pyx":382
  *         self._keepalive = keepalive
  *         self.resolve_extent(0, size)
  *         return self             # <<<<<<<<<<<<<<
@@ -25883,7 +25841,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":365
+  /* "tensorxfer/memory/_cuda.pyx":359
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25905,7 +25863,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":390
+/* "tensorxfer/memory/_cuda.pyx":384
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25953,32 +25911,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_tensor,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 390, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 384, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 390, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "from_tensor", 0) < (0)) __PYX_ERR(0, 390, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "from_tensor", 0) < (0)) __PYX_ERR(0, 384, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, i); __PYX_ERR(0, 390, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, i); __PYX_ERR(0, 384, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 390, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
     }
     __pyx_v_tensor = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 390, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 384, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -26017,16 +25975,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("from_tensor", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":393
+  /* "tensorxfer/memory/_cuda.pyx":387
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):             # <<<<<<<<<<<<<<
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
 */
-  __pyx_t_1 = __Pyx_GetAttr3(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_is_cuda, Py_False); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_GetAttr3(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_is_cuda, Py_False); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_3 = (!__pyx_t_2);
 
@@ -26034,7 +25992,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":394
+    /* "tensorxfer/memory/_cuda.pyx":388
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")             # <<<<<<<<<<<<<<
@@ -26047,14 +26005,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_from_tensor_needs_a_CUDA_tensor};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 394, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 394, __pyx_L1_error)
+    __PYX_ERR(0, 388, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":393
+    /* "tensorxfer/memory/_cuda.pyx":387
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):             # <<<<<<<<<<<<<<
@@ -26063,7 +26021,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":395
+  /* "tensorxfer/memory/_cuda.pyx":389
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -26079,7 +26037,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_7, NULL};
     __pyx_t_6 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_data_ptr, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 395, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
   }
   __pyx_t_8 = __pyx_v_tensor;
@@ -26089,7 +26047,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_8, NULL};
     __pyx_t_7 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_numel, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 395, __pyx_L1_error)
+    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
   }
   __pyx_t_9 = __pyx_v_tensor;
@@ -26099,27 +26057,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_9, NULL};
     __pyx_t_8 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_element_size, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 395, __pyx_L1_error)
+    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
   }
-  __pyx_t_9 = __Pyx_PyNumber_Multiply_object_object(__pyx_t_7, __pyx_t_8); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyNumber_Multiply_object_object(__pyx_t_7, __pyx_t_8); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":396
+  /* "tensorxfer/memory/_cuda.pyx":390
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
  *                                 tensor.device.index or 0, keepalive=tensor)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_device); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_device); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_index); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_index); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-  __pyx_t_3 = __Pyx_PyObject_IsTrue(__pyx_t_10); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_IsTrue(__pyx_t_10); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 390, __pyx_L1_error)
   if (!__pyx_t_3) {
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
   } else {
@@ -26128,14 +26086,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     goto __pyx_L4_bool_binop_done;
   }
-  __pyx_t_10 = __Pyx_PyLong_From_long(0); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyLong_From_long(0); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __pyx_t_8 = __pyx_t_10;
   __pyx_t_10 = 0;
   __pyx_L4_bool_binop_done:;
   #if CYTHON_VECTORCALL
 
-  /* "tensorxfer/memory/_cuda.pyx":395
+  /* "tensorxfer/memory/_cuda.pyx":389
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -26148,13 +26106,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[5] = {__pyx_t_4, __pyx_t_6, __pyx_t_9, __pyx_t_8, __pyx_v_tensor};
     #if CYTHON_VECTORCALL
     __pyx_t_10 = __pyx_mstate_global->__pyx_tuple[4];
-    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 395, __pyx_L1_error)
+    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_10);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_keepalive};
       __pyx_t_10 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+4, 1);
-      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 395, __pyx_L1_error)
+      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 389, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
     }
     #endif
@@ -26166,7 +26124,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     #if CYTHON_VECTORCALL
     #endif
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 395, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -26180,7 +26138,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":390
+  /* "tensorxfer/memory/_cuda.pyx":384
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26205,7 +26163,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":398
+/* "tensorxfer/memory/_cuda.pyx":392
  *                                 tensor.device.index or 0, keepalive=tensor)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26229,19 +26187,19 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_build", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":401
+  /* "tensorxfer/memory/_cuda.pyx":395
  *     cdef CudaRegion _build(list sizes, size_t tail, frozenset holes, int device, bint shareable, bint gdr,
  *                            list import_fds, access_devices, bint map_now):
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)             # <<<<<<<<<<<<<<
  *         self._device = device
  *         self._owner = True
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":402
+  /* "tensorxfer/memory/_cuda.pyx":396
  *                            list import_fds, access_devices, bint map_now):
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -26250,7 +26208,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":403
+  /* "tensorxfer/memory/_cuda.pyx":397
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         self._device = device
  *         self._owner = True             # <<<<<<<<<<<<<<
@@ -26259,16 +26217,16 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_owner = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":404
+  /* "tensorxfer/memory/_cuda.pyx":398
  *         self._device = device
  *         self._owner = True
  *         self._closed = False             # <<<<<<<<<<<<<<
  *         self._shareable = shareable
  *         self._gdr = gdr
 */
-  __pyx_v_self->_closed = 0;
+  __pyx_v_self->__pyx_base._closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":405
+  /* "tensorxfer/memory/_cuda.pyx":399
  *         self._owner = True
  *         self._closed = False
  *         self._shareable = shareable             # <<<<<<<<<<<<<<
@@ -26277,7 +26235,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_shareable = __pyx_v_shareable;
 
-  /* "tensorxfer/memory/_cuda.pyx":406
+  /* "tensorxfer/memory/_cuda.pyx":400
  *         self._closed = False
  *         self._shareable = shareable
  *         self._gdr = gdr             # <<<<<<<<<<<<<<
@@ -26286,7 +26244,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_gdr = __pyx_v_gdr;
 
-  /* "tensorxfer/memory/_cuda.pyx":407
+  /* "tensorxfer/memory/_cuda.pyx":401
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26302,18 +26260,18 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __Pyx_XGOTREF(__pyx_t_4);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":408
+      /* "tensorxfer/memory/_cuda.pyx":402
  *         self._gdr = gdr
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)             # <<<<<<<<<<<<<<
  *             if map_now:
  *                 self._map_upto(self._nchunks)
 */
-      __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_reserve(__pyx_v_self, __pyx_v_sizes, __pyx_v_tail, __pyx_v_holes, __pyx_v_import_fds, __pyx_v_access_devices); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 408, __pyx_L3_error)
+      __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_reserve(__pyx_v_self, __pyx_v_sizes, __pyx_v_tail, __pyx_v_holes, __pyx_v_import_fds, __pyx_v_access_devices); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L3_error)
       __Pyx_GOTREF(__pyx_t_1);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":409
+      /* "tensorxfer/memory/_cuda.pyx":403
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:             # <<<<<<<<<<<<<<
@@ -26322,18 +26280,18 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
       if (__pyx_v_map_now) {
 
-        /* "tensorxfer/memory/_cuda.pyx":410
+        /* "tensorxfer/memory/_cuda.pyx":404
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:
  *                 self._map_upto(self._nchunks)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             self._release()
 */
-        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_v_self->_nchunks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 410, __pyx_L3_error)
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_v_self->_nchunks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 404, __pyx_L3_error)
         __Pyx_GOTREF(__pyx_t_1);
         __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-        /* "tensorxfer/memory/_cuda.pyx":409
+        /* "tensorxfer/memory/_cuda.pyx":403
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:             # <<<<<<<<<<<<<<
@@ -26342,7 +26300,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":407
+      /* "tensorxfer/memory/_cuda.pyx":401
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26357,7 +26315,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_L3_error:;
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":411
+    /* "tensorxfer/memory/_cuda.pyx":405
  *             if map_now:
  *                 self._map_upto(self._nchunks)
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -26367,21 +26325,21 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_t_5 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_5) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion._build", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_6, &__pyx_t_7) < 0) __PYX_ERR(0, 411, __pyx_L5_except_error)
+      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_6, &__pyx_t_7) < 0) __PYX_ERR(0, 405, __pyx_L5_except_error)
       __Pyx_XGOTREF(__pyx_t_1);
       __Pyx_XGOTREF(__pyx_t_6);
       __Pyx_XGOTREF(__pyx_t_7);
 
-      /* "tensorxfer/memory/_cuda.pyx":412
+      /* "tensorxfer/memory/_cuda.pyx":406
  *                 self._map_upto(self._nchunks)
  *         except BaseException:
  *             self._release()             # <<<<<<<<<<<<<<
  *             raise
  *         return self
 */
-      ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_release(__pyx_v_self);
+      ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._release(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self));
 
-      /* "tensorxfer/memory/_cuda.pyx":413
+      /* "tensorxfer/memory/_cuda.pyx":407
  *         except BaseException:
  *             self._release()
  *             raise             # <<<<<<<<<<<<<<
@@ -26393,11 +26351,11 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
       __Pyx_XGIVEREF(__pyx_t_7);
       __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_6, __pyx_t_7);
       __pyx_t_1 = 0;  __pyx_t_6 = 0;  __pyx_t_7 = 0; 
-      __PYX_ERR(0, 413, __pyx_L5_except_error)
+      __PYX_ERR(0, 407, __pyx_L5_except_error)
     }
     goto __pyx_L5_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":407
+    /* "tensorxfer/memory/_cuda.pyx":401
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26413,7 +26371,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_L8_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":414
+  /* "tensorxfer/memory/_cuda.pyx":408
  *             self._release()
  *             raise
  *         return self             # <<<<<<<<<<<<<<
@@ -26431,7 +26389,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":398
+  /* "tensorxfer/memory/_cuda.pyx":392
  *                                 tensor.device.index or 0, keepalive=tensor)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26453,7 +26411,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":416
+/* "tensorxfer/memory/_cuda.pyx":410
  *         return self
  * 
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):             # <<<<<<<<<<<<<<
@@ -26496,7 +26454,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_reserve", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":418
+  /* "tensorxfer/memory/_cuda.pyx":412
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUdeviceptr ptr = 0             # <<<<<<<<<<<<<<
@@ -26505,7 +26463,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_ptr = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":419
+  /* "tensorxfer/memory/_cuda.pyx":413
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUdeviceptr ptr = 0
  *         cdef size_t gran = 0, total = 0, off = 0, s             # <<<<<<<<<<<<<<
@@ -26516,7 +26474,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __pyx_v_total = 0;
   __pyx_v_off = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":420
+  /* "tensorxfer/memory/_cuda.pyx":414
  *         cdef cydriver.CUdeviceptr ptr = 0
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)             # <<<<<<<<<<<<<<
@@ -26525,12 +26483,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_sizes == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 420, __pyx_L1_error)
+    __PYX_ERR(0, 414, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_sizes); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 420, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_sizes); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 414, __pyx_L1_error)
   __pyx_v_n = __pyx_t_1;
 
-  /* "tensorxfer/memory/_cuda.pyx":421
+  /* "tensorxfer/memory/_cuda.pyx":415
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -26542,7 +26500,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":422
+    /* "tensorxfer/memory/_cuda.pyx":416
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:
  *             raise ValueError("a region needs at least one chunk")             # <<<<<<<<<<<<<<
@@ -26555,14 +26513,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_a_region_needs_at_least_one_chun};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 422, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 416, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 422, __pyx_L1_error)
+    __PYX_ERR(0, 416, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":421
+    /* "tensorxfer/memory/_cuda.pyx":415
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -26571,17 +26529,17 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":423
+  /* "tensorxfer/memory/_cuda.pyx":417
  *         if n == 0:
  *             raise ValueError("a region needs at least one chunk")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
 */
-  __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 423, __pyx_L1_error)
+  __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":424
+  /* "tensorxfer/memory/_cuda.pyx":418
  *             raise ValueError("a region needs at least one chunk")
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)             # <<<<<<<<<<<<<<
@@ -26590,19 +26548,19 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_self->_device, __pyx_v_self->_shareable, __pyx_v_self->_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":425
+  /* "tensorxfer/memory/_cuda.pyx":419
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),             # <<<<<<<<<<<<<<
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
 */
-  __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 425, __pyx_L1_error)
+  __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 419, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":427
+  /* "tensorxfer/memory/_cuda.pyx":421
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:             # <<<<<<<<<<<<<<
@@ -26611,7 +26569,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_sizes == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not iterable");
-    __PYX_ERR(0, 427, __pyx_L1_error)
+    __PYX_ERR(0, 421, __pyx_L1_error)
   }
   __pyx_t_3 = __pyx_v_sizes; __Pyx_INCREF(__pyx_t_3);
   __pyx_t_1 = 0;
@@ -26619,19 +26577,19 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
     {
       Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_3);
       #if !CYTHON_ASSUME_SAFE_SIZE
-      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 427, __pyx_L1_error)
+      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 421, __pyx_L1_error)
       #endif
       if (__pyx_t_1 >= __pyx_temp) break;
     }
     __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_3, __pyx_t_1, __Pyx_ReferenceSharing_OwnStrongReference);
     ++__pyx_t_1;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 421, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 421, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_v_s = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":428
+    /* "tensorxfer/memory/_cuda.pyx":422
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
  *             if s == 0 or s % gran:             # <<<<<<<<<<<<<<
@@ -26657,7 +26615,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":429
+      /* "tensorxfer/memory/_cuda.pyx":423
  *         for s in sizes:
  *             if s == 0 or s % gran:
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")             # <<<<<<<<<<<<<<
@@ -26665,9 +26623,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
  *         if tail % gran:
 */
       __pyx_t_10 = NULL;
-      __pyx_t_11 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 429, __pyx_L1_error)
+      __pyx_t_11 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 423, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_11);
-      __pyx_t_12 = __Pyx_PyUnicode_From_size_t(__pyx_v_s, 0, ' ', 'd'); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 429, __pyx_L1_error)
+      __pyx_t_12 = __Pyx_PyUnicode_From_size_t(__pyx_v_s, 0, ' ', 'd'); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 423, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_12);
       __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_chunk_sizes_must_be_positive_mul;
       __pyx_t_13[1] = __pyx_t_11;
@@ -26679,7 +26637,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       #endif
       __pyx_t_8 = 0;
       __pyx_t_15 = __Pyx_PyUnicode_Join(__pyx_t_13, 4, __pyx_t_14, __pyx_t_8);
-      if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 429, __pyx_L1_error)
+      if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 423, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_15);
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
@@ -26689,14 +26647,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
         __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 429, __pyx_L1_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 423, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __PYX_ERR(0, 429, __pyx_L1_error)
+      __PYX_ERR(0, 423, __pyx_L1_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":428
+      /* "tensorxfer/memory/_cuda.pyx":422
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
  *             if s == 0 or s % gran:             # <<<<<<<<<<<<<<
@@ -26705,7 +26663,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":430
+    /* "tensorxfer/memory/_cuda.pyx":424
  *             if s == 0 or s % gran:
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s             # <<<<<<<<<<<<<<
@@ -26714,7 +26672,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     __pyx_v_total = (__pyx_v_total + __pyx_v_s);
 
-    /* "tensorxfer/memory/_cuda.pyx":427
+    /* "tensorxfer/memory/_cuda.pyx":421
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:             # <<<<<<<<<<<<<<
@@ -26724,7 +26682,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   }
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":431
+  /* "tensorxfer/memory/_cuda.pyx":425
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s
  *         if tail % gran:             # <<<<<<<<<<<<<<
@@ -26736,7 +26694,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":432
+    /* "tensorxfer/memory/_cuda.pyx":426
  *             total += s
  *         if tail % gran:
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")             # <<<<<<<<<<<<<<
@@ -26744,9 +26702,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
  *         if not 0 < len(devices) <= 16:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_15 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 432, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 426, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_15);
-    __pyx_t_10 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_unmapped_tail_must_be_a_multiple, __pyx_t_15); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 432, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_unmapped_tail_must_be_a_multiple, __pyx_t_15); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 426, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
     __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
     __pyx_t_5 = 1;
@@ -26755,14 +26713,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 432, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 426, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 432, __pyx_L1_error)
+    __PYX_ERR(0, 426, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":431
+    /* "tensorxfer/memory/_cuda.pyx":425
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s
  *         if tail % gran:             # <<<<<<<<<<<<<<
@@ -26771,7 +26729,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":433
+  /* "tensorxfer/memory/_cuda.pyx":427
  *         if tail % gran:
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]             # <<<<<<<<<<<<<<
@@ -26780,27 +26738,27 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_t_2 = (__pyx_v_access_devices == Py_None);
   if (__pyx_t_2) {
-    __pyx_t_10 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 433, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
-    __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 433, __pyx_L1_error)
+    __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_10);
-    if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 433, __pyx_L1_error);
+    if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 427, __pyx_L1_error);
     __pyx_t_10 = 0;
     __pyx_t_3 = __pyx_t_4;
     __pyx_t_4 = 0;
   } else {
     { /* enter inner scope */
-      __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 433, __pyx_L13_error)
+      __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L13_error)
       __Pyx_GOTREF(__pyx_t_4);
       if (likely(PyList_CheckExact(__pyx_v_access_devices)) || PyTuple_CheckExact(__pyx_v_access_devices)) {
         __pyx_t_10 = __pyx_v_access_devices; __Pyx_INCREF(__pyx_t_10);
         __pyx_t_1 = 0;
         __pyx_t_16 = NULL;
       } else {
-        __pyx_t_1 = -1; __pyx_t_10 = PyObject_GetIter(__pyx_v_access_devices); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 433, __pyx_L13_error)
+        __pyx_t_1 = -1; __pyx_t_10 = PyObject_GetIter(__pyx_v_access_devices); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 427, __pyx_L13_error)
         __Pyx_GOTREF(__pyx_t_10);
-        __pyx_t_16 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 433, __pyx_L13_error)
+        __pyx_t_16 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 427, __pyx_L13_error)
       }
       for (;;) {
         if (likely(!__pyx_t_16)) {
@@ -26808,7 +26766,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             {
               Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_10);
               #if !CYTHON_ASSUME_SAFE_SIZE
-              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 433, __pyx_L13_error)
+              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 427, __pyx_L13_error)
               #endif
               if (__pyx_t_1 >= __pyx_temp) break;
             }
@@ -26818,7 +26776,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             {
               Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_10);
               #if !CYTHON_ASSUME_SAFE_SIZE
-              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 433, __pyx_L13_error)
+              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 427, __pyx_L13_error)
               #endif
               if (__pyx_t_1 >= __pyx_temp) break;
             }
@@ -26829,13 +26787,13 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             #endif
             ++__pyx_t_1;
           }
-          if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 433, __pyx_L13_error)
+          if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 427, __pyx_L13_error)
         } else {
           __pyx_t_15 = __pyx_t_16(__pyx_t_10);
           if (unlikely(!__pyx_t_15)) {
             PyObject* exc_type = PyErr_Occurred();
             if (exc_type) {
-              if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 433, __pyx_L13_error)
+              if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 427, __pyx_L13_error)
               PyErr_Clear();
             }
             break;
@@ -26844,10 +26802,10 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
         __Pyx_GOTREF(__pyx_t_15);
         __Pyx_XDECREF_SET(__pyx_8genexpr5__pyx_v_d, __pyx_t_15);
         __pyx_t_15 = 0;
-        __pyx_t_15 = __Pyx_PyNumber_Int(__pyx_8genexpr5__pyx_v_d); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 433, __pyx_L13_error)
+        __pyx_t_15 = __Pyx_PyNumber_Int(__pyx_8genexpr5__pyx_v_d); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 427, __pyx_L13_error)
         __Pyx_GOTREF(__pyx_t_15);
         __Pyx_GIVEREF(__pyx_t_15);
-        if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_4, __pyx_t_15))) __PYX_ERR(0, 433, __pyx_L13_error)
+        if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_4, __pyx_t_15))) __PYX_ERR(0, 427, __pyx_L13_error)
         __pyx_t_15 = 0;
       }
       __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
@@ -26865,7 +26823,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __pyx_v_devices = ((PyObject*)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":434
+  /* "tensorxfer/memory/_cuda.pyx":428
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:             # <<<<<<<<<<<<<<
@@ -26874,9 +26832,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_devices == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 434, __pyx_L1_error)
+    __PYX_ERR(0, 428, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_devices); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 434, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_devices); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 428, __pyx_L1_error)
   __pyx_t_2 = (0 < __pyx_t_1);
   if (__pyx_t_2) {
     __pyx_t_2 = (__pyx_t_1 <= 16);
@@ -26888,7 +26846,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":435
+    /* "tensorxfer/memory/_cuda.pyx":429
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")             # <<<<<<<<<<<<<<
@@ -26901,14 +26859,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_access_devices_must_name_1_to_16};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 435, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 429, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 435, __pyx_L1_error)
+    __PYX_ERR(0, 429, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":434
+    /* "tensorxfer/memory/_cuda.pyx":428
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:             # <<<<<<<<<<<<<<
@@ -26917,7 +26875,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":436
+  /* "tensorxfer/memory/_cuda.pyx":430
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:             # <<<<<<<<<<<<<<
@@ -26935,9 +26893,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   }
   if (unlikely(__pyx_v_import_fds == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 436, __pyx_L1_error)
+    __PYX_ERR(0, 430, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_import_fds); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 436, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_import_fds); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 430, __pyx_L1_error)
   __pyx_t_2 = (__pyx_t_1 != __pyx_v_n);
 
 
@@ -26948,7 +26906,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":437
+    /* "tensorxfer/memory/_cuda.pyx":431
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:
  *             raise ValueError("one fd per chunk is needed")             # <<<<<<<<<<<<<<
@@ -26961,14 +26919,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_one_fd_per_chunk_is_needed};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 437, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 431, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 437, __pyx_L1_error)
+    __PYX_ERR(0, 431, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":436
+    /* "tensorxfer/memory/_cuda.pyx":430
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:             # <<<<<<<<<<<<<<
@@ -26977,7 +26935,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":438
+  /* "tensorxfer/memory/_cuda.pyx":432
  *         if import_fds is not None and len(import_fds) != n:
  *             raise ValueError("one fd per chunk is needed")
  *         self._access_devices = devices             # <<<<<<<<<<<<<<
@@ -26989,7 +26947,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_access_devices);
   __Pyx_DECREF_SET(__pyx_v_self->_access_devices, __pyx_v_devices);
 
-  /* "tensorxfer/memory/_cuda.pyx":439
+  /* "tensorxfer/memory/_cuda.pyx":433
  *             raise ValueError("one fd per chunk is needed")
  *         self._access_devices = devices
  *         self._import_fds = import_fds             # <<<<<<<<<<<<<<
@@ -27001,7 +26959,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_import_fds);
   __Pyx_DECREF_SET(__pyx_v_self->_import_fds, __pyx_v_import_fds);
 
-  /* "tensorxfer/memory/_cuda.pyx":440
+  /* "tensorxfer/memory/_cuda.pyx":434
  *         self._access_devices = devices
  *         self._import_fds = import_fds
  *         self._holes = holes             # <<<<<<<<<<<<<<
@@ -27013,7 +26971,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_holes);
   __Pyx_DECREF_SET(__pyx_v_self->_holes, __pyx_v_holes);
 
-  /* "tensorxfer/memory/_cuda.pyx":441
+  /* "tensorxfer/memory/_cuda.pyx":435
  *         self._import_fds = import_fds
  *         self._holes = holes
  *         self._granularity = gran             # <<<<<<<<<<<<<<
@@ -27022,7 +26980,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_granularity = __pyx_v_gran;
 
-  /* "tensorxfer/memory/_cuda.pyx":442
+  /* "tensorxfer/memory/_cuda.pyx":436
  *         self._holes = holes
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))             # <<<<<<<<<<<<<<
@@ -27031,7 +26989,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_chunks = ((struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk *)calloc(__pyx_v_n, (sizeof(struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk))));
 
-  /* "tensorxfer/memory/_cuda.pyx":443
+  /* "tensorxfer/memory/_cuda.pyx":437
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:             # <<<<<<<<<<<<<<
@@ -27043,16 +27001,16 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":444
+    /* "tensorxfer/memory/_cuda.pyx":438
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:
  *             raise MemoryError()             # <<<<<<<<<<<<<<
  *         self._nchunks = n
  *         for i in range(n):
 */
-    PyErr_NoMemory(); __PYX_ERR(0, 444, __pyx_L1_error)
+    PyErr_NoMemory(); __PYX_ERR(0, 438, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":443
+    /* "tensorxfer/memory/_cuda.pyx":437
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:             # <<<<<<<<<<<<<<
@@ -27061,7 +27019,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":445
+  /* "tensorxfer/memory/_cuda.pyx":439
  *         if self._chunks == NULL:
  *             raise MemoryError()
  *         self._nchunks = n             # <<<<<<<<<<<<<<
@@ -27070,7 +27028,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_nchunks = __pyx_v_n;
 
-  /* "tensorxfer/memory/_cuda.pyx":446
+  /* "tensorxfer/memory/_cuda.pyx":440
  *             raise MemoryError()
  *         self._nchunks = n
  *         for i in range(n):             # <<<<<<<<<<<<<<
@@ -27084,7 +27042,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_14; __pyx_t_17+=1) {
     __pyx_v_i = __pyx_t_17;
 
-    /* "tensorxfer/memory/_cuda.pyx":447
+    /* "tensorxfer/memory/_cuda.pyx":441
  *         self._nchunks = n
  *         for i in range(n):
  *             self._chunks[i].offset = off             # <<<<<<<<<<<<<<
@@ -27093,7 +27051,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     (__pyx_v_self->_chunks[__pyx_v_i]).offset = __pyx_v_off;
 
-    /* "tensorxfer/memory/_cuda.pyx":448
+    /* "tensorxfer/memory/_cuda.pyx":442
  *         for i in range(n):
  *             self._chunks[i].offset = off
  *             self._chunks[i].size = sizes[i]             # <<<<<<<<<<<<<<
@@ -27102,34 +27060,34 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     if (unlikely(__pyx_v_sizes == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 448, __pyx_L1_error)
+      __PYX_ERR(0, 442, __pyx_L1_error)
     }
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 448, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 442, __pyx_L1_error)
     (__pyx_v_self->_chunks[__pyx_v_i]).size = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":449
+    /* "tensorxfer/memory/_cuda.pyx":443
  *             self._chunks[i].offset = off
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
 */
-    __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_off); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 449, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_off); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 443, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     if (unlikely(__pyx_v_sizes == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 449, __pyx_L1_error)
+      __PYX_ERR(0, 443, __pyx_L1_error)
     }
-    __pyx_t_4 = __Pyx_PyNumber_InPlaceAdd_int_object(__pyx_t_3, __Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 449, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_InPlaceAdd_int_object(__pyx_t_3, __Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 443, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 449, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 443, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_v_off = __pyx_t_5;
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":450
+  /* "tensorxfer/memory/_cuda.pyx":444
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -27142,20 +27100,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":451
+        /* "tensorxfer/memory/_cuda.pyx":445
  *             off += sizes[i]
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")             # <<<<<<<<<<<<<<
  *         self._base = ptr
  *         self._reserved = True
 */
-        __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressReserve((&__pyx_v_ptr), (__pyx_v_total + __pyx_v_tail), __pyx_v_gran, 0, 0); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 451, __pyx_L26_error)
-        __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemAddressReserve); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 451, __pyx_L26_error)
+        __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressReserve((&__pyx_v_ptr), (__pyx_v_total + __pyx_v_tail), __pyx_v_gran, 0, 0); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 445, __pyx_L26_error)
+        __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemAddressReserve); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 445, __pyx_L26_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":450
+      /* "tensorxfer/memory/_cuda.pyx":444
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -27177,7 +27135,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":452
+  /* "tensorxfer/memory/_cuda.pyx":446
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
  *         self._base = ptr             # <<<<<<<<<<<<<<
@@ -27186,7 +27144,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_base = __pyx_v_ptr;
 
-  /* "tensorxfer/memory/_cuda.pyx":453
+  /* "tensorxfer/memory/_cuda.pyx":447
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
  *         self._base = ptr
  *         self._reserved = True             # <<<<<<<<<<<<<<
@@ -27195,7 +27153,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_reserved = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":454
+  /* "tensorxfer/memory/_cuda.pyx":448
  *         self._base = ptr
  *         self._reserved = True
  *         self._va_base = <uintptr_t>ptr             # <<<<<<<<<<<<<<
@@ -27204,7 +27162,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->__pyx_base._va_base = ((uintptr_t)__pyx_v_ptr);
 
-  /* "tensorxfer/memory/_cuda.pyx":455
+  /* "tensorxfer/memory/_cuda.pyx":449
  *         self._reserved = True
  *         self._va_base = <uintptr_t>ptr
  *         self._va_size = total + tail             # <<<<<<<<<<<<<<
@@ -27213,7 +27171,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->__pyx_base._va_size = (__pyx_v_total + __pyx_v_tail);
 
-  /* "tensorxfer/memory/_cuda.pyx":456
+  /* "tensorxfer/memory/_cuda.pyx":450
  *         self._va_base = <uintptr_t>ptr
  *         self._va_size = total + tail
  *         self._size = total             # <<<<<<<<<<<<<<
@@ -27222,7 +27180,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_size = __pyx_v_total;
 
-  /* "tensorxfer/memory/_cuda.pyx":457
+  /* "tensorxfer/memory/_cuda.pyx":451
  *         self._va_size = total + tail
  *         self._size = total
  *         self._next_chunk = 0             # <<<<<<<<<<<<<<
@@ -27231,7 +27189,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_next_chunk = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":416
+  /* "tensorxfer/memory/_cuda.pyx":410
  *         return self
  * 
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):             # <<<<<<<<<<<<<<
@@ -27267,7 +27225,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":459
+/* "tensorxfer/memory/_cuda.pyx":453
  *         self._next_chunk = 0
  * 
  *     cdef _map_upto(self, Py_ssize_t stop):             # <<<<<<<<<<<<<<
@@ -27304,7 +27262,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_map_upto", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":463
+  /* "tensorxfer/memory/_cuda.pyx":457
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUmemAccessDesc access[16]
  *         cdef cydriver.CUdeviceptr ptr = self._base             # <<<<<<<<<<<<<<
@@ -27315,7 +27273,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
   __pyx_v_ptr = __pyx_t_1;
 
-  /* "tensorxfer/memory/_cuda.pyx":465
+  /* "tensorxfer/memory/_cuda.pyx":459
  *         cdef cydriver.CUdeviceptr ptr = self._base
  *         cdef size_t run_start, s
  *         cdef Py_ssize_t i, first = self._next_chunk, naccess = len(self._access_devices)             # <<<<<<<<<<<<<<
@@ -27329,23 +27287,23 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   __Pyx_INCREF(__pyx_t_3);
   if (unlikely(__pyx_t_3 == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 465, __pyx_L1_error)
+    __PYX_ERR(0, 459, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_PyList_GET_SIZE(__pyx_t_3); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1))) __PYX_ERR(0, 465, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyList_GET_SIZE(__pyx_t_3); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1))) __PYX_ERR(0, 459, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_naccess = __pyx_t_2;
 
-  /* "tensorxfer/memory/_cuda.pyx":468
+  /* "tensorxfer/memory/_cuda.pyx":462
  *         cdef CuChunk* c
  *         cdef int fd
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):
 */
-  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 468, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 462, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":469
+  /* "tensorxfer/memory/_cuda.pyx":463
  *         cdef int fd
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)             # <<<<<<<<<<<<<<
@@ -27354,7 +27312,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_self->_device, __pyx_v_self->_shareable, __pyx_v_self->_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":470
+  /* "tensorxfer/memory/_cuda.pyx":464
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):             # <<<<<<<<<<<<<<
@@ -27368,7 +27326,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_i = __pyx_t_6;
 
-    /* "tensorxfer/memory/_cuda.pyx":471
+    /* "tensorxfer/memory/_cuda.pyx":465
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))             # <<<<<<<<<<<<<<
@@ -27377,7 +27335,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     (void)(memset((&(__pyx_v_access[__pyx_v_i])), 0, (sizeof(CUmemAccessDesc))));
 
-    /* "tensorxfer/memory/_cuda.pyx":472
+    /* "tensorxfer/memory/_cuda.pyx":466
  *         for i in range(naccess):
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE             # <<<<<<<<<<<<<<
@@ -27386,7 +27344,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     (__pyx_v_access[__pyx_v_i]).location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 
-    /* "tensorxfer/memory/_cuda.pyx":473
+    /* "tensorxfer/memory/_cuda.pyx":467
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
  *             access[i].location.id = self._access_devices[i]             # <<<<<<<<<<<<<<
@@ -27395,12 +27353,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     if (unlikely(__pyx_v_self->_access_devices == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 473, __pyx_L1_error)
+      __PYX_ERR(0, 467, __pyx_L1_error)
     }
-    __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_access_devices, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 473, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_access_devices, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 467, __pyx_L1_error)
     (__pyx_v_access[__pyx_v_i]).location.id = __pyx_t_7;
 
-    /* "tensorxfer/memory/_cuda.pyx":474
+    /* "tensorxfer/memory/_cuda.pyx":468
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
  *             access[i].location.id = self._access_devices[i]
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE             # <<<<<<<<<<<<<<
@@ -27411,7 +27369,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":475
+  /* "tensorxfer/memory/_cuda.pyx":469
  *             access[i].location.id = self._access_devices[i]
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
  *         for i in range(first, stop):             # <<<<<<<<<<<<<<
@@ -27425,7 +27383,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   for (__pyx_t_6 = __pyx_v_first; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_i = __pyx_t_6;
 
-    /* "tensorxfer/memory/_cuda.pyx":476
+    /* "tensorxfer/memory/_cuda.pyx":470
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
  *         for i in range(first, stop):
  *             c = &self._chunks[i]             # <<<<<<<<<<<<<<
@@ -27434,7 +27392,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_i]));
 
-    /* "tensorxfer/memory/_cuda.pyx":477
+    /* "tensorxfer/memory/_cuda.pyx":471
  *         for i in range(first, stop):
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1             # <<<<<<<<<<<<<<
@@ -27443,21 +27401,21 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_self->_next_chunk = (__pyx_v_i + 1);
 
-    /* "tensorxfer/memory/_cuda.pyx":478
+    /* "tensorxfer/memory/_cuda.pyx":472
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1
  *             if i in self._holes:             # <<<<<<<<<<<<<<
  *                 continue
  *             if self._import_fds is not None:
 */
-    __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_i); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 478, __pyx_L1_error)
+    __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_i); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 472, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_8 = (__Pyx_PySequence_ContainsTF(__pyx_t_3, __pyx_v_self->_holes, Py_EQ)); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 478, __pyx_L1_error)
+    __pyx_t_8 = (__Pyx_PySequence_ContainsTF(__pyx_t_3, __pyx_v_self->_holes, Py_EQ)); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 472, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":479
+      /* "tensorxfer/memory/_cuda.pyx":473
  *             self._next_chunk = i + 1
  *             if i in self._holes:
  *                 continue             # <<<<<<<<<<<<<<
@@ -27466,7 +27424,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       goto __pyx_L5_continue;
 
-      /* "tensorxfer/memory/_cuda.pyx":478
+      /* "tensorxfer/memory/_cuda.pyx":472
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1
  *             if i in self._holes:             # <<<<<<<<<<<<<<
@@ -27475,7 +27433,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":480
+    /* "tensorxfer/memory/_cuda.pyx":474
  *             if i in self._holes:
  *                 continue
  *             if self._import_fds is not None:             # <<<<<<<<<<<<<<
@@ -27486,7 +27444,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":481
+      /* "tensorxfer/memory/_cuda.pyx":475
  *                 continue
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]             # <<<<<<<<<<<<<<
@@ -27495,12 +27453,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       if (unlikely(__pyx_v_self->_import_fds == Py_None)) {
         PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-        __PYX_ERR(0, 481, __pyx_L1_error)
+        __PYX_ERR(0, 475, __pyx_L1_error)
       }
-      __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_import_fds, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 481, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_import_fds, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 475, __pyx_L1_error)
       __pyx_v_fd = __pyx_t_7;
 
-      /* "tensorxfer/memory/_cuda.pyx":482
+      /* "tensorxfer/memory/_cuda.pyx":476
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27513,20 +27471,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           __Pyx_FastGIL_Remember();
           /*try:*/ {
 
-            /* "tensorxfer/memory/_cuda.pyx":483
+            /* "tensorxfer/memory/_cuda.pyx":477
  *                 fd = self._import_fds[i]
  *                 with nogil:
  *                     check_cu(cydriver.cuMemImportFromShareableHandle(             # <<<<<<<<<<<<<<
  *                         &c.handle, <void*><uintptr_t>fd, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
  *                         b"cuMemImportFromShareableHandle")
 */
-            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemImportFromShareableHandle((&__pyx_v_c->handle), ((void *)((uintptr_t)__pyx_v_fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 483, __pyx_L12_error)
-            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemImportFromShareableHandle); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 483, __pyx_L12_error)
+            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemImportFromShareableHandle((&__pyx_v_c->handle), ((void *)((uintptr_t)__pyx_v_fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 477, __pyx_L12_error)
+            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemImportFromShareableHandle); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 477, __pyx_L12_error)
 
 
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":482
+          /* "tensorxfer/memory/_cuda.pyx":476
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27548,7 +27506,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           }
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":480
+      /* "tensorxfer/memory/_cuda.pyx":474
  *             if i in self._holes:
  *                 continue
  *             if self._import_fds is not None:             # <<<<<<<<<<<<<<
@@ -27558,7 +27516,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
       goto __pyx_L8;
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":487
+    /* "tensorxfer/memory/_cuda.pyx":481
  *                         b"cuMemImportFromShareableHandle")
  *             else:
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27572,20 +27530,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           __Pyx_FastGIL_Remember();
           /*try:*/ {
 
-            /* "tensorxfer/memory/_cuda.pyx":488
+            /* "tensorxfer/memory/_cuda.pyx":482
  *             else:
  *                 with nogil:
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")             # <<<<<<<<<<<<<<
  *             c.created = True
  *             with nogil:
 */
-            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemCreate((&__pyx_v_c->handle), __pyx_v_c->size, (&__pyx_v_prop), 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 488, __pyx_L17_error)
-            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 488, __pyx_L17_error)
+            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemCreate((&__pyx_v_c->handle), __pyx_v_c->size, (&__pyx_v_prop), 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 482, __pyx_L17_error)
+            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 482, __pyx_L17_error)
 
 
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":487
+          /* "tensorxfer/memory/_cuda.pyx":481
  *                         b"cuMemImportFromShareableHandle")
  *             else:
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27609,7 +27567,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     }
     __pyx_L8:;
 
-    /* "tensorxfer/memory/_cuda.pyx":489
+    /* "tensorxfer/memory/_cuda.pyx":483
  *                 with nogil:
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True             # <<<<<<<<<<<<<<
@@ -27618,7 +27576,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_c->created = 1;
 
-    /* "tensorxfer/memory/_cuda.pyx":490
+    /* "tensorxfer/memory/_cuda.pyx":484
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27631,20 +27589,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":491
+          /* "tensorxfer/memory/_cuda.pyx":485
  *             c.created = True
  *             with nogil:
  *                 check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")             # <<<<<<<<<<<<<<
  *             c.mapped = True
  *         # Access is set per run of newly mapped chunks: one call for a
 */
-          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemMap((__pyx_v_ptr + __pyx_v_c->offset), __pyx_v_c->size, 0, __pyx_v_c->handle, 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 491, __pyx_L22_error)
-          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemMap); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 491, __pyx_L22_error)
+          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemMap((__pyx_v_ptr + __pyx_v_c->offset), __pyx_v_c->size, 0, __pyx_v_c->handle, 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 485, __pyx_L22_error)
+          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemMap); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 485, __pyx_L22_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":490
+        /* "tensorxfer/memory/_cuda.pyx":484
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27666,7 +27624,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         }
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":492
+    /* "tensorxfer/memory/_cuda.pyx":486
  *             with nogil:
  *                 check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")
  *             c.mapped = True             # <<<<<<<<<<<<<<
@@ -27678,7 +27636,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":495
+  /* "tensorxfer/memory/_cuda.pyx":489
  *         # Access is set per run of newly mapped chunks: one call for a
  *         # hole-free region, however many handles it has.
  *         i = first             # <<<<<<<<<<<<<<
@@ -27687,7 +27645,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
   __pyx_v_i = __pyx_v_first;
 
-  /* "tensorxfer/memory/_cuda.pyx":496
+  /* "tensorxfer/memory/_cuda.pyx":490
  *         # hole-free region, however many handles it has.
  *         i = first
  *         while i < stop:             # <<<<<<<<<<<<<<
@@ -27700,7 +27658,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
     if (!__pyx_t_8) break;
 
-    /* "tensorxfer/memory/_cuda.pyx":497
+    /* "tensorxfer/memory/_cuda.pyx":491
  *         i = first
  *         while i < stop:
  *             if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27712,7 +27670,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":498
+      /* "tensorxfer/memory/_cuda.pyx":492
  *         while i < stop:
  *             if not self._chunks[i].mapped:
  *                 i += 1             # <<<<<<<<<<<<<<
@@ -27721,7 +27679,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       __pyx_v_i = (__pyx_v_i + 1);
 
-      /* "tensorxfer/memory/_cuda.pyx":499
+      /* "tensorxfer/memory/_cuda.pyx":493
  *             if not self._chunks[i].mapped:
  *                 i += 1
  *                 continue             # <<<<<<<<<<<<<<
@@ -27730,7 +27688,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       goto __pyx_L24_continue;
 
-      /* "tensorxfer/memory/_cuda.pyx":497
+      /* "tensorxfer/memory/_cuda.pyx":491
  *         i = first
  *         while i < stop:
  *             if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27739,7 +27697,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":500
+    /* "tensorxfer/memory/_cuda.pyx":494
  *                 i += 1
  *                 continue
  *             run_start = self._chunks[i].offset             # <<<<<<<<<<<<<<
@@ -27750,7 +27708,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
     __pyx_v_run_start = __pyx_t_10;
 
-    /* "tensorxfer/memory/_cuda.pyx":501
+    /* "tensorxfer/memory/_cuda.pyx":495
  *                 continue
  *             run_start = self._chunks[i].offset
  *             while i < stop and self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27774,7 +27732,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
       if (!__pyx_t_8) break;
 
-      /* "tensorxfer/memory/_cuda.pyx":502
+      /* "tensorxfer/memory/_cuda.pyx":496
  *             run_start = self._chunks[i].offset
  *             while i < stop and self._chunks[i].mapped:
  *                 i += 1             # <<<<<<<<<<<<<<
@@ -27784,7 +27742,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
       __pyx_v_i = (__pyx_v_i + 1);
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":503
+    /* "tensorxfer/memory/_cuda.pyx":497
  *             while i < stop and self._chunks[i].mapped:
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start             # <<<<<<<<<<<<<<
@@ -27793,7 +27751,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_s = (((__pyx_v_self->_chunks[(__pyx_v_i - 1)]).offset + (__pyx_v_self->_chunks[(__pyx_v_i - 1)]).size) - __pyx_v_run_start);
 
-    /* "tensorxfer/memory/_cuda.pyx":504
+    /* "tensorxfer/memory/_cuda.pyx":498
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27806,20 +27764,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":505
+          /* "tensorxfer/memory/_cuda.pyx":499
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")             # <<<<<<<<<<<<<<
  * 
  *     def map_next(self, Py_ssize_t count=1):
 */
-          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemSetAccess((__pyx_v_ptr + __pyx_v_run_start), __pyx_v_s, __pyx_v_access, __pyx_v_naccess); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 505, __pyx_L34_error)
-          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemSetAccess); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 505, __pyx_L34_error)
+          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemSetAccess((__pyx_v_ptr + __pyx_v_run_start), __pyx_v_s, __pyx_v_access, __pyx_v_naccess); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 499, __pyx_L34_error)
+          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemSetAccess); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 499, __pyx_L34_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":504
+        /* "tensorxfer/memory/_cuda.pyx":498
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27843,7 +27801,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     __pyx_L24_continue:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":459
+  /* "tensorxfer/memory/_cuda.pyx":453
  *         self._next_chunk = 0
  * 
  *     cdef _map_upto(self, Py_ssize_t stop):             # <<<<<<<<<<<<<<
@@ -27874,7 +27832,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":507
+/* "tensorxfer/memory/_cuda.pyx":501
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -27922,37 +27880,37 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_count,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 507, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 501, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 507, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 501, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "map_next", 0) < (0)) __PYX_ERR(0, 507, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "map_next", 0) < (0)) __PYX_ERR(0, 501, __pyx_L3_error)
     } else {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 507, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 501, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     if (values[0]) {
-      __pyx_v_count = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_count == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 507, __pyx_L3_error)
+      __pyx_v_count = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_count == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 501, __pyx_L3_error)
     } else {
       __pyx_v_count = ((Py_ssize_t)1);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("map_next", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 507, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("map_next", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 501, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -27990,17 +27948,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("map_next", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":513
+  /* "tensorxfer/memory/_cuda.pyx":507
  *         mapped prefix usable) and :meth:`close` releases everything.
  *         """
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if count < 1:
  *             raise ValueError("count must be at least 1")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 507, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":514
+  /* "tensorxfer/memory/_cuda.pyx":508
  *         """
  *         self._check_open()
  *         if count < 1:             # <<<<<<<<<<<<<<
@@ -28012,7 +27970,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":515
+    /* "tensorxfer/memory/_cuda.pyx":509
  *         self._check_open()
  *         if count < 1:
  *             raise ValueError("count must be at least 1")             # <<<<<<<<<<<<<<
@@ -28025,14 +27983,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_count_must_be_at_least_1};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 515, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 509, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 515, __pyx_L1_error)
+    __PYX_ERR(0, 509, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":514
+    /* "tensorxfer/memory/_cuda.pyx":508
  *         """
  *         self._check_open()
  *         if count < 1:             # <<<<<<<<<<<<<<
@@ -28041,7 +27999,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":516
+  /* "tensorxfer/memory/_cuda.pyx":510
  *         if count < 1:
  *             raise ValueError("count must be at least 1")
  *         self._map_upto(min(self._nchunks, self._next_chunk + count))             # <<<<<<<<<<<<<<
@@ -28062,19 +28020,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
     __pyx_t_8 = __pyx_t_7;
   }
 
-  __pyx_t_3 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_t_8); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 516, __pyx_L1_error)
+  __pyx_t_3 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_t_8); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 510, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":517
+  /* "tensorxfer/memory/_cuda.pyx":511
  *             raise ValueError("count must be at least 1")
  *         self._map_upto(min(self._nchunks, self._next_chunk + count))
  *         return self.mapped_size             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(((PyObject *)__pyx_v_self), __pyx_mstate_global->__pyx_n_u_mapped_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 517, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(((PyObject *)__pyx_v_self), __pyx_mstate_global->__pyx_n_u_mapped_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   {
     PyObject *__pyx_temp;
@@ -28087,7 +28045,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":507
+  /* "tensorxfer/memory/_cuda.pyx":501
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -28107,7 +28065,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":519
+/* "tensorxfer/memory/_cuda.pyx":513
  *         return self.mapped_size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -28141,7 +28099,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":522
+  /* "tensorxfer/memory/_cuda.pyx":516
  *     def mapped_size(self):
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:             # <<<<<<<<<<<<<<
@@ -28153,7 +28111,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":523
+    /* "tensorxfer/memory/_cuda.pyx":517
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:
  *             return 0             # <<<<<<<<<<<<<<
@@ -28171,7 +28129,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":522
+    /* "tensorxfer/memory/_cuda.pyx":516
  *     def mapped_size(self):
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:             # <<<<<<<<<<<<<<
@@ -28180,7 +28138,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":524
+  /* "tensorxfer/memory/_cuda.pyx":518
  *         if self._next_chunk == 0:
  *             return 0
  *         c = &self._chunks[self._next_chunk - 1]             # <<<<<<<<<<<<<<
@@ -28189,14 +28147,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
 */
   __pyx_v_c = (&(__pyx_v_self->_chunks[(__pyx_v_self->_next_chunk - 1)]));
 
-  /* "tensorxfer/memory/_cuda.pyx":525
+  /* "tensorxfer/memory/_cuda.pyx":519
  *             return 0
  *         c = &self._chunks[self._next_chunk - 1]
  *         return c.offset + c.size             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- lifetime
 */
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_c->offset + __pyx_v_c->size)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 525, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_c->offset + __pyx_v_c->size)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 519, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -28209,7 +28167,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":519
+  /* "tensorxfer/memory/_cuda.pyx":513
  *         return self.mapped_size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -28229,7 +28187,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":528
+/* "tensorxfer/memory/_cuda.pyx":522
  * 
  *     # ---------------------------------------------------------------- lifetime
  *     cdef void _release(self) noexcept:             # <<<<<<<<<<<<<<
@@ -28257,7 +28215,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_release", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":531
+  /* "tensorxfer/memory/_cuda.pyx":525
  *         cdef Py_ssize_t i
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):             # <<<<<<<<<<<<<<
@@ -28286,7 +28244,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":532
+    /* "tensorxfer/memory/_cuda.pyx":526
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28302,17 +28260,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       __Pyx_XGOTREF(__pyx_t_5);
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":533
+        /* "tensorxfer/memory/_cuda.pyx":527
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:
  *                 bind_device(self._device)             # <<<<<<<<<<<<<<
  *             except BaseException:
  *                 pass
 */
-        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 533, __pyx_L7_error)
+        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 527, __pyx_L7_error)
 
 
-        /* "tensorxfer/memory/_cuda.pyx":532
+        /* "tensorxfer/memory/_cuda.pyx":526
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28326,7 +28284,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       goto __pyx_L12_try_end;
       __pyx_L7_error:;
 
-      /* "tensorxfer/memory/_cuda.pyx":534
+      /* "tensorxfer/memory/_cuda.pyx":528
  *             try:
  *                 bind_device(self._device)
  *             except BaseException:             # <<<<<<<<<<<<<<
@@ -28340,7 +28298,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       }
       goto __pyx_L9_except_error;
 
-      /* "tensorxfer/memory/_cuda.pyx":532
+      /* "tensorxfer/memory/_cuda.pyx":526
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28361,7 +28319,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       __pyx_L12_try_end:;
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":536
+    /* "tensorxfer/memory/_cuda.pyx":530
  *             except BaseException:
  *                 pass
  *             if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28373,7 +28331,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
     if (__pyx_t_1) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":537
+      /* "tensorxfer/memory/_cuda.pyx":531
  *                 pass
  *             if self._chunks != NULL:
  *                 for i in range(self._nchunks):             # <<<<<<<<<<<<<<
@@ -28387,7 +28345,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "tensorxfer/memory/_cuda.pyx":538
+        /* "tensorxfer/memory/_cuda.pyx":532
  *             if self._chunks != NULL:
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]             # <<<<<<<<<<<<<<
@@ -28396,7 +28354,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_i]));
 
-        /* "tensorxfer/memory/_cuda.pyx":539
+        /* "tensorxfer/memory/_cuda.pyx":533
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]
  *                     if c.mapped:             # <<<<<<<<<<<<<<
@@ -28405,17 +28363,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         if (__pyx_v_c->mapped) {
 
-          /* "tensorxfer/memory/_cuda.pyx":540
+          /* "tensorxfer/memory/_cuda.pyx":534
  *                     c = &self._chunks[i]
  *                     if c.mapped:
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)             # <<<<<<<<<<<<<<
  *                         c.mapped = False
  *                     if c.created:
 */
-          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 540, __pyx_L1_error)
+          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 534, __pyx_L1_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":541
+          /* "tensorxfer/memory/_cuda.pyx":535
  *                     if c.mapped:
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False             # <<<<<<<<<<<<<<
@@ -28424,7 +28382,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
           __pyx_v_c->mapped = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":539
+          /* "tensorxfer/memory/_cuda.pyx":533
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]
  *                     if c.mapped:             # <<<<<<<<<<<<<<
@@ -28433,7 +28391,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":542
+        /* "tensorxfer/memory/_cuda.pyx":536
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False
  *                     if c.created:             # <<<<<<<<<<<<<<
@@ -28442,17 +28400,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         if (__pyx_v_c->created) {
 
-          /* "tensorxfer/memory/_cuda.pyx":543
+          /* "tensorxfer/memory/_cuda.pyx":537
  *                         c.mapped = False
  *                     if c.created:
  *                         cydriver.cuMemRelease(c.handle)             # <<<<<<<<<<<<<<
  *                         c.created = False
  *             if self._reserved:
 */
-          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemRelease(__pyx_v_c->handle); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 543, __pyx_L1_error)
+          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemRelease(__pyx_v_c->handle); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 537, __pyx_L1_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":544
+          /* "tensorxfer/memory/_cuda.pyx":538
  *                     if c.created:
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False             # <<<<<<<<<<<<<<
@@ -28461,7 +28419,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
           __pyx_v_c->created = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":542
+          /* "tensorxfer/memory/_cuda.pyx":536
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False
  *                     if c.created:             # <<<<<<<<<<<<<<
@@ -28472,7 +28430,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       }
 
 
-      /* "tensorxfer/memory/_cuda.pyx":536
+      /* "tensorxfer/memory/_cuda.pyx":530
  *             except BaseException:
  *                 pass
  *             if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28481,7 +28439,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":545
+    /* "tensorxfer/memory/_cuda.pyx":539
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False
  *             if self._reserved:             # <<<<<<<<<<<<<<
@@ -28490,17 +28448,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     if (__pyx_v_self->_reserved) {
 
-      /* "tensorxfer/memory/_cuda.pyx":546
+      /* "tensorxfer/memory/_cuda.pyx":540
  *                         c.created = False
  *             if self._reserved:
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)             # <<<<<<<<<<<<<<
  *                 self._reserved = False
  *         if self._chunks != NULL:
 */
-      __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressFree(__pyx_v_self->_base, __pyx_v_self->__pyx_base._va_size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 546, __pyx_L1_error)
+      __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressFree(__pyx_v_self->_base, __pyx_v_self->__pyx_base._va_size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 540, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":547
+      /* "tensorxfer/memory/_cuda.pyx":541
  *             if self._reserved:
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False             # <<<<<<<<<<<<<<
@@ -28509,7 +28467,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
       __pyx_v_self->_reserved = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":545
+      /* "tensorxfer/memory/_cuda.pyx":539
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False
  *             if self._reserved:             # <<<<<<<<<<<<<<
@@ -28518,7 +28476,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":531
+    /* "tensorxfer/memory/_cuda.pyx":525
  *         cdef Py_ssize_t i
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):             # <<<<<<<<<<<<<<
@@ -28527,7 +28485,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":548
+  /* "tensorxfer/memory/_cuda.pyx":542
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False
  *         if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28539,7 +28497,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":549
+    /* "tensorxfer/memory/_cuda.pyx":543
  *                 self._reserved = False
  *         if self._chunks != NULL:
  *             free(self._chunks)             # <<<<<<<<<<<<<<
@@ -28548,7 +28506,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     free(__pyx_v_self->_chunks);
 
-    /* "tensorxfer/memory/_cuda.pyx":550
+    /* "tensorxfer/memory/_cuda.pyx":544
  *         if self._chunks != NULL:
  *             free(self._chunks)
  *             self._chunks = NULL             # <<<<<<<<<<<<<<
@@ -28557,7 +28515,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     __pyx_v_self->_chunks = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":548
+    /* "tensorxfer/memory/_cuda.pyx":542
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False
  *         if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28566,7 +28524,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":551
+  /* "tensorxfer/memory/_cuda.pyx":545
  *             free(self._chunks)
  *             self._chunks = NULL
  *         self._nchunks = 0             # <<<<<<<<<<<<<<
@@ -28575,7 +28533,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->_nchunks = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":552
+  /* "tensorxfer/memory/_cuda.pyx":546
  *             self._chunks = NULL
  *         self._nchunks = 0
  *         self._base = 0             # <<<<<<<<<<<<<<
@@ -28584,7 +28542,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->_base = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":553
+  /* "tensorxfer/memory/_cuda.pyx":547
  *         self._nchunks = 0
  *         self._base = 0
  *         self._size = 0             # <<<<<<<<<<<<<<
@@ -28593,7 +28551,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->_size = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":554
+  /* "tensorxfer/memory/_cuda.pyx":548
  *         self._base = 0
  *         self._size = 0
  *         self._va_size = 0             # <<<<<<<<<<<<<<
@@ -28602,7 +28560,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->__pyx_base._va_size = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":555
+  /* "tensorxfer/memory/_cuda.pyx":549
  *         self._size = 0
  *         self._va_size = 0
  *         self._keepalive = None             # <<<<<<<<<<<<<<
@@ -28614,16 +28572,16 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   __Pyx_GOTREF(__pyx_v_self->_keepalive);
   __Pyx_DECREF_SET(__pyx_v_self->_keepalive, Py_None);
 
-  /* "tensorxfer/memory/_cuda.pyx":556
+  /* "tensorxfer/memory/_cuda.pyx":550
  *         self._va_size = 0
  *         self._keepalive = None
  *         self._closed = True             # <<<<<<<<<<<<<<
  * 
- *     def close(self, bint defer=False):
+ *     def __dealloc__(self):
 */
-  __pyx_v_self->_closed = 1;
+  __pyx_v_self->__pyx_base._closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":528
+  /* "tensorxfer/memory/_cuda.pyx":522
  * 
  *     # ---------------------------------------------------------------- lifetime
  *     cdef void _release(self) noexcept:             # <<<<<<<<<<<<<<
@@ -28642,293 +28600,8 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":558
+/* "tensorxfer/memory/_cuda.pyx":552
  *         self._closed = True
- * 
- *     def close(self, bint defer=False):             # <<<<<<<<<<<<<<
- *         """Unmap, release and free; safe to call more than once.
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19close(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_18close, "CudaRegion.close(self, bool defer=False)\n\nUnmap, release and free; safe to call more than once.\n\nRaises ``BufferError`` while views exist, unless ``defer`` is true\n(then the release happens when the last view is dropped).");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_19close = {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_18close};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19close(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  int __pyx_v_defer;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[1] = {0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("close (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_defer,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 558, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 558, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "close", 0) < (0)) __PYX_ERR(0, 558, __pyx_L3_error)
-    } else {
-      switch (__pyx_nargs) {
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 558, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-    }
-    if (values[0]) {
-      __pyx_v_defer = __Pyx_PyObject_IsTrue(values[0]); if (unlikely((__pyx_v_defer == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 558, __pyx_L3_error)
-    } else {
-      __pyx_v_defer = ((int)0);
-    }
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("close", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 558, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.close", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18close(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_defer);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, int __pyx_v_defer) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  int __pyx_t_1;
-  PyObject *__pyx_t_2 = NULL;
-  PyObject *__pyx_t_3 = NULL;
-  PyObject *__pyx_t_4 = NULL;
-  PyObject *__pyx_t_5[3];
-  Py_ssize_t __pyx_t_6;
-  int __pyx_t_7;
-  PyObject *__pyx_t_8 = NULL;
-  size_t __pyx_t_9;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("close", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":564
- *         (then the release happens when the last view is dropped).
- *         """
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             return
- *         if self._exports:
-*/
-  if (__pyx_v_self->_closed) {
-
-    /* "tensorxfer/memory/_cuda.pyx":565
- *         """
- *         if self._closed:
- *             return             # <<<<<<<<<<<<<<
- *         if self._exports:
- *             if defer:
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":564
- *         (then the release happens when the last view is dropped).
- *         """
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             return
- *         if self._exports:
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":566
- *         if self._closed:
- *             return
- *         if self._exports:             # <<<<<<<<<<<<<<
- *             if defer:
- *                 self._close_pending = True
-*/
-  __pyx_t_1 = (__pyx_v_self->_exports != 0);
-
-  if (__pyx_t_1) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":567
- *             return
- *         if self._exports:
- *             if defer:             # <<<<<<<<<<<<<<
- *                 self._close_pending = True
- *                 return
-*/
-    if (__pyx_v_defer) {
-
-      /* "tensorxfer/memory/_cuda.pyx":568
- *         if self._exports:
- *             if defer:
- *                 self._close_pending = True             # <<<<<<<<<<<<<<
- *                 return
- *             raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
-*/
-      __pyx_v_self->_close_pending = 1;
-
-      /* "tensorxfer/memory/_cuda.pyx":569
- *             if defer:
- *                 self._close_pending = True
- *                 return             # <<<<<<<<<<<<<<
- *             raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
- *                               f"delete the tensors viewing it first")
-*/
-      {
-        PyObject *__pyx_temp;
-        {
-          __pyx_temp = __pyx_r;
-          __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-        }
-        __Pyx_XDECREF(__pyx_temp);
-      }
-      goto __pyx_L0;
-
-      /* "tensorxfer/memory/_cuda.pyx":567
- *             return
- *         if self._exports:
- *             if defer:             # <<<<<<<<<<<<<<
- *                 self._close_pending = True
- *                 return
-*/
-    }
-
-    /* "tensorxfer/memory/_cuda.pyx":570
- *                 self._close_pending = True
- *                 return
- *             raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "             # <<<<<<<<<<<<<<
- *                               f"delete the tensors viewing it first")
- *         self._release()
-*/
-    __pyx_t_3 = NULL;
-    __pyx_t_4 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_self->_exports, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 570, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5[0] = __pyx_mstate_global->__pyx_kp_u_cannot_close_a_region_while;
-    __pyx_t_5[1] = __pyx_t_4;
-    __pyx_t_5[2] = __pyx_mstate_global->__pyx_kp_u_view_s_of_it_exist_delete_the_t;
-    __pyx_t_6 = 85;
-    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
-    __pyx_t_6 += __Pyx_PyUnicode_GET_LENGTH(__pyx_t_5[1]);
-    #endif
-    __pyx_t_7 = 0;
-    __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_5, 3, __pyx_t_6, __pyx_t_7);
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 570, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_8);
-    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_9 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_t_8};
-      __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_BufferError)), __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 570, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_2);
-    }
-    __Pyx_Raise(__pyx_t_2, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 570, __pyx_L1_error)
-
-    /* "tensorxfer/memory/_cuda.pyx":566
- *         if self._closed:
- *             return
- *         if self._exports:             # <<<<<<<<<<<<<<
- *             if defer:
- *                 self._close_pending = True
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":572
- *             raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
- *                               f"delete the tensors viewing it first")
- *         self._release()             # <<<<<<<<<<<<<<
- * 
- *     def __dealloc__(self):
-*/
-  ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_release(__pyx_v_self);
-
-  /* "tensorxfer/memory/_cuda.pyx":558
- *         self._closed = True
- * 
- *     def close(self, bint defer=False):             # <<<<<<<<<<<<<<
- *         """Unmap, release and free; safe to call more than once.
- * 
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_XDECREF(__pyx_t_3);
-  __Pyx_XDECREF(__pyx_t_4);
-  __Pyx_XDECREF(__pyx_t_8);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.close", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":574
- *         self._release()
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
  *         if not self._closed:
@@ -28936,19 +28609,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18close(struc
 */
 
 /* Python wrapper */
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__dealloc__(PyObject *__pyx_v_self); /*proto*/
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__dealloc__(PyObject *__pyx_v_self) {
+static void __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19__dealloc__(PyObject *__pyx_v_self); /*proto*/
+static void __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19__dealloc__(PyObject *__pyx_v_self) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__dealloc__ (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
 }
 
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
   PyObject *__pyx_t_2 = NULL;
@@ -28968,19 +28641,19 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":575
+  /* "tensorxfer/memory/_cuda.pyx":553
  * 
  *     def __dealloc__(self):
  *         if not self._closed:             # <<<<<<<<<<<<<<
  *             if self._owner:
  *                 try:
 */
-  __pyx_t_1 = (!__pyx_v_self->_closed);
+  __pyx_t_1 = (!__pyx_v_self->__pyx_base._closed);
 
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":576
+    /* "tensorxfer/memory/_cuda.pyx":554
  *     def __dealloc__(self):
  *         if not self._closed:
  *             if self._owner:             # <<<<<<<<<<<<<<
@@ -28989,7 +28662,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
 */
     if (__pyx_v_self->_owner) {
 
-      /* "tensorxfer/memory/_cuda.pyx":577
+      /* "tensorxfer/memory/_cuda.pyx":555
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -29005,7 +28678,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
         __Pyx_XGOTREF(__pyx_t_4);
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":578
+          /* "tensorxfer/memory/_cuda.pyx":556
  *             if self._owner:
  *                 try:
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",             # <<<<<<<<<<<<<<
@@ -29013,12 +28686,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
  *                 except BaseException:
 */
           __pyx_t_6 = NULL;
-          __Pyx_GetModuleGlobalName(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warnings); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 578, __pyx_L5_error)
+          __Pyx_GetModuleGlobalName(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warnings); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 556, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_7);
-          __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warn); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 578, __pyx_L5_error)
+          __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warn); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 556, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_8);
           __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-          __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 578, __pyx_L5_error)
+          __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 556, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_7);
           __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_unclosed_CudaRegion_of;
           __pyx_t_9[1] = __pyx_t_7;
@@ -29029,11 +28702,11 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
           #endif
           __pyx_t_11 = 0;
           __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_11);
-          if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 578, __pyx_L5_error)
+          if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 556, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_12);
           __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":579
+          /* "tensorxfer/memory/_cuda.pyx":557
  *                 try:
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
  *                                   ResourceWarning)             # <<<<<<<<<<<<<<
@@ -29058,12 +28731,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
             __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
             __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
             __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-            if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 578, __pyx_L5_error)
+            if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 556, __pyx_L5_error)
             __Pyx_GOTREF(__pyx_t_5);
           }
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":577
+          /* "tensorxfer/memory/_cuda.pyx":555
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -29082,7 +28755,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
         __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
         __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-        /* "tensorxfer/memory/_cuda.pyx":580
+        /* "tensorxfer/memory/_cuda.pyx":558
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
  *                                   ResourceWarning)
  *                 except BaseException:             # <<<<<<<<<<<<<<
@@ -29096,7 +28769,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
         }
         goto __pyx_L7_except_error;
 
-        /* "tensorxfer/memory/_cuda.pyx":577
+        /* "tensorxfer/memory/_cuda.pyx":555
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -29117,7 +28790,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
         __pyx_L10_try_end:;
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":576
+      /* "tensorxfer/memory/_cuda.pyx":554
  *     def __dealloc__(self):
  *         if not self._closed:
  *             if self._owner:             # <<<<<<<<<<<<<<
@@ -29126,16 +28799,16 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":582
+    /* "tensorxfer/memory/_cuda.pyx":560
  *                 except BaseException:
  *                     pass
  *             self._release()             # <<<<<<<<<<<<<<
  * 
- *     def __enter__(self):
+ *     cdef int _check_open(self) except -1:
 */
-    ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_release(__pyx_v_self);
+    ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._release(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self));
 
-    /* "tensorxfer/memory/_cuda.pyx":575
+    /* "tensorxfer/memory/_cuda.pyx":553
  * 
  *     def __dealloc__(self):
  *         if not self._closed:             # <<<<<<<<<<<<<<
@@ -29144,8 +28817,8 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":574
- *         self._release()
+  /* "tensorxfer/memory/_cuda.pyx":552
+ *         self._closed = True
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
  *         if not self._closed:
@@ -29166,286 +28839,8 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__dealloc__(stru
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":584
+/* "tensorxfer/memory/_cuda.pyx":562
  *             self._release()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__, "CudaRegion.__enter__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__ = {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__enter__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("__enter__", 1, 0, 0, __pyx_nargs); return NULL; }
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__enter__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__enter__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":585
- * 
- *     def __enter__(self):
- *         return self             # <<<<<<<<<<<<<<
- * 
- *     def __exit__(self, exc_type, exc, tb):
-*/
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __Pyx_INCREF((PyObject *)__pyx_v_self);
-      __pyx_r = ((PyObject *)__pyx_v_self);
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":584
- *             self._release()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-
-  /* function exit code */
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":587
- *         return self
- * 
- *     def __exit__(self, exc_type, exc, tb):             # <<<<<<<<<<<<<<
- *         self.close(defer=exc_type is not None)
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__, "CudaRegion.__exit__(self, exc_type, exc, tb)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__ = {"__exit__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  PyObject *__pyx_v_exc_type = 0;
-  CYTHON_UNUSED PyObject *__pyx_v_exc = 0;
-  CYTHON_UNUSED PyObject *__pyx_v_tb = 0;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[3] = {0,0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__exit__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_exc_type,&__pyx_mstate_global->__pyx_n_u_exc,&__pyx_mstate_global->__pyx_n_u_tb,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 587, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 587, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 587, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 587, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__exit__", 0) < (0)) __PYX_ERR(0, 587, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__exit__", 1, 3, 3, i); __PYX_ERR(0, 587, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 3)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 587, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 587, __pyx_L3_error)
-      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 587, __pyx_L3_error)
-    }
-    __pyx_v_exc_type = values[0];
-    __pyx_v_exc = values[1];
-    __pyx_v_tb = values[2];
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__exit__", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 587, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.__exit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_exc_type, __pyx_v_exc, __pyx_v_tb);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, PyObject *__pyx_v_exc_type, CYTHON_UNUSED PyObject *__pyx_v_exc, CYTHON_UNUSED PyObject *__pyx_v_tb) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  int __pyx_t_3;
-  PyObject *__pyx_t_4 = NULL;
-  size_t __pyx_t_5;
-  PyObject *__pyx_t_6 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__exit__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":588
- * 
- *     def __exit__(self, exc_type, exc, tb):
- *         self.close(defer=exc_type is not None)             # <<<<<<<<<<<<<<
- * 
- *     cdef int _check_open(self) except -1:
-*/
-  __pyx_t_2 = ((PyObject *)__pyx_v_self);
-  __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = (__pyx_v_exc_type != Py_None);
-  __pyx_t_4 = __Pyx_PyBool_FromLong(__pyx_t_3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 588, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-
-  #if CYTHON_VECTORCALL
-  #endif
-  __pyx_t_5 = 0;
-  {
-    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_t_4};
-    #if CYTHON_VECTORCALL
-    __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[5];
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 588, __pyx_L1_error)
-    __Pyx_INCREF(__pyx_t_6);
-    #else
-    {
-      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_defer};
-      __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+1, 1);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 588, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_6);
-    }
-    #endif
-    __pyx_t_1 = __Pyx_Object_VectorcallMethodKwds((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_6);
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    #if CYTHON_VECTORCALL
-    #endif
-    __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 588, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-  }
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":587
- *         return self
- * 
- *     def __exit__(self, exc_type, exc, tb):             # <<<<<<<<<<<<<<
- *         self.close(defer=exc_type is not None)
- * 
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_XDECREF(__pyx_t_4);
-  __Pyx_XDECREF(__pyx_t_6);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.__exit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":590
- *         self.close(defer=exc_type is not None)
  * 
  *     cdef int _check_open(self) except -1:             # <<<<<<<<<<<<<<
  *         # Also makes the device's context current: every method that talks
@@ -29454,163 +28849,35 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__(st
 
 static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   int __pyx_r;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  size_t __pyx_t_3;
-  CUcontext __pyx_t_4;
+  int __pyx_t_1;
+  CUcontext __pyx_t_2;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("_check_open", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":593
+  /* "tensorxfer/memory/_cuda.pyx":565
  *         # Also makes the device's context current: every method that talks
  *         # to the driver starts here, and the extent walk runs right after.
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed CudaRegion")
- *         bind_device(self._device)
-*/
-  if (unlikely(__pyx_v_self->_closed)) {
-
-    /* "tensorxfer/memory/_cuda.pyx":594
- *         # to the driver starts here, and the extent walk runs right after.
- *         if self._closed:
- *             raise ValueError("operation on a closed CudaRegion")             # <<<<<<<<<<<<<<
+ *         AllocationMap._check_open(self)             # <<<<<<<<<<<<<<
  *         bind_device(self._device)
  *         return 0
 */
-    __pyx_t_2 = NULL;
-    __pyx_t_3 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_CudaRegion};
-      __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 594, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_1);
-    }
-    __Pyx_Raise(__pyx_t_1, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 594, __pyx_L1_error)
+  __pyx_t_1 = __pyx_vtabptr_10tensorxfer_6memory_7_extent_AllocationMap->_check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 565, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":593
- *         # Also makes the device's context current: every method that talks
+
+  /* "tensorxfer/memory/_cuda.pyx":566
  *         # to the driver starts here, and the extent walk runs right after.
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed CudaRegion")
- *         bind_device(self._device)
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":595
- *         if self._closed:
- *             raise ValueError("operation on a closed CudaRegion")
+ *         AllocationMap._check_open(self)
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 595, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_2 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 566, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":596
- *             raise ValueError("operation on a closed CudaRegion")
+  /* "tensorxfer/memory/_cuda.pyx":567
+ *         AllocationMap._check_open(self)
  *         bind_device(self._device)
- *         return 0             # <<<<<<<<<<<<<<
- * 
- *     cdef int _view_released(self) except -1:
-*/
-  {
-
-    __pyx_r = 0;
-  }
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":590
- *         self.close(defer=exc_type is not None)
- * 
- *     cdef int _check_open(self) except -1:             # <<<<<<<<<<<<<<
- *         # Also makes the device's context current: every method that talks
- *         # to the driver starts here, and the extent walk runs right after.
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion._check_open", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = -1;
-  __pyx_L0:;
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":598
- *         return 0
- * 
- *     cdef int _view_released(self) except -1:             # <<<<<<<<<<<<<<
- *         self._exports -= 1
- *         if self._exports == 0 and self._close_pending:
-*/
-
-static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__view_released(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  int __pyx_r;
-  int __pyx_t_1;
-  int __pyx_t_2;
-
-  /* "tensorxfer/memory/_cuda.pyx":599
- * 
- *     cdef int _view_released(self) except -1:
- *         self._exports -= 1             # <<<<<<<<<<<<<<
- *         if self._exports == 0 and self._close_pending:
- *             self._release()
-*/
-  __pyx_v_self->_exports = (__pyx_v_self->_exports - 1);
-
-  /* "tensorxfer/memory/_cuda.pyx":600
- *     cdef int _view_released(self) except -1:
- *         self._exports -= 1
- *         if self._exports == 0 and self._close_pending:             # <<<<<<<<<<<<<<
- *             self._release()
- *         return 0
-*/
-  __pyx_t_2 = (__pyx_v_self->_exports == 0);
-
-  if (__pyx_t_2) {
-
-  } else {
-
-    __pyx_t_1 = __pyx_t_2;
-
-    goto __pyx_L4_bool_binop_done;
-  }
-
-  __pyx_t_1 = __pyx_v_self->_close_pending;
-  __pyx_L4_bool_binop_done:;
-  if (__pyx_t_1) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":601
- *         self._exports -= 1
- *         if self._exports == 0 and self._close_pending:
- *             self._release()             # <<<<<<<<<<<<<<
- *         return 0
- * 
-*/
-    ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_release(__pyx_v_self);
-
-    /* "tensorxfer/memory/_cuda.pyx":600
- *     cdef int _view_released(self) except -1:
- *         self._exports -= 1
- *         if self._exports == 0 and self._close_pending:             # <<<<<<<<<<<<<<
- *             self._release()
- *         return 0
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":602
- *         if self._exports == 0 and self._close_pending:
- *             self._release()
  *         return 0             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- queries
@@ -29621,21 +28888,24 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__view_released(struc
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":598
- *         return 0
+  /* "tensorxfer/memory/_cuda.pyx":562
+ *             self._release()
  * 
- *     cdef int _view_released(self) except -1:             # <<<<<<<<<<<<<<
- *         self._exports -= 1
- *         if self._exports == 0 and self._close_pending:
+ *     cdef int _check_open(self) except -1:             # <<<<<<<<<<<<<<
+ *         # Also makes the device's context current: every method that talks
+ *         # to the driver starts here, and the extent walk runs right after.
 */
 
   /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion._check_open", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
   __pyx_L0:;
 
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":605
+/* "tensorxfer/memory/_cuda.pyx":570
  * 
  *     # ---------------------------------------------------------------- queries
  *     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -29654,7 +28924,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   int __pyx_clineno = 0;
   PyGILState_STATE __pyx_gilstate_save;
 
-  /* "tensorxfer/memory/_cuda.pyx":609
+  /* "tensorxfer/memory/_cuda.pyx":574
  *         # right for memory we did not allocate (PyTorch segments), and the
  *         # same walk proves our own mappings.
  *         cdef cydriver.CUdeviceptr b = 0             # <<<<<<<<<<<<<<
@@ -29663,7 +28933,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":610
+  /* "tensorxfer/memory/_cuda.pyx":575
  *         # same walk proves our own mappings.
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0             # <<<<<<<<<<<<<<
@@ -29672,21 +28942,21 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   __pyx_v_s = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":611
+  /* "tensorxfer/memory/_cuda.pyx":576
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:             # <<<<<<<<<<<<<<
  *             return 0
  *         base[0] = <uintptr_t>b
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAddressRange((&__pyx_v_b), (&__pyx_v_s), ((CUdeviceptr)__pyx_v_addr)); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 611, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAddressRange((&__pyx_v_b), (&__pyx_v_s), ((CUdeviceptr)__pyx_v_addr)); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 576, __pyx_L1_error)
   __pyx_t_2 = (__pyx_t_1 != CUDA_SUCCESS);
 
 
   if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":612
+    /* "tensorxfer/memory/_cuda.pyx":577
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:
  *             return 0             # <<<<<<<<<<<<<<
@@ -29699,7 +28969,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":611
+    /* "tensorxfer/memory/_cuda.pyx":576
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:             # <<<<<<<<<<<<<<
@@ -29708,7 +28978,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":613
+  /* "tensorxfer/memory/_cuda.pyx":578
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:
  *             return 0
  *         base[0] = <uintptr_t>b             # <<<<<<<<<<<<<<
@@ -29717,7 +28987,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   (__pyx_v_base[0]) = ((uintptr_t)__pyx_v_b);
 
-  /* "tensorxfer/memory/_cuda.pyx":614
+  /* "tensorxfer/memory/_cuda.pyx":579
  *             return 0
  *         base[0] = <uintptr_t>b
  *         size[0] = s             # <<<<<<<<<<<<<<
@@ -29726,7 +28996,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   (__pyx_v_size[0]) = __pyx_v_s;
 
-  /* "tensorxfer/memory/_cuda.pyx":615
+  /* "tensorxfer/memory/_cuda.pyx":580
  *         base[0] = <uintptr_t>b
  *         size[0] = s
  *         return 1             # <<<<<<<<<<<<<<
@@ -29739,7 +29009,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":605
+  /* "tensorxfer/memory/_cuda.pyx":570
  * 
  *     # ---------------------------------------------------------------- queries
  *     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -29759,7 +29029,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":617
+/* "tensorxfer/memory/_cuda.pyx":582
  *         return 1
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29793,16 +29063,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":619
+  /* "tensorxfer/memory/_cuda.pyx":584
  *     @property
  *     def ptr(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
  *             raise ValueError("operation on a closed CudaRegion")
  *         return <uintptr_t>self._base
 */
-  if (unlikely(__pyx_v_self->_closed)) {
+  if (unlikely(__pyx_v_self->__pyx_base._closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":620
+    /* "tensorxfer/memory/_cuda.pyx":585
  *     def ptr(self):
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")             # <<<<<<<<<<<<<<
@@ -29815,14 +29085,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_CudaRegion};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 620, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 585, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 620, __pyx_L1_error)
+    __PYX_ERR(0, 585, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":619
+    /* "tensorxfer/memory/_cuda.pyx":584
  *     @property
  *     def ptr(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -29831,14 +29101,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":621
+  /* "tensorxfer/memory/_cuda.pyx":586
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")
  *         return <uintptr_t>self._base             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 621, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 586, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -29851,7 +29121,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":617
+  /* "tensorxfer/memory/_cuda.pyx":582
  *         return 1
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29871,7 +29141,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":623
+/* "tensorxfer/memory/_cuda.pyx":588
  *         return <uintptr_t>self._base
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29903,14 +29173,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":625
+  /* "tensorxfer/memory/_cuda.pyx":590
  *     @property
  *     def size(self):
  *         return self._size             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 625, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 590, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -29923,7 +29193,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":623
+  /* "tensorxfer/memory/_cuda.pyx":588
  *         return <uintptr_t>self._base
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29942,7 +29212,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":627
+/* "tensorxfer/memory/_cuda.pyx":592
  *         return self._size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29974,14 +29244,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_si
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":629
+  /* "tensorxfer/memory/_cuda.pyx":594
  *     @property
  *     def reserved_size(self):
  *         return self._va_size             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->__pyx_base._va_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 629, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->__pyx_base._va_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 594, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -29994,7 +29264,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_si
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":627
+  /* "tensorxfer/memory/_cuda.pyx":592
  *         return self._size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30013,79 +29283,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_si
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":631
+/* "tensorxfer/memory/_cuda.pyx":596
  *         return self._va_size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def closed(self):
- *         return self._closed
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":633
- *     @property
- *     def closed(self):
- *         return self._closed             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_closed); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 633, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":631
- *         return self._va_size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def closed(self):
- *         return self._closed
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.closed.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":635
- *         return self._closed
  * 
  *     @property             # <<<<<<<<<<<<<<
  *     def owner(self):
@@ -30116,14 +29315,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":637
+  /* "tensorxfer/memory/_cuda.pyx":598
  *     @property
  *     def owner(self):
  *         return self._owner             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_owner); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 637, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_owner); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 598, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -30136,8 +29335,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get_
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":635
- *         return self._closed
+  /* "tensorxfer/memory/_cuda.pyx":596
+ *         return self._va_size
  * 
  *     @property             # <<<<<<<<<<<<<<
  *     def owner(self):
@@ -30155,7 +29354,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get_
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":639
+/* "tensorxfer/memory/_cuda.pyx":600
  *         return self._owner
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30187,14 +29386,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":641
+  /* "tensorxfer/memory/_cuda.pyx":602
  *     @property
  *     def device_index(self):
  *         return self._device             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 641, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 602, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -30207,7 +29406,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":639
+  /* "tensorxfer/memory/_cuda.pyx":600
  *         return self._owner
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30226,7 +29425,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":643
+/* "tensorxfer/memory/_cuda.pyx":604
  *         return self._device
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30259,16 +29458,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":645
+  /* "tensorxfer/memory/_cuda.pyx":606
  *     @property
  *     def device(self):
  *         return f"cuda:{self._device}"             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 645, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 606, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_cuda, __pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 645, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_cuda, __pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 606, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -30282,7 +29481,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":643
+  /* "tensorxfer/memory/_cuda.pyx":604
  *         return self._device
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30302,7 +29501,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":647
+/* "tensorxfer/memory/_cuda.pyx":608
  *         return f"cuda:{self._device}"
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30334,14 +29533,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":650
+  /* "tensorxfer/memory/_cuda.pyx":611
  *     def gpudirect_rdma_capable(self):
  *         """True if the handles were created with ``gpuDirectRDMACapable``."""
  *         return self._gdr             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_gdr); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 650, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_gdr); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 611, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -30354,7 +29553,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":647
+  /* "tensorxfer/memory/_cuda.pyx":608
  *         return f"cuda:{self._device}"
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30373,7 +29572,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":652
+/* "tensorxfer/memory/_cuda.pyx":613
  *         return self._gdr
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30415,16 +29614,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":655
+  /* "tensorxfer/memory/_cuda.pyx":616
  *     def chunks(self):
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
 */
-  if (unlikely(__pyx_v_self->_closed)) {
+  if (unlikely(__pyx_v_self->__pyx_base._closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":656
+    /* "tensorxfer/memory/_cuda.pyx":617
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")             # <<<<<<<<<<<<<<
@@ -30437,14 +29636,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_CudaRegion};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 656, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 617, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 656, __pyx_L1_error)
+    __PYX_ERR(0, 617, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":655
+    /* "tensorxfer/memory/_cuda.pyx":616
  *     def chunks(self):
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -30453,7 +29652,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":657
+  /* "tensorxfer/memory/_cuda.pyx":618
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))             # <<<<<<<<<<<<<<
@@ -30461,10 +29660,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 657, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 618, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
-    /* "tensorxfer/memory/_cuda.pyx":658
+    /* "tensorxfer/memory/_cuda.pyx":619
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
  *                 for i in range(self._nchunks)]             # <<<<<<<<<<<<<<
@@ -30478,35 +29677,35 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_8genexpr6__pyx_v_i = __pyx_t_6;
 
-      /* "tensorxfer/memory/_cuda.pyx":657
+      /* "tensorxfer/memory/_cuda.pyx":618
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))             # <<<<<<<<<<<<<<
  *                 for i in range(self._nchunks)]
  * 
 */
-      __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 657, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 618, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_7 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).size); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 657, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).size); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 618, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_7);
       __pyx_t_8 = (__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).mapped;
 
-      __pyx_t_9 = __Pyx_PyBool_FromLong((!(!__pyx_t_8))); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 657, __pyx_L1_error)
+      __pyx_t_9 = __Pyx_PyBool_FromLong((!(!__pyx_t_8))); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 618, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
 
-      __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 657, __pyx_L1_error)
+      __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 618, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
       __Pyx_GIVEREF(__pyx_t_2);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 657, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 657, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
       __Pyx_GIVEREF(__pyx_t_9);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 657, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
       __pyx_t_2 = 0;
       __pyx_t_7 = 0;
       __pyx_t_9 = 0;
       __Pyx_GIVEREF(__pyx_t_10);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_10))) __PYX_ERR(0, 657, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_10))) __PYX_ERR(0, 618, __pyx_L1_error)
       __pyx_t_10 = 0;
     }
 
@@ -30522,7 +29721,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":652
+  /* "tensorxfer/memory/_cuda.pyx":613
  *         return self._gdr
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -30546,7 +29745,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":660
+/* "tensorxfer/memory/_cuda.pyx":621
  *                 for i in range(self._nchunks)]
  * 
  *     def __len__(self):             # <<<<<<<<<<<<<<
@@ -30555,24 +29754,24 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
 */
 
 /* Python wrapper */
-static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__(PyObject *__pyx_v_self); /*proto*/
-static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__(PyObject *__pyx_v_self) {
+static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__(PyObject *__pyx_v_self); /*proto*/
+static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__(PyObject *__pyx_v_self) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   Py_ssize_t __pyx_r;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__len__ (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   Py_ssize_t __pyx_r;
 
-  /* "tensorxfer/memory/_cuda.pyx":661
+  /* "tensorxfer/memory/_cuda.pyx":622
  * 
  *     def __len__(self):
  *         return self._size             # <<<<<<<<<<<<<<
@@ -30585,7 +29784,7 @@ static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(st
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":660
+  /* "tensorxfer/memory/_cuda.pyx":621
  *                 for i in range(self._nchunks)]
  * 
  *     def __len__(self):             # <<<<<<<<<<<<<<
@@ -30599,7 +29798,7 @@ static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":663
+/* "tensorxfer/memory/_cuda.pyx":624
  *         return self._size
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
@@ -30608,21 +29807,21 @@ static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26__len__(st
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29__repr__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29__repr__(PyObject *__pyx_v_self) {
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__(PyObject *__pyx_v_self); /*proto*/
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__(PyObject *__pyx_v_self) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__repr__ (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   PyObject *__pyx_v_kind = NULL;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -30640,16 +29839,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__repr__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":664
+  /* "tensorxfer/memory/_cuda.pyx":625
  * 
  *     def __repr__(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"
 */
-  if (__pyx_v_self->_closed) {
+  if (__pyx_v_self->__pyx_base._closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":665
+    /* "tensorxfer/memory/_cuda.pyx":626
  *     def __repr__(self):
  *         if self._closed:
  *             return "<CudaRegion closed>"             # <<<<<<<<<<<<<<
@@ -30667,7 +29866,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":664
+    /* "tensorxfer/memory/_cuda.pyx":625
  * 
  *     def __repr__(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -30676,7 +29875,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":666
+  /* "tensorxfer/memory/_cuda.pyx":627
  *         if self._closed:
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"             # <<<<<<<<<<<<<<
@@ -30693,33 +29892,33 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   __pyx_v_kind = ((PyObject*)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":667
+  /* "tensorxfer/memory/_cuda.pyx":628
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "             # <<<<<<<<<<<<<<
  *                 f"{self._nchunks} handle(s)>")
  * 
 */
-  __pyx_t_1 = __Pyx_PyUnicode_Unicode(__pyx_v_kind); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 667, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyUnicode_Unicode(__pyx_v_kind); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 667, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 667, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_Format(__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_x_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 667, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_Format(__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_x_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 667, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
-  /* "tensorxfer/memory/_cuda.pyx":668
+  /* "tensorxfer/memory/_cuda.pyx":629
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "
  *                 f"{self._nchunks} handle(s)>")             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- exports
 */
-  __pyx_t_5 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_self->_nchunks, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 668, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_self->_nchunks, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 629, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6[0] = __pyx_mstate_global->__pyx_kp_u_CudaRegion;
   __pyx_t_6[1] = __pyx_t_1;
@@ -30733,7 +29932,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   __pyx_t_6[9] = __pyx_t_5;
   __pyx_t_6[10] = __pyx_mstate_global->__pyx_kp_u_handle_s;
 
-  /* "tensorxfer/memory/_cuda.pyx":667
+  /* "tensorxfer/memory/_cuda.pyx":628
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "             # <<<<<<<<<<<<<<
@@ -30752,7 +29951,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   __pyx_t_8 |= __Pyx_PyUnicode_KIND_04(__pyx_t_6[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_6[5]);
   #endif
   __pyx_t_9 = __Pyx_PyUnicode_Join(__pyx_t_6, 11, __pyx_t_7, __pyx_t_8);
-  if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 667, __pyx_L1_error)
+  if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 628, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -30770,7 +29969,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   __pyx_t_9 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":663
+  /* "tensorxfer/memory/_cuda.pyx":624
  *         return self._size
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
@@ -30795,7 +29994,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":671
+/* "tensorxfer/memory/_cuda.pyx":632
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -30804,16 +30003,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28__repr__(st
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf, "CudaRegion.export_dmabuf(self, size_t offset=0, length=None)\n\nOne dmabuf fd over ``[offset, offset+length)``, resolved first.\n\n``offset`` must be page aligned; ``length`` (default: to the end) is\nrounded up to the page size.  The range is resolved before the\ndriver is asked, so a range touching unmapped memory raises\n:class:`ExtentError` naming the address, never a driver error.\n\nReturns\n-------\nint\n    The dmabuf fd, owned by the caller (close it with ``os.close``).");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf = {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf, "CudaRegion.export_dmabuf(self, size_t offset=0, length=None)\n\nOne dmabuf fd over ``[offset, offset+length)``, resolved first.\n\n``offset`` must be page aligned; ``length`` (default: to the end) is\nrounded up to the page size.  The range is resolved before the\ndriver is asked, so a range touching unmapped memory raises\n:class:`ExtentError` naming the address, never a driver error.\n\nReturns\n-------\nint\n    The dmabuf fd, owned by the caller (close it with ``os.close``).");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf = {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -30844,32 +30043,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_length,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 671, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 632, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 671, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 632, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 671, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 632, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "export_dmabuf", 0) < (0)) __PYX_ERR(0, 671, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "export_dmabuf", 0) < (0)) __PYX_ERR(0, 632, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 671, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 632, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 671, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 632, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -30877,7 +30076,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     }
     if (values[0]) {
-      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 671, __pyx_L3_error)
+      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 632, __pyx_L3_error)
     } else {
       __pyx_v_offset = ((size_t)0);
     }
@@ -30885,7 +30084,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("export_dmabuf", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 671, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("export_dmabuf", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 632, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -30896,7 +30095,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -30907,7 +30106,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
   int __pyx_v_fd;
   CUdeviceptr __pyx_v_ptr;
   size_t __pyx_v_n;
@@ -30935,7 +30134,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("export_dmabuf", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":684
+  /* "tensorxfer/memory/_cuda.pyx":645
  *             The dmabuf fd, owned by the caller (close it with ``os.close``).
  *         """
  *         cdef int fd = -1             # <<<<<<<<<<<<<<
@@ -30944,17 +30143,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
   __pyx_v_fd = -1;
 
-  /* "tensorxfer/memory/_cuda.pyx":687
+  /* "tensorxfer/memory/_cuda.pyx":648
  *         cdef cydriver.CUdeviceptr ptr
  *         cdef size_t n
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 687, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 648, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":688
+  /* "tensorxfer/memory/_cuda.pyx":649
  *         cdef size_t n
  *         self._check_open()
  *         if offset % PAGE_SIZE:             # <<<<<<<<<<<<<<
@@ -30966,7 +30165,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":689
+    /* "tensorxfer/memory/_cuda.pyx":650
  *         self._check_open()
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")             # <<<<<<<<<<<<<<
@@ -30974,9 +30173,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
  *         if offset >= self._size and length is None:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 689, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 650, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 689, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 650, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7[0] = __pyx_mstate_global->__pyx_kp_u_dmabuf_offset_must_be_a_multiple;
     __pyx_t_7[1] = __pyx_t_5;
@@ -30988,7 +30187,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
     #endif
     __pyx_t_1 = 0;
     __pyx_t_9 = __Pyx_PyUnicode_Join(__pyx_t_7, 4, __pyx_t_8, __pyx_t_1);
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 689, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 650, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_9);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
@@ -30998,14 +30197,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 689, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 650, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 689, __pyx_L1_error)
+    __PYX_ERR(0, 650, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":688
+    /* "tensorxfer/memory/_cuda.pyx":649
  *         cdef size_t n
  *         self._check_open()
  *         if offset % PAGE_SIZE:             # <<<<<<<<<<<<<<
@@ -31014,7 +30213,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":690
+  /* "tensorxfer/memory/_cuda.pyx":651
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)             # <<<<<<<<<<<<<<
@@ -31026,16 +30225,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 
     __pyx_t_10 = (__pyx_v_self->_size - __pyx_v_offset);
   } else {
-    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 690, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 651, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_11 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_11 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 690, __pyx_L1_error)
+    __pyx_t_11 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_11 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 651, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __pyx_t_10 = __pyx_t_11;
   }
 
   __pyx_v_n = __pyx_t_10;
 
-  /* "tensorxfer/memory/_cuda.pyx":691
+  /* "tensorxfer/memory/_cuda.pyx":652
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:             # <<<<<<<<<<<<<<
@@ -31060,7 +30259,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":692
+    /* "tensorxfer/memory/_cuda.pyx":653
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",             # <<<<<<<<<<<<<<
@@ -31068,11 +30267,11 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
  *         n = _round_up(n, PAGE_SIZE)
 */
     __pyx_t_9 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 692, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 653, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 692, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 653, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 692, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 653, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_offset_2;
     __pyx_t_13[1] = __pyx_t_6;
@@ -31085,19 +30284,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
     #endif
     __pyx_t_1 = 0;
     __pyx_t_14 = __Pyx_PyUnicode_Join(__pyx_t_13, 5, __pyx_t_8, __pyx_t_1);
-    if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 692, __pyx_L1_error)
+    if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 653, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":693
+    /* "tensorxfer/memory/_cuda.pyx":654
  *         if offset >= self._size and length is None:
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
  *                               <uintptr_t>self._base + self._size)             # <<<<<<<<<<<<<<
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)
 */
-    __pyx_t_5 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 693, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 654, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_10 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -31118,14 +30317,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
       __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 692, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 653, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 692, __pyx_L1_error)
+    __PYX_ERR(0, 653, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":691
+    /* "tensorxfer/memory/_cuda.pyx":652
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:             # <<<<<<<<<<<<<<
@@ -31134,7 +30333,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":694
+  /* "tensorxfer/memory/_cuda.pyx":655
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
  *                               <uintptr_t>self._base + self._size)
  *         n = _round_up(n, PAGE_SIZE)             # <<<<<<<<<<<<<<
@@ -31143,7 +30342,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
   __pyx_v_n = __pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_v_n, __pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE);
 
-  /* "tensorxfer/memory/_cuda.pyx":695
+  /* "tensorxfer/memory/_cuda.pyx":656
  *                               <uintptr_t>self._base + self._size)
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)             # <<<<<<<<<<<<<<
@@ -31152,9 +30351,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
   __pyx_t_4 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_4);
-  __pyx_t_5 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 695, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 656, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_14 = __Pyx_PyLong_FromSize_t(__pyx_v_n); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 695, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyLong_FromSize_t(__pyx_v_n); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 656, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_14);
   __pyx_t_10 = 0;
   {
@@ -31163,27 +30362,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 695, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 656, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_ext = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":696
+  /* "tensorxfer/memory/_cuda.pyx":657
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_ext, __pyx_mstate_global->__pyx_n_u_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 696, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_ext, __pyx_mstate_global->__pyx_n_u_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 657, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_15 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_15 == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 696, __pyx_L1_error)
+  __pyx_t_15 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_15 == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 657, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_ptr = ((CUdeviceptr)((uintptr_t)__pyx_t_15));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":697
+  /* "tensorxfer/memory/_cuda.pyx":658
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -31196,20 +30395,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":698
+        /* "tensorxfer/memory/_cuda.pyx":659
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,             # <<<<<<<<<<<<<<
  *                                                             0), b"cuMemGetHandleForAddressRange(DMA_BUF_FD)")
  *         return fd
 */
-        __pyx_t_16 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetHandleForAddressRange((&__pyx_v_fd), __pyx_v_ptr, __pyx_v_n, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0); if (unlikely(__pyx_t_16 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 698, __pyx_L8_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_16, __pyx_k_cuMemGetHandleForAddressRange_DM); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 698, __pyx_L8_error)
+        __pyx_t_16 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetHandleForAddressRange((&__pyx_v_fd), __pyx_v_ptr, __pyx_v_n, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0); if (unlikely(__pyx_t_16 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 659, __pyx_L8_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_16, __pyx_k_cuMemGetHandleForAddressRange_DM); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 659, __pyx_L8_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":697
+      /* "tensorxfer/memory/_cuda.pyx":658
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -31231,14 +30430,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":700
+  /* "tensorxfer/memory/_cuda.pyx":661
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
  *                                                             0), b"cuMemGetHandleForAddressRange(DMA_BUF_FD)")
  *         return fd             # <<<<<<<<<<<<<<
  * 
  *     def export_handles(self):
 */
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 700, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 661, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   {
     PyObject *__pyx_temp;
@@ -31251,7 +30450,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":671
+  /* "tensorxfer/memory/_cuda.pyx":632
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -31279,7 +30478,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":702
+/* "tensorxfer/memory/_cuda.pyx":663
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
@@ -31288,16 +30487,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmab
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles, "CudaRegion.export_handles(self)\n\nOne POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.\n\nReturns ``[(offset, size, fd), ...]``; the fds are the caller\047s to\nclose.  On failure every fd exported so far is closed.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles = {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles, "CudaRegion.export_handles(self)\n\nOne POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.\n\nReturns ``[(offset, size, fd), ...]``; the fds are the caller\047s to\nclose.  On failure every fd exported so far is closed.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles = {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31323,14 +30522,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("export_handles", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   int __pyx_v_fd;
   Py_ssize_t __pyx_v_i;
   PyObject *__pyx_v_out = NULL;
@@ -31366,17 +30565,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("export_handles", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":710
+  /* "tensorxfer/memory/_cuda.pyx":671
  *         cdef int fd
  *         cdef Py_ssize_t i
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 710, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 671, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":711
+  /* "tensorxfer/memory/_cuda.pyx":672
  *         cdef Py_ssize_t i
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:             # <<<<<<<<<<<<<<
@@ -31402,7 +30601,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":712
+    /* "tensorxfer/memory/_cuda.pyx":673
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")             # <<<<<<<<<<<<<<
@@ -31410,7 +30609,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
 */
     __pyx_t_5 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 712, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 673, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -31429,14 +30628,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_6, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 712, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 673, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 712, __pyx_L1_error)
+    __PYX_ERR(0, 673, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":711
+    /* "tensorxfer/memory/_cuda.pyx":672
  *         cdef Py_ssize_t i
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:             # <<<<<<<<<<<<<<
@@ -31445,7 +30644,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":713
+  /* "tensorxfer/memory/_cuda.pyx":674
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:             # <<<<<<<<<<<<<<
@@ -31457,7 +30656,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":714
+    /* "tensorxfer/memory/_cuda.pyx":675
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")             # <<<<<<<<<<<<<<
@@ -31465,9 +30664,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
  *         try:
 */
     __pyx_t_6 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 714, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 675, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_8 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 714, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 675, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_device_2;
     __pyx_t_9[1] = __pyx_t_8;
@@ -31478,7 +30677,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
     #endif
     __pyx_t_1 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_1);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 714, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 675, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     __pyx_t_7 = 1;
@@ -31499,14 +30698,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 714, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 675, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 714, __pyx_L1_error)
+    __PYX_ERR(0, 675, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":713
+    /* "tensorxfer/memory/_cuda.pyx":674
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:             # <<<<<<<<<<<<<<
@@ -31515,19 +30714,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":715
+  /* "tensorxfer/memory/_cuda.pyx":676
  *         if not self._shareable:
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []             # <<<<<<<<<<<<<<
  *         try:
  *             for i in range(self._nchunks):
 */
-  __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 715, __pyx_L1_error)
+  __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 676, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __pyx_v_out = ((PyObject*)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":716
+  /* "tensorxfer/memory/_cuda.pyx":677
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -31543,7 +30742,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
     __Pyx_XGOTREF(__pyx_t_14);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":717
+      /* "tensorxfer/memory/_cuda.pyx":678
  *         out = []
  *         try:
  *             for i in range(self._nchunks):             # <<<<<<<<<<<<<<
@@ -31557,7 +30756,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
       for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
         __pyx_v_i = __pyx_t_16;
 
-        /* "tensorxfer/memory/_cuda.pyx":718
+        /* "tensorxfer/memory/_cuda.pyx":679
  *         try:
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -31569,7 +30768,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
         if (unlikely(__pyx_t_2)) {
 
 
-          /* "tensorxfer/memory/_cuda.pyx":719
+          /* "tensorxfer/memory/_cuda.pyx":680
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)             # <<<<<<<<<<<<<<
@@ -31577,9 +30776,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
  *                 check_cu(cydriver.cuMemExportToShareableHandle(
 */
           __pyx_t_5 = NULL;
-          __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 719, __pyx_L7_error)
+          __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 680, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_11);
-          __pyx_t_6 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 719, __pyx_L7_error)
+          __pyx_t_6 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 680, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_6);
           __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_chunk;
           __pyx_t_9[1] = __pyx_t_6;
@@ -31590,10 +30789,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
           #endif
           __pyx_t_1 = 0;
           __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_17, __pyx_t_1);
-          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 719, __pyx_L7_error)
+          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 680, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_8);
           __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-          __pyx_t_6 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + (__pyx_v_self->_chunks[__pyx_v_i]).offset)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 719, __pyx_L7_error)
+          __pyx_t_6 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + (__pyx_v_self->_chunks[__pyx_v_i]).offset)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 680, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_6);
           __pyx_t_7 = 1;
           #if CYTHON_UNPACK_METHODS
@@ -31614,14 +30813,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
             __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
             __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
             __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-            if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 719, __pyx_L7_error)
+            if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 680, __pyx_L7_error)
             __Pyx_GOTREF(__pyx_t_4);
           }
           __Pyx_Raise(__pyx_t_4, 0, 0, 0);
           __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-          __PYX_ERR(0, 719, __pyx_L7_error)
+          __PYX_ERR(0, 680, __pyx_L7_error)
 
-          /* "tensorxfer/memory/_cuda.pyx":718
+          /* "tensorxfer/memory/_cuda.pyx":679
  *         try:
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -31630,7 +30829,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":720
+        /* "tensorxfer/memory/_cuda.pyx":681
  *                 if not self._chunks[i].mapped:
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)
  *                 fd = -1             # <<<<<<<<<<<<<<
@@ -31639,49 +30838,49 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
         __pyx_v_fd = -1;
 
-        /* "tensorxfer/memory/_cuda.pyx":721
+        /* "tensorxfer/memory/_cuda.pyx":682
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)
  *                 fd = -1
  *                 check_cu(cydriver.cuMemExportToShareableHandle(             # <<<<<<<<<<<<<<
  *                     &fd, self._chunks[i].handle, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
  *                     b"cuMemExportToShareableHandle")
 */
-        __pyx_t_18 = __pyx_f_4cuda_8bindings_8cydriver_cuMemExportToShareableHandle((&__pyx_v_fd), (__pyx_v_self->_chunks[__pyx_v_i]).handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0); if (unlikely(__pyx_t_18 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 721, __pyx_L7_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_18, __pyx_k_cuMemExportToShareableHandle); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 721, __pyx_L7_error)
+        __pyx_t_18 = __pyx_f_4cuda_8bindings_8cydriver_cuMemExportToShareableHandle((&__pyx_v_fd), (__pyx_v_self->_chunks[__pyx_v_i]).handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0); if (unlikely(__pyx_t_18 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 682, __pyx_L7_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_18, __pyx_k_cuMemExportToShareableHandle); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 682, __pyx_L7_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":724
+        /* "tensorxfer/memory/_cuda.pyx":685
  *                     &fd, self._chunks[i].handle, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
  *                     b"cuMemExportToShareableHandle")
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             for _, _, fd in out:
 */
-        __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).offset); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 724, __pyx_L7_error)
+        __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).offset); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 685, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_11 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).size); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 724, __pyx_L7_error)
+        __pyx_t_11 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).size); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 685, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_11);
-        __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 724, __pyx_L7_error)
+        __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 685, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_6);
-        __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 724, __pyx_L7_error)
+        __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 685, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_GIVEREF(__pyx_t_4);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 724, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
         __Pyx_GIVEREF(__pyx_t_11);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 724, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
         __Pyx_GIVEREF(__pyx_t_6);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 724, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
         __pyx_t_4 = 0;
         __pyx_t_11 = 0;
         __pyx_t_6 = 0;
-        __pyx_t_19 = __Pyx_PyList_Append(__pyx_v_out, __pyx_t_8); if (unlikely(__pyx_t_19 == ((int)-1))) __PYX_ERR(0, 724, __pyx_L7_error)
+        __pyx_t_19 = __Pyx_PyList_Append(__pyx_v_out, __pyx_t_8); if (unlikely(__pyx_t_19 == ((int)-1))) __PYX_ERR(0, 685, __pyx_L7_error)
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
       }
 
 
-      /* "tensorxfer/memory/_cuda.pyx":716
+      /* "tensorxfer/memory/_cuda.pyx":677
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -31700,7 +30899,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
     __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":725
+    /* "tensorxfer/memory/_cuda.pyx":686
  *                     b"cuMemExportToShareableHandle")
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -31710,12 +30909,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
     __pyx_t_1 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_1) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.export_handles", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_8, &__pyx_t_6, &__pyx_t_11) < 0) __PYX_ERR(0, 725, __pyx_L9_except_error)
+      if (__Pyx_GetException(&__pyx_t_8, &__pyx_t_6, &__pyx_t_11) < 0) __PYX_ERR(0, 686, __pyx_L9_except_error)
       __Pyx_XGOTREF(__pyx_t_8);
       __Pyx_XGOTREF(__pyx_t_6);
       __Pyx_XGOTREF(__pyx_t_11);
 
-      /* "tensorxfer/memory/_cuda.pyx":726
+      /* "tensorxfer/memory/_cuda.pyx":687
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:
  *             for _, _, fd in out:             # <<<<<<<<<<<<<<
@@ -31728,13 +30927,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
         {
           Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_4);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 687, __pyx_L9_except_error)
           #endif
           if (__pyx_t_10 >= __pyx_temp) break;
         }
         __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_4, __pyx_t_10, __Pyx_ReferenceSharing_OwnStrongReference);
         ++__pyx_t_10;
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 687, __pyx_L9_except_error)
         __Pyx_GOTREF(__pyx_t_5);
         if ((likely(PyTuple_CheckExact(__pyx_t_5))) || (PyList_CheckExact(__pyx_t_5))) {
           PyObject* sequence = __pyx_t_5;
@@ -31742,7 +30941,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
           if (unlikely(size != 3)) {
             if (size > 3) __Pyx_RaiseTooManyValuesError(3);
             else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-            __PYX_ERR(0, 726, __pyx_L9_except_error)
+            __PYX_ERR(0, 687, __pyx_L9_except_error)
           }
           #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
           if (likely(PyTuple_CheckExact(sequence))) {
@@ -31754,27 +30953,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
             __Pyx_INCREF(__pyx_t_22);
           } else {
             __pyx_t_20 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 687, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_20);
             __pyx_t_21 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 687, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_21);
             __pyx_t_22 = __Pyx_PyList_GET_ITEM_REF(sequence, 2, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 687, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_22);
           }
           #else
-          __pyx_t_20 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          __pyx_t_20 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 687, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_20);
-          __pyx_t_21 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          __pyx_t_21 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 687, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_21);
-          __pyx_t_22 = __Pyx_PySequence_ITEM(sequence, 2); if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          __pyx_t_22 = __Pyx_PySequence_ITEM(sequence, 2); if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 687, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_22);
           #endif
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         } else {
           Py_ssize_t index = -1;
-          __pyx_t_23 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_23)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          __pyx_t_23 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_23)) __PYX_ERR(0, 687, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_23);
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
           __pyx_t_24 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_23);
@@ -31784,7 +30983,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
           __Pyx_GOTREF(__pyx_t_21);
           index = 2; __pyx_t_22 = __pyx_t_24(__pyx_t_23); if (unlikely(!__pyx_t_22)) goto __pyx_L20_unpacking_failed;
           __Pyx_GOTREF(__pyx_t_22);
-          if (__Pyx_IternextUnpackEndCheck(__pyx_t_24(__pyx_t_23), 3) < (0)) __PYX_ERR(0, 726, __pyx_L9_except_error)
+          if (__Pyx_IternextUnpackEndCheck(__pyx_t_24(__pyx_t_23), 3) < (0)) __PYX_ERR(0, 687, __pyx_L9_except_error)
           __pyx_t_24 = NULL;
           __Pyx_DECREF(__pyx_t_23); __pyx_t_23 = 0;
           goto __pyx_L21_unpacking_done;
@@ -31792,10 +30991,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
           __Pyx_DECREF(__pyx_t_23); __pyx_t_23 = 0;
           __pyx_t_24 = NULL;
           if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-          __PYX_ERR(0, 726, __pyx_L9_except_error)
+          __PYX_ERR(0, 687, __pyx_L9_except_error)
           __pyx_L21_unpacking_done:;
         }
-        __pyx_t_1 = __Pyx_PyLong_As_int(__pyx_t_22); if (unlikely((__pyx_t_1 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 726, __pyx_L9_except_error)
+        __pyx_t_1 = __Pyx_PyLong_As_int(__pyx_t_22); if (unlikely((__pyx_t_1 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 687, __pyx_L9_except_error)
         __Pyx_DECREF(__pyx_t_22); __pyx_t_22 = 0;
         __Pyx_XDECREF_SET(__pyx_v__, __pyx_t_20);
         __pyx_t_20 = 0;
@@ -31803,7 +31002,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
         __pyx_t_21 = 0;
         __pyx_v_fd = __pyx_t_1;
 
-        /* "tensorxfer/memory/_cuda.pyx":727
+        /* "tensorxfer/memory/_cuda.pyx":688
  *         except BaseException:
  *             for _, _, fd in out:
  *                 close(fd)             # <<<<<<<<<<<<<<
@@ -31812,7 +31011,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
         (void)(close(__pyx_v_fd));
 
-        /* "tensorxfer/memory/_cuda.pyx":726
+        /* "tensorxfer/memory/_cuda.pyx":687
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:
  *             for _, _, fd in out:             # <<<<<<<<<<<<<<
@@ -31822,7 +31021,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
       }
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":728
+      /* "tensorxfer/memory/_cuda.pyx":689
  *             for _, _, fd in out:
  *                 close(fd)
  *             raise             # <<<<<<<<<<<<<<
@@ -31834,11 +31033,11 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
       __Pyx_XGIVEREF(__pyx_t_11);
       __Pyx_ErrRestoreWithState(__pyx_t_8, __pyx_t_6, __pyx_t_11);
       __pyx_t_8 = 0;  __pyx_t_6 = 0;  __pyx_t_11 = 0; 
-      __PYX_ERR(0, 728, __pyx_L9_except_error)
+      __PYX_ERR(0, 689, __pyx_L9_except_error)
     }
     goto __pyx_L9_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":716
+    /* "tensorxfer/memory/_cuda.pyx":677
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -31854,7 +31053,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
     __pyx_L12_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":729
+  /* "tensorxfer/memory/_cuda.pyx":690
  *                 close(fd)
  *             raise
  *         return out             # <<<<<<<<<<<<<<
@@ -31872,7 +31071,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":702
+  /* "tensorxfer/memory/_cuda.pyx":663
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
@@ -31903,7 +31102,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":731
+/* "tensorxfer/memory/_cuda.pyx":692
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -31912,16 +31111,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_hand
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array, "CudaRegion.cuda_array(self, size_t offset=0, length=None)\n\nA ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.\n\ntorch.as_tensor / cupy.asarray take it zero-copy; while it (or\nanything built on it) is alive the region cannot be closed.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array = {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array, "CudaRegion.cuda_array(self, size_t offset=0, length=None)\n\nA ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.\n\ntorch.as_tensor / cupy.asarray take it zero-copy; while it (or\nanything built on it) is alive the region cannot be closed.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array = {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31952,32 +31151,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_length,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 731, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 692, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 731, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 692, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 731, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 692, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "cuda_array", 0) < (0)) __PYX_ERR(0, 731, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "cuda_array", 0) < (0)) __PYX_ERR(0, 692, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 731, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 692, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 731, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 692, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -31985,7 +31184,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     }
     if (values[0]) {
-      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 731, __pyx_L3_error)
+      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 692, __pyx_L3_error)
     } else {
       __pyx_v_offset = ((size_t)0);
     }
@@ -31993,7 +31192,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("cuda_array", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 731, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("cuda_array", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 692, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -32004,7 +31203,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -32015,7 +31214,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
   PyObject *__pyx_v_n = NULL;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -32036,17 +31235,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("cuda_array", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":737
+  /* "tensorxfer/memory/_cuda.pyx":698
  *         anything built on it) is alive the region cannot be closed.
  *         """
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 737, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 698, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":738
+  /* "tensorxfer/memory/_cuda.pyx":699
  *         """
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)             # <<<<<<<<<<<<<<
@@ -32055,13 +31254,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
 */
   __pyx_t_3 = (__pyx_v_length == Py_None);
   if (__pyx_t_3) {
-    __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_size - __pyx_v_offset)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 738, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_size - __pyx_v_offset)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 699, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_PyInt_FromNumber(&__pyx_t_4, NULL, 0) < (0)) __PYX_ERR(0, 738, __pyx_L1_error)
+    if (__Pyx_PyInt_FromNumber(&__pyx_t_4, NULL, 0) < (0)) __PYX_ERR(0, 699, __pyx_L1_error)
     __pyx_t_2 = __pyx_t_4;
     __pyx_t_4 = 0;
   } else {
-    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 738, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 699, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_2 = __pyx_t_4;
     __pyx_t_4 = 0;
@@ -32070,27 +31269,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
   __pyx_v_n = ((PyObject*)__pyx_t_2);
   __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":739
+  /* "tensorxfer/memory/_cuda.pyx":700
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:             # <<<<<<<<<<<<<<
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)
 */
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 739, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 700, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_4 = __Pyx_PyNumber_Add_int_int(__pyx_t_2, __pyx_v_n); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 739, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyNumber_Add_int_int(__pyx_t_2, __pyx_v_n); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 700, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 739, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 700, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolGt_int_int(__pyx_t_4, __pyx_t_2, Py_GT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 739, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolGt_int_int(__pyx_t_4, __pyx_t_2, Py_GT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 700, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":740
+    /* "tensorxfer/memory/_cuda.pyx":701
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",             # <<<<<<<<<<<<<<
@@ -32098,19 +31297,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
  *         return _DeviceBytes._make(self, offset, n)
 */
     __pyx_t_4 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
-    __pyx_t_8 = __Pyx_PyNumber_Add_int_int(__pyx_t_7, __pyx_v_n); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyNumber_Add_int_int(__pyx_t_7, __pyx_v_n); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_8, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_8, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 740, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_view;
     __pyx_t_9[1] = __pyx_t_6;
@@ -32128,20 +31327,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
     __pyx_t_1 |= __Pyx_PyUnicode_KIND_04(__pyx_t_9[3]);
     #endif
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 7, __pyx_t_10, __pyx_t_1);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 740, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 701, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":741
+    /* "tensorxfer/memory/_cuda.pyx":702
  *         if offset + n > self._size:
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)             # <<<<<<<<<<<<<<
  *         return _DeviceBytes._make(self, offset, n)
  * 
 */
-    __pyx_t_8 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 741, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 702, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_12 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -32162,14 +31361,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 740, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 701, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 740, __pyx_L1_error)
+    __PYX_ERR(0, 701, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":739
+    /* "tensorxfer/memory/_cuda.pyx":700
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:             # <<<<<<<<<<<<<<
@@ -32178,15 +31377,15 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":742
+  /* "tensorxfer/memory/_cuda.pyx":703
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)
  *         return _DeviceBytes._make(self, offset, n)             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- test hooks
 */
-  __pyx_t_12 = __Pyx_PyLong_As_size_t(__pyx_v_n); if (unlikely((__pyx_t_12 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 742, __pyx_L1_error)
-  __pyx_t_2 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(__pyx_v_self, __pyx_v_offset, __pyx_t_12)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 742, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyLong_As_size_t(__pyx_v_n); if (unlikely((__pyx_t_12 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 703, __pyx_L1_error)
+  __pyx_t_2 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(__pyx_v_self, __pyx_v_offset, __pyx_t_12)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 703, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -32200,7 +31399,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":731
+  /* "tensorxfer/memory/_cuda.pyx":692
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -32226,7 +31425,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":745
+/* "tensorxfer/memory/_cuda.pyx":706
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
@@ -32235,16 +31434,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array(
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk, "CudaRegion._unmap_chunk(self, Py_ssize_t index)\n\n``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution).");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk = {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk, "CudaRegion._unmap_chunk(self, Py_ssize_t index)\n\n``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution).");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk = {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -32274,32 +31473,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_index,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 745, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 706, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 745, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 706, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_unmap_chunk", 0) < (0)) __PYX_ERR(0, 745, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_unmap_chunk", 0) < (0)) __PYX_ERR(0, 706, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, i); __PYX_ERR(0, 745, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, i); __PYX_ERR(0, 706, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 745, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 706, __pyx_L3_error)
     }
-    __pyx_v_index = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_index == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 745, __pyx_L3_error)
+    __pyx_v_index = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_index == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 706, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 745, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 706, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -32310,7 +31509,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_index);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_index);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -32321,7 +31520,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index) {
   struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk *__pyx_v_c;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -32338,17 +31537,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_unmap_chunk", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":748
+  /* "tensorxfer/memory/_cuda.pyx":709
  *         """``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution)."""
  *         cdef CuChunk* c
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 748, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 709, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":749
+  /* "tensorxfer/memory/_cuda.pyx":710
  *         cdef CuChunk* c
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:             # <<<<<<<<<<<<<<
@@ -32384,7 +31583,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":750
+    /* "tensorxfer/memory/_cuda.pyx":711
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)             # <<<<<<<<<<<<<<
@@ -32392,7 +31591,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
 */
     __pyx_t_5 = NULL;
-    __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_index); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 750, __pyx_L1_error)
+    __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_index); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 711, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7 = 1;
     {
@@ -32400,14 +31599,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_IndexError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 750, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 711, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 750, __pyx_L1_error)
+    __PYX_ERR(0, 711, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":749
+    /* "tensorxfer/memory/_cuda.pyx":710
  *         cdef CuChunk* c
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:             # <<<<<<<<<<<<<<
@@ -32416,19 +31615,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":751
+  /* "tensorxfer/memory/_cuda.pyx":712
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
  *         if self._exports:             # <<<<<<<<<<<<<<
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]
 */
-  __pyx_t_2 = (__pyx_v_self->_exports != 0);
+  __pyx_t_2 = (__pyx_v_self->__pyx_base._exports != 0);
 
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":752
+    /* "tensorxfer/memory/_cuda.pyx":713
  *             raise IndexError(index)
  *         if self._exports:
  *             raise BufferError("cannot unmap a chunk while views of the region exist")             # <<<<<<<<<<<<<<
@@ -32441,14 +31640,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
       PyObject *__pyx_callargs[2] = {__pyx_t_6, __pyx_mstate_global->__pyx_kp_u_cannot_unmap_a_chunk_while_views};
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_BufferError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 752, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 713, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 752, __pyx_L1_error)
+    __PYX_ERR(0, 713, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":751
+    /* "tensorxfer/memory/_cuda.pyx":712
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
  *         if self._exports:             # <<<<<<<<<<<<<<
@@ -32457,7 +31656,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":753
+  /* "tensorxfer/memory/_cuda.pyx":714
  *         if self._exports:
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]             # <<<<<<<<<<<<<<
@@ -32466,7 +31665,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
   __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_index]));
 
-  /* "tensorxfer/memory/_cuda.pyx":754
+  /* "tensorxfer/memory/_cuda.pyx":715
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]
  *         if c.mapped:             # <<<<<<<<<<<<<<
@@ -32475,19 +31674,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
   if (__pyx_v_c->mapped) {
 
-    /* "tensorxfer/memory/_cuda.pyx":755
+    /* "tensorxfer/memory/_cuda.pyx":716
  *         c = &self._chunks[index]
  *         if c.mapped:
  *             check_cu(cydriver.cuMemUnmap(self._base + c.offset, c.size), b"cuMemUnmap")             # <<<<<<<<<<<<<<
  *             c.mapped = False
  * 
 */
-    __pyx_t_8 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_8 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 755, __pyx_L1_error)
-    __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_8, __pyx_k_cuMemUnmap); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 755, __pyx_L1_error)
+    __pyx_t_8 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_8 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 716, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_8, __pyx_k_cuMemUnmap); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 716, __pyx_L1_error)
 
 
 
-    /* "tensorxfer/memory/_cuda.pyx":756
+    /* "tensorxfer/memory/_cuda.pyx":717
  *         if c.mapped:
  *             check_cu(cydriver.cuMemUnmap(self._base + c.offset, c.size), b"cuMemUnmap")
  *             c.mapped = False             # <<<<<<<<<<<<<<
@@ -32496,7 +31695,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
     __pyx_v_c->mapped = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":754
+    /* "tensorxfer/memory/_cuda.pyx":715
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]
  *         if c.mapped:             # <<<<<<<<<<<<<<
@@ -32505,7 +31704,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":745
+  /* "tensorxfer/memory/_cuda.pyx":706
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
@@ -32536,16 +31735,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chun
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__, "CudaRegion.__reduce_cython__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__, "CudaRegion.__reduce_cython__(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -32571,14 +31770,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -32618,16 +31817,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cy
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__, "CudaRegion.__setstate_cython__(self, __pyx_state)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__, "CudaRegion.__setstate_cython__(self, __pyx_state)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -32693,7 +31892,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v___pyx_state);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v___pyx_state);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -32703,7 +31902,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -32735,7 +31934,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":765
+/* "tensorxfer/memory/_cuda.pyx":726
  *     cdef size_t _n
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -32753,19 +31952,19 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_make", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":767
+  /* "tensorxfer/memory/_cuda.pyx":728
  *     @staticmethod
  *     cdef _DeviceBytes _make(CudaRegion region, size_t offset, size_t n):
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)             # <<<<<<<<<<<<<<
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda__DeviceBytes(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 767, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda__DeviceBytes(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 728, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":768
+  /* "tensorxfer/memory/_cuda.pyx":729
  *     cdef _DeviceBytes _make(CudaRegion region, size_t offset, size_t n):
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)
  *         self._region = region             # <<<<<<<<<<<<<<
@@ -32777,7 +31976,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   __Pyx_GOTREF((PyObject *)__pyx_v_self->_region);
   __Pyx_DECREF_SET(__pyx_v_self->_region, __pyx_v_region);
 
-  /* "tensorxfer/memory/_cuda.pyx":769
+  /* "tensorxfer/memory/_cuda.pyx":730
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset             # <<<<<<<<<<<<<<
@@ -32786,7 +31985,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
 */
   __pyx_v_self->_ptr = (((uintptr_t)__pyx_v_region->_base) + __pyx_v_offset);
 
-  /* "tensorxfer/memory/_cuda.pyx":770
+  /* "tensorxfer/memory/_cuda.pyx":731
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset
  *         self._n = n             # <<<<<<<<<<<<<<
@@ -32795,16 +31994,16 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
 */
   __pyx_v_self->_n = __pyx_v_n;
 
-  /* "tensorxfer/memory/_cuda.pyx":771
+  /* "tensorxfer/memory/_cuda.pyx":732
  *         self._ptr = <uintptr_t>region._base + offset
  *         self._n = n
  *         region._exports += 1             # <<<<<<<<<<<<<<
  *         return self
  * 
 */
-  __pyx_v_region->_exports = (__pyx_v_region->_exports + 1);
+  __pyx_v_region->__pyx_base._exports = (__pyx_v_region->__pyx_base._exports + 1);
 
-  /* "tensorxfer/memory/_cuda.pyx":772
+  /* "tensorxfer/memory/_cuda.pyx":733
  *         self._n = n
  *         region._exports += 1
  *         return self             # <<<<<<<<<<<<<<
@@ -32822,7 +32021,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":765
+  /* "tensorxfer/memory/_cuda.pyx":726
  *     cdef size_t _n
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -32842,7 +32041,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":774
+/* "tensorxfer/memory/_cuda.pyx":735
  *         return self
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -32870,7 +32069,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":775
+  /* "tensorxfer/memory/_cuda.pyx":736
  * 
  *     def __dealloc__(self):
  *         if self._region is not None:             # <<<<<<<<<<<<<<
@@ -32881,17 +32080,17 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":776
+    /* "tensorxfer/memory/_cuda.pyx":737
  *     def __dealloc__(self):
  *         if self._region is not None:
  *             self._region._view_released()             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-    __pyx_t_2 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->_region->__pyx_base.__pyx_vtab)->_view_released(__pyx_v_self->_region); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 776, __pyx_L1_error)
+    __pyx_t_2 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->_region->__pyx_base.__pyx_vtab)->__pyx_base._view_released(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self->_region)); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 737, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":775
+    /* "tensorxfer/memory/_cuda.pyx":736
  * 
  *     def __dealloc__(self):
  *         if self._region is not None:             # <<<<<<<<<<<<<<
@@ -32900,7 +32099,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":774
+  /* "tensorxfer/memory/_cuda.pyx":735
  *         return self
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -32916,7 +32115,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
 
 }
 
-/* "tensorxfer/memory/_cuda.pyx":778
+/* "tensorxfer/memory/_cuda.pyx":739
  *             self._region._view_released()
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -32950,48 +32149,48 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":782
+  /* "tensorxfer/memory/_cuda.pyx":743
  *         # stream None: the producer makes no stream promise; our copies are
  *         # synchronous with respect to the host before any view is handed out.
  *         return {"shape": (self._n,), "typestr": "|u1", "data": (self._ptr, False), "version": 3,             # <<<<<<<<<<<<<<
  *                 "strides": None, "stream": None}
  * 
 */
-  __pyx_t_1 = __Pyx_PyDict_NewPresized(6); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 782, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyDict_NewPresized(6); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_n); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 782, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_n); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = PyTuple_New(1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 782, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 782, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
   __pyx_t_2 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_shape, __pyx_t_3) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_shape, __pyx_t_3) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_typestr, __pyx_mstate_global->__pyx_kp_u_u1) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
-  __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 782, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_typestr, __pyx_mstate_global->__pyx_kp_u_u1) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 782, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 782, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
   __Pyx_INCREF(Py_False);
   __Pyx_GIVEREF(Py_False);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_False) != (0)) __PYX_ERR(0, 782, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_False) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
   __pyx_t_3 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data, __pyx_t_2) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data, __pyx_t_2) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_version, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_version, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
 
-  /* "tensorxfer/memory/_cuda.pyx":783
+  /* "tensorxfer/memory/_cuda.pyx":744
  *         # synchronous with respect to the host before any view is handed out.
  *         return {"shape": (self._n,), "typestr": "|u1", "data": (self._ptr, False), "version": 3,
  *                 "strides": None, "stream": None}             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_strides, Py_None) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_stream, Py_None) < (0)) __PYX_ERR(0, 782, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_strides, Py_None) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_stream, Py_None) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
   {
     PyObject *__pyx_temp;
     {
@@ -33003,7 +32202,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":778
+  /* "tensorxfer/memory/_cuda.pyx":739
  *             self._region._view_released()
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -33024,7 +32223,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":785
+/* "tensorxfer/memory/_cuda.pyx":746
  *                 "strides": None, "stream": None}
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -33056,14 +32255,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___g
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":787
+  /* "tensorxfer/memory/_cuda.pyx":748
  *     @property
  *     def device(self):
  *         return self._region._device             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_region->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 787, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_region->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 748, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -33076,7 +32275,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___g
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":785
+  /* "tensorxfer/memory/_cuda.pyx":746
  *                 "strides": None, "stream": None}
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -33573,7 +32772,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_4__setstate
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":807
+/* "tensorxfer/memory/_cuda.pyx":768
  *     cdef bint _closed
  * 
  *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):             # <<<<<<<<<<<<<<
@@ -33620,50 +32819,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_stage_size,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 807, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 768, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 768, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 768, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 807, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 768, __pyx_L3_error)
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 768, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 768, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     if (values[0]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 768, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
     if (values[1]) {
-      __pyx_v_stage_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_stage_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L3_error)
+      __pyx_v_stage_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_stage_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 768, __pyx_L3_error)
     } else {
       __pyx_v_stage_size = ((size_t)0x4000000);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 807, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 768, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -33706,7 +32905,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__cinit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":808
+  /* "tensorxfer/memory/_cuda.pyx":769
  * 
  *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):
  *         self._stream = NULL             # <<<<<<<<<<<<<<
@@ -33715,7 +32914,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   __pyx_v_self->_stream = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":809
+  /* "tensorxfer/memory/_cuda.pyx":770
  *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):
  *         self._stream = NULL
  *         self._events[0] = NULL             # <<<<<<<<<<<<<<
@@ -33724,7 +32923,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   (__pyx_v_self->_events[0]) = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":810
+  /* "tensorxfer/memory/_cuda.pyx":771
  *         self._stream = NULL
  *         self._events[0] = NULL
  *         self._events[1] = NULL             # <<<<<<<<<<<<<<
@@ -33733,7 +32932,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   (__pyx_v_self->_events[1]) = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":811
+  /* "tensorxfer/memory/_cuda.pyx":772
  *         self._events[0] = NULL
  *         self._events[1] = NULL
  *         self._staging[0] = NULL             # <<<<<<<<<<<<<<
@@ -33742,7 +32941,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   (__pyx_v_self->_staging[0]) = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":812
+  /* "tensorxfer/memory/_cuda.pyx":773
  *         self._events[1] = NULL
  *         self._staging[0] = NULL
  *         self._staging[1] = NULL             # <<<<<<<<<<<<<<
@@ -33751,7 +32950,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   (__pyx_v_self->_staging[1]) = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":813
+  /* "tensorxfer/memory/_cuda.pyx":774
  *         self._staging[0] = NULL
  *         self._staging[1] = NULL
  *         self._closed = True             # <<<<<<<<<<<<<<
@@ -33760,7 +32959,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   __pyx_v_self->_closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":814
+  /* "tensorxfer/memory/_cuda.pyx":775
  *         self._staging[1] = NULL
  *         self._closed = True
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -33769,7 +32968,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":815
+  /* "tensorxfer/memory/_cuda.pyx":776
  *         self._closed = True
  *         self._device = device
  *         self._stage_size = stage_size             # <<<<<<<<<<<<<<
@@ -33778,17 +32977,17 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   __pyx_v_self->_stage_size = __pyx_v_stage_size;
 
-  /* "tensorxfer/memory/_cuda.pyx":816
+  /* "tensorxfer/memory/_cuda.pyx":777
  *         self._device = device
  *         self._stage_size = stage_size
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         self._closed = False
  *         try:
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 816, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 777, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":817
+  /* "tensorxfer/memory/_cuda.pyx":778
  *         self._stage_size = stage_size
  *         bind_device(device)
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -33797,7 +32996,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
 */
   __pyx_v_self->_closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":818
+  /* "tensorxfer/memory/_cuda.pyx":779
  *         bind_device(device)
  *         self._closed = False
  *         try:             # <<<<<<<<<<<<<<
@@ -33813,19 +33012,19 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
     __Pyx_XGOTREF(__pyx_t_4);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":819
+      /* "tensorxfer/memory/_cuda.pyx":780
  *         self._closed = False
  *         try:
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             self.close()
 */
-      __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 819, __pyx_L3_error)
-      __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 819, __pyx_L3_error)
+      __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 780, __pyx_L3_error)
+      __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 780, __pyx_L3_error)
 
 
 
-      /* "tensorxfer/memory/_cuda.pyx":818
+      /* "tensorxfer/memory/_cuda.pyx":779
  *         bind_device(device)
  *         self._closed = False
  *         try:             # <<<<<<<<<<<<<<
@@ -33839,7 +33038,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
     goto __pyx_L8_try_end;
     __pyx_L3_error:;
 
-    /* "tensorxfer/memory/_cuda.pyx":820
+    /* "tensorxfer/memory/_cuda.pyx":781
  *         try:
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -33849,12 +33048,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
     __pyx_t_6 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_6) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_7, &__pyx_t_8, &__pyx_t_9) < 0) __PYX_ERR(0, 820, __pyx_L5_except_error)
+      if (__Pyx_GetException(&__pyx_t_7, &__pyx_t_8, &__pyx_t_9) < 0) __PYX_ERR(0, 781, __pyx_L5_except_error)
       __Pyx_XGOTREF(__pyx_t_7);
       __Pyx_XGOTREF(__pyx_t_8);
       __Pyx_XGOTREF(__pyx_t_9);
 
-      /* "tensorxfer/memory/_cuda.pyx":821
+      /* "tensorxfer/memory/_cuda.pyx":782
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:
  *             self.close()             # <<<<<<<<<<<<<<
@@ -33868,12 +33067,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
         PyObject *__pyx_callargs[2] = {__pyx_t_11, NULL};
         __pyx_t_10 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_12, (1-__pyx_t_12) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
-        if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 821, __pyx_L5_except_error)
+        if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 782, __pyx_L5_except_error)
         __Pyx_GOTREF(__pyx_t_10);
       }
       __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":822
+      /* "tensorxfer/memory/_cuda.pyx":783
  *         except BaseException:
  *             self.close()
  *             raise             # <<<<<<<<<<<<<<
@@ -33885,11 +33084,11 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
       __Pyx_XGIVEREF(__pyx_t_9);
       __Pyx_ErrRestoreWithState(__pyx_t_7, __pyx_t_8, __pyx_t_9);
       __pyx_t_7 = 0;  __pyx_t_8 = 0;  __pyx_t_9 = 0; 
-      __PYX_ERR(0, 822, __pyx_L5_except_error)
+      __PYX_ERR(0, 783, __pyx_L5_except_error)
     }
     goto __pyx_L5_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":818
+    /* "tensorxfer/memory/_cuda.pyx":779
  *         bind_device(device)
  *         self._closed = False
  *         try:             # <<<<<<<<<<<<<<
@@ -33905,7 +33104,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
     __pyx_L8_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":807
+  /* "tensorxfer/memory/_cuda.pyx":768
  *     cdef bint _closed
  * 
  *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):             # <<<<<<<<<<<<<<
@@ -33930,7 +33129,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_o
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":824
+/* "tensorxfer/memory/_cuda.pyx":785
  *             raise
  * 
  *     cdef int _ensure_staging(self) except -1:             # <<<<<<<<<<<<<<
@@ -33949,7 +33148,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":826
+  /* "tensorxfer/memory/_cuda.pyx":787
  *     cdef int _ensure_staging(self) except -1:
  *         cdef int i
  *         if self._staging[0] != NULL:             # <<<<<<<<<<<<<<
@@ -33961,7 +33160,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":827
+    /* "tensorxfer/memory/_cuda.pyx":788
  *         cdef int i
  *         if self._staging[0] != NULL:
  *             return 0             # <<<<<<<<<<<<<<
@@ -33974,7 +33173,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":826
+    /* "tensorxfer/memory/_cuda.pyx":787
  *     cdef int _ensure_staging(self) except -1:
  *         cdef int i
  *         if self._staging[0] != NULL:             # <<<<<<<<<<<<<<
@@ -33983,7 +33182,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":828
+  /* "tensorxfer/memory/_cuda.pyx":789
  *         if self._staging[0] != NULL:
  *             return 0
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -33993,32 +33192,32 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
   for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
     __pyx_v_i = __pyx_t_2;
 
-    /* "tensorxfer/memory/_cuda.pyx":829
+    /* "tensorxfer/memory/_cuda.pyx":790
  *             return 0
  *         for i in range(2):
  *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")             # <<<<<<<<<<<<<<
  *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
  *         return 0
 */
-    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 829, __pyx_L1_error)
-    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 829, __pyx_L1_error)
+    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 790, __pyx_L1_error)
+    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 790, __pyx_L1_error)
 
 
 
-    /* "tensorxfer/memory/_cuda.pyx":830
+    /* "tensorxfer/memory/_cuda.pyx":791
  *         for i in range(2):
  *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
  *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_staging[__pyx_v_i])), __pyx_v_self->_stage_size, 0); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 830, __pyx_L1_error)
-    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 830, __pyx_L1_error)
+    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_staging[__pyx_v_i])), __pyx_v_self->_stage_size, 0); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 791, __pyx_L1_error)
+    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 791, __pyx_L1_error)
 
 
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":831
+  /* "tensorxfer/memory/_cuda.pyx":792
  *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
  *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
  *         return 0             # <<<<<<<<<<<<<<
@@ -34031,7 +33230,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":824
+  /* "tensorxfer/memory/_cuda.pyx":785
  *             raise
  * 
  *     cdef int _ensure_staging(self) except -1:             # <<<<<<<<<<<<<<
@@ -34049,7 +33248,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":833
+/* "tensorxfer/memory/_cuda.pyx":794
  *         return 0
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -34099,46 +33298,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 833, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 794, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 794, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 794, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 794, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 794, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 833, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 794, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 794, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 794, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 794, __pyx_L3_error)
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 833, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 794, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34173,17 +33372,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":835
+  /* "tensorxfer/memory/_cuda.pyx":796
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 835, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 796, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":836
+  /* "tensorxfer/memory/_cuda.pyx":797
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34196,20 +33395,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":837
+        /* "tensorxfer/memory/_cuda.pyx":798
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,             # <<<<<<<<<<<<<<
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 837, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 837, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 798, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 798, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":836
+      /* "tensorxfer/memory/_cuda.pyx":797
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34231,7 +33430,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":833
+  /* "tensorxfer/memory/_cuda.pyx":794
  *         return 0
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -34251,7 +33450,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":840
+/* "tensorxfer/memory/_cuda.pyx":801
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -34301,55 +33500,55 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_value,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 840, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 801, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 801, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 801, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 801, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 840, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 801, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 840, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 801, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 801, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 801, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 840, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 801, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 840, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 840, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 840, __pyx_L3_error)
+      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
     } else {
       __pyx_v_value = ((unsigned char)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 840, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 801, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34384,17 +33583,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("memset", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":841
+  /* "tensorxfer/memory/_cuda.pyx":802
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 841, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 802, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":842
+  /* "tensorxfer/memory/_cuda.pyx":803
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34407,20 +33606,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __p
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":843
+        /* "tensorxfer/memory/_cuda.pyx":804
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),             # <<<<<<<<<<<<<<
  *                      b"cuMemsetD8Async")
  * 
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 843, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 843, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 804, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 804, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":842
+      /* "tensorxfer/memory/_cuda.pyx":803
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34442,7 +33641,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __p
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":840
+  /* "tensorxfer/memory/_cuda.pyx":801
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -34462,7 +33661,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":846
+/* "tensorxfer/memory/_cuda.pyx":807
  *                      b"cuMemsetD8Async")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
@@ -34513,46 +33712,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dsts,&__pyx_mstate_global->__pyx_n_u_srcs,&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_batch_api,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 846, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 807, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 807, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 807, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 846, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 807, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 846, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 807, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 807, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 807, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 846, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -34561,14 +33760,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_srcs = values[1];
     __pyx_v_sizes = values[2];
     if (values[3]) {
-      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 846, __pyx_L3_error)
+      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L3_error)
     } else {
       __pyx_v_batch_api = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 846, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 807, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34624,43 +33823,43 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtod_batch", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":853
+  /* "tensorxfer/memory/_cuda.pyx":814
  *         (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
  *         """
  *         cdef const unsigned long long[::1] d = dsts             # <<<<<<<<<<<<<<
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes
 */
-  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 853, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 814, __pyx_L1_error)
   __pyx_v_d = __pyx_t_1;
   __pyx_t_1.memview = NULL;
   __pyx_t_1.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":854
+  /* "tensorxfer/memory/_cuda.pyx":815
  *         """
  *         cdef const unsigned long long[::1] d = dsts
  *         cdef const unsigned long long[::1] s = srcs             # <<<<<<<<<<<<<<
  *         cdef const unsigned long long[::1] n = sizes
  *         cdef size_t i, count = d.shape[0]
 */
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 854, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 815, __pyx_L1_error)
   __pyx_v_s = __pyx_t_2;
   __pyx_t_2.memview = NULL;
   __pyx_t_2.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":855
+  /* "tensorxfer/memory/_cuda.pyx":816
  *         cdef const unsigned long long[::1] d = dsts
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes             # <<<<<<<<<<<<<<
  *         cdef size_t i, count = d.shape[0]
  *         cdef cydriver.CUmemcpyAttributes attr
 */
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 855, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 816, __pyx_L1_error)
   __pyx_v_n = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":856
+  /* "tensorxfer/memory/_cuda.pyx":817
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes
  *         cdef size_t i, count = d.shape[0]             # <<<<<<<<<<<<<<
@@ -34669,7 +33868,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   __pyx_v_count = (__pyx_v_d.shape[0]);
 
-  /* "tensorxfer/memory/_cuda.pyx":858
+  /* "tensorxfer/memory/_cuda.pyx":819
  *         cdef size_t i, count = d.shape[0]
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0             # <<<<<<<<<<<<<<
@@ -34678,7 +33877,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   __pyx_v_attr_index = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":859
+  /* "tensorxfer/memory/_cuda.pyx":820
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
@@ -34704,7 +33903,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":860
+    /* "tensorxfer/memory/_cuda.pyx":821
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")             # <<<<<<<<<<<<<<
@@ -34717,14 +33916,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
       PyObject *__pyx_callargs[2] = {__pyx_t_7, __pyx_mstate_global->__pyx_kp_u_dsts_srcs_and_sizes_must_have_th};
       __pyx_t_6 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 860, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 821, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     __Pyx_Raise(__pyx_t_6, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __PYX_ERR(0, 860, __pyx_L1_error)
+    __PYX_ERR(0, 821, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":859
+    /* "tensorxfer/memory/_cuda.pyx":820
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
@@ -34733,7 +33932,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":861
+  /* "tensorxfer/memory/_cuda.pyx":822
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:             # <<<<<<<<<<<<<<
@@ -34745,7 +33944,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
   if (__pyx_t_4) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":862
+    /* "tensorxfer/memory/_cuda.pyx":823
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -34762,7 +33961,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":861
+    /* "tensorxfer/memory/_cuda.pyx":822
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:             # <<<<<<<<<<<<<<
@@ -34771,17 +33970,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":863
+  /* "tensorxfer/memory/_cuda.pyx":824
  *         if count == 0:
  *             return
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))
 */
-  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 863, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 824, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":864
+  /* "tensorxfer/memory/_cuda.pyx":825
  *             return
  *         bind_device(self._device)
  *         if batch_api:             # <<<<<<<<<<<<<<
@@ -34790,7 +33989,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   if (__pyx_v_batch_api) {
 
-    /* "tensorxfer/memory/_cuda.pyx":865
+    /* "tensorxfer/memory/_cuda.pyx":826
  *         bind_device(self._device)
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))             # <<<<<<<<<<<<<<
@@ -34799,7 +33998,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
     (void)(memset((&__pyx_v_attr), 0, (sizeof(__pyx_v_attr))));
 
-    /* "tensorxfer/memory/_cuda.pyx":866
+    /* "tensorxfer/memory/_cuda.pyx":827
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM             # <<<<<<<<<<<<<<
@@ -34808,7 +34007,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
     __pyx_v_attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
 
-    /* "tensorxfer/memory/_cuda.pyx":867
+    /* "tensorxfer/memory/_cuda.pyx":828
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -34821,7 +34020,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":868
+          /* "tensorxfer/memory/_cuda.pyx":829
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
@@ -34831,7 +34030,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
           __pyx_t_10 = 0;
           __pyx_t_11 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":869
+          /* "tensorxfer/memory/_cuda.pyx":830
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),             # <<<<<<<<<<<<<<
@@ -34840,20 +34039,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
           __pyx_t_12 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":868
+          /* "tensorxfer/memory/_cuda.pyx":829
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
  *                          b"cuMemcpyBatchAsync")
 */
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 868, __pyx_L9_error)
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 868, __pyx_L9_error)
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 829, __pyx_L9_error)
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 829, __pyx_L9_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":867
+        /* "tensorxfer/memory/_cuda.pyx":828
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -34875,7 +34074,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
         }
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":871
+    /* "tensorxfer/memory/_cuda.pyx":832
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
  *                          b"cuMemcpyBatchAsync")
  *             return             # <<<<<<<<<<<<<<
@@ -34892,7 +34091,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":864
+    /* "tensorxfer/memory/_cuda.pyx":825
  *             return
  *         bind_device(self._device)
  *         if batch_api:             # <<<<<<<<<<<<<<
@@ -34901,7 +34100,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":872
+  /* "tensorxfer/memory/_cuda.pyx":833
  *                          b"cuMemcpyBatchAsync")
  *             return
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34914,7 +34113,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":873
+        /* "tensorxfer/memory/_cuda.pyx":834
  *             return
  *         with nogil:
  *             for i in range(count):             # <<<<<<<<<<<<<<
@@ -34928,7 +34127,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
         for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
           __pyx_v_i = __pyx_t_16;
 
-          /* "tensorxfer/memory/_cuda.pyx":874
+          /* "tensorxfer/memory/_cuda.pyx":835
  *         with nogil:
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
@@ -34939,30 +34138,30 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
           __pyx_t_18 = __pyx_v_i;
           __pyx_t_19 = __pyx_v_i;
 
-          /* "tensorxfer/memory/_cuda.pyx":875
+          /* "tensorxfer/memory/_cuda.pyx":836
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
  *                                                     self._stream), b"cuMemcpyDtoDAsync")             # <<<<<<<<<<<<<<
  * 
  *     def htod(self, uintptr_t dst, src):
 */
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 874, __pyx_L12_error)
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 835, __pyx_L12_error)
 
-          /* "tensorxfer/memory/_cuda.pyx":874
+          /* "tensorxfer/memory/_cuda.pyx":835
  *         with nogil:
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
 */
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 874, __pyx_L12_error)
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 835, __pyx_L12_error)
 
 
         }
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":872
+      /* "tensorxfer/memory/_cuda.pyx":833
  *                          b"cuMemcpyBatchAsync")
  *             return
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34984,7 +34183,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":846
+  /* "tensorxfer/memory/_cuda.pyx":807
  *                      b"cuMemsetD8Async")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
@@ -35016,7 +34215,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":877
+/* "tensorxfer/memory/_cuda.pyx":838
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
@@ -35065,39 +34264,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 877, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 838, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 877, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 838, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 877, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 838, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 877, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 838, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 877, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 838, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 877, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 838, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 877, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 838, __pyx_L3_error)
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 877, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 838, __pyx_L3_error)
     __pyx_v_src = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 877, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 838, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -35143,14 +34342,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("htod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":879
+  /* "tensorxfer/memory/_cuda.pyx":840
  *     def htod(self, uintptr_t dst, src):
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")             # <<<<<<<<<<<<<<
  *         cdef size_t n = view.shape[0], off = 0, k
  *         cdef const unsigned char* p
 */
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 879, __pyx_L1_error)
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 840, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -35160,17 +34359,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 879, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 840, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 879, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 879, __pyx_L1_error)
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 840, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 840, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_view = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":880
+  /* "tensorxfer/memory/_cuda.pyx":841
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
  *         cdef size_t n = view.shape[0], off = 0, k             # <<<<<<<<<<<<<<
@@ -35180,7 +34379,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   __pyx_v_n = (__pyx_v_view.shape[0]);
   __pyx_v_off = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":882
+  /* "tensorxfer/memory/_cuda.pyx":843
  *         cdef size_t n = view.shape[0], off = 0, k
  *         cdef const unsigned char* p
  *         cdef int b = 0             # <<<<<<<<<<<<<<
@@ -35189,7 +34388,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":883
+  /* "tensorxfer/memory/_cuda.pyx":844
  *         cdef const unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -35201,7 +34400,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   if (__pyx_t_6) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":884
+    /* "tensorxfer/memory/_cuda.pyx":845
  *         cdef int b = 0
  *         if n == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -35218,7 +34417,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":883
+    /* "tensorxfer/memory/_cuda.pyx":844
  *         cdef const unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -35227,7 +34426,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":885
+  /* "tensorxfer/memory/_cuda.pyx":846
  *         if n == 0:
  *             return
  *         p = &view[0]             # <<<<<<<<<<<<<<
@@ -35237,27 +34436,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   __pyx_t_7 = 0;
   __pyx_v_p = (&(*((unsigned char const  *) ( /* dim=0 */ ((char *) (((unsigned char const  *) __pyx_v_view.data) + __pyx_t_7)) ))));
 
-  /* "tensorxfer/memory/_cuda.pyx":886
+  /* "tensorxfer/memory/_cuda.pyx":847
  *             return
  *         p = &view[0]
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         self._ensure_staging()
  *         with nogil:
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 886, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 847, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":887
+  /* "tensorxfer/memory/_cuda.pyx":848
  *         p = &view[0]
  *         bind_device(self._device)
  *         self._ensure_staging()             # <<<<<<<<<<<<<<
  *         with nogil:
  *             while off < n:
 */
-  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 887, __pyx_L1_error)
+  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 848, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":888
+  /* "tensorxfer/memory/_cuda.pyx":849
  *         bind_device(self._device)
  *         self._ensure_staging()
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35270,7 +34469,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":889
+        /* "tensorxfer/memory/_cuda.pyx":850
  *         self._ensure_staging()
  *         with nogil:
  *             while off < n:             # <<<<<<<<<<<<<<
@@ -35283,7 +34482,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 
           if (!__pyx_t_6) break;
 
-          /* "tensorxfer/memory/_cuda.pyx":890
+          /* "tensorxfer/memory/_cuda.pyx":851
  *         with nogil:
  *             while off < n:
  *                 k = n - off if n - off < self._stage_size else self._stage_size             # <<<<<<<<<<<<<<
@@ -35302,19 +34501,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 
           __pyx_v_k = __pyx_t_4;
 
-          /* "tensorxfer/memory/_cuda.pyx":891
+          /* "tensorxfer/memory/_cuda.pyx":852
  *             while off < n:
  *                 k = n - off if n - off < self._stage_size else self._stage_size
  *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
  *                 memcpy(self._staging[b], p + off, k)
  *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
 */
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_b])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 891, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 891, __pyx_L5_error)
+          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_b])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 852, __pyx_L5_error)
+          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 852, __pyx_L5_error)
 
 
 
-          /* "tensorxfer/memory/_cuda.pyx":892
+          /* "tensorxfer/memory/_cuda.pyx":853
  *                 k = n - off if n - off < self._stage_size else self._stage_size
  *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
  *                 memcpy(self._staging[b], p + off, k)             # <<<<<<<<<<<<<<
@@ -35323,31 +34522,31 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
           (void)(memcpy((__pyx_v_self->_staging[__pyx_v_b]), (__pyx_v_p + __pyx_v_off), __pyx_v_k));
 
-          /* "tensorxfer/memory/_cuda.pyx":893
+          /* "tensorxfer/memory/_cuda.pyx":854
  *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
  *                 memcpy(self._staging[b], p + off, k)
  *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,             # <<<<<<<<<<<<<<
  *                                                     self._stream), b"cuMemcpyHtoDAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
 */
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)(__pyx_v_dst + __pyx_v_off)), (__pyx_v_self->_staging[__pyx_v_b]), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 893, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 893, __pyx_L5_error)
+          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)(__pyx_v_dst + __pyx_v_off)), (__pyx_v_self->_staging[__pyx_v_b]), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 854, __pyx_L5_error)
+          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 854, __pyx_L5_error)
 
 
 
-          /* "tensorxfer/memory/_cuda.pyx":895
+          /* "tensorxfer/memory/_cuda.pyx":856
  *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
  *                                                     self._stream), b"cuMemcpyHtoDAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  *                 off += k
  *                 b ^= 1
 */
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 895, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 895, __pyx_L5_error)
+          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 856, __pyx_L5_error)
+          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 856, __pyx_L5_error)
 
 
 
-          /* "tensorxfer/memory/_cuda.pyx":896
+          /* "tensorxfer/memory/_cuda.pyx":857
  *                                                     self._stream), b"cuMemcpyHtoDAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
  *                 off += k             # <<<<<<<<<<<<<<
@@ -35356,7 +34555,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
           __pyx_v_off = (__pyx_v_off + __pyx_v_k);
 
-          /* "tensorxfer/memory/_cuda.pyx":897
+          /* "tensorxfer/memory/_cuda.pyx":858
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
  *                 off += k
  *                 b ^= 1             # <<<<<<<<<<<<<<
@@ -35367,7 +34566,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
         }
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":888
+      /* "tensorxfer/memory/_cuda.pyx":849
  *         bind_device(self._device)
  *         self._ensure_staging()
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35389,7 +34588,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":877
+  /* "tensorxfer/memory/_cuda.pyx":838
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
@@ -35419,7 +34618,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":899
+/* "tensorxfer/memory/_cuda.pyx":860
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
@@ -35468,39 +34667,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 899, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 860, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 899, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 860, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 899, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 860, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 899, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 860, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 899, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 860, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 899, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 860, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 899, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 860, __pyx_L3_error)
     }
     __pyx_v_dst = values[0];
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 899, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 860, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 899, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 860, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -35549,14 +34748,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtoh", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":901
+  /* "tensorxfer/memory/_cuda.pyx":862
  *     def dtoh(self, dst, uintptr_t src):
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")             # <<<<<<<<<<<<<<
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
  *         cdef unsigned char* p
 */
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 901, __pyx_L1_error)
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 862, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -35566,17 +34765,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 901, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 862, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 901, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 901, __pyx_L1_error)
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 862, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 862, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_view = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":902
+  /* "tensorxfer/memory/_cuda.pyx":863
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0             # <<<<<<<<<<<<<<
@@ -35588,7 +34787,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   __pyx_v_prev_off = 0;
   __pyx_v_prev_k = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":904
+  /* "tensorxfer/memory/_cuda.pyx":865
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
  *         cdef unsigned char* p
  *         cdef int b = 0             # <<<<<<<<<<<<<<
@@ -35597,7 +34796,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":905
+  /* "tensorxfer/memory/_cuda.pyx":866
  *         cdef unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -35609,7 +34808,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   if (__pyx_t_6) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":906
+    /* "tensorxfer/memory/_cuda.pyx":867
  *         cdef int b = 0
  *         if n == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -35626,7 +34825,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":905
+    /* "tensorxfer/memory/_cuda.pyx":866
  *         cdef unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -35635,7 +34834,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":907
+  /* "tensorxfer/memory/_cuda.pyx":868
  *         if n == 0:
  *             return
  *         p = &view[0]             # <<<<<<<<<<<<<<
@@ -35645,27 +34844,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   __pyx_t_7 = 0;
   __pyx_v_p = (&(*((unsigned char *) ( /* dim=0 */ ((char *) (((unsigned char *) __pyx_v_view.data) + __pyx_t_7)) ))));
 
-  /* "tensorxfer/memory/_cuda.pyx":908
+  /* "tensorxfer/memory/_cuda.pyx":869
  *             return
  *         p = &view[0]
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         self._ensure_staging()
  *         with nogil:
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 908, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 869, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":909
+  /* "tensorxfer/memory/_cuda.pyx":870
  *         p = &view[0]
  *         bind_device(self._device)
  *         self._ensure_staging()             # <<<<<<<<<<<<<<
  *         with nogil:
  *             while off < n:
 */
-  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 909, __pyx_L1_error)
+  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 870, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":910
+  /* "tensorxfer/memory/_cuda.pyx":871
  *         bind_device(self._device)
  *         self._ensure_staging()
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35678,7 +34877,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":911
+        /* "tensorxfer/memory/_cuda.pyx":872
  *         self._ensure_staging()
  *         with nogil:
  *             while off < n:             # <<<<<<<<<<<<<<
@@ -35691,7 +34890,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 
           if (!__pyx_t_6) break;
 
-          /* "tensorxfer/memory/_cuda.pyx":912
+          /* "tensorxfer/memory/_cuda.pyx":873
  *         with nogil:
  *             while off < n:
  *                 k = n - off if n - off < self._stage_size else self._stage_size             # <<<<<<<<<<<<<<
@@ -35710,31 +34909,31 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 
           __pyx_v_k = __pyx_t_4;
 
-          /* "tensorxfer/memory/_cuda.pyx":913
+          /* "tensorxfer/memory/_cuda.pyx":874
  *             while off < n:
  *                 k = n - off if n - off < self._stage_size else self._stage_size
  *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,             # <<<<<<<<<<<<<<
  *                                                     self._stream), b"cuMemcpyDtoHAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
 */
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_staging[__pyx_v_b]), ((CUdeviceptr)(__pyx_v_src + __pyx_v_off)), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 913, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 913, __pyx_L5_error)
+          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_staging[__pyx_v_b]), ((CUdeviceptr)(__pyx_v_src + __pyx_v_off)), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 874, __pyx_L5_error)
+          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 874, __pyx_L5_error)
 
 
 
-          /* "tensorxfer/memory/_cuda.pyx":915
+          /* "tensorxfer/memory/_cuda.pyx":876
  *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
  *                                                     self._stream), b"cuMemcpyDtoHAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  *                 if prev_k:
  *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
 */
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 915, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 915, __pyx_L5_error)
+          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 876, __pyx_L5_error)
+          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 876, __pyx_L5_error)
 
 
 
-          /* "tensorxfer/memory/_cuda.pyx":916
+          /* "tensorxfer/memory/_cuda.pyx":877
  *                                                     self._stream), b"cuMemcpyDtoHAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
  *                 if prev_k:             # <<<<<<<<<<<<<<
@@ -35746,19 +34945,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           if (__pyx_t_6) {
 
 
-            /* "tensorxfer/memory/_cuda.pyx":917
+            /* "tensorxfer/memory/_cuda.pyx":878
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
  *                 if prev_k:
  *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
  *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k
 */
-            __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 917, __pyx_L5_error)
-            __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 917, __pyx_L5_error)
+            __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 878, __pyx_L5_error)
+            __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 878, __pyx_L5_error)
 
 
 
-            /* "tensorxfer/memory/_cuda.pyx":918
+            /* "tensorxfer/memory/_cuda.pyx":879
  *                 if prev_k:
  *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
  *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
@@ -35767,7 +34966,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
             (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->_staging[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
 
-            /* "tensorxfer/memory/_cuda.pyx":916
+            /* "tensorxfer/memory/_cuda.pyx":877
  *                                                     self._stream), b"cuMemcpyDtoHAsync")
  *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
  *                 if prev_k:             # <<<<<<<<<<<<<<
@@ -35776,7 +34975,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":919
+          /* "tensorxfer/memory/_cuda.pyx":880
  *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
  *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k             # <<<<<<<<<<<<<<
@@ -35790,7 +34989,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           __pyx_v_prev_off = __pyx_t_4;
           __pyx_v_prev_k = __pyx_t_11;
 
-          /* "tensorxfer/memory/_cuda.pyx":920
+          /* "tensorxfer/memory/_cuda.pyx":881
  *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k
  *                 off += k             # <<<<<<<<<<<<<<
@@ -35799,7 +34998,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
           __pyx_v_off = (__pyx_v_off + __pyx_v_k);
 
-          /* "tensorxfer/memory/_cuda.pyx":921
+          /* "tensorxfer/memory/_cuda.pyx":882
  *                 prev_off, prev_k = off, k
  *                 off += k
  *                 b ^= 1             # <<<<<<<<<<<<<<
@@ -35809,19 +35008,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           __pyx_v_b = (__pyx_v_b ^ 1);
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":922
+        /* "tensorxfer/memory/_cuda.pyx":883
  *                 off += k
  *                 b ^= 1
  *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
  *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  * 
 */
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 922, __pyx_L5_error)
-        __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 922, __pyx_L5_error)
+        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 883, __pyx_L5_error)
+        __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 883, __pyx_L5_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":923
+        /* "tensorxfer/memory/_cuda.pyx":884
  *                 b ^= 1
  *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
  *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
@@ -35831,7 +35030,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
         (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->_staging[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":910
+      /* "tensorxfer/memory/_cuda.pyx":871
  *         bind_device(self._device)
  *         self._ensure_staging()
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35853,7 +35052,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":899
+  /* "tensorxfer/memory/_cuda.pyx":860
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
@@ -35885,7 +35084,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":925
+/* "tensorxfer/memory/_cuda.pyx":886
  *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
@@ -35947,17 +35146,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("synchronize", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":926
+  /* "tensorxfer/memory/_cuda.pyx":887
  * 
  *     def synchronize(self):
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 926, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 887, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":927
+  /* "tensorxfer/memory/_cuda.pyx":888
  *     def synchronize(self):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35970,20 +35169,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(stru
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":928
+        /* "tensorxfer/memory/_cuda.pyx":889
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 928, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 928, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 889, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 889, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":927
+      /* "tensorxfer/memory/_cuda.pyx":888
  *     def synchronize(self):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -36005,7 +35204,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(stru
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":925
+  /* "tensorxfer/memory/_cuda.pyx":886
  *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
@@ -36025,7 +35224,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(stru
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":930
+/* "tensorxfer/memory/_cuda.pyx":891
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -36057,14 +35256,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":933
+  /* "tensorxfer/memory/_cuda.pyx":894
  *     def stream(self):
  *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
  *         return <uintptr_t>self._stream             # <<<<<<<<<<<<<<
  * 
  *     def close(self):
 */
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 933, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 894, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -36077,7 +35276,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(st
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":930
+  /* "tensorxfer/memory/_cuda.pyx":891
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -36096,7 +35295,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":935
+/* "tensorxfer/memory/_cuda.pyx":896
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -36163,7 +35362,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("close", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":937
+  /* "tensorxfer/memory/_cuda.pyx":898
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -36172,7 +35371,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
   if (__pyx_v_self->_closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":938
+    /* "tensorxfer/memory/_cuda.pyx":899
  *         cdef int i
  *         if self._closed:
  *             return             # <<<<<<<<<<<<<<
@@ -36189,7 +35388,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":937
+    /* "tensorxfer/memory/_cuda.pyx":898
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -36198,7 +35397,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":939
+  /* "tensorxfer/memory/_cuda.pyx":900
  *         if self._closed:
  *             return
  *         try:             # <<<<<<<<<<<<<<
@@ -36214,17 +35413,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     __Pyx_XGOTREF(__pyx_t_3);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":940
+      /* "tensorxfer/memory/_cuda.pyx":901
  *             return
  *         try:
  *             bind_device(self._device)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             pass
 */
-      __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 940, __pyx_L4_error)
+      __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 901, __pyx_L4_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":939
+      /* "tensorxfer/memory/_cuda.pyx":900
  *         if self._closed:
  *             return
  *         try:             # <<<<<<<<<<<<<<
@@ -36238,7 +35437,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     goto __pyx_L9_try_end;
     __pyx_L4_error:;
 
-    /* "tensorxfer/memory/_cuda.pyx":941
+    /* "tensorxfer/memory/_cuda.pyx":902
  *         try:
  *             bind_device(self._device)
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -36252,7 +35451,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     }
     goto __pyx_L6_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":939
+    /* "tensorxfer/memory/_cuda.pyx":900
  *         if self._closed:
  *             return
  *         try:             # <<<<<<<<<<<<<<
@@ -36273,7 +35472,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     __pyx_L9_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":943
+  /* "tensorxfer/memory/_cuda.pyx":904
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -36285,27 +35484,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
   if (__pyx_t_6) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":944
+    /* "tensorxfer/memory/_cuda.pyx":905
  *             pass
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)             # <<<<<<<<<<<<<<
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
 */
-    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 944, __pyx_L1_error)
+    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 905, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":945
+    /* "tensorxfer/memory/_cuda.pyx":906
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)             # <<<<<<<<<<<<<<
  *             self._stream = NULL
  *         for i in range(2):
 */
-    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 945, __pyx_L1_error)
+    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 906, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":946
+    /* "tensorxfer/memory/_cuda.pyx":907
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL             # <<<<<<<<<<<<<<
@@ -36314,7 +35513,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
     __pyx_v_self->_stream = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":943
+    /* "tensorxfer/memory/_cuda.pyx":904
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -36323,7 +35522,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":947
+  /* "tensorxfer/memory/_cuda.pyx":908
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -36333,7 +35532,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
   for (__pyx_t_5 = 0; __pyx_t_5 < 2; __pyx_t_5+=1) {
     __pyx_v_i = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":948
+    /* "tensorxfer/memory/_cuda.pyx":909
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -36345,17 +35544,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     if (__pyx_t_6) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":949
+      /* "tensorxfer/memory/_cuda.pyx":910
  *         for i in range(2):
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])             # <<<<<<<<<<<<<<
  *                 self._events[i] = NULL
  *             if self._staging[i] != NULL:
 */
-      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 910, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":950
+      /* "tensorxfer/memory/_cuda.pyx":911
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -36364,7 +35563,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
       (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":948
+      /* "tensorxfer/memory/_cuda.pyx":909
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -36373,7 +35572,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":951
+    /* "tensorxfer/memory/_cuda.pyx":912
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._staging[i] != NULL:             # <<<<<<<<<<<<<<
@@ -36385,17 +35584,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     if (__pyx_t_6) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":952
+      /* "tensorxfer/memory/_cuda.pyx":913
  *                 self._events[i] = NULL
  *             if self._staging[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._staging[i])             # <<<<<<<<<<<<<<
  *                 self._staging[i] = NULL
  *         self._closed = True
 */
-      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_staging[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 952, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_staging[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 913, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":953
+      /* "tensorxfer/memory/_cuda.pyx":914
  *             if self._staging[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._staging[i])
  *                 self._staging[i] = NULL             # <<<<<<<<<<<<<<
@@ -36404,7 +35603,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
       (__pyx_v_self->_staging[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":951
+      /* "tensorxfer/memory/_cuda.pyx":912
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._staging[i] != NULL:             # <<<<<<<<<<<<<<
@@ -36414,7 +35613,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
     }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":954
+  /* "tensorxfer/memory/_cuda.pyx":915
  *                 cydriver.cuMemFreeHost(self._staging[i])
  *                 self._staging[i] = NULL
  *         self._closed = True             # <<<<<<<<<<<<<<
@@ -36423,7 +35622,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
 */
   __pyx_v_self->_closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":935
+  /* "tensorxfer/memory/_cuda.pyx":896
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -36444,7 +35643,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":956
+/* "tensorxfer/memory/_cuda.pyx":917
  *         self._closed = True
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -36475,7 +35674,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(struct __
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":957
+  /* "tensorxfer/memory/_cuda.pyx":918
  * 
  *     def __dealloc__(self):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -36489,12 +35688,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(struct __
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 957, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 918, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":956
+  /* "tensorxfer/memory/_cuda.pyx":917
  *         self._closed = True
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -36513,7 +35712,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(struct __
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":959
+/* "tensorxfer/memory/_cuda.pyx":920
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -36569,7 +35768,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(struct
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__enter__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":960
+  /* "tensorxfer/memory/_cuda.pyx":921
  * 
  *     def __enter__(self):
  *         return self             # <<<<<<<<<<<<<<
@@ -36587,7 +35786,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(struct
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":959
+  /* "tensorxfer/memory/_cuda.pyx":920
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -36602,7 +35801,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":962
+/* "tensorxfer/memory/_cuda.pyx":923
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -36651,7 +35850,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_20__exit__(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__exit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":963
+  /* "tensorxfer/memory/_cuda.pyx":924
  * 
  *     def __exit__(self, *exc):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -36665,12 +35864,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_20__exit__(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 963, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 924, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":962
+  /* "tensorxfer/memory/_cuda.pyx":923
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -36898,7 +36097,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cytho
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":983
+/* "tensorxfer/memory/_cuda.pyx":944
  *     cdef list _views
  * 
  *     def __cinit__(self, int device, size_t buffer_bytes):             # <<<<<<<<<<<<<<
@@ -36945,39 +36144,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_buffer_bytes,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 983, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 944, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 983, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 944, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 983, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 944, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 983, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 944, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, i); __PYX_ERR(0, 983, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, i); __PYX_ERR(0, 944, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 983, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 944, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 983, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 944, __pyx_L3_error)
     }
-    __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 983, __pyx_L3_error)
-    __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 983, __pyx_L3_error)
+    __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 944, __pyx_L3_error)
+    __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 944, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 983, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 944, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37024,7 +36223,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__cinit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":985
+  /* "tensorxfer/memory/_cuda.pyx":946
  *     def __cinit__(self, int device, size_t buffer_bytes):
  *         cdef int i
  *         self._stream = NULL             # <<<<<<<<<<<<<<
@@ -37033,7 +36232,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_stream = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":986
+  /* "tensorxfer/memory/_cuda.pyx":947
  *         cdef int i
  *         self._stream = NULL
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -37042,7 +36241,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":987
+  /* "tensorxfer/memory/_cuda.pyx":948
  *         self._stream = NULL
  *         self._closed = False
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -37051,7 +36250,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":988
+  /* "tensorxfer/memory/_cuda.pyx":949
  *         self._closed = False
  *         self._device = device
  *         self._size = buffer_bytes             # <<<<<<<<<<<<<<
@@ -37060,21 +36259,21 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_size = __pyx_v_buffer_bytes;
 
-  /* "tensorxfer/memory/_cuda.pyx":989
+  /* "tensorxfer/memory/_cuda.pyx":950
  *         self._device = device
  *         self._size = buffer_bytes
  *         self._views = []             # <<<<<<<<<<<<<<
  *         for i in range(2):
  *             self._events[i] = NULL
 */
-  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 989, __pyx_L1_error)
+  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 950, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_1);
   __Pyx_GOTREF(__pyx_v_self->_views);
   __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_1));
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":990
+  /* "tensorxfer/memory/_cuda.pyx":951
  *         self._size = buffer_bytes
  *         self._views = []
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -37084,7 +36283,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
     __pyx_v_i = __pyx_t_2;
 
-    /* "tensorxfer/memory/_cuda.pyx":991
+    /* "tensorxfer/memory/_cuda.pyx":952
  *         self._views = []
  *         for i in range(2):
  *             self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -37093,7 +36292,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
     (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":992
+    /* "tensorxfer/memory/_cuda.pyx":953
  *         for i in range(2):
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -37103,7 +36302,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":993
+  /* "tensorxfer/memory/_cuda.pyx":954
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -37115,7 +36314,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":994
+    /* "tensorxfer/memory/_cuda.pyx":955
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")             # <<<<<<<<<<<<<<
@@ -37128,14 +36327,14 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_buffer_bytes_must_be_positive};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 994, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 955, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 994, __pyx_L1_error)
+    __PYX_ERR(0, 955, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":993
+    /* "tensorxfer/memory/_cuda.pyx":954
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -37144,7 +36343,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":995
+  /* "tensorxfer/memory/_cuda.pyx":956
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -37160,29 +36359,29 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XGOTREF(__pyx_t_8);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":996
+      /* "tensorxfer/memory/_cuda.pyx":957
  *             raise ValueError("buffer_bytes must be positive")
  *         try:
  *             bind_device(device)             # <<<<<<<<<<<<<<
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *             for i in range(2):
 */
-      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 996, __pyx_L6_error)
+      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 957, __pyx_L6_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":997
+      /* "tensorxfer/memory/_cuda.pyx":958
  *         try:
  *             bind_device(device)
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")             # <<<<<<<<<<<<<<
  *             for i in range(2):
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
 */
-      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 997, __pyx_L6_error)
-      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 997, __pyx_L6_error)
+      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 958, __pyx_L6_error)
+      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 958, __pyx_L6_error)
 
 
 
-      /* "tensorxfer/memory/_cuda.pyx":998
+      /* "tensorxfer/memory/_cuda.pyx":959
  *             bind_device(device)
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *             for i in range(2):             # <<<<<<<<<<<<<<
@@ -37192,31 +36391,31 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
         __pyx_v_i = __pyx_t_2;
 
-        /* "tensorxfer/memory/_cuda.pyx":999
+        /* "tensorxfer/memory/_cuda.pyx":960
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *             for i in range(2):
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),             # <<<<<<<<<<<<<<
  *                          b"cuEventCreate")
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
 */
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 999, __pyx_L6_error)
-        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 999, __pyx_L6_error)
+        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 960, __pyx_L6_error)
+        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 960, __pyx_L6_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":1001
+        /* "tensorxfer/memory/_cuda.pyx":962
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
  *                          b"cuEventCreate")
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
  *         except BaseException:
 */
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, 0); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1001, __pyx_L6_error)
-        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 1001, __pyx_L6_error)
+        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, 0); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 962, __pyx_L6_error)
+        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 962, __pyx_L6_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":1002
+        /* "tensorxfer/memory/_cuda.pyx":963
  *                          b"cuEventCreate")
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))             # <<<<<<<<<<<<<<
@@ -37225,16 +36424,16 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
         if (unlikely(__pyx_v_self->_views == Py_None)) {
           PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "append");
-          __PYX_ERR(0, 1002, __pyx_L6_error)
+          __PYX_ERR(0, 963, __pyx_L6_error)
         }
-        __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1002, __pyx_L6_error)
+        __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 963, __pyx_L6_error)
         __Pyx_GOTREF(__pyx_t_1);
-        __pyx_t_12 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_12 == ((int)-1))) __PYX_ERR(0, 1002, __pyx_L6_error)
+        __pyx_t_12 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_12 == ((int)-1))) __PYX_ERR(0, 963, __pyx_L6_error)
         __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":995
+      /* "tensorxfer/memory/_cuda.pyx":956
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -37250,7 +36449,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1003
+    /* "tensorxfer/memory/_cuda.pyx":964
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -37260,12 +36459,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_t_2 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_2) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_13) < 0) __PYX_ERR(0, 1003, __pyx_L8_except_error)
+      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_13) < 0) __PYX_ERR(0, 964, __pyx_L8_except_error)
       __Pyx_XGOTREF(__pyx_t_1);
       __Pyx_XGOTREF(__pyx_t_4);
       __Pyx_XGOTREF(__pyx_t_13);
 
-      /* "tensorxfer/memory/_cuda.pyx":1004
+      /* "tensorxfer/memory/_cuda.pyx":965
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
  *         except BaseException:
  *             self.close()             # <<<<<<<<<<<<<<
@@ -37279,12 +36478,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
         PyObject *__pyx_callargs[2] = {__pyx_t_15, NULL};
         __pyx_t_14 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_15); __pyx_t_15 = 0;
-        if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 1004, __pyx_L8_except_error)
+        if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 965, __pyx_L8_except_error)
         __Pyx_GOTREF(__pyx_t_14);
       }
       __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":1005
+      /* "tensorxfer/memory/_cuda.pyx":966
  *         except BaseException:
  *             self.close()
  *             raise             # <<<<<<<<<<<<<<
@@ -37296,11 +36495,11 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       __Pyx_XGIVEREF(__pyx_t_13);
       __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_4, __pyx_t_13);
       __pyx_t_1 = 0;  __pyx_t_4 = 0;  __pyx_t_13 = 0; 
-      __PYX_ERR(0, 1005, __pyx_L8_except_error)
+      __PYX_ERR(0, 966, __pyx_L8_except_error)
     }
     goto __pyx_L8_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":995
+    /* "tensorxfer/memory/_cuda.pyx":956
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -37316,7 +36515,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_L11_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":983
+  /* "tensorxfer/memory/_cuda.pyx":944
  *     cdef list _views
  * 
  *     def __cinit__(self, int device, size_t buffer_bytes):             # <<<<<<<<<<<<<<
@@ -37342,7 +36541,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1007
+/* "tensorxfer/memory/_cuda.pyx":968
  *             raise
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
@@ -37390,32 +36589,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 1007, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 968, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1007, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 968, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 1007, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 968, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 1007, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 968, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1007, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 968, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 1007, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 968, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 1007, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 968, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37448,7 +36647,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("view", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1009
+  /* "tensorxfer/memory/_cuda.pyx":970
  *     def view(self, int i):
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -37457,7 +36656,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
 */
   if (unlikely(__pyx_v_self->_closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":1010
+    /* "tensorxfer/memory/_cuda.pyx":971
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
@@ -37470,14 +36669,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1010, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 971, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 1010, __pyx_L1_error)
+    __PYX_ERR(0, 971, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":1009
+    /* "tensorxfer/memory/_cuda.pyx":970
  *     def view(self, int i):
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -37486,7 +36685,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1011
+  /* "tensorxfer/memory/_cuda.pyx":972
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         return self._views[i]             # <<<<<<<<<<<<<<
@@ -37495,7 +36694,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
 */
   if (unlikely(__pyx_v_self->_views == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-    __PYX_ERR(0, 1011, __pyx_L1_error)
+    __PYX_ERR(0, 972, __pyx_L1_error)
   }
   {
     PyObject *__pyx_temp;
@@ -37508,7 +36707,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1007
+  /* "tensorxfer/memory/_cuda.pyx":968
  *             raise
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
@@ -37528,7 +36727,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1013
+/* "tensorxfer/memory/_cuda.pyx":974
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -37578,46 +36777,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 1013, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 974, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 1013, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 974, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 1013, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1013, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 1013, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 974, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 1013, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 974, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1013, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 1013, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 1013, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 974, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 1013, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 1013, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 1013, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 1013, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 974, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37651,17 +36850,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_dtoh", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1015
+  /* "tensorxfer/memory/_cuda.pyx":976
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1015, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 976, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":1016
+  /* "tensorxfer/memory/_cuda.pyx":977
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37674,32 +36873,32 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":1017
+        /* "tensorxfer/memory/_cuda.pyx":978
  *         self._check(i, n)
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),             # <<<<<<<<<<<<<<
  *                      b"cuMemcpyDtoHAsync")
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 1017, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1017, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 978, __pyx_L4_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 978, __pyx_L4_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":1019
+        /* "tensorxfer/memory/_cuda.pyx":980
  *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
  *                      b"cuMemcpyDtoHAsync")
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 1019, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1019, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 980, __pyx_L4_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 980, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":1016
+      /* "tensorxfer/memory/_cuda.pyx":977
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37721,7 +36920,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1013
+  /* "tensorxfer/memory/_cuda.pyx":974
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -37741,7 +36940,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1021
+/* "tensorxfer/memory/_cuda.pyx":982
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
@@ -37791,46 +36990,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 1021, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 982, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 1021, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 982, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 1021, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 982, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1021, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 982, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 1021, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 982, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 1021, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 982, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1021, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 982, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 1021, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 982, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 1021, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 982, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 1021, __pyx_L3_error)
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 1021, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 1021, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 1021, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 982, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37864,17 +37063,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_htod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1023
+  /* "tensorxfer/memory/_cuda.pyx":984
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1023, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 984, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":1024
+  /* "tensorxfer/memory/_cuda.pyx":985
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37887,32 +37086,32 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":1025
+        /* "tensorxfer/memory/_cuda.pyx":986
  *         self._check(i, n)
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),             # <<<<<<<<<<<<<<
  *                      b"cuMemcpyHtoDAsync")
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 1025, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1025, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 986, __pyx_L4_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 986, __pyx_L4_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":1027
+        /* "tensorxfer/memory/_cuda.pyx":988
  *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
  *                      b"cuMemcpyHtoDAsync")
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  * 
  *     def wait(self, int i):
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 1027, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1027, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 988, __pyx_L4_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 988, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":1024
+      /* "tensorxfer/memory/_cuda.pyx":985
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37934,7 +37133,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1021
+  /* "tensorxfer/memory/_cuda.pyx":982
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
@@ -37954,7 +37153,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1029
+/* "tensorxfer/memory/_cuda.pyx":990
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
@@ -38002,32 +37201,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 1029, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 990, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1029, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 990, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 1029, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 990, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 1029, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 990, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 1029, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 990, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 1029, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 990, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 1029, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 990, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -38059,17 +37258,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("wait", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1031
+  /* "tensorxfer/memory/_cuda.pyx":992
  *     def wait(self, int i):
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1031, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 992, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":1032
+  /* "tensorxfer/memory/_cuda.pyx":993
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -38082,20 +37281,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":1033
+        /* "tensorxfer/memory/_cuda.pyx":994
  *         self._check(i, 0)
  *         with nogil:
  *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
  * 
  *     cdef int _check(self, int i, size_t n) except -1:
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 1033, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 1033, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 994, __pyx_L4_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 994, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":1032
+      /* "tensorxfer/memory/_cuda.pyx":993
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -38117,7 +37316,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1029
+  /* "tensorxfer/memory/_cuda.pyx":990
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
@@ -38137,7 +37336,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1035
+/* "tensorxfer/memory/_cuda.pyx":996
  *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
  * 
  *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
@@ -38166,7 +37365,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1036
+  /* "tensorxfer/memory/_cuda.pyx":997
  * 
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -38175,7 +37374,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
 */
   if (unlikely(__pyx_v_self->_closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":1037
+    /* "tensorxfer/memory/_cuda.pyx":998
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
@@ -38188,14 +37387,14 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1037, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 998, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 1037, __pyx_L1_error)
+    __PYX_ERR(0, 998, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":1036
+    /* "tensorxfer/memory/_cuda.pyx":997
  * 
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -38204,7 +37403,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1038
+  /* "tensorxfer/memory/_cuda.pyx":999
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
@@ -38240,7 +37439,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1039
+    /* "tensorxfer/memory/_cuda.pyx":1000
  *             raise ValueError("operation on a closed Stager")
  *         if i < 0 or i > 1 or n > self._size:
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")             # <<<<<<<<<<<<<<
@@ -38248,11 +37447,11 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
  *         return 0
 */
     __pyx_t_2 = NULL;
-    __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 1039, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 1000, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 1039, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 1000, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
-    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 1039, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 1000, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_buffer;
     __pyx_t_9[1] = __pyx_t_6;
@@ -38267,7 +37466,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
     #endif
     __pyx_t_11 = 0;
     __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 7, __pyx_t_10, __pyx_t_11);
-    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 1039, __pyx_L1_error)
+    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 1000, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -38278,14 +37477,14 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1039, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1000, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 1039, __pyx_L1_error)
+    __PYX_ERR(0, 1000, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":1038
+    /* "tensorxfer/memory/_cuda.pyx":999
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
@@ -38294,17 +37493,17 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1040
+  /* "tensorxfer/memory/_cuda.pyx":1001
  *         if i < 0 or i > 1 or n > self._size:
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1040, __pyx_L1_error)
+  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1001, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":1041
+  /* "tensorxfer/memory/_cuda.pyx":1002
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
  *         bind_device(self._device)
  *         return 0             # <<<<<<<<<<<<<<
@@ -38317,7 +37516,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1035
+  /* "tensorxfer/memory/_cuda.pyx":996
  *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
  * 
  *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
@@ -38341,7 +37540,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1043
+/* "tensorxfer/memory/_cuda.pyx":1004
  *         return 0
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -38414,7 +37613,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("close", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1045
+  /* "tensorxfer/memory/_cuda.pyx":1006
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -38423,7 +37622,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   if (__pyx_v_self->_closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":1046
+    /* "tensorxfer/memory/_cuda.pyx":1007
  *         cdef int i
  *         if self._closed:
  *             return             # <<<<<<<<<<<<<<
@@ -38440,7 +37639,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1045
+    /* "tensorxfer/memory/_cuda.pyx":1006
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -38449,7 +37648,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1047
+  /* "tensorxfer/memory/_cuda.pyx":1008
  *         if self._closed:
  *             return
  *         self._closed = True             # <<<<<<<<<<<<<<
@@ -38458,7 +37657,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   __pyx_v_self->_closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":1048
+  /* "tensorxfer/memory/_cuda.pyx":1009
  *             return
  *         self._closed = True
  *         for v in self._views:             # <<<<<<<<<<<<<<
@@ -38467,7 +37666,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   if (unlikely(__pyx_v_self->_views == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not iterable");
-    __PYX_ERR(0, 1048, __pyx_L1_error)
+    __PYX_ERR(0, 1009, __pyx_L1_error)
   }
   __pyx_t_1 = __pyx_v_self->_views; __Pyx_INCREF(__pyx_t_1);
   __pyx_t_2 = 0;
@@ -38475,18 +37674,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     {
       Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_1);
       #if !CYTHON_ASSUME_SAFE_SIZE
-      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 1048, __pyx_L1_error)
+      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 1009, __pyx_L1_error)
       #endif
       if (__pyx_t_2 >= __pyx_temp) break;
     }
     __pyx_t_3 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_1, __pyx_t_2, __Pyx_ReferenceSharing_OwnStrongReference);
     ++__pyx_t_2;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1048, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1009, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_XDECREF_SET(__pyx_v_v, __pyx_t_3);
     __pyx_t_3 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1049
+    /* "tensorxfer/memory/_cuda.pyx":1010
  *         self._closed = True
  *         for v in self._views:
  *             v.release()             # <<<<<<<<<<<<<<
@@ -38500,12 +37699,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
       PyObject *__pyx_callargs[2] = {__pyx_t_4, NULL};
       __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_release, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1049, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1010, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1048
+    /* "tensorxfer/memory/_cuda.pyx":1009
  *             return
  *         self._closed = True
  *         for v in self._views:             # <<<<<<<<<<<<<<
@@ -38515,21 +37714,21 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1050
+  /* "tensorxfer/memory/_cuda.pyx":1011
  *         for v in self._views:
  *             v.release()
  *         self._views = []             # <<<<<<<<<<<<<<
  *         try:
  *             bind_device(self._device)
 */
-  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1050, __pyx_L1_error)
+  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1011, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_1);
   __Pyx_GOTREF(__pyx_v_self->_views);
   __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_1));
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1051
+  /* "tensorxfer/memory/_cuda.pyx":1012
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -38545,17 +37744,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     __Pyx_XGOTREF(__pyx_t_8);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":1052
+      /* "tensorxfer/memory/_cuda.pyx":1013
  *         self._views = []
  *         try:
  *             bind_device(self._device)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             pass
 */
-      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1052, __pyx_L7_error)
+      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1013, __pyx_L7_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1051
+      /* "tensorxfer/memory/_cuda.pyx":1012
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -38572,7 +37771,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1053
+    /* "tensorxfer/memory/_cuda.pyx":1014
  *         try:
  *             bind_device(self._device)
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -38586,7 +37785,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     }
     goto __pyx_L9_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":1051
+    /* "tensorxfer/memory/_cuda.pyx":1012
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -38607,7 +37806,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     __pyx_L12_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1055
+  /* "tensorxfer/memory/_cuda.pyx":1016
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -38619,27 +37818,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   if (__pyx_t_11) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1056
+    /* "tensorxfer/memory/_cuda.pyx":1017
  *             pass
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)             # <<<<<<<<<<<<<<
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
 */
-    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1056, __pyx_L1_error)
+    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1017, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1057
+    /* "tensorxfer/memory/_cuda.pyx":1018
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)             # <<<<<<<<<<<<<<
  *             self._stream = NULL
  *         for i in range(2):
 */
-    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1057, __pyx_L1_error)
+    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1018, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1058
+    /* "tensorxfer/memory/_cuda.pyx":1019
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL             # <<<<<<<<<<<<<<
@@ -38648,7 +37847,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
     __pyx_v_self->_stream = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":1055
+    /* "tensorxfer/memory/_cuda.pyx":1016
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -38657,7 +37856,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1059
+  /* "tensorxfer/memory/_cuda.pyx":1020
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -38667,7 +37866,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   for (__pyx_t_10 = 0; __pyx_t_10 < 2; __pyx_t_10+=1) {
     __pyx_v_i = __pyx_t_10;
 
-    /* "tensorxfer/memory/_cuda.pyx":1060
+    /* "tensorxfer/memory/_cuda.pyx":1021
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -38679,17 +37878,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     if (__pyx_t_11) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1061
+      /* "tensorxfer/memory/_cuda.pyx":1022
  *         for i in range(2):
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])             # <<<<<<<<<<<<<<
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
 */
-      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1061, __pyx_L1_error)
+      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1022, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1062
+      /* "tensorxfer/memory/_cuda.pyx":1023
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -38698,7 +37897,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
       (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":1060
+      /* "tensorxfer/memory/_cuda.pyx":1021
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -38707,7 +37906,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":1063
+    /* "tensorxfer/memory/_cuda.pyx":1024
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
@@ -38719,17 +37918,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     if (__pyx_t_11) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1064
+      /* "tensorxfer/memory/_cuda.pyx":1025
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])             # <<<<<<<<<<<<<<
  *                 self._pinned[i] = NULL
  * 
 */
-      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1064, __pyx_L1_error)
+      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1025, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1065
+      /* "tensorxfer/memory/_cuda.pyx":1026
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])
  *                 self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -38738,7 +37937,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
       (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":1063
+      /* "tensorxfer/memory/_cuda.pyx":1024
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
@@ -38748,7 +37947,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1043
+  /* "tensorxfer/memory/_cuda.pyx":1004
  *         return 0
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -38773,7 +37972,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1067
+/* "tensorxfer/memory/_cuda.pyx":1028
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -38804,7 +38003,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1068
+  /* "tensorxfer/memory/_cuda.pyx":1029
  * 
  *     def __dealloc__(self):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -38818,12 +38017,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1068, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1029, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1067
+  /* "tensorxfer/memory/_cuda.pyx":1028
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -38842,7 +38041,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1070
+/* "tensorxfer/memory/_cuda.pyx":1031
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -38898,7 +38097,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__enter__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1071
+  /* "tensorxfer/memory/_cuda.pyx":1032
  * 
  *     def __enter__(self):
  *         return self             # <<<<<<<<<<<<<<
@@ -38916,7 +38115,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1070
+  /* "tensorxfer/memory/_cuda.pyx":1031
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -38931,7 +38130,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1073
+/* "tensorxfer/memory/_cuda.pyx":1034
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -38979,7 +38178,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__exit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1074
+  /* "tensorxfer/memory/_cuda.pyx":1035
  * 
  *     def __exit__(self, *exc):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -38991,12 +38190,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1074, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1035, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1073
+  /* "tensorxfer/memory/_cuda.pyx":1034
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -39576,7 +38775,7 @@ static void __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_CudaRegion(PyObject *o)
     PyObject *etype, *eval, *etb;
     __Pyx_PyErr_FetchException(&etype, &eval, &etb);
     __Pyx_DeallocKeepAliveBegin(o);
-    __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__dealloc__(o);
+    __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19__dealloc__(o);
     __Pyx_DeallocKeepAliveEnd(o);
     __Pyx_PyErr_RestoreException(etype, eval, etb);
   }
@@ -39671,10 +38870,6 @@ static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_reserved
   return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size_1__get__(o);
 }
 
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_closed(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_6closed_1__get__(o);
-}
-
 static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_owner(PyObject *o, CYTHON_UNUSED void *x) {
   return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner_1__get__(o);
 }
@@ -39704,15 +38899,12 @@ static PyMethodDef __pyx_methods_10tensorxfer_6memory_5_cuda_CudaRegion[] = {
   {"adopt", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt},
   {"from_tensor", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor},
   {"map_next", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next},
-  {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_19close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_18close},
-  {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22__enter__},
-  {"__exit__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24__exit__},
-  {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30export_dmabuf},
-  {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32export_handles},
-  {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34cuda_array},
-  {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_36_unmap_chunk},
-  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_38__reduce_cython__},
-  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_40__setstate_cython__},
+  {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf},
+  {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles},
+  {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array},
+  {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk},
+  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__},
+  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__},
   {0, 0, 0, 0}
 };
 
@@ -39721,7 +38913,6 @@ static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_CudaRegion[]
   {"ptr", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_ptr, 0, 0, 0},
   {"size", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_size, 0, 0, 0},
   {"reserved_size", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_reserved_size, 0, 0, 0},
-  {"closed", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_closed, 0, 0, 0},
   {"owner", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_owner, 0, 0, 0},
   {"device_index", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_device_index, 0, 0, 0},
   {"device", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_device, 0, 0, 0},
@@ -39732,9 +38923,9 @@ static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_CudaRegion[]
 #if CYTHON_USE_TYPE_SPECS
 static PyType_Slot __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion_slots[] = {
   {Py_tp_dealloc, (void *)__pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_CudaRegion},
-  {Py_tp_repr, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29__repr__},
-  {Py_sq_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__},
-  {Py_mp_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__},
+  {Py_tp_repr, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__},
+  {Py_sq_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__},
+  {Py_mp_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__},
   {Py_tp_doc, (void *)PyDoc_STR("One contiguous device virtual range backed by several VMM handles.\n\n    Create with :meth:`allocate` (owned), :meth:`import_handles` (owned\n    mapping of another process\047s handles) or :meth:`adopt` (memory the\n    caller allocated: never freed here).  Views (:meth:`cuda_array`) keep\n    the mapping alive: :meth:`close` refuses while any exists, unless\n    ``defer=True``.\n    ")},
   {Py_tp_traverse, (void *)__pyx_tp_traverse_10tensorxfer_6memory_5_cuda_CudaRegion},
   {Py_tp_clear, (void *)__pyx_tp_clear_10tensorxfer_6memory_5_cuda_CudaRegion},
@@ -39753,7 +38944,7 @@ static PyType_Spec __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion_spec = {
 #else
 
 static PySequenceMethods __pyx_tp_as_sequence_CudaRegion = {
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__, /*sq_length*/
+  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__, /*sq_length*/
   0, /*sq_concat*/
   0, /*sq_repeat*/
   0, /*sq_item*/
@@ -39766,7 +38957,7 @@ static PySequenceMethods __pyx_tp_as_sequence_CudaRegion = {
 };
 
 static PyMappingMethods __pyx_tp_as_mapping_CudaRegion = {
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27__len__, /*mp_length*/
+  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__, /*mp_length*/
   0, /*mp_subscript*/
   0, /*mp_ass_subscript*/
 };
@@ -39781,7 +38972,7 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion = {
   0, /*tp_getattr*/
   0, /*tp_setattr*/
   0, /*tp_as_async*/
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29__repr__, /*tp_repr*/
+  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__, /*tp_repr*/
   0, /*tp_as_number*/
   &__pyx_tp_as_sequence_CudaRegion, /*tp_as_sequence*/
   &__pyx_tp_as_mapping_CudaRegion, /*tp_as_mapping*/
@@ -41906,13 +41097,12 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegio
   /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion ---*/
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda_CudaRegion = &__pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion.__pyx_base = *__pyx_vtabptr_10tensorxfer_6memory_7_extent_AllocationMap;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion.__pyx_base._release = (void (*)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion.__pyx_base.lookup = (int (*)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *, uintptr_t, uintptr_t *, size_t *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion.__pyx_base._check_open = (int (*)(struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion._build = (struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *(*)(PyObject *, size_t, PyObject *, int, int, int, PyObject *, PyObject *, int))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion._reserve = (PyObject *(*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, PyObject *, size_t, PyObject *, PyObject *, PyObject *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion._map_upto = (PyObject *(*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, Py_ssize_t))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto;
-  __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion._release = (void (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release;
-  __pyx_vtable_10tensorxfer_6memory_5_cuda_CudaRegion._view_released = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *))__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__view_released;
   #if CYTHON_USE_TYPE_SPECS
   __pyx_t_1 = PyTuple_Pack(1, (PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_7_extent_AllocationMap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 233, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
@@ -41958,14 +41148,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBy
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes = &__pyx_vtable_10tensorxfer_6memory_5_cuda__DeviceBytes;
   __pyx_vtable_10tensorxfer_6memory_5_cuda__DeviceBytes._make = (struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *(*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, size_t, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes)) __PYX_ERR(0, 759, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes)) __PYX_ERR(0, 720, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 759, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes);
@@ -41975,9 +41165,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBy
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 759, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_DeviceBytes, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 759, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 759, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_DeviceBytes, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -41996,14 +41186,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier._ensure_staging = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *))__pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 791, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 752, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = &__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 791, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
@@ -42013,9 +41203,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 791, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 791, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 791, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -42034,14 +41224,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Stager;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._check = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 966, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 927, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = &__pyx_type_10tensorxfer_6memory_5_cuda_Stager;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 966, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager);
@@ -42051,9 +41241,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 966, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 966, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 966, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -42070,14 +41260,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_sco
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr", 0);
   /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr ---*/
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr)) __PYX_ERR(0, 337, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr)) __PYX_ERR(0, 331, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr) < (0)) __PYX_ERR(0, 337, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr) < (0)) __PYX_ERR(0, 331, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
@@ -43374,23 +42564,23 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_default_chunk_size, __pyx_t_2) < (0)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":271
+  /* "tensorxfer/memory/_cuda.pyx":265
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def reserve(size, chunk_size=None, int device=0):
  *         """Reserve the address range and plan its chunks, mapping none yet.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_3reserve, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_reserve, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 271, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_3reserve, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_reserve, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 265, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[6]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 271, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[5]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 265, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 271, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 265, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -43398,29 +42588,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 271, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 265, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 271, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 265, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":283
+  /* "tensorxfer/memory/_cuda.pyx":277
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def allocate(size, chunk_size=None, int device=0):
  *         """Reserve ``size`` bytes of device address space and back it with VMM handles.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_5allocate, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_allocate, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 283, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_5allocate, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_allocate, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[6]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 283, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[5]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 283, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -43428,28 +42618,28 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 283, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 277, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 283, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":303
+  /* "tensorxfer/memory/_cuda.pyx":297
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def _plan(size, chunk_size, int device, bint map_now):
  *         """Shared by allocate and reserve: granularity, handle types, chunk plan."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_7_plan, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__plan, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_7_plan, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__plan, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 303, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 303, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -43457,29 +42647,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 303, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 303, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":329
+  /* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):
  *         """A region from explicit chunk sizes (granularity multiples), with
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_9_from_chunks, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__from_chunks, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_9_from_chunks, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__from_chunks, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 323, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[6]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 323, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 323, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -43487,29 +42677,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 329, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 323, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 329, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 323, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":340
+  /* "tensorxfer/memory/_cuda.pyx":334
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def import_handles(handles, int device=0, access_devices=None):
  *         """Map another process's exported chunk handles contiguously.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_11import_handles, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_import_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 340, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_11import_handles, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_import_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 340, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 340, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -43517,29 +42707,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 340, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 334, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 340, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":365
+  /* "tensorxfer/memory/_cuda.pyx":359
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):
  *         """Wrap device memory the caller allocated (cudaMalloc, a PyTorch
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_adopt, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 365, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_adopt, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 359, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 365, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 359, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 365, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 359, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -43547,28 +42737,28 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 365, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 359, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 365, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 359, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":390
+  /* "tensorxfer/memory/_cuda.pyx":384
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_from_tensor, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_from_tensor, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 390, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -43576,134 +42766,88 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 390, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 390, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":507
+  /* "tensorxfer/memory/_cuda.pyx":501
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
  *         """Map the next ``count`` planned chunks (see :meth:`reserve`); returns :attr:`mapped_size`.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_map_next, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 507, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_map_next, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 501, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[9]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_map_next, __pyx_t_2) < (0)) __PYX_ERR(0, 507, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_map_next, __pyx_t_2) < (0)) __PYX_ERR(0, 501, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":558
- *         self._closed = True
- * 
- *     def close(self, bint defer=False):             # <<<<<<<<<<<<<<
- *         """Unmap, release and free; safe to call more than once.
- * 
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_19close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 558, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[10]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 558, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":584
- *             self._release()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_23__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 584, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 584, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":587
- *         return self
- * 
- *     def __exit__(self, exc_type, exc, tb):             # <<<<<<<<<<<<<<
- *         self.close(defer=exc_type is not None)
- * 
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 587, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 587, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":671
+  /* "tensorxfer/memory/_cuda.pyx":632
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
  *         """One dmabuf fd over ``[offset, offset+length)``, resolved first.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31export_dmabuf, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_dmabuf, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 671, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_dmabuf, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 632, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_dmabuf, __pyx_t_2) < (0)) __PYX_ERR(0, 671, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_dmabuf, __pyx_t_2) < (0)) __PYX_ERR(0, 632, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":702
+  /* "tensorxfer/memory/_cuda.pyx":663
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
  *         """One POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33export_handles, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 702, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 663, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 702, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 663, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":731
+  /* "tensorxfer/memory/_cuda.pyx":692
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
  *         """A ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35cuda_array, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_cuda_array, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 731, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_cuda_array, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 692, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_cuda_array, __pyx_t_2) < (0)) __PYX_ERR(0, 731, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_cuda_array, __pyx_t_2) < (0)) __PYX_ERR(0, 692, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":745
+  /* "tensorxfer/memory/_cuda.pyx":706
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
  *         """``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution)."""
  *         cdef CuChunk* c
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_37_unmap_chunk, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__unmap_chunk, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 745, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__unmap_chunk, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 706, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_unmap_chunk, __pyx_t_2) < (0)) __PYX_ERR(0, 745, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_unmap_chunk, __pyx_t_2) < (0)) __PYX_ERR(0, 706, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -43711,7 +42855,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_39__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43725,7 +42869,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_41__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43738,7 +42882,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     cdef tuple state
  *     cdef object _dict
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_12_DeviceBytes_3__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_DeviceBytes___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_12_DeviceBytes_3__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_DeviceBytes___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43752,7 +42896,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     __pyx_unpickle__DeviceBytes__set_state(self, __pyx_state)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_12_DeviceBytes_5__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_DeviceBytes___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 17, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_12_DeviceBytes_5__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_DeviceBytes___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 17, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43760,141 +42904,141 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 17, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":833
+  /* "tensorxfer/memory/_cuda.pyx":794
  *         return 0
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 833, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 794, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 833, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 794, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":840
+  /* "tensorxfer/memory/_cuda.pyx":801
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
  *         bind_device(self._device)
  *         with nogil:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 840, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 801, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[11]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 840, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[9]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 801, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":846
+  /* "tensorxfer/memory/_cuda.pyx":807
  *                      b"cuMemsetD8Async")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
  *         """Queue many device-to-device copies in one call, without the GIL.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 846, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 807, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[10]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 846, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 807, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":877
+  /* "tensorxfer/memory/_cuda.pyx":838
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 877, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 838, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 877, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 838, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":899
+  /* "tensorxfer/memory/_cuda.pyx":860
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 899, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 860, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 899, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 860, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":925
+  /* "tensorxfer/memory/_cuda.pyx":886
  *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
  *         bind_device(self._device)
  *         with nogil:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[32])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 925, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 886, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 925, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 886, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":935
+  /* "tensorxfer/memory/_cuda.pyx":896
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[33])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 935, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 896, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 935, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 896, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":959
+  /* "tensorxfer/memory/_cuda.pyx":920
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
  *         return self
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_19__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 959, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_19__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 920, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 959, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 920, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":962
+  /* "tensorxfer/memory/_cuda.pyx":923
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_21__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 962, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_21__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[32])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 923, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 962, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 923, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -43902,7 +43046,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[33])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43916,7 +43060,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43924,108 +43068,108 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1007
+  /* "tensorxfer/memory/_cuda.pyx":968
  *             raise
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1007, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 968, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 1007, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 968, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1013
+  /* "tensorxfer/memory/_cuda.pyx":974
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[39])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1013, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 974, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 1013, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 974, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1021
+  /* "tensorxfer/memory/_cuda.pyx":982
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[40])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1021, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 982, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 1021, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 982, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1029
+  /* "tensorxfer/memory/_cuda.pyx":990
  *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[41])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1029, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 990, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 1029, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 990, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1043
+  /* "tensorxfer/memory/_cuda.pyx":1004
  *         return 0
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[42])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1043, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[39])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1004, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 1043, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 1004, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1070
+  /* "tensorxfer/memory/_cuda.pyx":1031
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
  *         return self
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_15__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[43])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1070, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_15__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[40])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1031, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 1070, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 1031, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1073
+  /* "tensorxfer/memory/_cuda.pyx":1034
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[44])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1073, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[41])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1034, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 1073, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 1034, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -44033,7 +43177,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[45])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[42])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -44047,7 +43191,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[46])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[43])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -44062,7 +43206,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     cdef object __pyx_result
  *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x3c28a2b, 0x2551038, 0xc94dc51, b'_n, _ptr, _region')
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_15__pyx_unpickle__DeviceBytes, 0, __pyx_mstate_global->__pyx_n_u_pyx_unpickle__DeviceBytes, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[47])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 4, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_15__pyx_unpickle__DeviceBytes, 0, __pyx_mstate_global->__pyx_n_u_pyx_unpickle__DeviceBytes, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[44])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -44122,7 +43266,7 @@ static int __Pyx_InitCachedBuiltins(__pyx_mstatetype *__pyx_mstate) {
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
-  __pyx_builtin_staticmethod = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_staticmethod); if (!__pyx_builtin_staticmethod) __PYX_ERR(0, 271, __pyx_L1_error)
+  __pyx_builtin_staticmethod = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_staticmethod); if (!__pyx_builtin_staticmethod) __PYX_ERR(0, 265, __pyx_L1_error)
   __pyx_builtin___import__ = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_import); if (!__pyx_builtin___import__) __PYX_ERR(1, 119, __pyx_L1_error)
   __pyx_builtin_enumerate = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_enumerate); if (!__pyx_builtin_enumerate) __PYX_ERR(1, 175, __pyx_L1_error)
   __pyx_builtin_Ellipsis = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_Ellipsis); if (!__pyx_builtin_Ellipsis) __PYX_ERR(1, 436, __pyx_L1_error)
@@ -44216,16 +43360,16 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
 
-  /* "tensorxfer/memory/_cuda.pyx":327
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         if size % chunk:
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_mstate_global->__pyx_frozenset[0] = PyFrozenSet_New(NULL); if (unlikely(!__pyx_mstate_global->__pyx_frozenset[0])) __PYX_ERR(0, 327, __pyx_L1_error)
+  __pyx_mstate_global->__pyx_frozenset[0] = PyFrozenSet_New(NULL); if (unlikely(!__pyx_mstate_global->__pyx_frozenset[0])) __PYX_ERR(0, 321, __pyx_L1_error)
 
-  /* "tensorxfer/memory/_cuda.pyx":395
+  /* "tensorxfer/memory/_cuda.pyx":389
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -44234,26 +43378,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_keepalive};
-    __pyx_mstate_global->__pyx_tuple[4] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[4])) __PYX_ERR(0, 395, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[4] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[4])) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[4]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[4]);
 
-  /* "tensorxfer/memory/_cuda.pyx":588
- * 
- *     def __exit__(self, exc_type, exc, tb):
- *         self.close(defer=exc_type is not None)             # <<<<<<<<<<<<<<
- * 
- *     cdef int _check_open(self) except -1:
-*/
-  {
-    PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_defer};
-    __pyx_mstate_global->__pyx_tuple[5] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[5])) __PYX_ERR(0, 588, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[5]);
-  }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[5]);
-
-  /* "tensorxfer/memory/_cuda.pyx":271
+  /* "tensorxfer/memory/_cuda.pyx":265
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -44262,12 +43392,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {Py_None, __pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[6] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[6])) __PYX_ERR(0, 271, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[6]);
+    __pyx_mstate_global->__pyx_tuple[5] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[5])) __PYX_ERR(0, 265, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[5]);
   }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[6]);
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[5]);
 
-  /* "tensorxfer/memory/_cuda.pyx":329
+  /* "tensorxfer/memory/_cuda.pyx":323
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -44276,12 +43406,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[3] = {__pyx_mstate_global->__pyx_int_0, __pyx_mstate_global->__pyx_empty_tuple, __pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[7] = __Pyx_PyTuple_FromArray(__pyx_temp, 3); if (unlikely(!__pyx_mstate_global->__pyx_tuple[7])) __PYX_ERR(0, 329, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[7]);
+    __pyx_mstate_global->__pyx_tuple[6] = __Pyx_PyTuple_FromArray(__pyx_temp, 3); if (unlikely(!__pyx_mstate_global->__pyx_tuple[6])) __PYX_ERR(0, 323, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[6]);
   }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[7]);
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[6]);
 
-  /* "tensorxfer/memory/_cuda.pyx":340
+  /* "tensorxfer/memory/_cuda.pyx":334
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -44290,12 +43420,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {__pyx_mstate_global->__pyx_int_0, Py_None};
-    __pyx_mstate_global->__pyx_tuple[8] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[8])) __PYX_ERR(0, 340, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[8]);
+    __pyx_mstate_global->__pyx_tuple[7] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[7])) __PYX_ERR(0, 334, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[7]);
   }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[8]);
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[7]);
 
-  /* "tensorxfer/memory/_cuda.pyx":507
+  /* "tensorxfer/memory/_cuda.pyx":501
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -44304,26 +43434,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_1};
-    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 507, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[9]);
+    __pyx_mstate_global->__pyx_tuple[8] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[8])) __PYX_ERR(0, 501, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[8]);
   }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[9]);
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[8]);
 
-  /* "tensorxfer/memory/_cuda.pyx":558
- *         self._closed = True
- * 
- *     def close(self, bint defer=False):             # <<<<<<<<<<<<<<
- *         """Unmap, release and free; safe to call more than once.
- * 
-*/
-  {
-    PyObject* __pyx_temp[1] = {Py_False};
-    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 558, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[10]);
-  }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[10]);
-
-  /* "tensorxfer/memory/_cuda.pyx":840
+  /* "tensorxfer/memory/_cuda.pyx":801
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -44332,14 +43448,28 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[11] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[11])) __PYX_ERR(0, 840, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[11]);
+    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 801, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[9]);
   }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[11]);
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[9]);
+
+  /* "tensorxfer/memory/_cuda.pyx":807
+ *                      b"cuMemsetD8Async")
+ * 
+ *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
+ *         """Queue many device-to-device copies in one call, without the GIL.
+ * 
+*/
+  {
+    PyObject* __pyx_temp[1] = {Py_False};
+    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 807, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[10]);
+  }
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[10]);
   #if CYTHON_IMMORTAL_CONSTANTS
   {
     PyObject **table = __pyx_mstate->__pyx_tuple;
-    for (Py_ssize_t i=0; i<12; ++i) {
+    for (Py_ssize_t i=0; i<11; ++i) {
       #if PY_VERSION_HEX >= 0x030F0000
       PyUnstable_SetImmortal(table[i]);
       #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -44419,41 +43549,41 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{3},{6},{6},{10},{34},{7},{34},{17},{44},{43},{9},{11},{14},{32},{8},{9},{57},{9},{2},{15},{1},{25},{49},{2},{6},{1},{2},{12},{19},{15},{23},{25},{32},{20},{22},{1},{1},{12},{9},{37},{45},{22},{4},{179},{33},{40},{8},{7},{29},{27},{28},{52},{6},{58},{33},{15},{24},{5},{7},{7},{50},{46},{6},{31},{2},{9},{74},{50},{7},{26},{58},{32},{28},{34},{27},{50},{30},{37},{23},{52},{6},{3},{5},{1},{20},{6},{16},{15},{24},{26},{12},{11},{17},{11},{11},{13},{18},{9},{10},{20},{19},{28},{30},{23},{16},{23},{16},{19},{16},{21},{24},{25},{22},{25},{19},{18},{18},{8},{11},{4},{18},{8},{6},{16},{15},{24},{26},{12},{17},{17},{11},{11},{15},{1},{12},{30},{32},{20},{12},{9},{17},{8},{9},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{27},{14},{12},{10},{17},{13},{12},{12},{19},{8},{9},{19},{5},{11},{12},{29},{13},{5},{5},{12},{3},{14},{13},{5},{7},{8},{15},{18},{4},{10},{1},{4},{9},{12},{1},{4},{5},{10},{18},{5},{5},{10},{1},{4},{8},{6},{5},{3},{6},{12},{11},{6},{14},{3},{4},{4},{10},{4},{15},{12},{6},{9},{5},{6},{3},{8},{13},{14},{3},{2},{5},{6},{7},{11},{3},{7},{3},{23},{4},{11},{1},{7},{5},{4},{1},{2},{14},{5},{4},{7},{6},{5},{8},{1},{9},{6},{8},{7},{11},{6},{7},{4},{1},{4},{4},{4},{5},{3},{3},{6},{3},{5},{1},{4},{13},{3},{16},{6},{8},{4},{3},{20},{8},{7},{7},{7},{14},{6},{5},{1},{4},{4},{10},{5},{9},{4},{5},{3},{4},{10},{5},{10},{10},{5},{12},{4},{4},{6},{7},{6},{11},{2},{6},{17},{23},{9},{5},{7},{13},{6},{6},{12},{1},{5},{6},{7},{4},{3},{4},{4},{8},{1}};
-    const struct { const unsigned int length: 12; } bytes_length_index[] = {{2325},{1},{9},{33},{36},{63},{11},{33},{55},{46},{110},{142},{9},{17},{7},{30},{26},{26},{85},{96},{120},{159},{182},{29},{75},{76},{36},{45},{304},{230},{73},{115},{284},{236},{200},{63},{113},{58},{203},{263},{46},{3}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{3},{6},{6},{10},{34},{7},{34},{17},{44},{43},{9},{11},{14},{32},{8},{9},{9},{2},{15},{1},{25},{49},{2},{6},{1},{2},{12},{19},{15},{23},{25},{32},{20},{22},{1},{1},{12},{9},{37},{45},{22},{4},{179},{33},{40},{8},{7},{29},{27},{52},{6},{58},{33},{15},{24},{5},{7},{7},{50},{46},{6},{31},{2},{9},{74},{50},{7},{26},{58},{32},{28},{34},{27},{50},{30},{37},{23},{52},{6},{3},{5},{1},{20},{6},{16},{15},{24},{26},{12},{11},{17},{11},{11},{13},{18},{9},{10},{28},{30},{23},{16},{23},{16},{19},{21},{24},{25},{22},{25},{19},{18},{18},{8},{11},{4},{18},{8},{6},{16},{15},{24},{26},{12},{17},{17},{11},{11},{15},{1},{12},{30},{32},{20},{12},{9},{17},{8},{9},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{27},{14},{12},{10},{17},{13},{12},{12},{19},{8},{9},{19},{5},{11},{12},{29},{13},{5},{5},{12},{3},{14},{13},{5},{7},{8},{15},{18},{4},{10},{1},{4},{9},{12},{1},{4},{5},{10},{18},{5},{5},{10},{1},{4},{8},{6},{3},{6},{12},{11},{6},{14},{3},{4},{4},{10},{4},{15},{12},{6},{9},{5},{6},{3},{13},{14},{3},{2},{5},{6},{7},{11},{3},{7},{3},{23},{4},{11},{1},{7},{5},{4},{1},{2},{14},{5},{4},{7},{6},{5},{8},{1},{9},{6},{8},{7},{11},{6},{7},{4},{1},{4},{4},{4},{5},{3},{3},{6},{3},{5},{1},{4},{13},{3},{16},{6},{8},{4},{3},{20},{8},{7},{7},{7},{14},{6},{5},{1},{4},{4},{10},{5},{9},{4},{5},{3},{4},{10},{5},{10},{10},{5},{12},{4},{4},{6},{7},{6},{11},{6},{17},{23},{9},{5},{7},{13},{6},{6},{12},{1},{5},{6},{7},{4},{3},{4},{4},{8},{1}};
+    const struct { const unsigned int length: 12; } bytes_length_index[] = {{2325},{1},{9},{33},{36},{63},{11},{33},{55},{46},{110},{142},{9},{7},{30},{26},{26},{85},{96},{120},{159},{182},{29},{75},{76},{36},{45},{304},{230},{73},{115},{284},{236},{200},{113},{58},{203},{263},{46},{3}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (4710 bytes) */
-static const char cstring[] = "x\332\275X\313w\323\326\326O\332\320:MZ\222\340\360jo\257\014\264Ix\004\014\201\362*\375L\036\220K\033\362$<\332\252\212t\234\250\261%G\222CB\357Z_\207\031j\250\241\206\032j\350\241\207\036j\350!\177\002\177\302\367\333\347H\266\234\007\245\353\256\373\261b\351<\366\331g?\177{\013I\272*I\212#]\333\221\326v\035f\307O\254\304#\263\352HfQ\262\024c\235I\243\327\245\265j\261\310,\233\326\004\305\230x\335\223T\245T\222\324\222i\263\3211\311\264\244\252\315\244\221\327\272\2631\"i&8\031\246#\261\035\335v\244\321\366\202]\255TL\313\221\346\237.\315>\277R\324${C\261\230\262Vb\322\206bh%\220\035\240\335\326-\247\252\224\2442+\233\326\256TV\014e\235\225\231\341HEE/1\355\256\024\237\035\265\307\036H\2728\\V*\025\246\321\254\242@\004g\203I\314\320H\r\032Zl]7\r\010f\256\375\316T\347\201\204\211Z\325\224\273\270\214\275\006\037\"\324c\371\357I\032+1\207\361\223\0163l\023\366 :\335X\047\242\242n\331$\245\255C\215\261\363;\243\216\305\230T\264\224u\022rllL\262\252FJ\016q\371\210-\215\335\343F\323\330\266\256\262\357G\324Ju\3442YR7l\207\214K\304s\317f\247f\013\222f\351\333\314\272,]\226\326\241\334\370]\351\376$\304]\024j\244\307\334!\332\203\373?qc=\203\224\244\312}\3254\034}\275jV\341k\230A\323-R{\377\262n$\033\266c\351\032\354\327&\026\202\035\275\337\271\326\242|\360\303\344\312T!\326Q\232\\\261\230]-9\322\244b\220\227\024\333\326\327\r\3111a\024E\273b\032\245\335\330\315d\337Yc[)\351\232T65v\031\276\250\200!\370\217\250#$\314H\021\301\2018\035\0216I\210\021P\025\206\373%\005\276\223\346L\203\315\231\334w\210\361\311]g\0036\302:<\252\2571Kq\030n$\301\301\331\"\"C\232\237\236\2772q{\202\253a1\n\017\033\241\270\246\226 ,\343\211\260V\325K\016npv+\314\036\227f\213\322\256Y\225\014\006\331\240\t\374\334q\000^4$\233\t\337\217p\275\025\007\256\222q\034\0214\022\333\017\376\245\3233J\311f\343J\022\241\304\224\247g\211Q\370@\033I\335\250\032\233\212\2522\333\226\205Ym\251\\\305\246\241\224\231\224\047&\371[\261\301mE\323d\\\310D\032\307\331,\213T\347\207\326\230T1m\235\256Wc\237hf\005OCb""\345\212\263+\220 \336\342\301%\265\204{\275\201\364\223\342\275\252\201\224\303\036\027/\336\"\047\332\373r\216\247\224 \022O[\177s\2100X\200\215+%\326:\277\016I\252%\305\322!\024?)\323\311\003\007E4\250f\251DF5\r{\\YSU\263\n\270HH[\346\314\363\234\217cS\323m\302!\255\254\300J\270\264H>k\035i\311\223\210S\001\010q\331%\315v\354\313\222m\251\"\211R\372l(\333\0025lrM\211\031\353\024\014tK\3212\313\262\300\222\304\307\022O\024\261\266\256\352\266 \324\014SJg\220n\047H#\215\252\325YCw\356\362}yzq\361\351\242<\367T\236\232~6;9}\010\266\200\223\306\212\n\245\237,[L\253\252L\226%\255\312\343\3160\215+H\203m\035@+\313\252\016\306\262\034\033\201\242\016P]A\000\t\227\021\306Bh\246\361\204\025\216\265c\321w(\316\200^\246\252P\262\252\024H;\034\307\241\273n%0oV(\373( \360\247\304\260%\265\201\354\360\375%\007V\267\342Hz\217\373\333\242\\\025prU&W\217Wvw\310\035\302\240\034R\223z\241l\243\226\360:\004\316\316\006V\313\212\272\241C\363\321*w\004\031)QKR,K\331\2254\305Q\306\017\331\025\020\304c\201C\242\r\242\003\nR\034\361\234A\231\222\035\\\376\236XK\207>\345\224\364\352\337\325|airv\366\341a\276\2374+:\263\304s\\\226Q\204\220\363r{\276C\276mM\343HP96\246\326\341y\224!\347\300\016\327$\036k\216\251\245\206\362\232\202\324n/$\303\2156\031\334\001\306\361\304\3365\324\r\3134\340H2\314\264e\231V\333B\355QJ\211\2165\241Hzi\2772\351\275\203\n\245vyB\362\350\266\323\313\225\222\322!\007\367\230\240K-s\310L\317\343HH-\t\253\245\346\030\312<\214R\213\"Qd\001A\007\327\343\324Im\244`$\265\252\227\217 \047\331\r\266\223\026\025\365\230Y\333ljz\246\260\362\343\262<\371xe\356\211\2744\373rz\272T\322+\266nO\357\200\277\303]\363\243\251n\376Tx.w\020/-\261\255*3T&rS<\333\016k\317\271\263Z\323}\216j\255\037pR\274\303\355\027\217A@VB|u,P\224\305\013\224$\361\360\265\242;\324\006\215\267;\"Y\236\342\260\370\220\312`z|P\256}\273\007\244\223\345\371\335\035\374\246\320@\310s0\355\"+\312r\\\344\031\355\3636\240=Xg\216\356\2602-htFnY*1\221,\027\001\027\364^On\303\277\330\247\370WVt~1\272\242j\211""\357Q\341\347oRM\226\001r\210P\246n\332\325\262\230\211\246K\214c\2164\244\376E\214\252FEW7\301m\332H\316\264\226:\214\305\267\266\035\202<\272j\013}yr{RQ\016\3320Y`;4\201\r[\022\333)\r\017\261-n$\225\251K\205i\251\335\341\345Kn\227\177aDF\321)\230\246\3628=\036\277O\031Y\262\037\214\2573d@\305\222u\033|-|\356\000\343eln\362\\O\0478\372\206\3166\013\315\224ES\336\022\361\234\347\017\246%\371\236\274e\321g)\204o\2729\336\272\307V\034t\254\370\311\350\217\331\316\332\232b3\016\231\262R\321\323\275\231\252*q\223\324VU-\221\244\360=X\2508\246n\362\234\340\255M\033M4*J\364\223+\216\245a\027U\232\201/T\020Z\210\247\314\217\305c\335(\232\002sDM\224\361\263\001\016hl\250\267!do\243;\245\235\306#\007\026\024\237O\370:\242/\035.%\220\000W2\204\021\357\256\271g\370\303f;*\376x\320u\340\\\047\270\301\317E\255XR\326m\264\367e\305\211\233\374\024\320\255kV\354C\344\307z\245*\332g\331\0027\231>?\345\355r\231\nf\252hn\304\3147Lz@\025]\327:A\222\373\203\354@a\001c\342\0056\224\251\266x\274a\233\233\214U\360\211\261\315D#\227\200)\177\233\257\343JN\224\242\306\341I0D\037/\006\205&\276\210\312DO\246)\301ph\256D\177\205\3300_\033L\253T\340\323\212\251s8\3401V1+\324\327\354\310E-\021\264b\261my\223?q\272b\201\302\2618\261\310\007\212.\204\022X\000\337m\207\232%\352u1Ex\253,\206{\274\314\3226e$\201\273\200\007\2137\2566+A&\270\2369q\266\361n\246\365\231\316\2118!\372]\374\331\204\262\374j\016\302mhnc2\317jz\350j\231!\265\261\300*\266c\342\007\236\345\270G\302\253\212O\255vG\340\254\t\177\267{\271q\021H\251\005\321\334\215s\2279\033\364\r\251\223k,\3635\3776\003\313t\207\005H\203\205\253\025\32024\307-\304\331\306\227c\225\361\207\035\207>y\016\001@\305\343\265b\031\364\003g{\247\365\001;:\271\022\303\222t\3612\032J\221Jc]\207\020t.\306}<\016\301\321\207m\301\237i\226\361\224;\327i\217\210\000\332\253\225\335B\342q\373(:a\347\367\334\325>\224\332\370K\372\364\025\255\355\313hj\351\233\036\275\356\374\013\371\307\247s\217\370\343\010f\373\216~\240\310\t\341X\327\373\367c\033\0258\210O\001U""\361Yh\330)\343\214\375\325\371\016>\217\200:\226\256\026\004\310#H\036\363\224\374\273\032\267\250U\344\324\337\320y\333\324\265\375\n\034u\214m\323\177\217]L]v \3308\311>\013\362\265\243x\036m\201\003Q\331&\230\007@\265\205\376\000C\275\377\026n\203\213\177\377\304\001\271\004\3012@\342C\231u\322\211\321e\356\303D\277}r\t\033\276\337\t\211\235S\213\234\243@\207\303qE\047\317v\034\321\215\216\334m\327\200\303\031\244\263\375=\316\332\267\371\250]Ne^\237\323,\217\322\360\240\277\304J*`\336\177\364H\200\200l\213T\365\332\216\374\200\360\372\013\236\007\243\276#z\216\314\377#c\353o\211\224T\376C\274\307\321X\255\212F|\336\322\313\212\265;\351\354,2T5\003\033\030/\341\243\272\212bo8-\302G\214\306?\361\"\361\220Z\267\002UW\261\204\275\202\350f\271\025\305b\262\"z\204\326\331)\307\234J\035\215\251f,\026\223\254P\215\025CH!\320VL\177J\326Qi\247n\247x\200\353\343\024\327i\302\235I\030\337a\311l\212\252\267\271\233L\227\332}A\262\264\210\346\326\322\004\277\326Y\214\205U\366\273C\354\315\362\246o\006\315\344R\322\320\244\267\027E\257\204\t\354\303?y\347\320\270a\272\304#\243u\213\230\266E\024\363N\031[>\210Y\264\346\223\324y\323\002\357\265\261\360L\264\034i\232VMo{\353\260D\354\022\377\003(\210\310!\217M;\236\321\210\237iq\020\212\316\230\326A\307\013\047?N9h\2327\345\313\346A3\315\2130M\013\371\364\317\356f\317g{\227\334\005\032\014\272\203\361\243\177o6\032\376\326W\374\255\240\047(4{\372\366\362Dp\332\343\344\337\354Y\356I\327\362\006\233\031N\335\267w\307-\270\253^\201h\316`\271\347X3s\302\375\301\317E\347o\205\0335\245f\327/5~\215^\311\221\254D\212\026i\254\331\177\302\315\273\217\274|\263\257\377-\030\334s\025w\213\216_\014r\301\255p\360\317\356\267\373\305\031\r\272\203\301\340B\240\304\342\274\355\371\247\267\025I\327\302\276\332\275\372f\264\260\330\3549\341\336\367v 3\370|\372\347\277\335\357\274\\33\036(\301\377\326\214F\242\305\273O\272\216\r\021\323\343\321\361KA>(\004K\341\247a\265\366\244\276\325\314\034\337\333j\366C\003\034\214\2513]\237}Il\006\335\254""\273\342]\360\326\375\345\000z\017\270\237\272[\336\047^)\310\321]\333{\253\356\264\227\365\026\232\231!\027\324\247\334\255\267x8\336\035\377Q\220\047\nb\036\035\277\022,\207\203\341H\355\313\372\243F\376m\347\n\254\367.\333u\354[\377U\010\371O\271\177\370\271X\375\276\250\357+o&:w\267\226\343b_\360\013\376\202_\204\350\317\242\033\263\215\341\306f\364\342e3\003\201\243~\311\357#\3735{\006\242\001\341\300\343\341Vs\344\373\332\212p\301\317\315,\2318\037<\255\345\233\227\n\365aa:qx\304\377\003\242\014\n\335\013\315L\377\336\214\233k\r\334[\336\031\177$\030\244\005\030\212^\344\304)\004\305\347_4\373\263\356l\364\217<\224\271\020n\326\211(w=\314\275\033\352\352\035\330{\343\235\364\266\374O\374R8Z#~\347n\204\371w\347\016\333\271\364}m\341\335hW\357\t\367\234;\t\013\367x\223\330?\006\243\237\010fBX\366\214w\312\357\366\007\375s\376T\360qp3\374\254v\276\366\242\2565F\243\305\027d\205\3349\377|L}1\272\377c\243\000\246\371\273\265\253\215A\270\2627\013y!v\226\204\366\206==\032\321#\375\367f\346\213=\r\372\335\364z\243\034b\364\267\3665\347ah5\310\006+\220\357j\343L\264\370,z\266\332\314\215\005_\206\323\265\223\265\355\372\002\370\337|X\347\212J\336\233\3404\014\220#s\336t?v\363\315\376!\367\242W\240\2708!\256\356\337{\342n\321\013\021\215\360\243\321\2170`\3735\353.\320\353_\256\222\"\236\243\020\354\337{\352\345\311\036\261\371\337\342\226\t\n\330\317\233\231\336f\377)n\256B\363\370\200\330\330\365>Fze)m\262\301B3KQC\261\333?\340\366y\374\342iw\230\322\256\331\177|\317qos\3366\202\356\364\010O\373\307a!\\h\016d\335\307P`\005\353\234\354\016&K\376\307~\276y\232\302\313\t\356$d\263\336\202\307\374|,u\247x-E\246\221F\013X\332{\236R\363\377M\370\024\231\020\376v\230\017\013)\262\224\324-\307\321A \211\227\247\315\376\275G\360#\"\263\035\362W\203\255\260\047|\\+\324\226\243\302j\264\372s\3643bH\215T\2559|\222\323x\277\"\337\246\302L\255\273\226\255-\327\277\244\240<\212Utm\246\316\032\023\215\235h\365y\364\374?\340u-\354\016\263\341\363\332B\215\325\271\350\007r5\271-z\002P"".F\305\365\346\265\211\360I\215\273n\304\177\3033\231\325\3625D\355i8g\306\317\371w\243+\017j\245F\356mf\230\374\327\267w}o\311\355\216]\\\330[v\007\t\375\222\2332\375Q\377Wp*\3358\344^p\327\260\006[?\304\340S\317\362\207\374\t\337\n\262\321\225\037jN=\337\0348M\351\007d\010\247j\275\365\301\372\205h\346\227\350\027\210\006\365y\226N\334\256\365\305t\376\327m\243\327\263\365W\321<\234\215k\233\331\257\274\331\350\233\333\334:\317\353\013\365\265\306G\215o\032[\315\354Yx\360\272\267\210\014\315\006/B%\264jC\265\211\332Vs\340\2547\346\337D\305\030@\0106\007H\255\375\366[\253\177T\377\246\316C\"\347^w\027\3357~\326\177\201\262b\205C\341D\310\355u%x\031n\325zj\323\020<\227\262W\260\360\3373\325\004b|\271v\0327\222t\003\047\221\016Tp(Q\206\202\353\200\254\\\333\246\321\304\023\004\225\025- @_E\257\250\004G\354\203\254\232\230\345\317\002*go?\222\3435.\332\361\376@\345K\047I\202\344z\340\204\267\000\215v\375\\}\246q\005a\334\224\276\365\327\203\325p2\264k\027Q\3468\243\317\005\336Q\262Q^\336\360\212\376C\177\r\220~+<\201\000\350N\361n%\344% \214\222\230\3574\257\322T\267\366\n\"3^q\260X\r\037\302\275\273\365\356\372\351\306 !\315K\002#\002\377\257\0108\216\357\331\360b~?BG\377(\010\317\3050MwV)\014VI\001\320\214\001:\346\250p~H\365\240@\311\2733\336\250\177\t\340\205f\2417:\363\035\342\243\033v\331\252\177\321P\232\203C$\312.\370\234$<G\261>\357\347\375\231`,\274WS\353g\0337\032\n\242\026b\334rO@\236D\310\377\201Z\274\373\350\205\366#>\037v\273\247\000\22679&s\255>B`\365\017b\225\204\\\363\273\223jv\n\326\275\003\333f\352}\215\233\321<*\031\340\345\027\330f\340\020wh\376\305`2\330JT/${\371de\026\225QC\014@{\001\341\003\3561tH9o\002\n!\027\047\020\214\267\241\323C_\241\354\273\004\362\215@\211\256>D\037\262\034-\000\334^F/\177\215~%\340\211\326\271!)\204\343\220}P\303\251aw\031=\325s\234\\\213F\357Dwx\343\230\035&\356\337y\347\274)?\003\217\017\305:u\327\207\352\3375r\250 $\312\307\356\r\267\010\251)r\301\224\262\01653\352\202\271\336}\326u\3544\202\272\007\013HHj.\335""\237Q\352s\200\201\3360\3516\277\341\035\326tx\022\335\023\265\263\274\255\033p{\250g\365\036\221\251\317z\343\200\r^\036\362h\376\316D\347\310\234\315\314W\020\254\333\037F\"\240\357\032mf\316#w\267\202c\204:\315\361\253\304\351\002\022\250J8\365Sc\341m\017\354\007A>q7\320[.\304\267\023\n\026\302g\000\3379\250\004P\350\311\354uG\275g\343\2764\242\326\367]\277HGQa\343$\241\006v \033eQ\336\232\003\203q\322D_\337\347)=\370V\364\027Q\017\207wb\360y\322vPJ\235\362>\202\237V\341\3677\265\0238\301s\357;tb\004CT\235\343\034\334@\355\334\005<\236\252}\024\335]\211V\020I\360\345\253\346\327cq\376ihT3_z\267`\325o\203L\330\035\365\240\220\247\256\243\260\036\352\350\216\250\023`\010\235?\320\340\227k\327kq\335\205\246\027\203\213a\341\335\331\256^\370\254\0038H\260vf,\240\213\215\026\327\2425^,\337\257\320y\304\325)\277\007\255\371\r|M\304J\351\376V4\372\264\261\025\315/G\313+\373t\341fsU\372\342\241d\277\n\305Fy\354G_\\\360\237\004v\230k\227\325{T2a\355\270\263\276\217\234\025\301\327\203\235w_t\365^C`d\256\266\036\377\344\260\211N\375m&G\031M\210F\335\366\r\334w\222\232\025\377\026\276{\316\3433\245\023\024cd\370<UDpTT)\002\237\363\336\252\217}@\013\032~\002\234V\325\210n\242/n,\000b\234h\351\367\350\367\315h\263\024\225\312Q\331h\336D\342\001\242\272\001\377\253\240y\026-\301\032\277E\277\301\252\310\322\215\346\231\263t#\351\232\244{>]d\376\325\3105\362\215\251h^d\365F\264\0213\216\0143\2564Q\317\303z\356\220/\207+\301B4>U\237n\234\212\346\227\242%\216\273\303\047\321m\377\037\236j\262\037";
-    PyObject *data = __Pyx_DecompressString(cstring, 4710, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (4616 bytes) */
+static const char cstring[] = "x\332\275XIw\324\326\266\266\203I\312\261\023lc\323%\367^\025\220\330\2461\024\030B\027\362\n7\340Kb\334b\232$\212,\235r)\256\222\312\222\312\330\344\256\3652\364PC\r5\324P\303\032\326\260\206\032\326\220\237\300Ox\337>G\252R\271!d\275\365\036\313%\235f\237}v\373\355-$\351\232$)\216t}GZ\337u\230\035?\261\022\217\314\252#\231\005\311R\214\r&\215\335\220\326\253\205\002\263lZ\023\024\343\342u_R\225RIRK\246\315\306\306%\323\222\2526\223F\337\350NqT\322Lp2LGb;\272\355Hc\355\005\273Z\251\230\226#-<[\236{q\265\240IvQ\261\230\262^bRQ1\264\022\310\016\320n\353\226SUJR\231\225MkW*+\206\262\301\312\314p\244\202\242\227\230vO\212\317\216\331\343\017%]\034.+\225\n\323hVQ \202Sd\02234R\203\206\026\333\320M\003\202\231\353\2773\325y(a\242V5\345\036.\263uH3~ag\314\261\030\223\n\226\262Aw\215\217\217KV\325H\261\023<Fmi\374>\327]c\333\272\312\276\037U+\325\321+d\020\335\260\035\262\021\021\317?\237\233\236\313K\232\245o3\353\212tE\332\200\214\023\367\244\007S\270uIH\223\036s\273j\017\037\374\304u~\256\2637$\372\003\3254\034}\243jV\3412h\243\351\026I\277\177Y7\222\r\333\261t\rfh\023\013\301\216\336\357\\kQ>\374aju:\037\353(M\255Z\314\256\226\034iJ1\310\330\212m\353\033\206\344\2300\212\242]5\215\322n\354\255mH>gl+%]\223\312\246\306\256 $*`\010\376\243\352(\t3Z\200\217\021n\243\302&\t1\342\242\302p\277\244 \204\244y\323`\363\246\303`K\204\352\324\256S\204\215\260\256\261\222\276\316,\305a\270\221\004\007g\213\210\014iaf\341\352\344\235I\256\206\305\310\3136\"j]-AX\306\343y\275\252\227\034\334\340\354V\230=!\315\025\244]\263*\031\014\262A\023\370\271\343\000\274hH6\023\276\037\345z+\016\\%\343\270nl\214\306\366\203\177\351\364\254R\262\331\204\222\004\0321\345YVb\024>\320FR\213UcSQUf\333\2620\253-\225\253\3304\2242\223r\304$w;6\270\255h\232\214\013\231\310\3068)e\221\261\374\320:\223*\246\255\323\365j\354\023\315\254\340iH\254\\qvEB\307[U\003\331!)B\004\351M\021I$\221\243\354}\351\301\263W\020\211\247\255\277=\344B,\300\216\225\022k\235\337\300m\325\222b\351\270\230\237\224\351\344""\201\203\302\343\252Y*\221\341L\303\236P\326U\325\254\"\263\023\322\226\311r<=\343\370\323t\233 C++\260\004.-\220_ZGZ\362$\342T\200\027\\vI\263\035\373\212d[\252H\224\224>E\205\034\007b\233\314_b\306\0069\234n)XfYv\230a#Xc?J<\031\304\332\206\252\333\202P3L)\235%\210\317\030M\2441\265:g\350\316=\276/\317,-=[\222\347\237\311\3233\317\347\246f\016\301\017p\322XA\241\024\223e\213iU\225\311\262\244Uyl\031\246q\025\241\276\255\003\023eY\325\301X\226c#Pd\001U+\010\022\3412\202C\010\3154\236\224\302\261v,\372\016\305\022\020\312T\025JH\225\202e\207C.t\327\255\004\221\315\ne\030\005\004\376\224\030\232\2446X\035\276\277\354\300\352V\034I\037p\177[\224k\0022\256\311\344\352\211\312\356\016\271C\030\224\303f\002\355\3126`\237\227\014pv\212X-+jQ\207\346cU\356\0102R\242\226\244X\226\262+i\212\243L\034\262+`\206\307\002\207=\033D\007\024\2448\3429\203\212\";\270\374\003\261\226\016}\312)\351\365\177\252\271\374\362\324\334\334\243\303|?eVtf\211\347\204,\243\320 \257\345\366|\207|\333\232\306\221\240r\374K\255\303\363(5\316\201\035\256I<\326\034SK\r\345u\005\251\335^H\206\3056\031\334\001\306\361\304\3365\324\242e\032p$\031f\306\262L\253m\241\366\350\020)\323{\007%M\355\362L\343ak\247\227+%\245\343\002\356\nA\227Z\346x\227\236\307.N-Q\\\311<\036R\213\"\342e\201%\007\327\343\034Hm\244\360 \265\252\227\217 \047Y\r\266\223\026\r\305\223Y\333lzf6\277\372\343\212<\365du\376\251\274<\367jf\246T\322+\266n\317\354\200\277\303m\374\243\251n\376\224\177!w\020//\263\255*3T&\222L<\333\341\323\236\363\360iM\3679\246\265~\300)\361\016\017\237x\014\002\262\022\002\245c\201\302%^\240h\217\207o\024\335\241\236e\242\335\276\310\3624\307\267GT\263\322\343\203r\355\333= \235,/\354\356\3407\215j/\317\303\264K\254 \313qEf\264\317kv{\260\301\034\335aeZ\320\350\214\334\262Tb\"Y. \357\351\275\221\334\206\177\261O\361\257\254\350\374b\2640\325\022\337\243*\315\337\244\232,\003\255\020\221L\335\264\253e1\023\035\222\030\307\034iH\315\206\030U\215\212\256n\202\333\214\221\234i-u\030\213om;\204]t\325\026z""\341\344\366\2444\034\264a\262\300vh\002\033\266$\266S\032\036b[\334H*SK\t\323Ro\302\353\220\334\256\343\302\210\214\242S0M\345mz<\361\2002\260d?\234\330`\310\200\212%\3536\370Z\370\304\000X\313\330\334\344\271\235Nh4\000\235=\021:\037\213\246\274\177\3419\316\037LK\362;y\313\242)R\010\250ts\242u\217\2558h/\361\223\321\314\262\235\365u\305f\034\373d\245\242\247\033)UU\342n\247\255\252Z\"I\341{\260PqL\335\3449\301{\2246\232hT]\350\047W\034K\303.\312-\333\026\n\210\247\314O\304c\335(\230\002nD]\223\361\263\201\013hN\250?!tn#4e\234\306\203\006\306\023_+\254\304\277~\270\200\000\001\334\306\020A\274\013\346N\341\017\233\355\250\035\320\326\211gpmA+\224\224\r\033\355wYq\342&<\205m\033\232\025\273\r)\261Q\251\212\366V\266\300M\246\257<y\273\\\246b\227*x\305\230y\321\244\007T\320u\255\023\027\271\013H\177\212\004\330\017/\260\241\344\264\305\343-\333\334d\254\202O\200m&\232\260\004?\371\333|\023Wa\242\024\365\tOB\036\372\2700(\032\361\305R&z2I\t\006Cc$z#\204\203\371\306`Z\245\0027VL\235#\000\017\253\212Y\241\236dG.h\211\240\025\213m\313\233\374\211\323\025\013\024\216\305\211E\nP@!z\300\002\220n;\324\350P\237\212)\"Ze1\302\343e\226\266)\t\t\317\005\"X\274\351\264Y\t2\301\345\314\211\023\214w\"\255\257aN\304\t\321\253\342\317&`\345Ws\334m\243q\033\206y\"\323CW\313\014\331\214\005V\261\035\023?\360,\307\375\r^U|\n\265\253\271\360v\273\013\233\020\341\223Z\020m\331\004w\230S\244/<\235\034c\231o\370\227\023\030\246{#`\030\354[\255\200\226\241\255mA\3146\276\353\252\214?\3548\340\311op?U\2137\212e\320\017\234\355\235\326\347\345\330\324j\214C\322\245+h\005E\002\215w\035B\320\271\030w\3408\0047\037\266\005o\246Y\306S\356Z\247=\"\002h\257Vv\363\211\277\355\243\350\204\225?pW\373Pj\343/\351\323W\264\266\257\240\035\245/nt\251\013/\345\037\237\315?\346\217#\230\355;\372\221\"\047\204\343]\037\336\217m\224\347\250=\r\030\305\007\235a\247\2143\376W\347;\370<\006\346\3403>/P\035A\362\204\047\344\337\325\270E\255\"\243\376\206\316\333\246\256\355W\340\250cl\233\376\017\352R\352\262""\003\301\306I\366Y\220\257\035\305\363h\013\034\210\3126\301\002\340\251-\364G\030\352\303\267p\033\\\372\373\047\016\310%\010V\000\022\037\313\254\223N\214\256p\037&\372\355\223K\330\360\303NH\354\234Z\344\034\005:\034\216+:y\266\343\210nt\344n\273\002\034\316 \235\355\037p\326\276\315\307\355b*\363\352\234fy\224\206\007\375%VR\001\363\341\243G\002\004d[\242\232\327v\344G\204\327_\360<\030\365\035\321sd\376\037\031[\177K\244\244\356\037\342=\216\306jUt\336\013\226^V\254\335)gg\211\241\252\031\330\300x\031\237\303U\224z\303i\021>f4\376\211\027\211G\324\260\345\251\266\212%\354\345E\373\312\255(\026\223\025\321!\264\316N;\346t\352hL5k\261\230d\225j\254\030B\n\201\266b\372S\262\216J;}\047\305\003\\\237\244\270\316\020\356L\301\370\016Kf\323T\275\315\335d\272\334\356\n\222\245%t\263\226&\370\265\316b,\254\262\337\035bo\216\267|\263h%\227\223v&\275\275$:%L`\037\376\215;\217\266\r\323e\036\031\255[\304\264-\242\230w\312\330\362A\314\2425\237\242~\233\026x\207\215\205\347\242\345H\323\264jz\333[\207%b\227\370\277;AD\016yb\332\361\214F\374L\213\203Pt\326\264\016:^8\371I\312A3\274%_1\017\232iA\204iZ\310g\177v7{>\337\273\354.\322`\320\035\214\037\375{s\321\310\267\276\342o\005=A\276\331\323\267\227#\2023\036\047\377f\317rO\271\2267\330\314p\352\276\275\273n\336]\363\362Ds\026\313=\307\233\231\223\356\017~6\272p;,\326\224\232]\277\334\3705z-G\262\022)Z\244\261f\377I7\347>\366r\315\276\376w`p\337U\334-:~)\310\006\267\303\301?\273\337\355\027g,\350\016\006\203\213\201\022\213\363\256\347_\336V$]\017\373j\367\353\233\321\342R\263\347\244\373\300\333\201\314\340\363\331\237\377q\277\363\262\315\314D\240\004\377]3\032\211\026\357?\355:>DLOD\047.\007\271 \037,\207\237\205\325\332\323\372V3sbo\253\331\017\rp0\246\316t}\376\025\261\031t\207\335U\357\242\267\341\257\004\320{\300\375\314\335\362>\365JA\226\356\332\336[sg\274ao\261\231\031rA}\332\335z\207\207\343\335\365\037\0079\242 \346\321\211\253\301J8\030\216\326\276\252?n\344\336u\256\300z\357\207\273\216\177\353\277\016!\377i""\367\017?\033\253\337\027\365}\355\315F\347\357\325\262\\\354\213~\336_\364\013\020\375yts\2561\322\330\214^\276jf p\324/\371}d\277f\317@4 \034x\"\334j\216~_[\025.\370\2719L&\316\005\317j\271\346\345|}D\230N\034\036\365\377\200(\203B\367|3\323\2777\353fi\000\273\320\213|6\215\030\370\342\313f\377\260;\027\375#\007\331/\206\233\365A\354fo\204\331\367C]\275\003{o\275S\336\226\377\251_\n\307jt\374\374\3150\367\376\374a;\227\277\257-\276\037\353\352=\351\236w\247`\320\036o\n\373\307a\343\223\301l\010C\236\365N\373\335\376\240\177\336\237\016\216\005\267\302\317k\027j/\353Zc,ZzIJg\317\373\027b\352K\321\203\037\033y0\315\335\253]k\014\302s\275\303\220\027b\017\223\320\336\210\247G\243z\244\377\336\314|\271\247\271Y\367\226\327\033e\021\222\277\265\257\271\000\273\252\301p\260\n\371\2565\316FK\317\243\347k\315\354x\360U8S;U\333\256/\202\377\255Gu\256\250\344\275\r\316\300\000Y\262\336-\367\230\233k\366\017\271\227\274<\205\301Iqu\377\336Sw\213^\010`D\033\215~\204\001\333\2579w\221^\377v\225\024\361<E\\\377\3363/G\366\210\315\377\016\267LR|~\321\314\3646\373Oss\345\233\047\006\304\306\256w\014\3314LY2\034,6\207)H(T\373\007\334>\217_<\343\216P\2265\373O\3549\356\035\316\333F\214\235\031\345Y\376$\314\207\213\315\201a\367\t\024X\305:\047\273\213\311\262\177\314\3175\317P49\301\335\204l\316[\364\230\237\213\245\356\024\257\245\310\014\262f\021K{/Rj\376\277\t\237\"\023\302\337\tsa>E\226\222\272\3458:\010\340\360r\264\331\277\367\030~Dd\266C\376Z\260\025\366\204Oj\371\332J\224_\213\326~\216~F\014\251\221\2525GNq\032\357W\244\327t\230\251u\327\206k+\365\257((\217b\025]\237\255\263\306dc\047Z{\021\275\370_\360\272\036v\207\303\341\213\332b\215\325\271\350\007r5\271-z\n\014.D\205\215\346\365\311\360i\215\273n\324\177\3133\231\325r5D\355\0318g\326\317\372\367\242\253\017k\245F\366]f\204\374\327\267wco\331\355\216]\234\337[q\007\t\354\222\2332\375Q\377\327p*\3358\344^t\327\261\006[?\302\3403\317\362\207\374I\337\n\206\243\253?\324\234z\2569p\206\322\017\310\020N\327z\353\203\365\213""\321\354/\321/\020\r\352\363,\235\274S\353\213\351\374\177\266\215^\037\256\277\216\026\340l\\\333\034\376\332\233\213\276\271\303\255\363\242\276X_o|\322\370\246\261\325\034>\007\017\336\360\226\220\241\303\301\313P\t\255\332Pm\262\266\325\0348\347\215\373\267P \006\020\202\315\001Rk\277\375\326\353\237\324\277\251\363\220\310\2727\334%\367\255?\354\277D\025\261\302\241p2\344\366\272\032\274\n\267j=\265\031\010\236M\331+X\374\2773\325$b|\245v\0067\222t\003\247\220\016T_(Q\206\202\033\200\254l\333\246\321\344S\004\225\025-\"@_G\257\251\342F\354\243\254\232\230\345\317<\neo?\222\343\r.\332\361\376@\241K\047I\202\344z\340\204\267\001\215v\375|}\266q\025a\334\224\276\3657\202\265p*\264k\227P\3258\243/\004\336Q\262Q^\336\364\n\376#\177\035\220~;<\211\000\350N\361n%\344e \214\222\230\357\014/\312T\246\366\362\"3^s\260X\013\037\301\275\273\365\356\372\231\306 !\315+\002#\002\377\257\t8N\354\331\360bn?BG\377\310\013\317\3050MwV)\014\326H\001\320\214\003:\346\251N~L\365\240@\311\271\263\336\230\177\031\340\205\336\2407:\373\035\342\243\033v\331\252\177\331P\232\203C$\312.\370\234\"<Gm\276\340\347\374\331`<\274_S\353\347\0327\033\n\242\026b\334vOB\236D\310\377\202Z\274\331\350\205\366\243>\037v\273\247\001\226\2678&s\255>A`\365\017b\225\204\\\367\273\223jv\032\326\275\013\333f\352}\215[\321\002*\031\340\345\027\330f\340\020wh\376\245`*\330JT\317\047{\271de\016\225QC\014@{\001\341\003\356q4DYo\022\n!\027\047\021\214w\240\323#_\241\354\273\014\362b\240D\327\036\241\355X\211\026\001n\257\242W\277F\277\022\360D\033\334\220\024\302q\310>\254\341\324\210\273\202\026\352\005N\256Gcw\243\273\274O\034\036!\356\337y\347\275i?\003\217\017\305:u\327\207\352\3375\262\250 $\3121\367\246[\200\324\024\271`JY\207\232\031u\301\\\357?\357:~\006A\335\203\005$$\365\222\356\317(\365Y\300@o\2304\227\337\360\206j&<\205f\211\272W\336\305\r\270=\324\242z\217\311\324\347\274\t\300\006/\0179\364zg\243\363d\316f\346k\010\326\355\217 \021\320f\21553\027\220\273[\301qB\235\346\3045\342t\021\tT%\234\372""\251\261\370\256\007\366\203 \237\272E\264\222\213\361\355\204\202\371\3609\300w\036*\001\024z2{\335Q\357\271\270\r\215z8>\277\357o9N\344\304i\357\023\030z\r\216{[;\211,\346\311\363\035Z)\302\021*\257q\022\025Q\374v\201o\247k\237D\367V\243U\204\002\234\361\272\371\317\3618\20144\226\231\257\274\3330\313\267A&\354\216zP\211S\327Q\\\016u\2647T\312\031|\377\007\032\362r\355F-.\234\020\365Rp)\314\277?\327\325\013\243wd>\t\326\016\355Et\235\321\322z\264\316\253\335\207\025\272\200\3008\355\367\240\225\276\211\356?VJ\367\267\242\261g\215\255ha%ZY\335\247\013\357\253\\\225\276P([\257A\2611\036\274\321\227\027\375\247\201\035f\333u\361>\325< `\334\t?@\322\211\350\351\301\316\373/\273z\257\303\263\231k\255\307\2778\356\241\263~\227\311RJ\022$\241MF\004\252\310nt\033\376m|\247\\\300gE\047\252\305\251\375E\252\n\340\250(3\204\036\027\2745\037\373\300\0064\350\204\030-\330\217n\241\261m,\002#\234h\371\367\350\367\315h\263\024\225\312Q\331h\336B\346\000c\272\201\337k\240y\036-\303\032\277E\277\301\252H\263b\363\3549\272\221tM\3625\227\256\022\377nd\033\271\306t\264 \322\262\030\025c\306\221a\306\245\"\352yT\317\036\322\372_\r\026\243\211\351\372L\343t\264\260\034-s\340\0349\205v\371\177\000J\016Z]";
+    PyObject *data = __Pyx_DecompressString(cstring, 4616, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (6354 bytes) */
-static const char cstring[] = "\377  /  at \3770x bytes\370\000\003\016\001\t\004out o\377f range \377(2 buffe\323rs\020\001,\003)3\003; \377call clo\377se() or \377use \047wit\337h\047 doW\000no\377t exist \375(\007\007suppor\377t POSIX-\377fd share\377able han\343dl\217\0004\006$\005vir\377tual mem\377ory mana\377gement f\177ailed: 5\004\377(s)> is ~v\001mapped\n\001\373pa\200\000the e\363nd\327\001\007\001regi\373on\226\000objec\367t> \n\000cuda?: viewE\000\200!\375i\271\004; dele\367te A\001tensyo\215 $\001ing \"\000\367fir\342\000visi\376\304\000)#x(tre\277e frag\241\001)\377)) runs |\177\006w\003\047s );\260\"\377device=\047\337cpu\047,\306!in\363st\331!\261\001NVID\377IA drive\277r, , g\324 ./: <C\254\000R\301\003\000\t^\214Bd><M\250\"V\313\000\376\313A<contig\337uous \344  d\263ir\363\001\007\rin\021\005s\017trid\275 #\007\223\003\006\027\363><(\tA\006>?CU\371D\275\000\337\002 CUre\377sult Can\376\234aassign \367to \202`d-on\363ly\340D\204AInva\377lid mode\345,\311`p\250@\321@\047c\047\366\354a\047f\306`ran\047\370\216#%\005\316`pe in\373 a\371` None\353No\267Bas\000yth\370\364@\240`\317@ibera\363teo\000\351\001cter\376\336@an PEP-\267484\243\"re\233as\277 subcl\252\000e\276\204\205\002built_\000t\377ypes. If\177 you ne\355`\360\307\000\355`$\n\370`n se\265t\272b\047\363\002at\373`_\304<\000\277`\047\206D\335@\204!Fa?lse.a \233\204\004Q\001\236\260@t le\303\204\001\313\000 \377chunkacc\357ess_\265cs m\377ust name\273 1\311!16 \023\004a\217dd_n\375\000\301\206\003\307\206\004_\374\365\206\0030\002be pos\353it\334`c\215Ddop\375t\243` empty\350\204\207\003\024\004\351\206\002 \224\006whi\367le 0\004unmaIp\031\000\232\002 \025\003\311\205\001s\345\205\014x\216\207\002\037\003%\003size\273\004\270\202\010\320\000\341 ple7\006g\377ranulari\224\222\000\377\002_6\001 \266\r\234\205\003c\337ollec\343!s.\377abccount\312\"\006a\307%1\357\206\002\372\205\003 d\373is\204\210\001dmabu\237f off\260A\234%a|\207\006\273\207\005page }\002\377dsts, sr\271c\326\205\003\305\010hav\260\207\003s\236\227Aleng""\211a\352\210\001f\257rom_\306\207\003 \335D \374\244\205\002\332\207\003gcisen\356\212\002no \266\205\tis \376\343\207\004 (cuIni\373t:4\002_ERRO\377R_NO_DEV\347ICE\311\207\020G\000def\375a\373\205\001__redu\377ce__ due\376\374\205\001non-tri\377vial __c\315iV\000__\376\004\362afd\317 per\367c\337\211\002eegded\254\206\002\307\211\003s \225\211\003\377xfer all?ocated\232a\266\206\001\276\360\212\001their\337\212\005ohK\000\202\205\002\367\211\001a\302\213\003d \313\210\007~\n\023Stager\267\212\004\264\344X\201\007/\260\213\003/_\333\212\001.\207pyx\206\213\001\215\210\003\316\211\002\250\213\005a\357vail\203\214\002on \377this mac\177hine (u\204B\374\241\210\001\317\005 array? data.\013\020\375\207\003\004\344\211\001\301\211\003s\"\000\222\212\003\326\010\342\215\001\257\205\002\377ped_tail\361 \322w\357\204\t\235\214\001 [|u\1771ASCIIB\332\211\001~\354MCopier\000\003\377.__enter;__\006\007xit\004\010\203d\371c\227\211\002\034\010setst\217ate_\013\014\356\216\002V\004d\367tod\000\010_bat\323ch\022\007\003\005h\035\007me\357mset\225\004syn\377chronize>\313\214\001Error\316\214\007\330\214\007\000\272\010\355\214\006\325\001\303\003\007\t\275\r#\t\277\017\350B\010\214\206\002\326\211\002sl\tplaIn|\t\341\210\002_\376\211\002\224\010a\257\211\001@\004\t\370\204\004\267\010\260#\264\007\352\217\001_\302b\026\334\010ex\231\221\001_\375\207\003\006\017\233\221\004\230\215(\274\207\010\243(imB\002\035\017m\177ap_next\317(\377reserveD\377EFAULT_C\377HUNK_SIZ\377EEllipsi\177sExtent\226B\377LockMAX_\376 \nSSequen\003ce\226\206\003\234\206\003\354g\006\007\361b\026\006\300\347l.\006\345nJ\004\344\223\002V\004st/art_\371`h\004\n\342axx\004\302\222\001\203\004wait\203\221\001].\210\221\007__D\356\221\002B\376\224\001\302\000\t.\217\211\006\206\205\005\017\014\203\205\016__\367Pyx\001\000Dict\373_N\330 Ref__>\336\216\004e____\263\217\002\000\006\377_getitem\352\026\001d0\001_\227\206\006__e~\224\206\002__func7\001\341g\372\205\005E\000\315DO\000mai}nU\001modul^\002\\\365\216""\001g\001newn\001p\217\000\177checksue\000\014\n\001\357\221\003__\026\001\316\206\003\006\002\274\220\001~\017\003unpickK\000\303En,\005\n\006\240*>\002vt<\255\226\001\331\001qualv\005\312\213\005\354\262/\345\213\005ex\215!set\345_\252\005s\327\010\3110tes\375t\277!ontextT\353\220\001\272\214\002_\365\216\007_\300\"e\265\207\001\264O\003\275\206\010_\311\206\010.<\215\214\001l\377s>.genex\377pr_is_co\377routine__lock_\350\206\001_\326\206\010\367abc\331\221\013addr0\362\221\001\230\231\002\357\206\002\364\206\002ed\347\214\005\357\214\005u_\260\231\003a\334\210\001io._\006\337sattr\000\001_i\377ndexbbas=e\256\211\002_api\344\231\003\226\222\003\237ccast\344\222\002\340\220\007c\321l\246\001\371@@\000c4\000ck\310\370\231\002\326\220\002\304\207\007d\221\214\001\225\214\001_p\377trdecode/defe\010\000v\342\227\003\350\227\003y_\215\221\002\005\004info\361\220\003\376\341\227\003_versio\017ndst\330\220\001\341\212\001\345\212\001\330\212\003b\363\205\001d\265b\277 \271\231\003el\212\232\002\026\213\222\002eno\001e\304`\331\225\002\225B\236\232Bsexc\000\000\362\224\001e\370\333\210\n\356\210\004\370\232\004extfd\377flagsfor\347mat\336\226\004\245\221\010gdr~\275Dgetgpu\306\230\003\277_rdma_\373\233\001_\247vmm\250\223\001\245\223\010h\325\233\004h\357oles\211\214\001iidp\227\211\013\213B\204!\223auda\233`\364D\000\246\206\001s\000\002izek\377keepaliv1e\303\222\003\305\211\005\320\211\002ow\353\233\003\217\224\002N\336\214\003mem\311\233\001\271\230\001n\227\226\001\361np\000\371\211\001\227!lobj\367off\337\223\003outo\377wnedppac\317kpoi\252\216\002\374\235\002po}p\231\226\001x_fd_\230\235\004\277prev_k\001\002ooffpr\037\000tr\251\236\002\262\212\225\002_\336a\310`te\337\234\001s\361t\251\221\001\267\227\001\014\000plac\375e\350\212\004resolv\247e_e\330\212\002\216\232\003r\204\226\002s\337elfse\370@et\300\246\223\004\314\231\002\236\236\006\251\226\002\256\226\001\354\224\001rc\003ss\216\222\001\205\226\002\221\212\002\221\212\007\237\212\003\366\216\001\374\301\217""\002\307\217\001icmeth{od\224\000psto\001\000\357ream\235\221\004str7uct\207\217\010tb\346\235\003\315\223\007\321.\303c\006\010\215\237\003.\330\222\002th:\300\233\001i\340\225\001row\227\232\002P\000\331n\221D\336\221\001un\336!up\377dateuse_~\332\220\005vvalue\000\002\341s\364\204\004\203\237\001\305`\271\213\001war}n\000\001ingsx\270\234\006\357(CUc\221\210\003 *,7 CU\277\236\003)\000\016\020\007\013p\347\227\0042\000\346@\007\021ptrG\t\214\010\004\242\231\001_th\001\004\003p\001m\377emcpyAtter\355Bs\024\007\032\013st\344!\270Q\030S\007\301\005ptr\017\036,\371 \201\007\276\240\003ptr, \373un\320\236\001ed PY\037_LONG\000\002\322\024\260\04706\002\321\007\226\032q\005)\000\342*y\010\372\227*A\247\235\002Desc /cons\272() \035\337*\377GenericA\036\326\230\003ionH\255\244\002\302\200-\227&\317char\270)\325\034vocid\261\r\366a\312Qev\233\245\001\201*\202H\334n\036\002\263,2\002<\025m\343em\353\024\205\204\016\231\047Pro!p\354\047\370\202 H\033\377\002*\330\205\013\016!<\247\205\004\253MType%%\315\206\013\206\301\244\003, \300A\316e\211\014\360\205\003 \300\350:\222\206\005\254\207\010M\002\230\207\003\302\207\023in\007t *\356\204\n\r\002\373\207\007\372\212\007\203\210\023n\342\206\tmem\225UCU\020\n\005G\365\241\007_\233\216\002\340\210\t\353\206\006\305\210\014\236O\342\274C*\262\207\007\035\033\210\207\026mem\001R\240\254\001\376\205\003\305A\327\207 \271c\312\207(\047\007\300\344\204\027\301xf*\362\216\005\271\216\006\220\211\n)\000\373cu\260\230\003Prima\377ryCtxRet\347ain\026\000\t\000Set\177Current \006\253Ge\010\001M\240\213\002B\225\236\001A4\354\235\001E\000M\306\206\001tA\310\224\003\301\"\360\017\003\n\005\215\233\003#\003cpyD\347toD0\0101\004Fre\005eF\003U\366\246\001Q\003\203\000\350\211\003`\003\367Mapi\003setD\2758t\010cpyHK\010E>\253\210\001CreatO\001\t\002\177Destroy\363\000\362\030\002S\240\237\007\013\005Reco\023rd\311\0033\006M\224`\221\"\226\212\r\372\361\003I\225\235\002FromS\030\360\257\005\277\212\003\220#Re\247\221\002\350 \271 .\211\240\002N""am\342\001S\275\215\002\231\006\000\t\003\231\007\031\003\226\013\335\233\003\201@<\004\007\006!C\210\250\001\312A\316\256\002\242@V\350\225\003\254I\020\313\216\006\244G\355\213\006\376\205\010\000\374\246\003\315C\215A\007Hos\355D\006\001\245\214\002\347F\250\214\003\247For\347O\337CH\225hE\026\205\240\002To\225/P\233\224\003\332`\360\217\006\377O\200\001\330\004\n\210+\373\220Q\005\001\021\220\021\330\004\376\000\002\014\210I\320\025&\240\377a\240q\250\004\250A\330o\004\013\2101&\001\030\230*\002\377%\210r\220\026\220r\230\367\021\330\010.\002\013\2109\220_A\220W\230AJ\001\031\024\000\377\004\005\330\010\023\220?\240\377!\320#6\260h\270a\377\270s\300+\310^\320[\377_\320_a\320ad\320\377de\330\014\023\2201\220\177G\2301\330\013\014\340\\\000\337;\220a\220q\211\001*\250\377!\2506\260\021\200\001\340\375\004\200\014(\250\001\250\021\250\367$\250a\210\004\340\004\037\230\377q\320 0\260\013\270;\377\300k\320QR\330\004\023\317\220<\230x\261\000\322\000\007\200\377|\2207\230!\330\010.\177\250a\250\177\270n\310\276\005\337\360\006\000\005\022\345\001\017\320\377\017+\2501\250A\250S\377\260\007\260u\270K\300q\177\330\010\017\210q\330\014\277\000|6\000\356\003\360\010\000\n\033C\001\377\021\220\024\220U\230$\230\357g\240T\250\365\000\020\220\007\377\220q\230\006\230l\250!\377\330\004\007\200v\210W\220\377E\230\024\230Q\330\010\022\375\220r\000\027\220q\340\010\027\377\220t\2309\240G\2501\374\036\001Y\001\320\017-\250T\260\377\021\260\047\270\033\300G\310\3171\340\010\017\006\t\273 \360\024\277\000\005&\240[\260\222@\027\357\220{\240!\207D\013\320\013\177\034\230F\320\":\270j\000\376\264\000$\240A\240Q\240f\376\270\000V\3203I\310\025\310\277k\320YZ\330\010\242@\320\357\014 \240\013\274!\330\004\020\373\320\020\273C\017\260q\330\047w=\270U\375#\\\330\024\337!\3771\250O\2701\330+As\300\025\265#7\003\047\240{\232\000\375\021\352CA\330\010\014\210F\367\220!\200\001\005\2206\230\031\017\240\047\250\021\r\001\246 \024\001\301A\375D\222`\r\016\330\014\024\220\357I\320\0351\334\000$""\260k\375\300!\001!2\260!\360\022\377\000\t\020\210z\230\026\230\377q\240\006\240l\260(\270~L\001\"3\2601\360\"\006\021\377+=\270Q\360(\000\t\337\023\220\"\220C\337 \004\230\365C7\000\005\362 \023\250F\260\376\314@\031\230\027\240\001\240\021\377\240\"\240D\250\003\2505\377\260\n\270#\270Y\300d\337\310(\320RY\202!!\"\373\240#\047\004*\320<L\310\375A\274\0001:\270/\310\021f\310@\t\024\362`\325\000\024\220\262\000\377\230\025\230i\320\047i\320\377ij\330\010\016\210d\220\377!\2205\230\t\320!__\320_`\330\010_\005#\346 \337c\250\024\250U\267\000/\310\377\031\320RV\320VW\330\377!)\250\033\260E\270\026\357\270v\300Q\234 5B\300>\344\002 \230z\250\030\335@\363`\377\013\2105\220\003\2201\330\277\014\022\220*\230A\224a\023\036u\003\014\210K\220\346`\334\205\002\374`\316\340!L\230\001\000\004\356!I\220>\302`\014\210J\220a\374!&\004}N\306\204\001\014\210O\2301\214!\256\243\204\002\200A\340\357@4\255\204\001\r\277\330\010\t\330\014\027\252\"A\367\330\017\020\023\003y\230\003\230\3671\330\024\263\205\001\024\250Q\330\371\024\262a\270\204\001\014\020\220\013\230\3351\331AE\220\025\363\205\001\330\014_\017\210t\2208W\002s\362`\373\030\047\362\206\002H\260A\260Q\337\330\020\024\220H\276\000U\240\365!!\0039\313\000S\240\003\240w1\330\030\234\207\001t\2509\037\005\177I\230Q\230e\2401\257\004\334\221\013\355\006E\220\024\335\000\014\r\303\210X\334\010Tf\331\010\267\0038\260\2071\260A\331\010\312(\260F\231!7\357\230!\2301\356!\014\210G\353\2201\226\204\001\330\352\204\006/\250q\377\260\004\260H\270A\270T\377\320AW\320W\\\320\\\377_\320_c\320cd\330\373\025\026\222\205\002\230^\2501\250\377D\260\010\270\001\270\024\270\267T\300\033\221\204\001\340\0105\023\320\3770F\300e\3104\310x\337\320WX\320X\02180\260\377\001\260\024\260X\270Q\270\303e\300\266\002\233\206\016\266\000i\002\320K\377a\320af\320fg\330\27704\260K\270q\326a\047\373\240z\305\206\002e\2701\270A\377\330\010\030\230\004\230F\240\377!\240:\320->\270l\337\310!\340\010\025\243\204\001\013\210\1772\210S\220\001\330\014\377`\177\014""\210A\210T\220\021\372\210\001\376\216\207\005\010\014\320\014\034\230A\376\246\"\022\220$\220b\230\001\372\314aB\006\000\007\230r\240\022\377\2404\240r\250\024\320-\377?\270t\3001\330\020\030\372\373\205\0013\217@D\270\t\300\021\377\300$\320F]\320]a\363\320a\310 \241\206\00248\270\013\366!\004\240\036\353\047\300\024\300[\377\320PQ\330\020\023\2201\377\330\024\034\230I\320%8\376\345\"X\300Q\300b\310\002\177\310%\310q\330\024\032\277@\3772\230R\230z\250\024\250\377Y\260a\260r\270\022\270\3774\270q\330\020\032\230)7\2405\250\226\000\027\220\013\000\323\001\374\304\210\003\266\047b\300\002\300%\300\375q\310\206\001!\2202\220R\220\377z\240\024\240Y\250a\250\277r\260\022\2604\260\253\"-\377\250Z\260q\270\004\270E\332\266\000!\245(\250Q\321\200W4\260\237A\260T\270\030\250 \232\001\020\367\026\220a\354\213\002A\240T\250\177\022\2502\250U\260!\312\047\367\3204K\322`r\320QW\337\320W[\320[\377\215\001\320e\374\261\201\"\217%\200A\360\006\000\t\377\014\2104\210w\220a\220_x\230{\250!\323\210\010\017\333\212\006\377i\250t\2606\270\026\270\377s\300\"\300F\310-\320\377WX\330 &\240g\250\377W\260C\260s\270*\300-AC\003\r\210\362\210\002\013M\000\370\207\001\3773\230f\240B\240b\250\377\003\2506\260\023\260D\270\361\001\257\211\010 \001\371\"+\230Q\230\334\221\211\002\346a\030\230\021\333\216\001\013\210\3671\210A\340\205\003[\250\001\250\365\024e\000B\334@y\300\001\300\377\030\310\021\330\014\r\210Z{\220q\271\000\010\000\t\034\362\210\001\177\017\210s\220!\2201\252\215\001\216\226\212\t\320\035A\264C\240\212\004\224\001u\372\315\214\001W\275\001\014\022\220)\230\3771\230N\250!\2501\330\365\010\234\213\037\022_\001\220F\230(\377\240+\250Q\330\010\020\220\357\t\320\0317\235`\001\270\026\377\270q\300\016\310a\330\021\235\022\351\217\001y\230\001\226\215\001\037\000\320\377\020#\2401\240F\250)\377\260;\270c\300\032\3103\357\310a\310q\317\216\0016\220\023;\220A\300\213\004\320\035@\324\000\371\217\002\355\t\373\000\047\240\204\220\002\001\220\027\257\230\003\2305\217\212\002\010\364\213""\001\002\337\220!\330\014\021\023\000\001\230\337\025\230b\240\001\306\214\005\027\250\367\003\2509\331 \010\300\013\310\3775\320PV\320V\\\320\273\\]\325@\020\000\t\376.d\237\240*\250C\250\360\204\002\367\001A\316\333\217\0014\210t\315\214\003\211!I\240_Q\240d\250!\270\215\001a\373\213\002\377\020\220\005\220U\230!\230\3674\230q\210\206\0014\220t\230\3358\321\000B\240a\372\205\001+\240\377Q\240h\250a\320/B\377\300+\310T\320QX\320\177XZ\320Z^\320^\365\207\001c\320g\202\216\002\277\204\001\200\207\004>\2703\000\377\025\220T\230\024\230X\240\377Q\240b\320(9\3209\366\264\223\002\024\025\346\206\0017\230\"\230\177D\240\010\250\001\250\022\315\004\377\001\300\022\3007\310!\330\377\017\020\330\014\020\220\003\220\3773\220f\230A\330\020\025\357\220Q\220a\234\210\002\017\210q\377\320\000\020\220\001\360\n\000\377\005\030\220q\330\004\017\210\377q\220\001\330\004\014\210I\377\220\\\240\021\240!\2405\357\250\t\260\021\014\002\320\025%^\335\221\002E\260\026\260\047\000\005\320\222\004\267\020\220\004\260\224\001\230G\343\214\001\032\317\230.\250\001\257\223\001\222 \220E\357\230\031\320\"\313!\330\010\034\276\226\000\001\240\025\240i\273 \047\377(\330\010#\2404\240q\273\250\005\362\207\001\330./\235\223\001$\357\220a\220u\244\210\001M\310Q\337\340\004\016\210a\206\000\006\220\237h\230g\240Qw\004\202\211\001A\277\260V\2701\270N\320\000\r\377\016\330\004\010\210\001\320\t\265\032\221\224\004\320\367\224\001\360\014\211\206\003q\370\372\211\002\236\205\004\275\224\001\020\024\320\024&\366\363 \020\021\373\217\001+\230Q\320\333\036<\232\214\001\300\021\361\213\001I\220\207Q\320\004\332\212\002=\001\200\206\004\267\212\003\027\277\230\002\230+\240W\365@z\277\270\023\270A\270Q\320\223\0017w\220\"\220\256\212\001\004\230AH\004\377\230h\240a\240y\260\001\377\260\027\270\002\320:U\320\357UV\320V\311@[\330\036\375)\371\205\004d\270!\330\010\033\377\2306\240\021\240&\250\010\177\260\001\320\004(\250\001d\010\237\013\2106\220\022\221\221\n\355\220\001e\376\270`{\250$\250m\2702\374w\001""\221\220\0011\320\004*\250*?\260A\360\032\000\t\261@\376\207\001\370\260\207\006\225\001\220\205\007Q\320QR\320\257Rb\320b\364\215\002\010\264\032#\376\325`\027\240\004\240G\2503\373\250a\315\005i\240q\320(\377O\310q\320PT\320T9U\275\014\240aQ\220c\356\230\001\247\223\001\337/\240\021\240(\367\204\002\320\016\177$\240K\250s\260!\206\217\007\355;\257\215\001\270T\322\225\005<@\300\356\241bq\320\004\027\000\360\016\000\177\t0\250q\330\010/\000\002\372\006\001\037\226\225\002a\240q\340\010\371!\316\206\001\316\210\001F\220!\2203\376m\000\026\230s\240!\2406\177\250\021\250#\250S\260\207\211\013\212\223\207\004\r\347\231\0011\315\224\001\375\226\002\240\214\0031\377\220F\230#\230W\240A\377\330\014\020\320\020*\250!\374\355\207\001\333\215\0034\260A\3205L\377\310A\310Q\310a\310t\377\320Sj\320jk\320k\377l\320lm\320mn\330\3775>\270a\270q\300\001\357\300\024\300W!\000V\320S\376\213 `\320`c\320cg?\320gh\330\031\032\351\216\001\353\226\001\374\347\206\005\256\216\010\3204J\310!\310\3371\310D\320P\320\206\003h\320\275hR\004\320no\330\272\216\003\320\317\004B\300!\252\007\261\227\006-\250\377Q\320.D\300E\310\027\337\320PS\320S\363\211\002\025\026\007\320VW";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 6354, 10489);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (6218 bytes) */
+static const char cstring[] = "\377  /  at \3770x bytes\370\000\003\016\001\t\004out o\377f range \377(2 buffe\323rs\020\001,\003)3\003; \377call clo\377se() or \377use \047wit\337h\047 doW\000no\377t exist \375(\007\007suppor\377t POSIX-\377fd share\377able han\343dl\217\0004\006$\005vir\377tual mem\377ory mana\377gement f\177ailed: 5\004\377(s)> is ~v\001mapped\n\001\373pa\200\000the e\363nd\327\001\007\001regi\373on\226\000objec\367t> \n\000cuda\277: visi\213\000)\377#x(tree \357fragh\001)))? runs F\006>\003\337\047s );\367\002de\377vice=\047cp\367u\047,\215!inst\374\240!x\001NVIDIA\377 driver,\357 , g\233 .: \213<Cs\000R\210\003\000\t\323\"d\367><M\357\002View\376\222A<contig\337uous \253  d\263ir\272\001\007\rin\021\005s\017trid\204 #\007\223\003\006\027\363><(\tA\006>?CU\371D\275\000\337\002 CUre\377sult Can\376\343Aassign \367to \311@d-on\353ly\247Dv\267\000Inv\377alid mod\313e,\220`p\357 \230@\047cM\047\263a\047f\215`\354`\047\216#\374%\005\225`pe in \375a\300` NoneN\177ote thas\000\347yth\273@\347@del\177iberateo\000\336\351\001cter!\001n \177PEP-484\243\"\373re\342As sub\353cl\252\000e\313\204\002bui\373lt_\000types\377. If you\007 ne\264`\307\000\264`$\n\277`\337n set\200\000e \255\047\363\002at\302`_<\000i\307ng\047\206D\335@\204!Fa?lse.a \342dQ\001\236\260@t le\212\204\001\313\000 \377chunkacc\357ess_\265cs m\377ust name\273 1\311!16 \023\004a\217dd_n\375\000\210\206\003\216\206\004_\374\274\206\0030\002be pos\353it\334`c\215Ddop\375t\243` empty\374\313\206\003\024\004unmap \375a}\003 while\205 \245As\220\205\014\271\206\002\243\002$\004s\207ize\237\004f\010\264\000\305 p\373le7\006granuOlariv\000\343\002_6\001\371 \232\r\200\205\003colle\375c\307!s.abcc\257ount\"\006a\253%1\274\232\206\002\336\205\003 dis\257\207\001d\377mabuf of\311f\224A\200%a\207\006\346\206\005pa\367ge }\002dsts\237, src\272\205\003\305\010h\343av\332a%\000\373!len\371g\355A\225\210\001from_\177tensor \301D\371 \210\205\002\016\003gcise\335n\212\002no \232\205\tis\376\306\207\005 (cuIni\373t:4\002_ERRO\377R_NO_D""EV\347ICE\255\207\020G\000def\375a\337\205\001__redu\377ce__ due\376\340\205\001non-tri\377vial __c\315iV\000__\376\004\326afd\317 per\327D\213\211\001eegded\220\206\002\362\210\003s \311\003\377xfer all\177ocated \266`|\232\206\001\233\212\001their\212\212\005\321oK\000\346\204\002\242\211\001a\355\212\003d \374\257\210\007\n\023Stagerh\342\211\004\344X\201\007/\333\212\003/_\206\212\001\017.pyx\261\212\001\361\207\003\262\211\002\323\212\005\337avail\256\213\002on\377 this ma\377chine (u\370\204B\205\210\001\317\005 arra\177y data.\013\020\010\341\207\003\310\211\001\245\211\003s\"\000\366\211\003\326\010\215\215\001\376\257\205\002ped_tai\343l \322w\357\204\t\371\210\001 [|\377u1ASCIIB\374\276\211\001\354MCopier\376\000\003.__entewr__\006\007xit\004\010\362\203dc\373\210\002\034\010sets\037tate_\013\014\231\216\002V\004\357dtod\000\010_ba\247tch\022\007\003\005h\035\007m\337emset\225\004sy\377nchroniz}e\257\214\001Error\262\214\007\002\274\214\007.\247\204\006\235\006\331\214\006\336\000\230\017\023\010\364\345\205\002\223\211\002sE\tplan$U\t\272\210\002_\273\211\002m\010a\354\210\001\004\t\310\321\204\004\220\010\336\216\001_\213b\245\010ex\002\215\220\001_\306\207\003\006\017\217\220\004\326\010\205\207\010\354\010\363imB\002\035\017map_\357next\230(res\377erveDEFA\377ULT_CHUN\377K_SIZEEl\377lipsisEx\357tent\337\"Loc\337kMAX_ \nSS\177equence\337\205\003\000\345\205\003\265g\006\007\272b\026\006\260l.\006\256n\370J\004\330\222\002V\004start\005_\302`h\004\n\253ax\004\347\216\001\203\004\257wait\260\220\001.\265\220\007_\013_D\233\221\002B\362\223\001\000\t\237o\017\014\276\314\204\016__Pyx\001\000D\337ict_N\330 Re\367f__\213\216\004e___\371_\340\216\002\000\006_getiWtem\026\001d0\001_\340\205\006\367__e\335\205\002__fu\013nc7\001g\303\205\005E\000\315DO\000\357mainU\001mod\343ul^\002\242\216\001g\001new\372n\001p\217\000checkcsue\000\n\001\234\221\003__\026\001\360\227\206\003\006\002\351\217\001\017\003unpi\033ckK\000En,\005\n\006\240*\346>\002vt\241\225\001""\331\001quaalv\005\223\213\005\344\205\016\255\213\006ex\215!/set_\252\005s\327\010\3110\357test\277!ont\247ext\230\220\001\203\214\002_\276\216\007_\242\300\"e\376\206\001O\003\255\206\010_\271\206\010.\375<\326\213\001ls>.ge\377nexpr_is\377_corouti\377ne_lock_\272\330\206\001_\306\206\010abc\206\221\013a\207ddr\237\221\001\214\230\002\337\206\002\344\206\002e\251d\260\214\005\270\214\005_\244\230\003a\245\210\001i\373o._\006sattr\376\000\001_indexb\357base\367\210\002_ap\371i\330\230\003\303\221\003ccast\214\221\222\002\251\220\007cl\246\001\371@@\000cF4\000ck\354\230\002\237\220\002\304\207\007d\332\213\001\376\336\213\001_ptrdec?odedev\212\227\003\220\227\003y_\321\220\002\005\004info\265\220\003\376\211\227\003_versio\017ndst\234\220\001\245\212\001\251\212\001\234\212\003b\356\205\001d\260b\272 \250\230\003el\371\230\002\026\317\221\002enj\001e\277`\201\225\002\220B\036\225Bsexc\316\210\n\341\210\004\337\231\004\377extfdfla\377gsformat\334\376\225\004\341\220\010gdr\260Dge\357tgpu\346\227\003_rd\367ma_\342\232\001_vmm\364\344\222\001\341\222\010h\274\232\004hole\035s\305\213\001iid\212\211\013\376\"\374\001\216\206auda\216`D\000\231\206\001s\376\000\002izekkee?palive\377\221\003\270\211\005\306\303\211\002ow\322\232\003\313\223\002\232\214\003me)m\341\227\001\331\227\001n\267\225\001np\000\354\211\001\376\217!lobjoff\376\233\223\003outowne\377dppackpo\271i\346\215\002\343\234\002pop\271\225\001x\357_fd_\377\233\004pre\367v_k\001\002offpMr\037\000tr\220\235\002\306\224\002_\321a6\273`te\306\233\001st\345\220\001\327\226\001\276\014\000place\333\212\004r\377esolve_e\364\313\212\002\256\231\003r\300\225\002self\033se\360@et\342\222\004\354\230\002\205\235\006x\345\225\002\352\225\001\250\224\001rcss\312\221\001\200\301\225\002\204\212\002\204\212\007\222\212\003\262\216\001\375\216\002\203\217\001i\177cmethod\224\000\357psto\001\000rea\375m\331\220\004struct\210\303\216\010\324\224\003\207\223\007.\271c\006\010\362\235\003.\326\222\222\002th\336\232\001i\232\225""\001ro\311w\265\231\002N\000n\217D\230\221\001un\376\334!updateu\367se_\224\220\005vval\013ue\000\002s\352\204\004\231\233\001\303`\252\213\001\357warn\000\001ing{sx\326\233\006(CUc\202\210\003\277 *, CU\335\235\003)\201\000\016\020\007\013\241\227\0042\000\344@\007\021pctrG\t\010\004\334\230\001_th\001\374\004\003p\001memcpy/Attr\353Bs\024\007\032\013\303st\342!Q\030S\007\301\005pt\315r\017\036, \201\007\334\237\003pt\337r, un\356\235\001ed\377 PY_LONG\200\000\002\322\024\260\0476\002\321\007\226\032q\005)\321\000\342*y\010\227*A\305\234\002De\177sc cons\272(\371) \035\337*Gener\367icA\220\230\003ionHx\222\243\002\302\200-\227&char\270)\036\325\034void\261\r\366a\312Q\013ev\200\244\001*\202H\334n\036\002\263,\0342\002<\025mem\353\024\205\204\016\231\047\017Prop\354\047\370\202 H\033\377\002\341*\330\205\013\016!\247\205\004\253MTyp1e%%\315\206\013\337\243\003, \300A\316e\004\211\014\360\205\003 \350:\222\206\005\254\207\010M\002\230\207\003>\302\207\023int *\356\204\n\r\002p\373\207\007\370\212\007\203\210\023\342\206\tmem\225U+CU\020\nG\257\241\007_\231\216\002\340\210\t\020\353\206\006\305\210\014\236O\274C*\262\207\007\035\033\210\207\026\017memR\205\253\001\376\205\003\305A\327\207 \000\271c\312\207(\047\007\344\204\027\301xf*\360\216\005\267\216\006\336\220\211\n)\000cu\241\230\003Pr\377imaryCtx?Retain\026\000\t\000\377SetCurre[nt \006Ge\010\001M\240\213\002\245B\317\235\001A\246\235\001E\000M\306\206\001t\201A\271\224\003\301\"\017\003\n\005\376\232\003#\003c?pyDtoD0\0101\004/FreeF\003U\260\246\001Q\003\270\203\000\350\211\003`\003Mapi\003s\357etD8t\010cpy\365HK\010E\253\210\001Crea\371tO\001\t\002Destr\223oy\363\000\030\002S\332\236\007\013\005R\237ecord\311\0033\006M\320\224`\221\"\226\212\r\361\003I\206\235\002Fr\307omS\325\256\005\277\212\003\220#Rep\245\221\002\350 \271 \303\237\002Nam\342\001\001S\275\215\002\231\006\t\003\231\007\031\003\226\013\316\233\003\010\201@<\004\007\006C\302\247\001\312A\354\255\002\242@\201V\336\225\003\254I\313\216\006\244G""\355\213\006\376\205\010\0008\266\246\003\315C\215AHos\355D\006\0018\245\214\002\347F\250\214\003For\347O\337C\265H\225hE\366\237\002To\225/P\370\231\224\003\332`\360\217\006O\200\001\330\004\337\n\210+\220Q\005\001\021\220\367\021\330\004\000\002\014\210I\320\377\025&\240a\240q\250\004\177\250A\330\004\013\2101&\001\373\030\230*\002%\210r\220\026\277\220r\230\021\330\010.\002\013\377\2109\220A\220W\230A\372J\001\031\024\000\004\005\330\010\023\377\220?\240!\320#6\260\377h\270a\270s\300+\310\377^\320[_\320_a\320\377ad\320de\330\014\023\377\2201\220G\2301\330\013\373\014\340\\\000;\220a\220q\376\211\001*\250!\2506\260\021\357\200\001\340\004\200\014(\250\001\277\250\021\250$\250a\210\004\340\377\004\037\230q\320 0\260\377\013\270;\300k\320QR\177\330\004\023\220<\230x\261\000\376\322\000\007\200|\2207\230!\377\330\010.\250a\250\177\270\373n\310\276\005\360\006\000\005\022\376\345\001\017\320\017+\2501\250\377A\250S\260\007\260u\270\377K\300q\330\010\017\210q\343\330\014\277\0006\000\356\003\360\010\000\373\n\033C\001\021\220\024\220U\177\230$\230g\240T\250\365\000\377\020\220\007\220q\230\006\230\377l\250!\330\004\007\200v\377\210W\220E\230\024\230Q\357\330\010\022\220r\000\027\220q\377\340\010\027\220t\2309\240\347G\2501\036\001Y\001\320\017-\377\250T\260\021\260\047\270\033\177\300G\3101\340\010\017\006\t\376\273 \360\024\000\005&\240[}\260\222@\027\220{\240!\207D\377\013\320\013\034\230F\320\"\363:\270j\000\264\000$\240A\240\367Q\240f\270\000V\3203I\377\310\025\310k\320YZ\330}\010\242@\320\014 \240\013\274!\337\330\004\020\320\020\273C\017\260\277q\330\047=\270U\375#\\\373\330\024\337!1\250O\2701\237\330+A\300\025\265#7\003\047\353\240{\232\000\021\352CA\330\010\177\014\210F\220!\200A\223\"\364\003\001\260AD\201`\r\016\330\014\277\024\220I\320\0351\313\000$\357\260k\300\021\"\000!2\260\377!\360\022\000\t\020\210z\377\230\026\230q\240\006\240l\367\260(\270;\001\"3\2601\373\360\"\006\021+=\270Q\360\377(\000\t\023\220\"\220C\256\316 \004\230C7\000\005\341 \023\367""\250F\260\273@\031\230\027\240\377\001\240\021\240\"\240D\250\377\003\2505\260\n\270#\270\377Y\300d\310(\320RY\336\361\001!\"\240#\047\004*\320\357<L\310A\253\0001:\2707/\310\021\267@\t\024\341`\304\000\373\024\220\262\000\230\025\230i\320\377\047i\320ij\330\010\016\377\210d\220!\2205\230\t\377\320!_\320_`\330\010\372_\005#\325 c\250\024\250U\376\267\000/\310\031\320RV\320\377VW\330!)\250\033\260\177E\270\026\270v\300Q\213 \3675B\300\344\002 \230z\250\371\030\314@\342`\013\2105\220\003\377\2201\330\014\022\220*\230\365A\203a\023u\003\014\210K\220p\325`\313\205\002\353`\317!L\230\001\000\004\366\335!I\220\261`\014\210J\220\351a\353!&\004N\265\204\001\014\210OS\2301\214!\370$\340\336@4\234\204\001\177\r\330\010\t\330\014\027\252\"\357A\330\017\020\023\003y\230\003\357\2301\330\024\242\205\001\024\250Q\363\330\024\241a\247\204\001\014\020\220\013\273\2301\310AE\220\025\342\205\001\330\277\014\017\210t\2208W\002s\366\341`\030\047\341\206\002H\260A\260\277Q\330\020\024\220H\276\000U\364\371`\"\0029\313\000S\240\003\240w1\330\030\213\207\001t\2509\037\005\177I\230Q\230e\2401\257\004s\200A\223\t\355\006E\220\024\335\000\017\014\r\210X\334\010Tf\331\010\267\003\0378\2601\260A\331\010\253\010\260F\276\231!7\230!\2301\317\001\014\257\210G\2201\226\204\001\330\352\204\006/\377\250q\260\004\260H\270A\377\270T\320AW\320W\\\377\320\\_\320_c\320c\357d\330\025\026\222\205\002\230^\250\3771\250D\260\010\270\001\270\337\024\270T\300\033\221\204\001\340\010\3765\023\3200F\300e\3104\177\310x\320WX\320X\0218\3770\260\001\260\024\260X\270\017Q\270e\300\266\002\233\206\016\266\000i\002\377\320Ka\320af\320f\377g\33004\260K\270q\356\267A\047\240z\305\206\002e\2701\377\270A\330\010\030\230\004\230\377F\240!\240:\320->\177\270l\310!\340\010\025\243\204\001\377\013\2102\210S\220\001\330\375\014\377`\014\210A\210T\220\371\021\351\210\001\216\207\005\010\014\320\014\034\373\230A\246\"\022\220$\220b\353\230\001\314aB\006\000\007\230r\377\240\022\2404\240r\250\024\377\320-?\270t\3001\330\353\020""\030\373\205\0013\217@D\270\t\377\300\021\300$\320F]\320\317]a\320a\310 \241\206\00248\333\270\013!\004\240\036\353\047\300\024\377\300[\320PQ\330\020\023\377\2201\330\024\034\230I\320\373%8\345\"X\300Q\300b\377\310\002\310%\310q\330\024\375\032\277@2\230R\230z\250\377\024\250Y\260a\260r\270\377\022\2704\270q\330\020\032\337\230)\2405\250\226\000\027\220\360\013\000\323\001\304\210\003\266\047b\300\002\300\367%\300q\310\206\001!\2202\220\377R\220z\240\024\240Y\250\377a\250r\260\022\2604\260\376\253\"-\250Z\260q\270\004k\270E\266\000!\245(\250Q\321\200W\1774\260A\260T\270\030\250 \336\232\001\020\026\220a\333\213\002A\240\377T\250\022\2502\250U\260\335!\312\047\3204K\322`r\320\177QW\320W[\320[\356\215\001\363\320e\261\201\"\217%\200A\360\006\377\000\t\014\2104\210w\220\177a\220x\230{\250!\323\210\010\375\017\333\212\006i\250t\2606\270\377\026\270s\300\"\300F\310\377-\320WX\330 &\240\377g\250W\260C\260s\270\267*\300AC\003\r\210\362\210\002\013\374M\000\370\207\0013\230f\240B\240\377b\250\003\2506\260\023\260\307D\270\001\257\211\010 \001\371\"+\230sQ\230\221\211\002\346a\030\230\021\312\216\001\337\013\2101\210A\340\205\003[\250\327\001\250\024e\000B\334@y\300\377\001\300\030\310\021\330\014\r\357\210Z\220q\271\000\010\000\t\375\034\362\210\001\017\210s\220!\22091\231\215\001\226\212\t\320\035A\264C\240\212\004\352\224\001u\315\214\001W\275\001\014\022\220\377)\2301\230N\250!\250\3271\330\010\234\213\037\022_\001\220F\377\230(\240+\250Q\330\010\277\020\220\t\320\0317\235`\001\377\270\026\270q\300\016\310aw\330\021\022\330\217\001y\230\001\226\215\001\376\037\000\320\020#\2401\240F\377\250)\260;\270c\300\032\277\3103\310a\310q\276\216\0016\357\220\023\220A\300\213\004\320\035@\264\324\000\350\217\002\t\373\000\047\240\363\217\002\001\277\220\027\230\003\2305\217\212\002\010\326\364\213\001\002\220\227@\021\023\000\001\230\337\025\230b\240\001\306\214\005\027\250\367\003\2509\331 \010\300\013\310\3775\320PV\320V\\\320\273\\]\325@\020\000\t\376.d\237\240*\250C\250\360""\204\002\367\001A\316\312\217\0014\210t\315\214\003\211!I\240_Q\240d\250!\270\215\001a\373\213\002\377\020\220\005\220U\230!\230\3674\230q\210\206\0014\220t\230\3358\321\000B\240a\372\205\001+\240\377Q\240h\250a\320/B\377\300+\310T\320QX\320\177XZ\320Z^\320^\365\207\001c\320g\202\216\002\277\204\001\200\207\004>\2703\000\377\025\220T\230\024\230X\240\377Q\240b\320(9\3209\366\243\223\002\024\025\346\206\0017\230\"\230\177D\240\010\250\001\250\022\315\004\377\001\300\022\3007\310!\330\377\017\020\330\014\020\220\003\220\3773\220f\230A\330\020\025\357\220Q\220a\234\210\002\017\210q\377\320\000\020\220\001\360\n\000\377\005\030\220q\330\004\017\210\377q\220\001\330\004\014\210I\377\220\\\240\021\240!\2405\357\250\t\260\021\014\002\320\025%^\314\221\002E\260\026\260\047\000\005\277\222\004\267\020\220\004\237\224\001\230G\343\214\001\032\317\230.\250\001\236\223\001\222 \220E\357\230\031\320\"\313!\330\010\034\276\226\000\001\240\025\240i\273 \047\377(\330\010#\2404\240q\273\250\005\362\207\001\330./\214\223\001$\357\220a\220u\244\210\001M\310Q\337\340\004\016\210a\206\000\006\220\237h\230g\240Qw\004\202\211\001A\277\260V\2701\270N\320\000\r\377\016\330\004\010\210\001\320\tm\032\200\224\004\320\004\233\212\002\360\014\260F\376\370\211\003\027\230\002\230+\240W\376\266@z\270\023\270A\270Q\336\200\223\0017\220\"\220\357\211\001\004\230\374\303b\301\205\001h\240a\240y\260\377\001\260\027\270\002\320:U\337\320UV\320V\212@[\330\373\036)\272\205\004d\270!\330\010\377\033\2306\240\021\240&\250\377\010\260\001\320\004(\250\001>d\010\013\2106\220\022\322\220\n\256\220\001\375e\371@{\250$\250m\270\3712w\001\322\217\0011\320\004*\250\177*\260A\360\032\000\t\362 \360\277\207\001\361\206\006\225\001\321\204\007Q\320QR_\320Rb\320b\265\215\002\010\264\032\375#\226`\027\240\004\240G\250\3333\250\332@\022\220\226\207\001i\240\377q\320(O\310q\320P\317T\320TU\275\014\341AQ\220\371c\236\230\001\350\222\001/\240\021\240(\376\270\204\002\320\016$\240K\250sk\260!\307\216\007;\360\214\001\270T""\202\225\005w<@\300\342Bq\320\004\027\000\377\360\016\000\t0\250q\330\323\010/\000\002\006\001\037\327\224\002a\240\317q\340\010!\217\206\001\217\210\001F\220\375!\377`c\230\026\230s\240\377!\2406\250\021\250#\250SS\260\310\210\013\324\206\004\r\227\231\0011\216\224\001\374\255\226\002\341\213\0031\220F\230#\230\377W\240A\330\014\020\320\020\347*\250!\256\207\001\234\215\0034\260A\377\3205L\310A\310Q\310\377a\310t\320Sj\320j\377k\320kl\320lm\320\377mn\3305>\270a\270\177q\300\001\300\024\300W!\000\367V\320S\213 `\320`c\377\320cg\320gh\330\031\341\032\252\216\001\254\226\001\250\206\005\357\215\010\3204J\377\310!\3101\310D\320P\356\221\206\003h\320hR\004\320no}\330\373\215\003\320\004B\300!\252\007\376\362\226\006-\250Q\320.D\300\377E\310\027\320PS\320S>\264\211\002\025\026\320VW";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 6218, 10254);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (10489 bytes) */
-static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 buffers of  bytes) bytes; call close() or use \047with\047 does not exist ( does not support POSIX-fd shareable handles does not support virtual memory management failed:  handle(s)> is not mapped is past the end of the region ( object> on cuda: view(s) of it exist; delete the tensors viewing it first visible)#x(tree fragment))) runs past the region\047s ); use device=\047cpu\047, or install the NVIDIA driver, , got .: <CudaRegion <CudaRegion closed><MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?CUDA device CUresult Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.a region needs at least one chunkaccess_devices must name 1 to 16 devicesadd_notebuffer buffer_bytes must be positivecannot adopt an empty rangecannot close a region while cannot unmap a chunk while views of the region existchunk chunk sizes must be positive multiples of the granularity chunk_size must be positive, got collections.abccount must be at least 1cuda:device disabledmabuf offset must be a multiple of the page size dsts, srcs and sizes must have the same lengthenablefrom_tensor needs a CUDA tensorgcisenabledno CUDA device is visible (cuInit: CUDA_ERROR_NO_DEVICE); use device=\047cpu\047no default __reduce__ due to non-trivial __cinit__offset one fd per chunk is neededonly regions tensorxfer allocated can export their handlesoperation on a closed CudaRegionoperation on a closed Stagerregion size must be positive, got tensorxfer/memory/_cuda.pyxthe CUDA driver is not available on this machine (unable to allocate array data.unable to allocate shape and strides.unclosed CudaRegion of unmapped_tail must be a mul""tiple of the granularity view [|u1ASCIIBCUDA_ERROR_NO_DEVICECopierCopier.__enter__Copier.__exit__Copier.__reduce_cython__Copier.__setstate_cython__Copier.closeCopier.dtodCopier.dtod_batchCopier.dtohCopier.htodCopier.memsetCopier.synchronizeCudaErrorCudaRegionCudaRegion.__enter__CudaRegion.__exit__CudaRegion.__reduce_cython__CudaRegion.__setstate_cython__CudaRegion._from_chunksCudaRegion._planCudaRegion._unmap_chunkCudaRegion.adoptCudaRegion.allocateCudaRegion.closeCudaRegion.cuda_arrayCudaRegion.export_dmabufCudaRegion.export_handlesCudaRegion.from_tensorCudaRegion.import_handlesCudaRegion.map_nextCudaRegion.reserveDEFAULT_CHUNK_SIZEEllipsisExtentErrorLockMAX_DEFAULT_CHUNKSSequenceStagerStager.__enter__Stager.__exit__Stager.__reduce_cython__Stager.__setstate_cython__Stager.closeStager.start_dtohStager.start_htodStager.viewStager.waitView.MemoryView__DeviceBytes_DeviceBytes.__reduce_cython___DeviceBytes.__setstate_cython____Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____enter____exit____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle__DeviceBytes__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___contexts_default_chunk_size_dict_error_name_from_chunks_from_chunks.<locals>.genexpr_is_coroutine_lock_plan_unmap_chunkabcaccess_devicesaddress_rangeadoptadoptedallocateallocate_bufferasyncio.coroutinesattrattr_indexbbasebatch_apibuffer_bytesccastchunkchunk_sizecline_in_tracebackclosecountcuda_arrayddatadata_ptrdecodedeferdevdevicedevice_countdevice_infodmabufdriver_versiondstdstsdtoddtod_batchdtohdtype_is_objectelement_sizeencodeenumerateerrorerrorsexcexc_typeexport_dmabufexport_handlesextfdflagsformatfortranfrom_tensorgdrgenexprgetgpudirect_rdma_with_vmmgrangranularityhhandlesholeshtodiidimport_handlesindexinfois_cudais_vmmitemsitemsizekkeepalivelengthmap_nextmap_nowmapped_sizememsetmemviewmodenna""mendimnextnumelobjoffoffsetoutownedppackpointer_rangepopposix_fd_handlesprev_kprev_offpropptrrange_size_attributeregisterreleasereplacereserveresolve_extentresultrsizesselfsendsetdefaultshapeshareablesizesizessrcsrcsstage_sizestartstart_dtohstart_htodstatestaticmethodstepstopstreamstridesstructsynchronizetbtensortensorxfer.errorstensorxfer.memory._cudathreadingthrowtypestrunmapped_tailunpackupdateuse_setstatevvaluevaluesversionviewvmmwaitwarnwarningsxCUresult (CUcontext *, CUdevice)\000CUresult (CUcontext)\000CUresult (CUdevice *, int)\000CUresult (CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, CUstream)\000CUresult (CUdeviceptr *, size_t *, CUdeviceptr)\000CUresult (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, CUdeviceptr, size_t, CUstream)\000CUresult (CUdeviceptr, size_t)\000\000CUresult (CUdeviceptr, size_t, CUmemAccessDesc const *, size_t)\000CUresult (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, unsigned char, size_t, CUstream)\000CUresult (CUdeviceptr, void const *, size_t, CUstream)\000CUresult (CUevent *, unsigned int)\000CUresult (CUevent)\000\000CUresult (CUevent, CUstream)\000CUresult (CUmemGenericAllocationHandle *, size_t, CUmemAllocationProp const *, unsigned PY_LONG_LONG)\000CUresult (CUmemGenericAllocationHandle *, void *)\000CUresult (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)\000CUresult (CUmemGenericAllocationHandle)\000CUresult (CUresult, char const **)\000CUresult (CUstream *, unsigned int)\000CUresult (CUstream)\000\000CUresult (char *, int, CUdevice)\000CUresult (int *)\000\000CUresult (int *, CUdevice_attribute, CUdevice)\000CUresult (size_t *, CUmemAllocationProp const *, CUmemAllocationGranularity_flags)\000CUresult (unsigned int)\000CUresult (void *)\000CUresult (void **, size_t, unsigned int)\000CUresult (void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned ""PY_LONG_LONG)\000CUresult (void *, CUdeviceptr, size_t, CUstream)\000CUresult (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned PY_LONG_LONG)\000CUresult (void *, CUpointer_attribute, CUdeviceptr)\000cuDevicePrimaryCtxRetain\000cuCtxSetCurrent\000cuDeviceGet\000cuMemcpyBatchAsync\000cuMemGetAddressRange\000cuMemAddressReserve\000cuMemcpyDtoDAsync\000cuMemAddressFree\000cuMemUnmap\000cuMemSetAccess\000cuMemMap\000cuMemsetD8Async\000cuMemcpyHtoDAsync\000cuEventCreate\000cuEventDestroy\000cuEventSynchronize\000cuEventRecord\000cuMemCreate\000cuMemRetainAllocationHandle\000cuMemImportFromShareableHandle\000cuMemRelease\000cuGetErrorName\000cuStreamCreate\000cuStreamDestroy\000cuStreamSynchronize\000cuDeviceGetName\000cuDeviceGetCount\000cuDriverGetVersion\000cuDeviceGetAttribute\000cuMemGetAllocationGranularity\000cuInit\000cuMemFreeHost\000cuMemHostAlloc\000cuMemGetHandleForAddressRange\000cuMemcpyDtoHAsync\000cuMemExportToShareableHandle\000cuPointerGetAttributeO\200\001\330\004\n\210+\220Q\200\001\330\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025&\240a\240q\250\004\250A\330\004\013\2101\200\001\330\004\030\230\001\330\004\n\210%\210r\220\026\220r\230\021\330\010\021\220\021\330\004\013\2109\220A\220W\230A\200\001\330\004\031\230\021\330\004\005\330\010\023\220?\240!\320#6\260h\270a\270s\300+\310^\320[_\320_a\320ad\320de\330\014\023\2201\220G\2301\330\013\014\340\004\013\210;\220a\220q\200\001\330\004*\250!\2506\260\021\200\001\340\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025(\250\001\250\021\250$\250a\330\004\013\2101\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\220<\230x\240q\250\001\330\004\007\200|\2207\230!\330\010.\250a\250\177\270n\310A\330\004\013\2101\200\001\360\006\000\005\022\220\021\330\004\017\320\017+\2501\250A\250S\260\007\260u\270K\300q\330\010\017\210q\330\014\031\230\021\230!\330\004\013\2101\200\001\360\010\000\n\033\230!\330\010\021\220\024\220U\230$\230g\240T\250\021""\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220t\2309\240G\2501\330\004\007\200q\330\010\017\320\017-\250T\260\021\260\047\270\033\300G\3101\340\010\017\320\017-\250T\260\021\260\047\270\033\300A\200\001\360\024\000\005&\240[\260\001\330\004\027\220{\240!\330\004\021\220\021\330\004\013\320\013\034\230F\320\":\270!\330\004\017\320\017$\240A\240Q\240f\250A\250V\3203I\310\025\310k\320YZ\330\010\013\2101\320\014 \240\013\2506\260\021\330\004\020\320\020&\240a\240q\250\017\260q\330\047=\270U\300+\310^\320[\\\330\024*\250!\2501\250O\2701\330+A\300\025\300k\320QR\330\010\013\2101\320\014\047\240{\260\047\270\021\330\004\013\2101\200A\330\010\014\210F\220!\200A\330\010\014\210F\220!\2206\230\031\240\047\250\021\200A\330\010\017\210q\200A\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\0351\260\021\260$\260k\300\021\200A\330!2\260!\360\022\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330\"3\2601\360\"\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330+=\270Q\360(\000\t\023\220\"\220C\220q\230\004\230C\230q\240\005\240T\250\023\250F\260!\330\010\031\230\027\240\001\240\021\240\"\240D\250\003\2505\260\n\270#\270Y\300d\310(\320RY\320YZ\330!\"\240#\240T\250\023\250F\260*\320<L\310A\200A\3301:\270/\310\021\360\010\000\t\024\2201\220A\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\031\230\027\240\001\240\021\240#\240Q\240c\250\024\250U\260(\270/\310\031\320RV\320VW\330!)\250\033\260E\270\026\270v\300Q\200A\3305B\300!\360\022\000\t \230z\250\030\260\021\260!\330\010\013\2105\220\003\2201\330\014\022\220*\230A\230Q\330\010\023\2201\220A\330\010\014\210K\220q\330\010\014\210I\320\025+\2501\330\010\014\210L\230\001\330\010\014\210L\230\001\330\010\014\210I\220Q\330\010\014\210J\220a\330\010\014\210K\220q\330\010\014\210N\230!\330\010\014\210O\2301\230C\230q\330\010\017\210q\200A\340\010\013\2104\210q\330\014""\r\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2209\230A\230S\240\003\2401\330\030&\240a\240t\2509\260A\260Q\330\020\024\220I\230Q\230e\2401\330\010\014\210K\220q\200A\340\010\013\2104\210q\330\014\r\330\010\014\210K\220q\330\010\014\210E\220\024\220Q\330\014\r\210X\220Q\330\010\014\210J\220a\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2208\2301\230C\230s\240!\330\030&\240a\240t\2508\2601\260A\330\020\024\220H\230A\230U\240!\200A\340\010\013\2104\210q\330\014\022\220*\230A\230Q\330\010\017\210t\2207\230!\2301\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\260\004\260H\270A\270T\320AW\320W\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\3104\310x\320WX\320X\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270e\3001\200A\340\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\320Ka\320af\320fg\33004\260K\270q\200A\340\010\047\240z\260\021\260$\260e\2701\270A\330\010\030\230\004\230F\240!\240:\320->\270l\310!\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014""\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!3\2601\260D\270\t\300\021\300$\320F]\320]a\320ac\320ci\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\023\2201\330\024\034\230I\320%8\270\001\270\024\270X\300Q\300b\310\002\310%\310q\330\024\032\230!\2302\230R\230z\250\024\250Y\260a\260r\270\022\2704\270q\330\020\032\230)\2405\250\001\330\020\027\220q\330\020\025\220Q\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270b\300\002\300%\300q\330\014\022\220!\2202\220R\220z\240\024\240Y\250a\250r\260\022\2604\260q\200A\340\010-\250Z\260q\270\004\270E\300\021\300!\330\010\030\230\004\230F\240!\240:\250Q\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!4\260A\260T\270\030\300\021\300%\300q\330\020\026\220a\220t\2309\240A\240T\250\022\2502\250U\260!\330\020\030\230\t\320!3\2601\3204K\3104\310r\320QW\320W[\320[d\320de\320ei\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\027\220q\330\020\025\220Q\200A\360\006\000\t\014\2104\210w\220a\220x\230{\250!\330\014\022\220*\230A\230Q\330\010\017\210z\230\026\230q\240\006\240i\250t\2606\270\026\270s\300\"\300F\310-\320WX\330 &\240g\250W\260C\260s\270*\300A\200A\360\006\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230f\240B\240b\250\003\2506\260\023\260D\270\001\330\014\022\220*\230A\230Q\330\010\013\2104\210q\330\014\022\220+\230Q\230a\330\010\014\210A\210T\220\030\230\021\230!\330\010\013\2101\210A\330\014\024\220I\230[\250\001\250\024\250W\260B\260a\260y\300\001\300\030\310\021\330\014\r\210Z\220q\200A\360\010\000\t\034\2301\330\010\017\210s\220!\2201\330\010\013""\2105\220\003\2201\330\014\022\220*\230A\320\035A\300\021\300!\330\010\023\2201\220A\330\010\013\2104\210u\220I\320\035W\320WX\330\014\022\220)\2301\230N\250!\2501\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\022\220!\2201\220F\230(\240+\250Q\330\010\020\220\t\320\0317\260q\270\001\270\026\270q\300\016\310a\330\021\022\330\010\017\210y\230\001\230\026\230q\330\010\020\320\020#\2401\240F\250)\260;\270c\300\032\3103\310a\310q\330\010\013\2106\220\023\220A\330\014\022\220*\230A\320\035@\300\001\300\021\330\010\020\220\t\230\021\230\047\240\021\330\010\020\220\001\220\027\230\003\2305\240\003\2401\330\010\013\2105\220\002\220!\330\014\021\220\027\230\001\230\025\230b\240\001\330\010\031\230\027\240\001\240\027\250\003\2509\260D\270\010\300\013\3105\320PV\320V\\\320\\]\200A\360\020\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230d\240*\250C\250q\330\014\022\220)\2301\230A\330\010\013\2104\210t\2201\330\014\022\220)\2301\230I\240Q\240d\250!\330\010\016\210a\330\010\t\330\014\020\220\005\220U\230!\2304\230q\330\020\023\2204\220t\2308\2401\240B\240a\330\024\032\230+\240Q\240h\250a\320/B\300+\310T\320QX\320XZ\320Z^\320^f\320fg\320gi\320ij\330\020\026\220a\330\020\030\230\t\320!>\270a\330\024\025\220T\230\024\230X\240Q\240b\320(9\3209d\320de\330\024\025\330\020\023\2207\230\"\230D\240\010\250\001\250\022\2509\260D\270\010\300\001\300\022\3007\310!\330\017\020\330\014\020\220\003\2203\220f\230A\330\020\025\220Q\220a\330\014\r\330\010\017\210q\320\000\020\220\001\360\n\000\005\030\220q\330\004\017\210q\220\001\330\004\014\210I\220\\\240\021\240!\2405\250\t\260\021\330\004\014\210I\320\025%\240Q\240f\250E\260\026\260q\330\004\005\330\010\022\220!\330\010\020\220\004\220G\2301\230G\2401\330\010\032\230.\250\001\330\010\017\210t\2201\220E\230\031\320\"\\\320\\]\330\010\034\230D\240\001\240\025\240i\250q\330\047(\330\010#\2404\240q\250\005\250Y\260a\330./\330\010\022\220$\220a\220u\230I\320%M\310Q\340\004\016\210a""\210q\220\006\220h\230g\240Q\330\004\014\210I\320\0253\2601\260A\260V\2701\270N\310!\330\r\016\330\004\010\210\001\320\t\032\230!\330\004\013\2101\320\004\037\230q\360\014\000\t\014\2104\210q\330\014\r\330\010\013\2104\210q\330\014\017\210q\330\020\024\320\024&\240a\330\020\021\330\014\022\220+\230Q\320\036<\270A\270T\300\021\340\010\014\210I\220Q\320\004\047\240z\260\021\360\014\000\t\r\210L\230\001\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220\"\220B\220b\230\004\230A\330\014\022\220+\230Q\230h\240a\240y\260\001\260\027\270\002\320:U\320UV\320VZ\320Z[\330\036)\250\024\250W\260B\260d\270!\330\010\033\2306\240\021\240&\250\010\260\001\320\004(\250\001\360\014\000\t\r\210L\230\001\330\010\013\2106\220\022\2201\330\014\022\220*\230A\230Q\330\010\014\210J\220e\2304\230{\250$\250m\2702\270Q\330\010\017\210t\2201\320\004*\250*\260A\360\032\000\t\030\220q\360\006\000\t\r\210L\230\001\330\010\013\2107\220\"\220A\330\014\022\220*\230A\320\035Q\320QR\320Rb\320bc\320cd\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220#\220T\230\027\240\004\240G\2503\250a\330\014\022\220+\230Q\230i\240q\320(O\310q\320PT\320TU\330\036)\250\024\250W\260B\260d\270!\330\010\014\210I\220Q\220c\230\021\330\010\016\210d\220/\240\021\240(\250!\330\010\016\320\016$\240K\250s\260!\330\r\016\330\014\024\220I\320\035;\2701\270A\270T\300\025\300k\320QR\330<@\300\001\330\010\017\210q\320\004;\2701\360\016\000\t0\250q\330\010/\250q\330\010/\250q\330\010\037\230q\240\006\240a\240q\340\010!\240\021\330\010\013\2101\210F\220!\2203\220c\230\026\230s\240!\2406\250\021\250#\250S\260\001\330\014\022\220*\230A\230Q\330\010\013\2106\220\023\220A\330\014\r\330\010\023\2201\220D\230\001\330\010\013\2101\330\014\022\220!\2201\220F\230#\230W\240A\330\014\020\320\020*\250!\330\021\022\330\020\030\230\t\320!4\260A\3205L\310A\310Q\310a\310t\320Sj\320jk\320kl\320lm\320mn\3305>\270a\270q\300\001\300\024\300W\310A\310V\320ST\320T`""\320`c\320cg\320gh\330\031\032\330\014\r\330\r\016\330\014\020\220\005\220U\230!\2301\330\020\030\230\t\320!3\2601\3204J\310!\3101\310D\320Pf\320fg\320gh\320hl\320lm\320mn\320no\33048\270\013\3001\320\004B\300!\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035-\250Q\320.D\300E\310\027\320PS\320SW\320WX\330\025\026\320VW";
+    #else /* compression: none (10254 bytes) */
+static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 buffers of  bytes) bytes; call close() or use \047with\047 does not exist ( does not support POSIX-fd shareable handles does not support virtual memory management failed:  handle(s)> is not mapped is past the end of the region ( object> on cuda: visible)#x(tree fragment))) runs past the region\047s ); use device=\047cpu\047, or install the NVIDIA driver, , got .: <CudaRegion <CudaRegion closed><MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?CUDA device CUresult Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.a region needs at least one chunkaccess_devices must name 1 to 16 devicesadd_notebuffer buffer_bytes must be positivecannot adopt an empty rangecannot unmap a chunk while views of the region existchunk chunk sizes must be positive multiples of the granularity chunk_size must be positive, got collections.abccount must be at least 1cuda:device disabledmabuf offset must be a multiple of the page size dsts, srcs and sizes must have the same lengthenablefrom_tensor needs a CUDA tensorgcisenabledno CUDA device is visible (cuInit: CUDA_ERROR_NO_DEVICE); use device=\047cpu\047no default __reduce__ due to non-trivial __cinit__offset one fd per chunk is neededonly regions tensorxfer allocated can export their handlesoperation on a closed CudaRegionoperation on a closed Stagerregion size must be positive, got tensorxfer/memory/_cuda.pyxthe CUDA driver is not available on this machine (unable to allocate array data.unable to allocate shape and strides.unclosed CudaRegion of unmapped_tail must be a multiple of the granularity view [|u1ASCIIBCUDA_ERROR_NO_DEVICECopierCopier.__enter__Cop""ier.__exit__Copier.__reduce_cython__Copier.__setstate_cython__Copier.closeCopier.dtodCopier.dtod_batchCopier.dtohCopier.htodCopier.memsetCopier.synchronizeCudaErrorCudaRegionCudaRegion.__reduce_cython__CudaRegion.__setstate_cython__CudaRegion._from_chunksCudaRegion._planCudaRegion._unmap_chunkCudaRegion.adoptCudaRegion.allocateCudaRegion.cuda_arrayCudaRegion.export_dmabufCudaRegion.export_handlesCudaRegion.from_tensorCudaRegion.import_handlesCudaRegion.map_nextCudaRegion.reserveDEFAULT_CHUNK_SIZEEllipsisExtentErrorLockMAX_DEFAULT_CHUNKSSequenceStagerStager.__enter__Stager.__exit__Stager.__reduce_cython__Stager.__setstate_cython__Stager.closeStager.start_dtohStager.start_htodStager.viewStager.waitView.MemoryView__DeviceBytes_DeviceBytes.__reduce_cython___DeviceBytes.__setstate_cython____Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____enter____exit____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle__DeviceBytes__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___contexts_default_chunk_size_dict_error_name_from_chunks_from_chunks.<locals>.genexpr_is_coroutine_lock_plan_unmap_chunkabcaccess_devicesaddress_rangeadoptadoptedallocateallocate_bufferasyncio.coroutinesattrattr_indexbbasebatch_apibuffer_bytesccastchunkchunk_sizecline_in_tracebackclosecountcuda_arrayddatadata_ptrdecodedevdevicedevice_countdevice_infodmabufdriver_versiondstdstsdtoddtod_batchdtohdtype_is_objectelement_sizeencodeenumerateerrorerrorsexcexport_dmabufexport_handlesextfdflagsformatfortranfrom_tensorgdrgenexprgetgpudirect_rdma_with_vmmgrangranularityhhandlesholeshtodiidimport_handlesindexinfois_cudais_vmmitemsitemsizekkeepalivelengthmap_nextmap_nowmapped_sizememsetmemviewmodennamendimnextnumelobjoffoffsetoutownedppackpointer_rangepopposix_fd_handlesprev_kprev_offpropptrrange_size_attributeregisterreleasereplacereserveresolve_ext""entresultrsizesselfsendsetdefaultshapeshareablesizesizessrcsrcsstage_sizestartstart_dtohstart_htodstatestaticmethodstepstopstreamstridesstructsynchronizetensortensorxfer.errorstensorxfer.memory._cudathreadingthrowtypestrunmapped_tailunpackupdateuse_setstatevvaluevaluesversionviewvmmwaitwarnwarningsxCUresult (CUcontext *, CUdevice)\000CUresult (CUcontext)\000CUresult (CUdevice *, int)\000CUresult (CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, CUstream)\000CUresult (CUdeviceptr *, size_t *, CUdeviceptr)\000CUresult (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, CUdeviceptr, size_t, CUstream)\000CUresult (CUdeviceptr, size_t)\000\000CUresult (CUdeviceptr, size_t, CUmemAccessDesc const *, size_t)\000CUresult (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, unsigned char, size_t, CUstream)\000CUresult (CUdeviceptr, void const *, size_t, CUstream)\000CUresult (CUevent *, unsigned int)\000CUresult (CUevent)\000\000CUresult (CUevent, CUstream)\000CUresult (CUmemGenericAllocationHandle *, size_t, CUmemAllocationProp const *, unsigned PY_LONG_LONG)\000CUresult (CUmemGenericAllocationHandle *, void *)\000CUresult (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)\000CUresult (CUmemGenericAllocationHandle)\000CUresult (CUresult, char const **)\000CUresult (CUstream *, unsigned int)\000CUresult (CUstream)\000\000CUresult (char *, int, CUdevice)\000CUresult (int *)\000\000CUresult (int *, CUdevice_attribute, CUdevice)\000CUresult (size_t *, CUmemAllocationProp const *, CUmemAllocationGranularity_flags)\000CUresult (unsigned int)\000CUresult (void *)\000CUresult (void **, size_t, unsigned int)\000CUresult (void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned PY_LONG_LONG)\000CUresult (void *, CUdeviceptr, size_t, CUstream)\000CUresult (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned PY""_LONG_LONG)\000CUresult (void *, CUpointer_attribute, CUdeviceptr)\000cuDevicePrimaryCtxRetain\000cuCtxSetCurrent\000cuDeviceGet\000cuMemcpyBatchAsync\000cuMemGetAddressRange\000cuMemAddressReserve\000cuMemcpyDtoDAsync\000cuMemAddressFree\000cuMemUnmap\000cuMemSetAccess\000cuMemMap\000cuMemsetD8Async\000cuMemcpyHtoDAsync\000cuEventCreate\000cuEventDestroy\000cuEventSynchronize\000cuEventRecord\000cuMemCreate\000cuMemRetainAllocationHandle\000cuMemImportFromShareableHandle\000cuMemRelease\000cuGetErrorName\000cuStreamCreate\000cuStreamDestroy\000cuStreamSynchronize\000cuDeviceGetName\000cuDeviceGetCount\000cuDriverGetVersion\000cuDeviceGetAttribute\000cuMemGetAllocationGranularity\000cuInit\000cuMemFreeHost\000cuMemHostAlloc\000cuMemGetHandleForAddressRange\000cuMemcpyDtoHAsync\000cuMemExportToShareableHandle\000cuPointerGetAttributeO\200\001\330\004\n\210+\220Q\200\001\330\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025&\240a\240q\250\004\250A\330\004\013\2101\200\001\330\004\030\230\001\330\004\n\210%\210r\220\026\220r\230\021\330\010\021\220\021\330\004\013\2109\220A\220W\230A\200\001\330\004\031\230\021\330\004\005\330\010\023\220?\240!\320#6\260h\270a\270s\300+\310^\320[_\320_a\320ad\320de\330\014\023\2201\220G\2301\330\013\014\340\004\013\210;\220a\220q\200\001\330\004*\250!\2506\260\021\200\001\340\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025(\250\001\250\021\250$\250a\330\004\013\2101\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\220<\230x\240q\250\001\330\004\007\200|\2207\230!\330\010.\250a\250\177\270n\310A\330\004\013\2101\200\001\360\006\000\005\022\220\021\330\004\017\320\017+\2501\250A\250S\260\007\260u\270K\300q\330\010\017\210q\330\014\031\230\021\230!\330\004\013\2101\200\001\360\010\000\n\033\230!\330\010\021\220\024\220U\230$\230g\240T\250\021\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220t\2309\240G\2501\330\004""\007\200q\330\010\017\320\017-\250T\260\021\260\047\270\033\300G\3101\340\010\017\320\017-\250T\260\021\260\047\270\033\300A\200\001\360\024\000\005&\240[\260\001\330\004\027\220{\240!\330\004\021\220\021\330\004\013\320\013\034\230F\320\":\270!\330\004\017\320\017$\240A\240Q\240f\250A\250V\3203I\310\025\310k\320YZ\330\010\013\2101\320\014 \240\013\2506\260\021\330\004\020\320\020&\240a\240q\250\017\260q\330\047=\270U\300+\310^\320[\\\330\024*\250!\2501\250O\2701\330+A\300\025\300k\320QR\330\010\013\2101\320\014\047\240{\260\047\270\021\330\004\013\2101\200A\330\010\014\210F\220!\200A\330\010\017\210q\200A\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\0351\260\021\260$\260k\300\021\200A\330!2\260!\360\022\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330\"3\2601\360\"\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330+=\270Q\360(\000\t\023\220\"\220C\220q\230\004\230C\230q\240\005\240T\250\023\250F\260!\330\010\031\230\027\240\001\240\021\240\"\240D\250\003\2505\260\n\270#\270Y\300d\310(\320RY\320YZ\330!\"\240#\240T\250\023\250F\260*\320<L\310A\200A\3301:\270/\310\021\360\010\000\t\024\2201\220A\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\031\230\027\240\001\240\021\240#\240Q\240c\250\024\250U\260(\270/\310\031\320RV\320VW\330!)\250\033\260E\270\026\270v\300Q\200A\3305B\300!\360\022\000\t \230z\250\030\260\021\260!\330\010\013\2105\220\003\2201\330\014\022\220*\230A\230Q\330\010\023\2201\220A\330\010\014\210K\220q\330\010\014\210I\320\025+\2501\330\010\014\210L\230\001\330\010\014\210L\230\001\330\010\014\210I\220Q\330\010\014\210J\220a\330\010\014\210K\220q\330\010\014\210N\230!\330\010\014\210O\2301\230C\230q\330\010\017\210q\200A\340\010\013\2104\210q\330\014\r\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330""\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2209\230A\230S\240\003\2401\330\030&\240a\240t\2509\260A\260Q\330\020\024\220I\230Q\230e\2401\330\010\014\210K\220q\200A\340\010\013\2104\210q\330\014\r\330\010\014\210K\220q\330\010\014\210E\220\024\220Q\330\014\r\210X\220Q\330\010\014\210J\220a\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2208\2301\230C\230s\240!\330\030&\240a\240t\2508\2601\260A\330\020\024\220H\230A\230U\240!\200A\340\010\013\2104\210q\330\014\022\220*\230A\230Q\330\010\017\210t\2207\230!\2301\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\260\004\260H\270A\270T\320AW\320W\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\3104\310x\320WX\320X\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270e\3001\200A\340\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\320Ka\320af\320fg\33004\260K\270q\200A\340\010\047\240z\260\021\260$\260e\2701\270A\330\010\030\230\004\230F\240!\240:\320->\270l\310!\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!3\2601\260D\270\t\300\021\300$\320F]\320]a\320ac\320ci""\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\023\2201\330\024\034\230I\320%8\270\001\270\024\270X\300Q\300b\310\002\310%\310q\330\024\032\230!\2302\230R\230z\250\024\250Y\260a\260r\270\022\2704\270q\330\020\032\230)\2405\250\001\330\020\027\220q\330\020\025\220Q\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270b\300\002\300%\300q\330\014\022\220!\2202\220R\220z\240\024\240Y\250a\250r\260\022\2604\260q\200A\340\010-\250Z\260q\270\004\270E\300\021\300!\330\010\030\230\004\230F\240!\240:\250Q\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!4\260A\260T\270\030\300\021\300%\300q\330\020\026\220a\220t\2309\240A\240T\250\022\2502\250U\260!\330\020\030\230\t\320!3\2601\3204K\3104\310r\320QW\320W[\320[d\320de\320ei\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\027\220q\330\020\025\220Q\200A\360\006\000\t\014\2104\210w\220a\220x\230{\250!\330\014\022\220*\230A\230Q\330\010\017\210z\230\026\230q\240\006\240i\250t\2606\270\026\270s\300\"\300F\310-\320WX\330 &\240g\250W\260C\260s\270*\300A\200A\360\006\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230f\240B\240b\250\003\2506\260\023\260D\270\001\330\014\022\220*\230A\230Q\330\010\013\2104\210q\330\014\022\220+\230Q\230a\330\010\014\210A\210T\220\030\230\021\230!\330\010\013\2101\210A\330\014\024\220I\230[\250\001\250\024\250W\260B\260a\260y\300\001\300\030\310\021\330\014\r\210Z\220q\200A\360\010\000\t\034\2301\330\010\017\210s\220!\2201\330\010\013\2105\220\003\2201\330\014\022\220*\230A\320\035A\300\021\300!\330\010\023\2201\220A\330\010\013\2104\210u\220I\320\035W\320WX\330\014\022\220)\2301\230N\250!\2501\330\010\024\220D\230\001\230\025\230i\320\047i""\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\022\220!\2201\220F\230(\240+\250Q\330\010\020\220\t\320\0317\260q\270\001\270\026\270q\300\016\310a\330\021\022\330\010\017\210y\230\001\230\026\230q\330\010\020\320\020#\2401\240F\250)\260;\270c\300\032\3103\310a\310q\330\010\013\2106\220\023\220A\330\014\022\220*\230A\320\035@\300\001\300\021\330\010\020\220\t\230\021\230\047\240\021\330\010\020\220\001\220\027\230\003\2305\240\003\2401\330\010\013\2105\220\002\220!\330\014\021\220\027\230\001\230\025\230b\240\001\330\010\031\230\027\240\001\240\027\250\003\2509\260D\270\010\300\013\3105\320PV\320V\\\320\\]\200A\360\020\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230d\240*\250C\250q\330\014\022\220)\2301\230A\330\010\013\2104\210t\2201\330\014\022\220)\2301\230I\240Q\240d\250!\330\010\016\210a\330\010\t\330\014\020\220\005\220U\230!\2304\230q\330\020\023\2204\220t\2308\2401\240B\240a\330\024\032\230+\240Q\240h\250a\320/B\300+\310T\320QX\320XZ\320Z^\320^f\320fg\320gi\320ij\330\020\026\220a\330\020\030\230\t\320!>\270a\330\024\025\220T\230\024\230X\240Q\240b\320(9\3209d\320de\330\024\025\330\020\023\2207\230\"\230D\240\010\250\001\250\022\2509\260D\270\010\300\001\300\022\3007\310!\330\017\020\330\014\020\220\003\2203\220f\230A\330\020\025\220Q\220a\330\014\r\330\010\017\210q\320\000\020\220\001\360\n\000\005\030\220q\330\004\017\210q\220\001\330\004\014\210I\220\\\240\021\240!\2405\250\t\260\021\330\004\014\210I\320\025%\240Q\240f\250E\260\026\260q\330\004\005\330\010\022\220!\330\010\020\220\004\220G\2301\230G\2401\330\010\032\230.\250\001\330\010\017\210t\2201\220E\230\031\320\"\\\320\\]\330\010\034\230D\240\001\240\025\240i\250q\330\047(\330\010#\2404\240q\250\005\250Y\260a\330./\330\010\022\220$\220a\220u\230I\320%M\310Q\340\004\016\210a\210q\220\006\220h\230g\240Q\330\004\014\210I\320\0253\2601\260A\260V\2701\270N\310!\330\r\016\330\004\010\210\001\320\t\032\230!\330\004\013\2101\320\004\047\240z\260\021\360\014\000\t\r\210L\230\001\330\010""\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220\"\220B\220b\230\004\230A\330\014\022\220+\230Q\230h\240a\240y\260\001\260\027\270\002\320:U\320UV\320VZ\320Z[\330\036)\250\024\250W\260B\260d\270!\330\010\033\2306\240\021\240&\250\010\260\001\320\004(\250\001\360\014\000\t\r\210L\230\001\330\010\013\2106\220\022\2201\330\014\022\220*\230A\230Q\330\010\014\210J\220e\2304\230{\250$\250m\2702\270Q\330\010\017\210t\2201\320\004*\250*\260A\360\032\000\t\030\220q\360\006\000\t\r\210L\230\001\330\010\013\2107\220\"\220A\330\014\022\220*\230A\320\035Q\320QR\320Rb\320bc\320cd\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220#\220T\230\027\240\004\240G\2503\250a\330\014\022\220+\230Q\230i\240q\320(O\310q\320PT\320TU\330\036)\250\024\250W\260B\260d\270!\330\010\014\210I\220Q\220c\230\021\330\010\016\210d\220/\240\021\240(\250!\330\010\016\320\016$\240K\250s\260!\330\r\016\330\014\024\220I\320\035;\2701\270A\270T\300\025\300k\320QR\330<@\300\001\330\010\017\210q\320\004;\2701\360\016\000\t0\250q\330\010/\250q\330\010/\250q\330\010\037\230q\240\006\240a\240q\340\010!\240\021\330\010\013\2101\210F\220!\2203\220c\230\026\230s\240!\2406\250\021\250#\250S\260\001\330\014\022\220*\230A\230Q\330\010\013\2106\220\023\220A\330\014\r\330\010\023\2201\220D\230\001\330\010\013\2101\330\014\022\220!\2201\220F\230#\230W\240A\330\014\020\320\020*\250!\330\021\022\330\020\030\230\t\320!4\260A\3205L\310A\310Q\310a\310t\320Sj\320jk\320kl\320lm\320mn\3305>\270a\270q\300\001\300\024\300W\310A\310V\320ST\320T`\320`c\320cg\320gh\330\031\032\330\014\r\330\r\016\330\014\020\220\005\220U\230!\2301\330\020\030\230\t\320!3\2601\3204J\310!\3101\310D\320Pf\320fg\320gh\320hl\320lm\320mn\320no\33048\270\013\3001\320\004B\300!\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035-\250Q\320.D\300E\310\027\320PS\320SW\320WX\330\025\026\320VW";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 329; i++) {
+    for (int i = 0; i < 321; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
-      if (likely(string) && i >= 83) PyUnicode_InternInPlace(&string);
+      if (likely(string) && i >= 81) PyUnicode_InternInPlace(&string);
       if (unlikely(!string)) {
         Py_XDECREF(data);
         __PYX_ERR(0, 1, __pyx_L1_error)
@@ -44461,8 +43591,8 @@ static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 bu
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 329; i < 371; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-329].length;
+    for (int i = 321; i < 361; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-321].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -44472,15 +43602,15 @@ static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 bu
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 371; i++) {
+    for (Py_ssize_t i = 0; i < 361; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 329;
-      for (Py_ssize_t i=0; i<42; ++i) {
+      PyObject **table = stringtab + 321;
+      for (Py_ssize_t i=0; i<40; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -44568,7 +43698,7 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_GENERATOR), 337};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_GENERATOR), 331};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_h};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_genexpr, __pyx_mstate->__pyx_kp_b_iso88591_VW, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
@@ -44608,204 +43738,189 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_default_chunk_size, __pyx_mstate->__pyx_kp_b_iso88591_r_r_9AWA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 271};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 265};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device};
     __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_reserve, __pyx_mstate->__pyx_kp_b_iso88591_A_2_z_q_l, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 283};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 277};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_allocate, __pyx_mstate->__pyx_kp_b_iso88591_A_31_z_q_l, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 303};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 297};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_map_now, __pyx_mstate->__pyx_n_u_prop, __pyx_mstate->__pyx_n_u_gran, __pyx_mstate->__pyx_n_u_shareable, __pyx_mstate->__pyx_n_u_gdr, __pyx_mstate->__pyx_n_u_chunk_2, __pyx_mstate->__pyx_n_u_sizes};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 329};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 323};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_unmapped_tail, __pyx_mstate->__pyx_n_u_holes, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_shareable, __pyx_mstate->__pyx_n_u_gdr, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_genexpr, __pyx_mstate->__pyx_n_u_genexpr};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_from_chunks, __pyx_mstate->__pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 340};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 334};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_handles, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_access_devices, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u__9, __pyx_mstate->__pyx_n_u__9, __pyx_mstate->__pyx_n_u_fd};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_import_handles, __pyx_mstate->__pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 365};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 359};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ptr, __pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_keepalive, __pyx_mstate->__pyx_n_u_self};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_adopt, __pyx_mstate->__pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 390};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 384};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_tensor};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_from_tensor, __pyx_mstate->__pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 507};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 501};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_count};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_map_next, __pyx_mstate->__pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 558};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_defer};
-    __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_q_4q_4q_q_a_Q_AT_IQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 584};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 587};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc_type, __pyx_mstate->__pyx_n_u_exc, __pyx_mstate->__pyx_n_u_tb};
-    __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 671};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 632};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_length, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_ptr, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_ext};
-    __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_dmabuf, __pyx_mstate->__pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_dmabuf, __pyx_mstate->__pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 702};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 663};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u__9};
-    __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_handles, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_handles, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 731};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 692};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_length, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_cuda_array, __pyx_mstate->__pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_cuda_array, __pyx_mstate->__pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 745};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 706};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_index, __pyx_mstate->__pyx_n_u_c};
-    __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_unmap_chunk, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_unmap_chunk, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_state, __pyx_mstate->__pyx_n_u_dict_2, __pyx_mstate->__pyx_n_u_use_setstate};
-    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 17};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 833};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 794};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 840};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 801};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_value};
-    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_memset, __pyx_mstate->__pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_memset, __pyx_mstate->__pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 846};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 807};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dsts, __pyx_mstate->__pyx_n_u_srcs, __pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_batch_api, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_attr, __pyx_mstate->__pyx_n_u_attr_index};
-    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod_batch, __pyx_mstate->__pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod_batch, __pyx_mstate->__pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 877};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 838};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
-    __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 899};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 860};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_prev_off, __pyx_mstate->__pyx_n_u_prev_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
-    __pyx_mstate_global->__pyx_codeobj_tab[31] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[31])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 925};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 886};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[32] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_synchronize, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_1_k, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[32])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_synchronize, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_1_k, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 935};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 896};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[33] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[33])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 959};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 920};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[34] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[34])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[31] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[31])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 962};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 923};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc};
-    __pyx_mstate_global->__pyx_codeobj_tab[35] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[35])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[32] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[32])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[36] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[36])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[33] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[33])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[37] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[37])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[34] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[34])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1007};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 968};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[38] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_AQ_t7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[38])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[35] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_AQ_t7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[35])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1013};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 974};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[39] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[39])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[36] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[36])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1021};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 982};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[40] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[40])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[37] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[37])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1029};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 990};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[41] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_wait, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[41])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[38] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_wait, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[38])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1043};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1004};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_v};
-    __pyx_mstate_global->__pyx_codeobj_tab[42] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[42])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[39] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[39])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1070};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1031};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[43] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[43])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[40] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[40])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 1073};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 1034};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc};
-    __pyx_mstate_global->__pyx_codeobj_tab[44] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[44])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[41] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[41])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[45] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[45])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[42] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[42])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[46] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[46])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[43] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[43])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 4};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_pyx_type, __pyx_mstate->__pyx_n_u_pyx_checksum, __pyx_mstate->__pyx_n_u_pyx_state, __pyx_mstate->__pyx_n_u_pyx_result};
-    __pyx_mstate_global->__pyx_codeobj_tab[47] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_pyx_unpickle__DeviceBytes, __pyx_mstate->__pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[47])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[44] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_pyx_unpickle__DeviceBytes, __pyx_mstate->__pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[44])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;

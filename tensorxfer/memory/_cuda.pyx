@@ -246,11 +246,8 @@ cdef class CudaRegion(AllocationMap):
     cdef int _device
     cdef bint _owner
     cdef bint _reserved         # we hold the VA reservation
-    cdef bint _closed
-    cdef bint _close_pending
     cdef bint _shareable
     cdef bint _gdr
-    cdef Py_ssize_t _exports
     cdef object _keepalive
     cdef Py_ssize_t _next_chunk     # chunks [0, _next_chunk) have been set up by _map_upto
     cdef size_t _granularity
@@ -262,10 +259,7 @@ cdef class CudaRegion(AllocationMap):
         self._base = 0
         self._chunks = NULL
         self._nchunks = 0
-        self._closed = True
         self._reserved = False
-        self._exports = 0
-        self._close_pending = False
 
     # ---------------------------------------------------------------- factories
     @staticmethod
@@ -555,22 +549,6 @@ cdef class CudaRegion(AllocationMap):
         self._keepalive = None
         self._closed = True
 
-    def close(self, bint defer=False):
-        """Unmap, release and free; safe to call more than once.
-
-        Raises ``BufferError`` while views exist, unless ``defer`` is true
-        (then the release happens when the last view is dropped).
-        """
-        if self._closed:
-            return
-        if self._exports:
-            if defer:
-                self._close_pending = True
-                return
-            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
-                              f"delete the tensors viewing it first")
-        self._release()
-
     def __dealloc__(self):
         if not self._closed:
             if self._owner:
@@ -581,24 +559,11 @@ cdef class CudaRegion(AllocationMap):
                     pass
             self._release()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.close(defer=exc_type is not None)
-
     cdef int _check_open(self) except -1:
         # Also makes the device's context current: every method that talks
         # to the driver starts here, and the extent walk runs right after.
-        if self._closed:
-            raise ValueError("operation on a closed CudaRegion")
+        AllocationMap._check_open(self)
         bind_device(self._device)
-        return 0
-
-    cdef int _view_released(self) except -1:
-        self._exports -= 1
-        if self._exports == 0 and self._close_pending:
-            self._release()
         return 0
 
     # ---------------------------------------------------------------- queries
@@ -627,10 +592,6 @@ cdef class CudaRegion(AllocationMap):
     @property
     def reserved_size(self):
         return self._va_size
-
-    @property
-    def closed(self):
-        return self._closed
 
     @property
     def owner(self):

@@ -4,11 +4,19 @@ from libc.stdint cimport uintptr_t
 cdef class AllocationMap:
     """A virtual range backed by several physical allocations (handles).
 
-    Subclasses answer one question, in ``lookup``: which mapped allocation
-    holds this address.  Everything else about extents is written once, here.
+    The base of every region.  Subclasses answer ``lookup`` (which mapped
+    allocation holds this address) and ``_release`` (free everything, never
+    raise).  Extent resolution and the lifetime protocol (``close`` with
+    views alive, ``defer``, ``with``) are written once, here.
     """
     cdef uintptr_t _va_base   # start of the whole reservation
     cdef size_t _va_size      # whole reservation, unmapped parts included
+    cdef bint _closed
+    cdef Py_ssize_t _exports        # live views (buffer exports, device views)
+    cdef bint _close_pending        # close(defer=True) while views were alive
+
+    cdef void _release(self) noexcept
+    cdef int _view_released(self) except -1
 
     # 1: mapped, *base/*size set to the allocation holding addr
     # 0: addr is not mapped (hole, unmapped tail, or outside the reservation)

@@ -62,11 +62,63 @@ cdef struct Segment:
 
 
 cdef class AllocationMap:
+    def __cinit__(self):
+        self._closed = True
+        self._exports = 0
+        self._close_pending = False
+
     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:
         return 0
 
     cdef int _check_open(self) except -1:
+        if self._closed:
+            raise ValueError(f"operation on a closed {type(self).__name__}")
         return 0
+
+    cdef void _release(self) noexcept:
+        self._closed = True
+
+    cdef int _view_released(self) except -1:
+        self._exports -= 1
+        if self._exports == 0 and self._close_pending:
+            self._release()
+        return 0
+
+    def close(self, bint defer=False):
+        """Release the memory; safe to call more than once.
+
+        Parameters
+        ----------
+        defer : bool
+            If views are alive, release when the last one is dropped instead
+            of raising (``__exit__`` uses this while an exception is in
+            flight, since the traceback may hold views).
+
+        Raises
+        ------
+        BufferError
+            Views of the region (memoryviews, arrays, tensors) still exist
+            and ``defer`` is false; drop them first.
+        """
+        if self._closed:
+            return
+        if self._exports and defer:
+            self._close_pending = True
+            return
+        if self._exports:
+            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
+                              f"delete the arrays/tensors viewing it first")
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(defer=exc_type is not None)
+
+    @property
+    def closed(self):
+        return self._closed
 
     def allocation_at(self, size_t offset):
         """The one allocation holding ``base + offset`` as ``(base, size)``, or None.

@@ -93,21 +93,15 @@ cdef class HostRegion(AllocationMap):
     cdef Chunk* _chunks
     cdef Py_ssize_t _nchunks
     cdef bint _owner
-    cdef bint _closed
     cdef bint _readonly
     cdef bint _has_view
     cdef Py_buffer _adopted     # export held on an adopted object until close()
-    cdef Py_ssize_t _exports
-    cdef bint _close_pending    # close(defer=True) while views were alive
 
     def __cinit__(self):
         self._base = NULL
         self._chunks = NULL
         self._nchunks = 0
-        self._closed = True
         self._has_view = False
-        self._exports = 0
-        self._close_pending = False
 
     # ---------------------------------------------------------------- factories
     @staticmethod
@@ -327,32 +321,6 @@ cdef class HostRegion(AllocationMap):
         self._va_size = 0
         self._closed = True
 
-    def close(self, bint defer=False):
-        """Unmap and release every chunk; safe to call more than once.
-
-        Parameters
-        ----------
-        defer : bool
-            If views are alive, release when the last one is dropped instead
-            of raising (``__exit__`` uses this while an exception is in
-            flight, since the traceback may hold views).
-
-        Raises
-        ------
-        BufferError
-            Views of the region (memoryviews, numpy arrays, tensors) still
-            exist and ``defer`` is false; drop them first.
-        """
-        if self._closed:
-            return
-        if self._exports and defer:
-            self._close_pending = True
-            return
-        if self._exports:
-            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
-                              f"delete the arrays/tensors viewing it first")
-        self._release()
-
     def __dealloc__(self):
         if not self._closed:
             try:
@@ -361,17 +329,6 @@ cdef class HostRegion(AllocationMap):
             except BaseException:
                 pass
             self._release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.close(defer=exc_type is not None)
-
-    cdef int _check_open(self) except -1:
-        if self._closed:
-            raise ValueError("operation on a closed HostRegion")
-        return 0
 
     # ---------------------------------------------------------------- queries
     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:
@@ -407,10 +364,6 @@ cdef class HostRegion(AllocationMap):
     def reserved_size(self):
         """Bytes reserved, unmapped tail included."""
         return self._va_size
-
-    @property
-    def closed(self):
-        return self._closed
 
     @property
     def owner(self):
@@ -455,9 +408,7 @@ cdef class HostRegion(AllocationMap):
         self._exports += 1
 
     def __releasebuffer__(self, Py_buffer* buffer):
-        self._exports -= 1
-        if self._exports == 0 and self._close_pending:
-            self._release()
+        self._view_released()
 
     # ---------------------------------------------------------------- test hooks
     def _unmap_chunk(self, Py_ssize_t index):
