@@ -240,7 +240,7 @@ def test_staged_copies_round_trip_larger_than_the_staging_buffers():
 
     n = (150 << 20) + 12345
     data = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
-    with mem.CudaRegion.allocate(n) as r, Copier(0, stage_size=16 << 20) as c:
+    with mem.CudaRegion.allocate(n) as r, Copier(0, buffer_bytes=16 << 20) as c:
         c.htod(r.ptr, data)
         c.synchronize()
         back = np.empty_like(data)

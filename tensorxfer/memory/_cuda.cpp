@@ -1831,8 +1831,8 @@ typedef uint32_t __pyx_t_4cuda_8bindings_8cydriver_VdpOutputSurface;
 struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap;
 struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion;
 struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes;
-struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier;
 struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager;
+struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier;
 struct __pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr;
 struct __pyx_array_obj;
 struct __pyx_MemviewEnum_obj;
@@ -3042,27 +3042,8 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes {
 /* "tensorxfer/memory/_cuda.pyx":752
  * 
  * # ------------------------------------------------------------------ copies
- * cdef class Copier:             # <<<<<<<<<<<<<<
- *     """Copies into and out of device memory on one non-blocking stream.
- * 
-*/
-struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier {
-  PyObject_HEAD
-  struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *__pyx_vtab;
-  int _device;
-  CUstream _stream;
-  CUevent _events[2];
-  void *_staging[2];
-  size_t _stage_size;
-  int _closed;
-};
-
-
-/* "tensorxfer/memory/_cuda.pyx":927
- * 
- * 
  * cdef class Stager:             # <<<<<<<<<<<<<<
- *     """Two pinned host buffers and one stream, for streaming a device range through the host.
+ *     """One non-blocking stream and two pinned host buffers, for moving bytes through the host.
  * 
 */
 struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager {
@@ -3075,6 +3056,18 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager {
   size_t _size;
   int _closed;
   PyObject *_views;
+};
+
+
+/* "tensorxfer/memory/_cuda.pyx":898
+ * 
+ * 
+ * cdef class Copier(Stager):             # <<<<<<<<<<<<<<
+ *     """Copies into and out of device memory on one non-blocking stream.
+ * 
+*/
+struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier {
+  struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager __pyx_base;
 };
 
 
@@ -3223,29 +3216,33 @@ static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v
 /* "tensorxfer/memory/_cuda.pyx":752
  * 
  * # ------------------------------------------------------------------ copies
- * cdef class Copier:             # <<<<<<<<<<<<<<
+ * cdef class Stager:             # <<<<<<<<<<<<<<
+ *     """One non-blocking stream and two pinned host buffers, for moving bytes through the host.
+ * 
+*/
+
+struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager {
+  int (*_ensure_pinned)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *);
+  int (*_check)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, size_t);
+  int (*_dtoh_async)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, uintptr_t, size_t);
+  int (*_htod_async)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, uintptr_t, size_t);
+  int (*_wait)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int);
+};
+static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager;
+
+
+/* "tensorxfer/memory/_cuda.pyx":898
+ * 
+ * 
+ * cdef class Copier(Stager):             # <<<<<<<<<<<<<<
  *     """Copies into and out of device memory on one non-blocking stream.
  * 
 */
 
 struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier {
-  int (*_ensure_staging)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *);
+  struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager __pyx_base;
 };
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier;
-
-
-/* "tensorxfer/memory/_cuda.pyx":927
- * 
- * 
- * cdef class Stager:             # <<<<<<<<<<<<<<
- *     """Two pinned host buffers and one stream, for streaming a device range through the host.
- * 
-*/
-
-struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager {
-  int (*_check)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, size_t);
-};
-static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager;
 
 
 /* "View.MemoryView":128
@@ -4350,6 +4347,12 @@ static PyObject * __Pyx_CallTpnewAsVectorcall(__Pyx_tpnewvectorcallfunc f, PyTyp
 static PyObject *__Pyx_CallNewInitFromVectorcall(PyTypeObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 #endif
 
+/* CallSlotAsVectorcall.proto */
+#if CYTHON_VECTORCALL_TPNEW
+typedef int (*__Pyx_tpinitvectorcallfunc)(PyObject* o, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+static int __Pyx_CallTpinitAsVectorcall(__Pyx_tpinitvectorcallfunc f, PyObject* o, PyObject *a, PyObject *k);
+#endif
+
 /* CheckTypeForFreelists.proto */
 #if CYTHON_USE_FREELISTS
 #if CYTHON_USE_TYPE_SPECS
@@ -4362,12 +4365,6 @@ static PyObject *__Pyx_CallNewInitFromVectorcall(PyTypeObject *t, PyObject *cons
 #define __PYX_CHECK_TYPE_FOR_FREELISTS(t, expected_tp, expected_size)\
     (__PYX_CHECK_FINAL_TYPE_FOR_FREELISTS((t), (expected_tp), (expected_size)) &\
      (int) (!__Pyx_PyType_HasFeature((t), __PYX_CHECK_TYPE_FOR_FREELIST_FLAGS)))
-#endif
-
-/* CallSlotAsVectorcall.proto */
-#if CYTHON_VECTORCALL_TPNEW
-typedef int (*__Pyx_tpinitvectorcallfunc)(PyObject* o, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-static int __Pyx_CallTpinitAsVectorcall(__Pyx_tpinitvectorcallfunc f, PyObject* o, PyObject *a, PyObject *k);
 #endif
 
 /* DefaultPlacementNew.proto */
@@ -4977,8 +4974,11 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto*/
 static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, uintptr_t __pyx_v_addr, uintptr_t *__pyx_v_base, size_t *__pyx_v_size); /* proto*/
 static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_region, size_t __pyx_v_offset, size_t __pyx_v_n); /* proto*/
-static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto*/
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto*/
 static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, size_t __pyx_v_n); /* proto*/
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_src, size_t __pyx_v_n); /* proto*/
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_dst, size_t __pyx_v_n); /* proto*/
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i); /* proto*/
 
 /* Module declarations from "cpython.buffer" */
 
@@ -5236,31 +5236,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_2__reduce_cython__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_4__setstate_cython__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self, PyObject *__pyx_v___pyx_state); /* proto */
-static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, int __pyx_v_device, size_t __pyx_v_stage_size); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, uintptr_t __pyx_v_src, size_t __pyx_v_n); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, size_t __pyx_v_n, unsigned char __pyx_v_value); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dsts, PyObject *__pyx_v_srcs, PyObject *__pyx_v_sizes, int __pyx_v_batch_api); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, PyObject *__pyx_v_src); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dst, uintptr_t __pyx_v_src); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_20__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_device, size_t __pyx_v_buffer_bytes); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_src, size_t __pyx_v_n); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_dst, size_t __pyx_v_n); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
+static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___init__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED int __pyx_v_device, CYTHON_UNUSED size_t __pyx_v_buffer_bytes); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, uintptr_t __pyx_v_src, size_t __pyx_v_n); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dsts, PyObject *__pyx_v_srcs, PyObject *__pyx_v_sizes, int __pyx_v_batch_api); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, size_t __pyx_v_n, unsigned char __pyx_v_value); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, PyObject *__pyx_v_src); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dst, uintptr_t __pyx_v_src); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_14__pyx_unpickle__DeviceBytes(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_CudaRegion(PyObject *o, PyObject *a, PyObject *k); /*proto*/
 static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(PyTypeObject *t, PyObject *a, PyObject *k); /*proto*/
@@ -5287,6 +5283,29 @@ static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda__DeviceBytes(PyTypeObj
 #if CYTHON_VECTORCALL_TPNEW
 static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda__DeviceBytes(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
 #endif
+static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Stager(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+static PyObject *__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Stager(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_Stager(PyTypeObject *t, PyObject *a, PyObject *k); /*proto*/
+#endif
+#if !CYTHON_VECTORCALL_TPNEW
+#define __pyx_tp_new_10tensorxfer_6memory_5_cuda_Stager __pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Stager
+#endif
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Stager(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
+#endif
 static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Copier(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
     PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
@@ -5310,28 +5329,11 @@ static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier(PyTypeObject *t
 #if CYTHON_VECTORCALL_TPNEW
 static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
 #endif
-static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Stager(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
-    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
-#else
-    PyObject *a, PyObject *k
-#endif
-); /*proto*/
-static PyObject *__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Stager(PyTypeObject *t, 
-#if CYTHON_VECTORCALL_TPNEW
-    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
-#else
-    PyObject *a, PyObject *k
-#endif
-); /*proto*/
-#if CYTHON_VECTORCALL_TPNEW
-static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_Stager(PyTypeObject *t, PyObject *a, PyObject *k); /*proto*/
+static int __pyx_tp_init_10tensorxfer_6memory_5_cuda_Copier(PyObject *o, PyObject *args, PyObject *kwds); /*proto*/
 #endif
 #if !CYTHON_VECTORCALL_TPNEW
-#define __pyx_tp_new_10tensorxfer_6memory_5_cuda_Stager __pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Stager
-#endif
-#if CYTHON_VECTORCALL_TPNEW
-static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Stager(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
+#define __pyx_tp_init_10tensorxfer_6memory_5_cuda_Copier __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__init__
 #endif
 static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
@@ -5480,8 +5482,8 @@ namespace {
     PyTypeObject *__pyx_ptype_10tensorxfer_6memory_7_extent_AllocationMap;
     PyObject *__pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion;
     PyObject *__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes;
-    PyObject *__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
     PyObject *__pyx_type_10tensorxfer_6memory_5_cuda_Stager;
+    PyObject *__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
     PyObject *__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr;
     PyObject *__pyx_type___pyx_array;
     PyObject *__pyx_type___pyx_MemviewEnum;
@@ -5489,8 +5491,8 @@ namespace {
     PyObject *__pyx_type___pyx_memoryviewslice;
     PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion;
     PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes;
-    PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier;
     PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager;
+    PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier;
     PyTypeObject *__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr;
     PyTypeObject *__pyx_array_type;
     PyTypeObject *__pyx_MemviewEnum_type;
@@ -5502,8 +5504,8 @@ namespace {
     PyObject *__pyx_frozenset[1];
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[11];
-    PyObject *__pyx_codeobj_tab[45];
-    PyObject *__pyx_string_tab[361];
+    PyObject *__pyx_codeobj_tab[42];
+    PyObject *__pyx_string_tab[355];
     PyObject *__pyx_number_tab[8];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -5651,282 +5653,276 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_B __pyx_string_tab[82]
 #define __pyx_n_u_CUDA_ERROR_NO_DEVICE __pyx_string_tab[83]
 #define __pyx_n_u_Copier __pyx_string_tab[84]
-#define __pyx_n_u_Copier___enter __pyx_string_tab[85]
-#define __pyx_n_u_Copier___exit __pyx_string_tab[86]
-#define __pyx_n_u_Copier___reduce_cython __pyx_string_tab[87]
-#define __pyx_n_u_Copier___setstate_cython __pyx_string_tab[88]
-#define __pyx_n_u_Copier_close __pyx_string_tab[89]
-#define __pyx_n_u_Copier_dtod __pyx_string_tab[90]
-#define __pyx_n_u_Copier_dtod_batch __pyx_string_tab[91]
-#define __pyx_n_u_Copier_dtoh __pyx_string_tab[92]
-#define __pyx_n_u_Copier_htod __pyx_string_tab[93]
-#define __pyx_n_u_Copier_memset __pyx_string_tab[94]
-#define __pyx_n_u_Copier_synchronize __pyx_string_tab[95]
-#define __pyx_n_u_CudaError __pyx_string_tab[96]
-#define __pyx_n_u_CudaRegion_2 __pyx_string_tab[97]
-#define __pyx_n_u_CudaRegion___reduce_cython __pyx_string_tab[98]
-#define __pyx_n_u_CudaRegion___setstate_cython __pyx_string_tab[99]
-#define __pyx_n_u_CudaRegion__from_chunks __pyx_string_tab[100]
-#define __pyx_n_u_CudaRegion__plan __pyx_string_tab[101]
-#define __pyx_n_u_CudaRegion__unmap_chunk __pyx_string_tab[102]
-#define __pyx_n_u_CudaRegion_adopt __pyx_string_tab[103]
-#define __pyx_n_u_CudaRegion_allocate __pyx_string_tab[104]
-#define __pyx_n_u_CudaRegion_cuda_array __pyx_string_tab[105]
-#define __pyx_n_u_CudaRegion_export_dmabuf __pyx_string_tab[106]
-#define __pyx_n_u_CudaRegion_export_handles __pyx_string_tab[107]
-#define __pyx_n_u_CudaRegion_from_tensor __pyx_string_tab[108]
-#define __pyx_n_u_CudaRegion_import_handles __pyx_string_tab[109]
-#define __pyx_n_u_CudaRegion_map_next __pyx_string_tab[110]
-#define __pyx_n_u_CudaRegion_reserve __pyx_string_tab[111]
-#define __pyx_n_u_DEFAULT_CHUNK_SIZE __pyx_string_tab[112]
-#define __pyx_n_u_Ellipsis __pyx_string_tab[113]
-#define __pyx_n_u_ExtentError __pyx_string_tab[114]
-#define __pyx_n_u_Lock __pyx_string_tab[115]
-#define __pyx_n_u_MAX_DEFAULT_CHUNKS __pyx_string_tab[116]
-#define __pyx_n_u_Sequence __pyx_string_tab[117]
-#define __pyx_n_u_Stager __pyx_string_tab[118]
-#define __pyx_n_u_Stager___enter __pyx_string_tab[119]
-#define __pyx_n_u_Stager___exit __pyx_string_tab[120]
-#define __pyx_n_u_Stager___reduce_cython __pyx_string_tab[121]
-#define __pyx_n_u_Stager___setstate_cython __pyx_string_tab[122]
-#define __pyx_n_u_Stager_close __pyx_string_tab[123]
-#define __pyx_n_u_Stager_start_dtoh __pyx_string_tab[124]
-#define __pyx_n_u_Stager_start_htod __pyx_string_tab[125]
-#define __pyx_n_u_Stager_view __pyx_string_tab[126]
-#define __pyx_n_u_Stager_wait __pyx_string_tab[127]
-#define __pyx_n_u_View_MemoryView __pyx_string_tab[128]
-#define __pyx_n_u__9 __pyx_string_tab[129]
-#define __pyx_n_u_DeviceBytes __pyx_string_tab[130]
-#define __pyx_n_u_DeviceBytes___reduce_cython __pyx_string_tab[131]
-#define __pyx_n_u_DeviceBytes___setstate_cython __pyx_string_tab[132]
-#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[133]
-#define __pyx_n_u_annotate __pyx_string_tab[134]
-#define __pyx_n_u_class __pyx_string_tab[135]
-#define __pyx_n_u_class_getitem __pyx_string_tab[136]
-#define __pyx_n_u_dict __pyx_string_tab[137]
-#define __pyx_n_u_enter __pyx_string_tab[138]
-#define __pyx_n_u_exit __pyx_string_tab[139]
-#define __pyx_n_u_func __pyx_string_tab[140]
-#define __pyx_n_u_getstate __pyx_string_tab[141]
-#define __pyx_n_u_import __pyx_string_tab[142]
-#define __pyx_n_u_main __pyx_string_tab[143]
-#define __pyx_n_u_module __pyx_string_tab[144]
-#define __pyx_n_u_name_2 __pyx_string_tab[145]
-#define __pyx_n_u_new __pyx_string_tab[146]
-#define __pyx_n_u_pyx_checksum __pyx_string_tab[147]
-#define __pyx_n_u_pyx_result __pyx_string_tab[148]
-#define __pyx_n_u_pyx_state __pyx_string_tab[149]
-#define __pyx_n_u_pyx_type __pyx_string_tab[150]
-#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[151]
-#define __pyx_n_u_pyx_unpickle__DeviceBytes __pyx_string_tab[152]
-#define __pyx_n_u_pyx_vtable __pyx_string_tab[153]
-#define __pyx_n_u_qualname __pyx_string_tab[154]
-#define __pyx_n_u_reduce __pyx_string_tab[155]
-#define __pyx_n_u_reduce_cython __pyx_string_tab[156]
-#define __pyx_n_u_reduce_ex __pyx_string_tab[157]
-#define __pyx_n_u_set_name __pyx_string_tab[158]
-#define __pyx_n_u_setstate __pyx_string_tab[159]
-#define __pyx_n_u_setstate_cython __pyx_string_tab[160]
-#define __pyx_n_u_test __pyx_string_tab[161]
-#define __pyx_n_u_contexts __pyx_string_tab[162]
-#define __pyx_n_u_default_chunk_size __pyx_string_tab[163]
-#define __pyx_n_u_dict_2 __pyx_string_tab[164]
-#define __pyx_n_u_error_name __pyx_string_tab[165]
-#define __pyx_n_u_from_chunks __pyx_string_tab[166]
-#define __pyx_n_u_from_chunks_locals_genexpr __pyx_string_tab[167]
-#define __pyx_n_u_is_coroutine __pyx_string_tab[168]
-#define __pyx_n_u_lock __pyx_string_tab[169]
-#define __pyx_n_u_plan __pyx_string_tab[170]
-#define __pyx_n_u_unmap_chunk __pyx_string_tab[171]
-#define __pyx_n_u_abc __pyx_string_tab[172]
-#define __pyx_n_u_access_devices __pyx_string_tab[173]
-#define __pyx_n_u_address_range __pyx_string_tab[174]
-#define __pyx_n_u_adopt __pyx_string_tab[175]
-#define __pyx_n_u_adopted __pyx_string_tab[176]
-#define __pyx_n_u_allocate __pyx_string_tab[177]
-#define __pyx_n_u_allocate_buffer __pyx_string_tab[178]
-#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[179]
-#define __pyx_n_u_attr __pyx_string_tab[180]
-#define __pyx_n_u_attr_index __pyx_string_tab[181]
-#define __pyx_n_u_b __pyx_string_tab[182]
-#define __pyx_n_u_base __pyx_string_tab[183]
-#define __pyx_n_u_batch_api __pyx_string_tab[184]
-#define __pyx_n_u_buffer_bytes __pyx_string_tab[185]
-#define __pyx_n_u_c __pyx_string_tab[186]
-#define __pyx_n_u_cast __pyx_string_tab[187]
-#define __pyx_n_u_chunk_2 __pyx_string_tab[188]
-#define __pyx_n_u_chunk_size __pyx_string_tab[189]
-#define __pyx_n_u_cline_in_traceback __pyx_string_tab[190]
-#define __pyx_n_u_close __pyx_string_tab[191]
-#define __pyx_n_u_count __pyx_string_tab[192]
-#define __pyx_n_u_cuda_array __pyx_string_tab[193]
-#define __pyx_n_u_d __pyx_string_tab[194]
-#define __pyx_n_u_data __pyx_string_tab[195]
-#define __pyx_n_u_data_ptr __pyx_string_tab[196]
-#define __pyx_n_u_decode __pyx_string_tab[197]
-#define __pyx_n_u_dev __pyx_string_tab[198]
-#define __pyx_n_u_device __pyx_string_tab[199]
-#define __pyx_n_u_device_count __pyx_string_tab[200]
-#define __pyx_n_u_device_info __pyx_string_tab[201]
-#define __pyx_n_u_dmabuf __pyx_string_tab[202]
-#define __pyx_n_u_driver_version __pyx_string_tab[203]
-#define __pyx_n_u_dst __pyx_string_tab[204]
-#define __pyx_n_u_dsts __pyx_string_tab[205]
-#define __pyx_n_u_dtod __pyx_string_tab[206]
-#define __pyx_n_u_dtod_batch __pyx_string_tab[207]
-#define __pyx_n_u_dtoh __pyx_string_tab[208]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[209]
-#define __pyx_n_u_element_size __pyx_string_tab[210]
-#define __pyx_n_u_encode __pyx_string_tab[211]
-#define __pyx_n_u_enumerate __pyx_string_tab[212]
-#define __pyx_n_u_error __pyx_string_tab[213]
-#define __pyx_n_u_errors __pyx_string_tab[214]
-#define __pyx_n_u_exc __pyx_string_tab[215]
-#define __pyx_n_u_export_dmabuf __pyx_string_tab[216]
-#define __pyx_n_u_export_handles __pyx_string_tab[217]
-#define __pyx_n_u_ext __pyx_string_tab[218]
-#define __pyx_n_u_fd __pyx_string_tab[219]
-#define __pyx_n_u_flags __pyx_string_tab[220]
-#define __pyx_n_u_format __pyx_string_tab[221]
-#define __pyx_n_u_fortran __pyx_string_tab[222]
-#define __pyx_n_u_from_tensor __pyx_string_tab[223]
-#define __pyx_n_u_gdr __pyx_string_tab[224]
-#define __pyx_n_u_genexpr __pyx_string_tab[225]
-#define __pyx_n_u_get __pyx_string_tab[226]
-#define __pyx_n_u_gpudirect_rdma_with_vmm __pyx_string_tab[227]
-#define __pyx_n_u_gran __pyx_string_tab[228]
-#define __pyx_n_u_granularity __pyx_string_tab[229]
-#define __pyx_n_u_h __pyx_string_tab[230]
-#define __pyx_n_u_handles __pyx_string_tab[231]
-#define __pyx_n_u_holes __pyx_string_tab[232]
-#define __pyx_n_u_htod __pyx_string_tab[233]
-#define __pyx_n_u_i __pyx_string_tab[234]
-#define __pyx_n_u_id __pyx_string_tab[235]
-#define __pyx_n_u_import_handles __pyx_string_tab[236]
-#define __pyx_n_u_index __pyx_string_tab[237]
-#define __pyx_n_u_info __pyx_string_tab[238]
-#define __pyx_n_u_is_cuda __pyx_string_tab[239]
-#define __pyx_n_u_is_vmm __pyx_string_tab[240]
-#define __pyx_n_u_items __pyx_string_tab[241]
-#define __pyx_n_u_itemsize __pyx_string_tab[242]
-#define __pyx_n_u_k __pyx_string_tab[243]
-#define __pyx_n_u_keepalive __pyx_string_tab[244]
-#define __pyx_n_u_length __pyx_string_tab[245]
-#define __pyx_n_u_map_next __pyx_string_tab[246]
-#define __pyx_n_u_map_now __pyx_string_tab[247]
-#define __pyx_n_u_mapped_size __pyx_string_tab[248]
-#define __pyx_n_u_memset __pyx_string_tab[249]
-#define __pyx_n_u_memview __pyx_string_tab[250]
-#define __pyx_n_u_mode __pyx_string_tab[251]
-#define __pyx_n_u_n __pyx_string_tab[252]
-#define __pyx_n_u_name __pyx_string_tab[253]
-#define __pyx_n_u_ndim __pyx_string_tab[254]
-#define __pyx_n_u_next __pyx_string_tab[255]
-#define __pyx_n_u_numel __pyx_string_tab[256]
-#define __pyx_n_u_obj __pyx_string_tab[257]
-#define __pyx_n_u_off __pyx_string_tab[258]
-#define __pyx_n_u_offset __pyx_string_tab[259]
-#define __pyx_n_u_out __pyx_string_tab[260]
-#define __pyx_n_u_owned __pyx_string_tab[261]
-#define __pyx_n_u_p __pyx_string_tab[262]
-#define __pyx_n_u_pack __pyx_string_tab[263]
-#define __pyx_n_u_pointer_range __pyx_string_tab[264]
-#define __pyx_n_u_pop __pyx_string_tab[265]
-#define __pyx_n_u_posix_fd_handles __pyx_string_tab[266]
-#define __pyx_n_u_prev_k __pyx_string_tab[267]
-#define __pyx_n_u_prev_off __pyx_string_tab[268]
-#define __pyx_n_u_prop __pyx_string_tab[269]
-#define __pyx_n_u_ptr __pyx_string_tab[270]
-#define __pyx_n_u_range_size_attribute __pyx_string_tab[271]
-#define __pyx_n_u_register __pyx_string_tab[272]
-#define __pyx_n_u_release __pyx_string_tab[273]
-#define __pyx_n_u_replace __pyx_string_tab[274]
-#define __pyx_n_u_reserve __pyx_string_tab[275]
-#define __pyx_n_u_resolve_extent __pyx_string_tab[276]
-#define __pyx_n_u_result __pyx_string_tab[277]
-#define __pyx_n_u_rsize __pyx_string_tab[278]
-#define __pyx_n_u_s __pyx_string_tab[279]
-#define __pyx_n_u_self __pyx_string_tab[280]
-#define __pyx_n_u_send __pyx_string_tab[281]
-#define __pyx_n_u_setdefault __pyx_string_tab[282]
-#define __pyx_n_u_shape __pyx_string_tab[283]
-#define __pyx_n_u_shareable __pyx_string_tab[284]
-#define __pyx_n_u_size __pyx_string_tab[285]
-#define __pyx_n_u_sizes __pyx_string_tab[286]
-#define __pyx_n_u_src __pyx_string_tab[287]
-#define __pyx_n_u_srcs __pyx_string_tab[288]
-#define __pyx_n_u_stage_size __pyx_string_tab[289]
-#define __pyx_n_u_start __pyx_string_tab[290]
-#define __pyx_n_u_start_dtoh __pyx_string_tab[291]
-#define __pyx_n_u_start_htod __pyx_string_tab[292]
-#define __pyx_n_u_state __pyx_string_tab[293]
-#define __pyx_n_u_staticmethod __pyx_string_tab[294]
-#define __pyx_n_u_step __pyx_string_tab[295]
-#define __pyx_n_u_stop __pyx_string_tab[296]
-#define __pyx_n_u_stream __pyx_string_tab[297]
-#define __pyx_n_u_strides __pyx_string_tab[298]
-#define __pyx_n_u_struct __pyx_string_tab[299]
-#define __pyx_n_u_synchronize __pyx_string_tab[300]
-#define __pyx_n_u_tensor __pyx_string_tab[301]
-#define __pyx_n_u_tensorxfer_errors __pyx_string_tab[302]
-#define __pyx_n_u_tensorxfer_memory__cuda __pyx_string_tab[303]
-#define __pyx_n_u_threading __pyx_string_tab[304]
-#define __pyx_n_u_throw __pyx_string_tab[305]
-#define __pyx_n_u_typestr __pyx_string_tab[306]
-#define __pyx_n_u_unmapped_tail __pyx_string_tab[307]
-#define __pyx_n_u_unpack __pyx_string_tab[308]
-#define __pyx_n_u_update __pyx_string_tab[309]
-#define __pyx_n_u_use_setstate __pyx_string_tab[310]
-#define __pyx_n_u_v __pyx_string_tab[311]
-#define __pyx_n_u_value __pyx_string_tab[312]
-#define __pyx_n_u_values __pyx_string_tab[313]
-#define __pyx_n_u_version __pyx_string_tab[314]
-#define __pyx_n_u_view_2 __pyx_string_tab[315]
-#define __pyx_n_u_vmm __pyx_string_tab[316]
-#define __pyx_n_u_wait __pyx_string_tab[317]
-#define __pyx_n_u_warn __pyx_string_tab[318]
-#define __pyx_n_u_warnings __pyx_string_tab[319]
-#define __pyx_n_u_x __pyx_string_tab[320]
-#define __pyx_kp_b_CUresult_CUcontext_CUdevice_CUre __pyx_string_tab[321]
-#define __pyx_n_b_O __pyx_string_tab[322]
-#define __pyx_kp_b_iso88591_Q __pyx_string_tab[323]
-#define __pyx_kp_b_iso88591_I_aq_A_1 __pyx_string_tab[324]
-#define __pyx_kp_b_iso88591_r_r_9AWA __pyx_string_tab[325]
-#define __pyx_kp_b_iso88591_6has___aadde_1G1_aq __pyx_string_tab[326]
-#define __pyx_kp_b_iso88591_6 __pyx_string_tab[327]
-#define __pyx_kp_b_iso88591_I_a_1 __pyx_string_tab[328]
-#define __pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1 __pyx_string_tab[329]
-#define __pyx_kp_b_iso88591_1AS_uKq_q_1 __pyx_string_tab[330]
-#define __pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T __pyx_string_tab[331]
-#define __pyx_kp_b_iso88591_F_AQfAV3I_kYZ_1_6_aq_q_U_1O1_A __pyx_string_tab[332]
-#define __pyx_kp_b_iso88591_A_F __pyx_string_tab[333]
-#define __pyx_kp_b_iso88591_A_q __pyx_string_tab[334]
-#define __pyx_kp_b_iso88591_A_1D_I_1_k __pyx_string_tab[335]
-#define __pyx_kp_b_iso88591_A_2_z_q_l __pyx_string_tab[336]
-#define __pyx_kp_b_iso88591_A_31_z_q_l __pyx_string_tab[337]
-#define __pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA __pyx_string_tab[338]
-#define __pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E __pyx_string_tab[339]
-#define __pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja __pyx_string_tab[340]
-#define __pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs __pyx_string_tab[341]
-#define __pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT __pyx_string_tab[342]
-#define __pyx_kp_b_iso88591_A_4q_AQ_t7_1 __pyx_string_tab[343]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A __pyx_string_tab[344]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T __pyx_string_tab[345]
-#define __pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1 __pyx_string_tab[346]
-#define __pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq __pyx_string_tab[347]
-#define __pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r __pyx_string_tab[348]
-#define __pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4 __pyx_string_tab[349]
-#define __pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A __pyx_string_tab[350]
-#define __pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I __pyx_string_tab[351]
-#define __pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1 __pyx_string_tab[352]
-#define __pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q __pyx_string_tab[353]
-#define __pyx_kp_b_iso88591_q_q_I_5_I_QfE_q_G1G1_t1E_D_iq_4 __pyx_string_tab[354]
-#define __pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ __pyx_string_tab[355]
-#define __pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1 __pyx_string_tab[356]
-#define __pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ __pyx_string_tab[357]
-#define __pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6 __pyx_string_tab[358]
-#define __pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX __pyx_string_tab[359]
-#define __pyx_kp_b_iso88591_VW __pyx_string_tab[360]
+#define __pyx_n_u_Copier___reduce_cython __pyx_string_tab[85]
+#define __pyx_n_u_Copier___setstate_cython __pyx_string_tab[86]
+#define __pyx_n_u_Copier_dtod __pyx_string_tab[87]
+#define __pyx_n_u_Copier_dtod_batch __pyx_string_tab[88]
+#define __pyx_n_u_Copier_dtoh __pyx_string_tab[89]
+#define __pyx_n_u_Copier_htod __pyx_string_tab[90]
+#define __pyx_n_u_Copier_memset __pyx_string_tab[91]
+#define __pyx_n_u_CudaError __pyx_string_tab[92]
+#define __pyx_n_u_CudaRegion_2 __pyx_string_tab[93]
+#define __pyx_n_u_CudaRegion___reduce_cython __pyx_string_tab[94]
+#define __pyx_n_u_CudaRegion___setstate_cython __pyx_string_tab[95]
+#define __pyx_n_u_CudaRegion__from_chunks __pyx_string_tab[96]
+#define __pyx_n_u_CudaRegion__plan __pyx_string_tab[97]
+#define __pyx_n_u_CudaRegion__unmap_chunk __pyx_string_tab[98]
+#define __pyx_n_u_CudaRegion_adopt __pyx_string_tab[99]
+#define __pyx_n_u_CudaRegion_allocate __pyx_string_tab[100]
+#define __pyx_n_u_CudaRegion_cuda_array __pyx_string_tab[101]
+#define __pyx_n_u_CudaRegion_export_dmabuf __pyx_string_tab[102]
+#define __pyx_n_u_CudaRegion_export_handles __pyx_string_tab[103]
+#define __pyx_n_u_CudaRegion_from_tensor __pyx_string_tab[104]
+#define __pyx_n_u_CudaRegion_import_handles __pyx_string_tab[105]
+#define __pyx_n_u_CudaRegion_map_next __pyx_string_tab[106]
+#define __pyx_n_u_CudaRegion_reserve __pyx_string_tab[107]
+#define __pyx_n_u_DEFAULT_CHUNK_SIZE __pyx_string_tab[108]
+#define __pyx_n_u_Ellipsis __pyx_string_tab[109]
+#define __pyx_n_u_ExtentError __pyx_string_tab[110]
+#define __pyx_n_u_Lock __pyx_string_tab[111]
+#define __pyx_n_u_MAX_DEFAULT_CHUNKS __pyx_string_tab[112]
+#define __pyx_n_u_Sequence __pyx_string_tab[113]
+#define __pyx_n_u_Stager __pyx_string_tab[114]
+#define __pyx_n_u_Stager___enter __pyx_string_tab[115]
+#define __pyx_n_u_Stager___exit __pyx_string_tab[116]
+#define __pyx_n_u_Stager___reduce_cython __pyx_string_tab[117]
+#define __pyx_n_u_Stager___setstate_cython __pyx_string_tab[118]
+#define __pyx_n_u_Stager_close __pyx_string_tab[119]
+#define __pyx_n_u_Stager_start_dtoh __pyx_string_tab[120]
+#define __pyx_n_u_Stager_start_htod __pyx_string_tab[121]
+#define __pyx_n_u_Stager_synchronize __pyx_string_tab[122]
+#define __pyx_n_u_Stager_view __pyx_string_tab[123]
+#define __pyx_n_u_Stager_wait __pyx_string_tab[124]
+#define __pyx_n_u_View_MemoryView __pyx_string_tab[125]
+#define __pyx_n_u__9 __pyx_string_tab[126]
+#define __pyx_n_u_DeviceBytes __pyx_string_tab[127]
+#define __pyx_n_u_DeviceBytes___reduce_cython __pyx_string_tab[128]
+#define __pyx_n_u_DeviceBytes___setstate_cython __pyx_string_tab[129]
+#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[130]
+#define __pyx_n_u_annotate __pyx_string_tab[131]
+#define __pyx_n_u_class __pyx_string_tab[132]
+#define __pyx_n_u_class_getitem __pyx_string_tab[133]
+#define __pyx_n_u_dict __pyx_string_tab[134]
+#define __pyx_n_u_enter __pyx_string_tab[135]
+#define __pyx_n_u_exit __pyx_string_tab[136]
+#define __pyx_n_u_func __pyx_string_tab[137]
+#define __pyx_n_u_getstate __pyx_string_tab[138]
+#define __pyx_n_u_import __pyx_string_tab[139]
+#define __pyx_n_u_main __pyx_string_tab[140]
+#define __pyx_n_u_module __pyx_string_tab[141]
+#define __pyx_n_u_name_2 __pyx_string_tab[142]
+#define __pyx_n_u_new __pyx_string_tab[143]
+#define __pyx_n_u_pyx_checksum __pyx_string_tab[144]
+#define __pyx_n_u_pyx_result __pyx_string_tab[145]
+#define __pyx_n_u_pyx_state __pyx_string_tab[146]
+#define __pyx_n_u_pyx_type __pyx_string_tab[147]
+#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[148]
+#define __pyx_n_u_pyx_unpickle__DeviceBytes __pyx_string_tab[149]
+#define __pyx_n_u_pyx_vtable __pyx_string_tab[150]
+#define __pyx_n_u_qualname __pyx_string_tab[151]
+#define __pyx_n_u_reduce __pyx_string_tab[152]
+#define __pyx_n_u_reduce_cython __pyx_string_tab[153]
+#define __pyx_n_u_reduce_ex __pyx_string_tab[154]
+#define __pyx_n_u_set_name __pyx_string_tab[155]
+#define __pyx_n_u_setstate __pyx_string_tab[156]
+#define __pyx_n_u_setstate_cython __pyx_string_tab[157]
+#define __pyx_n_u_test __pyx_string_tab[158]
+#define __pyx_n_u_contexts __pyx_string_tab[159]
+#define __pyx_n_u_default_chunk_size __pyx_string_tab[160]
+#define __pyx_n_u_dict_2 __pyx_string_tab[161]
+#define __pyx_n_u_error_name __pyx_string_tab[162]
+#define __pyx_n_u_from_chunks __pyx_string_tab[163]
+#define __pyx_n_u_from_chunks_locals_genexpr __pyx_string_tab[164]
+#define __pyx_n_u_is_coroutine __pyx_string_tab[165]
+#define __pyx_n_u_lock __pyx_string_tab[166]
+#define __pyx_n_u_plan __pyx_string_tab[167]
+#define __pyx_n_u_unmap_chunk __pyx_string_tab[168]
+#define __pyx_n_u_abc __pyx_string_tab[169]
+#define __pyx_n_u_access_devices __pyx_string_tab[170]
+#define __pyx_n_u_address_range __pyx_string_tab[171]
+#define __pyx_n_u_adopt __pyx_string_tab[172]
+#define __pyx_n_u_adopted __pyx_string_tab[173]
+#define __pyx_n_u_allocate __pyx_string_tab[174]
+#define __pyx_n_u_allocate_buffer __pyx_string_tab[175]
+#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[176]
+#define __pyx_n_u_attr __pyx_string_tab[177]
+#define __pyx_n_u_attr_index __pyx_string_tab[178]
+#define __pyx_n_u_b __pyx_string_tab[179]
+#define __pyx_n_u_base __pyx_string_tab[180]
+#define __pyx_n_u_batch_api __pyx_string_tab[181]
+#define __pyx_n_u_buffer_bytes __pyx_string_tab[182]
+#define __pyx_n_u_c __pyx_string_tab[183]
+#define __pyx_n_u_cast __pyx_string_tab[184]
+#define __pyx_n_u_chunk_2 __pyx_string_tab[185]
+#define __pyx_n_u_chunk_size __pyx_string_tab[186]
+#define __pyx_n_u_cline_in_traceback __pyx_string_tab[187]
+#define __pyx_n_u_close __pyx_string_tab[188]
+#define __pyx_n_u_count __pyx_string_tab[189]
+#define __pyx_n_u_cuda_array __pyx_string_tab[190]
+#define __pyx_n_u_d __pyx_string_tab[191]
+#define __pyx_n_u_data __pyx_string_tab[192]
+#define __pyx_n_u_data_ptr __pyx_string_tab[193]
+#define __pyx_n_u_decode __pyx_string_tab[194]
+#define __pyx_n_u_dev __pyx_string_tab[195]
+#define __pyx_n_u_device __pyx_string_tab[196]
+#define __pyx_n_u_device_count __pyx_string_tab[197]
+#define __pyx_n_u_device_info __pyx_string_tab[198]
+#define __pyx_n_u_dmabuf __pyx_string_tab[199]
+#define __pyx_n_u_driver_version __pyx_string_tab[200]
+#define __pyx_n_u_dst __pyx_string_tab[201]
+#define __pyx_n_u_dsts __pyx_string_tab[202]
+#define __pyx_n_u_dtod __pyx_string_tab[203]
+#define __pyx_n_u_dtod_batch __pyx_string_tab[204]
+#define __pyx_n_u_dtoh __pyx_string_tab[205]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[206]
+#define __pyx_n_u_element_size __pyx_string_tab[207]
+#define __pyx_n_u_encode __pyx_string_tab[208]
+#define __pyx_n_u_enumerate __pyx_string_tab[209]
+#define __pyx_n_u_error __pyx_string_tab[210]
+#define __pyx_n_u_errors __pyx_string_tab[211]
+#define __pyx_n_u_exc __pyx_string_tab[212]
+#define __pyx_n_u_export_dmabuf __pyx_string_tab[213]
+#define __pyx_n_u_export_handles __pyx_string_tab[214]
+#define __pyx_n_u_ext __pyx_string_tab[215]
+#define __pyx_n_u_fd __pyx_string_tab[216]
+#define __pyx_n_u_flags __pyx_string_tab[217]
+#define __pyx_n_u_format __pyx_string_tab[218]
+#define __pyx_n_u_fortran __pyx_string_tab[219]
+#define __pyx_n_u_from_tensor __pyx_string_tab[220]
+#define __pyx_n_u_gdr __pyx_string_tab[221]
+#define __pyx_n_u_genexpr __pyx_string_tab[222]
+#define __pyx_n_u_get __pyx_string_tab[223]
+#define __pyx_n_u_gpudirect_rdma_with_vmm __pyx_string_tab[224]
+#define __pyx_n_u_gran __pyx_string_tab[225]
+#define __pyx_n_u_granularity __pyx_string_tab[226]
+#define __pyx_n_u_h __pyx_string_tab[227]
+#define __pyx_n_u_handles __pyx_string_tab[228]
+#define __pyx_n_u_holes __pyx_string_tab[229]
+#define __pyx_n_u_htod __pyx_string_tab[230]
+#define __pyx_n_u_i __pyx_string_tab[231]
+#define __pyx_n_u_id __pyx_string_tab[232]
+#define __pyx_n_u_import_handles __pyx_string_tab[233]
+#define __pyx_n_u_index __pyx_string_tab[234]
+#define __pyx_n_u_info __pyx_string_tab[235]
+#define __pyx_n_u_is_cuda __pyx_string_tab[236]
+#define __pyx_n_u_is_vmm __pyx_string_tab[237]
+#define __pyx_n_u_items __pyx_string_tab[238]
+#define __pyx_n_u_itemsize __pyx_string_tab[239]
+#define __pyx_n_u_k __pyx_string_tab[240]
+#define __pyx_n_u_keepalive __pyx_string_tab[241]
+#define __pyx_n_u_length __pyx_string_tab[242]
+#define __pyx_n_u_map_next __pyx_string_tab[243]
+#define __pyx_n_u_map_now __pyx_string_tab[244]
+#define __pyx_n_u_mapped_size __pyx_string_tab[245]
+#define __pyx_n_u_memset __pyx_string_tab[246]
+#define __pyx_n_u_memview __pyx_string_tab[247]
+#define __pyx_n_u_mode __pyx_string_tab[248]
+#define __pyx_n_u_n __pyx_string_tab[249]
+#define __pyx_n_u_name __pyx_string_tab[250]
+#define __pyx_n_u_ndim __pyx_string_tab[251]
+#define __pyx_n_u_next __pyx_string_tab[252]
+#define __pyx_n_u_numel __pyx_string_tab[253]
+#define __pyx_n_u_obj __pyx_string_tab[254]
+#define __pyx_n_u_off __pyx_string_tab[255]
+#define __pyx_n_u_offset __pyx_string_tab[256]
+#define __pyx_n_u_out __pyx_string_tab[257]
+#define __pyx_n_u_owned __pyx_string_tab[258]
+#define __pyx_n_u_p __pyx_string_tab[259]
+#define __pyx_n_u_pack __pyx_string_tab[260]
+#define __pyx_n_u_pointer_range __pyx_string_tab[261]
+#define __pyx_n_u_pop __pyx_string_tab[262]
+#define __pyx_n_u_posix_fd_handles __pyx_string_tab[263]
+#define __pyx_n_u_prev_k __pyx_string_tab[264]
+#define __pyx_n_u_prev_off __pyx_string_tab[265]
+#define __pyx_n_u_prop __pyx_string_tab[266]
+#define __pyx_n_u_ptr __pyx_string_tab[267]
+#define __pyx_n_u_range_size_attribute __pyx_string_tab[268]
+#define __pyx_n_u_register __pyx_string_tab[269]
+#define __pyx_n_u_release __pyx_string_tab[270]
+#define __pyx_n_u_replace __pyx_string_tab[271]
+#define __pyx_n_u_reserve __pyx_string_tab[272]
+#define __pyx_n_u_resolve_extent __pyx_string_tab[273]
+#define __pyx_n_u_result __pyx_string_tab[274]
+#define __pyx_n_u_rsize __pyx_string_tab[275]
+#define __pyx_n_u_s __pyx_string_tab[276]
+#define __pyx_n_u_self __pyx_string_tab[277]
+#define __pyx_n_u_send __pyx_string_tab[278]
+#define __pyx_n_u_setdefault __pyx_string_tab[279]
+#define __pyx_n_u_shape __pyx_string_tab[280]
+#define __pyx_n_u_shareable __pyx_string_tab[281]
+#define __pyx_n_u_size __pyx_string_tab[282]
+#define __pyx_n_u_sizes __pyx_string_tab[283]
+#define __pyx_n_u_src __pyx_string_tab[284]
+#define __pyx_n_u_srcs __pyx_string_tab[285]
+#define __pyx_n_u_start __pyx_string_tab[286]
+#define __pyx_n_u_start_dtoh __pyx_string_tab[287]
+#define __pyx_n_u_start_htod __pyx_string_tab[288]
+#define __pyx_n_u_state __pyx_string_tab[289]
+#define __pyx_n_u_staticmethod __pyx_string_tab[290]
+#define __pyx_n_u_step __pyx_string_tab[291]
+#define __pyx_n_u_stop __pyx_string_tab[292]
+#define __pyx_n_u_stream __pyx_string_tab[293]
+#define __pyx_n_u_strides __pyx_string_tab[294]
+#define __pyx_n_u_struct __pyx_string_tab[295]
+#define __pyx_n_u_synchronize __pyx_string_tab[296]
+#define __pyx_n_u_tensor __pyx_string_tab[297]
+#define __pyx_n_u_tensorxfer_errors __pyx_string_tab[298]
+#define __pyx_n_u_tensorxfer_memory__cuda __pyx_string_tab[299]
+#define __pyx_n_u_threading __pyx_string_tab[300]
+#define __pyx_n_u_throw __pyx_string_tab[301]
+#define __pyx_n_u_typestr __pyx_string_tab[302]
+#define __pyx_n_u_unmapped_tail __pyx_string_tab[303]
+#define __pyx_n_u_unpack __pyx_string_tab[304]
+#define __pyx_n_u_update __pyx_string_tab[305]
+#define __pyx_n_u_use_setstate __pyx_string_tab[306]
+#define __pyx_n_u_v __pyx_string_tab[307]
+#define __pyx_n_u_value __pyx_string_tab[308]
+#define __pyx_n_u_values __pyx_string_tab[309]
+#define __pyx_n_u_version __pyx_string_tab[310]
+#define __pyx_n_u_view_2 __pyx_string_tab[311]
+#define __pyx_n_u_vmm __pyx_string_tab[312]
+#define __pyx_n_u_wait __pyx_string_tab[313]
+#define __pyx_n_u_warn __pyx_string_tab[314]
+#define __pyx_n_u_warnings __pyx_string_tab[315]
+#define __pyx_n_u_x __pyx_string_tab[316]
+#define __pyx_kp_b_CUresult_CUcontext_CUdevice_CUre __pyx_string_tab[317]
+#define __pyx_n_b_O __pyx_string_tab[318]
+#define __pyx_kp_b_iso88591_Q __pyx_string_tab[319]
+#define __pyx_kp_b_iso88591_I_aq_A_1 __pyx_string_tab[320]
+#define __pyx_kp_b_iso88591_r_r_9AWA __pyx_string_tab[321]
+#define __pyx_kp_b_iso88591_6has___aadde_1G1_aq __pyx_string_tab[322]
+#define __pyx_kp_b_iso88591_6 __pyx_string_tab[323]
+#define __pyx_kp_b_iso88591_I_a_1 __pyx_string_tab[324]
+#define __pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1 __pyx_string_tab[325]
+#define __pyx_kp_b_iso88591_1AS_uKq_q_1 __pyx_string_tab[326]
+#define __pyx_kp_b_iso88591_U_gT_q_l_vWE_Q_q_t9G1_q_T_G1_T __pyx_string_tab[327]
+#define __pyx_kp_b_iso88591_F_AQfAV3I_kYZ_1_6_aq_q_U_1O1_A __pyx_string_tab[328]
+#define __pyx_kp_b_iso88591_A_F __pyx_string_tab[329]
+#define __pyx_kp_b_iso88591_A_q __pyx_string_tab[330]
+#define __pyx_kp_b_iso88591_A_2_z_q_l __pyx_string_tab[331]
+#define __pyx_kp_b_iso88591_A_31_z_q_l __pyx_string_tab[332]
+#define __pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA __pyx_string_tab[333]
+#define __pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E __pyx_string_tab[334]
+#define __pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja __pyx_string_tab[335]
+#define __pyx_kp_b_iso88591_A_4q_Kq_E_XS_XQ_Ja_q_A_4y_1_Q_AT __pyx_string_tab[336]
+#define __pyx_kp_b_iso88591_A_4q_AQ_1D_I_1_k __pyx_string_tab[337]
+#define __pyx_kp_b_iso88591_A_G1Cq_t7_1 __pyx_string_tab[338]
+#define __pyx_kp_b_iso88591_A_G1Cq_aq __pyx_string_tab[339]
+#define __pyx_kp_b_iso88591_A_G1Cq_AS_Q __pyx_string_tab[340]
+#define __pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq __pyx_string_tab[341]
+#define __pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_G1Cq_b_Bb_r __pyx_string_tab[342]
+#define __pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_G1Cq_b_Bb_r_4 __pyx_string_tab[343]
+#define __pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A __pyx_string_tab[344]
+#define __pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I __pyx_string_tab[345]
+#define __pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1 __pyx_string_tab[346]
+#define __pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q __pyx_string_tab[347]
+#define __pyx_kp_b_iso88591_q_q_I_5_I_QfE_q_G1G1_t1E_D_iq_4 __pyx_string_tab[348]
+#define __pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ __pyx_string_tab[349]
+#define __pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1 __pyx_string_tab[350]
+#define __pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ __pyx_string_tab[351]
+#define __pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6 __pyx_string_tab[352]
+#define __pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX __pyx_string_tab[353]
+#define __pyx_kp_b_iso88591_VW __pyx_string_tab[354]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_1 __pyx_number_tab[2]
@@ -5954,10 +5950,10 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion);
   Py_CLEAR(clear_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes);
   Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes);
-  Py_CLEAR(clear_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
-  Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Copier);
   Py_CLEAR(clear_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager);
   Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Stager);
+  Py_CLEAR(clear_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
+  Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Copier);
   Py_CLEAR(clear_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
   Py_CLEAR(clear_module_state->__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
   Py_CLEAR(clear_module_state->__pyx_array_type);
@@ -5974,8 +5970,8 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_frozenset[i]); }
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<11; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<45; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<361; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<42; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<355; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<8; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -6007,10 +6003,10 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion);
   Py_VISIT(traverse_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes);
   Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes);
-  Py_VISIT(traverse_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
-  Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Copier);
   Py_VISIT(traverse_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager);
   Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Stager);
+  Py_VISIT(traverse_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
+  Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda_Copier);
   Py_VISIT(traverse_module_state->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
   Py_VISIT(traverse_module_state->__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
   Py_VISIT(traverse_module_state->__pyx_array_type);
@@ -6027,8 +6023,8 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_frozenset[i]); }
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<11; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<45; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<361; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<42; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<355; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<8; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -32772,3335 +32768,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_4__setstate
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":768
- *     cdef bint _closed
- * 
- *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):             # <<<<<<<<<<<<<<
- *         self._stream = NULL
- *         self._events[0] = NULL
-*/
-
-/* Python wrapper */
-static int __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__cinit__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL_TPNEW
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-static int __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__cinit__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL_TPNEW
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  int __pyx_v_device;
-  size_t __pyx_v_stage_size;
-  #if !CYTHON_VECTORCALL_TPNEW
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[2] = {0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  int __pyx_r;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__cinit__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL_TPNEW
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return -1;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL_TPNEW(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_stage_size,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 768, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 768, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 768, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 768, __pyx_L3_error)
-    } else {
-      switch (__pyx_nargs) {
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 768, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 768, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-    }
-    if (values[0]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 768, __pyx_L3_error)
-    } else {
-      __pyx_v_device = ((int)0);
-    }
-    if (values[1]) {
-      __pyx_v_stage_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_stage_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 768, __pyx_L3_error)
-    } else {
-      __pyx_v_stage_size = ((size_t)0x4000000);
-    }
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 768, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return -1;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_device, __pyx_v_stage_size);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___cinit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, int __pyx_v_device, size_t __pyx_v_stage_size) {
-  int __pyx_r;
-  __Pyx_RefNannyDeclarations
-  CUcontext __pyx_t_1;
-  PyObject *__pyx_t_2 = NULL;
-  PyObject *__pyx_t_3 = NULL;
-  PyObject *__pyx_t_4 = NULL;
-  CUresult __pyx_t_5;
-  int __pyx_t_6;
-  PyObject *__pyx_t_7 = NULL;
-  PyObject *__pyx_t_8 = NULL;
-  PyObject *__pyx_t_9 = NULL;
-  PyObject *__pyx_t_10 = NULL;
-  PyObject *__pyx_t_11 = NULL;
-  size_t __pyx_t_12;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__cinit__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":769
- * 
- *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):
- *         self._stream = NULL             # <<<<<<<<<<<<<<
- *         self._events[0] = NULL
- *         self._events[1] = NULL
-*/
-  __pyx_v_self->_stream = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":770
- *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):
- *         self._stream = NULL
- *         self._events[0] = NULL             # <<<<<<<<<<<<<<
- *         self._events[1] = NULL
- *         self._staging[0] = NULL
-*/
-  (__pyx_v_self->_events[0]) = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":771
- *         self._stream = NULL
- *         self._events[0] = NULL
- *         self._events[1] = NULL             # <<<<<<<<<<<<<<
- *         self._staging[0] = NULL
- *         self._staging[1] = NULL
-*/
-  (__pyx_v_self->_events[1]) = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":772
- *         self._events[0] = NULL
- *         self._events[1] = NULL
- *         self._staging[0] = NULL             # <<<<<<<<<<<<<<
- *         self._staging[1] = NULL
- *         self._closed = True
-*/
-  (__pyx_v_self->_staging[0]) = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":773
- *         self._events[1] = NULL
- *         self._staging[0] = NULL
- *         self._staging[1] = NULL             # <<<<<<<<<<<<<<
- *         self._closed = True
- *         self._device = device
-*/
-  (__pyx_v_self->_staging[1]) = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":774
- *         self._staging[0] = NULL
- *         self._staging[1] = NULL
- *         self._closed = True             # <<<<<<<<<<<<<<
- *         self._device = device
- *         self._stage_size = stage_size
-*/
-  __pyx_v_self->_closed = 1;
-
-  /* "tensorxfer/memory/_cuda.pyx":775
- *         self._staging[1] = NULL
- *         self._closed = True
- *         self._device = device             # <<<<<<<<<<<<<<
- *         self._stage_size = stage_size
- *         bind_device(device)
-*/
-  __pyx_v_self->_device = __pyx_v_device;
-
-  /* "tensorxfer/memory/_cuda.pyx":776
- *         self._closed = True
- *         self._device = device
- *         self._stage_size = stage_size             # <<<<<<<<<<<<<<
- *         bind_device(device)
- *         self._closed = False
-*/
-  __pyx_v_self->_stage_size = __pyx_v_stage_size;
-
-  /* "tensorxfer/memory/_cuda.pyx":777
- *         self._device = device
- *         self._stage_size = stage_size
- *         bind_device(device)             # <<<<<<<<<<<<<<
- *         self._closed = False
- *         try:
-*/
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 777, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":778
- *         self._stage_size = stage_size
- *         bind_device(device)
- *         self._closed = False             # <<<<<<<<<<<<<<
- *         try:
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
-*/
-  __pyx_v_self->_closed = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":779
- *         bind_device(device)
- *         self._closed = False
- *         try:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *         except BaseException:
-*/
-  {
-    __Pyx_PyThreadState_declare
-    __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_2, &__pyx_t_3, &__pyx_t_4);
-    __Pyx_XGOTREF(__pyx_t_2);
-    __Pyx_XGOTREF(__pyx_t_3);
-    __Pyx_XGOTREF(__pyx_t_4);
-    /*try:*/ {
-
-      /* "tensorxfer/memory/_cuda.pyx":780
- *         self._closed = False
- *         try:
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")             # <<<<<<<<<<<<<<
- *         except BaseException:
- *             self.close()
-*/
-      __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 780, __pyx_L3_error)
-      __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 780, __pyx_L3_error)
-
-
-
-      /* "tensorxfer/memory/_cuda.pyx":779
- *         bind_device(device)
- *         self._closed = False
- *         try:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *         except BaseException:
-*/
-    }
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-    goto __pyx_L8_try_end;
-    __pyx_L3_error:;
-
-    /* "tensorxfer/memory/_cuda.pyx":781
- *         try:
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *         except BaseException:             # <<<<<<<<<<<<<<
- *             self.close()
- *             raise
-*/
-    __pyx_t_6 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_6) {
-      __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_7, &__pyx_t_8, &__pyx_t_9) < 0) __PYX_ERR(0, 781, __pyx_L5_except_error)
-      __Pyx_XGOTREF(__pyx_t_7);
-      __Pyx_XGOTREF(__pyx_t_8);
-      __Pyx_XGOTREF(__pyx_t_9);
-
-      /* "tensorxfer/memory/_cuda.pyx":782
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *         except BaseException:
- *             self.close()             # <<<<<<<<<<<<<<
- *             raise
- * 
-*/
-      __pyx_t_11 = ((PyObject *)__pyx_v_self);
-      __Pyx_INCREF(__pyx_t_11);
-      __pyx_t_12 = 0;
-      {
-        PyObject *__pyx_callargs[2] = {__pyx_t_11, NULL};
-        __pyx_t_10 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_12, (1-__pyx_t_12) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-        __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
-        if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 782, __pyx_L5_except_error)
-        __Pyx_GOTREF(__pyx_t_10);
-      }
-      __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-
-      /* "tensorxfer/memory/_cuda.pyx":783
- *         except BaseException:
- *             self.close()
- *             raise             # <<<<<<<<<<<<<<
- * 
- *     cdef int _ensure_staging(self) except -1:
-*/
-      __Pyx_GIVEREF(__pyx_t_7);
-      __Pyx_GIVEREF(__pyx_t_8);
-      __Pyx_XGIVEREF(__pyx_t_9);
-      __Pyx_ErrRestoreWithState(__pyx_t_7, __pyx_t_8, __pyx_t_9);
-      __pyx_t_7 = 0;  __pyx_t_8 = 0;  __pyx_t_9 = 0; 
-      __PYX_ERR(0, 783, __pyx_L5_except_error)
-    }
-    goto __pyx_L5_except_error;
-
-    /* "tensorxfer/memory/_cuda.pyx":779
- *         bind_device(device)
- *         self._closed = False
- *         try:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *         except BaseException:
-*/
-    __pyx_L5_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_2);
-    __Pyx_XGIVEREF(__pyx_t_3);
-    __Pyx_XGIVEREF(__pyx_t_4);
-    __Pyx_ExceptionReset(__pyx_t_2, __pyx_t_3, __pyx_t_4);
-    goto __pyx_L1_error;
-    __pyx_L8_try_end:;
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":768
- *     cdef bint _closed
- * 
- *     def __cinit__(self, int device=0, size_t stage_size=64 << 20):             # <<<<<<<<<<<<<<
- *         self._stream = NULL
- *         self._events[0] = NULL
-*/
-
-  /* function exit code */
-  __pyx_r = 0;
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_7);
-  __Pyx_XDECREF(__pyx_t_8);
-  __Pyx_XDECREF(__pyx_t_9);
-  __Pyx_XDECREF(__pyx_t_10);
-  __Pyx_XDECREF(__pyx_t_11);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = -1;
-  __pyx_L0:;
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":785
- *             raise
- * 
- *     cdef int _ensure_staging(self) except -1:             # <<<<<<<<<<<<<<
- *         cdef int i
- *         if self._staging[0] != NULL:
-*/
-
-static int __pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  int __pyx_v_i;
-  int __pyx_r;
-  int __pyx_t_1;
-  int __pyx_t_2;
-  CUresult __pyx_t_3;
-  int __pyx_t_4;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":787
- *     cdef int _ensure_staging(self) except -1:
- *         cdef int i
- *         if self._staging[0] != NULL:             # <<<<<<<<<<<<<<
- *             return 0
- *         for i in range(2):
-*/
-  __pyx_t_1 = ((__pyx_v_self->_staging[0]) != NULL);
-
-  if (__pyx_t_1) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":788
- *         cdef int i
- *         if self._staging[0] != NULL:
- *             return 0             # <<<<<<<<<<<<<<
- *         for i in range(2):
- *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
-*/
-    {
-
-      __pyx_r = 0;
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":787
- *     cdef int _ensure_staging(self) except -1:
- *         cdef int i
- *         if self._staging[0] != NULL:             # <<<<<<<<<<<<<<
- *             return 0
- *         for i in range(2):
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":789
- *         if self._staging[0] != NULL:
- *             return 0
- *         for i in range(2):             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
- *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
-*/
-  for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
-    __pyx_v_i = __pyx_t_2;
-
-    /* "tensorxfer/memory/_cuda.pyx":790
- *             return 0
- *         for i in range(2):
- *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
- *         return 0
-*/
-    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 790, __pyx_L1_error)
-    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 790, __pyx_L1_error)
-
-
-
-    /* "tensorxfer/memory/_cuda.pyx":791
- *         for i in range(2):
- *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
- *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
- *         return 0
- * 
-*/
-    __pyx_t_3 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_staging[__pyx_v_i])), __pyx_v_self->_stage_size, 0); if (unlikely(__pyx_t_3 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 791, __pyx_L1_error)
-    __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_3, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 791, __pyx_L1_error)
-
-
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":792
- *             check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
- *             check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
- *         return 0             # <<<<<<<<<<<<<<
- * 
- *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
-*/
-  {
-
-    __pyx_r = 0;
-  }
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":785
- *             raise
- * 
- *     cdef int _ensure_staging(self) except -1:             # <<<<<<<<<<<<<<
- *         cdef int i
- *         if self._staging[0] != NULL:
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier._ensure_staging", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = -1;
-  __pyx_L0:;
-
-
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":794
- *         return 0
- * 
- *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod, "Copier.dtod(self, uintptr_t dst, uintptr_t src, size_t n)\n\nQueue a device-to-device copy of ``n`` bytes.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod = {"dtod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  uintptr_t __pyx_v_dst;
-  uintptr_t __pyx_v_src;
-  size_t __pyx_v_n;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[3] = {0,0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("dtod (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 794, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 794, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 794, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 794, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 794, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 794, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 3)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 794, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 794, __pyx_L3_error)
-      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 794, __pyx_L3_error)
-    }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 794, __pyx_L3_error)
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 794, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src, __pyx_v_n);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, uintptr_t __pyx_v_src, size_t __pyx_v_n) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  CUcontext __pyx_t_1;
-  CUresult __pyx_t_2;
-  int __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("dtod", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":796
- *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         with nogil:
- *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
-*/
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 796, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":797
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":798
- *         bind_device(self._device)
- *         with nogil:
- *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,             # <<<<<<<<<<<<<<
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
- * 
-*/
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 798, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 798, __pyx_L4_error)
-
-
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":797
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L5;
-        }
-        __pyx_L4_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L5:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":794
- *         return 0
- * 
- *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":801
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
- * 
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5memset(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4memset, "Copier.memset(self, uintptr_t dst, size_t n, unsigned char value=0)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5memset = {"memset", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5memset, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4memset};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5memset(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  uintptr_t __pyx_v_dst;
-  size_t __pyx_v_n;
-  unsigned char __pyx_v_value;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[3] = {0,0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("memset (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_value,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 801, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 801, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 801, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 801, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 801, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 801, __pyx_L3_error) }
-      }
-    } else {
-      switch (__pyx_nargs) {
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 801, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 801, __pyx_L3_error)
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 801, __pyx_L3_error)
-        break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-    }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
-    if (values[2]) {
-      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 801, __pyx_L3_error)
-    } else {
-      __pyx_v_value = ((unsigned char)0);
-    }
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 801, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.memset", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_n, __pyx_v_value);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4memset(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, size_t __pyx_v_n, unsigned char __pyx_v_value) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  CUcontext __pyx_t_1;
-  CUresult __pyx_t_2;
-  int __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("memset", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":802
- * 
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         with nogil:
- *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
-*/
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 802, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":803
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
- *                      b"cuMemsetD8Async")
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":804
- *         bind_device(self._device)
- *         with nogil:
- *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),             # <<<<<<<<<<<<<<
- *                      b"cuMemsetD8Async")
- * 
-*/
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 804, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 804, __pyx_L4_error)
-
-
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":803
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
- *                      b"cuMemsetD8Async")
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L5;
-        }
-        __pyx_L4_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L5:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":801
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
- * 
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.memset", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":807
- *                      b"cuMemsetD8Async")
- * 
- *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
- *         """Queue many device-to-device copies in one call, without the GIL.
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch, "Copier.dtod_batch(self, dsts, srcs, sizes, bool batch_api=False)\n\nQueue many device-to-device copies in one call, without the GIL.\n\n``dsts``, ``srcs``, ``sizes``: equal-length C-contiguous uint64\nbuffers (numpy arrays).  ``batch_api`` uses ``cuMemcpyBatchAsync``\n(one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch = {"dtod_batch", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  PyObject *__pyx_v_dsts = 0;
-  PyObject *__pyx_v_srcs = 0;
-  PyObject *__pyx_v_sizes = 0;
-  int __pyx_v_batch_api;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[4] = {0,0,0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("dtod_batch (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dsts,&__pyx_mstate_global->__pyx_n_u_srcs,&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_batch_api,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 807, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  4:
-        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 807, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 807, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 807, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 807, __pyx_L3_error) }
-      }
-    } else {
-      switch (__pyx_nargs) {
-        case  4:
-        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 807, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 807, __pyx_L3_error)
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 807, __pyx_L3_error)
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 807, __pyx_L3_error)
-        break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-    }
-    __pyx_v_dsts = values[0];
-    __pyx_v_srcs = values[1];
-    __pyx_v_sizes = values[2];
-    if (values[3]) {
-      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L3_error)
-    } else {
-      __pyx_v_batch_api = ((int)0);
-    }
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 807, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod_batch", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dsts, __pyx_v_srcs, __pyx_v_sizes, __pyx_v_batch_api);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dsts, PyObject *__pyx_v_srcs, PyObject *__pyx_v_sizes, int __pyx_v_batch_api) {
-  __Pyx_memviewslice __pyx_v_d = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_s = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_v_n = { 0, 0, { 0 }, { 0 }, { 0 } };
-  size_t __pyx_v_i;
-  size_t __pyx_v_count;
-  CUmemcpyAttributes __pyx_v_attr;
-  size_t __pyx_v_attr_index;
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  __Pyx_memviewslice __pyx_t_1 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_t_2 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  __Pyx_memviewslice __pyx_t_3 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int __pyx_t_4;
-  int __pyx_t_5;
-  PyObject *__pyx_t_6 = NULL;
-  PyObject *__pyx_t_7 = NULL;
-  size_t __pyx_t_8;
-  CUcontext __pyx_t_9;
-  Py_ssize_t __pyx_t_10;
-  Py_ssize_t __pyx_t_11;
-  Py_ssize_t __pyx_t_12;
-  CUresult __pyx_t_13;
-  int __pyx_t_14;
-  size_t __pyx_t_15;
-  size_t __pyx_t_16;
-  size_t __pyx_t_17;
-  size_t __pyx_t_18;
-  size_t __pyx_t_19;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("dtod_batch", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":814
- *         (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
- *         """
- *         cdef const unsigned long long[::1] d = dsts             # <<<<<<<<<<<<<<
- *         cdef const unsigned long long[::1] s = srcs
- *         cdef const unsigned long long[::1] n = sizes
-*/
-  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 814, __pyx_L1_error)
-  __pyx_v_d = __pyx_t_1;
-  __pyx_t_1.memview = NULL;
-  __pyx_t_1.data = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":815
- *         """
- *         cdef const unsigned long long[::1] d = dsts
- *         cdef const unsigned long long[::1] s = srcs             # <<<<<<<<<<<<<<
- *         cdef const unsigned long long[::1] n = sizes
- *         cdef size_t i, count = d.shape[0]
-*/
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 815, __pyx_L1_error)
-  __pyx_v_s = __pyx_t_2;
-  __pyx_t_2.memview = NULL;
-  __pyx_t_2.data = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":816
- *         cdef const unsigned long long[::1] d = dsts
- *         cdef const unsigned long long[::1] s = srcs
- *         cdef const unsigned long long[::1] n = sizes             # <<<<<<<<<<<<<<
- *         cdef size_t i, count = d.shape[0]
- *         cdef cydriver.CUmemcpyAttributes attr
-*/
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 816, __pyx_L1_error)
-  __pyx_v_n = __pyx_t_3;
-  __pyx_t_3.memview = NULL;
-  __pyx_t_3.data = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":817
- *         cdef const unsigned long long[::1] s = srcs
- *         cdef const unsigned long long[::1] n = sizes
- *         cdef size_t i, count = d.shape[0]             # <<<<<<<<<<<<<<
- *         cdef cydriver.CUmemcpyAttributes attr
- *         cdef size_t attr_index = 0
-*/
-  __pyx_v_count = (__pyx_v_d.shape[0]);
-
-  /* "tensorxfer/memory/_cuda.pyx":819
- *         cdef size_t i, count = d.shape[0]
- *         cdef cydriver.CUmemcpyAttributes attr
- *         cdef size_t attr_index = 0             # <<<<<<<<<<<<<<
- *         if s.shape[0] != count or n.shape[0] != count:
- *             raise ValueError("dsts, srcs and sizes must have the same length")
-*/
-  __pyx_v_attr_index = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":820
- *         cdef cydriver.CUmemcpyAttributes attr
- *         cdef size_t attr_index = 0
- *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
- *             raise ValueError("dsts, srcs and sizes must have the same length")
- *         if count == 0:
-*/
-  __pyx_t_5 = ((__pyx_v_s.shape[0]) != __pyx_v_count);
-
-  if (!__pyx_t_5) {
-
-  } else {
-
-    __pyx_t_4 = __pyx_t_5;
-
-    goto __pyx_L4_bool_binop_done;
-  }
-  __pyx_t_5 = ((__pyx_v_n.shape[0]) != __pyx_v_count);
-
-
-  __pyx_t_4 = __pyx_t_5;
-
-  __pyx_L4_bool_binop_done:;
-  if (unlikely(__pyx_t_4)) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":821
- *         cdef size_t attr_index = 0
- *         if s.shape[0] != count or n.shape[0] != count:
- *             raise ValueError("dsts, srcs and sizes must have the same length")             # <<<<<<<<<<<<<<
- *         if count == 0:
- *             return
-*/
-    __pyx_t_7 = NULL;
-    __pyx_t_8 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_7, __pyx_mstate_global->__pyx_kp_u_dsts_srcs_and_sizes_must_have_th};
-      __pyx_t_6 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 821, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_6);
-    }
-    __Pyx_Raise(__pyx_t_6, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __PYX_ERR(0, 821, __pyx_L1_error)
-
-    /* "tensorxfer/memory/_cuda.pyx":820
- *         cdef cydriver.CUmemcpyAttributes attr
- *         cdef size_t attr_index = 0
- *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
- *             raise ValueError("dsts, srcs and sizes must have the same length")
- *         if count == 0:
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":822
- *         if s.shape[0] != count or n.shape[0] != count:
- *             raise ValueError("dsts, srcs and sizes must have the same length")
- *         if count == 0:             # <<<<<<<<<<<<<<
- *             return
- *         bind_device(self._device)
-*/
-  __pyx_t_4 = (__pyx_v_count == 0);
-
-  if (__pyx_t_4) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":823
- *             raise ValueError("dsts, srcs and sizes must have the same length")
- *         if count == 0:
- *             return             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         if batch_api:
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":822
- *         if s.shape[0] != count or n.shape[0] != count:
- *             raise ValueError("dsts, srcs and sizes must have the same length")
- *         if count == 0:             # <<<<<<<<<<<<<<
- *             return
- *         bind_device(self._device)
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":824
- *         if count == 0:
- *             return
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         if batch_api:
- *             memset(&attr, 0, sizeof(attr))
-*/
-  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 824, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":825
- *             return
- *         bind_device(self._device)
- *         if batch_api:             # <<<<<<<<<<<<<<
- *             memset(&attr, 0, sizeof(attr))
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-*/
-  if (__pyx_v_batch_api) {
-
-    /* "tensorxfer/memory/_cuda.pyx":826
- *         bind_device(self._device)
- *         if batch_api:
- *             memset(&attr, 0, sizeof(attr))             # <<<<<<<<<<<<<<
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
- *             with nogil:
-*/
-    (void)(memset((&__pyx_v_attr), 0, (sizeof(__pyx_v_attr))));
-
-    /* "tensorxfer/memory/_cuda.pyx":827
- *         if batch_api:
- *             memset(&attr, 0, sizeof(attr))
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM             # <<<<<<<<<<<<<<
- *             with nogil:
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
-*/
-    __pyx_v_attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-
-    /* "tensorxfer/memory/_cuda.pyx":828
- *             memset(&attr, 0, sizeof(attr))
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
- *             with nogil:             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
-*/
-    {
-        PyThreadState * _save;
-        _save = PyEval_SaveThread();
-        __Pyx_FastGIL_Remember();
-        /*try:*/ {
-
-          /* "tensorxfer/memory/_cuda.pyx":829
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
- *             with nogil:
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
- *                          b"cuMemcpyBatchAsync")
-*/
-          __pyx_t_10 = 0;
-          __pyx_t_11 = 0;
-
-          /* "tensorxfer/memory/_cuda.pyx":830
- *             with nogil:
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),             # <<<<<<<<<<<<<<
- *                          b"cuMemcpyBatchAsync")
- *             return
-*/
-          __pyx_t_12 = 0;
-
-          /* "tensorxfer/memory/_cuda.pyx":829
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
- *             with nogil:
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
- *                          b"cuMemcpyBatchAsync")
-*/
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 829, __pyx_L9_error)
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 829, __pyx_L9_error)
-
-
-        }
-
-        /* "tensorxfer/memory/_cuda.pyx":828
- *             memset(&attr, 0, sizeof(attr))
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
- *             with nogil:             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
-*/
-        /*finally:*/ {
-          /*normal exit:*/{
-            __Pyx_FastGIL_Forget();
-            PyEval_RestoreThread(_save);
-            goto __pyx_L10;
-          }
-          __pyx_L9_error: {
-            __Pyx_FastGIL_Forget();
-            PyEval_RestoreThread(_save);
-            goto __pyx_L1_error;
-          }
-          __pyx_L10:;
-        }
-    }
-
-    /* "tensorxfer/memory/_cuda.pyx":832
- *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
- *                          b"cuMemcpyBatchAsync")
- *             return             # <<<<<<<<<<<<<<
- *         with nogil:
- *             for i in range(count):
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":825
- *             return
- *         bind_device(self._device)
- *         if batch_api:             # <<<<<<<<<<<<<<
- *             memset(&attr, 0, sizeof(attr))
- *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":833
- *                          b"cuMemcpyBatchAsync")
- *             return
- *         with nogil:             # <<<<<<<<<<<<<<
- *             for i in range(count):
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":834
- *             return
- *         with nogil:
- *             for i in range(count):             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
-*/
-
-        __pyx_t_8 = __pyx_v_count;
-        __pyx_t_15 = __pyx_t_8;
-
-        for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
-          __pyx_v_i = __pyx_t_16;
-
-          /* "tensorxfer/memory/_cuda.pyx":835
- *         with nogil:
- *             for i in range(count):
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
- * 
-*/
-          __pyx_t_17 = __pyx_v_i;
-          __pyx_t_18 = __pyx_v_i;
-          __pyx_t_19 = __pyx_v_i;
-
-          /* "tensorxfer/memory/_cuda.pyx":836
- *             for i in range(count):
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
- *                                                     self._stream), b"cuMemcpyDtoDAsync")             # <<<<<<<<<<<<<<
- * 
- *     def htod(self, uintptr_t dst, src):
-*/
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 835, __pyx_L12_error)
-
-          /* "tensorxfer/memory/_cuda.pyx":835
- *         with nogil:
- *             for i in range(count):
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
- * 
-*/
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 835, __pyx_L12_error)
-
-
-        }
-
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":833
- *                          b"cuMemcpyBatchAsync")
- *             return
- *         with nogil:             # <<<<<<<<<<<<<<
- *             for i in range(count):
- *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L13;
-        }
-        __pyx_L12_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L13:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":807
- *                      b"cuMemsetD8Async")
- * 
- *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
- *         """Queue many device-to-device copies in one call, without the GIL.
- * 
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_1, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_2, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_3, 1);
-  __Pyx_XDECREF(__pyx_t_6);
-  __Pyx_XDECREF(__pyx_t_7);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod_batch", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_d, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_s, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_n, 1);
-
-
-
-
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":838
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
- * 
- *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
- *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
- *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod, "Copier.htod(self, uintptr_t dst, src)\n\nCopy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod = {"htod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  uintptr_t __pyx_v_dst;
-  PyObject *__pyx_v_src = 0;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[2] = {0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("htod (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 838, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 838, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 838, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 838, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 838, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 2)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 838, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 838, __pyx_L3_error)
-    }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 838, __pyx_L3_error)
-    __pyx_v_src = values[1];
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 838, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.htod", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, PyObject *__pyx_v_src) {
-  __Pyx_memviewslice __pyx_v_view = { 0, 0, { 0 }, { 0 }, { 0 } };
-  size_t __pyx_v_n;
-  size_t __pyx_v_off;
-  size_t __pyx_v_k;
-  unsigned char const *__pyx_v_p;
-  int __pyx_v_b;
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  PyObject *__pyx_t_3 = NULL;
-  size_t __pyx_t_4;
-  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int __pyx_t_6;
-  Py_ssize_t __pyx_t_7;
-  CUcontext __pyx_t_8;
-  int __pyx_t_9;
-  CUresult __pyx_t_10;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("htod", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":840
- *     def htod(self, uintptr_t dst, src):
- *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
- *         cdef const unsigned char[::1] view = memoryview(src).cast("B")             # <<<<<<<<<<<<<<
- *         cdef size_t n = view.shape[0], off = 0, k
- *         cdef const unsigned char* p
-*/
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 840, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_2 = __pyx_t_3;
-  __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_4 = 0;
-  {
-    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_B};
-    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 840, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-  }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 840, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 840, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_v_view = __pyx_t_5;
-  __pyx_t_5.memview = NULL;
-  __pyx_t_5.data = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":841
- *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
- *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
- *         cdef size_t n = view.shape[0], off = 0, k             # <<<<<<<<<<<<<<
- *         cdef const unsigned char* p
- *         cdef int b = 0
-*/
-  __pyx_v_n = (__pyx_v_view.shape[0]);
-  __pyx_v_off = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":843
- *         cdef size_t n = view.shape[0], off = 0, k
- *         cdef const unsigned char* p
- *         cdef int b = 0             # <<<<<<<<<<<<<<
- *         if n == 0:
- *             return
-*/
-  __pyx_v_b = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":844
- *         cdef const unsigned char* p
- *         cdef int b = 0
- *         if n == 0:             # <<<<<<<<<<<<<<
- *             return
- *         p = &view[0]
-*/
-  __pyx_t_6 = (__pyx_v_n == 0);
-
-  if (__pyx_t_6) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":845
- *         cdef int b = 0
- *         if n == 0:
- *             return             # <<<<<<<<<<<<<<
- *         p = &view[0]
- *         bind_device(self._device)
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":844
- *         cdef const unsigned char* p
- *         cdef int b = 0
- *         if n == 0:             # <<<<<<<<<<<<<<
- *             return
- *         p = &view[0]
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":846
- *         if n == 0:
- *             return
- *         p = &view[0]             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         self._ensure_staging()
-*/
-  __pyx_t_7 = 0;
-  __pyx_v_p = (&(*((unsigned char const  *) ( /* dim=0 */ ((char *) (((unsigned char const  *) __pyx_v_view.data) + __pyx_t_7)) ))));
-
-  /* "tensorxfer/memory/_cuda.pyx":847
- *             return
- *         p = &view[0]
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         self._ensure_staging()
- *         with nogil:
-*/
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 847, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":848
- *         p = &view[0]
- *         bind_device(self._device)
- *         self._ensure_staging()             # <<<<<<<<<<<<<<
- *         with nogil:
- *             while off < n:
-*/
-  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 848, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":849
- *         bind_device(self._device)
- *         self._ensure_staging()
- *         with nogil:             # <<<<<<<<<<<<<<
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":850
- *         self._ensure_staging()
- *         with nogil:
- *             while off < n:             # <<<<<<<<<<<<<<
- *                 k = n - off if n - off < self._stage_size else self._stage_size
- *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
-*/
-        while (1) {
-          __pyx_t_6 = (__pyx_v_off < __pyx_v_n);
-
-
-          if (!__pyx_t_6) break;
-
-          /* "tensorxfer/memory/_cuda.pyx":851
- *         with nogil:
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
- *                 memcpy(self._staging[b], p + off, k)
-*/
-          __pyx_t_6 = ((__pyx_v_n - __pyx_v_off) < __pyx_v_self->_stage_size);
-
-          if (__pyx_t_6) {
-
-            __pyx_t_4 = (__pyx_v_n - __pyx_v_off);
-          } else {
-
-            __pyx_t_4 = __pyx_v_self->_stage_size;
-          }
-
-          __pyx_v_k = __pyx_t_4;
-
-          /* "tensorxfer/memory/_cuda.pyx":852
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
- *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
- *                 memcpy(self._staging[b], p + off, k)
- *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
-*/
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_b])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 852, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 852, __pyx_L5_error)
-
-
-
-          /* "tensorxfer/memory/_cuda.pyx":853
- *                 k = n - off if n - off < self._stage_size else self._stage_size
- *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
- *                 memcpy(self._staging[b], p + off, k)             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
- *                                                     self._stream), b"cuMemcpyHtoDAsync")
-*/
-          (void)(memcpy((__pyx_v_self->_staging[__pyx_v_b]), (__pyx_v_p + __pyx_v_off), __pyx_v_k));
-
-          /* "tensorxfer/memory/_cuda.pyx":854
- *                 check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
- *                 memcpy(self._staging[b], p + off, k)
- *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,             # <<<<<<<<<<<<<<
- *                                                     self._stream), b"cuMemcpyHtoDAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
-*/
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)(__pyx_v_dst + __pyx_v_off)), (__pyx_v_self->_staging[__pyx_v_b]), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 854, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 854, __pyx_L5_error)
-
-
-
-          /* "tensorxfer/memory/_cuda.pyx":856
- *                 check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
- *                                                     self._stream), b"cuMemcpyHtoDAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
- *                 off += k
- *                 b ^= 1
-*/
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 856, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 856, __pyx_L5_error)
-
-
-
-          /* "tensorxfer/memory/_cuda.pyx":857
- *                                                     self._stream), b"cuMemcpyHtoDAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
- *                 off += k             # <<<<<<<<<<<<<<
- *                 b ^= 1
- * 
-*/
-          __pyx_v_off = (__pyx_v_off + __pyx_v_k);
-
-          /* "tensorxfer/memory/_cuda.pyx":858
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
- *                 off += k
- *                 b ^= 1             # <<<<<<<<<<<<<<
- * 
- *     def dtoh(self, dst, uintptr_t src):
-*/
-          __pyx_v_b = (__pyx_v_b ^ 1);
-        }
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":849
- *         bind_device(self._device)
- *         self._ensure_staging()
- *         with nogil:             # <<<<<<<<<<<<<<
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L6;
-        }
-        __pyx_L5_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L6:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":838
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
- * 
- *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
- *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
- *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_XDECREF(__pyx_t_3);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.htod", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_view, 1);
-
-
-
-
-
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":860
- *                 b ^= 1
- * 
- *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
- *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
- *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh, "Copier.dtoh(self, dst, uintptr_t src)\n\nCopy device bytes into a writable host buffer through pinned staging; returns when done.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh = {"dtoh", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  PyObject *__pyx_v_dst = 0;
-  uintptr_t __pyx_v_src;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[2] = {0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("dtoh (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 860, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 860, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 860, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 860, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 860, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 2)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 860, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 860, __pyx_L3_error)
-    }
-    __pyx_v_dst = values[0];
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 860, __pyx_L3_error)
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 860, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtoh", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dst, uintptr_t __pyx_v_src) {
-  __Pyx_memviewslice __pyx_v_view = { 0, 0, { 0 }, { 0 }, { 0 } };
-  size_t __pyx_v_n;
-  size_t __pyx_v_off;
-  size_t __pyx_v_k;
-  size_t __pyx_v_prev_off;
-  size_t __pyx_v_prev_k;
-  unsigned char *__pyx_v_p;
-  int __pyx_v_b;
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  PyObject *__pyx_t_3 = NULL;
-  size_t __pyx_t_4;
-  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int __pyx_t_6;
-  Py_ssize_t __pyx_t_7;
-  CUcontext __pyx_t_8;
-  int __pyx_t_9;
-  CUresult __pyx_t_10;
-  size_t __pyx_t_11;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("dtoh", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":862
- *     def dtoh(self, dst, uintptr_t src):
- *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
- *         cdef unsigned char[::1] view = memoryview(dst).cast("B")             # <<<<<<<<<<<<<<
- *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
- *         cdef unsigned char* p
-*/
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 862, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_2 = __pyx_t_3;
-  __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_4 = 0;
-  {
-    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_B};
-    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 862, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-  }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 862, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 862, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_v_view = __pyx_t_5;
-  __pyx_t_5.memview = NULL;
-  __pyx_t_5.data = NULL;
-
-  /* "tensorxfer/memory/_cuda.pyx":863
- *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
- *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
- *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0             # <<<<<<<<<<<<<<
- *         cdef unsigned char* p
- *         cdef int b = 0
-*/
-  __pyx_v_n = (__pyx_v_view.shape[0]);
-  __pyx_v_off = 0;
-  __pyx_v_prev_off = 0;
-  __pyx_v_prev_k = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":865
- *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
- *         cdef unsigned char* p
- *         cdef int b = 0             # <<<<<<<<<<<<<<
- *         if n == 0:
- *             return
-*/
-  __pyx_v_b = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":866
- *         cdef unsigned char* p
- *         cdef int b = 0
- *         if n == 0:             # <<<<<<<<<<<<<<
- *             return
- *         p = &view[0]
-*/
-  __pyx_t_6 = (__pyx_v_n == 0);
-
-  if (__pyx_t_6) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":867
- *         cdef int b = 0
- *         if n == 0:
- *             return             # <<<<<<<<<<<<<<
- *         p = &view[0]
- *         bind_device(self._device)
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":866
- *         cdef unsigned char* p
- *         cdef int b = 0
- *         if n == 0:             # <<<<<<<<<<<<<<
- *             return
- *         p = &view[0]
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":868
- *         if n == 0:
- *             return
- *         p = &view[0]             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         self._ensure_staging()
-*/
-  __pyx_t_7 = 0;
-  __pyx_v_p = (&(*((unsigned char *) ( /* dim=0 */ ((char *) (((unsigned char *) __pyx_v_view.data) + __pyx_t_7)) ))));
-
-  /* "tensorxfer/memory/_cuda.pyx":869
- *             return
- *         p = &view[0]
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         self._ensure_staging()
- *         with nogil:
-*/
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 869, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":870
- *         p = &view[0]
- *         bind_device(self._device)
- *         self._ensure_staging()             # <<<<<<<<<<<<<<
- *         with nogil:
- *             while off < n:
-*/
-  __pyx_t_9 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_vtab)->_ensure_staging(__pyx_v_self); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 870, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":871
- *         bind_device(self._device)
- *         self._ensure_staging()
- *         with nogil:             # <<<<<<<<<<<<<<
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":872
- *         self._ensure_staging()
- *         with nogil:
- *             while off < n:             # <<<<<<<<<<<<<<
- *                 k = n - off if n - off < self._stage_size else self._stage_size
- *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
-*/
-        while (1) {
-          __pyx_t_6 = (__pyx_v_off < __pyx_v_n);
-
-
-          if (!__pyx_t_6) break;
-
-          /* "tensorxfer/memory/_cuda.pyx":873
- *         with nogil:
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
- *                                                     self._stream), b"cuMemcpyDtoHAsync")
-*/
-          __pyx_t_6 = ((__pyx_v_n - __pyx_v_off) < __pyx_v_self->_stage_size);
-
-          if (__pyx_t_6) {
-
-            __pyx_t_4 = (__pyx_v_n - __pyx_v_off);
-          } else {
-
-            __pyx_t_4 = __pyx_v_self->_stage_size;
-          }
-
-          __pyx_v_k = __pyx_t_4;
-
-          /* "tensorxfer/memory/_cuda.pyx":874
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
- *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,             # <<<<<<<<<<<<<<
- *                                                     self._stream), b"cuMemcpyDtoHAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
-*/
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_staging[__pyx_v_b]), ((CUdeviceptr)(__pyx_v_src + __pyx_v_off)), __pyx_v_k, __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 874, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 874, __pyx_L5_error)
-
-
-
-          /* "tensorxfer/memory/_cuda.pyx":876
- *                 check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
- *                                                     self._stream), b"cuMemcpyDtoHAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
- *                 if prev_k:
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
-*/
-          __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_b]), __pyx_v_self->_stream); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 876, __pyx_L5_error)
-          __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 876, __pyx_L5_error)
-
-
-
-          /* "tensorxfer/memory/_cuda.pyx":877
- *                                                     self._stream), b"cuMemcpyDtoHAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
- *                 if prev_k:             # <<<<<<<<<<<<<<
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
-*/
-          __pyx_t_6 = (__pyx_v_prev_k != 0);
-
-          if (__pyx_t_6) {
-
-
-            /* "tensorxfer/memory/_cuda.pyx":878
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
- *                 if prev_k:
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- *                 prev_off, prev_k = off, k
-*/
-            __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 878, __pyx_L5_error)
-            __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 878, __pyx_L5_error)
-
-
-
-            /* "tensorxfer/memory/_cuda.pyx":879
- *                 if prev_k:
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
- *                 prev_off, prev_k = off, k
- *                 off += k
-*/
-            (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->_staging[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
-
-            /* "tensorxfer/memory/_cuda.pyx":877
- *                                                     self._stream), b"cuMemcpyDtoHAsync")
- *                 check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
- *                 if prev_k:             # <<<<<<<<<<<<<<
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
-*/
-          }
-
-          /* "tensorxfer/memory/_cuda.pyx":880
- *                     check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- *                 prev_off, prev_k = off, k             # <<<<<<<<<<<<<<
- *                 off += k
- *                 b ^= 1
-*/
-          __pyx_t_4 = __pyx_v_off;
-
-          __pyx_t_11 = __pyx_v_k;
-
-          __pyx_v_prev_off = __pyx_t_4;
-          __pyx_v_prev_k = __pyx_t_11;
-
-          /* "tensorxfer/memory/_cuda.pyx":881
- *                     memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- *                 prev_off, prev_k = off, k
- *                 off += k             # <<<<<<<<<<<<<<
- *                 b ^= 1
- *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
-*/
-          __pyx_v_off = (__pyx_v_off + __pyx_v_k);
-
-          /* "tensorxfer/memory/_cuda.pyx":882
- *                 prev_off, prev_k = off, k
- *                 off += k
- *                 b ^= 1             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
-*/
-          __pyx_v_b = (__pyx_v_b ^ 1);
-        }
-
-        /* "tensorxfer/memory/_cuda.pyx":883
- *                 off += k
- *                 b ^= 1
- *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- * 
-*/
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[(__pyx_v_b ^ 1)])); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 883, __pyx_L5_error)
-        __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 883, __pyx_L5_error)
-
-
-
-        /* "tensorxfer/memory/_cuda.pyx":884
- *                 b ^= 1
- *             check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
- * 
- *     def synchronize(self):
-*/
-        (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->_staging[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":871
- *         bind_device(self._device)
- *         self._ensure_staging()
- *         with nogil:             # <<<<<<<<<<<<<<
- *             while off < n:
- *                 k = n - off if n - off < self._stage_size else self._stage_size
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L6;
-        }
-        __pyx_L5_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L6:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":860
- *                 b ^= 1
- * 
- *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
- *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
- *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_XDECREF(__pyx_t_3);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtoh", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __PYX_XCLEAR_MEMVIEW(&__pyx_v_view, 1);
-
-
-
-
-
-
-
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":886
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- * 
- *     def synchronize(self):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13synchronize(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12synchronize, "Copier.synchronize(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13synchronize = {"synchronize", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13synchronize, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12synchronize};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13synchronize(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("synchronize (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("synchronize", 1, 0, 0, __pyx_nargs); return NULL; }
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("synchronize", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12synchronize(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  CUcontext __pyx_t_1;
-  CUresult __pyx_t_2;
-  int __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("synchronize", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":887
- * 
- *     def synchronize(self):
- *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         with nogil:
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
-*/
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 887, __pyx_L1_error)
-
-
-  /* "tensorxfer/memory/_cuda.pyx":888
- *     def synchronize(self):
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
- * 
-*/
-  {
-      PyThreadState * _save;
-      _save = PyEval_SaveThread();
-      __Pyx_FastGIL_Remember();
-      /*try:*/ {
-
-        /* "tensorxfer/memory/_cuda.pyx":889
- *         bind_device(self._device)
- *         with nogil:
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 889, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 889, __pyx_L4_error)
-
-
-      }
-
-      /* "tensorxfer/memory/_cuda.pyx":888
- *     def synchronize(self):
- *         bind_device(self._device)
- *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
- * 
-*/
-      /*finally:*/ {
-        /*normal exit:*/{
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L5;
-        }
-        __pyx_L4_error: {
-          __Pyx_FastGIL_Forget();
-          PyEval_RestoreThread(_save);
-          goto __pyx_L1_error;
-        }
-        __pyx_L5:;
-      }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":886
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
- * 
- *     def synchronize(self):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.synchronize", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":891
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def stream(self):
- *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_6stream_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_6stream_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6stream___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":894
- *     def stream(self):
- *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
- *         return <uintptr_t>self._stream             # <<<<<<<<<<<<<<
- * 
- *     def close(self):
-*/
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 894, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":891
- *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def stream(self):
- *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.stream.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":896
- *         return <uintptr_t>self._stream
- * 
- *     def close(self):             # <<<<<<<<<<<<<<
- *         cdef int i
- *         if self._closed:
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15close(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14close, "Copier.close(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15close = {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14close};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15close(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("close (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("close", 1, 0, 0, __pyx_nargs); return NULL; }
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("close", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  int __pyx_v_i;
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  PyObject *__pyx_t_3 = NULL;
-  CUcontext __pyx_t_4;
-  int __pyx_t_5;
-  int __pyx_t_6;
-  CUresult __pyx_t_7;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("close", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":898
- *     def close(self):
- *         cdef int i
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             return
- *         try:
-*/
-  if (__pyx_v_self->_closed) {
-
-    /* "tensorxfer/memory/_cuda.pyx":899
- *         cdef int i
- *         if self._closed:
- *             return             # <<<<<<<<<<<<<<
- *         try:
- *             bind_device(self._device)
-*/
-    {
-      PyObject *__pyx_temp;
-      {
-        __pyx_temp = __pyx_r;
-        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-      }
-      __Pyx_XDECREF(__pyx_temp);
-    }
-    goto __pyx_L0;
-
-    /* "tensorxfer/memory/_cuda.pyx":898
- *     def close(self):
- *         cdef int i
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             return
- *         try:
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":900
- *         if self._closed:
- *             return
- *         try:             # <<<<<<<<<<<<<<
- *             bind_device(self._device)
- *         except BaseException:
-*/
-  {
-    __Pyx_PyThreadState_declare
-    __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_1, &__pyx_t_2, &__pyx_t_3);
-    __Pyx_XGOTREF(__pyx_t_1);
-    __Pyx_XGOTREF(__pyx_t_2);
-    __Pyx_XGOTREF(__pyx_t_3);
-    /*try:*/ {
-
-      /* "tensorxfer/memory/_cuda.pyx":901
- *             return
- *         try:
- *             bind_device(self._device)             # <<<<<<<<<<<<<<
- *         except BaseException:
- *             pass
-*/
-      __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 901, __pyx_L4_error)
-
-
-      /* "tensorxfer/memory/_cuda.pyx":900
- *         if self._closed:
- *             return
- *         try:             # <<<<<<<<<<<<<<
- *             bind_device(self._device)
- *         except BaseException:
-*/
-    }
-    __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-    goto __pyx_L9_try_end;
-    __pyx_L4_error:;
-
-    /* "tensorxfer/memory/_cuda.pyx":902
- *         try:
- *             bind_device(self._device)
- *         except BaseException:             # <<<<<<<<<<<<<<
- *             pass
- *         if self._stream != NULL:
-*/
-    __pyx_t_5 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_5) {
-      __Pyx_ErrRestore(0,0,0);
-      goto __pyx_L5_exception_handled;
-    }
-    goto __pyx_L6_except_error;
-
-    /* "tensorxfer/memory/_cuda.pyx":900
- *         if self._closed:
- *             return
- *         try:             # <<<<<<<<<<<<<<
- *             bind_device(self._device)
- *         except BaseException:
-*/
-    __pyx_L6_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_1);
-    __Pyx_XGIVEREF(__pyx_t_2);
-    __Pyx_XGIVEREF(__pyx_t_3);
-    __Pyx_ExceptionReset(__pyx_t_1, __pyx_t_2, __pyx_t_3);
-    goto __pyx_L1_error;
-    __pyx_L5_exception_handled:;
-    __Pyx_XGIVEREF(__pyx_t_1);
-    __Pyx_XGIVEREF(__pyx_t_2);
-    __Pyx_XGIVEREF(__pyx_t_3);
-    __Pyx_ExceptionReset(__pyx_t_1, __pyx_t_2, __pyx_t_3);
-    __pyx_L9_try_end:;
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":904
- *         except BaseException:
- *             pass
- *         if self._stream != NULL:             # <<<<<<<<<<<<<<
- *             cydriver.cuStreamSynchronize(self._stream)
- *             cydriver.cuStreamDestroy(self._stream)
-*/
-  __pyx_t_6 = (__pyx_v_self->_stream != NULL);
-
-  if (__pyx_t_6) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":905
- *             pass
- *         if self._stream != NULL:
- *             cydriver.cuStreamSynchronize(self._stream)             # <<<<<<<<<<<<<<
- *             cydriver.cuStreamDestroy(self._stream)
- *             self._stream = NULL
-*/
-    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 905, __pyx_L1_error)
-
-
-    /* "tensorxfer/memory/_cuda.pyx":906
- *         if self._stream != NULL:
- *             cydriver.cuStreamSynchronize(self._stream)
- *             cydriver.cuStreamDestroy(self._stream)             # <<<<<<<<<<<<<<
- *             self._stream = NULL
- *         for i in range(2):
-*/
-    __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 906, __pyx_L1_error)
-
-
-    /* "tensorxfer/memory/_cuda.pyx":907
- *             cydriver.cuStreamSynchronize(self._stream)
- *             cydriver.cuStreamDestroy(self._stream)
- *             self._stream = NULL             # <<<<<<<<<<<<<<
- *         for i in range(2):
- *             if self._events[i] != NULL:
-*/
-    __pyx_v_self->_stream = NULL;
-
-    /* "tensorxfer/memory/_cuda.pyx":904
- *         except BaseException:
- *             pass
- *         if self._stream != NULL:             # <<<<<<<<<<<<<<
- *             cydriver.cuStreamSynchronize(self._stream)
- *             cydriver.cuStreamDestroy(self._stream)
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":908
- *             cydriver.cuStreamDestroy(self._stream)
- *             self._stream = NULL
- *         for i in range(2):             # <<<<<<<<<<<<<<
- *             if self._events[i] != NULL:
- *                 cydriver.cuEventDestroy(self._events[i])
-*/
-  for (__pyx_t_5 = 0; __pyx_t_5 < 2; __pyx_t_5+=1) {
-    __pyx_v_i = __pyx_t_5;
-
-    /* "tensorxfer/memory/_cuda.pyx":909
- *             self._stream = NULL
- *         for i in range(2):
- *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
- *                 cydriver.cuEventDestroy(self._events[i])
- *                 self._events[i] = NULL
-*/
-    __pyx_t_6 = ((__pyx_v_self->_events[__pyx_v_i]) != NULL);
-
-    if (__pyx_t_6) {
-
-
-      /* "tensorxfer/memory/_cuda.pyx":910
- *         for i in range(2):
- *             if self._events[i] != NULL:
- *                 cydriver.cuEventDestroy(self._events[i])             # <<<<<<<<<<<<<<
- *                 self._events[i] = NULL
- *             if self._staging[i] != NULL:
-*/
-      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 910, __pyx_L1_error)
-
-
-      /* "tensorxfer/memory/_cuda.pyx":911
- *             if self._events[i] != NULL:
- *                 cydriver.cuEventDestroy(self._events[i])
- *                 self._events[i] = NULL             # <<<<<<<<<<<<<<
- *             if self._staging[i] != NULL:
- *                 cydriver.cuMemFreeHost(self._staging[i])
-*/
-      (__pyx_v_self->_events[__pyx_v_i]) = NULL;
-
-      /* "tensorxfer/memory/_cuda.pyx":909
- *             self._stream = NULL
- *         for i in range(2):
- *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
- *                 cydriver.cuEventDestroy(self._events[i])
- *                 self._events[i] = NULL
-*/
-    }
-
-    /* "tensorxfer/memory/_cuda.pyx":912
- *                 cydriver.cuEventDestroy(self._events[i])
- *                 self._events[i] = NULL
- *             if self._staging[i] != NULL:             # <<<<<<<<<<<<<<
- *                 cydriver.cuMemFreeHost(self._staging[i])
- *                 self._staging[i] = NULL
-*/
-    __pyx_t_6 = ((__pyx_v_self->_staging[__pyx_v_i]) != NULL);
-
-    if (__pyx_t_6) {
-
-
-      /* "tensorxfer/memory/_cuda.pyx":913
- *                 self._events[i] = NULL
- *             if self._staging[i] != NULL:
- *                 cydriver.cuMemFreeHost(self._staging[i])             # <<<<<<<<<<<<<<
- *                 self._staging[i] = NULL
- *         self._closed = True
-*/
-      __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_staging[__pyx_v_i])); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 913, __pyx_L1_error)
-
-
-      /* "tensorxfer/memory/_cuda.pyx":914
- *             if self._staging[i] != NULL:
- *                 cydriver.cuMemFreeHost(self._staging[i])
- *                 self._staging[i] = NULL             # <<<<<<<<<<<<<<
- *         self._closed = True
- * 
-*/
-      (__pyx_v_self->_staging[__pyx_v_i]) = NULL;
-
-      /* "tensorxfer/memory/_cuda.pyx":912
- *                 cydriver.cuEventDestroy(self._events[i])
- *                 self._events[i] = NULL
- *             if self._staging[i] != NULL:             # <<<<<<<<<<<<<<
- *                 cydriver.cuMemFreeHost(self._staging[i])
- *                 self._staging[i] = NULL
-*/
-    }
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":915
- *                 cydriver.cuMemFreeHost(self._staging[i])
- *                 self._staging[i] = NULL
- *         self._closed = True             # <<<<<<<<<<<<<<
- * 
- *     def __dealloc__(self):
-*/
-  __pyx_v_self->_closed = 1;
-
-  /* "tensorxfer/memory/_cuda.pyx":896
- *         return <uintptr_t>self._stream
- * 
- *     def close(self):             # <<<<<<<<<<<<<<
- *         cdef int i
- *         if self._closed:
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.close", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":917
- *         self._closed = True
- * 
- *     def __dealloc__(self):             # <<<<<<<<<<<<<<
- *         self.close()
- * 
-*/
-
-/* Python wrapper */
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_17__dealloc__(PyObject *__pyx_v_self); /*proto*/
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_17__dealloc__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__dealloc__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-}
-
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_16__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  size_t __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__dealloc__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":918
- * 
- *     def __dealloc__(self):
- *         self.close()             # <<<<<<<<<<<<<<
- * 
- *     def __enter__(self):
-*/
-  __pyx_t_2 = ((PyObject *)__pyx_v_self);
-  __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = 0;
-  {
-    PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
-    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 918, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-  }
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":917
- *         self._closed = True
- * 
- *     def __dealloc__(self):             # <<<<<<<<<<<<<<
- *         self.close()
- * 
-*/
-
-  /* function exit code */
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_WriteUnraisable("tensorxfer.memory._cuda.Copier.__dealloc__", __pyx_clineno, __pyx_lineno, __pyx_filename, 1, 0);
-  __pyx_L0:;
-
-  __Pyx_RefNannyFinishContext();
-}
-
-/* "tensorxfer/memory/_cuda.pyx":920
- *         self.close()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_19__enter__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_18__enter__, "Copier.__enter__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_19__enter__ = {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_19__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_18__enter__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_19__enter__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__enter__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("__enter__", 1, 0, 0, __pyx_nargs); return NULL; }
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__enter__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_18__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__enter__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":921
- * 
- *     def __enter__(self):
- *         return self             # <<<<<<<<<<<<<<
- * 
- *     def __exit__(self, *exc):
-*/
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __Pyx_INCREF((PyObject *)__pyx_v_self);
-      __pyx_r = ((PyObject *)__pyx_v_self);
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":920
- *         self.close()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-
-  /* function exit code */
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":923
- *         return self
- * 
- *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
- *         self.close()
- * 
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_21__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_20__exit__, "Copier.__exit__(self, *exc)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_21__exit__ = {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_21__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_20__exit__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_21__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds) {
-  CYTHON_UNUSED PyObject *__pyx_v_exc = 0;
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__exit__ (wrapper)", 0);
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_VARARGS(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__exit__", __pyx_kwds); return NULL;}
-  __Pyx_INCREF(__pyx_args);
-  __pyx_v_exc = __pyx_args;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_20__exit__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_exc);
-
-  /* function exit code */
-  __Pyx_DECREF(__pyx_v_exc);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_20__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  size_t __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__exit__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":924
- * 
- *     def __exit__(self, *exc):
- *         self.close()             # <<<<<<<<<<<<<<
- * 
- * 
-*/
-  __pyx_t_2 = ((PyObject *)__pyx_v_self);
-  __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = 0;
-  {
-    PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
-    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 924, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_1);
-  }
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":923
- *         return self
- * 
- *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
- *         self.close()
- * 
-*/
-
-  /* function exit code */
-  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
-  goto __pyx_L0;
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__exit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "(tree fragment)":1
- * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
- * def __setstate_cython__(self, __pyx_state):
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__, "Copier.__reduce_cython__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__reduce_cython__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("__reduce_cython__", 1, 0, 0, __pyx_nargs); return NULL; }
-  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-  if (unlikely(__pyx_kwds_len < 0)) return NULL;
-  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__reduce_cython__", 0);
-
-  /* "(tree fragment)":2
- * def __reduce_cython__(self):
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"             # <<<<<<<<<<<<<<
- * def __setstate_cython__(self, __pyx_state):
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
-*/
-  __Pyx_Raise(((PyObject *)(((PyTypeObject*)PyExc_TypeError))), __pyx_mstate_global->__pyx_kp_u_no_default___reduce___due_to_non, 0, 0);
-  __PYX_ERR(1, 2, __pyx_L1_error)
-
-  /* "(tree fragment)":1
- * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
- * def __setstate_cython__(self, __pyx_state):
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__reduce_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "(tree fragment)":3
- * def __reduce_cython__(self):
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
- * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__, "Copier.__setstate_cython__(self, __pyx_state)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__(PyObject *__pyx_v_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  CYTHON_UNUSED PyObject *__pyx_v___pyx_state = 0;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[1] = {0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__setstate_cython__ (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_pyx_state,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(1, 3, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 3, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__setstate_cython__", 0) < (0)) __PYX_ERR(1, 3, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, i); __PYX_ERR(1, 3, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 1)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 3, __pyx_L3_error)
-    }
-    __pyx_v___pyx_state = values[0];
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, __pyx_nargs); __PYX_ERR(1, 3, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v___pyx_state);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__setstate_cython__", 0);
-
-  /* "(tree fragment)":4
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
- * def __setstate_cython__(self, __pyx_state):
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"             # <<<<<<<<<<<<<<
-*/
-  __Pyx_Raise(((PyObject *)(((PyTypeObject*)PyExc_TypeError))), __pyx_mstate_global->__pyx_kp_u_no_default___reduce___due_to_non, 0, 0);
-  __PYX_ERR(1, 4, __pyx_L1_error)
-
-  /* "(tree fragment)":3
- * def __reduce_cython__(self):
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
- * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
- *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":944
+/* "tensorxfer/memory/_cuda.pyx":770
  *     cdef list _views
  * 
- *     def __cinit__(self, int device, size_t buffer_bytes):             # <<<<<<<<<<<<<<
+ *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         self._stream = NULL
 */
@@ -36144,39 +32815,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_buffer_bytes,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 944, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 770, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 944, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 770, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 944, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 770, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 944, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, i); __PYX_ERR(0, 944, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 2)) {
-      goto __pyx_L5_argtuple_error;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 770, __pyx_L3_error)
     } else {
-      values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 944, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 944, __pyx_L3_error)
+      switch (__pyx_nargs) {
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 770, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 770, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
     }
-    __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 944, __pyx_L3_error)
-    __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 944, __pyx_L3_error)
+    if (values[0]) {
+      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 770, __pyx_L3_error)
+    } else {
+      __pyx_v_device = ((int)0);
+    }
+    if (values[1]) {
+      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 770, __pyx_L3_error)
+    } else {
+      __pyx_v_buffer_bytes = ((size_t)0x4000000);
+    }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__cinit__", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 944, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 770, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36213,18 +32895,16 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   PyObject *__pyx_t_8 = NULL;
   CUcontext __pyx_t_9;
   CUresult __pyx_t_10;
-  int __pyx_t_11;
-  int __pyx_t_12;
+  PyObject *__pyx_t_11 = NULL;
+  PyObject *__pyx_t_12 = NULL;
   PyObject *__pyx_t_13 = NULL;
-  PyObject *__pyx_t_14 = NULL;
-  PyObject *__pyx_t_15 = NULL;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__cinit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":946
- *     def __cinit__(self, int device, size_t buffer_bytes):
+  /* "tensorxfer/memory/_cuda.pyx":772
+ *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):
  *         cdef int i
  *         self._stream = NULL             # <<<<<<<<<<<<<<
  *         self._closed = False
@@ -36232,7 +32912,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_stream = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":947
+  /* "tensorxfer/memory/_cuda.pyx":773
  *         cdef int i
  *         self._stream = NULL
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -36241,7 +32921,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":948
+  /* "tensorxfer/memory/_cuda.pyx":774
  *         self._stream = NULL
  *         self._closed = False
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -36250,7 +32930,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":949
+  /* "tensorxfer/memory/_cuda.pyx":775
  *         self._closed = False
  *         self._device = device
  *         self._size = buffer_bytes             # <<<<<<<<<<<<<<
@@ -36259,21 +32939,21 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_size = __pyx_v_buffer_bytes;
 
-  /* "tensorxfer/memory/_cuda.pyx":950
+  /* "tensorxfer/memory/_cuda.pyx":776
  *         self._device = device
  *         self._size = buffer_bytes
  *         self._views = []             # <<<<<<<<<<<<<<
  *         for i in range(2):
  *             self._events[i] = NULL
 */
-  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 950, __pyx_L1_error)
+  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 776, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_1);
   __Pyx_GOTREF(__pyx_v_self->_views);
   __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_1));
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":951
+  /* "tensorxfer/memory/_cuda.pyx":777
  *         self._size = buffer_bytes
  *         self._views = []
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -36283,7 +32963,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
     __pyx_v_i = __pyx_t_2;
 
-    /* "tensorxfer/memory/_cuda.pyx":952
+    /* "tensorxfer/memory/_cuda.pyx":778
  *         self._views = []
  *         for i in range(2):
  *             self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -36292,7 +32972,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
     (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":953
+    /* "tensorxfer/memory/_cuda.pyx":779
  *         for i in range(2):
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -36302,7 +32982,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":954
+  /* "tensorxfer/memory/_cuda.pyx":780
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -36314,7 +32994,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":955
+    /* "tensorxfer/memory/_cuda.pyx":781
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")             # <<<<<<<<<<<<<<
@@ -36327,14 +33007,14 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_buffer_bytes_must_be_positive};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 955, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 781, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 955, __pyx_L1_error)
+    __PYX_ERR(0, 781, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":954
+    /* "tensorxfer/memory/_cuda.pyx":780
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -36343,7 +33023,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":956
+  /* "tensorxfer/memory/_cuda.pyx":782
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -36359,81 +33039,29 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XGOTREF(__pyx_t_8);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":957
+      /* "tensorxfer/memory/_cuda.pyx":783
  *             raise ValueError("buffer_bytes must be positive")
  *         try:
  *             bind_device(device)             # <<<<<<<<<<<<<<
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *             for i in range(2):
+ *         except BaseException:
 */
-      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 957, __pyx_L6_error)
+      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 783, __pyx_L6_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":958
+      /* "tensorxfer/memory/_cuda.pyx":784
  *         try:
  *             bind_device(device)
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")             # <<<<<<<<<<<<<<
- *             for i in range(2):
- *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
-*/
-      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 958, __pyx_L6_error)
-      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 958, __pyx_L6_error)
-
-
-
-      /* "tensorxfer/memory/_cuda.pyx":959
- *             bind_device(device)
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *             for i in range(2):             # <<<<<<<<<<<<<<
- *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
- *                          b"cuEventCreate")
-*/
-      for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
-        __pyx_v_i = __pyx_t_2;
-
-        /* "tensorxfer/memory/_cuda.pyx":960
- *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
- *             for i in range(2):
- *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),             # <<<<<<<<<<<<<<
- *                          b"cuEventCreate")
- *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
-*/
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 960, __pyx_L6_error)
-        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 960, __pyx_L6_error)
-
-
-
-        /* "tensorxfer/memory/_cuda.pyx":962
- *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
- *                          b"cuEventCreate")
- *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
- *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
- *         except BaseException:
-*/
-        __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, 0); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 962, __pyx_L6_error)
-        __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 962, __pyx_L6_error)
-
-
-
-        /* "tensorxfer/memory/_cuda.pyx":963
- *                          b"cuEventCreate")
- *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
- *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             self.close()
 */
-        if (unlikely(__pyx_v_self->_views == Py_None)) {
-          PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "append");
-          __PYX_ERR(0, 963, __pyx_L6_error)
-        }
-        __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_buffer_bytes, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 963, __pyx_L6_error)
-        __Pyx_GOTREF(__pyx_t_1);
-        __pyx_t_12 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_12 == ((int)-1))) __PYX_ERR(0, 963, __pyx_L6_error)
-        __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 784, __pyx_L6_error)
+      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 784, __pyx_L6_error)
 
-      }
 
-      /* "tensorxfer/memory/_cuda.pyx":956
+
+      /* "tensorxfer/memory/_cuda.pyx":782
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -36449,9 +33077,9 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":964
- *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
- *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
+    /* "tensorxfer/memory/_cuda.pyx":785
+ *             bind_device(device)
+ *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:             # <<<<<<<<<<<<<<
  *             self.close()
  *             raise
@@ -36459,47 +33087,47 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_t_2 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_2) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_13) < 0) __PYX_ERR(0, 964, __pyx_L8_except_error)
+      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_11) < 0) __PYX_ERR(0, 785, __pyx_L8_except_error)
       __Pyx_XGOTREF(__pyx_t_1);
       __Pyx_XGOTREF(__pyx_t_4);
-      __Pyx_XGOTREF(__pyx_t_13);
+      __Pyx_XGOTREF(__pyx_t_11);
 
-      /* "tensorxfer/memory/_cuda.pyx":965
- *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
+      /* "tensorxfer/memory/_cuda.pyx":786
+ *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:
  *             self.close()             # <<<<<<<<<<<<<<
  *             raise
  * 
 */
-      __pyx_t_15 = ((PyObject *)__pyx_v_self);
-      __Pyx_INCREF(__pyx_t_15);
+      __pyx_t_13 = ((PyObject *)__pyx_v_self);
+      __Pyx_INCREF(__pyx_t_13);
       __pyx_t_5 = 0;
       {
-        PyObject *__pyx_callargs[2] = {__pyx_t_15, NULL};
-        __pyx_t_14 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-        __Pyx_XDECREF(__pyx_t_15); __pyx_t_15 = 0;
-        if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 965, __pyx_L8_except_error)
-        __Pyx_GOTREF(__pyx_t_14);
+        PyObject *__pyx_callargs[2] = {__pyx_t_13, NULL};
+        __pyx_t_12 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+        __Pyx_XDECREF(__pyx_t_13); __pyx_t_13 = 0;
+        if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 786, __pyx_L8_except_error)
+        __Pyx_GOTREF(__pyx_t_12);
       }
-      __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
+      __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":966
+      /* "tensorxfer/memory/_cuda.pyx":787
  *         except BaseException:
  *             self.close()
  *             raise             # <<<<<<<<<<<<<<
  * 
- *     def view(self, int i):
+ *     cdef int _ensure_pinned(self) except -1:
 */
       __Pyx_GIVEREF(__pyx_t_1);
       __Pyx_GIVEREF(__pyx_t_4);
-      __Pyx_XGIVEREF(__pyx_t_13);
-      __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_4, __pyx_t_13);
-      __pyx_t_1 = 0;  __pyx_t_4 = 0;  __pyx_t_13 = 0; 
-      __PYX_ERR(0, 966, __pyx_L8_except_error)
+      __Pyx_XGIVEREF(__pyx_t_11);
+      __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_4, __pyx_t_11);
+      __pyx_t_1 = 0;  __pyx_t_4 = 0;  __pyx_t_11 = 0; 
+      __PYX_ERR(0, 787, __pyx_L8_except_error)
     }
     goto __pyx_L8_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":956
+    /* "tensorxfer/memory/_cuda.pyx":782
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -36515,10 +33143,10 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_L11_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":944
+  /* "tensorxfer/memory/_cuda.pyx":770
  *     cdef list _views
  * 
- *     def __cinit__(self, int device, size_t buffer_bytes):             # <<<<<<<<<<<<<<
+ *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         self._stream = NULL
 */
@@ -36529,9 +33157,9 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_1);
   __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_11);
+  __Pyx_XDECREF(__pyx_t_12);
   __Pyx_XDECREF(__pyx_t_13);
-  __Pyx_XDECREF(__pyx_t_14);
-  __Pyx_XDECREF(__pyx_t_15);
   __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = -1;
   __pyx_L0:;
@@ -36541,12 +33169,617 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":968
+/* "tensorxfer/memory/_cuda.pyx":789
  *             raise
+ * 
+ *     cdef int _ensure_pinned(self) except -1:             # <<<<<<<<<<<<<<
+ *         cdef int i
+ *         if self._closed:
+*/
+
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+  int __pyx_v_i;
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  size_t __pyx_t_3;
+  int __pyx_t_4;
+  int __pyx_t_5;
+  CUresult __pyx_t_6;
+  int __pyx_t_7;
+  int __pyx_t_8;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("_ensure_pinned", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":791
+ *     cdef int _ensure_pinned(self) except -1:
+ *         cdef int i
+ *         if self._closed:             # <<<<<<<<<<<<<<
+ *             raise ValueError("operation on a closed Stager")
+ *         if self._pinned[1] != NULL:
+*/
+  if (unlikely(__pyx_v_self->_closed)) {
+
+    /* "tensorxfer/memory/_cuda.pyx":792
+ *         cdef int i
+ *         if self._closed:
+ *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
+ *         if self._pinned[1] != NULL:
+ *             return 0
+*/
+    __pyx_t_2 = NULL;
+    __pyx_t_3 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
+      __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 792, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_1);
+    }
+    __Pyx_Raise(__pyx_t_1, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+    __PYX_ERR(0, 792, __pyx_L1_error)
+
+    /* "tensorxfer/memory/_cuda.pyx":791
+ *     cdef int _ensure_pinned(self) except -1:
+ *         cdef int i
+ *         if self._closed:             # <<<<<<<<<<<<<<
+ *             raise ValueError("operation on a closed Stager")
+ *         if self._pinned[1] != NULL:
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":793
+ *         if self._closed:
+ *             raise ValueError("operation on a closed Stager")
+ *         if self._pinned[1] != NULL:             # <<<<<<<<<<<<<<
+ *             return 0
+ *         for i in range(2):
+*/
+  __pyx_t_4 = ((__pyx_v_self->_pinned[1]) != NULL);
+
+  if (__pyx_t_4) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":794
+ *             raise ValueError("operation on a closed Stager")
+ *         if self._pinned[1] != NULL:
+ *             return 0             # <<<<<<<<<<<<<<
+ *         for i in range(2):
+ *             if self._events[i] == NULL:
+*/
+    {
+
+      __pyx_r = 0;
+    }
+    goto __pyx_L0;
+
+    /* "tensorxfer/memory/_cuda.pyx":793
+ *         if self._closed:
+ *             raise ValueError("operation on a closed Stager")
+ *         if self._pinned[1] != NULL:             # <<<<<<<<<<<<<<
+ *             return 0
+ *         for i in range(2):
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":795
+ *         if self._pinned[1] != NULL:
+ *             return 0
+ *         for i in range(2):             # <<<<<<<<<<<<<<
+ *             if self._events[i] == NULL:
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+*/
+  for (__pyx_t_5 = 0; __pyx_t_5 < 2; __pyx_t_5+=1) {
+    __pyx_v_i = __pyx_t_5;
+
+    /* "tensorxfer/memory/_cuda.pyx":796
+ *             return 0
+ *         for i in range(2):
+ *             if self._events[i] == NULL:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+ *                          b"cuEventCreate")
+*/
+    __pyx_t_4 = ((__pyx_v_self->_events[__pyx_v_i]) == NULL);
+
+    if (__pyx_t_4) {
+
+
+      /* "tensorxfer/memory/_cuda.pyx":797
+ *         for i in range(2):
+ *             if self._events[i] == NULL:
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),             # <<<<<<<<<<<<<<
+ *                          b"cuEventCreate")
+ *             if self._pinned[i] == NULL:
+*/
+      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 797, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 797, __pyx_L1_error)
+
+
+
+      /* "tensorxfer/memory/_cuda.pyx":796
+ *             return 0
+ *         for i in range(2):
+ *             if self._events[i] == NULL:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+ *                          b"cuEventCreate")
+*/
+    }
+
+    /* "tensorxfer/memory/_cuda.pyx":799
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+ *                          b"cuEventCreate")
+ *             if self._pinned[i] == NULL:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+ *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
+*/
+    __pyx_t_4 = ((__pyx_v_self->_pinned[__pyx_v_i]) == NULL);
+
+    if (__pyx_t_4) {
+
+
+      /* "tensorxfer/memory/_cuda.pyx":800
+ *                          b"cuEventCreate")
+ *             if self._pinned[i] == NULL:
+ *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
+ *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
+ *         return 0
+*/
+      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, 0); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 800, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 800, __pyx_L1_error)
+
+
+
+      /* "tensorxfer/memory/_cuda.pyx":801
+ *             if self._pinned[i] == NULL:
+ *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+ *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))             # <<<<<<<<<<<<<<
+ *         return 0
+ * 
+*/
+      if (unlikely(__pyx_v_self->_views == Py_None)) {
+        PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "append");
+        __PYX_ERR(0, 801, __pyx_L1_error)
+      }
+      __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 801, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_1);
+      __pyx_t_8 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 801, __pyx_L1_error)
+      __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+
+
+      /* "tensorxfer/memory/_cuda.pyx":799
+ *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+ *                          b"cuEventCreate")
+ *             if self._pinned[i] == NULL:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+ *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
+*/
+    }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":802
+ *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+ *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
+ *         return 0             # <<<<<<<<<<<<<<
+ * 
+ *     cdef int _check(self, int i, size_t n) except -1:
+*/
+  {
+
+    __pyx_r = 0;
+  }
+  goto __pyx_L0;
+
+  /* "tensorxfer/memory/_cuda.pyx":789
+ *             raise
+ * 
+ *     cdef int _ensure_pinned(self) except -1:             # <<<<<<<<<<<<<<
+ *         cdef int i
+ *         if self._closed:
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._ensure_pinned", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __pyx_L0:;
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":804
+ *         return 0
+ * 
+ *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
+ *         if i < 0 or i > 1 or n > self._size:
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+*/
+
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, size_t __pyx_v_n) {
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  int __pyx_t_2;
+  PyObject *__pyx_t_3 = NULL;
+  PyObject *__pyx_t_4 = NULL;
+  PyObject *__pyx_t_5 = NULL;
+  PyObject *__pyx_t_6 = NULL;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8[7];
+  Py_ssize_t __pyx_t_9;
+  int __pyx_t_10;
+  PyObject *__pyx_t_11 = NULL;
+  size_t __pyx_t_12;
+  CUcontext __pyx_t_13;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("_check", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":805
+ * 
+ *     cdef int _check(self, int i, size_t n) except -1:
+ *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+ *         bind_device(self._device)
+*/
+  __pyx_t_2 = (__pyx_v_i < 0);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_i > 1);
+
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_n > __pyx_v_self->_size);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L4_bool_binop_done:;
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":806
+ *     cdef int _check(self, int i, size_t n) except -1:
+ *         if i < 0 or i > 1 or n > self._size:
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         self._ensure_pinned()
+*/
+    __pyx_t_4 = NULL;
+    __pyx_t_5 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_5);
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_6);
+    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_7);
+    __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_buffer;
+    __pyx_t_8[1] = __pyx_t_5;
+    __pyx_t_8[2] = __pyx_mstate_global->__pyx_kp_u__7;
+    __pyx_t_8[3] = __pyx_t_6;
+    __pyx_t_8[4] = __pyx_mstate_global->__pyx_kp_u_bytes_out_of_range_2_buffers_of;
+    __pyx_t_8[5] = __pyx_t_7;
+    __pyx_t_8[6] = __pyx_mstate_global->__pyx_kp_u__8;
+    __pyx_t_9 = 45;
+    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
+    __pyx_t_9 += __Pyx_PyUnicode_GET_LENGTH(__pyx_t_8[1]) + __Pyx_PyUnicode_GET_LENGTH(__pyx_t_8[3]) + __Pyx_PyUnicode_GET_LENGTH(__pyx_t_8[5]);
+    #endif
+    __pyx_t_10 = 0;
+    __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 7, __pyx_t_9, __pyx_t_10);
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_11);
+    __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
+    __pyx_t_12 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_t_11};
+      __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 806, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_3);
+    }
+    __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __PYX_ERR(0, 806, __pyx_L1_error)
+
+    /* "tensorxfer/memory/_cuda.pyx":805
+ * 
+ *     cdef int _check(self, int i, size_t n) except -1:
+ *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+ *         bind_device(self._device)
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":807
+ *         if i < 0 or i > 1 or n > self._size:
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+ *         bind_device(self._device)             # <<<<<<<<<<<<<<
+ *         self._ensure_pinned()
+ *         return 0
+*/
+  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":808
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+ *         bind_device(self._device)
+ *         self._ensure_pinned()             # <<<<<<<<<<<<<<
+ *         return 0
+ * 
+*/
+  __pyx_t_10 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_ensure_pinned(__pyx_v_self); if (unlikely(__pyx_t_10 == ((int)-1))) __PYX_ERR(0, 808, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":809
+ *         bind_device(self._device)
+ *         self._ensure_pinned()
+ *         return 0             # <<<<<<<<<<<<<<
+ * 
+ *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+*/
+  {
+
+    __pyx_r = 0;
+  }
+  goto __pyx_L0;
+
+  /* "tensorxfer/memory/_cuda.pyx":804
+ *         return 0
+ * 
+ *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
+ *         if i < 0 or i > 1 or n > self._size:
+ *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_3);
+  __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_5);
+  __Pyx_XDECREF(__pyx_t_6);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_XDECREF(__pyx_t_11);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._check", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __pyx_L0:;
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":812
+ * 
+ *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+ *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+ *                  b"cuMemcpyDtoHAsync")
+*/
+
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_src, size_t __pyx_v_n) {
+  int __pyx_r;
+  CUresult __pyx_t_1;
+  int __pyx_t_2;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyGILState_STATE __pyx_gilstate_save;
+
+  /* "tensorxfer/memory/_cuda.pyx":813
+ *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+ *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:
+ *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),             # <<<<<<<<<<<<<<
+ *                  b"cuMemcpyDtoHAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+*/
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 813, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 813, __pyx_L1_error)
+
+
+
+  /* "tensorxfer/memory/_cuda.pyx":815
+ *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+ *                  b"cuMemcpyDtoHAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
+ *         return 0
+ * 
+*/
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 815, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 815, __pyx_L1_error)
+
+
+
+  /* "tensorxfer/memory/_cuda.pyx":816
+ *                  b"cuMemcpyDtoHAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+ *         return 0             # <<<<<<<<<<<<<<
+ * 
+ *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:
+*/
+  {
+
+    __pyx_r = 0;
+  }
+  goto __pyx_L0;
+
+  /* "tensorxfer/memory/_cuda.pyx":812
+ * 
+ *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+ *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+ *                  b"cuMemcpyDtoHAsync")
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._dtoh_async", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __Pyx_PyGILState_Release(__pyx_gilstate_save);
+  __pyx_L0:;
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":818
+ *         return 0
+ * 
+ *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+ *                  b"cuMemcpyHtoDAsync")
+*/
+
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, uintptr_t __pyx_v_dst, size_t __pyx_v_n) {
+  int __pyx_r;
+  CUresult __pyx_t_1;
+  int __pyx_t_2;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyGILState_STATE __pyx_gilstate_save;
+
+  /* "tensorxfer/memory/_cuda.pyx":819
+ * 
+ *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:
+ *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),             # <<<<<<<<<<<<<<
+ *                  b"cuMemcpyHtoDAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+*/
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 819, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 819, __pyx_L1_error)
+
+
+
+  /* "tensorxfer/memory/_cuda.pyx":821
+ *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+ *                  b"cuMemcpyHtoDAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
+ *         return 0
+ * 
+*/
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 821, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 821, __pyx_L1_error)
+
+
+
+  /* "tensorxfer/memory/_cuda.pyx":822
+ *                  b"cuMemcpyHtoDAsync")
+ *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+ *         return 0             # <<<<<<<<<<<<<<
+ * 
+ *     cdef int _wait(self, int i) except -1 nogil:
+*/
+  {
+
+    __pyx_r = 0;
+  }
+  goto __pyx_L0;
+
+  /* "tensorxfer/memory/_cuda.pyx":818
+ *         return 0
+ * 
+ *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+ *                  b"cuMemcpyHtoDAsync")
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._htod_async", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __Pyx_PyGILState_Release(__pyx_gilstate_save);
+  __pyx_L0:;
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":824
+ *         return 0
+ * 
+ *     cdef int _wait(self, int i) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *         return 0
+*/
+
+static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i) {
+  int __pyx_r;
+  CUresult __pyx_t_1;
+  int __pyx_t_2;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyGILState_STATE __pyx_gilstate_save;
+
+  /* "tensorxfer/memory/_cuda.pyx":825
+ * 
+ *     cdef int _wait(self, int i) except -1 nogil:
+ *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
+ *         return 0
+ * 
+*/
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 825, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 825, __pyx_L1_error)
+
+
+
+  /* "tensorxfer/memory/_cuda.pyx":826
+ *     cdef int _wait(self, int i) except -1 nogil:
+ *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *         return 0             # <<<<<<<<<<<<<<
+ * 
+ *     def view(self, int i):
+*/
+  {
+
+    __pyx_r = 0;
+  }
+  goto __pyx_L0;
+
+  /* "tensorxfer/memory/_cuda.pyx":824
+ *         return 0
+ * 
+ *     cdef int _wait(self, int i) except -1 nogil:             # <<<<<<<<<<<<<<
+ *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *         return 0
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._wait", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = -1;
+  __Pyx_PyGILState_Release(__pyx_gilstate_save);
+  __pyx_L0:;
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":828
+ *         return 0
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:
+ *         self._check(i, 0)
 */
 
 /* Python wrapper */
@@ -36589,32 +33822,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 968, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 828, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 968, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 828, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 968, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 828, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 968, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 828, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 968, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 828, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 968, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 828, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 968, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 828, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36639,62 +33872,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  size_t __pyx_t_3;
+  int __pyx_t_1;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("view", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":970
+  /* "tensorxfer/memory/_cuda.pyx":830
  *     def view(self, int i):
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed Stager")
- *         return self._views[i]
-*/
-  if (unlikely(__pyx_v_self->_closed)) {
-
-    /* "tensorxfer/memory/_cuda.pyx":971
- *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:
- *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
+ *         self._check(i, 0)             # <<<<<<<<<<<<<<
  *         return self._views[i]
  * 
 */
-    __pyx_t_2 = NULL;
-    __pyx_t_3 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
-      __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 971, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_1);
-    }
-    __Pyx_Raise(__pyx_t_1, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 971, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 830, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":970
- *     def view(self, int i):
+
+  /* "tensorxfer/memory/_cuda.pyx":831
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed Stager")
- *         return self._views[i]
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":972
- *         if self._closed:
- *             raise ValueError("operation on a closed Stager")
+ *         self._check(i, 0)
  *         return self._views[i]             # <<<<<<<<<<<<<<
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):
 */
   if (unlikely(__pyx_v_self->_views == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-    __PYX_ERR(0, 972, __pyx_L1_error)
+    __PYX_ERR(0, 831, __pyx_L1_error)
   }
   {
     PyObject *__pyx_temp;
@@ -36707,18 +33910,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":968
- *             raise
+  /* "tensorxfer/memory/_cuda.pyx":828
+ *         return 0
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:
+ *         self._check(i, 0)
 */
 
   /* function exit code */
   __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
   __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.view", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
@@ -36727,7 +33928,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":974
+/* "tensorxfer/memory/_cuda.pyx":833
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -36777,46 +33978,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 974, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 833, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 974, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 833, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 974, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 833, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 974, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 833, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36844,28 +34045,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
-  CUresult __pyx_t_2;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_dtoh", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":976
+  /* "tensorxfer/memory/_cuda.pyx":835
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
- *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+ *             self._dtoh_async(i, src, n)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 976, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 835, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":977
+  /* "tensorxfer/memory/_cuda.pyx":836
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
- *                      b"cuMemcpyDtoHAsync")
+ *             self._dtoh_async(i, src, n)
+ * 
 */
   {
       PyThreadState * _save;
@@ -36873,37 +34073,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":978
+        /* "tensorxfer/memory/_cuda.pyx":837
  *         self._check(i, n)
  *         with nogil:
- *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),             # <<<<<<<<<<<<<<
- *                      b"cuMemcpyDtoHAsync")
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
-*/
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 978, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 978, __pyx_L4_error)
-
-
-
-        /* "tensorxfer/memory/_cuda.pyx":980
- *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
- *                      b"cuMemcpyDtoHAsync")
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
+ *             self._dtoh_async(i, src, n)             # <<<<<<<<<<<<<<
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 980, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 980, __pyx_L4_error)
-
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_dtoh_async(__pyx_v_self, __pyx_v_i, __pyx_v_src, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 837, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":977
+      /* "tensorxfer/memory/_cuda.pyx":836
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
- *                      b"cuMemcpyDtoHAsync")
+ *             self._dtoh_async(i, src, n)
+ * 
 */
       /*finally:*/ {
         /*normal exit:*/{
@@ -36920,7 +34106,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":974
+  /* "tensorxfer/memory/_cuda.pyx":833
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -36940,8 +34126,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":982
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+/* "tensorxfer/memory/_cuda.pyx":839
+ *             self._dtoh_async(i, src, n)
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
@@ -36990,46 +34176,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 982, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 839, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 982, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 839, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 982, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 839, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 982, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 839, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 982, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 839, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 982, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 839, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 982, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 839, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 982, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 839, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 982, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 839, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 982, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 982, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 839, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37057,28 +34243,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
-  CUresult __pyx_t_2;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_htod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":984
+  /* "tensorxfer/memory/_cuda.pyx":841
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
- *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+ *             self._htod_async(i, dst, n)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 984, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 841, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":985
+  /* "tensorxfer/memory/_cuda.pyx":842
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
- *                      b"cuMemcpyHtoDAsync")
+ *             self._htod_async(i, dst, n)
+ * 
 */
   {
       PyThreadState * _save;
@@ -37086,37 +34271,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":986
+        /* "tensorxfer/memory/_cuda.pyx":843
  *         self._check(i, n)
  *         with nogil:
- *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),             # <<<<<<<<<<<<<<
- *                      b"cuMemcpyHtoDAsync")
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
-*/
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 986, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 986, __pyx_L4_error)
-
-
-
-        /* "tensorxfer/memory/_cuda.pyx":988
- *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
- *                      b"cuMemcpyHtoDAsync")
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
+ *             self._htod_async(i, dst, n)             # <<<<<<<<<<<<<<
  * 
  *     def wait(self, int i):
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 988, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 988, __pyx_L4_error)
-
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_htod_async(__pyx_v_self, __pyx_v_i, __pyx_v_dst, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 843, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":985
+      /* "tensorxfer/memory/_cuda.pyx":842
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
- *                      b"cuMemcpyHtoDAsync")
+ *             self._htod_async(i, dst, n)
+ * 
 */
       /*finally:*/ {
         /*normal exit:*/{
@@ -37133,8 +34304,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":982
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+  /* "tensorxfer/memory/_cuda.pyx":839
+ *             self._dtoh_async(i, src, n)
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
@@ -37153,8 +34324,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":990
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+/* "tensorxfer/memory/_cuda.pyx":845
+ *             self._htod_async(i, dst, n)
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
@@ -37201,32 +34372,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 990, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 845, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 990, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 845, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 990, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 845, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 990, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 845, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 990, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 845, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 990, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 845, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 990, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 845, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37252,27 +34423,26 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
-  CUresult __pyx_t_2;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("wait", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":992
+  /* "tensorxfer/memory/_cuda.pyx":847
  *     def wait(self, int i):
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)             # <<<<<<<<<<<<<<
  *         with nogil:
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *             self._wait(i)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 992, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 847, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":993
+  /* "tensorxfer/memory/_cuda.pyx":848
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *             self._wait(i)
  * 
 */
   {
@@ -37281,24 +34451,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":994
+        /* "tensorxfer/memory/_cuda.pyx":849
  *         self._check(i, 0)
  *         with nogil:
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
+ *             self._wait(i)             # <<<<<<<<<<<<<<
  * 
- *     cdef int _check(self, int i, size_t n) except -1:
+ *     def synchronize(self):
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 994, __pyx_L4_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 994, __pyx_L4_error)
-
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_wait(__pyx_v_self, __pyx_v_i); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 849, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":993
+      /* "tensorxfer/memory/_cuda.pyx":848
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+ *             self._wait(i)
  * 
 */
       /*finally:*/ {
@@ -37316,8 +34484,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":990
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+  /* "tensorxfer/memory/_cuda.pyx":845
+ *             self._htod_async(i, dst, n)
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
@@ -37336,50 +34504,86 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":996
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+/* "tensorxfer/memory/_cuda.pyx":851
+ *             self._wait(i)
  * 
- *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
+ *     def synchronize(self):             # <<<<<<<<<<<<<<
+ *         """Block until everything queued on the stream finished."""
  *         if self._closed:
- *             raise ValueError("operation on a closed Stager")
 */
 
-static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, int __pyx_v_i, size_t __pyx_v_n) {
-  int __pyx_r;
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11synchronize(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10synchronize, "Stager.synchronize(self)\n\nBlock until everything queued on the stream finished.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11synchronize = {"synchronize", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11synchronize, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10synchronize};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11synchronize(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("synchronize (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("synchronize", 1, 0, 0, __pyx_nargs); return NULL; }
+  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+  if (unlikely(__pyx_kwds_len < 0)) return NULL;
+  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("synchronize", __pyx_kwds); return NULL;}
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+
+  /* function exit code */
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+  PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
   PyObject *__pyx_t_2 = NULL;
   size_t __pyx_t_3;
-  int __pyx_t_4;
-  int __pyx_t_5;
-  PyObject *__pyx_t_6 = NULL;
-  PyObject *__pyx_t_7 = NULL;
-  PyObject *__pyx_t_8 = NULL;
-  PyObject *__pyx_t_9[7];
-  Py_ssize_t __pyx_t_10;
-  int __pyx_t_11;
-  PyObject *__pyx_t_12 = NULL;
-  CUcontext __pyx_t_13;
+  CUcontext __pyx_t_4;
+  CUresult __pyx_t_5;
+  int __pyx_t_6;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("_check", 0);
+  __Pyx_RefNannySetupContext("synchronize", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":997
- * 
- *     cdef int _check(self, int i, size_t n) except -1:
+  /* "tensorxfer/memory/_cuda.pyx":853
+ *     def synchronize(self):
+ *         """Block until everything queued on the stream finished."""
  *         if self._closed:             # <<<<<<<<<<<<<<
  *             raise ValueError("operation on a closed Stager")
- *         if i < 0 or i > 1 or n > self._size:
+ *         bind_device(self._device)
 */
   if (unlikely(__pyx_v_self->_closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":998
- *     cdef int _check(self, int i, size_t n) except -1:
+    /* "tensorxfer/memory/_cuda.pyx":854
+ *         """Block until everything queued on the stream finished."""
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
- *         if i < 0 or i > 1 or n > self._size:
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+ *         bind_device(self._device)
+ *         with nogil:
 */
     __pyx_t_2 = NULL;
     __pyx_t_3 = 1;
@@ -37387,161 +34591,175 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 998, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 854, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 998, __pyx_L1_error)
+    __PYX_ERR(0, 854, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":997
- * 
- *     cdef int _check(self, int i, size_t n) except -1:
+    /* "tensorxfer/memory/_cuda.pyx":853
+ *     def synchronize(self):
+ *         """Block until everything queued on the stream finished."""
  *         if self._closed:             # <<<<<<<<<<<<<<
  *             raise ValueError("operation on a closed Stager")
- *         if i < 0 or i > 1 or n > self._size:
+ *         bind_device(self._device)
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":999
+  /* "tensorxfer/memory/_cuda.pyx":855
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
- *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
- *         bind_device(self._device)
-*/
-  __pyx_t_5 = (__pyx_v_i < 0);
-
-  if (!__pyx_t_5) {
-
-  } else {
-
-    __pyx_t_4 = __pyx_t_5;
-
-    goto __pyx_L5_bool_binop_done;
-  }
-  __pyx_t_5 = (__pyx_v_i > 1);
-
-  if (!__pyx_t_5) {
-
-  } else {
-
-    __pyx_t_4 = __pyx_t_5;
-
-    goto __pyx_L5_bool_binop_done;
-  }
-  __pyx_t_5 = (__pyx_v_n > __pyx_v_self->_size);
-
-
-  __pyx_t_4 = __pyx_t_5;
-
-  __pyx_L5_bool_binop_done:;
-  if (unlikely(__pyx_t_4)) {
-
-
-    /* "tensorxfer/memory/_cuda.pyx":1000
- *             raise ValueError("operation on a closed Stager")
- *         if i < 0 or i > 1 or n > self._size:
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         return 0
-*/
-    __pyx_t_2 = NULL;
-    __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 1000, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 1000, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_7);
-    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 1000, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_8);
-    __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_buffer;
-    __pyx_t_9[1] = __pyx_t_6;
-    __pyx_t_9[2] = __pyx_mstate_global->__pyx_kp_u__7;
-    __pyx_t_9[3] = __pyx_t_7;
-    __pyx_t_9[4] = __pyx_mstate_global->__pyx_kp_u_bytes_out_of_range_2_buffers_of;
-    __pyx_t_9[5] = __pyx_t_8;
-    __pyx_t_9[6] = __pyx_mstate_global->__pyx_kp_u__8;
-    __pyx_t_10 = 45;
-    #if __Pyx_PyUnicode_Join_CAN_USE_KIND_AND_LENGTH
-    __pyx_t_10 += __Pyx_PyUnicode_GET_LENGTH(__pyx_t_9[1]) + __Pyx_PyUnicode_GET_LENGTH(__pyx_t_9[3]) + __Pyx_PyUnicode_GET_LENGTH(__pyx_t_9[5]);
-    #endif
-    __pyx_t_11 = 0;
-    __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 7, __pyx_t_10, __pyx_t_11);
-    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 1000, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_12);
-    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __pyx_t_3 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_t_12};
-      __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1000, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_1);
-    }
-    __Pyx_Raise(__pyx_t_1, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 1000, __pyx_L1_error)
-
-    /* "tensorxfer/memory/_cuda.pyx":999
- *         if self._closed:
- *             raise ValueError("operation on a closed Stager")
- *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
- *         bind_device(self._device)
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":1001
- *         if i < 0 or i > 1 or n > self._size:
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
- *         return 0
+ *         with nogil:
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+*/
+  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 855, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":856
+ *             raise ValueError("operation on a closed Stager")
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
 */
-  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1001, __pyx_L1_error)
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
 
-
-  /* "tensorxfer/memory/_cuda.pyx":1002
- *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+        /* "tensorxfer/memory/_cuda.pyx":857
  *         bind_device(self._device)
- *         return 0             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")             # <<<<<<<<<<<<<<
+ * 
+ *     @property
+*/
+        __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 857, __pyx_L5_error)
+        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 857, __pyx_L5_error)
+
+
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":856
+ *             raise ValueError("operation on a closed Stager")
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+ * 
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L6;
+        }
+        __pyx_L5_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L6:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":851
+ *             self._wait(i)
+ * 
+ *     def synchronize(self):             # <<<<<<<<<<<<<<
+ *         """Block until everything queued on the stream finished."""
+ *         if self._closed:
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.synchronize", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":859
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+ * 
+ *     @property             # <<<<<<<<<<<<<<
+ *     def stream(self):
+ *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_6stream_1__get__(PyObject *__pyx_v_self); /*proto*/
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_6stream_1__get__(PyObject *__pyx_v_self) {
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
+  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+
+  /* function exit code */
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__get__", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":862
+ *     def stream(self):
+ *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
+ *         return <uintptr_t>self._stream             # <<<<<<<<<<<<<<
  * 
  *     def close(self):
 */
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 862, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
   {
-
-    __pyx_r = 0;
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_1;
+    }
+    __Pyx_XDECREF(__pyx_temp);
   }
+  __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":996
- *             check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+  /* "tensorxfer/memory/_cuda.pyx":859
+ *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
- *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
- *         if self._closed:
- *             raise ValueError("operation on a closed Stager")
+ *     @property             # <<<<<<<<<<<<<<
+ *     def stream(self):
+ *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
 */
 
   /* function exit code */
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_XDECREF(__pyx_t_6);
-  __Pyx_XDECREF(__pyx_t_7);
-  __Pyx_XDECREF(__pyx_t_8);
-  __Pyx_XDECREF(__pyx_t_12);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager._check", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = -1;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.stream.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
   __pyx_L0:;
-
+  __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1004
- *         return 0
+/* "tensorxfer/memory/_cuda.pyx":864
+ *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
@@ -37549,16 +34767,16 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11close(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13close(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10close, "Stager.close(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11close = {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10close};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11close(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_12close, "Stager.close(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_13close = {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_12close};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13close(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -37584,36 +34802,37 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("close", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
   int __pyx_v_i;
   PyObject *__pyx_v_v = NULL;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
-  Py_ssize_t __pyx_t_2;
+  int __pyx_t_2;
   PyObject *__pyx_t_3 = NULL;
-  PyObject *__pyx_t_4 = NULL;
-  size_t __pyx_t_5;
+  Py_ssize_t __pyx_t_4;
+  PyObject *(*__pyx_t_5)(PyObject *);
   PyObject *__pyx_t_6 = NULL;
-  PyObject *__pyx_t_7 = NULL;
+  size_t __pyx_t_7;
   PyObject *__pyx_t_8 = NULL;
-  CUcontext __pyx_t_9;
-  int __pyx_t_10;
-  int __pyx_t_11;
-  CUresult __pyx_t_12;
+  PyObject *__pyx_t_9 = NULL;
+  PyObject *__pyx_t_10 = NULL;
+  CUcontext __pyx_t_11;
+  int __pyx_t_12;
+  CUresult __pyx_t_13;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("close", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1006
+  /* "tensorxfer/memory/_cuda.pyx":866
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -37622,12 +34841,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   if (__pyx_v_self->_closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":1007
+    /* "tensorxfer/memory/_cuda.pyx":867
  *         cdef int i
  *         if self._closed:
  *             return             # <<<<<<<<<<<<<<
  *         self._closed = True
- *         for v in self._views:
+ *         for v in self._views or ():
 */
     {
       PyObject *__pyx_temp;
@@ -37639,7 +34858,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1006
+    /* "tensorxfer/memory/_cuda.pyx":866
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -37648,87 +34867,129 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1008
+  /* "tensorxfer/memory/_cuda.pyx":868
  *         if self._closed:
  *             return
  *         self._closed = True             # <<<<<<<<<<<<<<
- *         for v in self._views:
+ *         for v in self._views or ():
  *             v.release()
 */
   __pyx_v_self->_closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":1009
+  /* "tensorxfer/memory/_cuda.pyx":869
  *             return
  *         self._closed = True
- *         for v in self._views:             # <<<<<<<<<<<<<<
+ *         for v in self._views or ():             # <<<<<<<<<<<<<<
  *             v.release()
  *         self._views = []
 */
-  if (unlikely(__pyx_v_self->_views == Py_None)) {
-    PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not iterable");
-    __PYX_ERR(0, 1009, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_v_self->_views); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+  if (!__pyx_t_2) {
+  } else {
+    __Pyx_INCREF(__pyx_v_self->_views);
+    __pyx_t_1 = __pyx_v_self->_views;
+    goto __pyx_L6_bool_binop_done;
   }
-  __pyx_t_1 = __pyx_v_self->_views; __Pyx_INCREF(__pyx_t_1);
-  __pyx_t_2 = 0;
-  for (;;) {
-    {
-      Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_1);
-      #if !CYTHON_ASSUME_SAFE_SIZE
-      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 1009, __pyx_L1_error)
-      #endif
-      if (__pyx_t_2 >= __pyx_temp) break;
-    }
-    __pyx_t_3 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_1, __pyx_t_2, __Pyx_ReferenceSharing_OwnStrongReference);
-    ++__pyx_t_2;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1009, __pyx_L1_error)
+  __Pyx_INCREF(__pyx_mstate_global->__pyx_empty_tuple);
+  __pyx_t_1 = __pyx_mstate_global->__pyx_empty_tuple;
+  __pyx_L6_bool_binop_done:;
+  if (likely(PyList_CheckExact(__pyx_t_1)) || PyTuple_CheckExact(__pyx_t_1)) {
+    __pyx_t_3 = __pyx_t_1; __Pyx_INCREF(__pyx_t_3);
+    __pyx_t_4 = 0;
+    __pyx_t_5 = NULL;
+  } else {
+    __pyx_t_4 = -1; __pyx_t_3 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 869, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __Pyx_XDECREF_SET(__pyx_v_v, __pyx_t_3);
-    __pyx_t_3 = 0;
+    __pyx_t_5 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 869, __pyx_L1_error)
+  }
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  for (;;) {
+    if (likely(!__pyx_t_5)) {
+      if (likely(PyList_CheckExact(__pyx_t_3))) {
+        {
+          Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_3);
+          #if !CYTHON_ASSUME_SAFE_SIZE
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+          #endif
+          if (__pyx_t_4 >= __pyx_temp) break;
+        }
+        __pyx_t_1 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_3, __pyx_t_4, __Pyx_ReferenceSharing_OwnStrongReference);
+        ++__pyx_t_4;
+      } else {
+        {
+          Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_3);
+          #if !CYTHON_ASSUME_SAFE_SIZE
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+          #endif
+          if (__pyx_t_4 >= __pyx_temp) break;
+        }
+        #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
+        __pyx_t_1 = __Pyx_NewRef(PyTuple_GET_ITEM(__pyx_t_3, __pyx_t_4));
+        #else
+        __pyx_t_1 = __Pyx_PySequence_ITEM(__pyx_t_3, __pyx_t_4);
+        #endif
+        ++__pyx_t_4;
+      }
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 869, __pyx_L1_error)
+    } else {
+      __pyx_t_1 = __pyx_t_5(__pyx_t_3);
+      if (unlikely(!__pyx_t_1)) {
+        PyObject* exc_type = PyErr_Occurred();
+        if (exc_type) {
+          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 869, __pyx_L1_error)
+          PyErr_Clear();
+        }
+        break;
+      }
+    }
+    __Pyx_GOTREF(__pyx_t_1);
+    __Pyx_XDECREF_SET(__pyx_v_v, __pyx_t_1);
+    __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1010
+    /* "tensorxfer/memory/_cuda.pyx":870
  *         self._closed = True
- *         for v in self._views:
+ *         for v in self._views or ():
  *             v.release()             # <<<<<<<<<<<<<<
  *         self._views = []
  *         try:
 */
-    __pyx_t_4 = __pyx_v_v;
-    __Pyx_INCREF(__pyx_t_4);
-    __pyx_t_5 = 0;
+    __pyx_t_6 = __pyx_v_v;
+    __Pyx_INCREF(__pyx_t_6);
+    __pyx_t_7 = 0;
     {
-      PyObject *__pyx_callargs[2] = {__pyx_t_4, NULL};
-      __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_release, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 1010, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_3);
+      PyObject *__pyx_callargs[2] = {__pyx_t_6, NULL};
+      __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_release, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 870, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_1);
     }
-    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1009
+    /* "tensorxfer/memory/_cuda.pyx":869
  *             return
  *         self._closed = True
- *         for v in self._views:             # <<<<<<<<<<<<<<
+ *         for v in self._views or ():             # <<<<<<<<<<<<<<
  *             v.release()
  *         self._views = []
 */
   }
-  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1011
- *         for v in self._views:
+  /* "tensorxfer/memory/_cuda.pyx":871
+ *         for v in self._views or ():
  *             v.release()
  *         self._views = []             # <<<<<<<<<<<<<<
  *         try:
  *             bind_device(self._device)
 */
-  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1011, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  __Pyx_GIVEREF(__pyx_t_1);
+  __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 871, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __Pyx_GIVEREF(__pyx_t_3);
   __Pyx_GOTREF(__pyx_v_self->_views);
-  __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_1));
-  __pyx_t_1 = 0;
+  __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_3));
+  __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1012
+  /* "tensorxfer/memory/_cuda.pyx":872
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -37738,23 +34999,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   {
     __Pyx_PyThreadState_declare
     __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_6, &__pyx_t_7, &__pyx_t_8);
-    __Pyx_XGOTREF(__pyx_t_6);
-    __Pyx_XGOTREF(__pyx_t_7);
+    __Pyx_ExceptionSave(&__pyx_t_8, &__pyx_t_9, &__pyx_t_10);
     __Pyx_XGOTREF(__pyx_t_8);
+    __Pyx_XGOTREF(__pyx_t_9);
+    __Pyx_XGOTREF(__pyx_t_10);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":1013
+      /* "tensorxfer/memory/_cuda.pyx":873
  *         self._views = []
  *         try:
  *             bind_device(self._device)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             pass
 */
-      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 1013, __pyx_L7_error)
+      __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_11 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 873, __pyx_L9_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1012
+      /* "tensorxfer/memory/_cuda.pyx":872
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -37762,83 +35023,83 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
  *         except BaseException:
 */
     }
-    __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
-    goto __pyx_L12_try_end;
-    __pyx_L7_error:;
+    __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
+    __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
+    goto __pyx_L14_try_end;
+    __pyx_L9_error:;
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":1014
+    /* "tensorxfer/memory/_cuda.pyx":874
  *         try:
  *             bind_device(self._device)
  *         except BaseException:             # <<<<<<<<<<<<<<
  *             pass
  *         if self._stream != NULL:
 */
-    __pyx_t_10 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_10) {
+    __pyx_t_12 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
+    if (__pyx_t_12) {
       __Pyx_ErrRestore(0,0,0);
-      goto __pyx_L8_exception_handled;
+      goto __pyx_L10_exception_handled;
     }
-    goto __pyx_L9_except_error;
+    goto __pyx_L11_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":1012
+    /* "tensorxfer/memory/_cuda.pyx":872
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
  *             bind_device(self._device)
  *         except BaseException:
 */
-    __pyx_L9_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_6);
-    __Pyx_XGIVEREF(__pyx_t_7);
+    __pyx_L11_except_error:;
     __Pyx_XGIVEREF(__pyx_t_8);
-    __Pyx_ExceptionReset(__pyx_t_6, __pyx_t_7, __pyx_t_8);
+    __Pyx_XGIVEREF(__pyx_t_9);
+    __Pyx_XGIVEREF(__pyx_t_10);
+    __Pyx_ExceptionReset(__pyx_t_8, __pyx_t_9, __pyx_t_10);
     goto __pyx_L1_error;
-    __pyx_L8_exception_handled:;
-    __Pyx_XGIVEREF(__pyx_t_6);
-    __Pyx_XGIVEREF(__pyx_t_7);
+    __pyx_L10_exception_handled:;
     __Pyx_XGIVEREF(__pyx_t_8);
-    __Pyx_ExceptionReset(__pyx_t_6, __pyx_t_7, __pyx_t_8);
-    __pyx_L12_try_end:;
+    __Pyx_XGIVEREF(__pyx_t_9);
+    __Pyx_XGIVEREF(__pyx_t_10);
+    __Pyx_ExceptionReset(__pyx_t_8, __pyx_t_9, __pyx_t_10);
+    __pyx_L14_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1016
+  /* "tensorxfer/memory/_cuda.pyx":876
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)
 */
-  __pyx_t_11 = (__pyx_v_self->_stream != NULL);
+  __pyx_t_2 = (__pyx_v_self->_stream != NULL);
 
-  if (__pyx_t_11) {
+  if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1017
+    /* "tensorxfer/memory/_cuda.pyx":877
  *             pass
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)             # <<<<<<<<<<<<<<
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
 */
-    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1017, __pyx_L1_error)
+    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 877, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1018
+    /* "tensorxfer/memory/_cuda.pyx":878
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)             # <<<<<<<<<<<<<<
  *             self._stream = NULL
  *         for i in range(2):
 */
-    __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1018, __pyx_L1_error)
+    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 878, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":1019
+    /* "tensorxfer/memory/_cuda.pyx":879
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL             # <<<<<<<<<<<<<<
@@ -37847,7 +35108,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
     __pyx_v_self->_stream = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":1016
+    /* "tensorxfer/memory/_cuda.pyx":876
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -37856,39 +35117,39 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1020
+  /* "tensorxfer/memory/_cuda.pyx":880
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
  *         for i in range(2):             # <<<<<<<<<<<<<<
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])
 */
-  for (__pyx_t_10 = 0; __pyx_t_10 < 2; __pyx_t_10+=1) {
-    __pyx_v_i = __pyx_t_10;
+  for (__pyx_t_12 = 0; __pyx_t_12 < 2; __pyx_t_12+=1) {
+    __pyx_v_i = __pyx_t_12;
 
-    /* "tensorxfer/memory/_cuda.pyx":1021
+    /* "tensorxfer/memory/_cuda.pyx":881
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
 */
-    __pyx_t_11 = ((__pyx_v_self->_events[__pyx_v_i]) != NULL);
+    __pyx_t_2 = ((__pyx_v_self->_events[__pyx_v_i]) != NULL);
 
-    if (__pyx_t_11) {
+    if (__pyx_t_2) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1022
+      /* "tensorxfer/memory/_cuda.pyx":882
  *         for i in range(2):
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])             # <<<<<<<<<<<<<<
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
 */
-      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1022, __pyx_L1_error)
+      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 882, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1023
+      /* "tensorxfer/memory/_cuda.pyx":883
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -37897,7 +35158,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
       (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":1021
+      /* "tensorxfer/memory/_cuda.pyx":881
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -37906,29 +35167,29 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":1024
+    /* "tensorxfer/memory/_cuda.pyx":884
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
  *                 cydriver.cuMemFreeHost(self._pinned[i])
  *                 self._pinned[i] = NULL
 */
-    __pyx_t_11 = ((__pyx_v_self->_pinned[__pyx_v_i]) != NULL);
+    __pyx_t_2 = ((__pyx_v_self->_pinned[__pyx_v_i]) != NULL);
 
-    if (__pyx_t_11) {
+    if (__pyx_t_2) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1025
+      /* "tensorxfer/memory/_cuda.pyx":885
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])             # <<<<<<<<<<<<<<
  *                 self._pinned[i] = NULL
  * 
 */
-      __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 1025, __pyx_L1_error)
+      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 885, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":1026
+      /* "tensorxfer/memory/_cuda.pyx":886
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])
  *                 self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -37937,7 +35198,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
       (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":1024
+      /* "tensorxfer/memory/_cuda.pyx":884
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
@@ -37947,8 +35208,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
     }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":1004
- *         return 0
+  /* "tensorxfer/memory/_cuda.pyx":864
+ *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
@@ -37961,7 +35222,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_1);
   __Pyx_XDECREF(__pyx_t_3);
-  __Pyx_XDECREF(__pyx_t_4);
+  __Pyx_XDECREF(__pyx_t_6);
   __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.close", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
@@ -37972,7 +35233,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1028
+/* "tensorxfer/memory/_cuda.pyx":888
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -37981,19 +35242,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10close(struct __p
 */
 
 /* Python wrapper */
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13__dealloc__(PyObject *__pyx_v_self); /*proto*/
-static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13__dealloc__(PyObject *__pyx_v_self) {
+static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__dealloc__(PyObject *__pyx_v_self); /*proto*/
+static void __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__dealloc__(PyObject *__pyx_v_self) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__dealloc__ (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+  __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
 }
 
-static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
   PyObject *__pyx_t_2 = NULL;
@@ -38003,7 +35264,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1029
+  /* "tensorxfer/memory/_cuda.pyx":889
  * 
  *     def __dealloc__(self):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -38017,12 +35278,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1029, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 889, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1028
+  /* "tensorxfer/memory/_cuda.pyx":888
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -38041,7 +35302,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1031
+/* "tensorxfer/memory/_cuda.pyx":891
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -38050,16 +35311,16 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12__dealloc__(struct __
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__enter__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__enter__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_14__enter__, "Stager.__enter__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_15__enter__ = {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_14__enter__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__enter__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__enter__, "Stager.__enter__(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__enter__ = {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__enter__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__enter__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -38085,19 +35346,19 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__enter__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__enter__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1032
+  /* "tensorxfer/memory/_cuda.pyx":892
  * 
  *     def __enter__(self):
  *         return self             # <<<<<<<<<<<<<<
@@ -38115,7 +35376,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1031
+  /* "tensorxfer/memory/_cuda.pyx":891
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -38130,18 +35391,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__enter__(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":1034
+/* "tensorxfer/memory/_cuda.pyx":894
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
+ * 
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__exit__, "Stager.__exit__(self, *exc)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__exit__ = {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__exit__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds) {
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__exit__, "Stager.__exit__(self, *exc)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__exit__ = {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__exit__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__exit__(PyObject *__pyx_v_self, PyObject *__pyx_args, PyObject *__pyx_kwds) {
   CYTHON_UNUSED PyObject *__pyx_v_exc = 0;
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
@@ -38159,7 +35421,7 @@ static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__(PyObjec
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__exit__", __pyx_kwds); return NULL;}
   __Pyx_INCREF(__pyx_args);
   __pyx_v_exc = __pyx_args;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_exc);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__exit__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_exc);
 
   /* function exit code */
   __Pyx_DECREF(__pyx_v_exc);
@@ -38167,7 +35429,7 @@ static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__(PyObjec
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__exit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v_exc) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -38178,10 +35440,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__exit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":1035
+  /* "tensorxfer/memory/_cuda.pyx":895
  * 
  *     def __exit__(self, *exc):
  *         self.close()             # <<<<<<<<<<<<<<
+ * 
+ * 
 */
   __pyx_t_2 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_2);
@@ -38190,16 +35454,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 1035, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 895, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":1034
+  /* "tensorxfer/memory/_cuda.pyx":894
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
+ * 
 */
 
   /* function exit code */
@@ -38223,16 +35488,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__exit__(struct 
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__, "Stager.__reduce_cython__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__, "Stager.__reduce_cython__(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -38258,14 +35523,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -38305,16 +35570,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__, "Stager.__setstate_cython__(self, __pyx_state)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__, "Stager.__setstate_cython__(self, __pyx_state)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -38380,7 +35645,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v___pyx_state);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v___pyx_state);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -38390,7 +35655,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -38416,6 +35681,2109 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cytho
   /* function exit code */
   __pyx_L1_error:;
   __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":908
+ *     """
+ * 
+ *     def __init__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
+ *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
+ * 
+*/
+
+/* Python wrapper */
+static int __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__init__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL_TPNEW
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+static int __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__init__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL_TPNEW
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  CYTHON_UNUSED int __pyx_v_device;
+  CYTHON_UNUSED size_t __pyx_v_buffer_bytes;
+  #if !CYTHON_VECTORCALL_TPNEW
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[2] = {0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__init__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL_TPNEW
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return -1;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL_TPNEW(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_buffer_bytes,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 908, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 908, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 908, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 908, __pyx_L3_error)
+    } else {
+      switch (__pyx_nargs) {
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 908, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 908, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+    }
+    if (values[0]) {
+      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 908, __pyx_L3_error)
+    } else {
+      __pyx_v_device = ((int)0);
+    }
+    if (values[1]) {
+      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 908, __pyx_L3_error)
+    } else {
+      __pyx_v_buffer_bytes = ((size_t)0x4000000);
+    }
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("__init__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 908, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__init__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return -1;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___init__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_device, __pyx_v_buffer_bytes);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___init__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED int __pyx_v_device, CYTHON_UNUSED size_t __pyx_v_buffer_bytes) {
+  int __pyx_r;
+
+  /* function exit code */
+  __pyx_r = 0;
+
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":911
+ *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
+ * 
+ *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod, "Copier.dtod(self, uintptr_t dst, uintptr_t src, size_t n)\n\nQueue a device-to-device copy of ``n`` bytes.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod = {"dtod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  uintptr_t __pyx_v_dst;
+  uintptr_t __pyx_v_src;
+  size_t __pyx_v_n;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[3] = {0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("dtod (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 911, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 911, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 911, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 911, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 911, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 911, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 3)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 911, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 911, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 911, __pyx_L3_error)
+    }
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 911, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src, __pyx_v_n);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, uintptr_t __pyx_v_src, size_t __pyx_v_n) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  CUcontext __pyx_t_1;
+  CUresult __pyx_t_2;
+  int __pyx_t_3;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("dtod", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":913
+ *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
+*/
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 913, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":914
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "tensorxfer/memory/_cuda.pyx":915
+ *         bind_device(self._device)
+ *         with nogil:
+ *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,             # <<<<<<<<<<<<<<
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+ * 
+*/
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 915, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 915, __pyx_L4_error)
+
+
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":914
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L5;
+        }
+        __pyx_L4_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L5:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":911
+ *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
+ * 
+ *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":918
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
+ *         """Queue many device-to-device copies in one call, without the GIL.
+ * 
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch, "Copier.dtod_batch(self, dsts, srcs, sizes, bool batch_api=False)\n\nQueue many device-to-device copies in one call, without the GIL.\n\n``dsts``, ``srcs``, ``sizes``: equal-length C-contiguous uint64\nbuffers (numpy arrays).  ``batch_api`` uses ``cuMemcpyBatchAsync``\n(one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch = {"dtod_batch", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v_dsts = 0;
+  PyObject *__pyx_v_srcs = 0;
+  PyObject *__pyx_v_sizes = 0;
+  int __pyx_v_batch_api;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[4] = {0,0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("dtod_batch (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dsts,&__pyx_mstate_global->__pyx_n_u_srcs,&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_batch_api,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 918, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 918, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 918, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 918, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 918, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 918, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 918, __pyx_L3_error) }
+      }
+    } else {
+      switch (__pyx_nargs) {
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 918, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 918, __pyx_L3_error)
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 918, __pyx_L3_error)
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 918, __pyx_L3_error)
+        break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+    }
+    __pyx_v_dsts = values[0];
+    __pyx_v_srcs = values[1];
+    __pyx_v_sizes = values[2];
+    if (values[3]) {
+      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 918, __pyx_L3_error)
+    } else {
+      __pyx_v_batch_api = ((int)0);
+    }
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 918, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod_batch", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dsts, __pyx_v_srcs, __pyx_v_sizes, __pyx_v_batch_api);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dsts, PyObject *__pyx_v_srcs, PyObject *__pyx_v_sizes, int __pyx_v_batch_api) {
+  __Pyx_memviewslice __pyx_v_d = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_s = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_n = { 0, 0, { 0 }, { 0 }, { 0 } };
+  size_t __pyx_v_i;
+  size_t __pyx_v_count;
+  CUmemcpyAttributes __pyx_v_attr;
+  size_t __pyx_v_attr_index;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  __Pyx_memviewslice __pyx_t_1 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_2 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_3 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_4;
+  int __pyx_t_5;
+  PyObject *__pyx_t_6 = NULL;
+  PyObject *__pyx_t_7 = NULL;
+  size_t __pyx_t_8;
+  CUcontext __pyx_t_9;
+  Py_ssize_t __pyx_t_10;
+  Py_ssize_t __pyx_t_11;
+  Py_ssize_t __pyx_t_12;
+  CUresult __pyx_t_13;
+  int __pyx_t_14;
+  size_t __pyx_t_15;
+  size_t __pyx_t_16;
+  size_t __pyx_t_17;
+  size_t __pyx_t_18;
+  size_t __pyx_t_19;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("dtod_batch", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":925
+ *         (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
+ *         """
+ *         cdef const unsigned long long[::1] d = dsts             # <<<<<<<<<<<<<<
+ *         cdef const unsigned long long[::1] s = srcs
+ *         cdef const unsigned long long[::1] n = sizes
+*/
+  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 925, __pyx_L1_error)
+  __pyx_v_d = __pyx_t_1;
+  __pyx_t_1.memview = NULL;
+  __pyx_t_1.data = NULL;
+
+  /* "tensorxfer/memory/_cuda.pyx":926
+ *         """
+ *         cdef const unsigned long long[::1] d = dsts
+ *         cdef const unsigned long long[::1] s = srcs             # <<<<<<<<<<<<<<
+ *         cdef const unsigned long long[::1] n = sizes
+ *         cdef size_t i, count = d.shape[0]
+*/
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 926, __pyx_L1_error)
+  __pyx_v_s = __pyx_t_2;
+  __pyx_t_2.memview = NULL;
+  __pyx_t_2.data = NULL;
+
+  /* "tensorxfer/memory/_cuda.pyx":927
+ *         cdef const unsigned long long[::1] d = dsts
+ *         cdef const unsigned long long[::1] s = srcs
+ *         cdef const unsigned long long[::1] n = sizes             # <<<<<<<<<<<<<<
+ *         cdef size_t i, count = d.shape[0]
+ *         cdef cydriver.CUmemcpyAttributes attr
+*/
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 927, __pyx_L1_error)
+  __pyx_v_n = __pyx_t_3;
+  __pyx_t_3.memview = NULL;
+  __pyx_t_3.data = NULL;
+
+  /* "tensorxfer/memory/_cuda.pyx":928
+ *         cdef const unsigned long long[::1] s = srcs
+ *         cdef const unsigned long long[::1] n = sizes
+ *         cdef size_t i, count = d.shape[0]             # <<<<<<<<<<<<<<
+ *         cdef cydriver.CUmemcpyAttributes attr
+ *         cdef size_t attr_index = 0
+*/
+  __pyx_v_count = (__pyx_v_d.shape[0]);
+
+  /* "tensorxfer/memory/_cuda.pyx":930
+ *         cdef size_t i, count = d.shape[0]
+ *         cdef cydriver.CUmemcpyAttributes attr
+ *         cdef size_t attr_index = 0             # <<<<<<<<<<<<<<
+ *         if s.shape[0] != count or n.shape[0] != count:
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+*/
+  __pyx_v_attr_index = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":931
+ *         cdef cydriver.CUmemcpyAttributes attr
+ *         cdef size_t attr_index = 0
+ *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+ *         if count == 0:
+*/
+  __pyx_t_5 = ((__pyx_v_s.shape[0]) != __pyx_v_count);
+
+  if (!__pyx_t_5) {
+
+  } else {
+
+    __pyx_t_4 = __pyx_t_5;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_5 = ((__pyx_v_n.shape[0]) != __pyx_v_count);
+
+
+  __pyx_t_4 = __pyx_t_5;
+
+  __pyx_L4_bool_binop_done:;
+  if (unlikely(__pyx_t_4)) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":932
+ *         cdef size_t attr_index = 0
+ *         if s.shape[0] != count or n.shape[0] != count:
+ *             raise ValueError("dsts, srcs and sizes must have the same length")             # <<<<<<<<<<<<<<
+ *         if count == 0:
+ *             return
+*/
+    __pyx_t_7 = NULL;
+    __pyx_t_8 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_7, __pyx_mstate_global->__pyx_kp_u_dsts_srcs_and_sizes_must_have_th};
+      __pyx_t_6 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 932, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_6);
+    }
+    __Pyx_Raise(__pyx_t_6, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
+    __PYX_ERR(0, 932, __pyx_L1_error)
+
+    /* "tensorxfer/memory/_cuda.pyx":931
+ *         cdef cydriver.CUmemcpyAttributes attr
+ *         cdef size_t attr_index = 0
+ *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+ *         if count == 0:
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":933
+ *         if s.shape[0] != count or n.shape[0] != count:
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+ *         if count == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         bind_device(self._device)
+*/
+  __pyx_t_4 = (__pyx_v_count == 0);
+
+  if (__pyx_t_4) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":934
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+ *         if count == 0:
+ *             return             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         if batch_api:
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "tensorxfer/memory/_cuda.pyx":933
+ *         if s.shape[0] != count or n.shape[0] != count:
+ *             raise ValueError("dsts, srcs and sizes must have the same length")
+ *         if count == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         bind_device(self._device)
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":935
+ *         if count == 0:
+ *             return
+ *         bind_device(self._device)             # <<<<<<<<<<<<<<
+ *         if batch_api:
+ *             memset(&attr, 0, sizeof(attr))
+*/
+  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 935, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":936
+ *             return
+ *         bind_device(self._device)
+ *         if batch_api:             # <<<<<<<<<<<<<<
+ *             memset(&attr, 0, sizeof(attr))
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+*/
+  if (__pyx_v_batch_api) {
+
+    /* "tensorxfer/memory/_cuda.pyx":937
+ *         bind_device(self._device)
+ *         if batch_api:
+ *             memset(&attr, 0, sizeof(attr))             # <<<<<<<<<<<<<<
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ *             with nogil:
+*/
+    (void)(memset((&__pyx_v_attr), 0, (sizeof(__pyx_v_attr))));
+
+    /* "tensorxfer/memory/_cuda.pyx":938
+ *         if batch_api:
+ *             memset(&attr, 0, sizeof(attr))
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM             # <<<<<<<<<<<<<<
+ *             with nogil:
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+*/
+    __pyx_v_attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+
+    /* "tensorxfer/memory/_cuda.pyx":939
+ *             memset(&attr, 0, sizeof(attr))
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ *             with nogil:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+*/
+    {
+        PyThreadState * _save;
+        _save = PyEval_SaveThread();
+        __Pyx_FastGIL_Remember();
+        /*try:*/ {
+
+          /* "tensorxfer/memory/_cuda.pyx":940
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ *             with nogil:
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+ *                          b"cuMemcpyBatchAsync")
+*/
+          __pyx_t_10 = 0;
+          __pyx_t_11 = 0;
+
+          /* "tensorxfer/memory/_cuda.pyx":941
+ *             with nogil:
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),             # <<<<<<<<<<<<<<
+ *                          b"cuMemcpyBatchAsync")
+ *             return
+*/
+          __pyx_t_12 = 0;
+
+          /* "tensorxfer/memory/_cuda.pyx":940
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ *             with nogil:
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+ *                          b"cuMemcpyBatchAsync")
+*/
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 940, __pyx_L9_error)
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 940, __pyx_L9_error)
+
+
+        }
+
+        /* "tensorxfer/memory/_cuda.pyx":939
+ *             memset(&attr, 0, sizeof(attr))
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ *             with nogil:             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+*/
+        /*finally:*/ {
+          /*normal exit:*/{
+            __Pyx_FastGIL_Forget();
+            PyEval_RestoreThread(_save);
+            goto __pyx_L10;
+          }
+          __pyx_L9_error: {
+            __Pyx_FastGIL_Forget();
+            PyEval_RestoreThread(_save);
+            goto __pyx_L1_error;
+          }
+          __pyx_L10:;
+        }
+    }
+
+    /* "tensorxfer/memory/_cuda.pyx":943
+ *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+ *                          b"cuMemcpyBatchAsync")
+ *             return             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             for i in range(count):
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "tensorxfer/memory/_cuda.pyx":936
+ *             return
+ *         bind_device(self._device)
+ *         if batch_api:             # <<<<<<<<<<<<<<
+ *             memset(&attr, 0, sizeof(attr))
+ *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":944
+ *                          b"cuMemcpyBatchAsync")
+ *             return
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             for i in range(count):
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "tensorxfer/memory/_cuda.pyx":945
+ *             return
+ *         with nogil:
+ *             for i in range(count):             # <<<<<<<<<<<<<<
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+*/
+
+        __pyx_t_8 = __pyx_v_count;
+        __pyx_t_15 = __pyx_t_8;
+
+        for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
+          __pyx_v_i = __pyx_t_16;
+
+          /* "tensorxfer/memory/_cuda.pyx":946
+ *         with nogil:
+ *             for i in range(count):
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+*/
+          __pyx_t_17 = __pyx_v_i;
+          __pyx_t_18 = __pyx_v_i;
+          __pyx_t_19 = __pyx_v_i;
+
+          /* "tensorxfer/memory/_cuda.pyx":947
+ *             for i in range(count):
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")             # <<<<<<<<<<<<<<
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+*/
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 946, __pyx_L12_error)
+
+          /* "tensorxfer/memory/_cuda.pyx":946
+ *         with nogil:
+ *             for i in range(count):
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+*/
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 946, __pyx_L12_error)
+
+
+        }
+
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":944
+ *                          b"cuMemcpyBatchAsync")
+ *             return
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             for i in range(count):
+ *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L13;
+        }
+        __pyx_L12_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L13:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":918
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
+ *         """Queue many device-to-device copies in one call, without the GIL.
+ * 
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_1, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_2, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_3, 1);
+  __Pyx_XDECREF(__pyx_t_6);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtod_batch", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_d, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_s, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_n, 1);
+
+
+
+
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":949
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         with nogil:
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7memset(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6memset, "Copier.memset(self, uintptr_t dst, size_t n, unsigned char value=0)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7memset = {"memset", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7memset, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6memset};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7memset(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  uintptr_t __pyx_v_dst;
+  size_t __pyx_v_n;
+  unsigned char __pyx_v_value;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[3] = {0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("memset (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_value,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 949, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 949, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 949, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 949, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 949, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 949, __pyx_L3_error) }
+      }
+    } else {
+      switch (__pyx_nargs) {
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 949, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 949, __pyx_L3_error)
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 949, __pyx_L3_error)
+        break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+    }
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
+    if (values[2]) {
+      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
+    } else {
+      __pyx_v_value = ((unsigned char)0);
+    }
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 949, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.memset", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_n, __pyx_v_value);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, size_t __pyx_v_n, unsigned char __pyx_v_value) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  CUcontext __pyx_t_1;
+  CUresult __pyx_t_2;
+  int __pyx_t_3;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("memset", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":950
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+ *         bind_device(self._device)             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+*/
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 950, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":951
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+ *                      b"cuMemsetD8Async")
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "tensorxfer/memory/_cuda.pyx":952
+ *         bind_device(self._device)
+ *         with nogil:
+ *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),             # <<<<<<<<<<<<<<
+ *                      b"cuMemsetD8Async")
+ * 
+*/
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 952, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 952, __pyx_L4_error)
+
+
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":951
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+ *         bind_device(self._device)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+ *                      b"cuMemsetD8Async")
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L5;
+        }
+        __pyx_L4_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L5:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":949
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         with nogil:
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.memset", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":955
+ *                      b"cuMemsetD8Async")
+ * 
+ *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
+ *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+ *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod, "Copier.htod(self, uintptr_t dst, src)\n\nCopy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod = {"htod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  uintptr_t __pyx_v_dst;
+  PyObject *__pyx_v_src = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[2] = {0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("htod (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 955, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 955, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 955, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 955, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 955, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 2)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 955, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 955, __pyx_L3_error)
+    }
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 955, __pyx_L3_error)
+    __pyx_v_src = values[1];
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 955, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.htod", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, uintptr_t __pyx_v_dst, PyObject *__pyx_v_src) {
+  __Pyx_memviewslice __pyx_v_view = { 0, 0, { 0 }, { 0 }, { 0 } };
+  size_t __pyx_v_n;
+  size_t __pyx_v_off;
+  size_t __pyx_v_k;
+  unsigned char const *__pyx_v_p;
+  int __pyx_v_b;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  PyObject *__pyx_t_3 = NULL;
+  size_t __pyx_t_4;
+  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_6;
+  Py_ssize_t __pyx_t_7;
+  int __pyx_t_8;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("htod", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":957
+ *     def htod(self, uintptr_t dst, src):
+ *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+ *         cdef const unsigned char[::1] view = memoryview(src).cast("B")             # <<<<<<<<<<<<<<
+ *         cdef size_t n = view.shape[0], off = 0, k
+ *         cdef const unsigned char* p
+*/
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 957, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_2 = __pyx_t_3;
+  __Pyx_INCREF(__pyx_t_2);
+  __pyx_t_4 = 0;
+  {
+    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_B};
+    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 957, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+  }
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 957, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 957, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __pyx_v_view = __pyx_t_5;
+  __pyx_t_5.memview = NULL;
+  __pyx_t_5.data = NULL;
+
+  /* "tensorxfer/memory/_cuda.pyx":958
+ *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+ *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
+ *         cdef size_t n = view.shape[0], off = 0, k             # <<<<<<<<<<<<<<
+ *         cdef const unsigned char* p
+ *         cdef int b = 0
+*/
+  __pyx_v_n = (__pyx_v_view.shape[0]);
+  __pyx_v_off = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":960
+ *         cdef size_t n = view.shape[0], off = 0, k
+ *         cdef const unsigned char* p
+ *         cdef int b = 0             # <<<<<<<<<<<<<<
+ *         if n == 0:
+ *             return
+*/
+  __pyx_v_b = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":961
+ *         cdef const unsigned char* p
+ *         cdef int b = 0
+ *         if n == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         p = &view[0]
+*/
+  __pyx_t_6 = (__pyx_v_n == 0);
+
+  if (__pyx_t_6) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":962
+ *         cdef int b = 0
+ *         if n == 0:
+ *             return             # <<<<<<<<<<<<<<
+ *         p = &view[0]
+ *         self._check(0, 0)
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "tensorxfer/memory/_cuda.pyx":961
+ *         cdef const unsigned char* p
+ *         cdef int b = 0
+ *         if n == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         p = &view[0]
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":963
+ *         if n == 0:
+ *             return
+ *         p = &view[0]             # <<<<<<<<<<<<<<
+ *         self._check(0, 0)
+ *         with nogil:
+*/
+  __pyx_t_7 = 0;
+  __pyx_v_p = (&(*((unsigned char const  *) ( /* dim=0 */ ((char *) (((unsigned char const  *) __pyx_v_view.data) + __pyx_t_7)) ))));
+
+  /* "tensorxfer/memory/_cuda.pyx":964
+ *             return
+ *         p = &view[0]
+ *         self._check(0, 0)             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             while off < n:
+*/
+  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 964, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":965
+ *         p = &view[0]
+ *         self._check(0, 0)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "tensorxfer/memory/_cuda.pyx":966
+ *         self._check(0, 0)
+ *         with nogil:
+ *             while off < n:             # <<<<<<<<<<<<<<
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._wait(b)                      # buffer b's previous copy has drained
+*/
+        while (1) {
+          __pyx_t_6 = (__pyx_v_off < __pyx_v_n);
+
+
+          if (!__pyx_t_6) break;
+
+          /* "tensorxfer/memory/_cuda.pyx":967
+ *         with nogil:
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size             # <<<<<<<<<<<<<<
+ *                 self._wait(b)                      # buffer b's previous copy has drained
+ *                 memcpy(self._pinned[b], p + off, k)
+*/
+          __pyx_t_6 = ((__pyx_v_n - __pyx_v_off) < __pyx_v_self->__pyx_base._size);
+
+          if (__pyx_t_6) {
+
+            __pyx_t_4 = (__pyx_v_n - __pyx_v_off);
+          } else {
+
+            __pyx_t_4 = __pyx_v_self->__pyx_base._size;
+          }
+
+          __pyx_v_k = __pyx_t_4;
+
+          /* "tensorxfer/memory/_cuda.pyx":968
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._wait(b)                      # buffer b's previous copy has drained             # <<<<<<<<<<<<<<
+ *                 memcpy(self._pinned[b], p + off, k)
+ *                 self._htod_async(b, dst + off, k)
+*/
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 968, __pyx_L5_error)
+
+
+          /* "tensorxfer/memory/_cuda.pyx":969
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._wait(b)                      # buffer b's previous copy has drained
+ *                 memcpy(self._pinned[b], p + off, k)             # <<<<<<<<<<<<<<
+ *                 self._htod_async(b, dst + off, k)
+ *                 off += k
+*/
+          (void)(memcpy((__pyx_v_self->__pyx_base._pinned[__pyx_v_b]), (__pyx_v_p + __pyx_v_off), __pyx_v_k));
+
+          /* "tensorxfer/memory/_cuda.pyx":970
+ *                 self._wait(b)                      # buffer b's previous copy has drained
+ *                 memcpy(self._pinned[b], p + off, k)
+ *                 self._htod_async(b, dst + off, k)             # <<<<<<<<<<<<<<
+ *                 off += k
+ *                 b ^= 1
+*/
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._htod_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_dst + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 970, __pyx_L5_error)
+
+
+          /* "tensorxfer/memory/_cuda.pyx":971
+ *                 memcpy(self._pinned[b], p + off, k)
+ *                 self._htod_async(b, dst + off, k)
+ *                 off += k             # <<<<<<<<<<<<<<
+ *                 b ^= 1
+ * 
+*/
+          __pyx_v_off = (__pyx_v_off + __pyx_v_k);
+
+          /* "tensorxfer/memory/_cuda.pyx":972
+ *                 self._htod_async(b, dst + off, k)
+ *                 off += k
+ *                 b ^= 1             # <<<<<<<<<<<<<<
+ * 
+ *     def dtoh(self, dst, uintptr_t src):
+*/
+          __pyx_v_b = (__pyx_v_b ^ 1);
+        }
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":965
+ *         p = &view[0]
+ *         self._check(0, 0)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L6;
+        }
+        __pyx_L5_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L6:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":955
+ *                      b"cuMemsetD8Async")
+ * 
+ *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
+ *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+ *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_3);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.htod", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_view, 1);
+
+
+
+
+
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "tensorxfer/memory/_cuda.pyx":974
+ *                 b ^= 1
+ * 
+ *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
+ *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+ *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh, "Copier.dtoh(self, dst, uintptr_t src)\n\nCopy device bytes into a writable host buffer through pinned staging; returns when done.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh = {"dtoh", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v_dst = 0;
+  uintptr_t __pyx_v_src;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[2] = {0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("dtoh (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 974, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 974, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 974, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 2)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+    }
+    __pyx_v_dst = values[0];
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 974, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtoh", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v_dst, __pyx_v_src);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, PyObject *__pyx_v_dst, uintptr_t __pyx_v_src) {
+  __Pyx_memviewslice __pyx_v_view = { 0, 0, { 0 }, { 0 }, { 0 } };
+  size_t __pyx_v_n;
+  size_t __pyx_v_off;
+  size_t __pyx_v_k;
+  size_t __pyx_v_prev_off;
+  size_t __pyx_v_prev_k;
+  unsigned char *__pyx_v_p;
+  int __pyx_v_b;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  PyObject *__pyx_t_3 = NULL;
+  size_t __pyx_t_4;
+  __Pyx_memviewslice __pyx_t_5 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_6;
+  Py_ssize_t __pyx_t_7;
+  int __pyx_t_8;
+  size_t __pyx_t_9;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("dtoh", 0);
+
+  /* "tensorxfer/memory/_cuda.pyx":976
+ *     def dtoh(self, dst, uintptr_t src):
+ *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+ *         cdef unsigned char[::1] view = memoryview(dst).cast("B")             # <<<<<<<<<<<<<<
+ *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
+ *         cdef unsigned char* p
+*/
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 976, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_3);
+  __pyx_t_2 = __pyx_t_3;
+  __Pyx_INCREF(__pyx_t_2);
+  __pyx_t_4 = 0;
+  {
+    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_B};
+    __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
+    __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 976, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+  }
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 976, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 976, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __pyx_v_view = __pyx_t_5;
+  __pyx_t_5.memview = NULL;
+  __pyx_t_5.data = NULL;
+
+  /* "tensorxfer/memory/_cuda.pyx":977
+ *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+ *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
+ *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0             # <<<<<<<<<<<<<<
+ *         cdef unsigned char* p
+ *         cdef int b = 0
+*/
+  __pyx_v_n = (__pyx_v_view.shape[0]);
+  __pyx_v_off = 0;
+  __pyx_v_prev_off = 0;
+  __pyx_v_prev_k = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":979
+ *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
+ *         cdef unsigned char* p
+ *         cdef int b = 0             # <<<<<<<<<<<<<<
+ *         if n == 0:
+ *             return
+*/
+  __pyx_v_b = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":980
+ *         cdef unsigned char* p
+ *         cdef int b = 0
+ *         if n == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         p = &view[0]
+*/
+  __pyx_t_6 = (__pyx_v_n == 0);
+
+  if (__pyx_t_6) {
+
+
+    /* "tensorxfer/memory/_cuda.pyx":981
+ *         cdef int b = 0
+ *         if n == 0:
+ *             return             # <<<<<<<<<<<<<<
+ *         p = &view[0]
+ *         self._check(0, 0)
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "tensorxfer/memory/_cuda.pyx":980
+ *         cdef unsigned char* p
+ *         cdef int b = 0
+ *         if n == 0:             # <<<<<<<<<<<<<<
+ *             return
+ *         p = &view[0]
+*/
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":982
+ *         if n == 0:
+ *             return
+ *         p = &view[0]             # <<<<<<<<<<<<<<
+ *         self._check(0, 0)
+ *         with nogil:
+*/
+  __pyx_t_7 = 0;
+  __pyx_v_p = (&(*((unsigned char *) ( /* dim=0 */ ((char *) (((unsigned char *) __pyx_v_view.data) + __pyx_t_7)) ))));
+
+  /* "tensorxfer/memory/_cuda.pyx":983
+ *             return
+ *         p = &view[0]
+ *         self._check(0, 0)             # <<<<<<<<<<<<<<
+ *         with nogil:
+ *             while off < n:
+*/
+  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 983, __pyx_L1_error)
+
+
+  /* "tensorxfer/memory/_cuda.pyx":984
+ *         p = &view[0]
+ *         self._check(0, 0)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "tensorxfer/memory/_cuda.pyx":985
+ *         self._check(0, 0)
+ *         with nogil:
+ *             while off < n:             # <<<<<<<<<<<<<<
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._dtoh_async(b, src + off, k)
+*/
+        while (1) {
+          __pyx_t_6 = (__pyx_v_off < __pyx_v_n);
+
+
+          if (!__pyx_t_6) break;
+
+          /* "tensorxfer/memory/_cuda.pyx":986
+ *         with nogil:
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size             # <<<<<<<<<<<<<<
+ *                 self._dtoh_async(b, src + off, k)
+ *                 if prev_k:                         # drain the other buffer while this one fills
+*/
+          __pyx_t_6 = ((__pyx_v_n - __pyx_v_off) < __pyx_v_self->__pyx_base._size);
+
+          if (__pyx_t_6) {
+
+            __pyx_t_4 = (__pyx_v_n - __pyx_v_off);
+          } else {
+
+            __pyx_t_4 = __pyx_v_self->__pyx_base._size;
+          }
+
+          __pyx_v_k = __pyx_t_4;
+
+          /* "tensorxfer/memory/_cuda.pyx":987
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._dtoh_async(b, src + off, k)             # <<<<<<<<<<<<<<
+ *                 if prev_k:                         # drain the other buffer while this one fills
+ *                     self._wait(b ^ 1)
+*/
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._dtoh_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_src + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 987, __pyx_L5_error)
+
+
+          /* "tensorxfer/memory/_cuda.pyx":988
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._dtoh_async(b, src + off, k)
+ *                 if prev_k:                         # drain the other buffer while this one fills             # <<<<<<<<<<<<<<
+ *                     self._wait(b ^ 1)
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+*/
+          __pyx_t_6 = (__pyx_v_prev_k != 0);
+
+          if (__pyx_t_6) {
+
+
+            /* "tensorxfer/memory/_cuda.pyx":989
+ *                 self._dtoh_async(b, src + off, k)
+ *                 if prev_k:                         # drain the other buffer while this one fills
+ *                     self._wait(b ^ 1)             # <<<<<<<<<<<<<<
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+ *                 prev_off, prev_k = off, k
+*/
+            __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 989, __pyx_L5_error)
+
+
+            /* "tensorxfer/memory/_cuda.pyx":990
+ *                 if prev_k:                         # drain the other buffer while this one fills
+ *                     self._wait(b ^ 1)
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
+ *                 prev_off, prev_k = off, k
+ *                 off += k
+*/
+            (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->__pyx_base._pinned[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
+
+            /* "tensorxfer/memory/_cuda.pyx":988
+ *                 k = n - off if n - off < self._size else self._size
+ *                 self._dtoh_async(b, src + off, k)
+ *                 if prev_k:                         # drain the other buffer while this one fills             # <<<<<<<<<<<<<<
+ *                     self._wait(b ^ 1)
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+*/
+          }
+
+          /* "tensorxfer/memory/_cuda.pyx":991
+ *                     self._wait(b ^ 1)
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+ *                 prev_off, prev_k = off, k             # <<<<<<<<<<<<<<
+ *                 off += k
+ *                 b ^= 1
+*/
+          __pyx_t_4 = __pyx_v_off;
+
+          __pyx_t_9 = __pyx_v_k;
+
+          __pyx_v_prev_off = __pyx_t_4;
+          __pyx_v_prev_k = __pyx_t_9;
+
+          /* "tensorxfer/memory/_cuda.pyx":992
+ *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+ *                 prev_off, prev_k = off, k
+ *                 off += k             # <<<<<<<<<<<<<<
+ *                 b ^= 1
+ *             self._wait(b ^ 1)
+*/
+          __pyx_v_off = (__pyx_v_off + __pyx_v_k);
+
+          /* "tensorxfer/memory/_cuda.pyx":993
+ *                 prev_off, prev_k = off, k
+ *                 off += k
+ *                 b ^= 1             # <<<<<<<<<<<<<<
+ *             self._wait(b ^ 1)
+ *             memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+*/
+          __pyx_v_b = (__pyx_v_b ^ 1);
+        }
+
+        /* "tensorxfer/memory/_cuda.pyx":994
+ *                 off += k
+ *                 b ^= 1
+ *             self._wait(b ^ 1)             # <<<<<<<<<<<<<<
+ *             memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+*/
+        __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 994, __pyx_L5_error)
+
+
+        /* "tensorxfer/memory/_cuda.pyx":995
+ *                 b ^= 1
+ *             self._wait(b ^ 1)
+ *             memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
+*/
+        (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->__pyx_base._pinned[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
+      }
+
+      /* "tensorxfer/memory/_cuda.pyx":984
+ *         p = &view[0]
+ *         self._check(0, 0)
+ *         with nogil:             # <<<<<<<<<<<<<<
+ *             while off < n:
+ *                 k = n - off if n - off < self._size else self._size
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L6;
+        }
+        __pyx_L5_error: {
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L1_error;
+        }
+        __pyx_L6:;
+      }
+  }
+
+  /* "tensorxfer/memory/_cuda.pyx":974
+ *                 b ^= 1
+ * 
+ *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
+ *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+ *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
+*/
+
+  /* function exit code */
+  __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_3);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_5, 1);
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.dtoh", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_view, 1);
+
+
+
+
+
+
+
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "(tree fragment)":1
+ * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+ * def __setstate_cython__(self, __pyx_state):
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__, "Copier.__reduce_cython__(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__reduce_cython__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  if (unlikely(__pyx_nargs > 0)) { __Pyx_RaiseArgtupleInvalid("__reduce_cython__", 1, 0, 0, __pyx_nargs); return NULL; }
+  const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+  if (unlikely(__pyx_kwds_len < 0)) return NULL;
+  if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self));
+
+  /* function exit code */
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__reduce_cython__", 0);
+
+  /* "(tree fragment)":2
+ * def __reduce_cython__(self):
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"             # <<<<<<<<<<<<<<
+ * def __setstate_cython__(self, __pyx_state):
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+*/
+  __Pyx_Raise(((PyObject *)(((PyTypeObject*)PyExc_TypeError))), __pyx_mstate_global->__pyx_kp_u_no_default___reduce___due_to_non, 0, 0);
+  __PYX_ERR(1, 2, __pyx_L1_error)
+
+  /* "(tree fragment)":1
+ * def __reduce_cython__(self):             # <<<<<<<<<<<<<<
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+ * def __setstate_cython__(self, __pyx_state):
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__reduce_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "(tree fragment)":3
+ * def __reduce_cython__(self):
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+ * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__, "Copier.__setstate_cython__(self, __pyx_state)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__(PyObject *__pyx_v_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  CYTHON_UNUSED PyObject *__pyx_v___pyx_state = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[1] = {0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("__setstate_cython__ (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_pyx_state,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(1, 3, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 3, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__setstate_cython__", 0) < (0)) __PYX_ERR(1, 3, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, i); __PYX_ERR(1, 3, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 1)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(1, 3, __pyx_L3_error)
+    }
+    __pyx_v___pyx_state = values[0];
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("__setstate_cython__", 1, 1, 1, __pyx_nargs); __PYX_ERR(1, 3, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self), __pyx_v___pyx_state);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__setstate_cython__", 0);
+
+  /* "(tree fragment)":4
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+ * def __setstate_cython__(self, __pyx_state):
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"             # <<<<<<<<<<<<<<
+*/
+  __Pyx_Raise(((PyObject *)(((PyTypeObject*)PyExc_TypeError))), __pyx_mstate_global->__pyx_kp_u_no_default___reduce___due_to_non, 0, 0);
+  __PYX_ERR(1, 4, __pyx_L1_error)
+
+  /* "(tree fragment)":3
+ * def __reduce_cython__(self):
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+ * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
+ *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("tensorxfer.memory._cuda.Copier.__setstate_cython__", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
@@ -39264,221 +38632,6 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes = {
   #endif
 };
 #endif
-static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
-
-static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Copier(PyObject *o, 
-#if CYTHON_VECTORCALL_TPNEW
-    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
-#else
-    PyObject *a, PyObject *k
-#endif
-) {
-  struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *p = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)o);
-  p->__pyx_vtab = __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier;
-  {
-    int cinit_result = __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__cinit__(o, 
-#if CYTHON_VECTORCALL_TPNEW
-    args, nargs, kwnames
-#else
-    a, k
-#endif
-);
-    if (unlikely(cinit_result)) goto bad;
-  }
-  return o;
-  bad:
-  Py_DECREF(o); o = 0;
-  return NULL;
-}
-
-static PyObject *__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier(PyTypeObject *t, 
-#if CYTHON_VECTORCALL_TPNEW
-    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
-#else
-    PyObject *a, PyObject *k
-#endif
-) {
-  PyObject *o;
-  o = __Pyx_AllocateExtensionType(t, 0);
-  if (unlikely(!o)) return 0;
-  return __pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Copier(o, 
-#if CYTHON_VECTORCALL_TPNEW
-    args, nargs, kwnames
-#else
-    a, k
-#endif
-);
-}
-
-#if CYTHON_VECTORCALL_TPNEW
-static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier(PyTypeObject *t, PyObject *a, PyObject *k) {
-  return __Pyx_CallTpnewAsVectorcall(__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier, t, a, k);
-}
-#endif
-
-#if CYTHON_VECTORCALL_TPNEW
-static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-  if (unlikely((PyTypeObject*)t != __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier || __Pyx_PyType_HasFeature((PyTypeObject*)t, Py_TPFLAGS_IS_ABSTRACT))) {
-    return __Pyx_CallNewInitFromVectorcall((PyTypeObject*)t, args, nargsf, kwnames);
-  }
-  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  PyObject *o = __pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier((PyTypeObject*)t, args, nargs, kwnames);
-  return o;
-}
-#endif
-
-static void __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Copier(PyObject *o) {
-  #if CYTHON_USE_TP_FINALIZE
-  if (unlikely(__Pyx_PyObject_GetSlot(o, tp_finalize, destructor)) && (!PyType_IS_GC(Py_TYPE(o)) || !__Pyx_PyObject_GC_IsFinalized(o))) {
-    if (__Pyx_PyObject_GetSlot(o, tp_dealloc, destructor) == __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Copier) {
-      if (PyObject_CallFinalizerFromDealloc(o)) return;
-    }
-  }
-  #endif
-  {
-    PyObject *etype, *eval, *etb;
-    __Pyx_PyErr_FetchException(&etype, &eval, &etb);
-    __Pyx_DeallocKeepAliveBegin(o);
-    __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_17__dealloc__(o);
-    __Pyx_DeallocKeepAliveEnd(o);
-    __Pyx_PyErr_RestoreException(etype, eval, etb);
-  }
-  PyTypeObject *tp = Py_TYPE(o);
-  #if CYTHON_USE_TYPE_SLOTS
-  (*tp->tp_free)(o);
-  #else
-  {
-    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    if (tp_free) tp_free(o);
-  }
-  #endif
-  #if CYTHON_USE_TYPE_SPECS
-  Py_DECREF(tp);
-  #endif
-}
-
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_6Copier_stream(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_6stream_1__get__(o);
-}
-
-static PyMethodDef __pyx_methods_10tensorxfer_6memory_5_cuda_Copier[] = {
-  {"dtod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod},
-  {"memset", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5memset, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4memset},
-  {"dtod_batch", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6dtod_batch},
-  {"htod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod},
-  {"dtoh", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh},
-  {"synchronize", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13synchronize, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12synchronize},
-  {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14close},
-  {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_19__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_18__enter__},
-  {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_21__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_20__exit__},
-  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_22__reduce_cython__},
-  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_24__setstate_cython__},
-  {0, 0, 0, 0}
-};
-
-static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_Copier[] = {
-  {"stream", __pyx_getprop_10tensorxfer_6memory_5_cuda_6Copier_stream, 0, PyDoc_STR("The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."), 0},
-  {0, 0, 0, 0, 0}
-};
-#if CYTHON_USE_TYPE_SPECS
-static PyType_Slot __pyx_type_10tensorxfer_6memory_5_cuda_Copier_slots[] = {
-  {Py_tp_dealloc, (void *)__pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Copier},
-  {Py_tp_doc, (void *)PyDoc_STR("Copies into and out of device memory on one non-blocking stream.\n\n    Host data moves through two pinned staging buffers, double-buffered: the\n    CPU fills one while the DMA engine drains the other, so pageable\n    sources need no registration and the copy overlaps.  Device-to-device\n    copies are queued back to back.  Call :meth:`synchronize` before reading\n    what was written.  One owner; ``close()`` idempotent.\n    ")},
-  {Py_tp_methods, (void *)__pyx_methods_10tensorxfer_6memory_5_cuda_Copier},
-  {Py_tp_getset, (void *)__pyx_getsets_10tensorxfer_6memory_5_cuda_Copier},
-  {Py_tp_new, (void *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier},
-  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
-  #if CYTHON_VECTORCALL_TPNEW
-  {Py_tp_vectorcall, (void *)__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier},
-  #endif
-  #endif
-  {0, 0},
-};
-static PyType_Spec __pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec = {
-  "tensorxfer.memory._cuda.Copier",
-  sizeof(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier),
-  0,
-  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE,
-  __pyx_type_10tensorxfer_6memory_5_cuda_Copier_slots,
-};
-#else
-
-static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_Copier = {
-  PyVarObject_HEAD_INIT(0, 0)
-  "tensorxfer.memory._cuda.""Copier", /*tp_name*/
-  sizeof(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier), /*tp_basicsize*/
-  0, /*tp_itemsize*/
-  __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Copier, /*tp_dealloc*/
-  0, /*tp_vectorcall_offset*/
-  0, /*tp_getattr*/
-  0, /*tp_setattr*/
-  0, /*tp_as_async*/
-  0, /*tp_repr*/
-  0, /*tp_as_number*/
-  0, /*tp_as_sequence*/
-  0, /*tp_as_mapping*/
-  0, /*tp_hash*/
-  0, /*tp_call*/
-  0, /*tp_str*/
-  0, /*tp_getattro*/
-  0, /*tp_setattro*/
-  0, /*tp_as_buffer*/
-  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE, /*tp_flags*/
-  PyDoc_STR("Copies into and out of device memory on one non-blocking stream.\n\n    Host data moves through two pinned staging buffers, double-buffered: the\n    CPU fills one while the DMA engine drains the other, so pageable\n    sources need no registration and the copy overlaps.  Device-to-device\n    copies are queued back to back.  Call :meth:`synchronize` before reading\n    what was written.  One owner; ``close()`` idempotent.\n    "), /*tp_doc*/
-  0, /*tp_traverse*/
-  0, /*tp_clear*/
-  0, /*tp_richcompare*/
-  0, /*tp_weaklistoffset*/
-  0, /*tp_iter*/
-  0, /*tp_iternext*/
-  __pyx_methods_10tensorxfer_6memory_5_cuda_Copier, /*tp_methods*/
-  0, /*tp_members*/
-  __pyx_getsets_10tensorxfer_6memory_5_cuda_Copier, /*tp_getset*/
-  0, /*tp_base*/
-  0, /*tp_dict*/
-  0, /*tp_descr_get*/
-  0, /*tp_descr_set*/
-  #if !CYTHON_USE_TYPE_SPECS
-  0, /*tp_dictoffset*/
-  #endif
-  0, /*tp_init*/
-  0, /*tp_alloc*/
-  __pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier, /*tp_new*/
-  0, /*tp_free*/
-  0, /*tp_is_gc*/
-  0, /*tp_bases*/
-  0, /*tp_mro*/
-  0, /*tp_cache*/
-  0, /*tp_subclasses*/
-  0, /*tp_weaklist*/
-  0, /*tp_del*/
-  0, /*tp_version_tag*/
-  #if CYTHON_USE_TP_FINALIZE
-  0, /*tp_finalize*/
-  #else
-  NULL, /*tp_finalize*/
-  #endif
-  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
-  #if CYTHON_VECTORCALL_TPNEW
-  __pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier, /*tp_vectorcall*/
-  #else
-  NULL, /*tp_vectorcall*/
-  #endif
-  #endif
-  #if __PYX_NEED_TP_PRINT_SLOT == 1
-  0, /*tp_print*/
-  #endif
-  #if PY_VERSION_HEX >= 0x030C0000
-  0, /*tp_watched*/
-  #endif
-  #if PY_VERSION_HEX >= 0x030d00A4
-  0, /*tp_versions_used*/
-  #endif
-  #if CYTHON_COMPILING_IN_PYPY && PY_VERSION_HEX < 0x030a0000
-  0, /*tp_pypy_flags*/
-  #endif
-};
-#endif
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager;
 
 static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Stager(PyObject *o, 
@@ -39557,7 +38710,7 @@ static void __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Stager(PyObject *o) {
     PyObject *etype, *eval, *etb;
     __Pyx_PyErr_FetchException(&etype, &eval, &etb);
     __Pyx_DeallocKeepAliveBegin(o);
-    __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13__dealloc__(o);
+    __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__dealloc__(o);
     __Pyx_DeallocKeepAliveEnd(o);
     __Pyx_PyErr_RestoreException(etype, eval, etb);
   }
@@ -39598,25 +38751,36 @@ static int __pyx_tp_clear_10tensorxfer_6memory_5_cuda_Stager(PyObject *o) {
   return 0;
 }
 
+static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_6Stager_stream(PyObject *o, CYTHON_UNUSED void *x) {
+  return __pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_6stream_1__get__(o);
+}
+
 static PyMethodDef __pyx_methods_10tensorxfer_6memory_5_cuda_Stager[] = {
   {"view", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_2view},
   {"start_dtoh", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh},
   {"start_htod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_6start_htod},
   {"wait", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_8wait},
-  {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10close},
-  {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_15__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_14__enter__},
-  {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__exit__},
-  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__reduce_cython__},
-  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__setstate_cython__},
+  {"synchronize", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_11synchronize, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_10synchronize},
+  {"close", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_13close, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_12close},
+  {"__enter__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_17__enter__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_16__enter__},
+  {"__exit__", (PyCFunction)(void(*)(void))(PyCFunctionWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_19__exit__, METH_VARARGS|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_18__exit__},
+  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_20__reduce_cython__},
+  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cython__},
   {0, 0, 0, 0}
+};
+
+static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_Stager[] = {
+  {"stream", __pyx_getprop_10tensorxfer_6memory_5_cuda_6Stager_stream, 0, PyDoc_STR("The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."), 0},
+  {0, 0, 0, 0, 0}
 };
 #if CYTHON_USE_TYPE_SPECS
 static PyType_Slot __pyx_type_10tensorxfer_6memory_5_cuda_Stager_slots[] = {
   {Py_tp_dealloc, (void *)__pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Stager},
-  {Py_tp_doc, (void *)PyDoc_STR("Two pinned host buffers and one stream, for streaming a device range through the host.\n\n    A network data path uses one per connection: while the socket sends (or\n    receives) one buffer, the DMA engine fills (or drains) the other, so the\n    device copy overlaps the network.  ``view(i)`` is a writable memoryview\n    of buffer ``i``, valid until :meth:`close`.  One owner; ``close()`` is\n    idempotent.\n    ")},
+  {Py_tp_doc, (void *)PyDoc_STR("One non-blocking stream and two pinned host buffers, for moving bytes through the host.\n\n    A network data path uses one per connection: while the socket sends (or\n    receives) one buffer, the DMA engine fills (or drains) the other, so the\n    device copy overlaps the network.  :class:`Copier` builds on it.  The\n    pinned buffers are allocated on first use; ``view(i)`` is a writable\n    memoryview of buffer ``i``, valid until :meth:`close`.  One owner;\n    ``close()`` is idempotent.\n    ")},
   {Py_tp_traverse, (void *)__pyx_tp_traverse_10tensorxfer_6memory_5_cuda_Stager},
   {Py_tp_clear, (void *)__pyx_tp_clear_10tensorxfer_6memory_5_cuda_Stager},
   {Py_tp_methods, (void *)__pyx_methods_10tensorxfer_6memory_5_cuda_Stager},
+  {Py_tp_getset, (void *)__pyx_getsets_10tensorxfer_6memory_5_cuda_Stager},
   {Py_tp_new, (void *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_Stager},
   #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
   #if CYTHON_VECTORCALL_TPNEW
@@ -39655,7 +38819,7 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_Stager = {
   0, /*tp_setattro*/
   0, /*tp_as_buffer*/
   Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE|Py_TPFLAGS_HAVE_GC, /*tp_flags*/
-  PyDoc_STR("Two pinned host buffers and one stream, for streaming a device range through the host.\n\n    A network data path uses one per connection: while the socket sends (or\n    receives) one buffer, the DMA engine fills (or drains) the other, so the\n    device copy overlaps the network.  ``view(i)`` is a writable memoryview\n    of buffer ``i``, valid until :meth:`close`.  One owner; ``close()`` is\n    idempotent.\n    "), /*tp_doc*/
+  PyDoc_STR("One non-blocking stream and two pinned host buffers, for moving bytes through the host.\n\n    A network data path uses one per connection: while the socket sends (or\n    receives) one buffer, the DMA engine fills (or drains) the other, so the\n    device copy overlaps the network.  :class:`Copier` builds on it.  The\n    pinned buffers are allocated on first use; ``view(i)`` is a writable\n    memoryview of buffer ``i``, valid until :meth:`close`.  One owner;\n    ``close()`` is idempotent.\n    "), /*tp_doc*/
   __pyx_tp_traverse_10tensorxfer_6memory_5_cuda_Stager, /*tp_traverse*/
   __pyx_tp_clear_10tensorxfer_6memory_5_cuda_Stager, /*tp_clear*/
   0, /*tp_richcompare*/
@@ -39664,7 +38828,7 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_Stager = {
   0, /*tp_iternext*/
   __pyx_methods_10tensorxfer_6memory_5_cuda_Stager, /*tp_methods*/
   0, /*tp_members*/
-  0, /*tp_getset*/
+  __pyx_getsets_10tensorxfer_6memory_5_cuda_Stager, /*tp_getset*/
   0, /*tp_base*/
   0, /*tp_dict*/
   0, /*tp_descr_get*/
@@ -39692,6 +38856,185 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_Stager = {
   #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
   #if CYTHON_VECTORCALL_TPNEW
   __pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Stager, /*tp_vectorcall*/
+  #else
+  NULL, /*tp_vectorcall*/
+  #endif
+  #endif
+  #if __PYX_NEED_TP_PRINT_SLOT == 1
+  0, /*tp_print*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030C0000
+  0, /*tp_watched*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030d00A4
+  0, /*tp_versions_used*/
+  #endif
+  #if CYTHON_COMPILING_IN_PYPY && PY_VERSION_HEX < 0x030a0000
+  0, /*tp_pypy_flags*/
+  #endif
+};
+#endif
+static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
+
+static PyObject *__pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Copier(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    CYTHON_UNUSED PyObject *const *args, CYTHON_UNUSED Py_ssize_t nargs, CYTHON_UNUSED PyObject *kwnames
+#else
+    CYTHON_UNUSED PyObject *a, CYTHON_UNUSED PyObject *k
+#endif
+) {
+  struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *p = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *)o);
+  p->__pyx_base.__pyx_vtab = (struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager*)__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier;
+  return o;
+}
+
+static PyObject *__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+) {
+  PyObject *o;
+  o = __pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Stager(t, 
+#if CYTHON_VECTORCALL_TPNEW
+    args, nargs, kwnames
+#else
+    a, k
+#endif
+);
+  if (unlikely(!o)) return 0;
+  return __pyx_tp_new__initialisation_10tensorxfer_6memory_5_cuda_Copier(o, 
+#if CYTHON_VECTORCALL_TPNEW
+    args, nargs, kwnames
+#else
+    a, k
+#endif
+);
+}
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier(PyTypeObject *t, PyObject *a, PyObject *k) {
+  return __Pyx_CallTpnewAsVectorcall(__pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier, t, a, k);
+}
+#endif
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  if (unlikely((PyTypeObject*)t != __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier || __Pyx_PyType_HasFeature((PyTypeObject*)t, Py_TPFLAGS_IS_ABSTRACT))) {
+    return __Pyx_CallNewInitFromVectorcall((PyTypeObject*)t, args, nargsf, kwnames);
+  }
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject *o = __pyx_tp_new_vectorcall_10tensorxfer_6memory_5_cuda_Copier((PyTypeObject*)t, args, nargs, kwnames);
+  if (likely(o)) {
+    assert(Py_TYPE(o) == (PyTypeObject*)t);
+    if (unlikely(__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__init__(o, args, nargs, kwnames) < 0)) {
+      Py_CLEAR(o);
+    }
+  }
+  return o;
+}
+#endif
+
+#if CYTHON_VECTORCALL_TPNEW
+static int __pyx_tp_init_10tensorxfer_6memory_5_cuda_Copier(PyObject *o, PyObject *args, PyObject *kwds) {
+  return __Pyx_CallTpinitAsVectorcall(__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_1__init__, o, args, kwds);
+}
+#endif
+
+static PyMethodDef __pyx_methods_10tensorxfer_6memory_5_cuda_Copier[] = {
+  {"dtod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_2dtod},
+  {"dtod_batch", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch},
+  {"memset", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_7memset, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_6memset},
+  {"htod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_8htod},
+  {"dtoh", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_10dtoh},
+  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_12__reduce_cython__},
+  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_6Copier_14__setstate_cython__},
+  {0, 0, 0, 0}
+};
+#if CYTHON_USE_TYPE_SPECS
+static PyType_Slot __pyx_type_10tensorxfer_6memory_5_cuda_Copier_slots[] = {
+  {Py_tp_dealloc, (void *)__pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Stager},
+  {Py_tp_doc, (void *)PyDoc_STR("Copier(int device=0, size_t buffer_bytes=0x4000000)\n\nCopies into and out of device memory on one non-blocking stream.\n\nHost data moves through the two pinned staging buffers, double-buffered:\nthe CPU fills one while the DMA engine drains the other, so pageable\nsources need no registration and the copy overlaps.  Device-to-device\ncopies are queued back to back.  Call :meth:`synchronize` before reading\nwhat was written.")},
+  {Py_tp_traverse, (void *)__pyx_tp_traverse_10tensorxfer_6memory_5_cuda_Stager},
+  {Py_tp_clear, (void *)__pyx_tp_clear_10tensorxfer_6memory_5_cuda_Stager},
+  {Py_tp_methods, (void *)__pyx_methods_10tensorxfer_6memory_5_cuda_Copier},
+  {Py_tp_init, (void *)__pyx_tp_init_10tensorxfer_6memory_5_cuda_Copier},
+  {Py_tp_new, (void *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier},
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  {Py_tp_vectorcall, (void *)__pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier},
+  #endif
+  #endif
+  {0, 0},
+};
+static PyType_Spec __pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec = {
+  "tensorxfer.memory._cuda.Copier",
+  sizeof(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier),
+  0,
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE|Py_TPFLAGS_HAVE_GC,
+  __pyx_type_10tensorxfer_6memory_5_cuda_Copier_slots,
+};
+#else
+
+static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_Copier = {
+  PyVarObject_HEAD_INIT(0, 0)
+  "tensorxfer.memory._cuda.""Copier", /*tp_name*/
+  sizeof(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier), /*tp_basicsize*/
+  0, /*tp_itemsize*/
+  __pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_Stager, /*tp_dealloc*/
+  0, /*tp_vectorcall_offset*/
+  0, /*tp_getattr*/
+  0, /*tp_setattr*/
+  0, /*tp_as_async*/
+  0, /*tp_repr*/
+  0, /*tp_as_number*/
+  0, /*tp_as_sequence*/
+  0, /*tp_as_mapping*/
+  0, /*tp_hash*/
+  0, /*tp_call*/
+  0, /*tp_str*/
+  0, /*tp_getattro*/
+  0, /*tp_setattro*/
+  0, /*tp_as_buffer*/
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG|Py_TPFLAGS_BASETYPE|Py_TPFLAGS_HAVE_GC, /*tp_flags*/
+  PyDoc_STR("Copier(int device=0, size_t buffer_bytes=0x4000000)\n\nCopies into and out of device memory on one non-blocking stream.\n\nHost data moves through the two pinned staging buffers, double-buffered:\nthe CPU fills one while the DMA engine drains the other, so pageable\nsources need no registration and the copy overlaps.  Device-to-device\ncopies are queued back to back.  Call :meth:`synchronize` before reading\nwhat was written."), /*tp_doc*/
+  __pyx_tp_traverse_10tensorxfer_6memory_5_cuda_Stager, /*tp_traverse*/
+  __pyx_tp_clear_10tensorxfer_6memory_5_cuda_Stager, /*tp_clear*/
+  0, /*tp_richcompare*/
+  0, /*tp_weaklistoffset*/
+  0, /*tp_iter*/
+  0, /*tp_iternext*/
+  __pyx_methods_10tensorxfer_6memory_5_cuda_Copier, /*tp_methods*/
+  0, /*tp_members*/
+  0, /*tp_getset*/
+  0, /*tp_base*/
+  0, /*tp_dict*/
+  0, /*tp_descr_get*/
+  0, /*tp_descr_set*/
+  #if !CYTHON_USE_TYPE_SPECS
+  0, /*tp_dictoffset*/
+  #endif
+  __pyx_tp_init_10tensorxfer_6memory_5_cuda_Copier, /*tp_init*/
+  0, /*tp_alloc*/
+  __pyx_tp_new_10tensorxfer_6memory_5_cuda_Copier, /*tp_new*/
+  0, /*tp_free*/
+  0, /*tp_is_gc*/
+  0, /*tp_bases*/
+  0, /*tp_mro*/
+  0, /*tp_cache*/
+  0, /*tp_subclasses*/
+  0, /*tp_weaklist*/
+  0, /*tp_del*/
+  0, /*tp_version_tag*/
+  #if CYTHON_USE_TP_FINALIZE
+  0, /*tp_finalize*/
+  #else
+  NULL, /*tp_finalize*/
+  #endif
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  __pyx_tp_vectorcall_10tensorxfer_6memory_5_cuda_Copier, /*tp_vectorcall*/
   #else
   NULL, /*tp_vectorcall*/
   #endif
@@ -41040,8 +40383,8 @@ static CYTHON_SMALL_CODE int __Pyx_modinit_Variable_export_code(__pyx_mstatetype
 static CYTHON_SMALL_CODE int __Pyx_modinit_Function_export_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes(__pyx_mstatetype *__pyx_mstate); /*proto*/
-static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__pyx_mstatetype *__pyx_mstate); /*proto*/
+static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
@@ -41175,44 +40518,6 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBy
   return -1;
 }
 
-static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstatetype *__pyx_mstate) {
-  __Pyx_RefNannyDeclarations
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  CYTHON_UNUSED_VAR(__pyx_mstate);
-  __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier", 0);
-  /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda_Copier ---*/
-  __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
-  __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier._ensure_staging = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier *))__pyx_f_10tensorxfer_6memory_5_cuda_6Copier__ensure_staging;
-  #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 752, __pyx_L1_error)
-  #else
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = &__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
-  #endif
-  #if !CYTHON_COMPILING_IN_LIMITED_API
-  #endif
-  #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  #endif
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
-  #endif
-  #if !CYTHON_COMPILING_IN_LIMITED_API
-  if ((CYTHON_USE_TYPE_SLOTS && CYTHON_USE_PYTYPE_LOOKUP) && likely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_dictoffset && __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro == PyObject_GenericGetAttr)) {
-    __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro = PyObject_GenericGetAttr;
-  }
-  #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  __Pyx_RefNannyFinishContext();
-  return 0;
-  __pyx_L1_error:;
-  __Pyx_RefNannyFinishContext();
-  return -1;
-}
-
 static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__pyx_mstatetype *__pyx_mstate) {
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -41222,16 +40527,20 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager", 0);
   /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda_Stager ---*/
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Stager;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._ensure_pinned = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._check = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._dtoh_async = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, uintptr_t, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._htod_async = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, uintptr_t, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._wait = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 927, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 752, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = &__pyx_type_10tensorxfer_6memory_5_cuda_Stager;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager);
@@ -41241,12 +40550,57 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 927, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
+  __Pyx_RefNannyFinishContext();
+  return -1;
+}
+
+static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstatetype *__pyx_mstate) {
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  CYTHON_UNUSED_VAR(__pyx_mstate);
+  __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier", 0);
+  /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda_Copier ---*/
+  __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
+  __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier.__pyx_base = *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager;
+  #if CYTHON_USE_TYPE_SPECS
+  __pyx_t_1 = PyTuple_Pack(1, (PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 898, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec, __pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
+  if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 898, __pyx_L1_error)
+  #else
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = &__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_base = __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager;
+  #endif
+  #if !CYTHON_USE_TYPE_SPECS
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  #endif
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  if ((CYTHON_USE_TYPE_SLOTS && CYTHON_USE_PYTYPE_LOOKUP) && likely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_dictoffset && __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro == PyObject_GenericGetAttr)) {
+    __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro = PyObject_GenericGetAttr;
+  }
+  #endif
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  __Pyx_RefNannyFinishContext();
+  return 0;
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
   __Pyx_RefNannyFinishContext();
   return -1;
 }
@@ -41820,8 +41174,8 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (unlikely(__Pyx_GetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_7_extent_AllocationMap, (void**)&__pyx_vtabptr_10tensorxfer_6memory_7_extent_AllocationMap) != 1)) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
-  if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
+  if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
@@ -42904,141 +42258,124 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 17, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":794
+  /* "tensorxfer/memory/_cuda.pyx":828
  *         return 0
  * 
- *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
- *         """Queue a device-to-device copy of ``n`` bytes."""
- *         bind_device(self._device)
+ *     def view(self, int i):             # <<<<<<<<<<<<<<
+ *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
+ *         self._check(i, 0)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 794, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 828, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 794, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 828, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":801
- *                                                 self._stream), b"cuMemcpyDtoDAsync")
+  /* "tensorxfer/memory/_cuda.pyx":833
+ *         return self._views[i]
  * 
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
+ *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
+ *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
+ *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 801, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 833, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[9]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 801, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 833, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":807
- *                      b"cuMemsetD8Async")
+  /* "tensorxfer/memory/_cuda.pyx":839
+ *             self._dtoh_async(i, src, n)
  * 
- *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
- *         """Queue many device-to-device copies in one call, without the GIL.
- * 
+ *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
+ *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
+ *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 807, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 839, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[10]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 807, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 839, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":838
- *                                                     self._stream), b"cuMemcpyDtoDAsync")
+  /* "tensorxfer/memory/_cuda.pyx":845
+ *             self._htod_async(i, dst, n)
  * 
- *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
- *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
- *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
+ *     def wait(self, int i):             # <<<<<<<<<<<<<<
+ *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
+ *         self._check(i, 0)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 838, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 845, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 838, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 845, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":860
- *                 b ^= 1
- * 
- *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
- *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
- *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 860, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 860, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":886
- *             memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
+  /* "tensorxfer/memory/_cuda.pyx":851
+ *             self._wait(i)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
+ *         """Block until everything queued on the stream finished."""
+ *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 886, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 851, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 886, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 851, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":896
+  /* "tensorxfer/memory/_cuda.pyx":864
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 896, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_13close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 864, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 896, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 864, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":920
+  /* "tensorxfer/memory/_cuda.pyx":891
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
  *         return self
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_19__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 920, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 891, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 920, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 891, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":923
+  /* "tensorxfer/memory/_cuda.pyx":894
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_21__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[32])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 923, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 894, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 923, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 894, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -43046,7 +42383,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_23__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[33])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[32])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43060,7 +42397,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_25__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_23__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[33])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43068,108 +42405,81 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":968
- *             raise
+  /* "tensorxfer/memory/_cuda.pyx":911
+ *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
  * 
- *     def view(self, int i):             # <<<<<<<<<<<<<<
- *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
- *         if self._closed:
+ *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
+ *         """Queue a device-to-device copy of ``n`` bytes."""
+ *         bind_device(self._device)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 968, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 911, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 968, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 911, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":918
+ *                                                 self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
+ *         """Queue many device-to-device copies in one call, without the GIL.
+ * 
+*/
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 918, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
+  #endif
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[9]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 918, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":949
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         with nogil:
+*/
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 949, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
+  #endif
+  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[10]);
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 949, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+  /* "tensorxfer/memory/_cuda.pyx":955
+ *                      b"cuMemsetD8Async")
+ * 
+ *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
+ *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
+ *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
+*/
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 955, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
+  #endif
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 955, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "tensorxfer/memory/_cuda.pyx":974
- *         return self._views[i]
+ *                 b ^= 1
  * 
- *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
- *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
- *         self._check(i, n)
+ *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
+ *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
+ *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 974, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 974, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 974, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":982
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
- * 
- *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
- *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
- *         self._check(i, n)
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 982, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 982, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":990
- *             check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
- * 
- *     def wait(self, int i):             # <<<<<<<<<<<<<<
- *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
- *         self._check(i, 0)
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 990, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 990, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":1004
- *         return 0
- * 
- *     def close(self):             # <<<<<<<<<<<<<<
- *         cdef int i
- *         if self._closed:
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[39])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1004, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 1004, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":1031
- *         self.close()
- * 
- *     def __enter__(self):             # <<<<<<<<<<<<<<
- *         return self
- * 
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_15__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[40])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1031, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 1031, __pyx_L1_error)
-  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-
-  /* "tensorxfer/memory/_cuda.pyx":1034
- *         return self
- * 
- *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
- *         self.close()
-*/
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[41])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 1034, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_2);
-  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
-  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
-  #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 1034, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 974, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -43177,7 +42487,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[42])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_13__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[39])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43191,7 +42501,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_21__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[43])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_15__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[40])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43206,7 +42516,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     cdef object __pyx_result
  *     __Pyx_CheckUnpickleChecksum(__pyx_checksum, 0x3c28a2b, 0x2551038, 0xc94dc51, b'_n, _ptr, _region')
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_15__pyx_unpickle__DeviceBytes, 0, __pyx_mstate_global->__pyx_n_u_pyx_unpickle__DeviceBytes, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[44])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 4, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_15__pyx_unpickle__DeviceBytes, 0, __pyx_mstate_global->__pyx_n_u_pyx_unpickle__DeviceBytes, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[41])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -43439,22 +42749,8 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[8]);
 
-  /* "tensorxfer/memory/_cuda.pyx":801
+  /* "tensorxfer/memory/_cuda.pyx":918
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
- * 
- *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
- *         bind_device(self._device)
- *         with nogil:
-*/
-  {
-    PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 801, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[9]);
-  }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[9]);
-
-  /* "tensorxfer/memory/_cuda.pyx":807
- *                      b"cuMemsetD8Async")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
  *         """Queue many device-to-device copies in one call, without the GIL.
@@ -43462,7 +42758,21 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {Py_False};
-    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 807, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 918, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[9]);
+  }
+  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[9]);
+
+  /* "tensorxfer/memory/_cuda.pyx":949
+ *                                                     self._stream), b"cuMemcpyDtoDAsync")
+ * 
+ *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
+ *         bind_device(self._device)
+ *         with nogil:
+*/
+  {
+    PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_0};
+    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 949, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[10]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[10]);
@@ -43549,38 +42859,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{3},{6},{6},{10},{34},{7},{34},{17},{44},{43},{9},{11},{14},{32},{8},{9},{9},{2},{15},{1},{25},{49},{2},{6},{1},{2},{12},{19},{15},{23},{25},{32},{20},{22},{1},{1},{12},{9},{37},{45},{22},{4},{179},{33},{40},{8},{7},{29},{27},{52},{6},{58},{33},{15},{24},{5},{7},{7},{50},{46},{6},{31},{2},{9},{74},{50},{7},{26},{58},{32},{28},{34},{27},{50},{30},{37},{23},{52},{6},{3},{5},{1},{20},{6},{16},{15},{24},{26},{12},{11},{17},{11},{11},{13},{18},{9},{10},{28},{30},{23},{16},{23},{16},{19},{21},{24},{25},{22},{25},{19},{18},{18},{8},{11},{4},{18},{8},{6},{16},{15},{24},{26},{12},{17},{17},{11},{11},{15},{1},{12},{30},{32},{20},{12},{9},{17},{8},{9},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{27},{14},{12},{10},{17},{13},{12},{12},{19},{8},{9},{19},{5},{11},{12},{29},{13},{5},{5},{12},{3},{14},{13},{5},{7},{8},{15},{18},{4},{10},{1},{4},{9},{12},{1},{4},{5},{10},{18},{5},{5},{10},{1},{4},{8},{6},{3},{6},{12},{11},{6},{14},{3},{4},{4},{10},{4},{15},{12},{6},{9},{5},{6},{3},{13},{14},{3},{2},{5},{6},{7},{11},{3},{7},{3},{23},{4},{11},{1},{7},{5},{4},{1},{2},{14},{5},{4},{7},{6},{5},{8},{1},{9},{6},{8},{7},{11},{6},{7},{4},{1},{4},{4},{4},{5},{3},{3},{6},{3},{5},{1},{4},{13},{3},{16},{6},{8},{4},{3},{20},{8},{7},{7},{7},{14},{6},{5},{1},{4},{4},{10},{5},{9},{4},{5},{3},{4},{10},{5},{10},{10},{5},{12},{4},{4},{6},{7},{6},{11},{6},{17},{23},{9},{5},{7},{13},{6},{6},{12},{1},{5},{6},{7},{4},{3},{4},{4},{8},{1}};
-    const struct { const unsigned int length: 12; } bytes_length_index[] = {{2325},{1},{9},{33},{36},{63},{11},{33},{55},{46},{110},{142},{9},{7},{30},{26},{26},{85},{96},{120},{159},{182},{29},{75},{76},{36},{45},{304},{230},{73},{115},{284},{236},{200},{113},{58},{203},{263},{46},{3}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{3},{6},{6},{10},{34},{7},{34},{17},{44},{43},{9},{11},{14},{32},{8},{9},{9},{2},{15},{1},{25},{49},{2},{6},{1},{2},{12},{19},{15},{23},{25},{32},{20},{22},{1},{1},{12},{9},{37},{45},{22},{4},{179},{33},{40},{8},{7},{29},{27},{52},{6},{58},{33},{15},{24},{5},{7},{7},{50},{46},{6},{31},{2},{9},{74},{50},{7},{26},{58},{32},{28},{34},{27},{50},{30},{37},{23},{52},{6},{3},{5},{1},{20},{6},{24},{26},{11},{17},{11},{11},{13},{9},{10},{28},{30},{23},{16},{23},{16},{19},{21},{24},{25},{22},{25},{19},{18},{18},{8},{11},{4},{18},{8},{6},{16},{15},{24},{26},{12},{17},{17},{18},{11},{11},{15},{1},{12},{30},{32},{20},{12},{9},{17},{8},{9},{8},{8},{12},{10},{8},{10},{8},{7},{14},{12},{11},{10},{19},{27},{14},{12},{10},{17},{13},{12},{12},{19},{8},{9},{19},{5},{11},{12},{29},{13},{5},{5},{12},{3},{14},{13},{5},{7},{8},{15},{18},{4},{10},{1},{4},{9},{12},{1},{4},{5},{10},{18},{5},{5},{10},{1},{4},{8},{6},{3},{6},{12},{11},{6},{14},{3},{4},{4},{10},{4},{15},{12},{6},{9},{5},{6},{3},{13},{14},{3},{2},{5},{6},{7},{11},{3},{7},{3},{23},{4},{11},{1},{7},{5},{4},{1},{2},{14},{5},{4},{7},{6},{5},{8},{1},{9},{6},{8},{7},{11},{6},{7},{4},{1},{4},{4},{4},{5},{3},{3},{6},{3},{5},{1},{4},{13},{3},{16},{6},{8},{4},{3},{20},{8},{7},{7},{7},{14},{6},{5},{1},{4},{4},{10},{5},{9},{4},{5},{3},{4},{5},{10},{10},{5},{12},{4},{4},{6},{7},{6},{11},{6},{17},{23},{9},{5},{7},{13},{6},{6},{12},{1},{5},{6},{7},{4},{3},{4},{4},{8},{1}};
+    const struct { const unsigned int length: 12; } bytes_length_index[] = {{2325},{1},{9},{33},{36},{63},{11},{33},{55},{46},{110},{142},{9},{7},{26},{26},{85},{96},{120},{186},{46},{24},{25},{29},{45},{228},{163},{73},{115},{284},{236},{200},{113},{58},{203},{263},{46},{3}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (4616 bytes) */
-static const char cstring[] = "x\332\275XIw\324\326\266\266\203I\312\261\023lc\323%\367^\025\220\330\2461\024\030B\027\362\n7\340Kb\334b\232$\212,\235r)\256\222\312\222\312\330\344\256\3652\364PC\r5\324P\303\032\326\260\206\032\326\220\237\300Ox\337>G\252R\271!d\275\365\036\313%\235f\237}v\373\355-$\351\232$)\216t}GZ\337u\230\035?\261\022\217\314\252#\231\005\311R\214\r&\215\335\220\326\253\205\002\263lZ\023\024\343\342u_R\225RIRK\246\315\306\306%\323\222\2526\223F\337\350NqT\322Lp2LGb;\272\355Hc\355\005\273Z\251\230\226#-<[\236{q\265\240IvQ\261\230\262^bRQ1\264\022\310\016\320n\353\226SUJR\231\225MkW*+\206\262\301\312\314p\244\202\242\227\230vO\212\317\216\331\343\017%]\034.+\225\n\323hVQ \202Sd\02234R\203\206\026\333\320M\003\202\231\353\2773\325y(a\242V5\345\036.\263uH3~ag\314\261\030\223\n\226\262Aw\215\217\217KV\325H\261\023<Fmi\374>\327]c\333\272\312\276\037U+\325\321+d\020\335\260\035\262\021\021\317?\237\233\236\313K\232\245o3\353\212tE\332\200\214\023\367\244\007S\270uIH\223\036s\273j\017\037\374\304u~\256\2637$\372\003\3254\034}\243jV\3412h\243\351\026I\277\177Y7\222\r\333\261t\rfh\023\013\301\216\336\357\\kQ>\374aju:\037\353(M\255Z\314\256\226\034iJ1\310\330\212m\353\033\206\344\2300\212\242]5\215\322n\354\255mH>gl+%]\223\312\246\306\256 $*`\010\376\243\352(\t3Z\200\217\021n\243\302&\t1\342\242\302p\277\244 \204\244y\323`\363\246\303`K\204\352\324\256S\204\215\260\256\261\222\276\316,\305a\270\221\004\007g\213\210\014iaf\341\352\344\235I\256\206\305\310\3136\"j]-AX\306\343y\275\252\227\034\334\340\354V\230=!\315\025\244]\263*\031\014\262A\023\370\271\343\000\274hH6\023\276\037\345z+\016\\%\343\270nl\214\306\366\203\177\351\364\254R\262\331\204\222\004\0321\345YVb\024>\320FR\213UcSQUf\333\2620\253-\225\253\3304\2242\223r\304$w;6\270\255h\232\214\013\231\310\3068)e\221\261\374\320:\223*\246\255\323\365j\354\023\315\254\340iH\254\\qvEB\307[U\003\331!)B\004\351M\021I$\221\243\354}\351\301\263W\020\211\247\255\277=\344B,\300\216\225\022k\235\337\300m\325\222b\351\270\230\237\224\351\344""\201\203\302\343\252Y*\221\341L\303\236P\326U\325\254\"\263\023\322\226\311r<=\343\370\323t\233 C++\260\004.-\220_ZGZ\362$\342T\200\027\\vI\263\035\373\212d[\252H\224\224>E\205\034\007b\233\314_b\306\0069\234n)XfYv\230a#Xc?J<\031\304\332\206\252\333\202P3L)\235%\210\317\030M\2441\265:g\350\316=\276/\317,-=[\222\347\237\311\3233\317\347\246f\016\301\017p\322XA\241\024\223e\213iU\225\311\262\244Uyl\031\246q\025\241\276\255\003\023eY\325\301X\226c#Pd\001U+\010\022\3412\202C\010\3154\236\224\302\261v,\372\016\305\022\020\312T\025JH\225\202e\207C.t\327\255\004\221\315\ne\030\005\004\376\224\030\232\2446X\035\276\277\354\300\352V\034I\037p\177[\224k\0022\256\311\344\352\211\312\356\016\271C\030\224\303f\002\355\3126`\237\227\014pv\212X-+jQ\207\346cU\356\0102R\242\226\244X\226\262+i\212\243L\034\262+`\206\307\002\207=\033D\007\024\2448\3429\203\212\";\270\374\003\261\226\016}\312)\351\365\177\252\271\374\362\324\334\334\243\303|?eVtf\211\347\204,\243\320 \257\345\366|\207|\333\232\306\221\240r\374K\255\303\363(5\316\201\035\256I<\326\034SK\r\345u\005\251\335^H\206\3056\031\334\001\306\361\304\3365\324\242e\032p$\031f\306\262L\253m\241\366\350\020)\323{\007%M\355\362L\343ak\247\227+%\245\343\002\356\nA\227Z\346x\227\236\307.N-Q\\\311<\036R\213\"\342e\201%\007\327\343\034Hm\244\360 \265\252\227\217 \047Y\r\266\223\026\r\305\223Y\333lzf6\277\372\343\212<\365du\376\251\274<\367jf\246T\322+\266n\317\354\200\277\303m\374\243\251n\376\224\177!w\020//\263\255*3T&\222L<\333\341\323\236\363\360iM\3679\246\265~\300)\361\016\017\237x\014\002\262\022\002\245c\201\302%^\240h\217\207o\024\335\241\236e\242\335\276\310\3624\307\267GT\263\322\343\203r\355\333= \235,/\354\356\3407\215j/\317\303\264K\254 \313qEf\264\317kv{\260\301\034\335aeZ\320\350\214\334\262Tb\"Y. \357\351\275\221\334\206\177\261O\361\257\254\350\374b\2640\325\022\337\243*\315\337\244\232,\003\255\020\221L\335\264\253e1\023\035\222\030\307\034iH\315\206\030U\215\212\256n\202\333\214\221\234i-u\030\213om;\204]t\325\026z""\341\344\366\2444\034\264a\262\300vh\002\033\266$\266S\032\036b[\334H*SK\t\323Ro\302\353\220\334\256\343\302\210\214\242S0M\345mz<\361\2002\260d?\234\330`\310\200\212%\3536\370Z\370\304\000X\313\330\334\344\271\235Nh4\000\235=\021:\037\213\246\274\177\3419\316\037LK\362;y\313\242)R\010\250ts\242u\217\2558h/\361\223\321\314\262\235\365u\305f\034\373d\245\242\247\033)UU\342n\247\255\252Z\"I\341{\260PqL\335\3449\301{\2246\232hT]\350\047W\034K\303.\312-\333\026\n\210\247\314O\304c\335(\230\002nD]\223\361\263\201\013hN\250?!tn#4e\234\306\203\006\306\023_+\254\304\277~\270\200\000\001\334\306\020A\274\013\346N\341\017\233\355\250\035\320\326\211gpmA+\224\224\r\033\355wYq\342&<\205m\033\232\025\273\r)\261Q\251\212\366V\266\300M\246\257<y\273\\\246b\227*x\305\230y\321\244\007T\320u\255\023\027\271\013H\177\212\004\330\017/\260\241\344\264\305\343-\333\334d\254\202O\200m&\232\260\004?\371\333|\023Wa\242\024\365\tOB\036\372\2700(\032\361\305R&z2I\t\006Cc$z#\204\203\371\306`Z\245\0027VL\235#\000\017\253\212Y\241\236dG.h\211\240\025\213m\313\233\374\211\323\025\013\024\216\305\211E\nP@!z\300\002\220n;\324\350P\237\212)\"Ze1\302\343e\226\266)\t\t\317\005\"X\274\351\264Y\t2\301\345\314\211\023\214w\"\255\257aN\304\t\321\253\342\317&`\345Ws\334m\243q\033\206y\"\323CW\313\014\331\214\005V\261\035\023?\360,\307\375\r^U|\n\265\253\271\360v\273\013\233\020\341\223Z\020m\331\004w\230S\244/<\235\034c\231o\370\227\023\030\246{#`\030\354[\255\200\226\241\255mA\3146\276\353\252\214?\3548\340\311op?U\2137\212e\320\017\234\355\235\326\347\345\330\324j\214C\322\245+h\005E\002\215w\035B\320\271\030w\3408\0047\037\266\005o\246Y\306S\356Z\247=\"\002h\257Vv\363\211\277\355\243\350\204\225?pW\373Pj\343/\351\323W\264\266\257\240\035\245/nt\251\013/\345\037\237\315?\346\217#\230\355;\372\221\"\047\204\343]\037\336\217m\224\347\250=\r\030\305\007\235a\247\2143\376W\347;\370<\006\346\3403>/P\035A\362\204\047\344\337\325\270E\255\"\243\376\206\316\333\246\256\355W\340\250cl\233\376\017\352R\352\262""\003\301\306I\366Y\220\257\035\305\363h\013\034\210\3126\301\002\340\251-\364G\030\352\303\267p\033\\\372\373\047\016\310%\010V\000\022\037\313\254\223N\214\256p\037&\372\355\223K\330\360\303NH\354\234Z\344\034\005:\034\216+:y\266\343\210nt\344n\273\002\034\316 \235\355\037p\326\276\315\307\355b*\363\352\234fy\224\206\007\375%VR\001\363\341\243G\002\004d[\242\232\327v\344G\204\327_\360<\030\365\035\321sd\376\037\031[\177K\244\244\356\037\342=\216\306jUt\336\013\226^V\254\335)gg\211\241\252\031\330\300x\031\237\303U\224z\303i\021>f4\376\211\027\211G\324\260\345\251\266\212%\354\345E\373\312\255(\026\223\025\321!\264\316N;\346t\352hL5k\261\230d\225j\254\030B\n\201\266b\372S\262\216J;}\047\305\003\\\237\244\270\316\020\356L\301\370\016Kf\323T\275\315\335d\272\334\356\n\222\245%t\263\226&\370\265\316b,\254\262\337\035bo\216\267|\263h%\227\223v&\275\275$:%L`\037\376\215;\217\266\r\323e\036\031\255[\304\264-\242\230w\312\330\362A\314\2425\237\242~\233\026x\207\215\205\347\242\345H\323\264jz\333[\207%b\227\370\277;AD\016yb\332\361\214F\374L\213\203Pt\326\264\016:^8\371I\312A3\274%_1\017\232iA\204iZ\310g\177v7{>\337\273\354.\322`\320\035\214\037\375{s\321\310\267\276\342o\005=A\276\331\323\267\227#\2023\036\047\377f\317rO\271\2267\330\314p\352\276\275\273n\336]\363\362Ds\026\313=\307\233\231\223\356\017~6\272p;,\326\224\232]\277\334\3705z-G\262\022)Z\244\261f\377I7\347>\366r\315\276\376w`p\337U\334-:~)\310\006\267\303\301?\273\337\355\027g,\350\016\006\203\213\201\022\213\363\256\347_\336V$]\017\373j\367\353\233\321\342R\263\347\244\373\300\333\201\314\340\363\331\237\377q\277\363\262\315\314D\240\004\377]3\032\211\026\357?\355:>DLOD\047.\007\271 \037,\207\237\205\325\332\323\372V3sbo\253\331\017\rp0\246\316t}\376\025\261\031t\207\335U\357\242\267\341\257\004\320{\300\375\314\335\362>\365JA\226\356\332\336[sg\274ao\261\231\031rA}\332\335z\207\207\343\335\365\037\0079\242 \346\321\211\253\301J8\030\216\326\276\252?n\344\336u\256\300z\357\207\273\216\177\353\277\016!\377i""\367\017?\033\253\337\027\365}\355\315F\347\357\325\262\\\354\213~\336_\364\013\020\375yts\2561\322\330\214^\276jf p\324/\371}d\277f\317@4 \034x\"\334j\216~_[\025.\370\2719L&\316\005\317j\271\346\345|}D\230N\034\036\365\377\200(\203B\367|3\323\2777\353fi\000\273\320\213|6\215\030\370\342\313f\377\260;\027\375#\007\331/\206\233\365A\354fo\204\331\367C]\275\003{o\275S\336\226\377\251_\n\307jt\374\374\3150\367\376\374a;\227\277\257-\276\037\353\352=\351\236w\247`\320\036o\n\373\307a\343\223\301l\010C\236\365N\373\335\376\240\177\336\237\016\216\005\267\302\317k\027j/\353Zc,ZzIJg\317\373\027b\352K\321\203\037\033y0\315\335\253]k\014\302s\275\303\220\027b\017\223\320\336\210\247G\243z\244\377\336\314|\271\247\271Y\367\226\327\033e\021\222\277\265\257\271\000\273\252\301p\260\n\371\2565\316FK\317\243\347k\315\354x\360U8S;U\333\256/\202\377\255Gu\256\250\344\275\r\316\300\000Y\262\336-\367\230\233k\366\017\271\227\274<\205\301Iqu\377\336Sw\213^\010`D\033\215~\204\001\333\2579w\221^\377v\225\024\361<E\\\377\3363/G\366\210\315\377\016\267LR|~\321\314\3646\373Oss\345\233\047\006\304\306\256w\014\3314LY2\034,6\207)H(T\373\007\334>\217_<\343\216P\2265\373O\3549\356\035\316\333F\214\235\031\345Y\376$\314\207\213\315\201a\367\t\024X\305:\047\273\213\311\262\177\314\3175\317P49\301\335\204l\316[\364\230\237\213\245\356\024\257\245\310\014\262f\021K{/Rj\376\277\t\237\"\023\302\337\tsa>E\226\222\272\3458:\010\340\360r\264\331\277\367\030~Dd\266C\376Z\260\025\366\204Oj\371\332J\224_\213\326~\216~F\014\251\221\2525GNq\032\357W\244\327t\230\251u\327\206k+\365\257((\217b\025]\237\255\263\306dc\047Z{\021\275\370_\360\272\036v\207\303\341\213\332b\215\325\271\350\007r5\271-z\n\014.D\205\215\346\365\311\360i\215\273n\324\177\3133\231\325r5D\355\0318g\326\317\372\367\242\253\017k\245F\366]f\204\374\327\267wco\331\355\216]\234\337[q\007\t\354\222\2332\375Q\377\327p*\3358\344^t\327\261\006[?\302\3403\317\362\207\374I\337\n\206\243\253?\324\234z\2569p\206\322\017\310\020N\327z\353\203\365\213""\321\354/\321/\020\r\352\363,\235\274S\353\213\351\374\177\266\215^\037\256\277\216\026\340l\\\333\034\376\332\233\213\276\271\303\255\363\242\276X_o|\322\370\246\261\325\034>\007\017\336\360\226\220\241\303\301\313P\t\255\332Pm\262\266\325\0348\347\215\373\267P \006\020\202\315\001Rk\277\375\326\353\237\324\277\251\363\220\310\2727\334%\367\255?\354\277D\025\261\302\241p2\344\366\272\032\274\n\267j=\265\031\010\236M\331+X\374\2773\325$b|\245v\0067\222t\003\247\220\016T_(Q\206\202\033\200\254l\333\246\321\344S\004\225\025-\"@_G\257\251\342F\354\243\254\232\230\345\317<\neo?\222\343\r.\332\361\376@\241K\047I\202\344z\340\204\267\001\215v\375|}\266q\025a\334\224\276\3657\202\265p*\264k\227P\3258\243/\004\336Q\262Q^\336\364\n\376#\177\035\220~;<\211\000\350N\361n%\344e \214\222\230\357\014/\312T\246\366\362\"3^s\260X\013\037\301\275\273\365\356\372\231\306 !\315+\002#\002\377\257\t8N\354\331\360bn?BG\377\310\013\317\3050MwV)\014\326H\001\320\214\003:\346\251N~L\365\240@\311\271\263\336\230\177\031\340\205\336\2407:\373\035\342\243\033v\331\252\177\331P\232\203C$\312.\370\234\"<Gm\276\340\347\374\331`<\274_S\353\347\0327\033\n\242\026b\334vOB\236D\310\377\202Z\274\331\350\205\366\243>\037v\273\247\001\226\2678&s\255>A`\365\017b\225\204\\\367\273\223jv\032\326\275\013\333f\352}\215[\321\002*\031\340\345\027\330f\340\020wh\376\245`*\330JT\317\047{\271de\016\225QC\014@{\001\341\003\356q4DYo\022\n!\027\047\021\214w\240\323#_\241\354\273\014\362b\240D\327\036\241\355X\211\026\001n\257\242W\277F\277\022\360D\033\334\220\024\302q\310>\254\341\324\210\273\202\026\352\005N\256Gcw\243\273\274O\034\036!\356\337y\347\275i?\003\217\017\305:u\327\207\352\3375\262\250 $\3121\367\246[\200\324\024\271`JY\207\232\031u\301\\\357?\357:~\006A\335\203\005$$\365\222\356\317(\365Y\300@o\2304\227\337\360\206j&<\205f\211\272W\336\305\r\270=\324\242z\217\311\324\347\274\t\300\006/\0179\364zg\243\363d\316f\346k\010\326\355\217 \021\320f\21553\027\220\273[\301qB\235\346\3045\342t\021\tT%\234\372""\251\261\370\256\007\366\203 \237\272E\264\222\213\361\355\204\202\371\3609\300w\036*\001\024z2{\335Q\357\271\270\r\215z8>\277\357o9N\344\304i\357\023\030z\r\216{[;\211,\346\311\363\035Z)\302\021*\257q\022\025Q\374v\201o\247k\237D\367V\243U\204\002\234\361\272\371\317\3618\20144\226\231\257\274\3330\313\267A&\354\216zP\211S\327Q\\\016u\2647T\312\031|\377\007\032\362r\355F-.\234\020\365Rp)\314\277?\327\325\013\243wd>\t\326\016\355Et\235\321\322z\264\316\253\335\207\025\272\200\3008\355\367\240\225\276\211\356?VJ\367\267\242\261g\215\255ha%ZY\335\247\013\357\253\\\225\276P([\257A\2611\036\274\321\227\027\375\247\201\035f\333u\361>\325< `\334\t?@\322\211\350\351\301\316\373/\273z\257\303\263\231k\255\307\2778\356\241\263~\227\311RJ\022$\241MF\004\252\310nt\033\376m|\247\\\300gE\047\252\305\251\375E\252\n\340\250(3\204\036\027\2745\037\373\300\0064\350\204\030-\330\217n\241\261m,\002#\234h\371\367\350\367\315h\263\024\225\312Q\331h\336B\346\000c\272\201\337k\240y\036-\303\032\277E\277\301\252H\263b\363\3549\272\221tM\3625\227\256\022\377nd\033\271\306t\264 \322\262\030\025c\306\221a\306\245\"\352yT\317\036\322\372_\r\026\243\211\351\372L\343t\264\260\034-s\340\0349\205v\371\177\000J\016Z]";
-    PyObject *data = __Pyx_DecompressString(cstring, 4616, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (4458 bytes) */
+static const char cstring[] = "x\332\255X\313{\323\326\266Ohh\223&-I\010\317\366\334#\003m\022\036\241\346U\n\224sM\036\220\003\rq\036@ioUE\332\266\325\330\222-\311!\241\347\373n\207\036j\250\241\206\032j\350\241\207\036j\250!\177\002\177\302\375\255\275e[\316\203\266\337w\373\021yk\355\265\327^\317\337Z\252$]\227$\305\221\276\331\225\266\366\034f\047OP\222\225Yw$\263 Y\212Qd\322\314\ri\253^(0\313&\232\340\230\025?\367%U)\227%\265l\332lfV2-\251n3i\372\215\356\224\246%\315\204$\303t$\266\253\333\2164\323#\330\365j\325\264\034i\365\371\372\362\253k\005M\262K\212\305\224\2552\223J\212\241\225\301v\200wG\267\234\272R\226*\254bZ{RE1\224\"\2530\303\221\n\212^f\332=)9;c\317>\224tq\270\242T\253L\243\267\252\002\025\234\022\223\230\241\221\031\264\264XQ7\r(fn\375\306T\347\241\204\027\265\256)\367p\231\255C\233\331\213\2733\216\305\230T\260\224\"\3355;;+Yu#%N\310\230\266\245\331\373\334v\215\355\350*\373~Z\255\326\247\257\222Ct\303v\310G\304\274\362bya9\047i\226\276\303\254\253\322U\251\010\035\347\356I\017\346q\353\232\320&\275\346~\325\036>\370\201\333\374BgoH\365\007\252i8z\261n\326\0212X\243\351\026i\277\237\254\033\235\r\333\261t\rn\3501\013\305\216\336\357\247u9\037\376k~s!\227\330(\315oZ\314\256\227\035i^1\310\331\212m\353ECrL8E\321\256\231Fy/\211\326\0164_6v\224\262\256I\025ScW\221\022U\010\204\374iu\232\224\231. \306H\267i\341\223\0163\362\242\312p\277\244 \205\244\025\323`+\246\303\340K\244\352\374\236S\202\217@\327XY\337b\226\3420\334H\212C\262EL\206\264\272\270z\355\326\335[\334\014\213Q\224md\324\226Z\206\262\214\347\363V]/;\270\301\331\2532{NZ.H{f]2\030t\203%\210s\337\001D\321\220l&b?\315\355V\034\204J\306q\335(N\047\376C|\351\364\222R\266\331\234\322I4\022\312\253\254\314(}`\215\244\226\352\306\266\242\252\314\266e\341V[\252\324\261i(\025&eIH\366N\342p[\3214\031\0272Q\215IQ\312\242b\371\241-&UM[\247\353\325$&\232Y\305\323\220X\245\352\354\211\202N\266\352\006\252CR\204\n\322\233\022\212H\242@\331\373\312\203W\257`\022O[\177{\310\205 \300\217\3252\353\236/\342\266zY\261t\\\314O\312t\362\300A""\021q\325,\227\311q\246a\317)[\252j\326Q\331\035\326\256\313\262\274<\223\374\323t\233 C\253(\360\004.-P\\\272G\272\372t\324\251\002/\270\356\222f;\366U\311\266TQ(){J\n\005\016\3146\271\277\314\214\"\005\234n)XfEv\230a#Y\2238J\274\030\004\255\250\352\266`\324\014SJW\t\3623A\023iF\255/\033\272s\217\357\313\213kk\317\327\344\225\347\362\302\342\213\345\371\305C\360\003\2224VP\250\304d\331bZ]e\262,iu\236[\206i\\C\252\357\350\300DYVu\010\226\345\304\t\224Y@\325*\222D\204\214\340\020J3\215\027\245\010\254\235\250\276K\271\004\2042U\205\nR\245d\331\345\220\013\333u\253\203\310f\225*\214\022\002\377\224\004\232\244\036X\035\276\277\356\300\353V\222I\037\010\177O\225\353\0022\256\313\024\352\271\352\336.\205C8\224\303f\007\332\225\035\300>o\031\220\354\224@\255(jI\207\3453u\036\010rR\307,I\261,eO\322\024G\231;dW\300\014\317\005\016{6\230\016\030Hy\304k\006\035Evp\371\007r-\235\372TS\322O\377\251gs\353\363\313\313\217\016\213\375\274Y\325\231%\236s\335P\253\034\340d\271KGh\321K\234\003;\232cj\251\245\274\245\240^{\204\316\262\324c\203\217!\214l[\264,\323\352\031\331[\035\242Gz\357\240.\251]^,<\363\3544\271ZV\372.\340\336\024|)2\207\254\364{\022\245\024\211RC\346!M\021E\322\312\002\016\016\322\2234Nm\244J:E\325+G\260\223\256\006\333M\253\206\376\307\254\035\266\260\270\224\333|\266!\317?\331\\y*\257/\277^\\,\227\365\252\255\333\213\273\220\357p\037?3\325\355\037r\257\344>\346\365uV\2533Ce\242N\304\023\336\305! \273\334{\337\245\352\356\276\356\013L\227~ (\311\016\317\345d\r\006\362\022\322\242\217@\311\321!\354\031j\3112\rTkB\241\024N\226o\024\335\241Ad\2567\223\310\362\002\007\255G\324\210\322\353\203\232\356\333=\240\257,\257\356\355\342o\001-\\^\201\263\327XA\226\2236\313h\2377\342\336\242\310\034\335a\025\"htF\356\372\256\3434Y.\240\230\351\267\330\271\r\377%Q\306\177\025E\347\027c.\251\227\371\036\265^\376K\246\3112 \0109\312\324m\273^\021ob\354\021\353D\"-i\202\020\253\272Q\325\325mH[4:g\272\244>g\361\255\035\207\000\211\256\252a\300\355\334\336\301\373\203>\354\020""\330.\275\300\207]\215\355\224\205\207\370\0267\222\3114\047\302\2654p\360\346\"\367\232\263p\"\243|\025BS\225\234^\317=\240\232,\333\017\347\212\0145Q\265d\335\206\\\013\337\r@`\031\233\333\274\332\323%\216\256\336?\350`\234\261\350\225\017%\274\352\371\203i\235\212\357\374\312b\322Q(1us\256{\217\2558\230\031\361\047cBe\273[[\212\3158\366\311JUOOG\252\252$#L\317T\265L\232\"\366\020\241\342\230\272\315\253\204\017\036=|\321\250e\320\237\\u,\r\273\350\241lG\030 \2362?\221\254u\243`\n\000\022\315J\306\237\r\244\300\304AC\007\241s\017\241\251\0065\2364p\236\370\004ae\376I\303\025\004,\3406\206\014\342\243-\017\n\177\330lW\355\003\273~\204Ch\013Z\241\254\024m\314\324\025\305I&\353\024\332\0255+\t\033J\242X\255\213\231U\266 M\246O7y\247R\241\016\226\352b\245Dx\311\244\007L\320u\255\037)y\010\310~\312\004\370\017?\020C\305i\213\307[\266\275\315X\025s\375\016\023\223U\007Q\371\257\371&i\255\304)\372\023\236\204<\364\305`P6\3423\244B\374\344\2222\034\206iG\014<H\007\363\215\301\264j\025a\254\232:G\000\236VU\263J\203\306\256\\\320:\212V-\266#o\363\047NW-p8\026g\026%@\t\205\354\201\010\200\274\355\320\364B\303\047^\221\321*K0\037?fy\207\212\220\020^ \202\305\047I\233\225\241\023B\316\234\244\300\370x\321\375\304\345L\234\021\003(\376q\374\355\241r\017\216y\371\322CW+\0145\014\002\253\332\216\211?H\252$\243\n~\352\370\252\351a\266\210qo\240\232\023I\223\"\210\tk\216\207\311)\321\307\232N\341\260\3147\374#\010\002\323c\016\220\013^\255W\301\3130\241v\201e\007\237hu\306\037v\222\346\024-\004\235z\304\033\3052\350\017\222\355\335\356\227\342\314\374f\202>\322\345\253\230\352D\331\314\016\034\302\320OL\206i\034Bp\017\333B\014\323\"\223W\036P\247\267\"\006X\257V\367r\235(\333G\361\t/\177\340\256\336\241\324\306\237\362\247\257\350n_\305dI\037\317\0308W\177\224\237=_y\314\037G\010\333w\364/\252\334a\234\035\370\360~\342\243\034\307\352\005\200\047\276\315\014;\345\234\331?;\337\047\3471\220\006_\3449\201\345H\222\047\274\014\377\256\305]n\025u\3647l\3361um\277\001G\035c;\364\277""\223.\247.;\220l\234e\237\0079\355(\231G{\340@V\366\030V\001J=\245\377\202\243>|\013\367\301\345\277\177\342\200^\202a\003 \361W\205\365\363\211\325U\036\303\216}\373\364\022>\374p\020:~N\021\271D\201\016\207\343\212N\221\355;\242\033}\265\333\303\375\303\005\244\253\375\003\301\332\267\371\270\327Be\336\223\323\"\217\262\360`\274\004%\2250\037>z$@@\2675\352t\275@\376\205\364\372\023\231\007\263\276/{\216\254\377#s\353o\251\324\351\366\207D\217\243\261Z\027\363\366\252\245W\024ko\336\331]c\350j\0066\260^\247\217`4x\303\3512>f\264\376\2017\211G4\246\345\250\267\n\022\366rbh\345^\024\304\016E\314\005\335\263\013\216\271\220:\232p-Y,a\331\244\036+\226\320B\240\255x\375\241CG\247]\270\233\222\001\251ORR\027\tw\346\341|\207u\336\026\250{\233{\235\327\365\336T\320!\255a\206\2654!\257{\026k\341\225\375\341\020{\313|\320[\302\000\271\336\031b\322\333kb>\302\013\374\303\277uW0\254\341u\235gF\367\026\361\332SQ\274\367\353\330\215A\"\242\373>OS6\021\370\\\r\302\0131r\244y\272=\275\027\255\303\nq@\374o8\301D\001yb\332\311\033\255\370\231\256\004a\350\222i\035\014\274\010\362\223T\200\026\371 \276a\036t\323\252H\323\264\222\317\377\030\214\207>m\\q\363\264\230p\047\222\307Xc9:\365\265\257\370\265`(\310\305C\243\215,1\234\3658\373W\r\313=\355Z\336D<\314\271G\033\337\2719\367\245\227#\236s \017\035\217\207O\272\377\3623\321\305;a\251\2514\355\326\225\366/\321Or$+\221\242E\032\213\307N\272Y\367\261\227\215G\307\336A\300}Wqkt\374r\220\t\356\204\023\177\014\276\333\257\316L0\030L\004\227\002%Q\347\335\320?\275Z$}\023\2166\357\267\266\243\374Z<t\322}\340\355Bg\310\371\344\217\377\270\337z\231xx.P\202\377m\032\355\216\025\357?\0368>IBOD\047\256\004\331 \027\254\207\237\204\365\346\323V-\036>\321\250\305c\260\000\007\023\356\341\201O\277 1\023\356\224\273\351]\362\212\376F\000\273\307\335O\334\232\367\261W\0162t\327N\343\245\273\350My\371xx\322\005\367\031\267\366\016\017\307\373\316\177\034d\211\203\204G\047\256\005\033\341D8\335\374\242\365\270\235}\327O\201\367\336O\r\034\377\332""\377)\204\376g\334\337\375Lb\376h4\372\245\267\024]\270\327\314p\265/\3719?\357\027\240\372\213\350\346r\373T{;\372\361u<\014\205\2431\311\037%\377\305C\343\321\270\010\340\211\260\026O\177\337\334\024!\3709\236\"\027g\203\347\315l|%\327:%\\\047\016O\373\277C\225\ta{.\036\036k,\271\031Z\300/\370\311\334\0103\357\047\007F\306\033o\275\323^\315\377\330/\2073Mb\270p3\314\276\277p\330\316\225\357\233\371\3673\003#\047\335\013\356<\\6\344\315c\3778\274x2X\n\341\252s\336\031\177\320\237\360/\370\013\301G\301\355\360\323\346\305\346\217-\255=\023\255\375Hfe.\370\027\023\356\313\321\203g\355\034\204f\3575\257\267\047\020\233\221)d\021\364\233r\027\274A\357\224\247G\323z\244\377\026\017\177\336\320\334\214{\333\033\2112H\272_{\327\\\204\347\324`*\330\204~\327\333\347\242\265\027\321\213\227qf6\370\"\\l\236n\356\264\362\220\177\373Q\213\033*yo\203\263\010O\206\374s\333\375\310\315\306c\223\356e/G\201>)\256\036k<uk\364\203\024E>\321\352\031\312\244\367\263\354\346\351\347\337\256\222b^\241\234\032k<\367\262\344\217\304\301\357p\313-\312\300\317R\234\213H\274W\336\272?\010r\343UJ\326H<v\206;4\027\237\030\027G\367\274\217PQST)SA>\236\242D\241t\035\033wG\275\254\220v\212*-\036;\321p\334\273\374v\033yvv\232W\372\2230\027\346\343\361)\367\tL\334\004}?\033e\224\023\334\r\263a.\305\226\322\274\317;\210I\374\331\347\361\330\224\273\034\375#\013?^\n\267[\023\304=\326x\214\375y\227[\356P\241z\331~:\235\033w?\346\260p\310\306\030nYG\032\345i\363\300]\327\203Z\364\315R\213EO\0017\205\250P\214\277\271\025>mrI\323\376[\256\tkf\233\010\337Y8p\311\317\370\367\242k\017\233\345v\346\335\360)\362\361h\343Fc\335\035LB\221kl\270\023.\217XZ\215I\367\222\273\205{\341\211GX|\342Y\376\244\177\313\267\340\374\237\233SM\356\311g\310\272\223H\355c\301WA-\036\207\252\361\324Y\000\207\302\231\361r\036\266\337\360\326\220iS\301\2530\037n5\2175/5\225x\374\2747\353\337\006\224\215#\312\3618i\2258\304\362&=\236\210\031\367\206\273\346\276\365\247\374WA>\330\n\217\301,\205l\274\026\274\016k\315\241\346bk\242""\225I\331\030\344\377\277\315[\242\310\305\343\247\241\226\343\335\365\263\334\322\013\301\"\020\350\240\361\035C\376\310\001\204G\306\2201opn\327\373\035 \332\313\234\023]\014\321\003\047\274\203\242\264[\027ZK\355k\321\313W\261\364\265_\014^\206\363\241\335\274\014\304\344\202>\023\225F\031H\311z\323+\370\217\374-\200\311\235\360d\270\320\034L\311\356f\351\025/\357)\035\333\317r\300\047\010l\344x\006y?\361\nz\031>\n\225p\2575\330:\333\236\240\362{M\311H\260\363%U\323\211\206\215\020d\367cC\364\217\234p{\002\020tg\235\262\362%\031\000\236Y\324\323\na\360_\301-\212r\026n\236\361\257\240\242\321wF\242s\337\"\270\203\360K\255\365y[\211\047&I\225=\3109MH\002\334\277\2108,\005\263\341\375\246\332:\337\276\331V\3325R\343\216{\022\372t\224\374o\230\305\033\331\010\254\237\366\371r\320=\003\004\271\355\177\344\047V\035CV\214M\200JJn\001\203\022\034=\003\357~\007\337\016\267F\333\267\243U`\350\317\321\317\377\003\337\214\037\022\016\315\277\034\314\007\265\216\351\271\316^\266CY\006&k\310\001X/pm\334=\216f\233\361ny\274dn%\271\365\310W\250^\256\200\275\024(\321\365Ghi\033Q\376U\364\352u\364\372\227\350\027\252\364\250\310\035I\031\031\217\237%?>D1M\235r7\320\236_\341\344V4\363]\364\035\237A\246N\221\364o\275\013\336\202?\214\210O&6\r\266&[\337\2663\200UR\345#\367\246[\200\326\224\271\020J%\003\264\216\006\340\256\367\237\016\034?\213\244\036\002\001\325Ds\212\3733\232L\006\205;\022v\006\227\257x\263^\014O\243\021\323d\304\047\204qw\210\306\037\3571\271\372\2747\207B\347P\230\305\034q.\272@\356\214\207\277\204b\203\376)\024\002Z\370L<|\021\345W\013\216\007?\206J<w\235$]B\001\325\275\345\350\253\037\332\371wC\360\037\024\371\330-aL\311\047\267\337$\260\016_\000\355V`\022\352zh\2701\030\215\234OF\234h\210\003\342\373\261n\340DM\234\361\216\301\321/\021\270\267\315\223\315\\\223\027\317\267h\342\004\005\324s\222\"*\241#\354\205\203\341\231\346\261\350\336f\264\211T@0~\212\377k6) \rC\313\360\027\336\035\270\345\353`8\034\214\206\320\236R\327Q^N\3665V\352o\014\261\377\035\303^""\245y\243\231O<\023a8\274\034\346\336\237\037\030\201\323\373*\237\024\353\245v\036\023M\264\266\025m\251\221\252\375\211A\027\221\030g\374!\214i71Y&F\351~-\232y\336\256E\253\033\321\306\346>[xGwU\232~\251Z\257\303\260\031\236\274\321\347\227\374\247\201\035fz\215\350>5\231\346Fg\312z\200\242\023\3313\204\235\367\237\017\214|\203\310\016_\357>\376\311q\017S\333\273\341\014\225$A\022F0d\240\212\352F\013\366\357`\006\276\210\221\265\037\325\222\322\376\254\327w\351\250\350\021\204\036\027\275\227>\366\201\r\030\376\0101Di\334\ns\321m\214T\355<0\302\211\326\177\213~\333\216\266\313Q\271\022U\214\3706*\007\0303\330\232j\275\004\317\213h\035\336\3705\372\025^E\231\225\342s\347\351F\321\217E\275f\023\271\310\271\350\326\277\333\231v\266\275\020\255\212\262,E\245Dpd\230\361\255\273\315\321\026\"\372\250\003\224}\375\373Z\220\217\346\026Z\213\3553\321\352z\264\316\201\363\324i\014j\377\007D*\216\251";
+    PyObject *data = __Pyx_DecompressString(cstring, 4458, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (6218 bytes) */
-static const char cstring[] = "\377  /  at \3770x bytes\370\000\003\016\001\t\004out o\377f range \377(2 buffe\323rs\020\001,\003)3\003; \377call clo\377se() or \377use \047wit\337h\047 doW\000no\377t exist \375(\007\007suppor\377t POSIX-\377fd share\377able han\343dl\217\0004\006$\005vir\377tual mem\377ory mana\377gement f\177ailed: 5\004\377(s)> is ~v\001mapped\n\001\373pa\200\000the e\363nd\327\001\007\001regi\373on\226\000objec\367t> \n\000cuda\277: visi\213\000)\377#x(tree \357fragh\001)))? runs F\006>\003\337\047s );\367\002de\377vice=\047cp\367u\047,\215!inst\374\240!x\001NVIDIA\377 driver,\357 , g\233 .: \213<Cs\000R\210\003\000\t\323\"d\367><M\357\002View\376\222A<contig\337uous \253  d\263ir\272\001\007\rin\021\005s\017trid\204 #\007\223\003\006\027\363><(\tA\006>?CU\371D\275\000\337\002 CUre\377sult Can\376\343Aassign \367to \311@d-on\353ly\247Dv\267\000Inv\377alid mod\313e,\220`p\357 \230@\047cM\047\263a\047f\215`\354`\047\216#\374%\005\225`pe in \375a\300` NoneN\177ote thas\000\347yth\273@\347@del\177iberateo\000\336\351\001cter!\001n \177PEP-484\243\"\373re\342As sub\353cl\252\000e\313\204\002bui\373lt_\000types\377. If you\007 ne\264`\307\000\264`$\n\277`\337n set\200\000e \255\047\363\002at\302`_<\000i\307ng\047\206D\335@\204!Fa?lse.a \342dQ\001\236\260@t le\212\204\001\313\000 \377chunkacc\357ess_\265cs m\377ust name\273 1\311!16 \023\004a\217dd_n\375\000\210\206\003\216\206\004_\374\274\206\0030\002be pos\353it\334`c\215Ddop\375t\243` empty\374\313\206\003\024\004unmap \375a}\003 while\205 \245As\220\205\014\271\206\002\243\002$\004s\207ize\237\004f\010\264\000\305 p\373le7\006granuOlariv\000\343\002_6\001\371 \232\r\200\205\003colle\375c\307!s.abcc\257ount\"\006a\253%1\274\232\206\002\336\205\003 dis\257\207\001d\377mabuf of\311f\224A\200%a\207\006\346\206\005pa\367ge }\002dsts\237, src\272\205\003\305\010h\343av\332a%\000\373!len\371g\355A\225\210\001from_\177tensor \301D\371 \210\205\002\016\003gcise\335n\212\002no \232\205\tis\376\306\207\005 (cuIni\373t:4\002_ERRO\377R_NO_D""EV\347ICE\255\207\020G\000def\375a\337\205\001__redu\377ce__ due\376\340\205\001non-tri\377vial __c\315iV\000__\376\004\326afd\317 per\327D\213\211\001eegded\220\206\002\362\210\003s \311\003\377xfer all\177ocated \266`|\232\206\001\233\212\001their\212\212\005\321oK\000\346\204\002\242\211\001a\355\212\003d \374\257\210\007\n\023Stagerh\342\211\004\344X\201\007/\333\212\003/_\206\212\001\017.pyx\261\212\001\361\207\003\262\211\002\323\212\005\337avail\256\213\002on\377 this ma\377chine (u\370\204B\205\210\001\317\005 arra\177y data.\013\020\010\341\207\003\310\211\001\245\211\003s\"\000\366\211\003\326\010\215\215\001\376\257\205\002ped_tai\343l \322w\357\204\t\371\210\001 [|\377u1ASCIIB\374\276\211\001\354MCopier\376\000\003.__entewr__\006\007xit\004\010\362\203dc\373\210\002\034\010sets\037tate_\013\014\231\216\002V\004\357dtod\000\010_ba\247tch\022\007\003\005h\035\007m\337emset\225\004sy\377nchroniz}e\257\214\001Error\262\214\007\002\274\214\007.\247\204\006\235\006\331\214\006\336\000\230\017\023\010\364\345\205\002\223\211\002sE\tplan$U\t\272\210\002_\273\211\002m\010a\354\210\001\004\t\310\321\204\004\220\010\336\216\001_\213b\245\010ex\002\215\220\001_\306\207\003\006\017\217\220\004\326\010\205\207\010\354\010\363imB\002\035\017map_\357next\230(res\377erveDEFA\377ULT_CHUN\377K_SIZEEl\377lipsisEx\357tent\337\"Loc\337kMAX_ \nSS\177equence\337\205\003\000\345\205\003\265g\006\007\272b\026\006\260l.\006\256n\370J\004\330\222\002V\004start\005_\302`h\004\n\253ax\004\347\216\001\203\004\257wait\260\220\001.\265\220\007_\013_D\233\221\002B\362\223\001\000\t\237o\017\014\276\314\204\016__Pyx\001\000D\337ict_N\330 Re\367f__\213\216\004e___\371_\340\216\002\000\006_getiWtem\026\001d0\001_\340\205\006\367__e\335\205\002__fu\013nc7\001g\303\205\005E\000\315DO\000\357mainU\001mod\343ul^\002\242\216\001g\001new\372n\001p\217\000checkcsue\000\n\001\234\221\003__\026\001\360\227\206\003\006\002\351\217\001\017\003unpi\033ckK\000En,\005\n\006\240*\346>\002vt\241\225\001""\331\001quaalv\005\223\213\005\344\205\016\255\213\006ex\215!/set_\252\005s\327\010\3110\357test\277!ont\247ext\230\220\001\203\214\002_\276\216\007_\242\300\"e\376\206\001O\003\255\206\010_\271\206\010.\375<\326\213\001ls>.ge\377nexpr_is\377_corouti\377ne_lock_\272\330\206\001_\306\206\010abc\206\221\013a\207ddr\237\221\001\214\230\002\337\206\002\344\206\002e\251d\260\214\005\270\214\005_\244\230\003a\245\210\001i\373o._\006sattr\376\000\001_indexb\357base\367\210\002_ap\371i\330\230\003\303\221\003ccast\214\221\222\002\251\220\007cl\246\001\371@@\000cF4\000ck\354\230\002\237\220\002\304\207\007d\332\213\001\376\336\213\001_ptrdec?odedev\212\227\003\220\227\003y_\321\220\002\005\004info\265\220\003\376\211\227\003_versio\017ndst\234\220\001\245\212\001\251\212\001\234\212\003b\356\205\001d\260b\272 \250\230\003el\371\230\002\026\317\221\002enj\001e\277`\201\225\002\220B\036\225Bsexc\316\210\n\341\210\004\337\231\004\377extfdfla\377gsformat\334\376\225\004\341\220\010gdr\260Dge\357tgpu\346\227\003_rd\367ma_\342\232\001_vmm\364\344\222\001\341\222\010h\274\232\004hole\035s\305\213\001iid\212\211\013\376\"\374\001\216\206auda\216`D\000\231\206\001s\376\000\002izekkee?palive\377\221\003\270\211\005\306\303\211\002ow\322\232\003\313\223\002\232\214\003me)m\341\227\001\331\227\001n\267\225\001np\000\354\211\001\376\217!lobjoff\376\233\223\003outowne\377dppackpo\271i\346\215\002\343\234\002pop\271\225\001x\357_fd_\377\233\004pre\367v_k\001\002offpMr\037\000tr\220\235\002\306\224\002_\321a6\273`te\306\233\001st\345\220\001\327\226\001\276\014\000place\333\212\004r\377esolve_e\364\313\212\002\256\231\003r\300\225\002self\033se\360@et\342\222\004\354\230\002\205\235\006x\345\225\002\352\225\001\250\224\001rcss\312\221\001\200\301\225\002\204\212\002\204\212\007\222\212\003\262\216\001\375\216\002\203\217\001i\177cmethod\224\000\357psto\001\000rea\375m\331\220\004struct\210\303\216\010\324\224\003\207\223\007.\271c\006\010\362\235\003.\326\222\222\002th\336\232\001i\232\225""\001ro\311w\265\231\002N\000n\217D\230\221\001un\376\334!updateu\367se_\224\220\005vval\013ue\000\002s\352\204\004\231\233\001\303`\252\213\001\357warn\000\001ing{sx\326\233\006(CUc\202\210\003\277 *, CU\335\235\003)\201\000\016\020\007\013\241\227\0042\000\344@\007\021pctrG\t\010\004\334\230\001_th\001\374\004\003p\001memcpy/Attr\353Bs\024\007\032\013\303st\342!Q\030S\007\301\005pt\315r\017\036, \201\007\334\237\003pt\337r, un\356\235\001ed\377 PY_LONG\200\000\002\322\024\260\0476\002\321\007\226\032q\005)\321\000\342*y\010\227*A\305\234\002De\177sc cons\272(\371) \035\337*Gener\367icA\220\230\003ionHx\222\243\002\302\200-\227&char\270)\036\325\034void\261\r\366a\312Q\013ev\200\244\001*\202H\334n\036\002\263,\0342\002<\025mem\353\024\205\204\016\231\047\017Prop\354\047\370\202 H\033\377\002\341*\330\205\013\016!\247\205\004\253MTyp1e%%\315\206\013\337\243\003, \300A\316e\004\211\014\360\205\003 \350:\222\206\005\254\207\010M\002\230\207\003>\302\207\023int *\356\204\n\r\002p\373\207\007\370\212\007\203\210\023\342\206\tmem\225U+CU\020\nG\257\241\007_\231\216\002\340\210\t\020\353\206\006\305\210\014\236O\274C*\262\207\007\035\033\210\207\026\017memR\205\253\001\376\205\003\305A\327\207 \000\271c\312\207(\047\007\344\204\027\301xf*\360\216\005\267\216\006\336\220\211\n)\000cu\241\230\003Pr\377imaryCtx?Retain\026\000\t\000\377SetCurre[nt \006Ge\010\001M\240\213\002\245B\317\235\001A\246\235\001E\000M\306\206\001t\201A\271\224\003\301\"\017\003\n\005\376\232\003#\003c?pyDtoD0\0101\004/FreeF\003U\260\246\001Q\003\270\203\000\350\211\003`\003Mapi\003s\357etD8t\010cpy\365HK\010E\253\210\001Crea\371tO\001\t\002Destr\223oy\363\000\030\002S\332\236\007\013\005R\237ecord\311\0033\006M\320\224`\221\"\226\212\r\361\003I\206\235\002Fr\307omS\325\256\005\277\212\003\220#Rep\245\221\002\350 \271 \303\237\002Nam\342\001\001S\275\215\002\231\006\t\003\231\007\031\003\226\013\316\233\003\010\201@<\004\007\006C\302\247\001\312A\354\255\002\242@\201V\336\225\003\254I\313\216\006\244G""\355\213\006\376\205\010\0008\266\246\003\315C\215AHos\355D\006\0018\245\214\002\347F\250\214\003For\347O\337C\265H\225hE\366\237\002To\225/P\370\231\224\003\332`\360\217\006O\200\001\330\004\337\n\210+\220Q\005\001\021\220\367\021\330\004\000\002\014\210I\320\377\025&\240a\240q\250\004\177\250A\330\004\013\2101&\001\373\030\230*\002%\210r\220\026\277\220r\230\021\330\010.\002\013\377\2109\220A\220W\230A\372J\001\031\024\000\004\005\330\010\023\377\220?\240!\320#6\260\377h\270a\270s\300+\310\377^\320[_\320_a\320\377ad\320de\330\014\023\377\2201\220G\2301\330\013\373\014\340\\\000;\220a\220q\376\211\001*\250!\2506\260\021\357\200\001\340\004\200\014(\250\001\277\250\021\250$\250a\210\004\340\377\004\037\230q\320 0\260\377\013\270;\300k\320QR\177\330\004\023\220<\230x\261\000\376\322\000\007\200|\2207\230!\377\330\010.\250a\250\177\270\373n\310\276\005\360\006\000\005\022\376\345\001\017\320\017+\2501\250\377A\250S\260\007\260u\270\377K\300q\330\010\017\210q\343\330\014\277\0006\000\356\003\360\010\000\373\n\033C\001\021\220\024\220U\177\230$\230g\240T\250\365\000\377\020\220\007\220q\230\006\230\377l\250!\330\004\007\200v\377\210W\220E\230\024\230Q\357\330\010\022\220r\000\027\220q\377\340\010\027\220t\2309\240\347G\2501\036\001Y\001\320\017-\377\250T\260\021\260\047\270\033\177\300G\3101\340\010\017\006\t\376\273 \360\024\000\005&\240[}\260\222@\027\220{\240!\207D\377\013\320\013\034\230F\320\"\363:\270j\000\264\000$\240A\240\367Q\240f\270\000V\3203I\377\310\025\310k\320YZ\330}\010\242@\320\014 \240\013\274!\337\330\004\020\320\020\273C\017\260\277q\330\047=\270U\375#\\\373\330\024\337!1\250O\2701\237\330+A\300\025\265#7\003\047\353\240{\232\000\021\352CA\330\010\177\014\210F\220!\200A\223\"\364\003\001\260AD\201`\r\016\330\014\277\024\220I\320\0351\313\000$\357\260k\300\021\"\000!2\260\377!\360\022\000\t\020\210z\377\230\026\230q\240\006\240l\367\260(\270;\001\"3\2601\373\360\"\006\021+=\270Q\360\377(\000\t\023\220\"\220C\256\316 \004\230C7\000\005\341 \023\367""\250F\260\273@\031\230\027\240\377\001\240\021\240\"\240D\250\377\003\2505\260\n\270#\270\377Y\300d\310(\320RY\336\361\001!\"\240#\047\004*\320\357<L\310A\253\0001:\2707/\310\021\267@\t\024\341`\304\000\373\024\220\262\000\230\025\230i\320\377\047i\320ij\330\010\016\377\210d\220!\2205\230\t\377\320!_\320_`\330\010\372_\005#\325 c\250\024\250U\376\267\000/\310\031\320RV\320\377VW\330!)\250\033\260\177E\270\026\270v\300Q\213 \3675B\300\344\002 \230z\250\371\030\314@\342`\013\2105\220\003\377\2201\330\014\022\220*\230\365A\203a\023u\003\014\210K\220p\325`\313\205\002\353`\317!L\230\001\000\004\366\335!I\220\261`\014\210J\220\351a\353!&\004N\265\204\001\014\210OS\2301\214!\370$\340\336@4\234\204\001\177\r\330\010\t\330\014\027\252\"\357A\330\017\020\023\003y\230\003\357\2301\330\024\242\205\001\024\250Q\363\330\024\241a\247\204\001\014\020\220\013\273\2301\310AE\220\025\342\205\001\330\277\014\017\210t\2208W\002s\366\341`\030\047\341\206\002H\260A\260\277Q\330\020\024\220H\276\000U\364\371`\"\0029\313\000S\240\003\240w1\330\030\213\207\001t\2509\037\005\177I\230Q\230e\2401\257\004s\200A\223\t\355\006E\220\024\335\000\017\014\r\210X\334\010Tf\331\010\267\003\0378\2601\260A\331\010\253\010\260F\276\231!7\230!\2301\317\001\014\257\210G\2201\226\204\001\330\352\204\006/\377\250q\260\004\260H\270A\377\270T\320AW\320W\\\377\320\\_\320_c\320c\357d\330\025\026\222\205\002\230^\250\3771\250D\260\010\270\001\270\337\024\270T\300\033\221\204\001\340\010\3765\023\3200F\300e\3104\177\310x\320WX\320X\0218\3770\260\001\260\024\260X\270\017Q\270e\300\266\002\233\206\016\266\000i\002\377\320Ka\320af\320f\377g\33004\260K\270q\356\267A\047\240z\305\206\002e\2701\377\270A\330\010\030\230\004\230\377F\240!\240:\320->\177\270l\310!\340\010\025\243\204\001\377\013\2102\210S\220\001\330\375\014\377`\014\210A\210T\220\371\021\351\210\001\216\207\005\010\014\320\014\034\373\230A\246\"\022\220$\220b\353\230\001\314aB\006\000\007\230r\377\240\022\2404\240r\250\024\377\320-?\270t\3001\330\353\020""\030\373\205\0013\217@D\270\t\377\300\021\300$\320F]\320\317]a\320a\310 \241\206\00248\333\270\013!\004\240\036\353\047\300\024\377\300[\320PQ\330\020\023\377\2201\330\024\034\230I\320\373%8\345\"X\300Q\300b\377\310\002\310%\310q\330\024\375\032\277@2\230R\230z\250\377\024\250Y\260a\260r\270\377\022\2704\270q\330\020\032\337\230)\2405\250\226\000\027\220\360\013\000\323\001\304\210\003\266\047b\300\002\300\367%\300q\310\206\001!\2202\220\377R\220z\240\024\240Y\250\377a\250r\260\022\2604\260\376\253\"-\250Z\260q\270\004k\270E\266\000!\245(\250Q\321\200W\1774\260A\260T\270\030\250 \336\232\001\020\026\220a\333\213\002A\240\377T\250\022\2502\250U\260\335!\312\047\3204K\322`r\320\177QW\320W[\320[\356\215\001\363\320e\261\201\"\217%\200A\360\006\377\000\t\014\2104\210w\220\177a\220x\230{\250!\323\210\010\375\017\333\212\006i\250t\2606\270\377\026\270s\300\"\300F\310\377-\320WX\330 &\240\377g\250W\260C\260s\270\267*\300AC\003\r\210\362\210\002\013\374M\000\370\207\0013\230f\240B\240\377b\250\003\2506\260\023\260\307D\270\001\257\211\010 \001\371\"+\230sQ\230\221\211\002\346a\030\230\021\312\216\001\337\013\2101\210A\340\205\003[\250\327\001\250\024e\000B\334@y\300\377\001\300\030\310\021\330\014\r\357\210Z\220q\271\000\010\000\t\375\034\362\210\001\017\210s\220!\22091\231\215\001\226\212\t\320\035A\264C\240\212\004\352\224\001u\315\214\001W\275\001\014\022\220\377)\2301\230N\250!\250\3271\330\010\234\213\037\022_\001\220F\377\230(\240+\250Q\330\010\277\020\220\t\320\0317\235`\001\377\270\026\270q\300\016\310aw\330\021\022\330\217\001y\230\001\226\215\001\376\037\000\320\020#\2401\240F\377\250)\260;\270c\300\032\277\3103\310a\310q\276\216\0016\357\220\023\220A\300\213\004\320\035@\264\324\000\350\217\002\t\373\000\047\240\363\217\002\001\277\220\027\230\003\2305\217\212\002\010\326\364\213\001\002\220\227@\021\023\000\001\230\337\025\230b\240\001\306\214\005\027\250\367\003\2509\331 \010\300\013\310\3775\320PV\320V\\\320\273\\]\325@\020\000\t\376.d\237\240*\250C\250\360""\204\002\367\001A\316\312\217\0014\210t\315\214\003\211!I\240_Q\240d\250!\270\215\001a\373\213\002\377\020\220\005\220U\230!\230\3674\230q\210\206\0014\220t\230\3358\321\000B\240a\372\205\001+\240\377Q\240h\250a\320/B\377\300+\310T\320QX\320\177XZ\320Z^\320^\365\207\001c\320g\202\216\002\277\204\001\200\207\004>\2703\000\377\025\220T\230\024\230X\240\377Q\240b\320(9\3209\366\243\223\002\024\025\346\206\0017\230\"\230\177D\240\010\250\001\250\022\315\004\377\001\300\022\3007\310!\330\377\017\020\330\014\020\220\003\220\3773\220f\230A\330\020\025\357\220Q\220a\234\210\002\017\210q\377\320\000\020\220\001\360\n\000\377\005\030\220q\330\004\017\210\377q\220\001\330\004\014\210I\377\220\\\240\021\240!\2405\357\250\t\260\021\014\002\320\025%^\314\221\002E\260\026\260\047\000\005\277\222\004\267\020\220\004\237\224\001\230G\343\214\001\032\317\230.\250\001\236\223\001\222 \220E\357\230\031\320\"\313!\330\010\034\276\226\000\001\240\025\240i\273 \047\377(\330\010#\2404\240q\273\250\005\362\207\001\330./\214\223\001$\357\220a\220u\244\210\001M\310Q\337\340\004\016\210a\206\000\006\220\237h\230g\240Qw\004\202\211\001A\277\260V\2701\270N\320\000\r\377\016\330\004\010\210\001\320\tm\032\200\224\004\320\004\233\212\002\360\014\260F\376\370\211\003\027\230\002\230+\240W\376\266@z\270\023\270A\270Q\336\200\223\0017\220\"\220\357\211\001\004\230\374\303b\301\205\001h\240a\240y\260\377\001\260\027\270\002\320:U\337\320UV\320V\212@[\330\373\036)\272\205\004d\270!\330\010\377\033\2306\240\021\240&\250\377\010\260\001\320\004(\250\001>d\010\013\2106\220\022\322\220\n\256\220\001\375e\371@{\250$\250m\270\3712w\001\322\217\0011\320\004*\250\177*\260A\360\032\000\t\362 \360\277\207\001\361\206\006\225\001\321\204\007Q\320QR_\320Rb\320b\265\215\002\010\264\032\375#\226`\027\240\004\240G\250\3333\250\332@\022\220\226\207\001i\240\377q\320(O\310q\320P\317T\320TU\275\014\341AQ\220\371c\236\230\001\350\222\001/\240\021\240(\376\270\204\002\320\016$\240K\250sk\260!\307\216\007;\360\214\001\270T""\202\225\005w<@\300\342Bq\320\004\027\000\377\360\016\000\t0\250q\330\323\010/\000\002\006\001\037\327\224\002a\240\317q\340\010!\217\206\001\217\210\001F\220\375!\377`c\230\026\230s\240\377!\2406\250\021\250#\250SS\260\310\210\013\324\206\004\r\227\231\0011\216\224\001\374\255\226\002\341\213\0031\220F\230#\230\377W\240A\330\014\020\320\020\347*\250!\256\207\001\234\215\0034\260A\377\3205L\310A\310Q\310\377a\310t\320Sj\320j\377k\320kl\320lm\320\377mn\3305>\270a\270\177q\300\001\300\024\300W!\000\367V\320S\213 `\320`c\377\320cg\320gh\330\031\341\032\252\216\001\254\226\001\250\206\005\357\215\010\3204J\377\310!\3101\310D\320P\356\221\206\003h\320hR\004\320no}\330\373\215\003\320\004B\300!\252\007\376\362\226\006-\250Q\320.D\300\377E\310\027\320PS\320S>\264\211\002\025\026\320VW";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 6218, 10254);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (5996 bytes) */
+static const char cstring[] = "\377  /  at \3770x bytes\370\000\003\016\001\t\004out o\377f range \377(2 buffe\323rs\020\001,\003)3\003; \377call clo\377se() or \377use \047wit\337h\047 doW\000no\377t exist \375(\007\007suppor\377t POSIX-\377fd share\377able han\343dl\217\0004\006$\005vir\377tual mem\377ory mana\377gement f\177ailed: 5\004\377(s)> is ~v\001mapped\n\001\373pa\200\000the e\363nd\327\001\007\001regi\373on\226\000objec\367t> \n\000cuda\277: visi\213\000)\377#x(tree \357fragh\001)))? runs F\006>\003\337\047s );\367\002de\377vice=\047cp\367u\047,\215!inst\374\240!x\001NVIDIA\377 driver,\357 , g\233 .: \213<Cs\000R\210\003\000\t\323\"d\367><M\357\002View\376\222A<contig\337uous \253  d\263ir\272\001\007\rin\021\005s\017trid\204 #\007\223\003\006\027\363><(\tA\006>?CU\371D\275\000\337\002 CUre\377sult Can\376\343Aassign \367to \311@d-on\353ly\247Dv\267\000Inv\377alid mod\313e,\220`p\357 \230@\047cM\047\263a\047f\215`\354`\047\216#\374%\005\225`pe in \375a\300` NoneN\177ote thas\000\347yth\273@\347@del\177iberateo\000\336\351\001cter!\001n \177PEP-484\243\"\373re\342As sub\353cl\252\000e\313\204\002bui\373lt_\000types\377. If you\007 ne\264`\307\000\264`$\n\277`\337n set\200\000e \255\047\363\002at\302`_<\000i\307ng\047\206D\335@\204!Fa?lse.a \342dQ\001\236\260@t le\212\204\001\313\000 \377chunkacc\357ess_\265cs m\377ust name\273 1\311!16 \023\004a\217dd_n\375\000\210\206\003\216\206\004_\374\274\206\0030\002be pos\353it\334`c\215Ddop\375t\243` empty\374\313\206\003\024\004unmap \375a}\003 while\205 \245As\220\205\014\271\206\002\243\002$\004s\207ize\237\004f\010\264\000\305 p\373le7\006granuOlariv\000\343\002_6\001\371 \232\r\200\205\003colle\375c\307!s.abcc\257ount\"\006a\253%1\274\232\206\002\336\205\003 dis\257\207\001d\377mabuf of\311f\224A\200%a\207\006\346\206\005pa\367ge }\002dsts\237, src\272\205\003\305\010h\343av\332a%\000\373!len\371g\355A\225\210\001from_\177tensor \301D\371 \210\205\002\016\003gcise\335n\212\002no \232\205\tis\376\306\207\005 (cuIni\373t:4\002_ERRO\377R_NO_D""EV\347ICE\255\207\020G\000def\375a\337\205\001__redu\377ce__ due\376\340\205\001non-tri\377vial __c\315iV\000__\376\004\326afd\317 per\327D\213\211\001eegded\220\206\002\362\210\003s \311\003\377xfer all\177ocated \266`|\232\206\001\233\212\001their\212\212\005\321oK\000\346\204\002\242\211\001a\355\212\003d \374\257\210\007\n\023Stagerh\342\211\004\344X\201\007/\333\212\003/_\206\212\001\017.pyx\261\212\001\361\207\003\262\211\002\323\212\005\337avail\256\213\002on\377 this ma\377chine (u\370\204B\205\210\001\317\005 arra\177y data.\013\020\010\341\207\003\310\211\001\245\211\003s\"\000\366\211\003\326\010\215\215\001\376\257\205\002ped_tai\343l \322w\357\204\t\371\210\001 [|\377u1ASCIIB\374\276\211\001\354MCopierj\000\003.\342Fc\334\210\002__\017\006\377setstate=_\013\014dtod6\004\007\001?_batch\007\007\003\005\375h\035\007memset>\362\213\001Error\365\213\007\377\213\007\200u\020\234\214\006\241\000z\017\023\010\250\205\002\326\210\002s\236E\tplanU\t\375\207\002_\004\376\210\002m\010a\257\210\001\004\t\224\204\004\220\010\241\216\001Y_\316B\245\010ex\320\217\001_\211\207\003`\006\017\322\217\004\326\010\310\206\010\354\010imB\002\376\035\017map_nex\375t\230(reserv\377eDEFAULT\377_CHUNK_S\377IZEEllip\377sisExten\375t\337\"LockMA\373X_ \nSSequ\217ence\242\205\003\250\205\003\377@e\277nter__\006\007x\003it\004\010\205\207\004\231e.\006\220nJ\004\374\233\222\002V\004start_\342\260`h\004\n\231a\032\005ync\277hroniz\220\004.\274\274\216\001\225\004wait\205\220\001..\212\220\007__D\360\220\002B\307\223\001\000\t\370\271\204\017\017\014\300\204\016__Pyx~\001\000Dict_N\352 \337Ref__\340\215\004e_\347___\265\216\002\000\006_ge_titem\026\001d0\001\334 \000\265$__e\260\"__/func7\001g\267\205\005E\000\274\337DO\000mainU\001m\217odul^\002\367\215\001g\001n\353ewn\001p\217\000che\217cksue\000\n\001\361\220\003_\301_\026\001\213\206\003\006\002\276\217\001\017\003unopickK\000En,\005\230\n\006\240*>\002vt\366\224\001\331\001q\207ualv\005\350\212\005\376\206\016\202\213\006e\275x""\215!set_\252\005s\\\327\010\3110tes\303`_\273\223\001\247ext\355\217\001\330\213\002_\223\216\007_\242\300\"e\220\207\001O\003\277\206\010_\313\206\010.\375<\253\213\001ls>.ge\377nexpr_is\376U\000routine\277_lock_\352\206\001_\356\330\206\010abc\333\220\013addar\364\220\001\341\227\002\361\206\002\366\206\002ed\205\214\005\372\215\214\005_\371\227\003async\337io.coa\004sa\367ttr\000\001_ind\177exbbase\367\210\002\317_api\255\230\003\230\221\003ccgast\346\221\002\376\217\007cl\246\0014\371@@\000c4\000ck\301\230\002\364\217\002\362\326\207\007d\257\213\001\263\213\001_ptr\377decodede\311v\337\226\003\345\226\003_\246\220\002\005\004in\363fo\212\220\003\336\226\003_ver\177siondst\361\217\001\210\245\212\001\230\212\007\200\206\001d\260b\272 \375\227\003eYl\316\230\002\244\221\002enj\001e\277`x\326\224\002\220B\225Bsexc\340\210\n\374\363\210\004\264\231\004extfdf\377lagsformsat\323\225\004\266\220\010gdr\260D\277getgpu\273\227\003_\337rdma_\267\232\001_v\323mm\271\222\001\266\222\010h\221\232\004howles\305\213\001iid\234\211\0138\376\"\374\001\206auda\216`D\000\372\231\206\001s\000\002izekk\377eepalive\030\324\221\003\312\211\005\325\211\002ow\247\232\003\240\223\002\232\214\003\247mem\266\227\001\256\227\001n\214\225\001n\370p\000\376\211\001\217!lobjo\373ff\360\222\003outow\377nedppack\347poi\271\211\002\270\234\002pop\276\216\225\001x_fd_\324\233\004p\337rev_k\001\002of7fpr\037\000tr\345\234\002\233\224\002\331_\321a\273`te\233\233\001st\370\272\220\001\254\226\001\014\000place\376\355\212\004resolve\323_e\335\212\002\203\231\003r\225\225\002seolfse\360@et\267\222\004\340\301\230\002\332\234\006\272\225\002\277\225\001\375\223\001rcs\300\214\212\002\214\212\007\232\212\003\250\216\001\347\216\002\355\216\001ic\277method\212\000p\367sto\001\000ream\376\244\220\004structs\210\252\212\007\237\224\003\322\222\007.\257c\006\010\275\235\003.\326\335\221\002th\251\232\001i\345\224\001ro\311w\200\231\002N\000n\205D\343\220\001un\376\322!updateu\367se_\376\217\005vval\013ue""\000\002s\340\204\004\344\232\001\271`\240\213\001\357warn\000\001ing\273sx\241\233\006(CU\367\207\004 \337*, CU\250\235\003)\000\300\016\020\007\013\354\226\0042\000\332@\007\021pt1rG\t\010\004\247\230\001_th\001\004\003\376p\001memcpyA\227ttr\341Bs\024\007\032\013s\341t\342!Q\030S\007\301\005ptr\346\017\036, \201\007\247\237\003ptr\357, un\271\235\001ed \177PY_LONG\000\002\300\322\024\260\0476\002\321\007\226\032q\005)\000\350\342*y\010\227*A\220\234\002Des\277c cons\272()\374 \035\337*Generi{cA\333\227\003ionH\335\242\002<\302\200-\227&char\270)\325\034\217void\261\r\366a\312Qe\005v\313\243\001*\202H\334n\036\002\263,2\002\216<\025mem\353\024\205\204\016\231\047P\207rop\354\047\370\202 H\033\377\002*\360\330\205\013\016!\247\205\004\253MType\030%%\315\206\013\252\243\003, \300A\316e\211\014\002\360\205\003 \350:\222\206\005\254\207\010M\002\230\207\003\302\207\023\037int *\356\204\n\r\002\373\207\007\270\356\212\007\203\210\023\342\206\tmem\225UC\025U\020\nG\372\240\007_\217\216\002\340\210\t\353\206\006\210\305\210\014\236O\274C*\262\207\007\035\033\210\207\026m\007emR\320\252\001\376\205\003\305A\327\207 \271c\000\312\207(\047\007\344\204\027\301xf*\346\216\005\255\216\006\220\211\n\357)\000cu\227\230\003Pri\377maryCtxR\237etain\026\000\t\000S\276\201\235\001rrent \006GUe\010\001M\240\213\002B\305\235\001A\363\223\001\032E\000M\306\206\001tA\257\224\003\301\"\017\003\370\n\005\206\233\003#\003cpyDt\363oD0\0101\004Free\202F\003U\373\245\001Q\003\203\000\350\211\003`\003M\373api\003setD8^t\010cpyHK\010E\253\210\001\237CreatO\001\t\002D?estroy\363\000\030\002\371S\300\232\007\013\005Recor\td\311\0033\006M\224`\221\"\226\212\r\361\003}I\216\235\002FromS\240\256\005\014\277\212\003\220#Re\233\221\002\350 \271 \313\237\002\027Nam\342\001S\275\215\002\231\006\t\003\200\231\007\031\003\226\013\304\233\003\201@<\004\007\006C\020\215\247\001\312A\267\255\002\242@V\324\225\003\254I\313\216\006\210\244G\355\213\006\376\205\010\000\201\246\003\315C\215AH\203os\355D\006\001""\245\214\002\347F\250\214\003FSor\347O\337CH\225hE\376\237\002\213To\225/P\217\224\003\332`\360\217\006O\377\200\001\330\004\n\210+\220}Q\005\001\021\220\021\330\004\000\002\377\014\210I\320\025&\240a\377\240q\250\004\250A\330\004\267\013\2101&\001\030\230*\002%\377\210r\220\026\220r\230\021\373\330\010.\002\013\2109\220A\257\220W\230AJ\001\031\024\000\004\377\005\330\010\023\220?\240!\377\320#6\260h\270a\270\377s\300+\310^\320[_\377\320_a\320ad\320d\377e\330\014\023\2201\220G\277\2301\330\013\014\340\\\000;\357\220a\220q\211\001*\250!\377\2506\260\021\200\001\340\004\376\200\014(\250\001\250\021\250$\373\250a\210\004\340\004\037\230q\377\320 0\260\013\270;\300\377k\320QR\330\004\023\220\347<\230x\261\000\322\000\007\200|\377\2207\230!\330\010.\250\277a\250\177\270n\310\276\005\360\357\006\000\005\022\345\001\017\320\017\377+\2501\250A\250S\260\377\007\260u\270K\300q\330?\010\017\210q\330\014\277\0006\000\276\356\003\360\010\000\n\033C\001\021\377\220\024\220U\230$\230g\367\240T\250\365\000\020\220\007\220\377q\230\006\230l\250!\330\377\004\007\200v\210W\220E\377\230\024\230Q\330\010\022\220\376r\000\027\220q\340\010\027\220\177t\2309\240G\2501\036\001\376Y\001\320\017-\250T\260\021\377\260\047\270\033\300G\3101\347\340\010\017\006\t\273 \360\024\000\337\005&\240[\260\222@\027\220\367{\240!\207D\013\320\013\034?\230F\320\":\270j\000\264\000\177$\240A\240Q\240f\270\000\377V\3203I\310\025\310k\337\320YZ\330\010\242@\320\014\367 \240\013\274!\330\004\020\320\375\020\273C\017\260q\330\047=\273\270U\375#\\\330\024\337!1\377\250O\2701\330+A\300\271\025\265#7\003\047\240{\232\000\021\376\352CA\330\010\014\210F\220\347!\200A\223\"\004\000!2\260\377!\360\022\000\t\020\210z\377\230\026\230q\240\006\240l\367\260(\270\035\001\"3\2601\373\360\"\006\021+=\270Q\360\377(\000\t\023\220\"\220C\256\260 \004\230C7\000\005\303 \023\367\250F\260\235@\031\230\027\240\377\001\240\021\240\"\240D\250\377\003\2505\260\n\270#\270\377Y\300d\310(\320RY\336\323\001!\"\240#\047\004*\320\357<L\310A""\215\0001:\2707/\310\021\231@\t\024\303`\246\000\377\024\220D\230\001\230\025\230\377i\320\047i\320ij\330\377\010\016\210d\220!\2205\357\230\t\320!\362``\330\010\372_\005#\267 c\250\024\250U\376\267\000/\310\031\320RV\320\377VW\330!)\250\033\260\177E\270\026\270v\300Q\355\000\3675B\300\344\002 \230z\250\371\030\256@\304`\013\2105\220\003\377\2201\330\014\022\220*\230\365A\345A\023u\003\014\210K\220p\267`\255\205\002\315`\261!L\230\001\000\004\366\277!I\220\223`\014\210J\220\351a\315!&\004N\227\204\001\014\210OS\2301\214!\332$\340\300@4\376a\365\r\037\010E\366`X\230S\240\277\001\330\014\r\210XA\010\t\367\330\014\027\314\"A\330\017\020\3765\003y\230\003\2301\330\024>\246\205\001\024\250Q\330\024\245a\253\204\001\277\014\020\220\013\2301\314AE\373\220\025\346\205\001\330\014\017\210tk\2208y\002s\345`\030\047\345\206\002\377H\260A\260Q\330\020\024\213\220H\340\000U\375`\027\r\217\207\001t\277\2508\2601\260A\034\010\200\361A\261\006\221*\221@\330\r\016\330\377\014\024\220I\320\0351\260\177\021\260$\260k\300\021*\001\237\014\210G\2201\214a\357\205\001t\346\245\206\001\2301\n\0134\001\020\220\006\320\222\207\002\\\000\047\007\023\003\014\201@S\240\233\005\240\253@\340\010\307\207\001_\n/\377\250q\3200F\300e\320\377Ka\320af\320fg\177\33004\260K\270q\245\001\367\047\240z\205\002e\2701\270\377A\330\010\030\230\004\230F\377\240!\240:\320->\270\277l\310!\340\010\025\254A\013\237\2102\210S\220\360!\202\205\001A\317\210T\220\021\324\206\001y\013\022\220_$\220b\230\001\255!B\006\000\377\007\230r\240\022\2404\240\275r\334`\\\270\024\270\305\"L\377\240\001\240\023\240D\250\002\177\250%\250q\330\020\023\300`?\024\030\230\006\230a(\002\252@\177\032\230!\2302\230R\347`\377\024\250X\260Q\260b\270\377\002\270$\270a\330\020\032_\230)\2405\250[\000\027\335`\365\020\222\001\014\213#r\230\022\230\376\204\204\002!\2202\220R\220z\377\240\024\240X\250Q\250b\353\260\002\336 a\211A-\250Z\377\260q\270\004\270E\300\021[\300!\331\010\250Q\217\200MF\273\000\3771\330\020\026\220a\220t\357\2308\2401""\345\002\"\250E\343\260\021\303a\356\014\301\005\200A\360\377\006\000\t\014\2104\210w\377\220a\220x\230{\250!\372\315\205\010\017\325\207\006i\250t\2606\377\270\026\270s\300\"\300F\377\310-\320WX\330 &\377\240g\250W\260C\260so\270*\300AC\003\r\210\354\205\002\371\013M\000\320\204\0013\230f\240B\377\240b\250\003\2506\260\023O\260D\270\001\251\206\010 \001q\300\206\001\337+\230Q\230a\323E\030\230}\021\246\213\001\013\2101\210A\251\204\002\277\230[\250\001\250\024e\000B\377\260a\260y\300\001\300\030\233\310\021\373\205\001Z\220\300`\363\207\001\034\376\312\205\001\017\210s\220!\2201\034\365\211\001\220\207\t\320\035A\361#\232\207\004\224\001\365u\376\204\001W\275\001\014\022\220)\377\2301\230N\250!\2501\353\330\010\226\210\037\022_\001\220F\230\377(\240+\250Q\330\010\020\337\220\t\320\0317\332@\001\270\377\026\270q\300\016\310a\330;\021\022\264\214\001y\230\001\220\212\001\037\000\367\320\020#\205@F\250)\260\377;\270c\300\032\3103\310\367a\310q\232\213\0016\220\023\220\235A\272\210\004\320\035@\324\000\304\214\002\t\366\373\000\047\240\317\214\002\001\220\027\230\277\003\2305\240\003\240\317\004\002\345\220\227@\021\023\000\331\211\001b\240\001\276\300\211\005\027\250\003\2509\331 \010\377\300\013\3105\320PV\320\337V\\\320\\]\325@\020\000\375\t\376.d\240*\250C\250t\362\"\367\001A\246\214\0014\210t\307\211\003\376\211!I\240Q\240d\250!\376\262\212\001a\330\010\t\330\014\020\377\220\005\220U\230!\2304\365\230\256\205\0024\325dB\240a\330\377\024\032\230+\240Q\240h\377\250a\320/B\300+\310\377T\320QX\320XZ\320oZ^\320^\346\206\001\320g\374\212\002n\216\204\001\330\020\030\374\212\001>\2703\000\377\025\220T\230\024\230X\240\377Q\240b\320(9\3209\366\377\217\002\024\025\215\206\0017\230\"\230\177D\240\010\250\001\250\022\315\004\377\001\300\022\3007\310!\330\373\017\020\207\001\003\2203\220f\367\230A\330\377\205\001\220a\330\014\375\r\242\217\002\320\000\020\220\001\360\377\n\000\005\030\220q\330\004\377\017\210q\220\001\330\004\014\377\210I\220\\\240\021\240!\277\2405\250\t""\260\021\014\002\320{\025%\250\216\002E\260\026\260\047\000\335\005\233\217\004\020\220\004\373\220\001\230G\276\347!\032\230.\250\001\205\211\0031\277\220E\230\031\320\"\313!\330\373\010\034\226\000\001\240\025\240i\377\250q\330\047(\330\010#\377\2404\240q\250\005\250Y\337\260a\330./\350\217\001$\220\377a\220u\230I\320%M\177\310Q\340\004\016\210a\206\000\177\006\220h\230g\240Qw\004\3753\251\212\001\260V\2701\270N\376\320\000\r\016\330\004\010\210\001\267\320\t\032\334\220\004\320\004\214\211\002\360\355\014\260F\014\210\353\210\001\027\230\002\372\346 W\266@z\270\023\270A{\270Q\334\217\0017\220\"\220\346\210\001\367\004\230A\275\205\005h\240a\240\377y\260\001\260\027\270\002\320\177:U\320UV\320V\212@\357[\330\036)\272\205\004d\270!\377\330\010\033\2306\240\021\240\377&\250\010\260\001\320\004(\373\250\001d\010\013\2106\220\022\364\314\215\n\250\215\001e\371@{\250$\250\347m\2702w\001\252\214\0011\320\004\377*\250*\260A\360\032\000\301\t\362 \277\207\001\361\206\006\225\001\321\204\007Q\320\377QR\320Rb\320bc\247\320cd\270\212\005\272\024#\226`\027\377\240\004\240G\2503\250a\376\222\207\005i\240q\320(O\310\177q\320PT\320TU\275\014\316\341AQ\220c\372\224\001\342\217\001/\240\367\021\240(\270\204\002\320\016$\240_K\250s\260!\353\214\007;\341\213\001\273\270T\336\221\005<@\300\342Bq\373\320\004\027\000\360\016\000\t0\237\250q\330\010/\000\002\006\001\037~\321\221\002a\240q\340\010!\217\206\001\356\217\210\001F\220!\377`c\230\026\377\230s\240!\2406\250\021\237\250#\250S\260\310\210\013\324\206\004\r\361\330\203\215\006\212\223\001\251\220\001!\2201\220\377F\230#\230W\240A\330\177\014\020\320\020*\250!\256\207\001\376\225\205\0034\260A\3205L\310\377A\310Q\310a\310t\320\377Sj\320jk\320kl\377\320lm\320mn\3305\377>\270a\270q\300\001\300w\024\300W!\000V\320S\213 \367`\320`\323 g\320ghG\330\031\032\211\205\001\243\216\003\252\206\0031\354\205\004\3773\2601\3204J\310!\277\3101\310D\320P\221\206\003h\373\320hR\004\320no\3304/8\270\013\300\317@B\234\214\001\257\216\016\377-\250Q""\320.D\300E\177\310\027\320PS\320S\264\211\002\037\025\026\320VW";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 5996, 9781);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (10254 bytes) */
-static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 buffers of  bytes) bytes; call close() or use \047with\047 does not exist ( does not support POSIX-fd shareable handles does not support virtual memory management failed:  handle(s)> is not mapped is past the end of the region ( object> on cuda: visible)#x(tree fragment))) runs past the region\047s ); use device=\047cpu\047, or install the NVIDIA driver, , got .: <CudaRegion <CudaRegion closed><MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?CUDA device CUresult Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.a region needs at least one chunkaccess_devices must name 1 to 16 devicesadd_notebuffer buffer_bytes must be positivecannot adopt an empty rangecannot unmap a chunk while views of the region existchunk chunk sizes must be positive multiples of the granularity chunk_size must be positive, got collections.abccount must be at least 1cuda:device disabledmabuf offset must be a multiple of the page size dsts, srcs and sizes must have the same lengthenablefrom_tensor needs a CUDA tensorgcisenabledno CUDA device is visible (cuInit: CUDA_ERROR_NO_DEVICE); use device=\047cpu\047no default __reduce__ due to non-trivial __cinit__offset one fd per chunk is neededonly regions tensorxfer allocated can export their handlesoperation on a closed CudaRegionoperation on a closed Stagerregion size must be positive, got tensorxfer/memory/_cuda.pyxthe CUDA driver is not available on this machine (unable to allocate array data.unable to allocate shape and strides.unclosed CudaRegion of unmapped_tail must be a multiple of the granularity view [|u1ASCIIBCUDA_ERROR_NO_DEVICECopierCopier.__enter__Cop""ier.__exit__Copier.__reduce_cython__Copier.__setstate_cython__Copier.closeCopier.dtodCopier.dtod_batchCopier.dtohCopier.htodCopier.memsetCopier.synchronizeCudaErrorCudaRegionCudaRegion.__reduce_cython__CudaRegion.__setstate_cython__CudaRegion._from_chunksCudaRegion._planCudaRegion._unmap_chunkCudaRegion.adoptCudaRegion.allocateCudaRegion.cuda_arrayCudaRegion.export_dmabufCudaRegion.export_handlesCudaRegion.from_tensorCudaRegion.import_handlesCudaRegion.map_nextCudaRegion.reserveDEFAULT_CHUNK_SIZEEllipsisExtentErrorLockMAX_DEFAULT_CHUNKSSequenceStagerStager.__enter__Stager.__exit__Stager.__reduce_cython__Stager.__setstate_cython__Stager.closeStager.start_dtohStager.start_htodStager.viewStager.waitView.MemoryView__DeviceBytes_DeviceBytes.__reduce_cython___DeviceBytes.__setstate_cython____Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____enter____exit____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle__DeviceBytes__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___contexts_default_chunk_size_dict_error_name_from_chunks_from_chunks.<locals>.genexpr_is_coroutine_lock_plan_unmap_chunkabcaccess_devicesaddress_rangeadoptadoptedallocateallocate_bufferasyncio.coroutinesattrattr_indexbbasebatch_apibuffer_bytesccastchunkchunk_sizecline_in_tracebackclosecountcuda_arrayddatadata_ptrdecodedevdevicedevice_countdevice_infodmabufdriver_versiondstdstsdtoddtod_batchdtohdtype_is_objectelement_sizeencodeenumerateerrorerrorsexcexport_dmabufexport_handlesextfdflagsformatfortranfrom_tensorgdrgenexprgetgpudirect_rdma_with_vmmgrangranularityhhandlesholeshtodiidimport_handlesindexinfois_cudais_vmmitemsitemsizekkeepalivelengthmap_nextmap_nowmapped_sizememsetmemviewmodennamendimnextnumelobjoffoffsetoutownedppackpointer_rangepopposix_fd_handlesprev_kprev_offpropptrrange_size_attributeregisterreleasereplacereserveresolve_ext""entresultrsizesselfsendsetdefaultshapeshareablesizesizessrcsrcsstage_sizestartstart_dtohstart_htodstatestaticmethodstepstopstreamstridesstructsynchronizetensortensorxfer.errorstensorxfer.memory._cudathreadingthrowtypestrunmapped_tailunpackupdateuse_setstatevvaluevaluesversionviewvmmwaitwarnwarningsxCUresult (CUcontext *, CUdevice)\000CUresult (CUcontext)\000CUresult (CUdevice *, int)\000CUresult (CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, CUstream)\000CUresult (CUdeviceptr *, size_t *, CUdeviceptr)\000CUresult (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, CUdeviceptr, size_t, CUstream)\000CUresult (CUdeviceptr, size_t)\000\000CUresult (CUdeviceptr, size_t, CUmemAccessDesc const *, size_t)\000CUresult (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, unsigned char, size_t, CUstream)\000CUresult (CUdeviceptr, void const *, size_t, CUstream)\000CUresult (CUevent *, unsigned int)\000CUresult (CUevent)\000\000CUresult (CUevent, CUstream)\000CUresult (CUmemGenericAllocationHandle *, size_t, CUmemAllocationProp const *, unsigned PY_LONG_LONG)\000CUresult (CUmemGenericAllocationHandle *, void *)\000CUresult (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)\000CUresult (CUmemGenericAllocationHandle)\000CUresult (CUresult, char const **)\000CUresult (CUstream *, unsigned int)\000CUresult (CUstream)\000\000CUresult (char *, int, CUdevice)\000CUresult (int *)\000\000CUresult (int *, CUdevice_attribute, CUdevice)\000CUresult (size_t *, CUmemAllocationProp const *, CUmemAllocationGranularity_flags)\000CUresult (unsigned int)\000CUresult (void *)\000CUresult (void **, size_t, unsigned int)\000CUresult (void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned PY_LONG_LONG)\000CUresult (void *, CUdeviceptr, size_t, CUstream)\000CUresult (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned PY""_LONG_LONG)\000CUresult (void *, CUpointer_attribute, CUdeviceptr)\000cuDevicePrimaryCtxRetain\000cuCtxSetCurrent\000cuDeviceGet\000cuMemcpyBatchAsync\000cuMemGetAddressRange\000cuMemAddressReserve\000cuMemcpyDtoDAsync\000cuMemAddressFree\000cuMemUnmap\000cuMemSetAccess\000cuMemMap\000cuMemsetD8Async\000cuMemcpyHtoDAsync\000cuEventCreate\000cuEventDestroy\000cuEventSynchronize\000cuEventRecord\000cuMemCreate\000cuMemRetainAllocationHandle\000cuMemImportFromShareableHandle\000cuMemRelease\000cuGetErrorName\000cuStreamCreate\000cuStreamDestroy\000cuStreamSynchronize\000cuDeviceGetName\000cuDeviceGetCount\000cuDriverGetVersion\000cuDeviceGetAttribute\000cuMemGetAllocationGranularity\000cuInit\000cuMemFreeHost\000cuMemHostAlloc\000cuMemGetHandleForAddressRange\000cuMemcpyDtoHAsync\000cuMemExportToShareableHandle\000cuPointerGetAttributeO\200\001\330\004\n\210+\220Q\200\001\330\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025&\240a\240q\250\004\250A\330\004\013\2101\200\001\330\004\030\230\001\330\004\n\210%\210r\220\026\220r\230\021\330\010\021\220\021\330\004\013\2109\220A\220W\230A\200\001\330\004\031\230\021\330\004\005\330\010\023\220?\240!\320#6\260h\270a\270s\300+\310^\320[_\320_a\320ad\320de\330\014\023\2201\220G\2301\330\013\014\340\004\013\210;\220a\220q\200\001\330\004*\250!\2506\260\021\200\001\340\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025(\250\001\250\021\250$\250a\330\004\013\2101\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\220<\230x\240q\250\001\330\004\007\200|\2207\230!\330\010.\250a\250\177\270n\310A\330\004\013\2101\200\001\360\006\000\005\022\220\021\330\004\017\320\017+\2501\250A\250S\260\007\260u\270K\300q\330\010\017\210q\330\014\031\230\021\230!\330\004\013\2101\200\001\360\010\000\n\033\230!\330\010\021\220\024\220U\230$\230g\240T\250\021\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220t\2309\240G\2501\330\004""\007\200q\330\010\017\320\017-\250T\260\021\260\047\270\033\300G\3101\340\010\017\320\017-\250T\260\021\260\047\270\033\300A\200\001\360\024\000\005&\240[\260\001\330\004\027\220{\240!\330\004\021\220\021\330\004\013\320\013\034\230F\320\":\270!\330\004\017\320\017$\240A\240Q\240f\250A\250V\3203I\310\025\310k\320YZ\330\010\013\2101\320\014 \240\013\2506\260\021\330\004\020\320\020&\240a\240q\250\017\260q\330\047=\270U\300+\310^\320[\\\330\024*\250!\2501\250O\2701\330+A\300\025\300k\320QR\330\010\013\2101\320\014\047\240{\260\047\270\021\330\004\013\2101\200A\330\010\014\210F\220!\200A\330\010\017\210q\200A\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\0351\260\021\260$\260k\300\021\200A\330!2\260!\360\022\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330\"3\2601\360\"\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330+=\270Q\360(\000\t\023\220\"\220C\220q\230\004\230C\230q\240\005\240T\250\023\250F\260!\330\010\031\230\027\240\001\240\021\240\"\240D\250\003\2505\260\n\270#\270Y\300d\310(\320RY\320YZ\330!\"\240#\240T\250\023\250F\260*\320<L\310A\200A\3301:\270/\310\021\360\010\000\t\024\2201\220A\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\031\230\027\240\001\240\021\240#\240Q\240c\250\024\250U\260(\270/\310\031\320RV\320VW\330!)\250\033\260E\270\026\270v\300Q\200A\3305B\300!\360\022\000\t \230z\250\030\260\021\260!\330\010\013\2105\220\003\2201\330\014\022\220*\230A\230Q\330\010\023\2201\220A\330\010\014\210K\220q\330\010\014\210I\320\025+\2501\330\010\014\210L\230\001\330\010\014\210L\230\001\330\010\014\210I\220Q\330\010\014\210J\220a\330\010\014\210K\220q\330\010\014\210N\230!\330\010\014\210O\2301\230C\230q\330\010\017\210q\200A\340\010\013\2104\210q\330\014\r\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330""\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2209\230A\230S\240\003\2401\330\030&\240a\240t\2509\260A\260Q\330\020\024\220I\230Q\230e\2401\330\010\014\210K\220q\200A\340\010\013\2104\210q\330\014\r\330\010\014\210K\220q\330\010\014\210E\220\024\220Q\330\014\r\210X\220Q\330\010\014\210J\220a\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330\014\017\210t\2208\2301\230C\230s\240!\330\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2208\2301\230C\230s\240!\330\030&\240a\240t\2508\2601\260A\330\020\024\220H\230A\230U\240!\200A\340\010\013\2104\210q\330\014\022\220*\230A\230Q\330\010\017\210t\2207\230!\2301\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\260\004\260H\270A\270T\320AW\320W\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\3104\310x\320WX\320X\\\320\\_\320_c\320cd\330\025\026\330\014\024\220I\230^\2501\250D\260\010\270\001\270\024\270T\300\033\310A\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270e\3001\200A\340\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\320Ka\320af\320fg\33004\260K\270q\200A\340\010\047\240z\260\021\260$\260e\2701\270A\330\010\030\230\004\230F\240!\240:\320->\270l\310!\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!3\2601\260D\270\t\300\021\300$\320F]\320]a\320ac\320ci""\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\023\2201\330\024\034\230I\320%8\270\001\270\024\270X\300Q\300b\310\002\310%\310q\330\024\032\230!\2302\230R\230z\250\024\250Y\260a\260r\270\022\2704\270q\330\020\032\230)\2405\250\001\330\020\027\220q\330\020\025\220Q\330\014\024\220I\320\0350\260\001\260\024\260X\270Q\270b\300\002\300%\300q\330\014\022\220!\2202\220R\220z\240\024\240Y\250a\250r\260\022\2604\260q\200A\340\010-\250Z\260q\270\004\270E\300\021\300!\330\010\030\230\004\230F\240!\240:\250Q\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\023\2201\220D\230\001\330\010\014\320\014\034\230A\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\320-?\270t\3001\330\020\030\230\t\320!4\260A\260T\270\030\300\021\300%\300q\330\020\026\220a\220t\2309\240A\240T\250\022\2502\250U\260!\330\020\030\230\t\320!3\2601\3204K\3104\310r\320QW\320W[\320[d\320de\320ei\320ij\33048\270\013\3001\330\020\030\230\t\240\036\250q\260\004\260H\270A\270T\300\024\300[\320PQ\330\020\027\220q\330\020\025\220Q\200A\360\006\000\t\014\2104\210w\220a\220x\230{\250!\330\014\022\220*\230A\230Q\330\010\017\210z\230\026\230q\240\006\240i\250t\2606\270\026\270s\300\"\300F\310-\320WX\330 &\240g\250W\260C\260s\270*\300A\200A\360\006\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230f\240B\240b\250\003\2506\260\023\260D\270\001\330\014\022\220*\230A\230Q\330\010\013\2104\210q\330\014\022\220+\230Q\230a\330\010\014\210A\210T\220\030\230\021\230!\330\010\013\2101\210A\330\014\024\220I\230[\250\001\250\024\250W\260B\260a\260y\300\001\300\030\310\021\330\014\r\210Z\220q\200A\360\010\000\t\034\2301\330\010\017\210s\220!\2201\330\010\013\2105\220\003\2201\330\014\022\220*\230A\320\035A\300\021\300!\330\010\023\2201\220A\330\010\013\2104\210u\220I\320\035W\320WX\330\014\022\220)\2301\230N\250!\2501\330\010\024\220D\230\001\230\025\230i\320\047i""\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\022\220!\2201\220F\230(\240+\250Q\330\010\020\220\t\320\0317\260q\270\001\270\026\270q\300\016\310a\330\021\022\330\010\017\210y\230\001\230\026\230q\330\010\020\320\020#\2401\240F\250)\260;\270c\300\032\3103\310a\310q\330\010\013\2106\220\023\220A\330\014\022\220*\230A\320\035@\300\001\300\021\330\010\020\220\t\230\021\230\047\240\021\330\010\020\220\001\220\027\230\003\2305\240\003\2401\330\010\013\2105\220\002\220!\330\014\021\220\027\230\001\230\025\230b\240\001\330\010\031\230\027\240\001\240\027\250\003\2509\260D\270\010\300\013\3105\320PV\320V\\\320\\]\200A\360\020\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230d\240*\250C\250q\330\014\022\220)\2301\230A\330\010\013\2104\210t\2201\330\014\022\220)\2301\230I\240Q\240d\250!\330\010\016\210a\330\010\t\330\014\020\220\005\220U\230!\2304\230q\330\020\023\2204\220t\2308\2401\240B\240a\330\024\032\230+\240Q\240h\250a\320/B\300+\310T\320QX\320XZ\320Z^\320^f\320fg\320gi\320ij\330\020\026\220a\330\020\030\230\t\320!>\270a\330\024\025\220T\230\024\230X\240Q\240b\320(9\3209d\320de\330\024\025\330\020\023\2207\230\"\230D\240\010\250\001\250\022\2509\260D\270\010\300\001\300\022\3007\310!\330\017\020\330\014\020\220\003\2203\220f\230A\330\020\025\220Q\220a\330\014\r\330\010\017\210q\320\000\020\220\001\360\n\000\005\030\220q\330\004\017\210q\220\001\330\004\014\210I\220\\\240\021\240!\2405\250\t\260\021\330\004\014\210I\320\025%\240Q\240f\250E\260\026\260q\330\004\005\330\010\022\220!\330\010\020\220\004\220G\2301\230G\2401\330\010\032\230.\250\001\330\010\017\210t\2201\220E\230\031\320\"\\\320\\]\330\010\034\230D\240\001\240\025\240i\250q\330\047(\330\010#\2404\240q\250\005\250Y\260a\330./\330\010\022\220$\220a\220u\230I\320%M\310Q\340\004\016\210a\210q\220\006\220h\230g\240Q\330\004\014\210I\320\0253\2601\260A\260V\2701\270N\310!\330\r\016\330\004\010\210\001\320\t\032\230!\330\004\013\2101\320\004\047\240z\260\021\360\014\000\t\r\210L\230\001\330\010""\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220\"\220B\220b\230\004\230A\330\014\022\220+\230Q\230h\240a\240y\260\001\260\027\270\002\320:U\320UV\320VZ\320Z[\330\036)\250\024\250W\260B\260d\270!\330\010\033\2306\240\021\240&\250\010\260\001\320\004(\250\001\360\014\000\t\r\210L\230\001\330\010\013\2106\220\022\2201\330\014\022\220*\230A\230Q\330\010\014\210J\220e\2304\230{\250$\250m\2702\270Q\330\010\017\210t\2201\320\004*\250*\260A\360\032\000\t\030\220q\360\006\000\t\r\210L\230\001\330\010\013\2107\220\"\220A\330\014\022\220*\230A\320\035Q\320QR\320Rb\320bc\320cd\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220#\220T\230\027\240\004\240G\2503\250a\330\014\022\220+\230Q\230i\240q\320(O\310q\320PT\320TU\330\036)\250\024\250W\260B\260d\270!\330\010\014\210I\220Q\220c\230\021\330\010\016\210d\220/\240\021\240(\250!\330\010\016\320\016$\240K\250s\260!\330\r\016\330\014\024\220I\320\035;\2701\270A\270T\300\025\300k\320QR\330<@\300\001\330\010\017\210q\320\004;\2701\360\016\000\t0\250q\330\010/\250q\330\010/\250q\330\010\037\230q\240\006\240a\240q\340\010!\240\021\330\010\013\2101\210F\220!\2203\220c\230\026\230s\240!\2406\250\021\250#\250S\260\001\330\014\022\220*\230A\230Q\330\010\013\2106\220\023\220A\330\014\r\330\010\023\2201\220D\230\001\330\010\013\2101\330\014\022\220!\2201\220F\230#\230W\240A\330\014\020\320\020*\250!\330\021\022\330\020\030\230\t\320!4\260A\3205L\310A\310Q\310a\310t\320Sj\320jk\320kl\320lm\320mn\3305>\270a\270q\300\001\300\024\300W\310A\310V\320ST\320T`\320`c\320cg\320gh\330\031\032\330\014\r\330\r\016\330\014\020\220\005\220U\230!\2301\330\020\030\230\t\320!3\2601\3204J\310!\3101\310D\320Pf\320fg\320gh\320hl\320lm\320mn\320no\33048\270\013\3001\320\004B\300!\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035-\250Q\320.D\300E\310\027\320PS\320SW\320WX\330\025\026\320VW";
+    #else /* compression: none (9781 bytes) */
+static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 buffers of  bytes) bytes; call close() or use \047with\047 does not exist ( does not support POSIX-fd shareable handles does not support virtual memory management failed:  handle(s)> is not mapped is past the end of the region ( object> on cuda: visible)#x(tree fragment))) runs past the region\047s ); use device=\047cpu\047, or install the NVIDIA driver, , got .: <CudaRegion <CudaRegion closed><MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?CUDA device CUresult Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.a region needs at least one chunkaccess_devices must name 1 to 16 devicesadd_notebuffer buffer_bytes must be positivecannot adopt an empty rangecannot unmap a chunk while views of the region existchunk chunk sizes must be positive multiples of the granularity chunk_size must be positive, got collections.abccount must be at least 1cuda:device disabledmabuf offset must be a multiple of the page size dsts, srcs and sizes must have the same lengthenablefrom_tensor needs a CUDA tensorgcisenabledno CUDA device is visible (cuInit: CUDA_ERROR_NO_DEVICE); use device=\047cpu\047no default __reduce__ due to non-trivial __cinit__offset one fd per chunk is neededonly regions tensorxfer allocated can export their handlesoperation on a closed CudaRegionoperation on a closed Stagerregion size must be positive, got tensorxfer/memory/_cuda.pyxthe CUDA driver is not available on this machine (unable to allocate array data.unable to allocate shape and strides.unclosed CudaRegion of unmapped_tail must be a multiple of the granularity view [|u1ASCIIBCUDA_ERROR_NO_DEVICECopierCopier.__reduce_cyt""hon__Copier.__setstate_cython__Copier.dtodCopier.dtod_batchCopier.dtohCopier.htodCopier.memsetCudaErrorCudaRegionCudaRegion.__reduce_cython__CudaRegion.__setstate_cython__CudaRegion._from_chunksCudaRegion._planCudaRegion._unmap_chunkCudaRegion.adoptCudaRegion.allocateCudaRegion.cuda_arrayCudaRegion.export_dmabufCudaRegion.export_handlesCudaRegion.from_tensorCudaRegion.import_handlesCudaRegion.map_nextCudaRegion.reserveDEFAULT_CHUNK_SIZEEllipsisExtentErrorLockMAX_DEFAULT_CHUNKSSequenceStagerStager.__enter__Stager.__exit__Stager.__reduce_cython__Stager.__setstate_cython__Stager.closeStager.start_dtohStager.start_htodStager.synchronizeStager.viewStager.waitView.MemoryView__DeviceBytes_DeviceBytes.__reduce_cython___DeviceBytes.__setstate_cython____Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____enter____exit____func____getstate____import____main____module____name____new____pyx_checksum__pyx_result__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_unpickle__DeviceBytes__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___contexts_default_chunk_size_dict_error_name_from_chunks_from_chunks.<locals>.genexpr_is_coroutine_lock_plan_unmap_chunkabcaccess_devicesaddress_rangeadoptadoptedallocateallocate_bufferasyncio.coroutinesattrattr_indexbbasebatch_apibuffer_bytesccastchunkchunk_sizecline_in_tracebackclosecountcuda_arrayddatadata_ptrdecodedevdevicedevice_countdevice_infodmabufdriver_versiondstdstsdtoddtod_batchdtohdtype_is_objectelement_sizeencodeenumerateerrorerrorsexcexport_dmabufexport_handlesextfdflagsformatfortranfrom_tensorgdrgenexprgetgpudirect_rdma_with_vmmgrangranularityhhandlesholeshtodiidimport_handlesindexinfois_cudais_vmmitemsitemsizekkeepalivelengthmap_nextmap_nowmapped_sizememsetmemviewmodennamendimnextnumelobjoffoffsetoutownedppackpointer_rangepopposix_fd_handlesprev_kprev_offpropptrrange_size_attributeregisterreleasereplacereserveresolve_extentresultrsizesselfsendsetdefaultshapeshare""ablesizesizessrcsrcsstartstart_dtohstart_htodstatestaticmethodstepstopstreamstridesstructsynchronizetensortensorxfer.errorstensorxfer.memory._cudathreadingthrowtypestrunmapped_tailunpackupdateuse_setstatevvaluevaluesversionviewvmmwaitwarnwarningsxCUresult (CUcontext *, CUdevice)\000CUresult (CUcontext)\000CUresult (CUdevice *, int)\000CUresult (CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, CUstream)\000CUresult (CUdeviceptr *, size_t *, CUdeviceptr)\000CUresult (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, CUdeviceptr, size_t, CUstream)\000CUresult (CUdeviceptr, size_t)\000\000CUresult (CUdeviceptr, size_t, CUmemAccessDesc const *, size_t)\000CUresult (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned PY_LONG_LONG)\000CUresult (CUdeviceptr, unsigned char, size_t, CUstream)\000CUresult (CUdeviceptr, void const *, size_t, CUstream)\000CUresult (CUevent *, unsigned int)\000CUresult (CUevent)\000\000CUresult (CUevent, CUstream)\000CUresult (CUmemGenericAllocationHandle *, size_t, CUmemAllocationProp const *, unsigned PY_LONG_LONG)\000CUresult (CUmemGenericAllocationHandle *, void *)\000CUresult (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)\000CUresult (CUmemGenericAllocationHandle)\000CUresult (CUresult, char const **)\000CUresult (CUstream *, unsigned int)\000CUresult (CUstream)\000\000CUresult (char *, int, CUdevice)\000CUresult (int *)\000\000CUresult (int *, CUdevice_attribute, CUdevice)\000CUresult (size_t *, CUmemAllocationProp const *, CUmemAllocationGranularity_flags)\000CUresult (unsigned int)\000CUresult (void *)\000CUresult (void **, size_t, unsigned int)\000CUresult (void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned PY_LONG_LONG)\000CUresult (void *, CUdeviceptr, size_t, CUstream)\000CUresult (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned PY_LONG_LONG)\000CUresult (void *, CUpointer_attribute,"" CUdeviceptr)\000cuDevicePrimaryCtxRetain\000cuCtxSetCurrent\000cuDeviceGet\000cuMemcpyBatchAsync\000cuMemGetAddressRange\000cuMemAddressReserve\000cuMemcpyDtoDAsync\000cuMemAddressFree\000cuMemUnmap\000cuMemSetAccess\000cuMemMap\000cuMemsetD8Async\000cuMemcpyHtoDAsync\000cuEventCreate\000cuEventDestroy\000cuEventSynchronize\000cuEventRecord\000cuMemCreate\000cuMemRetainAllocationHandle\000cuMemImportFromShareableHandle\000cuMemRelease\000cuGetErrorName\000cuStreamCreate\000cuStreamDestroy\000cuStreamSynchronize\000cuDeviceGetName\000cuDeviceGetCount\000cuDriverGetVersion\000cuDeviceGetAttribute\000cuMemGetAllocationGranularity\000cuInit\000cuMemFreeHost\000cuMemHostAlloc\000cuMemGetHandleForAddressRange\000cuMemcpyDtoHAsync\000cuMemExportToShareableHandle\000cuPointerGetAttributeO\200\001\330\004\n\210+\220Q\200\001\330\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025&\240a\240q\250\004\250A\330\004\013\2101\200\001\330\004\030\230\001\330\004\n\210%\210r\220\026\220r\230\021\330\010\021\220\021\330\004\013\2109\220A\220W\230A\200\001\330\004\031\230\021\330\004\005\330\010\023\220?\240!\320#6\260h\270a\270s\300+\310^\320[_\320_a\320ad\320de\330\014\023\2201\220G\2301\330\013\014\340\004\013\210;\220a\220q\200\001\330\004*\250!\2506\260\021\200\001\340\004\021\220\021\330\004\021\220\021\330\004\014\210I\320\025(\250\001\250\021\250$\250a\330\004\013\2101\200\001\340\004\037\230q\320 0\260\013\270;\300k\320QR\330\004\023\220<\230x\240q\250\001\330\004\007\200|\2207\230!\330\010.\250a\250\177\270n\310A\330\004\013\2101\200\001\360\006\000\005\022\220\021\330\004\017\320\017+\2501\250A\250S\260\007\260u\270K\300q\330\010\017\210q\330\014\031\230\021\230!\330\004\013\2101\200\001\360\010\000\n\033\230!\330\010\021\220\024\220U\230$\230g\240T\250\021\330\010\020\220\007\220q\230\006\230l\250!\330\004\007\200v\210W\220E\230\024\230Q\330\010\022\220!\330\010\027\220q\340\010\027\220t\2309\240G\2501\330\004\007\200q\330\010\017\320\017-\250T\260\021\260\047""\270\033\300G\3101\340\010\017\320\017-\250T\260\021\260\047\270\033\300A\200\001\360\024\000\005&\240[\260\001\330\004\027\220{\240!\330\004\021\220\021\330\004\013\320\013\034\230F\320\":\270!\330\004\017\320\017$\240A\240Q\240f\250A\250V\3203I\310\025\310k\320YZ\330\010\013\2101\320\014 \240\013\2506\260\021\330\004\020\320\020&\240a\240q\250\017\260q\330\047=\270U\300+\310^\320[\\\330\024*\250!\2501\250O\2701\330+A\300\025\300k\320QR\330\010\013\2101\320\014\047\240{\260\047\270\021\330\004\013\2101\200A\330\010\014\210F\220!\200A\330\010\017\210q\200A\330!2\260!\360\022\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330\"3\2601\360\"\000\t\020\210z\230\026\230q\240\006\240l\260(\270!\200A\330+=\270Q\360(\000\t\023\220\"\220C\220q\230\004\230C\230q\240\005\240T\250\023\250F\260!\330\010\031\230\027\240\001\240\021\240\"\240D\250\003\2505\260\n\270#\270Y\300d\310(\320RY\320YZ\330!\"\240#\240T\250\023\250F\260*\320<L\310A\200A\3301:\270/\310\021\360\010\000\t\024\2201\220A\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\031\230\027\240\001\240\021\240#\240Q\240c\250\024\250U\260(\270/\310\031\320RV\320VW\330!)\250\033\260E\270\026\270v\300Q\200A\3305B\300!\360\022\000\t \230z\250\030\260\021\260!\330\010\013\2105\220\003\2201\330\014\022\220*\230A\230Q\330\010\023\2201\220A\330\010\014\210K\220q\330\010\014\210I\320\025+\2501\330\010\014\210L\230\001\330\010\014\210L\230\001\330\010\014\210I\220Q\330\010\014\210J\220a\330\010\014\210K\220q\330\010\014\210N\230!\330\010\014\210O\2301\230C\230q\330\010\017\210q\200A\340\010\013\2104\210q\330\014\r\330\010\014\210K\220q\330\010\014\210E\220\024\220X\230S\240\001\330\014\r\210X\220Q\330\010\014\210J\220a\330\010\t\330\014\027\220q\230\004\230A\330\017\020\340\010\013\2104\210y\230\003\2301\330\024(\250\001\250\024\250Q\330\024$\240A\240T\250\021\330\014\020\220\013\2301\330\010\014\210E\220\025\220a\220q\330\014\017\210t\2208\2301\230C\230s\240!\330""\030\047\240q\250\004\250H\260A\260Q\330\020\024\220H\230A\230U\240!\330\014\017\210t\2208\2301\230C\230s\240!\330\030&\240a\240t\2508\2601\260A\330\020\024\220H\230A\230U\240!\200A\340\010\013\2104\210q\330\014\022\220*\230A\230Q\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\0351\260\021\260$\260k\300\021\200A\340\010\014\210G\2201\220C\220q\330\010\017\210t\2207\230!\2301\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\020\220\006\220a\220q\200A\340\010\014\210G\2201\220C\220q\330\r\016\330\014\020\220\014\230A\230S\240\005\240Q\200A\340\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035/\250q\3200F\300e\320Ka\320af\320fg\33004\260K\270q\200A\340\010\047\240z\260\021\260$\260e\2701\270A\330\010\030\230\004\230F\240!\240:\320->\270l\310!\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\014\210G\2201\220C\220q\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\250\\\270\024\270Q\330\020\024\220L\240\001\240\023\240D\250\002\250%\250q\330\020\023\2201\330\024\030\230\006\230a\230r\240\022\2401\330\024\032\230!\2302\230R\230z\250\024\250X\260Q\260b\270\002\270$\270a\330\020\032\230)\2405\250\001\330\020\027\220q\330\020\025\220Q\330\014\020\220\006\220a\220r\230\022\2301\330\014\022\220!\2202\220R\220z\240\024\240X\250Q\250b\260\002\260$\260a\200A\340\010-\250Z\260q\270\004\270E\300\021\300!\330\010\030\230\004\230F\240!\240:\250Q\340\010\025\220Q\330\010\013\2102\210S\220\001\330\014\r\330\010\014\210A\210T\220\021\220!\330\010\014\210G\2201\220C\220q\330\r\016\330\014\022\220$\220b\230\001\330\020\024\220B\220b\230\007\230r\240\022\2404\240r\250\024\250\\\270\024\270Q\330\020\024\220F\230!\2301\330\020\026\220a\220t\2308\2401\240D\250\002\250\"\250E\260\021\330\020\024\220L\240\001\240\023\240D\250\002\250%\250q\330\020\027\220q\330\020\025\220Q\200A\360\006\000\t\014\2104\210w\220a\220x\230{\250!\330\014\022\220*\230A\230Q\330\010""\017\210z\230\026\230q\240\006\240i\250t\2606\270\026\270s\300\"\300F\310-\320WX\330 &\240g\250W\260C\260s\270*\300A\200A\360\006\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230f\240B\240b\250\003\2506\260\023\260D\270\001\330\014\022\220*\230A\230Q\330\010\013\2104\210q\330\014\022\220+\230Q\230a\330\010\014\210A\210T\220\030\230\021\230!\330\010\013\2101\210A\330\014\024\220I\230[\250\001\250\024\250W\260B\260a\260y\300\001\300\030\310\021\330\014\r\210Z\220q\200A\360\010\000\t\034\2301\330\010\017\210s\220!\2201\330\010\013\2105\220\003\2201\330\014\022\220*\230A\320\035A\300\021\300!\330\010\023\2201\220A\330\010\013\2104\210u\220I\320\035W\320WX\330\014\022\220)\2301\230N\250!\2501\330\010\024\220D\230\001\230\025\230i\320\047i\320ij\330\010\016\210d\220!\2205\230\t\320!_\320_`\330\010\022\220!\2201\220F\230(\240+\250Q\330\010\020\220\t\320\0317\260q\270\001\270\026\270q\300\016\310a\330\021\022\330\010\017\210y\230\001\230\026\230q\330\010\020\320\020#\2401\240F\250)\260;\270c\300\032\3103\310a\310q\330\010\013\2106\220\023\220A\330\014\022\220*\230A\320\035@\300\001\300\021\330\010\020\220\t\230\021\230\047\240\021\330\010\020\220\001\220\027\230\003\2305\240\003\2401\330\010\013\2105\220\002\220!\330\014\021\220\027\230\001\230\025\230b\240\001\330\010\031\230\027\240\001\240\027\250\003\2509\260D\270\010\300\013\3105\320PV\320V\\\320\\]\200A\360\020\000\t\r\210L\230\001\330\010\013\2104\210t\2208\2303\230d\240*\250C\250q\330\014\022\220)\2301\230A\330\010\013\2104\210t\2201\330\014\022\220)\2301\230I\240Q\240d\250!\330\010\016\210a\330\010\t\330\014\020\220\005\220U\230!\2304\230q\330\020\023\2204\220t\2308\2401\240B\240a\330\024\032\230+\240Q\240h\250a\320/B\300+\310T\320QX\320XZ\320Z^\320^f\320fg\320gi\320ij\330\020\026\220a\330\020\030\230\t\320!>\270a\330\024\025\220T\230\024\230X\240Q\240b\320(9\3209d\320de\330\024\025\330\020\023\2207\230\"\230D\240\010\250\001\250\022\2509\260D\270\010\300\001\300\022\3007\310!\330\017\020\330\014\020\220""\003\2203\220f\230A\330\020\025\220Q\220a\330\014\r\330\010\017\210q\320\000\020\220\001\360\n\000\005\030\220q\330\004\017\210q\220\001\330\004\014\210I\220\\\240\021\240!\2405\250\t\260\021\330\004\014\210I\320\025%\240Q\240f\250E\260\026\260q\330\004\005\330\010\022\220!\330\010\020\220\004\220G\2301\230G\2401\330\010\032\230.\250\001\330\010\017\210t\2201\220E\230\031\320\"\\\320\\]\330\010\034\230D\240\001\240\025\240i\250q\330\047(\330\010#\2404\240q\250\005\250Y\260a\330./\330\010\022\220$\220a\220u\230I\320%M\310Q\340\004\016\210a\210q\220\006\220h\230g\240Q\330\004\014\210I\320\0253\2601\260A\260V\2701\270N\310!\330\r\016\330\004\010\210\001\320\t\032\230!\330\004\013\2101\320\004\047\240z\260\021\360\014\000\t\r\210L\230\001\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220\"\220B\220b\230\004\230A\330\014\022\220+\230Q\230h\240a\240y\260\001\260\027\270\002\320:U\320UV\320VZ\320Z[\330\036)\250\024\250W\260B\260d\270!\330\010\033\2306\240\021\240&\250\010\260\001\320\004(\250\001\360\014\000\t\r\210L\230\001\330\010\013\2106\220\022\2201\330\014\022\220*\230A\230Q\330\010\014\210J\220e\2304\230{\250$\250m\2702\270Q\330\010\017\210t\2201\320\004*\250*\260A\360\032\000\t\030\220q\360\006\000\t\r\210L\230\001\330\010\013\2107\220\"\220A\330\014\022\220*\230A\320\035Q\320QR\320Rb\320bc\320cd\330\010\014\210A\210T\220\027\230\002\230+\240W\250C\250z\270\023\270A\270Q\330\010\013\2107\220#\220T\230\027\240\004\240G\2503\250a\330\014\022\220+\230Q\230i\240q\320(O\310q\320PT\320TU\330\036)\250\024\250W\260B\260d\270!\330\010\014\210I\220Q\220c\230\021\330\010\016\210d\220/\240\021\240(\250!\330\010\016\320\016$\240K\250s\260!\330\r\016\330\014\024\220I\320\035;\2701\270A\270T\300\025\300k\320QR\330<@\300\001\330\010\017\210q\320\004;\2701\360\016\000\t0\250q\330\010/\250q\330\010/\250q\330\010\037\230q\240\006\240a\240q\340\010!\240\021\330\010\013\2101\210F\220!\2203\220c\230\026\230s\240!\2406\250\021\250#\250S\260""\001\330\014\022\220*\230A\230Q\330\010\013\2106\220\023\220A\330\014\r\330\010\023\2201\220D\230\001\330\010\013\2101\330\014\022\220!\2201\220F\230#\230W\240A\330\014\020\320\020*\250!\330\021\022\330\020\030\230\t\320!4\260A\3205L\310A\310Q\310a\310t\320Sj\320jk\320kl\320lm\320mn\3305>\270a\270q\300\001\300\024\300W\310A\310V\320ST\320T`\320`c\320cg\320gh\330\031\032\330\014\r\330\r\016\330\014\020\220\005\220U\230!\2301\330\020\030\230\t\320!3\2601\3204J\310!\3101\310D\320Pf\320fg\320gh\320hl\320lm\320mn\320no\33048\270\013\3001\320\004B\300!\330\010\023\2201\220D\230\001\330\r\016\330\014\024\220I\320\035-\250Q\320.D\300E\310\027\320PS\320SW\320WX\330\025\026\320VW";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 321; i++) {
+    for (int i = 0; i < 317; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 81) PyUnicode_InternInPlace(&string);
@@ -43591,8 +42901,8 @@ static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 bu
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 321; i < 361; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-321].length;
+    for (int i = 317; i < 355; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-317].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -43602,15 +42912,15 @@ static const char bytes[] = "  /  at 0x bytes bytes at  bytes out of range (2 bu
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 361; i++) {
+    for (Py_ssize_t i = 0; i < 355; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 321;
-      for (Py_ssize_t i=0; i<40; ++i) {
+      PyObject **table = stringtab + 317;
+      for (Py_ssize_t i=0; i<38; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -43678,7 +42988,7 @@ typedef struct {
     unsigned int num_kwonly_args : 1;
     unsigned int nlocals : 4;
     unsigned int flags : 10;
-    unsigned int first_line : 11;
+    unsigned int first_line : 10;
 } __Pyx_PyCode_New_function_description;
 #ifdef __cplusplus
 } /* anonymous namespace */
@@ -43818,109 +43128,94 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 794};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 801};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_value};
-    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_memset, __pyx_mstate->__pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 807};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dsts, __pyx_mstate->__pyx_n_u_srcs, __pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_batch_api, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_attr, __pyx_mstate->__pyx_n_u_attr_index};
-    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod_batch, __pyx_mstate->__pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 838};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
-    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_1D_A_b_Bb_r_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 860};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_prev_off, __pyx_mstate->__pyx_n_u_prev_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
-    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_1D_A_b_Bb_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 886};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_synchronize, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_1_k, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 896};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 828};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_q_A_4y_1_Q_AT_1_E_aq_t81Cs, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_t7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 920};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[31] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[31])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 923};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc};
-    __pyx_mstate_global->__pyx_codeobj_tab[32] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[32])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[33] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[33])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[34] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[34])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 968};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[35] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_AQ_t7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[35])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 974};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 833};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[36] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q_HATAWW___ccd_I_1D_T_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[36])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_AS_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 982};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 839};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n};
-    __pyx_mstate_global->__pyx_codeobj_tab[37] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_q0Fe4xWXX___ccd_I_1D_T, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[37])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_AS_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 990};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 845};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
-    __pyx_mstate_global->__pyx_codeobj_tab[38] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_wait, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_I_0_XQe1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[38])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_wait, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1004};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_v};
-    __pyx_mstate_global->__pyx_codeobj_tab[39] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_Kq_E_Q_XQ_Ja_q_A_4y_1_Q_AT, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[39])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1031};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 851};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[40] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[40])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_synchronize, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_AQ_1D_I_1_k, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 1034};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 864};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_v};
+    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_Kq_E_XS_XQ_Ja_q_A_4y_1_Q_AT, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 891};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
+    __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 894};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc};
-    __pyx_mstate_global->__pyx_codeobj_tab[41] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[41])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[31] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[31])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
-    __pyx_mstate_global->__pyx_codeobj_tab[42] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[42])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[32] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[32])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
-    __pyx_mstate_global->__pyx_codeobj_tab[43] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[43])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[33] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[33])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 911};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
+    __pyx_mstate_global->__pyx_codeobj_tab[34] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[34])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 918};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dsts, __pyx_mstate->__pyx_n_u_srcs, __pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_batch_api, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_attr, __pyx_mstate->__pyx_n_u_attr_index};
+    __pyx_mstate_global->__pyx_codeobj_tab[35] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod_batch, __pyx_mstate->__pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[35])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 949};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_value};
+    __pyx_mstate_global->__pyx_codeobj_tab[36] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_memset, __pyx_mstate->__pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[36])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 955};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
+    __pyx_mstate_global->__pyx_codeobj_tab[37] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_G1Cq_b_Bb_r_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[37])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 974};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_prev_off, __pyx_mstate->__pyx_n_u_prev_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
+    __pyx_mstate_global->__pyx_codeobj_tab[38] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_G1Cq_b_Bb_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[38])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 1};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
+    __pyx_mstate_global->__pyx_codeobj_tab[39] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_reduce_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[39])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 3};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_pyx_state};
+    __pyx_mstate_global->__pyx_codeobj_tab[40] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[40])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 4};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_pyx_type, __pyx_mstate->__pyx_n_u_pyx_checksum, __pyx_mstate->__pyx_n_u_pyx_state, __pyx_mstate->__pyx_n_u_pyx_result};
-    __pyx_mstate_global->__pyx_codeobj_tab[44] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_pyx_unpickle__DeviceBytes, __pyx_mstate->__pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[44])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[41] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_pyx_unpickle__DeviceBytes, __pyx_mstate->__pyx_kp_b_iso88591_q_0_kQR_xq_7_a_nA_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[41])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;

@@ -749,47 +749,164 @@ cdef class _DeviceBytes:
 
 
 # ------------------------------------------------------------------ copies
-cdef class Copier:
-    """Copies into and out of device memory on one non-blocking stream.
+cdef class Stager:
+    """One non-blocking stream and two pinned host buffers, for moving bytes through the host.
 
-    Host data moves through two pinned staging buffers, double-buffered: the
-    CPU fills one while the DMA engine drains the other, so pageable
-    sources need no registration and the copy overlaps.  Device-to-device
-    copies are queued back to back.  Call :meth:`synchronize` before reading
-    what was written.  One owner; ``close()`` idempotent.
+    A network data path uses one per connection: while the socket sends (or
+    receives) one buffer, the DMA engine fills (or drains) the other, so the
+    device copy overlaps the network.  :class:`Copier` builds on it.  The
+    pinned buffers are allocated on first use; ``view(i)`` is a writable
+    memoryview of buffer ``i``, valid until :meth:`close`.  One owner;
+    ``close()`` is idempotent.
     """
     cdef int _device
     cdef cydriver.CUstream _stream
     cdef cydriver.CUevent _events[2]
-    cdef void* _staging[2]
-    cdef size_t _stage_size
+    cdef void* _pinned[2]
+    cdef size_t _size
     cdef bint _closed
+    cdef list _views
 
-    def __cinit__(self, int device=0, size_t stage_size=64 << 20):
+    def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):
+        cdef int i
         self._stream = NULL
-        self._events[0] = NULL
-        self._events[1] = NULL
-        self._staging[0] = NULL
-        self._staging[1] = NULL
-        self._closed = True
-        self._device = device
-        self._stage_size = stage_size
-        bind_device(device)
         self._closed = False
+        self._device = device
+        self._size = buffer_bytes
+        self._views = []
+        for i in range(2):
+            self._events[i] = NULL
+            self._pinned[i] = NULL
+        if buffer_bytes == 0:
+            raise ValueError("buffer_bytes must be positive")
         try:
+            bind_device(device)
             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
         except BaseException:
             self.close()
             raise
 
-    cdef int _ensure_staging(self) except -1:
+    cdef int _ensure_pinned(self) except -1:
         cdef int i
-        if self._staging[0] != NULL:
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        if self._pinned[1] != NULL:
             return 0
         for i in range(2):
-            check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
-            check_cu(cydriver.cuMemHostAlloc(&self._staging[i], self._stage_size, 0), b"cuMemHostAlloc")
+            if self._events[i] == NULL:
+                check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+                         b"cuEventCreate")
+            if self._pinned[i] == NULL:
+                check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+                self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
         return 0
+
+    cdef int _check(self, int i, size_t n) except -1:
+        if i < 0 or i > 1 or n > self._size:
+            raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+        bind_device(self._device)
+        self._ensure_pinned()
+        return 0
+
+    # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+    cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:
+        check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+                 b"cuMemcpyDtoHAsync")
+        check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+        return 0
+
+    cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:
+        check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+                 b"cuMemcpyHtoDAsync")
+        check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+        return 0
+
+    cdef int _wait(self, int i) except -1 nogil:
+        check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+        return 0
+
+    def view(self, int i):
+        """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
+        self._check(i, 0)
+        return self._views[i]
+
+    def start_dtoh(self, int i, uintptr_t src, size_t n):
+        """Queue device → buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
+        self._check(i, n)
+        with nogil:
+            self._dtoh_async(i, src, n)
+
+    def start_htod(self, int i, uintptr_t dst, size_t n):
+        """Queue buffer ``i`` → device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
+        self._check(i, n)
+        with nogil:
+            self._htod_async(i, dst, n)
+
+    def wait(self, int i):
+        """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
+        self._check(i, 0)
+        with nogil:
+            self._wait(i)
+
+    def synchronize(self):
+        """Block until everything queued on the stream finished."""
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+
+    @property
+    def stream(self):
+        """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
+        return <uintptr_t>self._stream
+
+    def close(self):
+        cdef int i
+        if self._closed:
+            return
+        self._closed = True
+        for v in self._views or ():
+            v.release()
+        self._views = []
+        try:
+            bind_device(self._device)
+        except BaseException:
+            pass
+        if self._stream != NULL:
+            cydriver.cuStreamSynchronize(self._stream)
+            cydriver.cuStreamDestroy(self._stream)
+            self._stream = NULL
+        for i in range(2):
+            if self._events[i] != NULL:
+                cydriver.cuEventDestroy(self._events[i])
+                self._events[i] = NULL
+            if self._pinned[i] != NULL:
+                cydriver.cuMemFreeHost(self._pinned[i])
+                self._pinned[i] = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+cdef class Copier(Stager):
+    """Copies into and out of device memory on one non-blocking stream.
+
+    Host data moves through the two pinned staging buffers, double-buffered:
+    the CPU fills one while the DMA engine drains the other, so pageable
+    sources need no registration and the copy overlaps.  Device-to-device
+    copies are queued back to back.  Call :meth:`synchronize` before reading
+    what was written.
+    """
+
+    def __init__(self, int device=0, size_t buffer_bytes=64 << 20):
+        pass                      # Stager.__cinit__ took the arguments (staging buffer size)
 
     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
         """Queue a device-to-device copy of ``n`` bytes."""
@@ -797,12 +914,6 @@ cdef class Copier:
         with nogil:
             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
                                                 self._stream), b"cuMemcpyDtoDAsync")
-
-    def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
-        bind_device(self._device)
-        with nogil:
-            check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
-                     b"cuMemsetD8Async")
 
     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):
         """Queue many device-to-device copies in one call, without the GIL.
@@ -835,6 +946,12 @@ cdef class Copier:
                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
                                                     self._stream), b"cuMemcpyDtoDAsync")
 
+    def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+                     b"cuMemsetD8Async")
+
     def htod(self, uintptr_t dst, src):
         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
         cdef const unsigned char[::1] view = memoryview(src).cast("B")
@@ -844,16 +961,13 @@ cdef class Copier:
         if n == 0:
             return
         p = &view[0]
-        bind_device(self._device)
-        self._ensure_staging()
+        self._check(0, 0)
         with nogil:
             while off < n:
-                k = n - off if n - off < self._stage_size else self._stage_size
-                check_cu(cydriver.cuEventSynchronize(self._events[b]), b"cuEventSynchronize")
-                memcpy(self._staging[b], p + off, k)
-                check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>(dst + off), self._staging[b], k,
-                                                    self._stream), b"cuMemcpyHtoDAsync")
-                check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
+                k = n - off if n - off < self._size else self._size
+                self._wait(b)                      # buffer b's previous copy has drained
+                memcpy(self._pinned[b], p + off, k)
+                self._htod_async(b, dst + off, k)
                 off += k
                 b ^= 1
 
@@ -866,170 +980,16 @@ cdef class Copier:
         if n == 0:
             return
         p = &view[0]
-        bind_device(self._device)
-        self._ensure_staging()
+        self._check(0, 0)
         with nogil:
             while off < n:
-                k = n - off if n - off < self._stage_size else self._stage_size
-                check_cu(cydriver.cuMemcpyDtoHAsync(self._staging[b], <cydriver.CUdeviceptr>(src + off), k,
-                                                    self._stream), b"cuMemcpyDtoHAsync")
-                check_cu(cydriver.cuEventRecord(self._events[b], self._stream), b"cuEventRecord")
-                if prev_k:
-                    check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
-                    memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
+                k = n - off if n - off < self._size else self._size
+                self._dtoh_async(b, src + off, k)
+                if prev_k:                         # drain the other buffer while this one fills
+                    self._wait(b ^ 1)
+                    memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
                 prev_off, prev_k = off, k
                 off += k
                 b ^= 1
-            check_cu(cydriver.cuEventSynchronize(self._events[b ^ 1]), b"cuEventSynchronize")
-            memcpy(p + prev_off, self._staging[b ^ 1], prev_k)
-
-    def synchronize(self):
-        bind_device(self._device)
-        with nogil:
-            check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
-
-    @property
-    def stream(self):
-        """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
-        return <uintptr_t>self._stream
-
-    def close(self):
-        cdef int i
-        if self._closed:
-            return
-        try:
-            bind_device(self._device)
-        except BaseException:
-            pass
-        if self._stream != NULL:
-            cydriver.cuStreamSynchronize(self._stream)
-            cydriver.cuStreamDestroy(self._stream)
-            self._stream = NULL
-        for i in range(2):
-            if self._events[i] != NULL:
-                cydriver.cuEventDestroy(self._events[i])
-                self._events[i] = NULL
-            if self._staging[i] != NULL:
-                cydriver.cuMemFreeHost(self._staging[i])
-                self._staging[i] = NULL
-        self._closed = True
-
-    def __dealloc__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-cdef class Stager:
-    """Two pinned host buffers and one stream, for streaming a device range through the host.
-
-    A network data path uses one per connection: while the socket sends (or
-    receives) one buffer, the DMA engine fills (or drains) the other, so the
-    device copy overlaps the network.  ``view(i)`` is a writable memoryview
-    of buffer ``i``, valid until :meth:`close`.  One owner; ``close()`` is
-    idempotent.
-    """
-    cdef int _device
-    cdef cydriver.CUstream _stream
-    cdef cydriver.CUevent _events[2]
-    cdef void* _pinned[2]
-    cdef size_t _size
-    cdef bint _closed
-    cdef list _views
-
-    def __cinit__(self, int device, size_t buffer_bytes):
-        cdef int i
-        self._stream = NULL
-        self._closed = False
-        self._device = device
-        self._size = buffer_bytes
-        self._views = []
-        for i in range(2):
-            self._events[i] = NULL
-            self._pinned[i] = NULL
-        if buffer_bytes == 0:
-            raise ValueError("buffer_bytes must be positive")
-        try:
-            bind_device(device)
-            check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
-            for i in range(2):
-                check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
-                         b"cuEventCreate")
-                check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], buffer_bytes, 0), b"cuMemHostAlloc")
-                self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], buffer_bytes, PyBUF_WRITE))
-        except BaseException:
-            self.close()
-            raise
-
-    def view(self, int i):
-        """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
-        if self._closed:
-            raise ValueError("operation on a closed Stager")
-        return self._views[i]
-
-    def start_dtoh(self, int i, uintptr_t src, size_t n):
-        """Queue device → buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
-        self._check(i, n)
-        with nogil:
-            check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
-                     b"cuMemcpyDtoHAsync")
-            check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
-
-    def start_htod(self, int i, uintptr_t dst, size_t n):
-        """Queue buffer ``i`` → device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
-        self._check(i, n)
-        with nogil:
-            check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
-                     b"cuMemcpyHtoDAsync")
-            check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
-
-    def wait(self, int i):
-        """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
-        self._check(i, 0)
-        with nogil:
-            check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
-
-    cdef int _check(self, int i, size_t n) except -1:
-        if self._closed:
-            raise ValueError("operation on a closed Stager")
-        if i < 0 or i > 1 or n > self._size:
-            raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
-        bind_device(self._device)
-        return 0
-
-    def close(self):
-        cdef int i
-        if self._closed:
-            return
-        self._closed = True
-        for v in self._views:
-            v.release()
-        self._views = []
-        try:
-            bind_device(self._device)
-        except BaseException:
-            pass
-        if self._stream != NULL:
-            cydriver.cuStreamSynchronize(self._stream)
-            cydriver.cuStreamDestroy(self._stream)
-            self._stream = NULL
-        for i in range(2):
-            if self._events[i] != NULL:
-                cydriver.cuEventDestroy(self._events[i])
-                self._events[i] = NULL
-            if self._pinned[i] != NULL:
-                cydriver.cuMemFreeHost(self._pinned[i])
-                self._pinned[i] = NULL
-
-    def __dealloc__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+            self._wait(b ^ 1)
+            memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)

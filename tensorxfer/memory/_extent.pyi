@@ -1,3 +1,7 @@
+from typing import TypeVar
+
+_R = TypeVar("_R", bound="AllocationMap")
+
 class Extent:
     ptr: int
     length: int
@@ -6,10 +10,6 @@ class Extent:
     request_length: int
     segments: tuple[tuple[int, int], ...]
     def covers(self, ptr: int, length: int) -> bool: ...
-
-from typing import TypeVar
-
-_R = TypeVar("_R", bound="AllocationMap")
 
 class AllocationMap:
     def close(self, defer: bool = ...) -> None: ...
