@@ -220,9 +220,13 @@ class TensorRegion:
             self._sync_producers(sources)
             specs = self.manifest.tensors
             ordered = sorted(range(len(sources)), key=lambda i: specs[i].offset)
-            done = 0
+            done, step = 0, 1
             while region.mapped_size < region.size:
-                end = region.map_next()
+                # Geometric groups: the first copies start after one handle,
+                # and each group costs one cuMemSetAccess instead of one per
+                # handle.
+                end = region.map_next(step)
+                step = min(2 * step, 32)
                 ready = done
                 while ready < len(ordered) and specs[ordered[ready]].offset + specs[ordered[ready]].nbytes <= end:
                     ready += 1
