@@ -80,7 +80,8 @@ class TransferStats:
 
 
 def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    # Never 0: a zero socket timeout means non-blocking (BlockingIOError), not "time is up".
+    return None if deadline is None else max(1e-3, deadline - time.monotonic())
 
 
 class Receiver:
@@ -205,6 +206,8 @@ class Receiver:
                 try:
                     frame = self._channel.recv("offer", "bye", timeout=_remaining(deadline))
                 except TransferTimeout:
+                    if self._channel.desynced:     # timed out mid-frame: the stream is unusable
+                        self._end_session()
                     raise TransferTimeout(f"no offer within {timeout} s") from None
                 except PeerLost:
                     log.info("sender %s ended its session", self._channel.peer)

@@ -224,3 +224,14 @@ def test_offer_with_hostile_manifest_is_refused():
             s.send(r)
         with pytest.raises(tx.ManifestError):
             job.result()
+
+
+def test_idle_session_timeout_keeps_the_session():
+    with region_of(1 << 20, fill=5) as r, Receiver() as rx:
+        connecting = Background(Sender, addr(rx))
+        with pytest.raises(tx.TransferTimeout, match="no offer"):
+            rx.receive(timeout=1.0)    # the handshake happens here, then the sender stays idle
+        with connecting.result() as s:
+            job = Background(rx.receive, timeout=10)
+            s.send(r)
+            assert bytes(memoryview(job.result().region)[:4]) == b"\x05" * 4

@@ -216,7 +216,8 @@ class TcpReceiver(ReceiverTransport):
                 if remaining <= 0:
                     raise TransferTimeout(f"tcp: only {len(seen)} of {len(self._slices)} data streams connected "
                                           f"within {self.ctx.stall_timeout} s")
-                self._listener.settimeout(remaining)
+                # Short waits, so a stream that already failed (sender died) ends the wait promptly.
+                self._listener.settimeout(min(remaining, 0.2))
                 try:
                     conn, addr = self._listener.accept()
                 except TimeoutError:
