@@ -235,3 +235,36 @@ def test_idle_session_timeout_keeps_the_session():
             job = Background(rx.receive, timeout=10)
             s.send(r)
             assert bytes(memoryview(job.result().region)[:4]) == b"\x05" * 4
+
+
+def raw_session(rx: Receiver):
+    """A hand-driven sender: a real socket that completes the handshake and then misbehaves."""
+    import socket
+
+    from tensorxfer import protocol as P
+    ch = P.Channel(socket.create_connection(rx.address))
+    P.client_handshake(ch, None, {"transports": ["tcp"]}, 5)
+    return ch
+
+
+@pytest.mark.parametrize("misbehaviour", ["seq", "garbage", "done-first", "no-manifest"])
+def test_misbehaving_sender_is_a_protocol_error_and_nothing_is_allocated(misbehaviour):
+    import struct
+    with Receiver() as rx:
+        job = Background(rx.receive, timeout=10)
+        ch = raw_session(rx)
+        try:
+            m = Manifest.layout([("x", "U8", (10,))]).pack()
+            if misbehaviour == "seq":
+                ch.send("offer", seq=5, manifest=m, transport="tcp", streams=1, verify=False)
+            elif misbehaviour == "garbage":
+                ch.sock.sendall(struct.pack(">I", 5) + b"\xc1" * 5)
+            elif misbehaviour == "done-first":
+                ch.send("done", seq=1, bytes=10)
+            else:
+                ch.send("offer", seq=1, transport="tcp", verify=False)
+            with pytest.raises(tx.ProtocolError):
+                job.result()
+            assert rx.region is None
+        finally:
+            ch.close()
