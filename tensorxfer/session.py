@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STALL_TIMEOUT = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+CONTROL_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ class Receiver:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
             nbytes = transport.wait(progress)
-        done = ch.recv("done", timeout=self.stall_timeout)
+        done = ch.recv("done", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
                                 f"{nbytes} landed, the manifest has {manifest.nbytes}")
@@ -450,7 +451,9 @@ class Sender:
         checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()] if verify else None
         ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
                 streams=self.streams, verify=verify)
-        accept = ch.recv("accept", timeout=self.stall_timeout)
+        # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
+        # receiver's allocation (before accept) or verification (before ack) look like a stall.
+        accept = ch.recv("accept", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
         if field(accept, "seq", int) != seq or field(accept, "transport", str) != self.transport:
             raise ProtocolError(f"accept does not match offer {seq} over {self.transport!r}: {accept.get('seq')}, "
                                 f"{accept.get('transport')!r}")
@@ -462,7 +465,8 @@ class Sender:
             transport.connect(descriptors)
             nbytes = transport.send(region, progress)
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
-        ack = ch.recv("ack", timeout=self.stall_timeout)
+        verify_allowance = nbytes / 1e9 if verify else 0.0     # receiver hashes at >= 1 GB/s
+        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance)
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
         return TransferStats(nbytes, time.perf_counter() - t0, self.transport,
