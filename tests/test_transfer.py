@@ -268,3 +268,18 @@ def test_misbehaving_sender_is_a_protocol_error_and_nothing_is_allocated(misbeha
             assert rx.region is None
         finally:
             ch.close()
+
+
+def test_ipv6_loopback():
+    import socket
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        rx = Receiver("[::1]:0")
+    except OSError as e:
+        pytest.skip(f"cannot bind ::1: {e}")
+    with rx, region_of(9 << 20, fill=1) as r:
+        job = Background(rx.receive, timeout=10)
+        with Sender(f"[::1]:{rx.address[1]}") as s:
+            assert s.send(r, verify=True).streams == 3
+        job.result()
