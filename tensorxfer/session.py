@@ -197,6 +197,16 @@ class Receiver:
             The sender died mid-transfer.
         ChecksumMismatch
             ``verify`` was requested and a tensor's data differs.
+        TransportUnavailable, CudaError
+            The offer asked for a transport, or the receiver's device cannot
+            hold the region, here (the sender is told why).
+
+        Notes
+        -----
+        Every failure ends the current session (the next call accepts a new
+        sender) but leaves the receiver usable.  Calling :meth:`close` from
+        another thread does not interrupt a blocked ``receive``; bound it
+        with ``timeout`` instead.
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
