@@ -25,6 +25,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +167,8 @@ class Receiver:
         return self._listener
 
     # ------------------------------------------------------------ receiving
-    def receive(self, timeout: float | None = None, progress: Progress | None = None) -> TensorRegion:
+    def receive(self, timeout: float | None = None, progress: Progress | None = None,
+                on_offer: Callable[[Manifest], None] | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         Parameters
@@ -176,6 +178,9 @@ class Receiver:
             Once data flows, ``stall_timeout`` applies instead.
         progress : callable, optional
             Called with byte counts as data lands (from stream threads).
+        on_offer : callable, optional
+            Called with the validated manifest before data moves (e.g. to
+            size a progress bar).
 
         Returns
         -------
@@ -233,7 +238,7 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(self._channel, frame, progress)
+                    return self._serve_offer(self._channel, frame, progress, on_offer)
                 except BaseException:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -262,7 +267,8 @@ class Receiver:
         if ch is not None:
             ch.close()
 
-    def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None) -> TensorRegion:
+    def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None,
+                     on_offer: Callable[[Manifest], None] | None) -> TensorRegion:
         t0 = time.perf_counter()
         seq = field(offer, "seq", int)
         if seq != self._seq + 1:
@@ -276,6 +282,8 @@ class Receiver:
         except ManifestError as e:
             ch.send_error("refused", str(e))
             raise
+        if on_offer is not None:
+            on_offer(manifest)
         if name not in local_transports():
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()})"
             ch.send_error("transport", msg)

@@ -283,3 +283,16 @@ def test_ipv6_loopback():
         with Sender(f"[::1]:{rx.address[1]}") as s:
             assert s.send(r, verify=True).streams == 3
         job.result()
+
+
+def test_on_offer_and_progress_see_the_whole_transfer():
+    seen: list = []
+    moved: list[int] = []
+    with region_of(9 << 20, fill=2) as r, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, progress=moved.append, on_offer=seen.append)
+        sent: list[int] = []
+        with Sender(addr(rx)) as s:
+            s.send(r, progress=sent.append)
+        job.result()
+    assert [m.nbytes for m in seen] == [r.nbytes]
+    assert sum(moved) == sum(sent) == r.nbytes
