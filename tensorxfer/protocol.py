@@ -137,6 +137,7 @@ class Channel:
     def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, send_timeout: float = 30.0) -> None:
         self._sock: socket.socket | None = sock
         self.send_timeout = send_timeout
+        self.desynced = False       # a read timed out mid-frame: no later frame boundary can be trusted
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -226,6 +227,8 @@ class Channel:
                     raise PeerLost(f"{self.peer} closed the control connection mid-frame ({what}: {got} of {n})")
                 got += k
         except TimeoutError:
+            if got or what != "frame header":
+                self.desynced = True
             raise TransferTimeout(f"control channel to {self.peer}: no {what} within "
                                   f"{self.sock.gettimeout()} s") from None
         except (ConnectionError, OSError) as e:

@@ -25,6 +25,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STALL_TIMEOUT = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+CONTROL_TIMEOUT = 10.0
+ALLOCATION_FLOOR_BYTES_PER_S = 100e6    # slowest allocation rate a live receiver is assumed to reach
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class TransferStats:
 
 
 def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    # Never 0: a zero socket timeout means non-blocking (BlockingIOError), not "time is up".
+    return None if deadline is None else max(1e-3, deadline - time.monotonic())
 
 
 class Receiver:
@@ -163,7 +167,8 @@ class Receiver:
         return self._listener
 
     # ------------------------------------------------------------ receiving
-    def receive(self, timeout: float | None = None, progress: Progress | None = None) -> TensorRegion:
+    def receive(self, timeout: float | None = None, progress: Progress | None = None,
+                on_offer: Callable[[Manifest], None] | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         Parameters
@@ -173,6 +178,9 @@ class Receiver:
             Once data flows, ``stall_timeout`` applies instead.
         progress : callable, optional
             Called with byte counts as data lands (from stream threads).
+        on_offer : callable, optional
+            Called with the validated manifest before data moves (e.g. to
+            size a progress bar).
 
         Returns
         -------
@@ -195,6 +203,16 @@ class Receiver:
             The sender died mid-transfer.
         ChecksumMismatch
             ``verify`` was requested and a tensor's data differs.
+        TransportUnavailable, CudaError
+            The offer asked for a transport, or the receiver's device cannot
+            hold the region, here (the sender is told why).
+
+        Notes
+        -----
+        Every failure ends the current session (the next call accepts a new
+        sender) but leaves the receiver usable.  Calling :meth:`close` from
+        another thread does not interrupt a blocked ``receive``; bound it
+        with ``timeout`` instead.
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -205,6 +223,8 @@ class Receiver:
                 try:
                     frame = self._channel.recv("offer", "bye", timeout=_remaining(deadline))
                 except TransferTimeout:
+                    if self._channel.desynced:     # timed out mid-frame: the stream is unusable
+                        self._end_session()
                     raise TransferTimeout(f"no offer within {timeout} s") from None
                 except PeerLost:
                     log.info("sender %s ended its session", self._channel.peer)
@@ -218,7 +238,7 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(self._channel, frame, progress)
+                    return self._serve_offer(self._channel, frame, progress, on_offer)
                 except BaseException:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -247,7 +267,8 @@ class Receiver:
         if ch is not None:
             ch.close()
 
-    def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None) -> TensorRegion:
+    def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None,
+                     on_offer: Callable[[Manifest], None] | None) -> TensorRegion:
         t0 = time.perf_counter()
         seq = field(offer, "seq", int)
         if seq != self._seq + 1:
@@ -261,6 +282,8 @@ class Receiver:
         except ManifestError as e:
             ch.send_error("refused", str(e))
             raise
+        if on_offer is not None:
+            on_offer(manifest)
         if name not in local_transports():
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()})"
             ch.send_error("transport", msg)
@@ -278,7 +301,7 @@ class Receiver:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
             nbytes = transport.wait(progress)
-        done = ch.recv("done", timeout=self.stall_timeout)
+        done = ch.recv("done", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
                                 f"{nbytes} landed, the manifest has {manifest.nbytes}")
@@ -447,7 +470,12 @@ class Sender:
         checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()] if verify else None
         ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
                 streams=self.streams, verify=verify)
-        accept = ch.recv("accept", timeout=self.stall_timeout)
+        # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
+        # receiver's allocation (before accept) or verification (before ack) look like a stall.  The
+        # receiver commits its region before accepting (MAP_POPULATE), which on fresh memory can run at
+        # ~180 MB/s (measured on a 2-vCPU VM), so the accept wait also grows with the region.
+        alloc_allowance = region.nbytes / ALLOCATION_FLOOR_BYTES_PER_S
+        accept = ch.recv("accept", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + alloc_allowance)
         if field(accept, "seq", int) != seq or field(accept, "transport", str) != self.transport:
             raise ProtocolError(f"accept does not match offer {seq} over {self.transport!r}: {accept.get('seq')}, "
                                 f"{accept.get('transport')!r}")
@@ -459,7 +487,8 @@ class Sender:
             transport.connect(descriptors)
             nbytes = transport.send(region, progress)
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
-        ack = ch.recv("ack", timeout=self.stall_timeout)
+        verify_allowance = nbytes / 1e9 if verify else 0.0     # receiver hashes at >= 1 GB/s
+        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance)
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
         return TransferStats(nbytes, time.perf_counter() - t0, self.transport,

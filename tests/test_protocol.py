@@ -220,3 +220,20 @@ def test_parse_address(text, expected):
 def test_parse_address_rejects(text):
     with pytest.raises(ValueError):
         P.parse_address(text)
+
+
+def test_timeout_mid_frame_marks_the_channel_desynced(pair):
+    a, b = pair
+    raw(a, struct.pack(">I", 50) + b"\x81")
+    with pytest.raises(tx.TransferTimeout):
+        b.recv("offer", timeout=0.2)
+    assert b.desynced
+
+
+def test_timeout_between_frames_keeps_the_channel_usable(pair):
+    a, b = pair
+    with pytest.raises(tx.TransferTimeout):
+        b.recv("offer", timeout=0.1)
+    assert not b.desynced
+    a.send("offer", seq=1)
+    assert b.recv("offer", timeout=2)["seq"] == 1

@@ -238,3 +238,75 @@ def test_offer_with_hostile_manifest_is_refused():
             s.send(r)
         with pytest.raises(tx.ManifestError):
             job.result()
+
+
+def test_idle_session_timeout_keeps_the_session():
+    with region_of(1 << 20, fill=5) as r, Receiver() as rx:
+        connecting = Background(Sender, addr(rx))
+        with pytest.raises(tx.TransferTimeout, match="no offer"):
+            rx.receive(timeout=1.0)    # the handshake happens here, then the sender stays idle
+        with connecting.result() as s:
+            job = Background(rx.receive, timeout=10)
+            s.send(r)
+            assert bytes(memoryview(job.result().region)[:4]) == b"\x05" * 4
+
+
+def raw_session(rx: Receiver):
+    """A hand-driven sender: a real socket that completes the handshake and then misbehaves."""
+    import socket
+
+    from tensorxfer import protocol as P
+    ch = P.Channel(socket.create_connection(rx.address))
+    P.client_handshake(ch, None, {"transports": ["tcp"]}, 5)
+    return ch
+
+
+@pytest.mark.parametrize("misbehaviour", ["seq", "garbage", "done-first", "no-manifest"])
+def test_misbehaving_sender_is_a_protocol_error_and_nothing_is_allocated(misbehaviour):
+    import struct
+    with Receiver() as rx:
+        job = Background(rx.receive, timeout=10)
+        ch = raw_session(rx)
+        try:
+            m = Manifest.layout([("x", "U8", (10,))]).pack()
+            if misbehaviour == "seq":
+                ch.send("offer", seq=5, manifest=m, transport="tcp", streams=1, verify=False)
+            elif misbehaviour == "garbage":
+                ch.sock.sendall(struct.pack(">I", 5) + b"\xc1" * 5)
+            elif misbehaviour == "done-first":
+                ch.send("done", seq=1, bytes=10)
+            else:
+                ch.send("offer", seq=1, transport="tcp", verify=False)
+            with pytest.raises(tx.ProtocolError):
+                job.result()
+            assert rx.region is None
+        finally:
+            ch.close()
+
+
+def test_ipv6_loopback():
+    import socket
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        rx = Receiver("[::1]:0")
+    except OSError as e:
+        pytest.skip(f"cannot bind ::1: {e}")
+    with rx, region_of(9 << 20, fill=1) as r:
+        job = Background(rx.receive, timeout=10)
+        with Sender(f"[::1]:{rx.address[1]}") as s:
+            assert s.send(r, verify=True).streams == 3
+        job.result()
+
+
+def test_on_offer_and_progress_see_the_whole_transfer():
+    seen: list = []
+    moved: list[int] = []
+    with region_of(9 << 20, fill=2) as r, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, progress=moved.append, on_offer=seen.append)
+        sent: list[int] = []
+        with Sender(addr(rx)) as s:
+            s.send(r, progress=sent.append)
+        job.result()
+    assert [m.nbytes for m in seen] == [r.nbytes]
+    assert sum(moved) == sum(sent) == r.nbytes

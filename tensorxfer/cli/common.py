@@ -97,6 +97,11 @@ class Progress:
         self._t0 = time.perf_counter()
         self._last = 0.0
 
+    def start(self, manifest: Any) -> None:
+        """Learn the total from an offer's manifest (receivers know it only then)."""
+        self.total = int(manifest.nbytes)
+        self._t0 = time.perf_counter()
+
     def __call__(self, n: int) -> None:
         with self._lock:
             self.done += n

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
             try:
-                region = rx.receive(progress=bar)
+                region = rx.receive(progress=bar, on_offer=bar.start)
                 bar.finish()
                 paths = write_files(region, args.out)
             except KeyboardInterrupt:

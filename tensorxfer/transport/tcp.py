@@ -11,13 +11,25 @@ bad header is dropped and the receiver keeps waiting for the real one).
 Zero copy for host regions: the sender calls ``socket.sendall`` on
 ``memoryview`` slices of the region and the receiver ``recv_into`` region
 slices, one thread per stream.  Both release the GIL for the whole system
-call, so Python threads are enough: measured on the 2-core development VM,
-loopback, 1 GiB region (``benchmarks/bench_tcp.py``), Python threads reach
-the same throughput as iperf3 with the same stream count, so a Cython loop
-would not buy anything here — the kernel's copy is the bottleneck.  Writes
-go out in ``PIECE_BYTES`` pieces so progress can be reported and a stalled
-peer is noticed: a piece that makes no progress for ``stall_timeout``
-seconds fails the transfer with :class:`TransferTimeout`.
+call, so plain Python threads are used, not a Cython loop — decided by
+measurement (``benchmarks/bench_tcp.py``, results in
+``benchmarks/results/tcp-2026-12-02T1655Z.json``; 2-vCPU VM, loopback,
+2 GB / 820 tensors, three rounds): with one stream tensorxfer moved 15.4,
+21.5 and 8.7 Gbit/s against iperf3's 11.7, 10.5 and 6.2 with the same
+stream count and byte count, i.e. the kernel's copies are the bottleneck and
+the Python layer costs nothing measurable.  Writes go out in
+``PIECE_BYTES`` pieces so progress can be reported and a stalled peer is
+noticed: a piece that makes no progress for ``stall_timeout`` seconds fails
+the transfer with :class:`TransferTimeout`.
+
+The default of 4 streams is the measured best-or-tied on that machine
+(1/2/3/4/6/8 streams: 4 was within noise of the best in every round; more
+streams only add threads on 2 cores).  Socket buffers are left to the
+kernel's autotuning: explicit 1 and 4 MiB buffers were not consistently
+better (``benchmarks/results/tcp-sockbuf-2026-12-02.txt``: the VM's speed
+drifted 3x between rounds, more than any buffer setting changed).  On
+other machines ``TENSORXFER_TCP_STREAMS``, ``TENSORXFER_TCP_PIECE`` and
+``TENSORXFER_TCP_SOCKBUF`` override the defaults.
 
 GPU regions stage through pinned bounce buffers: each stream owns a
 ``Stager`` (two pinned buffers, its own CUDA stream).  The sender queues the
@@ -217,7 +229,8 @@ class TcpReceiver(ReceiverTransport):
                 if remaining <= 0:
                     raise TransferTimeout(f"tcp: only {len(seen)} of {len(self._slices)} data streams connected "
                                           f"within {self.ctx.stall_timeout} s")
-                self._listener.settimeout(remaining)
+                # Short waits, so a stream that already failed (sender died) ends the wait promptly.
+                self._listener.settimeout(min(remaining, 0.2))
                 try:
                     conn, addr = self._listener.accept()
                 except TimeoutError:
