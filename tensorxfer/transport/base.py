@@ -128,6 +128,14 @@ class SenderTransport(ABC):
         """What this side offers in ``hello`` (msgpack-able)."""
         return {}
 
+    @classmethod
+    def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
+        """Why the peer that advertised ``peer_caps`` (its :meth:`capabilities`) cannot be reached this way.
+
+        ``None`` when it can (ipc: the peer is on this host, as this user).
+        """
+        return None
+
     @abstractmethod
     def connect(self, descriptors: dict[str, Any]) -> None:
         """Set up the data path from the receiver's ``accept`` descriptors.

@@ -1,0 +1,719 @@
+"""The same-host data path: memory handles passed over a Unix socket.
+
+When sender and receiver run on one machine as one user, nothing needs to
+cross a network stack: the sender passes the *handles* of its region — one
+memfd per ``HostRegion`` chunk, one POSIX-fd shareable handle per
+``CudaRegion`` chunk — over a Unix domain socket with ``SCM_RIGHTS``, and the
+receiver maps them and copies (one memcpy / device-to-device copy), or, with
+``share=True``, keeps the mapping as its region without copying.
+
+Security
+--------
+- The socket lives in a fresh private directory (``mkdtemp``, mode 0700), so
+  only our uid (and root) can even connect.
+- Both ends check the peer's credentials (``SO_PEERCRED``): the peer's uid
+  must be ours, otherwise the connection is refused with an ``E`` message
+  naming both uids (:func:`check_peer`).
+- The sender proves it holds the session key: its first message is an HMAC
+  over the accept descriptors' nonce and the transfer id, as the TCP stream
+  header does.  A connection that fails either check is dropped and the
+  receiver keeps waiting for the real sender (until ``stall_timeout``).
+- The receiver never maps past the end of a passed memfd (``fstat`` first:
+  that would turn a read into ``SIGBUS``).  A same-uid sender that *shrinks*
+  its memfd while the receiver copies can still crash the receiver: IPC
+  trusts the same uid, which could ptrace it anyway.
+
+Same host
+---------
+Both ends advertise :func:`host_identity` (boot id, uid, hostname, mount
+namespace) in ``hello``; a sender uses ipc only when the receiver's identity
+equals its own (:meth:`IpcSender.peer_reason`), so ``auto`` never picks ipc
+across machines or containers, and a forced ``ipc`` raises
+:class:`TransportUnavailable` saying which part differs.  Set
+``TENSORXFER_DISABLE_IPC=1`` to take ipc out of this process's capabilities
+(``auto`` then picks the next transport, and says so).
+
+Messages (``SOCK_SEQPACKET``: boundaries are kept, fds travel with one message)
+----------------------------------------------------------------------------
+::
+
+    sender -> receiver  "TXI1" u64be(seq) proof(32)    proof = M(S, "ipc", nonce, u64be(seq))
+    receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
+    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int,
+                                 chunks: [[offset, size], ...]}
+    sender -> receiver  "F" + up to 250 fds (SCM_RIGHTS), in chunk order, until every chunk has its fd
+    receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
+    receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
+
+``send()`` returns only after ``D``: the receiver has finished copying (or,
+sharing, has mapped the memory), so the sender may reuse or free its region.
+
+Share mode (``Receiver(share=True)``)
+-------------------------------------
+The received :class:`TensorRegion` *is* the sender's memory: host chunks are
+mapped ``PROT_READ`` (numpy views are read-only; a write faults instead of
+corrupting the sender), CUDA chunks are imported read-write (the driver's
+import has no read-only mode) and the receiver must not write them.  The
+sender's later writes to its region (e.g. ``update_from`` for the next
+training step) are visible in place; each ``send`` is then only a
+notification and a fresh mapping.  The mapping keeps the memory alive by
+itself: if the sender frees its region, the receiver still reads the last
+contents.  The receiver owns the mapping and releases it when it closes the
+region (``Receiver.close()`` or the next ``receive``); the passed fds are
+closed as soon as they are mapped.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from tensorxfer.errors import (
+    AuthError,
+    PeerLost,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from tensorxfer.memory import HostRegion
+from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext
+
+if TYPE_CHECKING:
+    from tensorxfer.manifest import Manifest
+    from tensorxfer.region import TensorRegion
+
+log = logging.getLogger(__name__)
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+DISABLE_ENV = "TENSORXFER_DISABLE_IPC"
+AUTH_MAGIC = b"TXI1"
+AUTH = struct.Struct(">4sQ32s")
+U64 = struct.Struct(">Q")
+HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
+FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
+MAX_CHUNKS = 1 << 20
+MAX_MESSAGE = 64 << 20         # the chunk table of a million chunks fits
+PIECE_BYTES = 64 << 20         # copy granularity: progress, abort checks, work split across threads
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
+#: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
+COPY_THREADS = _env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- identity and credentials
+def host_identity() -> dict[str, Any]:
+    """What a peer must share with us for ipc: machine (boot id, hostname), user and mount namespace.
+
+    Raises
+    ------
+    OSError
+        The boot id cannot be read (not Linux, or ``/proc`` is missing).
+    """
+    with open(BOOT_ID_PATH) as f:
+        boot_id = f.read().strip()
+    try:
+        mnt_ns = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        mnt_ns = ""
+    return {"boot_id": boot_id, "uid": os.getuid(), "hostname": socket.gethostname(), "mnt_ns": mnt_ns}
+
+
+def identity_mismatch(peer: Any) -> str | None:
+    """Why a peer advertising ``peer`` (its :func:`host_identity`) is not on our host as our user; None if it is."""
+    if not isinstance(peer, dict):
+        return "the receiver did not advertise a host identity"
+    try:
+        mine = host_identity()
+    except OSError as e:
+        return f"cannot read this host's identity: {e}"
+    labels = {"boot_id": "another machine (boot id differs)", "hostname": "another host (hostname differs)",
+              "uid": "another user", "mnt_ns": "another mount namespace (container)"}
+    for key, what in labels.items():
+        if peer.get(key) != mine[key]:
+            return f"the receiver runs on {what}: {key} {peer.get(key)!r} != ours {mine[key]!r}"
+    return None
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    fmt = struct.Struct("3i")
+    pid, uid, gid = fmt.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, fmt.size))
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket) -> int:
+    """Refuse a peer of another uid; return its pid.
+
+    Raises
+    ------
+    AuthError
+        The peer process runs as another user (the message names both uids).
+    """
+    pid, uid, _ = peer_credentials(sock)
+    if uid != os.getuid():
+        raise AuthError(f"ipc: the peer process (pid {pid}) runs as uid {uid}, this process as uid "
+                        f"{os.getuid()}; ipc only connects processes of the same user — run both as one user "
+                        f"or use transport='tcp'")
+    return pid
+
+
+def _proof(ctx: TransferContext, ipc_nonce: bytes) -> bytes:
+    return mac(ctx.session_key, b"ipc", ipc_nonce, U64.pack(ctx.transfer_id))
+
+
+def _recv(sock: socket.socket, what: str, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    try:
+        data = sock.recv(MAX_MESSAGE)
+    except TimeoutError:
+        raise TransferTimeout(f"ipc: no {what} from the peer within {timeout} s") from None
+    except OSError as e:
+        raise PeerLost(f"ipc: connection lost waiting for {what}: {e}") from None
+    if not data:
+        raise PeerLost(f"ipc: the peer closed the connection before {what}")
+    return data
+
+
+def _send(sock: socket.socket, data: bytes, what: str, fds: list[int] | None = None) -> None:
+    try:
+        if fds:
+            socket.send_fds(sock, [data], fds)
+        else:
+            sock.sendall(data)
+    except TimeoutError:
+        raise TransferTimeout(f"ipc: the peer did not take {what} in time") from None
+    except OSError as e:
+        raise PeerLost(f"ipc: connection lost sending {what}: {e}") from None
+
+
+def _unavailable() -> str | None:
+    if os.environ.get(DISABLE_ENV, "").lower() in ("1", "true", "yes", "on"):
+        return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux (memfd, SO_PEERCRED), this is {sys.platform}"
+    if not hasattr(socket, "send_fds") or not hasattr(socket, "SO_PEERCRED"):
+        return "this Python lacks socket.send_fds / SO_PEERCRED"
+    try:
+        host_identity()
+    except OSError as e:
+        return f"cannot read the host identity ({e})"
+    return None
+
+
+def _parse_table(data: bytes) -> tuple[str, int, int, list[tuple[int, int]]]:
+    try:
+        table = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as e:
+        raise ProtocolError(f"ipc: the chunk table is not valid msgpack: {e}") from None
+    if not isinstance(table, dict):
+        raise ProtocolError("ipc: the chunk table is not a map")
+    kind = field(table, "kind", str)
+    device = field(table, "device", int)
+    nbytes = field(table, "nbytes", int)
+    raw = field(table, "chunks", list)
+    if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or len(raw) > MAX_CHUNKS:
+        raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
+                            f"{len(raw)} chunks")
+    chunks: list[tuple[int, int]] = []
+    end = 0
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
+                or item[0] != end or item[1] <= 0):
+            raise ProtocolError(f"ipc: chunk {len(chunks)} is {item!r}; chunks must be [offset, size] pairs "
+                                f"tiling the region from 0 (next offset {end})")
+        chunks.append((item[0], item[1]))
+        end += item[1]
+    if end < nbytes or (chunks and end - chunks[-1][1] >= nbytes):
+        raise ProtocolError(f"ipc: {len(chunks)} chunks covering {end} bytes do not cover exactly the "
+                            f"{nbytes}-byte payload")
+    return kind, device, nbytes, chunks
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+# ---------------------------------------------------------------- receiver
+class IpcReceiver(ReceiverTransport):
+    """Receives a region from a process on the same host: maps its handles, copies (or shares) them."""
+
+    name: ClassVar[str] = "ipc"
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self._dir: str | None = None
+        self._path = ""
+        self._listener: socket.socket | None = None
+        self._conn: socket.socket | None = None
+        self._nonce = b""
+        self._region: TensorRegion | None = None
+        self._manifest: Manifest | None = None
+        self._device = "cpu"
+        self._shared: TensorRegion | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def available(cls) -> str | None:
+        return _unavailable()
+
+    def prepare(self, region: TensorRegion) -> dict[str, Any]:
+        """Open a Unix socket in a fresh 0700 directory; descriptors: ``path``, ``nonce``, ``share`` (false)."""
+        self._region = region
+        self._device = region.device
+        return self._listen(share=False)
+
+    def prepare_shared(self, manifest: Manifest, device: str) -> dict[str, Any]:
+        """Like :meth:`prepare`, for share mode: nothing is allocated; :meth:`take_shared` returns the
+        sender's memory as a region with ``manifest``'s layout after :meth:`wait`."""
+        self._manifest = manifest
+        self._device = device
+        return self._listen(share=True)
+
+    def _listen(self, share: bool) -> dict[str, Any]:
+        self._nonce = nonce()
+        self._dir = tempfile.mkdtemp(prefix="tensorxfer-ipc-")     # mode 0700: only our uid gets in
+        self._path = os.path.join(self._dir, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(self._path)
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        return {"path": self._path, "nonce": self._nonce, "share": share, "identity": host_identity()}
+
+    def wait(self, progress: Progress | None = None) -> int:
+        """Accept the authenticated sender, map its handles, copy (or share); return the byte count.
+
+        Raises
+        ------
+        TransferTimeout
+            No authenticated sender within ``stall_timeout``.
+        PeerLost
+            The sender went away before passing every handle.
+        ProtocolError
+            A malformed chunk table, a wrong fd count, an fd smaller than its chunk.
+        """
+        if self._listener is None:
+            raise ProtocolError("IpcReceiver.wait() before prepare()")
+        conn = self._accept()
+        try:
+            nbytes = self._receive(conn, progress)
+        except TensorXferError as e:
+            try:
+                conn.send(b"E" + str(e).encode()[:4000])
+            except OSError:
+                pass    # the sender is gone; it will see the closed connection instead
+            raise
+        _send(conn, b"D" + U64.pack(nbytes), "the done message")
+        return nbytes
+
+    def _accept(self) -> socket.socket:
+        assert self._listener is not None
+        deadline = time.monotonic() + self.ctx.stall_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closing:
+                raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s")
+            self._listener.settimeout(remaining)
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._closing:
+                    raise TransferError("ipc: the transfer was aborted") from None
+                raise PeerLost(f"ipc: accepting the sender failed: {e}") from None
+            reason = self._authenticate(conn)
+            if reason is None:
+                with self._lock:
+                    if self._closing:
+                        conn.close()
+                        raise TransferError("ipc: the transfer was aborted")
+                    self._conn = conn
+                return conn
+            log.warning("ipc: refused a connection: %s", reason)
+            try:
+                conn.send(b"E" + reason.encode())
+            except OSError:
+                pass    # it left already; nothing to tell it
+            conn.close()
+
+    def _authenticate(self, conn: socket.socket) -> str | None:
+        """None for our sender, else why the connection is refused."""
+        try:
+            check_peer(conn)
+        except AuthError as e:
+            return str(e)
+        try:
+            data = _recv(conn, "the authentication message", min(HEADER_TIMEOUT, self.ctx.stall_timeout))
+        except TransferError as e:
+            return f"no authentication message: {e}"
+        if len(data) != AUTH.size:
+            return f"authentication message of {len(data)} bytes, expected {AUTH.size}"
+        magic, tid, proof = AUTH.unpack(data)
+        if magic != AUTH_MAGIC or tid != self.ctx.transfer_id \
+                or not hmac.compare_digest(proof, _proof(self.ctx, self._nonce)):
+            return "the connection failed ipc authentication (wrong session key, transfer or magic)"
+        try:
+            conn.send(b"K")
+        except OSError as e:
+            return f"it left during authentication: {e}"
+        return None
+
+    def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
+        timeout = self.ctx.stall_timeout
+        kind, device, nbytes, chunks = _parse_table(_recv(conn, "the chunk table", timeout))
+        expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
+            if self._region is not None else -1
+        if nbytes != expected:
+            raise ProtocolError(f"ipc: the sender passes {nbytes} payload bytes, the offer's manifest has "
+                                f"{expected}")
+        fds: list[int] = []
+        try:
+            while len(fds) < len(chunks):
+                conn.settimeout(timeout)
+                try:
+                    data, got, flags, _ = socket.recv_fds(conn, 16, FD_BATCH)
+                except TimeoutError:
+                    raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {len(chunks)} handles and "
+                                          f"stalled") from None
+                except OSError as e:
+                    raise PeerLost(f"ipc: connection lost after {len(fds)} of {len(chunks)} handles: {e}") from None
+                fds.extend(got)
+                if not data:
+                    raise PeerLost(f"ipc: the sender closed after {len(fds)} of {len(chunks)} handles")
+                if data != b"F" or not got or flags & socket.MSG_CTRUNC or len(fds) > len(chunks):
+                    raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
+                                        f"{len(fds)} of {len(chunks)} handles so far)")
+            handles = [(size, fd) for (_, size), fd in zip(chunks, fds)]
+            if kind == "host":
+                return self._from_host(conn, handles, nbytes, progress, fds)
+            return self._from_cuda(conn, handles, device, nbytes, progress, fds)
+        finally:
+            _close_fds(fds)
+
+    # -- host handles
+    def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
+                   progress: Progress | None, fds: list[int]) -> int:
+        for i, (size, fd) in enumerate(handles):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                raise ProtocolError(f"ipc: handle {i} is not a memory file of at least {size} bytes "
+                                    f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
+        if not handles:
+            return self._empty()
+        share = self._manifest is not None
+        src = HostRegion.import_fds(handles, writable=False, populate=True)
+        _close_fds(fds)     # the mappings hold the memory now
+        if share:
+            return self._adopt(src, "cpu")
+        try:
+            assert self._region is not None
+            dst = self._region
+            if dst.is_cuda:
+                with memoryview(src) as view:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: self._host_to_cuda(dst, view, off, n), threads=1)
+                    copier = dst._get_copier()
+                    copier.synchronize()
+            else:
+                s = np.frombuffer(src, dtype=np.uint8, count=nbytes)
+                d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+                try:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS)
+                finally:
+                    del s, d
+        finally:
+            src.close()
+        return nbytes
+
+    @staticmethod
+    def _host_to_cuda(dst: TensorRegion, view: memoryview, off: int, n: int) -> None:
+        dst._get_copier().htod(dst.region.ptr + off, view[off:off + n])
+
+    # -- cuda handles
+    def _from_cuda(self, conn: socket.socket, handles: list[tuple[int, int]], device: int, nbytes: int,
+                   progress: Progress | None, fds: list[int]) -> int:
+        from tensorxfer.memory import CUDA_UNAVAILABLE, CudaRegion
+        from tensorxfer.region import parse_device
+
+        if CudaRegion is None:
+            raise TransportUnavailable(f"ipc: the sender's region is on cuda:{device} but this receiver cannot use "
+                                       f"CUDA: {CUDA_UNAVAILABLE}")
+        if not handles:
+            return self._empty()
+        kind, index = parse_device(self._device)
+        on = index if kind == "cuda" else device
+        src = CudaRegion.import_handles(handles, device=on)
+        _close_fds(fds)     # the imported handles hold the memory now
+        if self._manifest is not None:
+            return self._adopt(src, f"cuda:{on}")
+        try:
+            from tensorxfer.memory._cuda import Copier
+
+            assert self._region is not None
+            dst = self._region
+            with Copier(on) as copier:
+                if dst.is_cuda:
+                    def piece(off: int, n: int) -> None:
+                        copier.dtod(dst.region.ptr + off, src.ptr + off, n)
+                else:
+                    d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+
+                    def piece(off: int, n: int) -> None:
+                        copier.dtoh(d[off:off + n], src.ptr + off)
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize)
+                copier.synchronize()
+        finally:
+            src.close()
+        return nbytes
+
+    # -- helpers
+    def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
+                     threads: int, sync: Any = None) -> None:
+        """Run ``copy(offset, n)`` over ``[0, nbytes)`` in PIECE_BYTES pieces on ``threads`` threads.
+
+        Progress goes to the local callback and, as ``P`` messages, to the sender (so its stall timer
+        measures a stall, not the length of a long copy).
+        """
+        pieces = [(off, min(PIECE_BYTES, nbytes - off)) for off in range(0, nbytes, PIECE_BYTES)]
+        lock = threading.Lock()
+        state: dict[str, Any] = {"next": 0, "done": 0, "error": None}
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= len(pieces) or state["error"] is not None or self._closing:
+                        return
+                    state["next"] = i + 1
+                off, n = pieces[i]
+                try:
+                    copy(off, n)
+                    if progress is not None:
+                        progress(n)
+                    with lock:
+                        state["done"] += n
+                        conn.send(b"P" + U64.pack(state["done"]))
+                except BaseException as e:
+                    with lock:
+                        state["error"] = state["error"] or e
+                    return
+
+        workers = [threading.Thread(target=worker, name=f"tensorxfer-ipc-copy-{k}", daemon=True)
+                   for k in range(max(1, min(threads, len(pieces))) - 1)]
+        for t in workers:
+            t.start()
+        worker()
+        for t in workers:
+            t.join()
+        error = state["error"]
+        if isinstance(error, OSError) and not isinstance(error, TensorXferError):
+            raise PeerLost(f"ipc: the sender left during the copy: {error}")
+        if error is not None:
+            raise error
+        if self._closing:
+            raise TransferError("ipc: the transfer was aborted during the copy")
+        if sync is not None:
+            sync()
+
+    def _empty(self) -> int:
+        if self._manifest is not None:
+            from tensorxfer.region import TensorRegion
+
+            self._shared = TensorRegion.from_manifest(self._manifest, device=self._device)
+        return 0
+
+    def _adopt(self, src: Any, device: str) -> int:
+        from tensorxfer.region import TensorRegion
+
+        assert self._manifest is not None
+        try:
+            self._shared = TensorRegion(src, self._manifest, device=device)
+        except BaseException:
+            src.close()
+            raise
+        return self._manifest.nbytes
+
+    def take_shared(self) -> TensorRegion:
+        """Share mode: the region backed by the sender's memory (now the caller's to close)."""
+        region, self._shared = self._shared, None
+        if region is None:
+            raise ProtocolError("ipc: take_shared() before a successful shared wait()")
+        return region
+
+    def close(self) -> None:
+        """Close the sockets, remove the private directory, release an untaken shared region; idempotent."""
+        with self._lock:
+            self._closing = True
+            conn, self._conn = self._conn, None
+            listener, self._listener = self._listener, None
+        for s in (conn, listener):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass    # not connected / already shut: closing is enough
+                s.close()
+        d, self._dir = self._dir, None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close(defer=True)
+        self._region = None
+
+
+# ---------------------------------------------------------------- sender
+class IpcSender(SenderTransport):
+    """Passes a region's memory handles to a receiver on the same host and waits until it copied them."""
+
+    name: ClassVar[str] = "ipc"
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.share = False
+
+    @classmethod
+    def available(cls) -> str | None:
+        return _unavailable()
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        return {"identity": host_identity()}
+
+    @classmethod
+    def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
+        return identity_mismatch((peer_caps or {}).get("identity"))
+
+    def connect(self, descriptors: dict[str, Any]) -> None:
+        """Connect to the receiver's socket, check its uid, authenticate.
+
+        Raises
+        ------
+        ProtocolError
+            Malformed descriptors.
+        TransportUnavailable
+            The receiver is not on this host as this user, or its socket is not reachable from here.
+        AuthError
+            The receiver runs as another user, or refused our proof.
+        """
+        path = field(descriptors, "path", str)
+        ipc_nonce = field(descriptors, "nonce", bytes)
+        self.share = field(descriptors, "share", bool)
+        if len(ipc_nonce) != NONCE_BYTES or not path or len(path.encode()) > 107:
+            raise ProtocolError(f"ipc accept descriptors out of range: path {path!r}, {len(ipc_nonce)}-byte nonce")
+        reason = identity_mismatch(descriptors.get("identity"))
+        if reason:
+            raise TransportUnavailable(f"ipc: {reason}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = sock
+        sock.settimeout(self.ctx.stall_timeout)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            raise TransportUnavailable(f"ipc: cannot reach the receiver's socket {path}: {e} (same host, but "
+                                       f"another filesystem view?) — use transport='tcp'") from None
+        except OSError as e:
+            raise PeerLost(f"ipc: cannot connect to the receiver's socket {path}: {e}") from None
+        check_peer(sock)
+        _send(sock, AUTH.pack(AUTH_MAGIC, self.ctx.transfer_id, _proof(self.ctx, ipc_nonce)), "authentication")
+        answer = _recv(sock, "the authentication answer", self.ctx.stall_timeout)
+        if answer != b"K":
+            raise AuthError(f"ipc: the receiver refused the connection: "
+                            f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
+
+    def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
+        """Pass the handles of ``region``'s payload; return once the receiver has copied (or mapped) them.
+
+        Raises
+        ------
+        TransportUnavailable
+            The region's memory has no handles to pass (adopted memory).
+        PeerLost, TransferTimeout
+            The receiver died or stopped answering.
+        TransferError
+            The receiver failed (its reason is in the message).
+        """
+        sock = self._sock
+        if sock is None:
+            raise ProtocolError("IpcSender.send() before connect()")
+        nbytes = region.nbytes
+        owned: list[int] = []      # exported CUDA handles are ours to close; memfds stay the region's
+        try:
+            if region.is_cuda:
+                kind, device = "cuda", int(region.region.device_index)
+                exported = region.region.export_handles() if nbytes else []
+                owned = [fd for _, _, fd in exported]
+                chunks = [(off, size, fd) for off, size, fd in exported]
+            else:
+                kind, device = "host", 0
+                chunks = list(region.region.chunks)
+            chunks = [c for c in chunks if c[0] < nbytes]
+            if any(fd < 0 for _, _, fd in chunks):
+                raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
+                                           "there are no memory handles to pass; copy it into a TensorRegion "
+                                           "(from_tensors) or use transport='tcp'")
+            table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes,
+                                   "chunks": [[off, size] for off, size, _ in chunks]}, use_bin_type=True)
+            _send(sock, table, "the chunk table")
+            fds = [fd for _, _, fd in chunks]
+            for i in range(0, len(fds), FD_BATCH):
+                _send(sock, b"F", "memory handles", fds[i:i + FD_BATCH])
+        finally:
+            _close_fds(owned)
+        reported = 0
+        while True:
+            msg = _recv(sock, "the receiver's copy to finish", self.ctx.stall_timeout)
+            if msg[:1] == b"P" and len(msg) == 9:
+                done = U64.unpack(msg[1:])[0]
+                if progress is not None and done > reported:
+                    progress(done - reported)
+                reported = max(reported, done)
+            elif msg[:1] == b"D" and len(msg) == 9 and U64.unpack(msg[1:])[0] == nbytes:
+                if progress is not None and nbytes > reported:
+                    progress(nbytes - reported)
+                return nbytes
+            elif msg[:1] == b"E":
+                raise TransferError(f"ipc: the receiver failed: {msg[1:].decode(errors='replace')}")
+            else:
+                raise ProtocolError(f"ipc: unexpected message from the receiver: {msg[:16]!r}")
+
+    def close(self) -> None:
+        """Close the socket; idempotent."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass    # never connected: closing is enough
+            sock.close()
