@@ -307,7 +307,8 @@ class Receiver:
 
         ctx = TransferContext(local_host="", peer_host="", session_key=self._session_key, transfer_id=seq,
                               stall_timeout=self.stall_timeout)
-        with IpcReceiver(ctx) as transport:
+        transport = IpcReceiver(ctx)
+        with transport:
             descriptors = transport.prepare_shared(manifest, self.device)
             ch.send("accept", seq=seq, transport="ipc", descriptors=descriptors, reallocated=True)
             nbytes = transport.wait(progress)

@@ -535,7 +535,7 @@ class IpcReceiver(ReceiverTransport):
             t.join()
         error = state["error"]
         if isinstance(error, OSError) and not isinstance(error, TensorXferError):
-            raise PeerLost(f"ipc: the sender left during the copy: {error}")
+            raise PeerLost(f"ipc: connection to the sender lost during the copy: {error}")
         if error is not None:
             raise error
         if self._closing:
