@@ -365,14 +365,19 @@ class IpcReceiver(ReceiverTransport):
 
     def _authenticate(self, conn: socket.socket) -> str | None:
         """None for our sender, else why the connection is refused."""
+        # Read the proof first even from a stranger: closing a Unix socket with unread data resets the
+        # connection, and the peer would then lose our "E" explanation.
+        try:
+            data = _recv(conn, "the authentication message", min(HEADER_TIMEOUT, self.ctx.stall_timeout))
+        except TransferError as e:
+            data = b""
+            missing = f"no authentication message: {e}"
         try:
             check_peer(conn)
         except AuthError as e:
             return str(e)
-        try:
-            data = _recv(conn, "the authentication message", min(HEADER_TIMEOUT, self.ctx.stall_timeout))
-        except TransferError as e:
-            return f"no authentication message: {e}"
+        if not data:
+            return missing
         if len(data) != AUTH.size:
             return f"authentication message of {len(data)} bytes, expected {AUTH.size}"
         magic, tid, proof = AUTH.unpack(data)
