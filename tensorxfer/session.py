@@ -135,6 +135,7 @@ class Receiver:
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
+        self._transport_state: dict[str, Any] = {}    # per session; see TransferContext.session_state
         self._region: TensorRegion | None = None
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
@@ -251,6 +252,10 @@ class Receiver:
         log.info("session with sender %s", ch.peer)
 
     def _end_session(self) -> None:
+        state, self._transport_state = self._transport_state, {}
+        for value in state.values():
+            if hasattr(value, "close"):
+                value.close()
         ch, self._channel = self._channel, None
         if ch is not None:
             ch.close()
@@ -284,7 +289,7 @@ class Receiver:
             raise
         ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
                               session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
-                              streams=streams)
+                              streams=streams, session_state=self._transport_state)
         with TRANSPORTS[name][1](ctx) as transport:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
@@ -306,7 +311,7 @@ class Receiver:
         from tensorxfer.transport.ipc import IpcReceiver
 
         ctx = TransferContext(local_host="", peer_host="", session_key=self._session_key, transfer_id=seq,
-                              stall_timeout=self.stall_timeout)
+                              stall_timeout=self.stall_timeout, session_state=self._transport_state)
         transport = IpcReceiver(ctx)
         with transport:
             descriptors = transport.prepare_shared(manifest, self.device)

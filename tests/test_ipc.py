@@ -281,7 +281,7 @@ def test_chunk_table_that_does_not_tile_the_payload_is_a_protocol_error():
             st.connect(d)
             assert st._sock is not None
             import msgpack
-            st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes,
+            st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes, "token": bytes(16),
                                             "chunks": [[0, 4096], [8192, 4096]]}))
             answer = st._sock.recv(4096)     # refused before any handle is passed
             assert answer.startswith(b"E") and b"tiling" in answer
@@ -300,7 +300,7 @@ def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
                 st.connect(d)
                 assert st._sock is not None
                 import msgpack
-                st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes,
+                st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes, "token": bytes(16),
                                                 "chunks": [[0, 1 << 20]]}))
                 socket.send_fds(st._sock, [b"F"], [fd])
                 assert st._sock.recv(4096).startswith(b"E")

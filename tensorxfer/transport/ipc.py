@@ -39,7 +39,7 @@ Messages (``SOCK_SEQPACKET``: boundaries are kept, fds travel with one message)
 
     sender -> receiver  "TXI1" u64be(seq) proof(32)    proof = M(S, "ipc", nonce, u64be(seq))
     receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
-    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int,
+    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16,
                                  chunks: [[offset, size], ...]}
     sender -> receiver  "F" + up to 250 fds (SCM_RIGHTS), in chunk order, until every chunk has its fd
     receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
@@ -76,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
@@ -221,15 +222,16 @@ def _unavailable() -> str | None:
     return None
 
 
-def _parse_table(data: bytes) -> tuple[str, int, int, list[tuple[int, int]]]:
+def _parse_table(data: bytes) -> tuple[str, int, int, list[tuple[int, int]], bytes]:
     try:
-        table = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+        table = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
     except Exception as e:
         raise ProtocolError(f"ipc: the chunk table is not valid msgpack: {e}") from None
     if not isinstance(table, dict):
         raise ProtocolError("ipc: the chunk table is not a map")
     kind = field(table, "kind", str)
     device = field(table, "device", int)
+    token = field(table, "token", bytes)
     nbytes = field(table, "nbytes", int)
     raw = field(table, "chunks", list)
     if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or len(raw) > MAX_CHUNKS:
@@ -247,7 +249,41 @@ def _parse_table(data: bytes) -> tuple[str, int, int, list[tuple[int, int]]]:
     if end < nbytes or (chunks and end - chunks[-1][1] >= nbytes):
         raise ProtocolError(f"ipc: {len(chunks)} chunks covering {end} bytes do not cover exactly the "
                             f"{nbytes}-byte payload")
-    return kind, device, nbytes, chunks
+    return kind, device, nbytes, chunks, token
+
+
+class _SourceCache:
+    """The last mapping of a sender's handles, kept for the session's next update (copy mode).
+
+    A training loop sends the same region every step: mapping 31 GB of memfd
+    pages (or importing a hundred CUDA handles) each time would cost as much
+    as the copy.  The key proves it is the same memory: for memfds the
+    ``(st_dev, st_ino)`` of every passed fd (a live mapping pins its inode,
+    so the number cannot be reused); for CUDA handles the sender's pid (from
+    ``SO_PEERCRED``) and a random token the sender keeps per region.  The
+    engine closes it when the session ends; until then it keeps at most one
+    region of the sender's memory alive after the sender freed it.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.region: Any = None
+
+    def get(self, key: tuple) -> Any:
+        return self.region if self.key == key else None
+
+    def put(self, key: tuple, region: Any) -> None:
+        if region is not self.region:
+            self.close()
+        self.key, self.region = key, region
+
+    def close(self) -> None:
+        region, self.region, self.key = self.region, None, None
+        if region is not None:
+            region.close()
+
+
+_TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -273,11 +309,29 @@ class IpcReceiver(ReceiverTransport):
         self._device = "cpu"
         self._shared: TensorRegion | None = None
         self._closing = False
+        self._peer_pid = 0
         self._lock = threading.Lock()
 
     @classmethod
     def available(cls) -> str | None:
         return _unavailable()
+
+    def _cache(self) -> _SourceCache | None:
+        """The session's mapping cache (copy mode only: a shared mapping belongs to its region)."""
+        if self._manifest is not None:
+            return None
+        cache = self.ctx.session_state.get("ipc")
+        if not isinstance(cache, _SourceCache):
+            cache = self.ctx.session_state["ipc"] = _SourceCache()
+        return cache
+
+    def _release_source(self, cache: _SourceCache | None, key: tuple, src: Any, ok: bool) -> None:
+        if cache is not None and ok:
+            cache.put(key, src)
+        else:
+            if cache is not None and cache.region is src:
+                cache.key = cache.region = None
+            src.close()
 
     def prepare(self, region: TensorRegion) -> dict[str, Any]:
         """Open a Unix socket in a fresh 0700 directory; descriptors: ``path``, ``nonce``, ``share`` (false)."""
@@ -373,7 +427,7 @@ class IpcReceiver(ReceiverTransport):
             data = b""
             missing = f"no authentication message: {e}"
         try:
-            check_peer(conn)
+            self._peer_pid = check_peer(conn)
         except AuthError as e:
             return str(e)
         if not data:
@@ -392,7 +446,7 @@ class IpcReceiver(ReceiverTransport):
 
     def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
         timeout = self.ctx.stall_timeout
-        kind, device, nbytes, chunks = _parse_table(_recv(conn, "the chunk table", timeout))
+        kind, device, nbytes, chunks, token = _parse_table(_recv(conn, "the chunk table", timeout))
         expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
             if self._region is not None else -1
         if nbytes != expected:
@@ -418,7 +472,7 @@ class IpcReceiver(ReceiverTransport):
             handles = [(size, fd) for (_, size), fd in zip(chunks, fds)]
             if kind == "host":
                 return self._from_host(conn, handles, nbytes, progress, fds)
-            return self._from_cuda(conn, handles, device, nbytes, progress, fds)
+            return self._from_cuda(conn, handles, device, nbytes, progress, fds, token)
         finally:
             _close_fds(fds)
 
@@ -432,11 +486,15 @@ class IpcReceiver(ReceiverTransport):
                                     f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
         if not handles:
             return self._empty()
-        share = self._manifest is not None
-        src = HostRegion.import_fds(handles, writable=False, populate=True)
+        cache = self._cache()
+        key = ("host", tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino, size) for size, fd in handles))
+        src = cache.get(key) if cache is not None else None
+        if src is None:
+            src = HostRegion.import_fds(handles, writable=False, populate=True)
         _close_fds(fds)     # the mappings hold the memory now
-        if share:
+        if self._manifest is not None:
             return self._adopt(src, "cpu")
+        ok = False
         try:
             assert self._region is not None
             dst = self._region
@@ -454,8 +512,9 @@ class IpcReceiver(ReceiverTransport):
                                       lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS)
                 finally:
                     del s, d
+            ok = True
         finally:
-            src.close()
+            self._release_source(cache, key, src, ok)
         return nbytes
 
     @staticmethod
@@ -464,7 +523,7 @@ class IpcReceiver(ReceiverTransport):
 
     # -- cuda handles
     def _from_cuda(self, conn: socket.socket, handles: list[tuple[int, int]], device: int, nbytes: int,
-                   progress: Progress | None, fds: list[int]) -> int:
+                   progress: Progress | None, fds: list[int], token: bytes) -> int:
         from tensorxfer.memory import CUDA_UNAVAILABLE, CudaRegion
         from tensorxfer.region import parse_device
 
@@ -475,10 +534,15 @@ class IpcReceiver(ReceiverTransport):
             return self._empty()
         kind, index = parse_device(self._device)
         on = index if kind == "cuda" else device
-        src = CudaRegion.import_handles(handles, device=on)
+        cache = self._cache()
+        key = ("cuda", self._peer_pid, token, on, tuple(size for size, _ in handles))
+        src = cache.get(key) if cache is not None and len(token) == 16 else None
+        if src is None:
+            src = CudaRegion.import_handles(handles, device=on)
         _close_fds(fds)     # the imported handles hold the memory now
         if self._manifest is not None:
             return self._adopt(src, f"cuda:{on}")
+        ok = False
         try:
             from tensorxfer.memory._cuda import Copier
 
@@ -495,8 +559,9 @@ class IpcReceiver(ReceiverTransport):
                         copier.dtoh(d[off:off + n], src.ptr + off)
                 self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize)
                 copier.synchronize()
+            ok = True
         finally:
-            src.close()
+            self._release_source(cache, key, src, ok)
         return nbytes
 
     # -- helpers
@@ -687,7 +752,10 @@ class IpcSender(SenderTransport):
                 raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
                                            "there are no memory handles to pass; copy it into a TensorRegion "
                                            "(from_tensors) or use transport='tcp'")
-            table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes,
+            token = _TOKENS.get(region)
+            if token is None:
+                token = _TOKENS[region] = os.urandom(16)
+            table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
                                    "chunks": [[off, size] for off, size, _ in chunks]}, use_bin_type=True)
             _send(sock, table, "the chunk table")
             fds = [fd for _, _, fd in chunks]
