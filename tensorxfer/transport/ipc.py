@@ -280,7 +280,7 @@ class _SourceCache:
     def close(self) -> None:
         region, self.region, self.key = self.region, None, None
         if region is not None:
-            region.close()
+            region.close(defer=True)    # a copy still running in another thread holds views: unmap after it
 
 
 _TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
@@ -391,7 +391,9 @@ class IpcReceiver(ReceiverTransport):
         deadline = time.monotonic() + self.ctx.stall_timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._closing:
+            if self._closing:
+                raise TransferError("ipc: the transfer was aborted")
+            if remaining <= 0:
                 raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s")
             self._listener.settimeout(remaining)
             try:
@@ -457,7 +459,7 @@ class IpcReceiver(ReceiverTransport):
             while len(fds) < len(chunks):
                 conn.settimeout(timeout)
                 try:
-                    data, got, flags, _ = socket.recv_fds(conn, 16, FD_BATCH)
+                    data, got, flags, _ = socket.recv_fds(conn, 16, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
                 except TimeoutError:
                     raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {len(chunks)} handles and "
                                           f"stalled") from None
