@@ -84,6 +84,7 @@ import numpy as np
 
 from tensorxfer.errors import (
     AuthError,
+    CudaError,
     PeerLost,
     ProtocolError,
     TensorXferError,
@@ -110,7 +111,8 @@ HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
 FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
 MAX_CHUNKS = 1 << 20
 MAX_MESSAGE = 64 << 20         # the chunk table of a million chunks fits
-PIECE_BYTES = 64 << 20         # copy granularity: progress, abort checks, work split across threads
+PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
+CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
 
 
 def _env_int(name: str, default: int) -> int:
@@ -559,7 +561,8 @@ class IpcReceiver(ReceiverTransport):
 
                     def piece(off: int, n: int) -> None:
                         copier.dtoh(d[off:off + n], src.ptr + off)
-                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize)
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
+                                  piece_bytes=CUDA_PIECE_BYTES if dst.is_cuda else PIECE_BYTES)
                 copier.synchronize()
             ok = True
         finally:
@@ -568,13 +571,13 @@ class IpcReceiver(ReceiverTransport):
 
     # -- helpers
     def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
-                     threads: int, sync: Any = None) -> None:
+                     threads: int, sync: Any = None, piece_bytes: int = PIECE_BYTES) -> None:
         """Run ``copy(offset, n)`` over ``[0, nbytes)`` in PIECE_BYTES pieces on ``threads`` threads.
 
         Progress goes to the local callback and, as ``P`` messages, to the sender (so its stall timer
         measures a stall, not the length of a long copy).
         """
-        pieces = [(off, min(PIECE_BYTES, nbytes - off)) for off in range(0, nbytes, PIECE_BYTES)]
+        pieces = [(off, min(piece_bytes, nbytes - off)) for off in range(0, nbytes, piece_bytes)]
         lock = threading.Lock()
         state: dict[str, Any] = {"next": 0, "done": 0, "error": None}
 
@@ -743,8 +746,16 @@ class IpcSender(SenderTransport):
         try:
             if region.is_cuda:
                 kind, device = "cuda", int(region.region.device_index)
-                exported = region.region.export_handles() if nbytes else []
+                try:
+                    exported = region.region.export_handles() if nbytes else []
+                except CudaError as e:
+                    raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
+                                               f"use transport='tcp'") from None
                 owned = [fd for _, _, fd in exported]
+                if nbytes and not exported:
+                    raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
+                                               "(no handles to pass); copy it into a TensorRegion (from_tensors) "
+                                               "or use transport='tcp'")
                 chunks = [(off, size, fd) for off, size, fd in exported]
             else:
                 kind, device = "host", 0
