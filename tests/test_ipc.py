@@ -310,6 +310,34 @@ def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
             job.result()
 
 
+def test_a_sender_that_stalls_after_authenticating_times_out_the_receiver():
+    ctx = TransferContext(local_host="", peer_host="", session_key=b"k" * 32, transfer_id=1, stall_timeout=1.0)
+    with region_of(1 << 20) as dst, ipc.IpcReceiver(ctx) as rt:
+        d = rt.prepare(dst)
+        job = Background(rt.wait)
+        with _sender_transport() as st:
+            st.connect(d)                   # authenticated, then passes nothing
+            with pytest.raises(tx.TransferTimeout, match="chunk table"):
+                job.result(timeout=10)
+
+
+def test_a_sender_killed_between_updates_ends_its_session_cleanly():
+    """The receiver keeps the last copy, drops the session's cached mapping, and waits for the next sender."""
+    with Receiver(stall_timeout=5) as rx:
+        peer = Peer(rx.address, nbytes=8 << 20)
+        try:
+            job = Background(rx.receive, timeout=30)
+            sent = peer.ask("send")
+            assert digest(job.result()) == sent["sha"]
+            job = Background(rx.receive, timeout=3)
+            peer.proc.kill()
+            peer.proc.wait()
+            with pytest.raises(tx.TransferTimeout):
+                job.result()                # the session ended; nobody else connected
+        finally:
+            peer.close()
+
+
 def test_adopted_memory_has_no_handles_and_says_so():
     buf = bytearray(8192)
     region = TensorRegion(HostRegion.adopt(buf), Manifest.layout([("x", "U8", (8192,))]))
