@@ -273,41 +273,51 @@ def test_wrong_session_key_is_refused_with_a_clear_error():
         assert job.result() == src.nbytes
 
 
-def test_chunk_table_that_does_not_tile_the_payload_is_a_protocol_error():
-    with region_of(1 << 20) as dst, _receiver_transport() as rt:
-        d = rt.prepare(dst)
-        job = Background(rt.wait)
-        with _sender_transport() as st:
-            st.connect(d)
-            assert st._sock is not None
-            import msgpack
-            st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes, "token": bytes(16),
-                                            "chunks": [[0, 4096], [8192, 4096]]}))
-            answer = st._sock.recv(4096)     # refused before any handle is passed
-            assert answer.startswith(b"E") and b"tiling" in answer
-        with pytest.raises(tx.ProtocolError, match="tiling"):
-            job.result()
+def _memfd(size: int) -> int:
+    fd = os.memfd_create("tensorxfer-test")
+    os.ftruncate(fd, size)
+    return fd
 
 
-def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
-    with region_of(1 << 20) as dst, _receiver_transport() as rt:
+def _send_raw(dst_nbytes: int, count: int, chunks: list, sizes: list[int]) -> tuple[bytes, bytes]:
+    """Start a receiving transport, send a hand-made chunk table and one handle message; return the answers."""
+    import msgpack
+
+    with region_of(dst_nbytes) as dst, _receiver_transport() as rt:
         d = rt.prepare(dst)
         job = Background(rt.wait)
-        fd = os.memfd_create("tensorxfer-short")
+        fds = [_memfd(n) for n in sizes]
         try:
-            os.ftruncate(fd, 4096)
             with _sender_transport() as st:
                 st.connect(d)
                 assert st._sock is not None
-                import msgpack
-                st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes, "token": bytes(16),
-                                                "chunks": [[0, 1 << 20]]}))
-                socket.send_fds(st._sock, [b"F"], [fd])
-                assert st._sock.recv(4096).startswith(b"E")
+                st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes,
+                                                "token": bytes(16), "count": count}))
+                socket.send_fds(st._sock, [b"F" + msgpack.packb(chunks)], fds)
+                answer = st._sock.recv(4096)     # refused before anything is mapped
         finally:
-            os.close(fd)
-        with pytest.raises(tx.ProtocolError, match="not a memory file of at least"):
+            for fd in fds:
+                os.close(fd)
+        try:
             job.result()
+        except tx.ProtocolError as e:
+            return answer, str(e).encode()
+        raise AssertionError("the receiver accepted a hostile chunk table")
+
+
+def test_chunk_table_that_does_not_tile_the_payload_is_a_protocol_error():
+    answer, error = _send_raw(1 << 20, 2, [[0, 4096], [8192, 4096]], [4096, 4096])
+    assert answer.startswith(b"E") and b"tiling" in answer and b"tiling" in error
+
+
+def test_handle_message_whose_fd_count_differs_from_its_chunks_is_a_protocol_error():
+    answer, error = _send_raw(1 << 20, 2, [[0, 1 << 19]], [1 << 19, 1 << 19])
+    assert answer.startswith(b"E") and b"carries 2 fds" in error
+
+
+def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
+    answer, error = _send_raw(1 << 20, 1, [[0, 1 << 20]], [4096])
+    assert answer.startswith(b"E") and b"not a memory file of at least" in error
 
 
 def test_a_sender_that_stalls_after_authenticating_times_out_the_receiver():

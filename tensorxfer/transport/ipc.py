@@ -39,9 +39,9 @@ Messages (``SOCK_SEQPACKET``: boundaries are kept, fds travel with one message)
 
     sender -> receiver  "TXI1" u64be(seq) proof(32)    proof = M(S, "ipc", nonce, u64be(seq))
     receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
-    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16,
-                                 chunks: [[offset, size], ...]}
-    sender -> receiver  "F" + up to 250 fds (SCM_RIGHTS), in chunk order, until every chunk has its fd
+    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int}
+    sender -> receiver  "F" msgpack [[offset, size], ...] + as many fds (SCM_RIGHTS, at most 250),
+                        in chunk order, until ``count`` chunks have arrived
     receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
     receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
 
@@ -110,7 +110,7 @@ U64 = struct.Struct(">Q")
 HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
 FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
 MAX_CHUNKS = 1 << 20
-MAX_MESSAGE = 64 << 20         # the chunk table of a million chunks fits
+MAX_MESSAGE = 64 << 10         # every message is small: the chunk list travels in batches with its fds
 PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
 CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
 
@@ -224,34 +224,41 @@ def _unavailable() -> str | None:
     return None
 
 
-def _parse_table(data: bytes) -> tuple[str, int, int, list[tuple[int, int]], bytes]:
+def _unpack(data: bytes, what: str) -> Any:
     try:
-        table = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
     except Exception as e:
-        raise ProtocolError(f"ipc: the chunk table is not valid msgpack: {e}") from None
+        raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
+
+
+def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int]:
+    table = _unpack(data, "the chunk table header")
     if not isinstance(table, dict):
-        raise ProtocolError("ipc: the chunk table is not a map")
+        raise ProtocolError("ipc: the chunk table header is not a map")
     kind = field(table, "kind", str)
     device = field(table, "device", int)
     token = field(table, "token", bytes)
     nbytes = field(table, "nbytes", int)
-    raw = field(table, "chunks", list)
-    if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or len(raw) > MAX_CHUNKS:
+    count = field(table, "count", int)
+    if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
+            or (count == 0) != (nbytes == 0):
         raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
-                            f"{len(raw)} chunks")
-    chunks: list[tuple[int, int]] = []
-    end = 0
+                            f"{count} chunks")
+    return kind, device, nbytes, token, count
+
+
+def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
+    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0."""
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("ipc: a handle message must carry a non-empty list of [offset, size] pairs")
+    end = chunks[-1][0] + chunks[-1][1] if chunks else 0
     for item in raw:
         if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
-                or item[0] != end or item[1] <= 0):
+                or item[0] != end or item[1] <= 0 or end >= nbytes):
             raise ProtocolError(f"ipc: chunk {len(chunks)} is {item!r}; chunks must be [offset, size] pairs "
-                                f"tiling the region from 0 (next offset {end})")
+                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end})")
         chunks.append((item[0], item[1]))
         end += item[1]
-    if end < nbytes or (chunks and end - chunks[-1][1] >= nbytes):
-        raise ProtocolError(f"ipc: {len(chunks)} chunks covering {end} bytes do not cover exactly the "
-                            f"{nbytes}-byte payload")
-    return kind, device, nbytes, chunks, token
 
 
 class _SourceCache:
@@ -450,29 +457,38 @@ class IpcReceiver(ReceiverTransport):
 
     def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
         timeout = self.ctx.stall_timeout
-        kind, device, nbytes, chunks, token = _parse_table(_recv(conn, "the chunk table", timeout))
+        kind, device, nbytes, token, count = _parse_header(_recv(conn, "the chunk table", timeout))
         expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
             if self._region is not None else -1
         if nbytes != expected:
             raise ProtocolError(f"ipc: the sender passes {nbytes} payload bytes, the offer's manifest has "
                                 f"{expected}")
         fds: list[int] = []
+        chunks: list[tuple[int, int]] = []
         try:
-            while len(fds) < len(chunks):
+            while len(fds) < count:
                 conn.settimeout(timeout)
                 try:
-                    data, got, flags, _ = socket.recv_fds(conn, 16, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+                    data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
                 except TimeoutError:
-                    raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {len(chunks)} handles and "
+                    raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {count} handles and "
                                           f"stalled") from None
                 except OSError as e:
-                    raise PeerLost(f"ipc: connection lost after {len(fds)} of {len(chunks)} handles: {e}") from None
+                    raise PeerLost(f"ipc: connection lost after {len(fds)} of {count} handles: {e}") from None
                 fds.extend(got)
                 if not data:
-                    raise PeerLost(f"ipc: the sender closed after {len(fds)} of {len(chunks)} handles")
-                if data != b"F" or not got or flags & socket.MSG_CTRUNC or len(fds) > len(chunks):
+                    raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
+                if data[:1] != b"F" or not got or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
                     raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
-                                        f"{len(fds)} of {len(chunks)} handles so far)")
+                                        f"{len(fds)} of {count} handles so far)")
+                before = len(chunks)
+                _add_chunks(chunks, _unpack(data[1:], "a handle message"), nbytes)
+                if len(chunks) - before != len(got) or len(chunks) > count:
+                    raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
+                                        f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
+            if count and chunks[-1][0] + chunks[-1][1] < nbytes:
+                raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
+                                    f"{nbytes}-byte payload does")
             handles = [(size, fd) for (_, size), fd in zip(chunks, fds)]
             if kind == "host":
                 return self._from_host(conn, handles, nbytes, progress, fds)
@@ -769,11 +785,12 @@ class IpcSender(SenderTransport):
             if token is None:
                 token = _TOKENS[region] = os.urandom(16)
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
-                                   "chunks": [[off, size] for off, size, _ in chunks]}, use_bin_type=True)
+                                   "count": len(chunks)}, use_bin_type=True)
             _send(sock, table, "the chunk table")
-            fds = [fd for _, _, fd in chunks]
-            for i in range(0, len(fds), FD_BATCH):
-                _send(sock, b"F", "memory handles", fds[i:i + FD_BATCH])
+            for i in range(0, len(chunks), FD_BATCH):
+                batch = chunks[i:i + FD_BATCH]
+                _send(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]), "memory handles",
+                      [fd for _, _, fd in batch])
         finally:
             _close_fds(owned)
         reported = 0
