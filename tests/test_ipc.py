@@ -565,3 +565,27 @@ def test_cuda_handles_are_released_after_copy():
 
 def test_struct_sizes_match_the_protocol_doc():
     assert ipc.AUTH.size == 44 and struct.calcsize(">Q") == 8
+
+
+def test_host_region_import_fds_maps_read_only_and_rolls_back_on_a_bad_fd():
+    with HostRegion.allocate(3 << 16, chunk_size=1 << 16) as owner:
+        with memoryview(owner) as mv:
+            mv[:4] = b"abcd"
+            mv[1 << 16:(1 << 16) + 4] = b"efgh"
+        handles = [(size, fd) for _, size, fd in owner.chunks]
+        with HostRegion.import_fds(handles) as imported:
+            assert imported.readonly and imported.size == 3 << 16 and len(imported.chunks) == 3
+            with memoryview(imported) as view:
+                assert view.readonly and bytes(view[:4]) == b"abcd"
+                assert bytes(view[1 << 16:(1 << 16) + 4]) == b"efgh"
+            with memoryview(imported) as view, pytest.raises(TypeError, match="read-only"):
+                view[0:1] = b"x"
+        r, w = os.pipe()
+        try:
+            with pytest.raises(tx.RegionError):
+                HostRegion.import_fds([handles[0], (1 << 16, r)])
+        finally:
+            os.close(r)
+            os.close(w)
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if "memfd:tensorxfer" in line]

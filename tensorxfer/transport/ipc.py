@@ -478,7 +478,11 @@ class IpcReceiver(ReceiverTransport):
                 fds.extend(got)
                 if not data:
                     raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
-                if data[:1] != b"F" or not got or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                if flags & socket.MSG_CTRUNC:
+                    raise TransferError(f"ipc: handles were dropped in transit after {len(fds)} of {count} (this "
+                                        f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
+                                        f"chunks: raise it, or use larger chunks)")
+                if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
                     raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
                                         f"{len(fds)} of {count} handles so far)")
                 before = len(chunks)
