@@ -58,9 +58,11 @@ sender's later writes to its region (e.g. ``update_from`` for the next
 training step) are visible in place; each ``send`` is then only a
 notification and a fresh mapping.  The mapping keeps the memory alive by
 itself: if the sender frees its region, the receiver still reads the last
-contents.  The receiver owns the mapping and releases it when it closes the
-region (``Receiver.close()`` or the next ``receive``); the passed fds are
-closed as soon as they are mapped.
+contents.  The region lives where the sender's does (host memory, or the
+sender's GPU imported on the receiver's device index), whatever the
+receiver's ``device``.  The receiver owns the mapping and releases it when it
+closes the region (``Receiver.close()`` or the next ``receive``); the passed
+fds are closed as soon as they are mapped.
 """
 
 from __future__ import annotations
