@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "cuda" if cuda else "host"
     threads = 1 if cuda else ipc.COPY_THREADS
-    path = args.out / f"ipc-{kind}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.json"
+    path = args.out / f"ipc-{kind}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H%MZ}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     print()
