@@ -314,13 +314,14 @@ class Receiver:
                               stall_timeout=self.stall_timeout, session_state=self._transport_state)
         transport = IpcReceiver(ctx)
         with transport:
-            descriptors = transport.prepare_shared(manifest, self.device)
+            descriptors = transport.prepare_shared(manifest, self.device, previous=self._region)
             ch.send("accept", seq=seq, transport="ipc", descriptors=descriptors, reallocated=True)
             nbytes = transport.wait(progress)
             region = transport.take_shared()
         old, self._region = self._region, region
-        if old is not None:
+        if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
+        region.manifest = manifest      # same layout when reused; metadata and checksums may be new
         done = ch.recv("done", timeout=self.stall_timeout)
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
@@ -329,7 +330,7 @@ class Receiver:
             self._verify(ch, region, done)
         ch.send("ack", seq=seq, bytes=nbytes)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
-                                        reallocated=True)
+                                        reallocated=old is not region)
         return region
 
     def _region_for(self, manifest: Manifest) -> tuple[TensorRegion, bool]:

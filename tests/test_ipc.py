@@ -72,6 +72,11 @@ with Sender(addr, transport=transport) as s:
             seed += 1
             region.update_from(model(seed))
             print(json.dumps({"sha": sha(region)}), flush=True)
+        elif cmd == "renew":            # free the region, build a new one (new memory, same layout)
+            region.close()
+            seed += 1
+            region = TensorRegion.from_tensors(model(seed), device=device, chunk_size=chunk)
+            print(json.dumps({"sha": sha(region)}), flush=True)
         elif cmd == "exit":
             break
 region.close()
@@ -181,22 +186,25 @@ def test_share_maps_the_senders_memory_read_only_and_sees_updates_in_place():
                 assert mv.readonly
             updated = peer.ask("update")          # the trainer writes its next step in place
             assert digest(got) == updated["sha"]
-            # a second send of the same region maps it again and releases the first mapping
+            # sending the same memory again maps nothing new: the receiver gets the same region back
             job = Background(rx.receive, timeout=30)
             assert peer.ask("send")["sha"] == updated["sha"]
+            assert job.result() is got and not got.closed
+            assert rx.last_stats is not None and not rx.last_stats.reallocated
+            # new memory on the sender (same layout): a new mapping, the old region is released
+            renewed = peer.ask("renew")
+            job = Background(rx.receive, timeout=30)
+            assert peer.ask("send")["sha"] == renewed["sha"]
             second = job.result()
-            assert first_closed(got) and digest(second) == updated["sha"]
+            assert second is not got and got.closed and digest(second) == renewed["sha"]
+            assert rx.last_stats is not None and rx.last_stats.reallocated
             assert peer.finish() == {"fds_left": []}
-            assert digest(second) == updated["sha"], "the mapping keeps the memory alive after the sender freed it"
+            assert digest(second) == renewed["sha"], "the mapping keeps the memory alive after the sender freed it"
             del got, second
         finally:
             peer.close()
     with open("/proc/self/maps") as maps:
         assert not [line for line in maps if "memfd:tensorxfer" in line]
-
-
-def first_closed(region: TensorRegion) -> bool:
-    return region.closed
 
 
 def test_share_refuses_a_forced_tcp_sender():

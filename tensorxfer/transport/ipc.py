@@ -55,8 +55,11 @@ mapped ``PROT_READ`` (numpy views are read-only; a write faults instead of
 corrupting the sender), CUDA chunks are imported read-write (the driver's
 import has no read-only mode) and the receiver must not write them.  The
 sender's later writes to its region (e.g. ``update_from`` for the next
-training step) are visible in place; each ``send`` is then only a
-notification and a fresh mapping.  The mapping keeps the memory alive by
+training step) are visible in place; sending the same region again is then
+only a notification: the receiver gets the same region object back, nothing
+is mapped again (memfds are recognised by inode, CUDA handles by the
+sender's pid and region token).  New memory on the sender gives a new
+mapping, and the previous region is released.  The mapping keeps the memory alive by
 itself: if the sender frees its region, the receiver still reads the last
 contents.  The region lives where the sender's does (host memory, or the
 sender's GPU imported on the receiver's device index), whatever the
@@ -295,6 +298,7 @@ class _SourceCache:
 
 
 _TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
+_SHARED_KEYS: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()   # shared region -> its memory
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -319,6 +323,7 @@ class IpcReceiver(ReceiverTransport):
         self._manifest: Manifest | None = None
         self._device = "cpu"
         self._shared: TensorRegion | None = None
+        self._previous: TensorRegion | None = None      # share mode: the region the last transfer returned
         self._closing = False
         self._peer_pid = 0
         self._lock = threading.Lock()
@@ -350,9 +355,15 @@ class IpcReceiver(ReceiverTransport):
         self._device = region.device
         return self._listen(share=False)
 
-    def prepare_shared(self, manifest: Manifest, device: str) -> dict[str, Any]:
+    def prepare_shared(self, manifest: Manifest, device: str, previous: TensorRegion | None = None) -> dict[str, Any]:
         """Like :meth:`prepare`, for share mode: nothing is allocated; :meth:`take_shared` returns the
-        sender's memory as a region with ``manifest``'s layout after :meth:`wait`."""
+        sender's memory as a region with ``manifest``'s layout after :meth:`wait`.
+
+        When the sender passes the same memory as the one ``previous`` (the region the last shared
+        transfer returned) maps, with the same layout, ``take_shared`` returns ``previous`` itself:
+        it already shows the sender's update, and nothing is mapped again.
+        """
+        self._previous = previous
         self._manifest = manifest
         self._device = device
         return self._listen(share=True)
@@ -514,12 +525,14 @@ class IpcReceiver(ReceiverTransport):
             return self._empty()
         cache = self._cache()
         key = ("host", tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino, size) for size, fd in handles))
+        if self._reuse_previous(key, fds):
+            return self._manifest.nbytes if self._manifest is not None else 0
         src = cache.get(key) if cache is not None else None
         if src is None:
             src = HostRegion.import_fds(handles, writable=False, populate=True)
         _close_fds(fds)     # the mappings hold the memory now
         if self._manifest is not None:
-            return self._adopt(src, "cpu")
+            return self._adopt(src, "cpu", key)
         ok = False
         try:
             assert self._region is not None
@@ -562,12 +575,14 @@ class IpcReceiver(ReceiverTransport):
         on = index if kind == "cuda" else device
         cache = self._cache()
         key = ("cuda", self._peer_pid, token, on, tuple(size for size, _ in handles))
+        if len(token) == 16 and self._reuse_previous(key, fds):
+            return self._manifest.nbytes if self._manifest is not None else 0
         src = cache.get(key) if cache is not None and len(token) == 16 else None
         if src is None:
             src = CudaRegion.import_handles(handles, device=on)
         _close_fds(fds)     # the imported handles hold the memory now
         if self._manifest is not None:
-            return self._adopt(src, f"cuda:{on}")
+            return self._adopt(src, f"cuda:{on}", key)
         ok = False
         try:
             from tensorxfer.memory._cuda import Copier
@@ -647,7 +662,17 @@ class IpcReceiver(ReceiverTransport):
             self._shared = TensorRegion.from_manifest(self._manifest, device=self._device)
         return 0
 
-    def _adopt(self, src: Any, device: str) -> int:
+    def _reuse_previous(self, key: tuple, fds: list[int]) -> bool:
+        """Share mode: is the sender passing the very memory the previous shared region maps?"""
+        prev = self._previous
+        if (self._manifest is None or prev is None or prev.closed or _SHARED_KEYS.get(prev) != key
+                or not prev.manifest.same_layout(self._manifest)):
+            return False
+        _close_fds(fds)
+        self._shared = prev
+        return True
+
+    def _adopt(self, src: Any, device: str, key: tuple) -> int:
         from tensorxfer.region import TensorRegion
 
         assert self._manifest is not None
@@ -656,6 +681,7 @@ class IpcReceiver(ReceiverTransport):
         except BaseException:
             src.close()
             raise
+        _SHARED_KEYS[self._shared] = key
         return self._manifest.nbytes
 
     def take_shared(self) -> TensorRegion:
@@ -682,8 +708,9 @@ class IpcReceiver(ReceiverTransport):
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
         shared, self._shared = self._shared, None
-        if shared is not None:
+        if shared is not None and shared is not self._previous:     # the previous one is its owner's
             shared.close(defer=True)
+        self._previous = None
         self._region = None
 
 
