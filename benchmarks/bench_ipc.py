@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ipc copy, 1 copy thread (warm)':<34}{copy1['median_s']:>10.4f}{gbs(copy1['median_s']):>9.2f}")
     print(f"{'ipc copy (cold: receiver allocates)':<34}{copy['cold_s']:>10.4f}{gbs(copy['cold_s']):>9.2f}")
     if share is not None:
-        print(f"{'ipc share (map, no copy)':<34}{share['median_s']:>10.4f}{gbs(share['median_s']):>9.2f}")
+        print(f"{'ipc share (warm: region reused)':<34}{share['median_s']:>10.4f}{gbs(share['median_s']):>9.2f}")
     print(f"ratio ipc/reference = {result['ratio']:.2f} (goal >= {goal})")
     return 0
 
