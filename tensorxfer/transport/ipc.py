@@ -380,7 +380,7 @@ class IpcReceiver(ReceiverTransport):
             listener.close()
             raise
         self._listener = listener
-        return {"path": self._path, "nonce": self._nonce, "share": share, "identity": host_identity()}
+        return {"path": self._path, "nonce": self._nonce, "share": share, "identity": host_identity(), "streams": 1}
 
     def wait(self, progress: Progress | None = None) -> int:
         """Accept the authenticated sender, map its handles, copy (or share); return the byte count.
