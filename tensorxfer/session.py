@@ -47,7 +47,7 @@ from tensorxfer.errors import (
 from tensorxfer.manifest import DEFAULT_MAX_REGION_BYTES, Manifest
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
-from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_transports
+from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
 from tensorxfer.transport.base import Progress, TransferContext
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,11 @@ class Receiver:
     stall_timeout : float
         Seconds without progress before a transfer fails with
         :class:`TransferTimeout`.
+    share : bool
+        Same host only (transport ``ipc``): instead of copying, the received
+        region *is* the sender's memory, mapped read-only for host regions
+        (see :mod:`tensorxfer.transport.ipc` for the semantics).  Offers
+        over any other transport are refused.
 
     Raises
     ------
@@ -121,8 +126,10 @@ class Receiver:
         max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        share: bool = False,
     ) -> None:
         parse_device(device)
+        self.share = bool(share)
         host, port = parse_address(listen)
         self.device = device
         self.max_region_bytes = int(max_region_bytes)
@@ -132,6 +139,7 @@ class Receiver:
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
+        self._transport_state: dict[str, Any] = {}    # per session; see TransferContext.session_state
         self._region: TensorRegion | None = None
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
@@ -253,7 +261,8 @@ class Receiver:
             raise TransferTimeout("no sender connected within the timeout") from None
         ch = Channel(sock)
         try:
-            caps = {"transports": local_transports(), "device": self.device}
+            names = [t for t in local_transports() if t == "ipc" or not self.share]   # sharing needs ipc
+            caps = {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
             _, self._session_key = server_handshake(ch, self._key, caps, self.handshake_timeout)
         except BaseException:
             ch.close()
@@ -263,6 +272,10 @@ class Receiver:
         log.info("session with sender %s", ch.peer)
 
     def _end_session(self) -> None:
+        state, self._transport_state = self._transport_state, {}
+        for value in state.values():
+            if hasattr(value, "close"):
+                value.close()
         ch, self._channel = self._channel, None
         if ch is not None:
             ch.close()
@@ -284,10 +297,13 @@ class Receiver:
             raise
         if on_offer is not None:
             on_offer(manifest)
-        if name not in local_transports():
-            msg = f"transport {name!r} is not available on this receiver (it has {local_transports()})"
+        if name not in local_transports() or (self.share and name != "ipc"):
+            msg = f"transport {name!r} is not available on this receiver (it has {local_transports()}" \
+                  f"{'; share=True needs ipc' if self.share else ''})"
             ch.send_error("transport", msg)
             raise TransportUnavailable(msg)
+        if self.share:
+            return self._serve_shared(ch, seq, manifest, verify, progress, t0)
         try:
             region, reallocated = self._region_for(manifest)
         except (CudaError, RegionError, MemoryError) as e:
@@ -296,7 +312,7 @@ class Receiver:
             raise
         ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
                               session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
-                              streams=streams)
+                              streams=streams, session_state=self._transport_state)
         with TRANSPORTS[name][1](ctx) as transport:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
@@ -310,6 +326,34 @@ class Receiver:
         ch.send("ack", seq=seq, bytes=nbytes)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
                                         verified=verify, reallocated=reallocated)
+        return region
+
+    def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, progress: Progress | None,
+                      t0: float) -> TensorRegion:
+        """Share mode: the region comes from the sender's memory; the previous one is released."""
+        from tensorxfer.transport.ipc import IpcReceiver
+
+        ctx = TransferContext(local_host="", peer_host="", session_key=self._session_key, transfer_id=seq,
+                              stall_timeout=self.stall_timeout, session_state=self._transport_state)
+        transport = IpcReceiver(ctx)
+        with transport:
+            descriptors = transport.prepare_shared(manifest, self.device, previous=self._region)
+            ch.send("accept", seq=seq, transport="ipc", descriptors=descriptors, reallocated=True)
+            nbytes = transport.wait(progress)
+            region = transport.take_shared()
+        old, self._region = self._region, region
+        if old is not None and old is not region:   # the same memory again: the region is reused as is
+            old.close(defer=True)       # views the caller still holds keep the old mapping alive
+        region.manifest = manifest      # same layout when reused; metadata and checksums may be new
+        done = ch.recv("done", timeout=self.stall_timeout)
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
+            raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
+                                f"{nbytes} mapped, the manifest has {manifest.nbytes}")
+        if verify:
+            self._verify(ch, region, done)
+        ch.send("ack", seq=seq, bytes=nbytes)
+        self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
+                                        reallocated=old is not region)
         return region
 
     def _region_for(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
@@ -413,10 +457,13 @@ class Sender:
             raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None
         ch = Channel(sock)
         try:
-            hello, self._session_key = client_handshake(ch, token_key(token), {"transports": local_transports()},
-                                                        connect_timeout)
-            peer = field(field(hello, "capabilities", dict), "transports", list)
-            self.transport = choose(transport, [t for t in peer if isinstance(t, str)])
+            hello, self._session_key = client_handshake(
+                ch, token_key(token), {"transports": local_transports(), "transport_caps": local_capabilities()},
+                connect_timeout)
+            caps = field(hello, "capabilities", dict)
+            peer = field(caps, "transports", list)
+            self.transport = choose(transport, [t for t in peer if isinstance(t, str)],
+                                    field(caps, "transport_caps", dict, optional=True) or {})
         except BaseException:
             ch.close()
             raise

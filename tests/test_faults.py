@@ -28,7 +28,7 @@ def progress(n):
     sent += n
     if sent >= region.nbytes // 4:
         os.kill(os.getpid(), getattr(signal, sys.argv[3]))
-with Sender(sys.argv[1], streams=2) as s:
+with Sender(sys.argv[1], streams=2, transport="tcp") as s:
     s.send(region, progress=progress)
 """
 
@@ -84,7 +84,7 @@ def test_receiver_killed_mid_transfer_sender_raises_peer_lost():
 def test_receiver_that_stops_reading_times_out_the_sender():
     proc, where = start_receiver_child("SIGSTOP")
     try:
-        with region_of(SIZE) as r, Sender(where, stall_timeout=1.0) as s:
+        with region_of(SIZE) as r, Sender(where, stall_timeout=1.0, transport="tcp") as s:
             t0 = time.monotonic()
             with pytest.raises(tx.TransferTimeout, match="stopped reading"):
                 s.send(r)

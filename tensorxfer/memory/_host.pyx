@@ -174,11 +174,69 @@ cdef class HostRegion(AllocationMap):
             raise
         return self
 
-    cdef _map_all(self, list sizes, size_t total, size_t tail, frozenset holes):
+    @staticmethod
+    def import_fds(handles, bint writable=False, bint populate=True):
+        """Map another process's chunk fds (memfds) contiguously, for IPC.
+
+        Parameters
+        ----------
+        handles : sequence of (size, fd)
+            Chunk sizes (page multiples) and their fds, e.g. received over a
+            Unix socket with SCM_RIGHTS.  Each fd is mapped ``MAP_SHARED`` at
+            the next offset; the fds stay the caller's (close them after this
+            returns: the mappings keep the memory alive on their own).
+        writable : bool
+            Map ``PROT_READ|PROT_WRITE`` instead of ``PROT_READ``.  A
+            read-only region exports read-only buffers (numpy views are not
+            writable) and a stray write faults instead of changing the
+            other process's memory.
+        populate : bool
+            ``MAP_POPULATE``: build the page tables now, in one pass, rather
+            than one fault per page during the first read.
+
+        Returns
+        -------
+        HostRegion
+            Owns the mappings (not the fds); :meth:`close` unmaps them.  The
+            memory is the other process's: its later writes are visible.
+
+        Raises
+        ------
+        ValueError
+            An empty list or a size that is not a positive page multiple.
+        RegionError
+            A mapping failed; nothing stays mapped.
+        """
+        cdef HostRegion self = HostRegion.__new__(HostRegion)
+        cdef size_t total = 0
+        handles = [(int(s), int(fd)) for s, fd in handles]
+        if not handles:
+            raise ValueError("import_fds needs at least one (size, fd)")
+        for s, fd in handles:
+            if s <= 0 or s % PAGE_SIZE:
+                raise ValueError(f"chunk sizes must be positive multiples of {PAGE_SIZE}, got {s}")
+            if fd < 0:
+                raise ValueError(f"invalid fd {fd}")
+            total += s
+        self._owner = True
+        self._closed = False
+        self._readonly = not writable
+        try:
+            self._map_all([s for s, _ in handles], total, 0, frozenset(), [fd for _, fd in handles],
+                          writable, populate)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    cdef _map_all(self, list sizes, size_t total, size_t tail, frozenset holes, list import_fds=None,
+                  bint writable=True, bint populate=True):
         cdef void* p
         cdef size_t off = 0
         cdef Py_ssize_t i, n = len(sizes)
         cdef Chunk* c
+        cdef int prot = PROT_READ | PROT_WRITE if writable else PROT_READ
+        cdef int flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
         self._chunks = <Chunk*>calloc(n, sizeof(Chunk))
         if self._chunks == NULL:
             raise MemoryError()
@@ -200,6 +258,13 @@ cdef class HostRegion(AllocationMap):
             self._nchunks = i + 1           # _release() sees every chunk begun
             off += c.size
             if i in holes:
+                continue
+            if import_fds is not None:
+                # the caller keeps the fd; the mapping holds its own reference to the memory
+                p = mmap(self._base + c.offset, c.size, prot, flags, <int>import_fds[i], 0)
+                if p == MAP_FAILED:
+                    check_errno(-1, b"mmap(MAP_FIXED) of an imported chunk fd")
+                c.mapped = True
                 continue
             c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC)
             check_errno(c.fd, b"memfd_create")

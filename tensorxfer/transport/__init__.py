@@ -11,18 +11,21 @@ skipped; a forced name that cannot run raises
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tensorxfer.errors import TransportUnavailable
 from tensorxfer.transport.base import ReceiverTransport, SenderTransport, TransferContext
+from tensorxfer.transport.ipc import IpcReceiver, IpcSender
 from tensorxfer.transport.tcp import TcpReceiver, TcpSender
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS: dict[str, tuple[type[SenderTransport], type[ReceiverTransport]]] = {
+    "ipc": (IpcSender, IpcReceiver),
     "tcp": (TcpSender, TcpReceiver),
 }
-"""name -> (sender half, receiver half).  ``ipc`` and ``rdma`` register here when built."""
+"""name -> (sender half, receiver half).  ``rdma`` registers here when built."""
 
 AUTO_ORDER = ("ipc", "rdma", "tcp")
 """Preference of ``transport="auto"``: fastest first."""
@@ -61,8 +64,30 @@ def check_requested(requested: str) -> None:
             raise TransportUnavailable(f"transport {requested!r} was requested but cannot run: {reason}")
 
 
-def choose(requested: str, peer_supports: Iterable[str]) -> str:
+def local_capabilities() -> dict[str, Any]:
+    """Per-transport capability maps of this side, for ``hello`` (e.g. ipc's host identity)."""
+    return {name: caps for name in local_transports() if (caps := TRANSPORTS[name][0].capabilities())}
+
+
+def peer_reasons(peer_caps: Mapping[str, Any]) -> dict[str, str]:
+    """Why transports the peer offers still cannot connect the two ends (ipc on another host)."""
+    out = {}
+    for name in local_transports():
+        caps = peer_caps.get(name)
+        reason = TRANSPORTS[name][0].peer_reason(caps if isinstance(caps, dict) else None)
+        if reason:
+            out[name] = reason
+    return out
+
+
+def choose(requested: str, peer_supports: Iterable[str], peer_caps: Mapping[str, Any] | None = None) -> str:
     """The transport for one transfer, given what the receiver supports.
+
+    ``peer_caps`` is the receiver's per-transport capability map
+    (:func:`local_capabilities` on its side); a transport whose
+    :meth:`~SenderTransport.peer_reason` objects is not usable (ipc with a
+    receiver on another host).  ``auto`` logs its pick at INFO and each
+    faster transport it skipped, with the reason, at WARNING.
 
     Raises
     ------
@@ -71,22 +96,28 @@ def choose(requested: str, peer_supports: Iterable[str]) -> str:
         common transport at all.
     """
     peer = set(peer_supports)
+    blocked = peer_reasons(peer_caps or {}) if peer_caps is not None else {}
     if requested != "auto":
         check_requested(requested)
         if requested not in peer:
             raise TransportUnavailable(f"transport {requested!r} was requested but the receiver does not support "
                                        f"it (it offers {sorted(peer)})")
+        if requested in blocked:
+            raise TransportUnavailable(f"transport {requested!r} was requested but cannot reach the receiver: "
+                                       f"{blocked[requested]}")
         return requested
     skipped: list[str] = []
     for name in AUTO_ORDER:
-        reason = unavailable_reason(name) or (None if name in peer else "the receiver does not offer it")
+        reason = unavailable_reason(name) or (None if name in peer else "the receiver does not offer it") \
+            or blocked.get(name)
         if reason is None:
             why = f"; skipped {', '.join(skipped)}" if skipped else ""
             log.info("transport auto: chose %r (first usable of %s%s)", name, "/".join(AUTO_ORDER), why)
             return name
+        log.warning("transport auto: %r not usable: %s", name, reason)
         skipped.append(f"{name} ({reason})")
     raise TransportUnavailable(f"no transport usable by both ends: {'; '.join(skipped)}")
 
 
 __all__ = ["AUTO_ORDER", "TRANSPORTS", "ReceiverTransport", "SenderTransport", "TransferContext", "choose",
-           "local_transports"]
+           "local_capabilities", "local_transports", "peer_reasons"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -63,6 +63,12 @@ class TransferContext:
         :class:`~tensorxfer.errors.TransferTimeout`.
     streams : int or None
         The sender's requested parallelism (``None``: the transport's default).
+    session_state : dict
+        Scratch space that lives as long as the receiver's session (the same
+        dict for every transfer of one sender): transports keep what can be
+        reused by the next update there (ipc: the mapping of the sender's
+        handles).  When the session ends the engine calls ``close()`` on every
+        value that has one.
     """
 
     local_host: str
@@ -71,6 +77,7 @@ class TransferContext:
     transfer_id: int
     stall_timeout: float
     streams: int | None = None
+    session_state: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class ReceiverTransport(ABC):
@@ -127,6 +134,14 @@ class SenderTransport(ABC):
     def capabilities(cls) -> dict[str, Any]:
         """What this side offers in ``hello`` (msgpack-able)."""
         return {}
+
+    @classmethod
+    def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
+        """Why the peer that advertised ``peer_caps`` (its :meth:`capabilities`) cannot be reached this way.
+
+        ``None`` when it can (ipc: the peer is on this host, as this user).
+        """
+        return None
 
     @abstractmethod
     def connect(self, descriptors: dict[str, Any]) -> None:

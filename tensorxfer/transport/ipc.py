@@ -1,0 +1,855 @@
+"""The same-host data path: memory handles passed over a Unix socket.
+
+When sender and receiver run on one machine as one user, nothing needs to
+cross a network stack: the sender passes the *handles* of its region — one
+memfd per ``HostRegion`` chunk, one POSIX-fd shareable handle per
+``CudaRegion`` chunk — over a Unix domain socket with ``SCM_RIGHTS``, and the
+receiver maps them and copies (one memcpy / device-to-device copy), or, with
+``share=True``, keeps the mapping as its region without copying.
+
+Security
+--------
+- The socket lives in a fresh private directory (``mkdtemp``, mode 0700), so
+  only our uid (and root) can even connect.
+- Both ends check the peer's credentials (``SO_PEERCRED``): the peer's uid
+  must be ours, otherwise the connection is refused with an ``E`` message
+  naming both uids (:func:`check_peer`).
+- The sender proves it holds the session key: its first message is an HMAC
+  over the accept descriptors' nonce and the transfer id, as the TCP stream
+  header does.  A connection that fails either check is dropped and the
+  receiver keeps waiting for the real sender (until ``stall_timeout``).
+- The receiver never maps past the end of a passed memfd (``fstat`` first:
+  that would turn a read into ``SIGBUS``).  A same-uid sender that *shrinks*
+  its memfd while the receiver copies can still crash the receiver: IPC
+  trusts the same uid, which could ptrace it anyway.
+
+Same host
+---------
+Both ends advertise :func:`host_identity` (boot id, uid, hostname, mount
+namespace) in ``hello``; a sender uses ipc only when the receiver's identity
+equals its own (:meth:`IpcSender.peer_reason`), so ``auto`` never picks ipc
+across machines or containers, and a forced ``ipc`` raises
+:class:`TransportUnavailable` saying which part differs.  Set
+``TENSORXFER_DISABLE_IPC=1`` to take ipc out of this process's capabilities
+(``auto`` then picks the next transport, and says so).
+
+Messages (``SOCK_SEQPACKET``: boundaries are kept, fds travel with one message)
+----------------------------------------------------------------------------
+::
+
+    sender -> receiver  "TXI1" u64be(seq) proof(32)    proof = M(S, "ipc", nonce, u64be(seq))
+    receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
+    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int}
+    sender -> receiver  "F" msgpack [[offset, size], ...] + as many fds (SCM_RIGHTS, at most 250),
+                        in chunk order, until ``count`` chunks have arrived
+    receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
+    receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
+
+``send()`` returns only after ``D``: the receiver has finished copying (or,
+sharing, has mapped the memory), so the sender may reuse or free its region.
+
+Share mode (``Receiver(share=True)``)
+-------------------------------------
+The received :class:`TensorRegion` *is* the sender's memory: host chunks are
+mapped ``PROT_READ`` (numpy views are read-only; a write faults instead of
+corrupting the sender), CUDA chunks are imported read-write (the driver's
+import has no read-only mode) and the receiver must not write them.  The
+sender's later writes to its region (e.g. ``update_from`` for the next
+training step) are visible in place; sending the same region again is then
+only a notification: the receiver gets the same region object back, nothing
+is mapped again (memfds are recognised by inode, CUDA handles by the
+sender's pid and region token).  New memory on the sender gives a new
+mapping, and the previous region is released.  The mapping keeps the memory alive by
+itself: if the sender frees its region, the receiver still reads the last
+contents.  The region lives where the sender's does (host memory, or the
+sender's GPU imported on the receiver's device index), whatever the
+receiver's ``device``.  The receiver owns the mapping and releases it when it
+closes the region (``Receiver.close()`` or the next ``receive``); the passed
+fds are closed as soon as they are mapped.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from tensorxfer.errors import (
+    AuthError,
+    CudaError,
+    PeerLost,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from tensorxfer.memory import HostRegion
+from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext
+
+if TYPE_CHECKING:
+    from tensorxfer.manifest import Manifest
+    from tensorxfer.region import TensorRegion
+
+log = logging.getLogger(__name__)
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+DISABLE_ENV = "TENSORXFER_DISABLE_IPC"
+AUTH_MAGIC = b"TXI1"
+AUTH = struct.Struct(">4sQ32s")
+U64 = struct.Struct(">Q")
+HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
+FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
+MAX_CHUNKS = 1 << 20
+MAX_MESSAGE = 64 << 10         # every message is small: the chunk list travels in batches with its fds
+PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
+CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
+#: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
+COPY_THREADS = _env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- identity and credentials
+def host_identity() -> dict[str, Any]:
+    """What a peer must share with us for ipc: machine (boot id, hostname), user and mount namespace.
+
+    Raises
+    ------
+    OSError
+        The boot id cannot be read (not Linux, or ``/proc`` is missing).
+    """
+    with open(BOOT_ID_PATH) as f:
+        boot_id = f.read().strip()
+    try:
+        mnt_ns = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        mnt_ns = ""
+    return {"boot_id": boot_id, "uid": os.getuid(), "hostname": socket.gethostname(), "mnt_ns": mnt_ns}
+
+
+def identity_mismatch(peer: Any) -> str | None:
+    """Why a peer advertising ``peer`` (its :func:`host_identity`) is not on our host as our user; None if it is."""
+    if not isinstance(peer, dict):
+        return "the receiver did not advertise a host identity"
+    try:
+        mine = host_identity()
+    except OSError as e:
+        return f"cannot read this host's identity: {e}"
+    labels = {"boot_id": "another machine (boot id differs)", "hostname": "another host (hostname differs)",
+              "uid": "another user", "mnt_ns": "another mount namespace (container)"}
+    for key, what in labels.items():
+        if peer.get(key) != mine[key]:
+            return f"the receiver runs on {what}: {key} {peer.get(key)!r} != ours {mine[key]!r}"
+    return None
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    fmt = struct.Struct("3i")
+    pid, uid, gid = fmt.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, fmt.size))
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket) -> int:
+    """Refuse a peer of another uid; return its pid.
+
+    Raises
+    ------
+    AuthError
+        The peer process runs as another user (the message names both uids).
+    """
+    pid, uid, _ = peer_credentials(sock)
+    if uid != os.getuid():
+        raise AuthError(f"ipc: the peer process (pid {pid}) runs as uid {uid}, this process as uid "
+                        f"{os.getuid()}; ipc only connects processes of the same user — run both as one user "
+                        f"or use transport='tcp'")
+    return pid
+
+
+def _proof(ctx: TransferContext, ipc_nonce: bytes) -> bytes:
+    return mac(ctx.session_key, b"ipc", ipc_nonce, U64.pack(ctx.transfer_id))
+
+
+def _recv(sock: socket.socket, what: str, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    try:
+        data = sock.recv(MAX_MESSAGE)
+    except TimeoutError:
+        raise TransferTimeout(f"ipc: no {what} from the peer within {timeout} s") from None
+    except OSError as e:
+        raise PeerLost(f"ipc: connection lost waiting for {what}: {e}") from None
+    if not data:
+        raise PeerLost(f"ipc: the peer closed the connection before {what}")
+    return data
+
+
+def _send(sock: socket.socket, data: bytes, what: str, fds: list[int] | None = None) -> None:
+    try:
+        if fds:
+            socket.send_fds(sock, [data], fds)
+        else:
+            sock.sendall(data)
+    except TimeoutError:
+        raise TransferTimeout(f"ipc: the peer did not take {what} in time") from None
+    except OSError as e:
+        raise PeerLost(f"ipc: connection lost sending {what}: {e}") from None
+
+
+def _unavailable() -> str | None:
+    if os.environ.get(DISABLE_ENV, "").lower() in ("1", "true", "yes", "on"):
+        return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux (memfd, SO_PEERCRED), this is {sys.platform}"
+    if not hasattr(socket, "send_fds") or not hasattr(socket, "SO_PEERCRED"):
+        return "this Python lacks socket.send_fds / SO_PEERCRED"
+    try:
+        host_identity()
+    except OSError as e:
+        return f"cannot read the host identity ({e})"
+    return None
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
+    except Exception as e:
+        raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
+
+
+def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int]:
+    table = _unpack(data, "the chunk table header")
+    if not isinstance(table, dict):
+        raise ProtocolError("ipc: the chunk table header is not a map")
+    kind = field(table, "kind", str)
+    device = field(table, "device", int)
+    token = field(table, "token", bytes)
+    nbytes = field(table, "nbytes", int)
+    count = field(table, "count", int)
+    if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
+            or (count == 0) != (nbytes == 0):
+        raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
+                            f"{count} chunks")
+    return kind, device, nbytes, token, count
+
+
+def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
+    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0."""
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("ipc: a handle message must carry a non-empty list of [offset, size] pairs")
+    end = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
+                or item[0] != end or item[1] <= 0 or end >= nbytes):
+            raise ProtocolError(f"ipc: chunk {len(chunks)} is {item!r}; chunks must be [offset, size] pairs "
+                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end})")
+        chunks.append((item[0], item[1]))
+        end += item[1]
+
+
+class _SourceCache:
+    """The last mapping of a sender's handles, kept for the session's next update (copy mode).
+
+    A training loop sends the same region every step: mapping 31 GB of memfd
+    pages (or importing a hundred CUDA handles) each time would cost as much
+    as the copy.  The key proves it is the same memory: for memfds the
+    ``(st_dev, st_ino)`` of every passed fd (a live mapping pins its inode,
+    so the number cannot be reused); for CUDA handles the sender's pid (from
+    ``SO_PEERCRED``) and a random token the sender keeps per region.  The
+    engine closes it when the session ends; until then it keeps at most one
+    region of the sender's memory alive after the sender freed it.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.region: Any = None
+
+    def get(self, key: tuple) -> Any:
+        return self.region if self.key == key else None
+
+    def put(self, key: tuple, region: Any) -> None:
+        if region is not self.region:
+            self.close()
+        self.key, self.region = key, region
+
+    def close(self) -> None:
+        region, self.region, self.key = self.region, None, None
+        if region is not None:
+            region.close(defer=True)    # a copy still running in another thread holds views: unmap after it
+
+
+_TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
+_SHARED_KEYS: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()   # shared region -> its memory
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+# ---------------------------------------------------------------- receiver
+class IpcReceiver(ReceiverTransport):
+    """Receives a region from a process on the same host: maps its handles, copies (or shares) them."""
+
+    name: ClassVar[str] = "ipc"
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self._dir: str | None = None
+        self._path = ""
+        self._listener: socket.socket | None = None
+        self._conn: socket.socket | None = None
+        self._nonce = b""
+        self._region: TensorRegion | None = None
+        self._manifest: Manifest | None = None
+        self._device = "cpu"
+        self._shared: TensorRegion | None = None
+        self._previous: TensorRegion | None = None      # share mode: the region the last transfer returned
+        self._closing = False
+        self._peer_pid = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def available(cls) -> str | None:
+        return _unavailable()
+
+    def _cache(self) -> _SourceCache | None:
+        """The session's mapping cache (copy mode only: a shared mapping belongs to its region)."""
+        if self._manifest is not None:
+            return None
+        cache = self.ctx.session_state.get("ipc")
+        if not isinstance(cache, _SourceCache):
+            cache = self.ctx.session_state["ipc"] = _SourceCache()
+        return cache
+
+    def _release_source(self, cache: _SourceCache | None, key: tuple, src: Any, ok: bool) -> None:
+        if cache is not None and ok:
+            cache.put(key, src)
+        else:
+            if cache is not None and cache.region is src:
+                cache.key = cache.region = None
+            src.close()
+
+    def prepare(self, region: TensorRegion) -> dict[str, Any]:
+        """Open a Unix socket in a fresh 0700 directory; descriptors: ``path``, ``nonce``, ``share`` (false)."""
+        self._region = region
+        self._device = region.device
+        return self._listen(share=False)
+
+    def prepare_shared(self, manifest: Manifest, device: str, previous: TensorRegion | None = None) -> dict[str, Any]:
+        """Like :meth:`prepare`, for share mode: nothing is allocated; :meth:`take_shared` returns the
+        sender's memory as a region with ``manifest``'s layout after :meth:`wait`.
+
+        When the sender passes the same memory as the one ``previous`` (the region the last shared
+        transfer returned) maps, with the same layout, ``take_shared`` returns ``previous`` itself:
+        it already shows the sender's update, and nothing is mapped again.
+        """
+        self._previous = previous
+        self._manifest = manifest
+        self._device = device
+        return self._listen(share=True)
+
+    def _listen(self, share: bool) -> dict[str, Any]:
+        self._nonce = nonce()
+        self._dir = tempfile.mkdtemp(prefix="tensorxfer-ipc-")     # mode 0700: only our uid gets in
+        self._path = os.path.join(self._dir, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(self._path)
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        return {"path": self._path, "nonce": self._nonce, "share": share, "identity": host_identity(), "streams": 1}
+
+    def wait(self, progress: Progress | None = None) -> int:
+        """Accept the authenticated sender, map its handles, copy (or share); return the byte count.
+
+        Raises
+        ------
+        TransferTimeout
+            No authenticated sender within ``stall_timeout``.
+        PeerLost
+            The sender went away before passing every handle.
+        ProtocolError
+            A malformed chunk table, a wrong fd count, an fd smaller than its chunk.
+        """
+        if self._listener is None:
+            raise ProtocolError("IpcReceiver.wait() before prepare()")
+        conn = self._accept()
+        try:
+            nbytes = self._receive(conn, progress)
+        except TensorXferError as e:
+            try:
+                conn.send(b"E" + str(e).encode()[:4000])
+            except OSError:
+                pass    # the sender is gone; it will see the closed connection instead
+            raise
+        _send(conn, b"D" + U64.pack(nbytes), "the done message")
+        return nbytes
+
+    def _accept(self) -> socket.socket:
+        assert self._listener is not None
+        deadline = time.monotonic() + self.ctx.stall_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._closing:
+                raise TransferError("ipc: the transfer was aborted")
+            if remaining <= 0:
+                raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s")
+            self._listener.settimeout(remaining)
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._closing:
+                    raise TransferError("ipc: the transfer was aborted") from None
+                raise PeerLost(f"ipc: accepting the sender failed: {e}") from None
+            reason = self._authenticate(conn)
+            if reason is None:
+                with self._lock:
+                    if self._closing:
+                        conn.close()
+                        raise TransferError("ipc: the transfer was aborted")
+                    self._conn = conn
+                return conn
+            log.warning("ipc: refused a connection: %s", reason)
+            try:
+                conn.send(b"E" + reason.encode())
+            except OSError:
+                pass    # it left already; nothing to tell it
+            conn.close()
+
+    def _authenticate(self, conn: socket.socket) -> str | None:
+        """None for our sender, else why the connection is refused."""
+        # Read the proof first even from a stranger: closing a Unix socket with unread data resets the
+        # connection, and the peer would then lose our "E" explanation.
+        try:
+            data = _recv(conn, "the authentication message", min(HEADER_TIMEOUT, self.ctx.stall_timeout))
+        except TransferError as e:
+            data = b""
+            missing = f"no authentication message: {e}"
+        try:
+            self._peer_pid = check_peer(conn)
+        except AuthError as e:
+            return str(e)
+        if not data:
+            return missing
+        if len(data) != AUTH.size:
+            return f"authentication message of {len(data)} bytes, expected {AUTH.size}"
+        magic, tid, proof = AUTH.unpack(data)
+        if magic != AUTH_MAGIC or tid != self.ctx.transfer_id \
+                or not hmac.compare_digest(proof, _proof(self.ctx, self._nonce)):
+            return "the connection failed ipc authentication (wrong session key, transfer or magic)"
+        try:
+            conn.send(b"K")
+        except OSError as e:
+            return f"it left during authentication: {e}"
+        return None
+
+    def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
+        timeout = self.ctx.stall_timeout
+        kind, device, nbytes, token, count = _parse_header(_recv(conn, "the chunk table", timeout))
+        expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
+            if self._region is not None else -1
+        if nbytes != expected:
+            raise ProtocolError(f"ipc: the sender passes {nbytes} payload bytes, the offer's manifest has "
+                                f"{expected}")
+        fds: list[int] = []
+        chunks: list[tuple[int, int]] = []
+        try:
+            while len(fds) < count:
+                conn.settimeout(timeout)
+                try:
+                    data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+                except TimeoutError:
+                    raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {count} handles and "
+                                          f"stalled") from None
+                except OSError as e:
+                    raise PeerLost(f"ipc: connection lost after {len(fds)} of {count} handles: {e}") from None
+                fds.extend(got)
+                if not data:
+                    raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
+                if flags & socket.MSG_CTRUNC:
+                    raise TransferError(f"ipc: handles were dropped in transit after {len(fds)} of {count} (this "
+                                        f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
+                                        f"chunks: raise it, or use larger chunks)")
+                if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
+                    raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
+                                        f"{len(fds)} of {count} handles so far)")
+                before = len(chunks)
+                _add_chunks(chunks, _unpack(data[1:], "a handle message"), nbytes)
+                if len(chunks) - before != len(got) or len(chunks) > count:
+                    raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
+                                        f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
+            if count and chunks[-1][0] + chunks[-1][1] < nbytes:
+                raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
+                                    f"{nbytes}-byte payload does")
+            handles = [(size, fd) for (_, size), fd in zip(chunks, fds)]
+            if kind == "host":
+                return self._from_host(conn, handles, nbytes, progress, fds)
+            return self._from_cuda(conn, handles, device, nbytes, progress, fds, token)
+        finally:
+            _close_fds(fds)
+
+    # -- host handles
+    def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
+                   progress: Progress | None, fds: list[int]) -> int:
+        for i, (size, fd) in enumerate(handles):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                raise ProtocolError(f"ipc: handle {i} is not a memory file of at least {size} bytes "
+                                    f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
+        if not handles:
+            return self._empty()
+        cache = self._cache()
+        key = ("host", tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino, size) for size, fd in handles))
+        if self._reuse_previous(key, fds):
+            return self._manifest.nbytes if self._manifest is not None else 0
+        src = cache.get(key) if cache is not None else None
+        if src is None:
+            src = HostRegion.import_fds(handles, writable=False, populate=True)
+        _close_fds(fds)     # the mappings hold the memory now
+        if self._manifest is not None:
+            return self._adopt(src, "cpu", key)
+        ok = False
+        try:
+            assert self._region is not None
+            dst = self._region
+            if dst.is_cuda:
+                with memoryview(src) as view:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: self._host_to_cuda(dst, view, off, n), threads=1)
+                    copier = dst._get_copier()
+                    copier.synchronize()
+            else:
+                s = np.frombuffer(src, dtype=np.uint8, count=nbytes)
+                d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+                try:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS)
+                finally:
+                    del s, d
+            ok = True
+        finally:
+            self._release_source(cache, key, src, ok)
+        return nbytes
+
+    @staticmethod
+    def _host_to_cuda(dst: TensorRegion, view: memoryview, off: int, n: int) -> None:
+        dst._get_copier().htod(dst.region.ptr + off, view[off:off + n])
+
+    # -- cuda handles
+    def _from_cuda(self, conn: socket.socket, handles: list[tuple[int, int]], device: int, nbytes: int,
+                   progress: Progress | None, fds: list[int], token: bytes) -> int:
+        from tensorxfer.memory import CUDA_UNAVAILABLE, CudaRegion
+        from tensorxfer.region import parse_device
+
+        if CudaRegion is None:
+            raise TransportUnavailable(f"ipc: the sender's region is on cuda:{device} but this receiver cannot use "
+                                       f"CUDA: {CUDA_UNAVAILABLE}")
+        if not handles:
+            return self._empty()
+        kind, index = parse_device(self._device)
+        on = index if kind == "cuda" else device
+        cache = self._cache()
+        key = ("cuda", self._peer_pid, token, on, tuple(size for size, _ in handles))
+        if len(token) == 16 and self._reuse_previous(key, fds):
+            return self._manifest.nbytes if self._manifest is not None else 0
+        src = cache.get(key) if cache is not None and len(token) == 16 else None
+        if src is None:
+            src = CudaRegion.import_handles(handles, device=on)
+        _close_fds(fds)     # the imported handles hold the memory now
+        if self._manifest is not None:
+            return self._adopt(src, f"cuda:{on}", key)
+        ok = False
+        try:
+            from tensorxfer.memory._cuda import Copier
+
+            assert self._region is not None
+            dst = self._region
+            with Copier(on) as copier:
+                if dst.is_cuda:
+                    def piece(off: int, n: int) -> None:
+                        copier.dtod(dst.region.ptr + off, src.ptr + off, n)
+                else:
+                    d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+
+                    def piece(off: int, n: int) -> None:
+                        copier.dtoh(d[off:off + n], src.ptr + off)
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
+                                  piece_bytes=CUDA_PIECE_BYTES if dst.is_cuda else PIECE_BYTES)
+                copier.synchronize()
+            ok = True
+        finally:
+            self._release_source(cache, key, src, ok)
+        return nbytes
+
+    # -- helpers
+    def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
+                     threads: int, sync: Any = None, piece_bytes: int = PIECE_BYTES) -> None:
+        """Run ``copy(offset, n)`` over ``[0, nbytes)`` in PIECE_BYTES pieces on ``threads`` threads.
+
+        Progress goes to the local callback and, as ``P`` messages, to the sender (so its stall timer
+        measures a stall, not the length of a long copy).
+        """
+        pieces = [(off, min(piece_bytes, nbytes - off)) for off in range(0, nbytes, piece_bytes)]
+        lock = threading.Lock()
+        state: dict[str, Any] = {"next": 0, "done": 0, "error": None}
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= len(pieces) or state["error"] is not None or self._closing:
+                        return
+                    state["next"] = i + 1
+                off, n = pieces[i]
+                try:
+                    copy(off, n)
+                    if progress is not None:
+                        progress(n)
+                    with lock:
+                        state["done"] += n
+                        conn.send(b"P" + U64.pack(state["done"]))
+                except BaseException as e:
+                    with lock:
+                        state["error"] = state["error"] or e
+                    return
+
+        workers = [threading.Thread(target=worker, name=f"tensorxfer-ipc-copy-{k}", daemon=True)
+                   for k in range(max(1, min(threads, len(pieces))) - 1)]
+        for t in workers:
+            t.start()
+        worker()
+        for t in workers:
+            t.join()
+        error = state["error"]
+        if isinstance(error, OSError) and not isinstance(error, TensorXferError):
+            raise PeerLost(f"ipc: connection to the sender lost during the copy: {error}")
+        if error is not None:
+            raise error
+        if self._closing:
+            raise TransferError("ipc: the transfer was aborted during the copy")
+        if sync is not None:
+            sync()
+
+    def _empty(self) -> int:
+        if self._manifest is not None:
+            from tensorxfer.region import TensorRegion
+
+            self._shared = TensorRegion.from_manifest(self._manifest, device=self._device)
+        return 0
+
+    def _reuse_previous(self, key: tuple, fds: list[int]) -> bool:
+        """Share mode: is the sender passing the very memory the previous shared region maps?"""
+        prev = self._previous
+        if (self._manifest is None or prev is None or prev.closed or _SHARED_KEYS.get(prev) != key
+                or not prev.manifest.same_layout(self._manifest)):
+            return False
+        _close_fds(fds)
+        self._shared = prev
+        return True
+
+    def _adopt(self, src: Any, device: str, key: tuple) -> int:
+        from tensorxfer.region import TensorRegion
+
+        assert self._manifest is not None
+        try:
+            self._shared = TensorRegion(src, self._manifest, device=device)
+        except BaseException:
+            src.close()
+            raise
+        _SHARED_KEYS[self._shared] = key
+        return self._manifest.nbytes
+
+    def take_shared(self) -> TensorRegion:
+        """Share mode: the region backed by the sender's memory (now the caller's to close)."""
+        region, self._shared = self._shared, None
+        if region is None:
+            raise ProtocolError("ipc: take_shared() before a successful shared wait()")
+        return region
+
+    def close(self) -> None:
+        """Close the sockets, remove the private directory, release an untaken shared region; idempotent."""
+        with self._lock:
+            self._closing = True
+            conn, self._conn = self._conn, None
+            listener, self._listener = self._listener, None
+        for s in (conn, listener):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass    # not connected / already shut: closing is enough
+                s.close()
+        d, self._dir = self._dir, None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+        shared, self._shared = self._shared, None
+        if shared is not None and shared is not self._previous:     # the previous one is its owner's
+            shared.close(defer=True)
+        self._previous = None
+        self._region = None
+
+
+# ---------------------------------------------------------------- sender
+class IpcSender(SenderTransport):
+    """Passes a region's memory handles to a receiver on the same host and waits until it copied them."""
+
+    name: ClassVar[str] = "ipc"
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.share = False
+
+    @classmethod
+    def available(cls) -> str | None:
+        return _unavailable()
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        return {"identity": host_identity()}
+
+    @classmethod
+    def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
+        return identity_mismatch((peer_caps or {}).get("identity"))
+
+    def connect(self, descriptors: dict[str, Any]) -> None:
+        """Connect to the receiver's socket, check its uid, authenticate.
+
+        Raises
+        ------
+        ProtocolError
+            Malformed descriptors.
+        TransportUnavailable
+            The receiver is not on this host as this user, or its socket is not reachable from here.
+        AuthError
+            The receiver runs as another user, or refused our proof.
+        """
+        path = field(descriptors, "path", str)
+        ipc_nonce = field(descriptors, "nonce", bytes)
+        self.share = field(descriptors, "share", bool)
+        if len(ipc_nonce) != NONCE_BYTES or not path or len(path.encode()) > 107:
+            raise ProtocolError(f"ipc accept descriptors out of range: path {path!r}, {len(ipc_nonce)}-byte nonce")
+        reason = identity_mismatch(descriptors.get("identity"))
+        if reason:
+            raise TransportUnavailable(f"ipc: {reason}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = sock
+        sock.settimeout(self.ctx.stall_timeout)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            raise TransportUnavailable(f"ipc: cannot reach the receiver's socket {path}: {e} (same host, but "
+                                       f"another filesystem view?) — use transport='tcp'") from None
+        except OSError as e:
+            raise PeerLost(f"ipc: cannot connect to the receiver's socket {path}: {e}") from None
+        check_peer(sock)
+        _send(sock, AUTH.pack(AUTH_MAGIC, self.ctx.transfer_id, _proof(self.ctx, ipc_nonce)), "authentication")
+        answer = _recv(sock, "the authentication answer", self.ctx.stall_timeout)
+        if answer != b"K":
+            raise AuthError(f"ipc: the receiver refused the connection: "
+                            f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
+
+    def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
+        """Pass the handles of ``region``'s payload; return once the receiver has copied (or mapped) them.
+
+        Raises
+        ------
+        TransportUnavailable
+            The region's memory has no handles to pass (adopted memory).
+        PeerLost, TransferTimeout
+            The receiver died or stopped answering.
+        TransferError
+            The receiver failed (its reason is in the message).
+        """
+        sock = self._sock
+        if sock is None:
+            raise ProtocolError("IpcSender.send() before connect()")
+        nbytes = region.nbytes
+        owned: list[int] = []      # exported CUDA handles are ours to close; memfds stay the region's
+        try:
+            if region.is_cuda:
+                kind, device = "cuda", int(region.region.device_index)
+                try:
+                    exported = region.region.export_handles() if nbytes else []
+                except CudaError as e:
+                    raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
+                                               f"use transport='tcp'") from None
+                owned = [fd for _, _, fd in exported]
+                if nbytes and not exported:
+                    raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
+                                               "(no handles to pass); copy it into a TensorRegion (from_tensors) "
+                                               "or use transport='tcp'")
+                chunks = [(off, size, fd) for off, size, fd in exported]
+            else:
+                kind, device = "host", 0
+                chunks = list(region.region.chunks)
+            chunks = [c for c in chunks if c[0] < nbytes]
+            if any(fd < 0 for _, _, fd in chunks):
+                raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
+                                           "there are no memory handles to pass; copy it into a TensorRegion "
+                                           "(from_tensors) or use transport='tcp'")
+            token = _TOKENS.get(region)
+            if token is None:
+                token = _TOKENS[region] = os.urandom(16)
+            table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
+                                   "count": len(chunks)}, use_bin_type=True)
+            _send(sock, table, "the chunk table")
+            for i in range(0, len(chunks), FD_BATCH):
+                batch = chunks[i:i + FD_BATCH]
+                _send(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]), "memory handles",
+                      [fd for _, _, fd in batch])
+        finally:
+            _close_fds(owned)
+        reported = 0
+        while True:
+            msg = _recv(sock, "the receiver's copy to finish", self.ctx.stall_timeout)
+            if msg[:1] == b"P" and len(msg) == 9:
+                done = U64.unpack(msg[1:])[0]
+                if progress is not None and done > reported:
+                    progress(done - reported)
+                reported = max(reported, done)
+            elif msg[:1] == b"D" and len(msg) == 9 and U64.unpack(msg[1:])[0] == nbytes:
+                if progress is not None and nbytes > reported:
+                    progress(nbytes - reported)
+                return nbytes
+            elif msg[:1] == b"E":
+                raise TransferError(f"ipc: the receiver failed: {msg[1:].decode(errors='replace')}")
+            else:
+                raise ProtocolError(f"ipc: unexpected message from the receiver: {msg[:16]!r}")
+
+    def close(self) -> None:
+        """Close the socket; idempotent."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass    # never connected: closing is enough
+            sock.close()
