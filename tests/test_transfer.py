@@ -294,7 +294,7 @@ def test_ipv6_loopback():
         pytest.skip(f"cannot bind ::1: {e}")
     with rx, region_of(9 << 20, fill=1) as r:
         job = Background(rx.receive, timeout=10)
-        with Sender(f"[::1]:{rx.address[1]}") as s:
+        with Sender(f"[::1]:{rx.address[1]}", transport="tcp") as s:
             assert s.send(r, verify=True).streams == 3
         job.result()
 

@@ -22,7 +22,7 @@ from posix.mman cimport (mmap, munmap, madvise, PROT_NONE, PROT_READ, PROT_WRITE
                          MAP_ANONYMOUS, MAP_SHARED, MAP_FIXED, MAP_FAILED)
 from posix.unistd cimport close, ftruncate, sysconf, _SC_PAGESIZE
 
-from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE
+from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE, MAP_POPULATE
 from tensorxfer.memory._extent cimport AllocationMap
 
 from tensorxfer.errors import RegionError
@@ -273,7 +273,8 @@ cdef class HostRegion(AllocationMap):
             if p == MAP_FAILED:
                 check_errno(-1, b"mmap(MAP_FIXED) of a chunk")
             c.mapped = True
-        self._populate()
+        if import_fds is None:
+            self._populate()     # imported chunks are the other process's pages: map, never commit
 
     cdef _populate(self):
         """Commit every chunk's pages now, as cuMemCreate does, in parallel threads.

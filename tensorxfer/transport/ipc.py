@@ -544,8 +544,8 @@ class IpcReceiver(ReceiverTransport):
                     copier = dst._get_copier()
                     copier.synchronize()
             else:
-                s = np.frombuffer(src, dtype=np.uint8, count=nbytes)
-                d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+                s = np.frombuffer(memoryview(src), dtype=np.uint8, count=nbytes)
+                d = np.frombuffer(memoryview(dst.region), dtype=np.uint8, count=nbytes)
                 try:
                     self._copy_pieces(nbytes, progress, conn,
                                       lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS)
