@@ -417,7 +417,7 @@ def test_tcp_transfer_stages_gpu_regions_through_pinned_buffers(torch, src_devic
     with TensorRegion.from_tensors(tensors, device=src_device, chunk_size=16 << 20) as region, \
             Receiver(device=dst_device) as rx:
         job = Background(lambda: [rx.receive(timeout=60) for _ in range(2)])
-        with Sender("{}:{}".format(*rx.address), streams=3) as s:
+        with Sender("{}:{}".format(*rx.address), streams=3, transport="tcp") as s:   # auto would pick ipc here
             st1 = s.send(region, verify=True)
             region.update_from({k: v.add(1) if v.dtype != torch.uint8 else v for k, v in tensors.items()})
             st2 = s.send(region, verify=True)
