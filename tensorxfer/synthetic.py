@@ -36,7 +36,7 @@ def layout(total_bytes: int = REFERENCE_BYTES, dtype: str = "BF16") -> list[tupl
     while total(h + 16) <= total_bytes:
         h += 16
     inter, vocab = 4 * h, vocab_ratio * h
-    out = [("model.embed_tokens.weight", dtype, (vocab, h))]
+    out: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", dtype, (vocab, h))]
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         out += [
