@@ -40,7 +40,7 @@ log = logging.getLogger("tensorxfer.rdma")
 try:
     from tensorxfer.transport import _verbs
 except ImportError as exc:  # built without libibverbs-dev, or TENSORXFER_NO_VERBS=1
-    _verbs = None
+    _verbs = None  # type: ignore[assignment]
     _IMPORT_ERROR: str | None = str(exc)
 else:
     _IMPORT_ERROR = None
