@@ -110,12 +110,15 @@ def connect(qps, psns, peer, sgid_index, access):
 def recv(size, nqps, updates=1):
     access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
     ctx, pd, mr, cq, qps, psns, desc, idx = setup(size, nqps, access, 1, 4)
-    for i, qp in enumerate(qps):
-        for _ in range(4):
-            qp.post_recv(RecvWR(wr_id=i, num_sge=0))
+    # pyverbs insists on one SGE per receive; WRITE_WITH_IMM consumes the
+    # receive without touching its buffer, so any valid SGE will do
+    scratch = [SGE(mr.buf, 1, mr.lkey)]
     desc.update(role="receiver", addr=mr.buf, rkey=mr.rkey, length=size)
     out(desc)
     connect(qps, psns, read_msg(), idx, access)
+    for i, qp in enumerate(qps):  # receives need INIT or later; the sender waits for "connected"
+        for _ in range(4):
+            qp.post_recv(RecvWR(wr_id=i, num_sge=1, sg=scratch))
     out({"connected": True})
     for upd in range(1, updates + 1):
         got = set()
@@ -129,7 +132,7 @@ def recv(size, nqps, updates=1):
                 if imm != upd:
                     sys.exit(f"immediate {imm} on QP {wc.qp_num:#x}, expected {upd}")
                 got.add(wc.wr_id)
-                qps[wc.wr_id].post_recv(RecvWR(wr_id=wc.wr_id, num_sge=0))
+                qps[wc.wr_id].post_recv(RecvWR(wr_id=wc.wr_id, num_sge=1, sg=scratch))
             if n == 0 and time.monotonic() > deadline:
                 sys.exit(f"timed out waiting for update {upd}")
         data = mr.read(size, 0)
@@ -153,14 +156,16 @@ def send(size, nqps, wr_size, seed, repeat=1):
     for upd in range(1, repeat + 1):
         t0 = time.perf_counter()
         nwr = (size + wr_size - 1) // wr_size
-        per_qp = [list(range(q, nwr, nqps)) or [None] for q in range(nqps)]
+        if nwr < nqps:  # pyverbs cannot post the zero-length (no SGE) tail tensorxfer uses there
+            sys.exit(f"need at least one request per QP ({nwr} requests, {nqps} QPs)")
+        per_qp = [list(range(q, nwr, nqps)) for q in range(nqps)]
         for q, idxs in enumerate(per_qp):
             for k, i in enumerate(idxs):
-                off = size if i is None else i * wr_size
-                ln = 0 if i is None else min(wr_size, size - off)
+                off = i * wr_size
+                ln = min(wr_size, size - off)
                 last = k == len(idxs) - 1
-                wr = SendWR(wr_id=i or 0, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM if last else e.IBV_WR_RDMA_WRITE,
-                            num_sge=1 if ln else 0, sg=[SGE(mr.buf + off, ln, mr.lkey)] if ln else None,
+                wr = SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM if last else e.IBV_WR_RDMA_WRITE,
+                            num_sge=1, sg=[SGE(mr.buf + off, ln, mr.lkey)],
                             send_flags=e.IBV_SEND_SIGNALED, imm_data=socket.htonl(upd) if last else 0)
                 wr.set_wr_rdma(peer["rkey"], peer["addr"] + off)
                 qps[q].post_send(wr)

@@ -466,7 +466,7 @@ def test_bad_descriptors_and_arguments() -> None:
                 tx.write()
             with pytest.raises(ProtocolError):
                 tx.connect({"transport": "tcp"})
-            with pytest.raises(ProtocolError, match="role"):
+            with pytest.raises(ProtocolError, match="expected receiver"):
                 tx.connect(tx.descriptors())
             bad = rx.descriptors()
             bad["gid"] = b"short"
