@@ -9,10 +9,11 @@ stdin/stdout, with the GID as hex.
     rdma_pyverbs_peer.py recv SIZE QPS [UPDATES]
         pyverbs registers its own buffer (REMOTE_WRITE), waits for UPDATES
         updates, and prints {"sha256": ..., "head": ...} after each one.
-    rdma_pyverbs_peer.py send SIZE QPS WR_SIZE SEED [REPEAT]
+    rdma_pyverbs_peer.py send SIZE QPS WR_SIZE SEED [REPEAT [DEPTH]]
         fills its buffer with random.Random(SEED).randbytes(SIZE) and writes it
-        into the receiver with a plain Python post_send loop (one WR per call,
-        every one signaled, polled one by one: what pyverbs offers), REPEAT times;
+        into the receiver with a Python post_send loop (one SendWR object and one
+        post_send call per request, DEPTH in flight per QP, all signaled: what
+        pyverbs offers), REPEAT times, waiting for a line on stdin after each;
         prints {"seconds": [...]}.
 """
 
@@ -145,36 +146,45 @@ def recv(size, nqps, updates=1):
     ctx.close()
 
 
-def send(size, nqps, wr_size, seed, repeat=1):
-    ctx, pd, mr, cq, qps, psns, desc, idx = setup(size, nqps, e.IBV_ACCESS_LOCAL_WRITE, 64, 1)
+def send(size, nqps, wr_size, seed, repeat=1, depth=16):
+    ctx, pd, mr, cq, qps, psns, desc, idx = setup(size, nqps, e.IBV_ACCESS_LOCAL_WRITE, depth, 1)
     mr.write(random.Random(seed).randbytes(size), size, 0)
     desc.update(role="sender")
     out(desc)
     peer = read_msg()
     connect(qps, psns, peer, idx, 0)
+    nwr = (size + wr_size - 1) // wr_size
+    if nwr < nqps:  # pyverbs cannot post the zero-length (no SGE) tail tensorxfer uses there
+        sys.exit(f"need at least one request per QP ({nwr} requests, {nqps} QPs)")
     secs = []
     for upd in range(1, repeat + 1):
         t0 = time.perf_counter()
-        nwr = (size + wr_size - 1) // wr_size
-        if nwr < nqps:  # pyverbs cannot post the zero-length (no SGE) tail tensorxfer uses there
-            sys.exit(f"need at least one request per QP ({nwr} requests, {nqps} QPs)")
-        per_qp = [list(range(q, nwr, nqps)) for q in range(nqps)]
-        for q, idxs in enumerate(per_qp):
-            for k, i in enumerate(idxs):
-                off = i * wr_size
-                ln = min(wr_size, size - off)
-                last = k == len(idxs) - 1
-                wr = SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM if last else e.IBV_WR_RDMA_WRITE,
-                            num_sge=1, sg=[SGE(mr.buf + off, ln, mr.lkey)],
-                            send_flags=e.IBV_SEND_SIGNALED, imm_data=socket.htonl(upd) if last else 0)
-                wr.set_wr_rdma(peer["rkey"], peer["addr"] + off)
-                qps[q].post_send(wr)
-                while True:  # the simple pyverbs loop: one WR, one completion
-                    n, wcs = cq.poll(1)
-                    if n:
-                        if wcs[0].status != e.IBV_WC_SUCCESS:
-                            sys.exit(f"write failed: status {wcs[0].status}")
-                        break
+        # The straightforward pyverbs loop, pipelined: one Python SendWR and one
+        # post_send call per request, round-robin over the QPs, up to `depth`
+        # in flight per QP, every request signaled, completions polled in batches.
+        inflight = [0] * nqps
+        for i in range(nwr):
+            q = i % nqps
+            while inflight[q] >= depth:
+                n, wcs = cq.poll(16)
+                for wc in wcs[:n]:
+                    if wc.status != e.IBV_WC_SUCCESS:
+                        sys.exit(f"write failed: status {wc.status}")
+                    inflight[wc.wr_id % nqps] -= 1
+            off = i * wr_size
+            last = i + nqps >= nwr
+            wr = SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM if last else e.IBV_WR_RDMA_WRITE,
+                        num_sge=1, sg=[SGE(mr.buf + off, min(wr_size, size - off), mr.lkey)],
+                        send_flags=e.IBV_SEND_SIGNALED, imm_data=socket.htonl(upd) if last else 0)
+            wr.set_wr_rdma(peer["rkey"], peer["addr"] + off)
+            qps[q].post_send(wr)
+            inflight[q] += 1
+        while sum(inflight):
+            n, wcs = cq.poll(16)
+            for wc in wcs[:n]:
+                if wc.status != e.IBV_WC_SUCCESS:
+                    sys.exit(f"write failed: status {wc.status}")
+                inflight[wc.wr_id % nqps] -= 1
         secs.append(time.perf_counter() - t0)
         read_msg()  # the receiver confirms before the next update
     out({"seconds": secs})
