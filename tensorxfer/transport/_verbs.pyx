@@ -693,7 +693,7 @@ cdef struct WriteError:
 
 cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint32_t lkey,
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
-                     uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout,
+                     uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
                      uint64_t* polls_out) noexcept nogil:
     """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python."""
@@ -710,8 +710,8 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
                 nb = qs[q].total - qs[q].posted
                 if nb > room:
                     nb = room
-                if nb > POST_BATCH:
-                    nb = POST_BATCH
+                if nb > post_batch:
+                    nb = post_batch
                 for k in range(<int>nb):
                     j = qs[q].posted + k
                     gi = j * nq + q
@@ -787,7 +787,7 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
 
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
-                  uint32_t imm, double timeout):
+                  uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -795,7 +795,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     flight, every ``signal_every``-th is signaled, and its last request is
     RDMA_WRITE_WITH_IMM carrying ``imm`` (a QP with no data sends a
     zero-length one), so the receiver learns that every byte on every QP
-    landed.  Posting and polling run without the GIL.
+    landed.  Up to ``post_batch`` (≤ 32) requests are chained per
+    ``ibv_post_send`` call.  Posting and polling run without the GIL.
 
     Returns
     -------
@@ -827,6 +828,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         raise ValueError(f"too many QPs ({nq})")
     if wr_size == 0 or wr_size > 0x80000000:
         raise ValueError(f"wr_size must be in [1, 2 GiB], got {wr_size}")
+    if post_batch == 0 or post_batch > POST_BATCH:
+        raise ValueError(f"post_batch must be in [1, {POST_BATCH}], got {post_batch}")
     if max_outstanding == 0 or signal_every == 0 or signal_every > max_outstanding:
         raise ValueError(f"need 1 <= signal_every ({signal_every}) <= max_outstanding ({max_outstanding})")
     for o in qps:
@@ -853,7 +856,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                 qs[q].total = 1
         with nogil:
             rc = _write_loop(qs, nq, cq.cq, local_addr, lkey, remote_addr, rkey, length, wr_size,
-                             max_outstanding, signal_every, htonl(imm), timeout, wrs, sges, wcs, &err, &polls)
+                             max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
+                             &err, &polls)
         if rc == 0:
             return {"bytes": length, "wrs": nwr, "polls": polls}
         off = err.wr_index * wr_size
