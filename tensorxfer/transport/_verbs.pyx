@@ -965,7 +965,10 @@ cdef class ImmWaiter:
         with nogil:
             t0 = _now()
             while self.ngot < self.nq:
-                n = ibv_poll_cq(self.cq.cq, WC_BATCH, self.wcs)
+                # Take at most as many completions as immediates are missing: the
+                # sender may already be writing the next update, whose immediates
+                # follow ours in the CQ, and they must stay there for the next wait.
+                n = ibv_poll_cq(self.cq.cq, min(<int>WC_BATCH, self.nq - self.ngot), self.wcs)
                 if n < 0:
                     kind = 3
                     break

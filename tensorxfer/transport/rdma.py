@@ -201,6 +201,12 @@ class _Endpoint:
         self._broken: BaseException | None = None
         self._peer: dict[str, Any] | None = None
         self.port = port
+        names = v.device_names()
+        if not names:
+            raise TransportUnavailable("no RDMA devices (ibv_get_device_list is empty): no NIC/driver here; run "
+                                       "`tensorxfer doctor` for what is missing")
+        if device is not None and device not in names:
+            raise TransportUnavailable(f"RDMA device {device!r} not found; devices here: {names}")
         self._ctx = v.Context.open(device)
         try:
             self._pa = self._ctx.query_port(port)
