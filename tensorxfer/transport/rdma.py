@@ -274,12 +274,14 @@ class _Endpoint:
         if self._closed:
             return
         self._closed = True
-        for qp in self._qps:
-            qp.close()
-        self._mr.close()
-        self._cq.close()
-        self._pd.close()
-        self._ctx.close()
+        first: VerbsError | None = None
+        for obj in (*self._qps, self._mr, self._cq, self._pd, self._ctx):
+            try:
+                obj.close()
+            except VerbsError as exc:  # keep releasing the rest; report the first failure
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> Any:
         return self
