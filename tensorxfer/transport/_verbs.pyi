@@ -1,5 +1,6 @@
 """Type stubs for the Cython verbs data plane (see _verbs.pyx)."""
 
+from collections.abc import Callable
 from typing import Any
 
 ACCESS_LOCAL_WRITE: int
@@ -69,7 +70,8 @@ class QP(_Owned):
 
 def write_striped(qps: list[QP], cq: CQ, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int,
                   wr_size: int, max_outstanding: int, signal_every: int, imm: int,
-                  timeout: float, post_batch: int = 32) -> dict[str, Any]: ...
+                  timeout: float, post_batch: int = 32,
+                  peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]: ...
 
 class ImmWaiter:
     def __init__(self, qps: list[QP], cq: CQ) -> None: ...

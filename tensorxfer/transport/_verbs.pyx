@@ -33,7 +33,7 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from tensorxfer._lib.includes.libibverbs cimport *
 from tensorxfer._lib.includes.posix cimport htonl, ntohl
 
-from tensorxfer.errors import TransferError, TransferTimeout, VerbsError
+from tensorxfer.errors import PeerLost, TransferError, TransferTimeout, VerbsError
 
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
@@ -682,6 +682,13 @@ cdef struct QPState:
     uint64_t completed
 
 
+cdef struct LoopState:   # survives between slices of one write
+    int done              # QPs whose last request completed
+    double last           # time of the last completion (stall detection)
+    uint64_t polls
+    uint64_t empty
+
+
 cdef struct WriteError:
     int kind              # 0 none, 1 completion error, 2 post error, 3 stall timeout
     int status
@@ -695,15 +702,19 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
                      uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
-                     uint64_t* polls_out) noexcept nogil:
-    """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python."""
-    cdef int q, k, n, i, done = 0
-    cdef uint64_t j, gi, off, room, nb, polls = 0, empty = 0
+                     LoopState* st, double slice_s) noexcept nogil:
+    """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python.
+
+    Returns 0 when every QP's last request completed, -1 on an error (``err``
+    says which), 1 when ``slice_s`` (> 0) elapsed first: call again to go on.
+    """
+    cdef int q, k, n, i
+    cdef uint64_t j, gi, off, room, nb
     cdef ibv_send_wr* bad
     cdef ibv_send_wr* w
-    cdef double last = _now()
+    cdef double t_start = _now(), now
     cdef int rc
-    while done < nq:
+    while st.done < nq:
         for q in range(nq):
             while qs[q].posted < qs[q].total and qs[q].posted - qs[q].completed < max_out:
                 room = max_out - (qs[q].posted - qs[q].completed)
@@ -748,7 +759,7 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
                     return -1
                 qs[q].posted += nb
         n = ibv_poll_cq(cq, WC_BATCH, wcs)
-        polls += 1
+        st.polls += 1
         if n < 0:
             err.kind = 2
             err.post_rc = 5
@@ -768,26 +779,27 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
             if q < nq and j + 1 > qs[q].completed:
                 qs[q].completed = j + 1      # RC completes in order: everything before j is done
                 if qs[q].completed == qs[q].total:
-                    done += 1
+                    st.done += 1
         if err.kind != 0:
-            polls_out[0] = polls
             return -1
         if n > 0:
-            empty = 0
-            last = _now()
+            st.empty = 0
+            st.last = _now()
         else:
-            empty += 1
-            if empty % 256 == 0 and _now() - last > timeout:
-                err.kind = 3
-                polls_out[0] = polls
-                return -1
-    polls_out[0] = polls
+            st.empty += 1
+            if st.empty % 256 == 0:
+                now = _now()
+                if now - st.last > timeout:
+                    err.kind = 3
+                    return -1
+                if slice_s > 0 and now - t_start > slice_s:
+                    return 1
     return 0
 
 
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
-                  uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH):
+                  uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -796,7 +808,9 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     RDMA_WRITE_WITH_IMM carrying ``imm`` (a QP with no data sends a
     zero-length one), so the receiver learns that every byte on every QP
     landed.  Up to ``post_batch`` (≤ 32) requests are chained per
-    ``ibv_post_send`` call.  Posting and polling run without the GIL.
+    ``ibv_post_send`` call.  Posting and polling run without the GIL; with
+    ``peer_alive`` (a callable, e.g. a check of the control connection) the
+    loop comes back every 50 ms to call it, and False raises ``PeerLost``.
 
     Returns
     -------
@@ -811,6 +825,9 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         relative to ``local_addr``), or posting failed.
     TransferTimeout
         No completion arrived for ``timeout`` seconds.
+    PeerLost
+        ``peer_alive()`` returned False; requests may still be in flight, so
+        the QPs must not be reused.
     """
     cdef int nq = len(qps), q
     cdef QPState* qs = NULL
@@ -818,7 +835,9 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     cdef ibv_sge* sges = NULL
     cdef ibv_wc* wcs = NULL
     cdef WriteError err
-    cdef uint64_t nwr, polls = 0
+    cdef LoopState st
+    cdef double slice_s = 0.05 if peer_alive is not None else 0.0
+    cdef uint64_t nwr
     cdef int rc
     cdef QP qp
     cq._check_open()
@@ -842,6 +861,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                              f"({qp.max_send_wr})")
     nwr = (length + wr_size - 1) // wr_size
     memset(&err, 0, sizeof(err))
+    memset(&st, 0, sizeof(st))
     try:
         qs = <QPState*>calloc(nq, sizeof(QPState))
         wrs = <ibv_send_wr*>calloc(POST_BATCH, sizeof(ibv_send_wr))
@@ -854,12 +874,20 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             qs[q].total = (nwr - q + nq - 1) // nq if <uint64_t>q < nwr else 0
             if qs[q].total == 0:
                 qs[q].total = 1
-        with nogil:
-            rc = _write_loop(qs, nq, cq.cq, local_addr, lkey, remote_addr, rkey, length, wr_size,
-                             max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
-                             &err, &polls)
+        st.last = _now()
+        while True:
+            with nogil:
+                rc = _write_loop(qs, nq, cq.cq, local_addr, lkey, remote_addr, rkey, length, wr_size,
+                                 max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
+                                 &err, &st, slice_s)
+            if rc != 1:
+                break
+            if not peer_alive():
+                done = sum(min(qs[q].completed, qs[q].total) for q in range(nq))
+                raise PeerLost(f"receiver lost during the RDMA write ({done} of "
+                               f"{sum(qs[q].total for q in range(nq))} requests completed)")
         if rc == 0:
-            return {"bytes": length, "wrs": nwr, "polls": polls}
+            return {"bytes": length, "wrs": nwr, "polls": st.polls}
         off = err.wr_index * wr_size
         if off > length:
             off = length

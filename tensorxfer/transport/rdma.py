@@ -440,8 +440,14 @@ class RdmaSenderEndpoint(_Endpoint):
 
     def write(self, timeout: float = 60.0, *, offset: int = 0, length: int | None = None,
               wr_size: int | None = None, max_outstanding: int | None = None,
-              signal_every: int | None = None, post_batch: int | None = None) -> dict[str, Any]:
+              signal_every: int | None = None, post_batch: int | None = None,
+              peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        ``peer_alive`` (e.g. a check of the control connection) is called every
+        50 ms while the write runs; False raises :class:`PeerLost` at once.
+        Without it a dead receiver shows as ``IBV_WC_RETRY_EXC_ERR`` (hardware
+        retry timers) or, failing that, as the ``timeout`` stall.
 
         Returns
         -------
@@ -456,6 +462,8 @@ class RdmaSenderEndpoint(_Endpoint):
             The session is unusable afterwards (its QPs are in the error state).
         TransferTimeout
             No completion for ``timeout`` seconds (peer gone, link down).
+        PeerLost
+            ``peer_alive()`` returned False.
         """
         self._check_open()
         if self._peer is None:
@@ -476,13 +484,13 @@ class RdmaSenderEndpoint(_Endpoint):
         try:
             st = _verbs.write_striped(self._qps, self._cq, self._local_ptr + offset, self._mr.lkey,
                                       self._peer["addr"] + offset, self._peer["rkey"], length, wr, mo, se, seq,
-                                      float(timeout), pb)
+                                      float(timeout), pb, peer_alive)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
                 exc.offset += offset
             raise
-        except TransferTimeout as exc:
+        except (TransferTimeout, PeerLost) as exc:
             self._broken = exc
             raise
         dt = time.perf_counter() - t0
