@@ -212,9 +212,15 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"tensorxfer/pyverbs wr={wr} qps={DEFAULT_QPS}"] = {"median": txr["gbps"] / py["gbps"]}
 
     now = dt.datetime.now(dt.timezone.utc)
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
     doc = {
         "benchmark": "bench_rdma", "date": now.isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "cwd": os.getcwd(),
+        "command": shlex.join([sys.executable, *sys.argv]), "cwd": os.getcwd(), "git_commit": rev,
+        "launcher": os.environ.get("TENSORXFER_BENCH_LAUNCHER", ""),
         "machine": {"node": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
                     "device": device, "port": port, "gid_index": gid_index,
                     "note": "Soft-RoCE (rdma_rxe) in a qemu TCG VM: absolute numbers are meaningless; "
