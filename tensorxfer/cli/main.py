@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="send a synthetic 820-tensor model to another process over loopback")
     p.add_argument("--size", default=256 << 20, type=int, help="model bytes (default 256 MiB)")
     p.set_defaults(func=demo)
+    from tensorxfer.cli import doctor
+
+    doctor.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

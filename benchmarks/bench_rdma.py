@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""RDMA write throughput: tensorxfer vs ib_write_bw vs a pyverbs Python loop.
+
+Run where an RDMA device is up (inside the Soft-RoCE VM in CI; on a real
+NIC see docs/rdma.md).  Everything is measured in the same boot, and on
+software emulation only the *ratios* mean anything:
+
+- ``ib_write_bw`` (perftest) at the same message size and QP count: the
+  reference a verbs program can reach on this device (goal: ≥ 0.95 of it);
+- a pyverbs loop (tests/rdma_pyverbs_peer.py under /usr/bin/python3): one
+  Python ``SendWR`` + ``post_send`` per request, pipelined — what the Cython
+  nogil loop buys;
+- sweeps over WR size and QP count for tensorxfer.
+
+tensorxfer's sender and receiver endpoints run in this one process (the
+device loops the traffic back, as ib_write_bw's server and client do through
+the same rxe0); the clock covers ``write()`` plus ``wait_complete()``, i.e.
+until the receiver saw every QP's immediate.  Results go to a dated JSON file
+that records the exact command.
+
+    python benchmarks/bench_rdma.py [--quick] [--size BYTES] [--device rxe0] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensorxfer import HostRegion
+from tensorxfer.transport import _verbs
+from tensorxfer.transport.rdma import DEFAULT_QPS, RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / "tests" / "rdma_pyverbs_peer.py"
+MIB = 1 << 20
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes * 8 / seconds / 1e9
+
+
+def tensorxfer_run(size: int, qps: int, wr_size: int, reps: int, chunk: int, device: str | None) -> dict[str, Any]:
+    """Median of ``reps`` updates over one session (registration paid once, outside the clock)."""
+    with HostRegion.allocate(size, chunk) as src, HostRegion.allocate(size, chunk) as dst:
+        a = np.frombuffer(src, np.uint8)
+        a[:] = np.random.default_rng(0).integers(0, 256, a.size, dtype=np.uint8)
+        del a
+        t_reg = time.perf_counter()
+        rx = RdmaReceiverEndpoint(dst, device, qps=qps)
+        tx = RdmaSenderEndpoint(src, device, qps=qps, wr_size=wr_size)
+        t_reg = time.perf_counter() - t_reg
+        try:
+            tx.connect(rx.descriptors())
+            rx.connect(tx.descriptors())
+            tx.write(timeout=120)              # warm-up update
+            rx.wait_complete(timeout=120)
+            secs = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                st = tx.write(timeout=120)
+                rx.wait_complete(timeout=120)
+                secs.append(time.perf_counter() - t0)
+            ok = bytes(memoryview(src)) == bytes(memoryview(dst))
+        finally:
+            tx.close()
+            rx.close()
+    med = statistics.median(secs)
+    return {"impl": "tensorxfer", "bytes": size, "qps": qps, "wr_size": wr_size, "reps": reps,
+            "seconds": secs, "gbps": gbps(size, med), "MBps": size / med / 1e6, "wrs": st["wrs"],
+            "post_batch": st["post_batch"], "chunks": -(-size // chunk), "setup_seconds": t_reg, "verified": ok}
+
+
+def ib_write_bw(size: int, qps: int, iters: int, device: str, gid_index: int, host: str) -> dict[str, Any]:
+    """perftest's ib_write_bw, server and client on this machine."""
+    exe = shutil.which("ib_write_bw")
+    if exe is None:
+        return {"impl": "ib_write_bw", "error": "ib_write_bw not found (apt-get install perftest)"}
+    base = [exe, "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iters), "-q", str(qps),
+            "-F", "--report_gbits"]
+    server = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2.0)   # the server must listen before the client connects
+        cmd = [*base, host]
+        client = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        sout, _ = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    # with several QPs perftest reports iterations summed over them
+    m = re.search(rf"^\s*{size}\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", client.stdout + sout, re.M)
+    if client.returncode or not m:
+        return {"impl": "ib_write_bw", "error": f"rc={client.returncode}", "stdout": client.stdout[-2000:],
+                "stderr": client.stderr[-1000:], "server": sout[-1000:]}
+    return {"impl": "ib_write_bw", "bytes": size * iters, "msg_size": size, "qps": qps, "iters": iters,
+            "gbps": float(m.group(2)), "gbps_peak": float(m.group(1)), "MBps": float(m.group(2)) * 1e3 / 8,
+            "command": shlex.join(cmd)}
+
+
+def pyverbs_run(size: int, qps: int, wr_size: int, reps: int, device: str | None) -> dict[str, Any]:
+    """tests/rdma_pyverbs_peer.py (pyverbs, /usr/bin/python3) writing into a tensorxfer receiver."""
+    py = "/usr/bin/python3"
+    if subprocess.run([py, "-c", "import pyverbs"], capture_output=True).returncode:
+        return {"impl": "pyverbs", "error": "python3-pyverbs is not importable by /usr/bin/python3"}
+    env = {**os.environ, "RDMA_DEVICE": device or _verbs.device_names()[0]}
+    cmd = [py, str(PEER), "send", str(size), str(qps), str(wr_size), "1", str(reps + 1)]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        with HostRegion.allocate(size) as dst, RdmaReceiverEndpoint(dst, device, qps=qps) as rx:
+            peer = json.loads(p.stdout.readline())
+            peer["gid"] = bytes.fromhex(peer["gid"])
+            rx.connect(peer)
+            d = rx.descriptors()
+            p.stdin.write(json.dumps({**d, "gid": d["gid"].hex()}) + "\n")
+            p.stdin.flush()
+            for _ in range(reps + 1):
+                rx.wait_complete(timeout=600, peer_alive=lambda: p.poll() is None)
+                p.stdin.write("{}\n")
+                p.stdin.flush()
+            secs = json.loads(p.stdout.readline())["seconds"][1:]   # drop the warm-up
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdin.close()
+        p.stdout.close()
+    med = statistics.median(secs)
+    return {"impl": "pyverbs", "bytes": size, "qps": qps, "wr_size": wr_size, "reps": reps, "seconds": secs,
+            "gbps": gbps(size, med), "MBps": size / med / 1e6, "command": shlex.join(cmd)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (CI)")
+    ap.add_argument("--size", type=int, default=None, help="bytes per update (default 16 MiB, quick 8 MiB)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--host", default=os.environ.get("RDMA_HOST", "192.168.77.1"),
+                    help="address ib_write_bw's client dials (this machine's RoCE/IPoIB address)")
+    ap.add_argument("--chunk", type=int, default=4 * MIB, help="region chunk (handle) size")
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/rdma-<date>.json)")
+    args = ap.parse_args(argv)
+
+    ok, why = rdma_available(args.device)
+    if not ok:
+        print(f"bench_rdma: RDMA unavailable: {why}", file=sys.stderr)
+        return 2
+    device = args.device or _verbs.device_names()[0]
+    with _verbs.Context.open(device) as ctx:
+        gid_index, _ = ctx.choose_gid(1)
+        port = ctx.query_port(1)
+    size = args.size or (8 * MIB if args.quick else 16 * MIB)
+    reps = 3 if args.quick else 5
+    rounds = 3 if args.quick else 5
+    ref_wr = MIB
+    wr_sweep = [256 << 10] if args.quick else [16 << 10, 256 << 10, 4 * MIB]
+    qp_sweep = [2] if args.quick else [2, 8]
+    py_sweep = [64 << 10] if args.quick else [4 << 10, 64 << 10, MIB]
+
+    results: list[dict[str, Any]] = []
+
+    def note(r: dict[str, Any]) -> dict[str, Any]:
+        results.append(r)
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                 if k not in ("seconds", "stdout", "command")}
+        print(json.dumps(shown), flush=True)
+        return r
+
+    ratios: dict[str, Any] = {}
+
+    def paired(wr: int, q: int) -> None:
+        """ib_write_bw and tensorxfer alternately, ``rounds`` times; the median of the per-round
+        ratios resists the drift of an emulated machine better than a ratio of medians."""
+        per = []
+        for _ in range(rounds):
+            ib = note(ib_write_bw(wr, q, max(8, size // wr), device, gid_index, args.host))
+            tx = note(tensorxfer_run(size, q, wr, reps, args.chunk, args.device))
+            if "gbps" in ib:
+                per.append(tx["gbps"] / ib["gbps"])
+        if per:
+            ratios[f"tensorxfer/ib_write_bw wr={wr} qps={q}"] = {"median": statistics.median(per), "rounds": per}
+
+    # the headline: same message size and QP count as ib_write_bw
+    for q in sorted({1, DEFAULT_QPS}):
+        paired(ref_wr, q)
+    paired(64 << 10, DEFAULT_QPS)
+    # sweeps (tensorxfer alone)
+    for wr in wr_sweep:
+        note(tensorxfer_run(size, DEFAULT_QPS, wr, reps, args.chunk, args.device))
+    for q in qp_sweep:
+        note(tensorxfer_run(size, q, ref_wr, reps, args.chunk, args.device))
+    # pyverbs' Python loop vs tensorxfer at the same WR size and QP count, back to back
+    for wr in py_sweep:
+        py = note(pyverbs_run(size, DEFAULT_QPS, wr, reps, args.device))
+        txr = note(tensorxfer_run(size, DEFAULT_QPS, wr, reps, args.chunk, args.device))
+        if "gbps" in py:
+            ratios[f"tensorxfer/pyverbs wr={wr} qps={DEFAULT_QPS}"] = {"median": txr["gbps"] / py["gbps"]}
+
+    now = dt.datetime.now(dt.timezone.utc)
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    doc = {
+        "benchmark": "bench_rdma", "date": now.isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]), "cwd": os.getcwd(), "git_commit": rev,
+        "launcher": os.environ.get("TENSORXFER_BENCH_LAUNCHER", ""),
+        "machine": {"node": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
+                    "device": device, "port": port, "gid_index": gid_index,
+                    "note": "Soft-RoCE (rdma_rxe) in a qemu TCG VM: absolute numbers are meaningless; "
+                            "compare ratios" if device.startswith("rxe") else ""},
+        "size": size, "reps": reps, "rounds": rounds, "chunk": args.chunk, "results": results, "ratios": ratios,
+    }
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"rdma-{now:%Y%m%dT%H%M%SZ}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({"ratios": {k: round(v["median"], 3) for k, v in ratios.items()}}, indent=1))
+    print(f"wrote {out}")
+    return 0 if all(r.get("verified", True) and "error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

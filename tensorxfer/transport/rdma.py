@@ -1,0 +1,510 @@
+"""RDMA transport endpoints: one-sided RDMA WRITE of a whole region over RC QPs.
+
+The receiver registers its region once (REMOTE_WRITE, for as long as the
+endpoint is open), the sender registers its own region once (local access
+only), and each update is one :meth:`RdmaSenderEndpoint.write`: the region
+is striped over several RC QPs, the last request on every QP carries an
+immediate, and :meth:`RdmaReceiverEndpoint.wait_complete` returns only when
+every QP's immediate for that update arrived.
+
+Wiring (the engine's control channel carries the dicts; both are plain
+msgpack-able values: ints, strs, bytes, lists, dicts)::
+
+    rx = RdmaReceiverEndpoint(region_rx, qps=4)       # receiver
+    tx = RdmaSenderEndpoint(region_tx, qps=4)         # sender
+    tx.connect(rx.descriptors())                      # receiver → sender
+    rx.connect(tx.descriptors())                      # sender → receiver
+    stats = tx.write(timeout=30)                      # per update …
+    rx.wait_complete(timeout=30)                      # … and its completion
+    tx.close(); rx.close()
+
+A region is anything with ``resolve_extent(offset, length)`` (HostRegion,
+CudaRegion) or a :class:`~tensorxfer.region.TensorRegion`.  CUDA regions
+that offer ``export_dmabuf()`` are registered with ``ibv_reg_dmabuf_mr``,
+falling back to ``ibv_reg_mr`` on the device address (nvidia-peermem); the
+path taken is logged and reported in ``descriptors()['mr_path']``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout, TransportUnavailable, VerbsError
+
+log = logging.getLogger("tensorxfer.rdma")
+
+try:
+    from tensorxfer.transport import _verbs
+except ImportError as exc:  # built without libibverbs-dev, or TENSORXFER_NO_VERBS=1
+    _verbs = None  # type: ignore[assignment]
+    _IMPORT_ERROR: str | None = str(exc)
+else:
+    _IMPORT_ERROR = None
+
+PROTOCOL_VERSION = 1
+#: QPs per peer.  On Soft-RoCE 2–4 QPs beat 1 (the kernel's per-QP tasklets
+#: run in parallel); on ConnectX-7 4 QPs saturate 400 Gbps with 1 MiB WRs.
+#: benchmarks/bench_rdma.py sweeps this; see docs/rdma.md.
+DEFAULT_QPS = 4
+DEFAULT_WR_SIZE = 1 << 20
+DEFAULT_MAX_OUTSTANDING = 32
+DEFAULT_RECV_DEPTH = 16
+#: Requests chained per ibv_post_send.  Measured on Soft-RoCE: chaining 1 MiB
+#: requests halves throughput (each post is a syscall that runs rxe's requester
+#: inline, so one post per request gives it more process-context time).  On
+#: hardware NICs a post is a userspace doorbell; at >= 64 KiB per request one
+#: doorbell each is noise, while small requests gain from chaining.
+DEFAULT_POST_BATCH_LARGE = 1
+DEFAULT_POST_BATCH_SMALL = 32
+
+
+def default_post_batch(wr_size: int) -> int:
+    """Requests chained per post: 1 for requests of 64 KiB and more, else 32."""
+    return DEFAULT_POST_BATCH_LARGE if wr_size >= 64 << 10 else DEFAULT_POST_BATCH_SMALL
+_POLL_SLICE = 0.05
+
+
+def rdma_available(device: str | None = None, port: int = 1) -> tuple[bool, str]:
+    """Can this process use RDMA?  ``(True, 'rxe0 port 1 ACTIVE, RoCE v2 …')`` or ``(False, why)``."""
+    if _verbs is None:
+        return False, (f"tensorxfer.transport._verbs is not built ({_IMPORT_ERROR}); install libibverbs-dev "
+                       f"and reinstall tensorxfer")
+    names = _verbs.device_names()
+    if not names:
+        return False, ("no RDMA devices (ibv_get_device_list is empty): no NIC/driver, or for Soft-RoCE "
+                       "`modprobe rdma_rxe && rdma link add rxe0 type rxe netdev ETH`")
+    if device is not None and device not in names:
+        return False, f"RDMA device {device!r} not found; devices here: {names}"
+    name = device or names[0]
+    try:
+        with _verbs.Context.open(name) as ctx:
+            pa = ctx.query_port(port)
+            if not pa["active"]:
+                return False, f"{name} port {port} is {pa['state']}, not ACTIVE (check the link / `rdma link`)"
+            idx, _gid = ctx.choose_gid(port)
+    except VerbsError as exc:
+        return False, f"{name}: {exc}"
+    return True, f"{name} port {port} ACTIVE, {pa['link_layer']}, MTU {pa['active_mtu']}, GID index {idx}"
+
+
+def _require_verbs() -> Any:
+    if _verbs is None:
+        raise TransportUnavailable(f"the RDMA transport is not built: {_IMPORT_ERROR}; install libibverbs-dev "
+                                   f"and reinstall tensorxfer (TENSORXFER_NO_VERBS must be unset)")
+    return _verbs
+
+
+def _raw_region(region: Any) -> tuple[Any, int]:
+    """(memory region object, payload bytes) for a HostRegion/CudaRegion or a TensorRegion."""
+    inner = getattr(region, "region", None)
+    if inner is not None and hasattr(region, "manifest"):
+        return inner, max(int(region.nbytes), 1)
+    if not hasattr(region, "resolve_extent"):
+        raise TypeError(f"expected a HostRegion, CudaRegion or TensorRegion, got {type(region).__name__}")
+    return region, int(region.size)
+
+
+def register_region(pd: Any, region: Any, nbytes: int, access: int, *, _first_chunk_only: bool = False) -> Any:
+    """Register ONE MR over the resolved extent of ``region[0:nbytes]``.
+
+    The extent comes from ``region.resolve_extent``, which walks every
+    backing handle, so the MR covers all of them (the UCX bug registered
+    only the handle holding the first address).  ``_first_chunk_only``
+    reproduces that bug on purpose, for tests only.
+
+    Device regions offering ``export_dmabuf()`` (returning an fd over the
+    resolved extent) go through ``ibv_reg_dmabuf_mr`` first and fall back to
+    ``ibv_reg_mr`` on the device address; the returned MR's ``path`` says
+    which was used, and a fallback is logged with the dmabuf error.
+
+    Raises
+    ------
+    ExtentError
+        ``[0, nbytes)`` is not fully mapped.
+    VerbsError
+        Registration failed.
+    """
+    ext = region.resolve_extent(0, nbytes)
+    ptr, length = int(ext.ptr), int(ext.length)
+    if _first_chunk_only:
+        base, size = region.allocation_at(0)
+        length = min(length, base + size - ptr)
+        log.warning("TEST SWITCH: registering only the first handle (%d of %d bytes), as UCX did", length, nbytes)
+    export = getattr(region, "export_dmabuf", None)
+    if export is not None and getattr(region, "device", "cpu") != "cpu":
+        fd = -1
+        try:
+            fd = int(export(0, length)) if _accepts_range(export) else int(export())
+            mr = pd.reg_dmabuf_mr(fd, 0, length, ptr, access, owner=region)
+        except (VerbsError, OSError, ValueError) as exc:
+            log.warning("dmabuf registration failed (%s); falling back to ibv_reg_mr on the device address "
+                        "(needs nvidia-peermem)", exc)
+        else:
+            log.info("registered %d bytes with ibv_reg_dmabuf_mr", length)
+            return mr
+        finally:
+            if fd >= 0:
+                os.close(fd)  # the MR holds its own reference to the dmabuf
+    mr = pd.reg_mr(ptr, length, access, owner=region)
+    log.info("registered %d bytes over %d handle(s) with ibv_reg_mr", length, len(ext.segments))
+    return mr
+
+
+def _accepts_range(fn: Callable[..., Any]) -> bool:
+    try:
+        import inspect
+
+        return len(inspect.signature(fn).parameters) >= 2
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_peer(peer: Any, role: str) -> dict[str, Any]:
+    """Validate a peer's descriptors dict; a malformed one is a ProtocolError."""
+    if not isinstance(peer, dict):
+        raise ProtocolError(f"RDMA {role} descriptors must be a dict, got {type(peer).__name__}")
+    if peer.get("transport") != "rdma" or peer.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError(f"not RDMA v{PROTOCOL_VERSION} descriptors: transport={peer.get('transport')!r} "
+                            f"version={peer.get('version')!r}")
+    need: dict[str, type | tuple[type, ...]] = {"qps": list, "lid": int, "gid": bytes, "mtu": int,
+                                               "link_layer": str, "role": str}
+    for key, typ in need.items():
+        if not isinstance(peer.get(key), typ):
+            raise ProtocolError(f"RDMA descriptors: {key!r} missing or not {typ}")
+    if peer["role"] != role:
+        raise ProtocolError(f"expected {role} descriptors, got {peer['role']!r}")
+    for q in peer["qps"]:
+        if not (isinstance(q, dict) and isinstance(q.get("qp_num"), int) and isinstance(q.get("psn"), int)):
+            raise ProtocolError("RDMA descriptors: every QP needs int 'qp_num' and 'psn'")
+    if len(peer["gid"]) != 16:
+        raise ProtocolError("RDMA descriptors: 'gid' must be 16 bytes")
+    return peer
+
+
+class _Endpoint:
+    """Shared setup: context, PD, CQ, QPs, one MR over the region; children closed first."""
+
+    _role = ""
+    _access = 0
+
+    def __init__(self, region: Any, device: str | None, port: int, gid_index: int | None, qps: int,
+                 max_send_wr: int, max_recv_wr: int, _first_chunk_only: bool = False) -> None:
+        v = _require_verbs()
+        if not isinstance(qps, int) or not 1 <= qps <= 256:
+            raise ValueError(f"qps must be an int in [1, 256], got {qps!r}")
+        self._region, self.nbytes = _raw_region(region)
+        self._closed = True  # until fully built: a failed __init__ leaves nothing to warn about
+        self._broken: BaseException | None = None
+        self._peer: dict[str, Any] | None = None
+        self.port = port
+        names = v.device_names()
+        if not names:
+            raise TransportUnavailable("no RDMA devices (ibv_get_device_list is empty): no NIC/driver here; run "
+                                       "`tensorxfer doctor` for what is missing")
+        if device is not None and device not in names:
+            raise TransportUnavailable(f"RDMA device {device!r} not found; devices here: {names}")
+        self._ctx = v.Context.open(device)
+        try:
+            self._pa = self._ctx.query_port(port)
+            if not self._pa["active"]:
+                raise TransportUnavailable(f"{self._ctx.name} port {port} is {self._pa['state']}, not ACTIVE")
+            self.gid_index, self._gid = self._ctx.choose_gid(port, gid_index)
+            self._pd = self._ctx.alloc_pd()
+            self._mr = register_region(self._pd, self._region, self.nbytes, self._access,
+                                       _first_chunk_only=_first_chunk_only)
+            self._cq = self._ctx.create_cq(qps * (max(max_send_wr, max_recv_wr) + 1) + 16)
+            self._qps = [self._pd.create_qp(self._cq, self._cq, max_send_wr, max_recv_wr) for _ in range(qps)]
+            self._psns = [int.from_bytes(os.urandom(3), "little") for _ in range(qps)]
+            for qp in self._qps:
+                qp.to_init(port, self._remote_access())
+        except BaseException:
+            self._ctx.close()  # closes children first: QPs, MR, CQ, PD
+            raise
+        self._closed = False
+
+    def _remote_access(self) -> int:
+        return 0
+
+    @property
+    def device(self) -> str:
+        return str(self._ctx.name)
+
+    @property
+    def mr_path(self) -> str:
+        return str(self._mr.path)
+
+    def descriptors(self) -> dict[str, Any]:
+        """What the peer needs to connect, as a msgpack-able dict."""
+        self._check_open()
+        d: dict[str, Any] = {
+            "transport": "rdma", "version": PROTOCOL_VERSION, "role": self._role,
+            "device": self._ctx.name, "port": self.port, "lid": int(self._pa["lid"]), "gid": self._gid,
+            "gid_index": self.gid_index, "mtu": int(self._pa["active_mtu"]), "link_layer": self._pa["link_layer"],
+            "qps": [{"qp_num": int(qp.qp_num), "psn": psn} for qp, psn in zip(self._qps, self._psns)],
+            "nbytes": self.nbytes, "mr_path": self._mr.path,
+        }
+        return d
+
+    def _connect_qps(self, peer: dict[str, Any]) -> None:
+        if len(peer["qps"]) != len(self._qps):
+            raise ProtocolError(f"peer has {len(peer['qps'])} QPs, this endpoint {len(self._qps)}: use the same qps=")
+        if self._peer is not None:
+            raise ValueError("endpoint is already connected")
+        is_global = self._pa["link_layer"] == "Ethernet" or peer["link_layer"] == "Ethernet" or peer["lid"] == 0
+        mtu = min(int(self._pa["active_mtu"]), int(peer["mtu"]))
+        for qp, psn, rq in zip(self._qps, self._psns, peer["qps"]):
+            qp.to_rtr(self.port, rq["qp_num"], rq["psn"], mtu, peer["lid"], peer["gid"], self.gid_index, is_global)
+            qp.to_rts(psn)
+        self._peer = peer
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"operation on a closed {type(self).__name__}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Destroy QPs, deregister the MR (revoking remote access), free PD, CQ, device; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        first: VerbsError | None = None
+        for obj in (*self._qps, self._mr, self._cq, self._pd, self._ctx):
+            try:
+                obj.close()
+            except VerbsError as exc:  # keep releasing the rest; report the first failure
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"unclosed {type(self).__name__}; call close()", ResourceWarning, stacklevel=2)
+            self.close()
+
+
+class RdmaReceiverEndpoint(_Endpoint):
+    """The receiving side: grants REMOTE_WRITE on its region while open.
+
+    Parameters
+    ----------
+    region : HostRegion, CudaRegion or TensorRegion
+        Where updates land.  The caller keeps it open until :meth:`close`
+        (a HostRegion refuses to close while registered).
+    device : str, optional
+        RDMA device name (``mlx5_0``, ``rxe0``); the first device when None.
+    port, gid_index : int
+        Port number; GID index (chosen automatically when None: RoCE v2
+        IPv4-mapped on Ethernet, index 0 on InfiniBand).
+    qps : int
+        QPs per peer; the sender must use the same count.
+    recv_depth : int
+        Receives kept posted per QP (each update consumes one).
+    """
+
+    _role = "receiver"
+
+    def __init__(self, region: Any, device: str | None = None, *, port: int = 1, gid_index: int | None = None,
+                 qps: int = DEFAULT_QPS, recv_depth: int = DEFAULT_RECV_DEPTH) -> None:
+        v = _require_verbs()
+        self._access = v.ACCESS_LOCAL_WRITE | v.ACCESS_REMOTE_WRITE
+        super().__init__(region, device, port, gid_index, qps, max_send_wr=1, max_recv_wr=recv_depth)
+        try:
+            for i, qp in enumerate(self._qps):
+                qp.post_recv(recv_depth, i)
+            self._waiter = v.ImmWaiter(self._qps, self._cq)
+        except BaseException:
+            self.close()
+            raise
+        self.updates = 0
+
+    def _remote_access(self) -> int:
+        return int(_verbs.ACCESS_REMOTE_WRITE | _verbs.ACCESS_LOCAL_WRITE)
+
+    def descriptors(self) -> dict[str, Any]:
+        """Adds ``addr``, ``rkey`` and ``length``: where and how the sender may write."""
+        d = super().descriptors()
+        d.update(addr=int(self._mr.addr), rkey=int(self._mr.rkey), length=int(self._mr.length))
+        return d
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        """Connect to the sender's descriptors (its QP numbers, PSNs, GID/LID, MTU).
+
+        Raises
+        ------
+        ProtocolError
+            ``peer`` is malformed or has a different QP count.
+        """
+        self._check_open()
+        self._connect_qps(_check_peer(peer, "sender"))
+
+    def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Block until the next update fully landed (every QP's immediate arrived).
+
+        ``peer_alive`` (e.g. a check of the control connection) is called
+        every 50 ms; False raises :class:`PeerLost` at once.
+
+        Raises
+        ------
+        TransferTimeout
+            Not complete within ``timeout`` seconds (names the QPs still missing).
+        PeerLost
+            ``peer_alive()`` returned False.
+        VerbsError
+            A receive completion failed.
+        """
+        self._check_open()
+        if self._peer is None:
+            raise ValueError("connect() first")
+        if self._broken is not None:
+            raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
+        seq = (self.updates + 1) & 0xFFFFFFFF
+        self._waiter.reset(seq)
+        t0 = time.perf_counter()
+        deadline = t0 + timeout
+        try:
+            while not self._waiter.poll(_POLL_SLICE):
+                if peer_alive is not None and not peer_alive():
+                    raise PeerLost(f"sender lost during RDMA update {seq}; QPs still waiting: "
+                                   f"{[hex(q) for q in self._waiter.missing()]}")
+                if time.perf_counter() > deadline:
+                    raise TransferTimeout(f"RDMA update {seq} incomplete after {timeout:.1f} s: no immediate yet "
+                                          f"on QPs {[hex(q) for q in self._waiter.missing()]}")
+        except VerbsError as exc:
+            self._broken = exc
+            raise
+        self.updates += 1
+        return {"update": seq, "seconds": time.perf_counter() - t0, "bytes": self.nbytes}
+
+
+class RdmaSenderEndpoint(_Endpoint):
+    """The sending side: RDMA-WRITEs its region into the receiver's.
+
+    Parameters are those of :class:`RdmaReceiverEndpoint`, plus the data-path
+    tuning (all per :meth:`write` too): ``wr_size`` bytes per work request,
+    ``max_outstanding`` requests in flight per QP, ``signal_every``
+    (default ``max_outstanding // 4``), ``post_batch`` requests chained per
+    ``ibv_post_send`` (default :func:`default_post_batch`).  ``_first_chunk_only`` is a test
+    switch reproducing the UCX bug (MR over the first handle only).
+    """
+
+    _role = "sender"
+
+    def __init__(self, region: Any, device: str | None = None, *, port: int = 1, gid_index: int | None = None,
+                 qps: int = DEFAULT_QPS, wr_size: int = DEFAULT_WR_SIZE,
+                 max_outstanding: int = DEFAULT_MAX_OUTSTANDING, signal_every: int | None = None,
+                 post_batch: int | None = None, _first_chunk_only: bool = False) -> None:
+        v = _require_verbs()
+        self._access = v.ACCESS_LOCAL_WRITE
+        if not isinstance(max_outstanding, int) or max_outstanding < 1:
+            raise ValueError(f"max_outstanding must be a positive int, got {max_outstanding!r}")
+        self.wr_size = wr_size
+        self.max_outstanding = max_outstanding
+        self.signal_every = signal_every or max(1, max_outstanding // 4)
+        self.post_batch = post_batch
+        super().__init__(region, device, port, gid_index, qps, max_send_wr=max_outstanding, max_recv_wr=1,
+                         _first_chunk_only=_first_chunk_only)
+        self.updates = 0
+        self._local_ptr = int(self._region.resolve_extent(0, self.nbytes).ptr)
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        """Connect to the receiver's descriptors (its QPs plus ``addr``/``rkey``/``length``).
+
+        Raises
+        ------
+        ProtocolError
+            ``peer`` is malformed, or the receiver's region is smaller than ours.
+        """
+        self._check_open()
+        peer = _check_peer(peer, "receiver")
+        for key in ("addr", "rkey", "length"):
+            if not isinstance(peer.get(key), int):
+                raise ProtocolError(f"RDMA receiver descriptors: {key!r} missing or not an int")
+        if peer["length"] < self.nbytes:
+            raise ProtocolError(f"receiver registered {peer['length']} bytes, sender needs {self.nbytes}")
+        self._connect_qps(peer)
+
+    def write(self, timeout: float = 60.0, *, offset: int = 0, length: int | None = None,
+              wr_size: int | None = None, max_outstanding: int | None = None,
+              signal_every: int | None = None, post_batch: int | None = None,
+              peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        ``peer_alive`` (e.g. a check of the control connection) is called every
+        50 ms while the write runs; False raises :class:`PeerLost` at once.
+        Without it a dead receiver shows as ``IBV_WC_RETRY_EXC_ERR`` (hardware
+        retry timers) or, failing that, as the ``timeout`` stall.
+
+        Returns
+        -------
+        dict
+            ``bytes``, ``seconds``, ``gbps``, ``wrs``, ``qps``, ``wr_size``, ``update``.
+
+        Raises
+        ------
+        VerbsError
+            A work completion failed: ``status`` (e.g. ``IBV_WC_LOC_PROT_ERR``),
+            ``qp_num``, and ``offset``/``length`` of the failed request in the region.
+            The session is unusable afterwards (its QPs are in the error state).
+        TransferTimeout
+            No completion for ``timeout`` seconds (peer gone, link down).
+        PeerLost
+            ``peer_alive()`` returned False.
+        """
+        self._check_open()
+        if self._peer is None:
+            raise ValueError("connect() first")
+        if self._broken is not None:
+            raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
+        length = self.nbytes - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside the region ({self.nbytes} bytes)")
+        wr = int(wr_size or self.wr_size)
+        mo = int(max_outstanding or self.max_outstanding)
+        se = int(signal_every or (self.signal_every if max_outstanding is None else max(1, mo // 4)))
+        pb = int(post_batch or self.post_batch or default_post_batch(wr))
+        if wr > self._pa["max_msg_sz"]:
+            raise ValueError(f"wr_size {wr} exceeds the port's max message size {self._pa['max_msg_sz']}")
+        seq = (self.updates + 1) & 0xFFFFFFFF
+        t0 = time.perf_counter()
+        try:
+            st = _verbs.write_striped(self._qps, self._cq, self._local_ptr + offset, self._mr.lkey,
+                                      self._peer["addr"] + offset, self._peer["rkey"], length, wr, mo, se, seq,
+                                      float(timeout), pb, peer_alive)
+        except VerbsError as exc:
+            self._broken = exc
+            if exc.offset is not None:
+                exc.offset += offset
+            raise
+        except (TransferTimeout, PeerLost) as exc:
+            self._broken = exc
+            raise
+        dt = time.perf_counter() - t0
+        self.updates += 1
+        st.update(seconds=dt, gbps=length * 8 / dt / 1e9 if dt > 0 else 0.0, qps=len(self._qps), wr_size=wr,
+                  max_outstanding=mo, signal_every=se, post_batch=pb, update=seq)
+        return dict(st)
+
+
+__all__ = [
+    "DEFAULT_QPS",
+    "DEFAULT_WR_SIZE",
+    "RdmaReceiverEndpoint",
+    "RdmaSenderEndpoint",
+    "rdma_available",
+    "register_region",
+]

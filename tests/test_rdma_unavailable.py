@@ -1,0 +1,62 @@
+"""The RDMA transport's behaviour where it cannot run, and its input validation (no device needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tensorxfer import HostRegion
+from tensorxfer.errors import ProtocolError, TransportUnavailable
+from tensorxfer.transport import rdma
+from tensorxfer.transport.rdma import RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
+
+
+def good(role: str = "receiver") -> dict[str, Any]:
+    return {"transport": "rdma", "version": 1, "role": role, "qps": [{"qp_num": 17, "psn": 5}], "lid": 0,
+            "gid": bytes(16), "mtu": 1024, "link_layer": "Ethernet"}
+
+
+def test_rdma_available_gives_a_reason() -> None:
+    ok, reason = rdma_available()
+    assert isinstance(ok, bool) and reason
+    if rdma.rdma_available(device="no-such-device")[0]:
+        pytest.fail("a device that does not exist cannot be available")
+    assert "no-such-device" in rdma_available(device="no-such-device")[1] or "no RDMA devices" in \
+        rdma_available(device="no-such-device")[1]
+
+
+def test_endpoints_raise_transport_unavailable_without_a_device() -> None:
+    ok, _ = rdma_available()
+    if ok:
+        pytest.skip("an RDMA device is present (covered by tests/test_rdma.py)")
+    with HostRegion.allocate(4096) as r:
+        with pytest.raises(TransportUnavailable, match="no RDMA devices"):
+            RdmaSenderEndpoint(r)
+        with pytest.raises(TransportUnavailable, match="no RDMA devices"):
+            RdmaReceiverEndpoint(r)
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda d: d.update(transport="tcp"), "not RDMA"),
+    (lambda d: d.update(version=99), "not RDMA"),
+    (lambda d: d.pop("gid"), "gid"),
+    (lambda d: d.update(gid=b"x" * 15), "16 bytes"),
+    (lambda d: d.update(qps=[{"qp_num": "1", "psn": 0}]), "qp_num"),
+    (lambda d: d.update(qps="nope"), "qps"),
+    (lambda d: d.update(mtu=None), "mtu"),
+    (lambda d: d.update(role="sender"), "expected receiver"),
+])
+def test_descriptor_validation(mutate: Any, match: str) -> None:
+    d = good()
+    rdma._check_peer(d, "receiver")
+    mutate(d)
+    with pytest.raises(ProtocolError, match=match):
+        rdma._check_peer(d, "receiver")
+    with pytest.raises(ProtocolError):
+        rdma._check_peer([1, 2], "receiver")
+
+
+def test_default_post_batch() -> None:
+    assert rdma.default_post_batch(1 << 20) == 1
+    assert rdma.default_post_batch(4096) == 32
