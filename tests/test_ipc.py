@@ -601,3 +601,36 @@ def test_host_region_import_fds_maps_read_only_and_rolls_back_on_a_bad_fd():
             os.close(w)
     with open("/proc/self/maps") as maps:
         assert not [line for line in maps if "memfd:tensorxfer" in line]
+
+
+def _two_gpus_reason() -> str | None:
+    reason = _gpu_reason()
+    if reason is not None:
+        return reason
+    from tensorxfer.memory import _cuda
+
+    n = _cuda.device_count()
+    return None if n >= 2 else f"needs 2 GPUs, {n} visible"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_two_gpus_reason() is not None, reason=f"cross-GPU ipc: {_two_gpus_reason()}")
+@pytest.mark.parametrize("share", [False, True], ids=["p2p-copy", "p2p-share"])
+def test_cuda_ipc_from_gpu0_to_a_receiver_on_gpu1(share):
+    # The receiver imports GPU 0's handles, maps them in its own address space
+    # with access granted to GPU 1 (cuMemSetAccess), and copies GPU 0 -> GPU 1
+    # over NVLink/P2P (or shares the mapping).
+    torch = pytest.importorskip("torch")
+    with Receiver(device="cuda:1", share=share) as rx:
+        peer = Peer(rx.address, nbytes=(70 << 20) + 5, chunk=2 << 20, device="cuda:0", transport="ipc")
+        try:
+            job = Background(rx.receive, timeout=60)
+            sent = peer.ask("send")
+            got = job.result(timeout=60)
+            assert sent["transport"] == "ipc" and got.is_cuda
+            assert got.device == "cuda:1" and _cuda_digest(got) == sent["sha"]
+            assert all(t.device == torch.device("cuda:1") for t in got.tensors("torch").values())
+            del got
+            assert peer.finish() == {"fds_left": []}
+        finally:
+            peer.close()
