@@ -2990,6 +2990,8 @@ struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap {
   struct __pyx_vtabstruct_10tensorxfer_6memory_7_extent_AllocationMap *__pyx_vtab;
   uintptr_t _va_base;
   size_t _va_size;
+  size_t _size;
+  int _owner;
   int _closed;
   Py_ssize_t _exports;
   int _close_pending;
@@ -3006,11 +3008,9 @@ struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap {
 struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion {
   struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap __pyx_base;
   CUdeviceptr _base;
-  size_t _size;
   struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk *_chunks;
   Py_ssize_t _nchunks;
   int _device;
-  int _owner;
   int _reserved;
   int _shareable;
   int _gdr;
@@ -3023,7 +3023,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":720
+/* "tensorxfer/memory/_cuda.pyx":697
  * 
  * 
  * cdef class _DeviceBytes:             # <<<<<<<<<<<<<<
@@ -3039,7 +3039,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":752
+/* "tensorxfer/memory/_cuda.pyx":729
  * 
  * # ------------------------------------------------------------------ copies
  * cdef class Stager:             # <<<<<<<<<<<<<<
@@ -3059,7 +3059,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":898
+/* "tensorxfer/memory/_cuda.pyx":875
  * 
  * 
  * cdef class Copier(Stager):             # <<<<<<<<<<<<<<
@@ -3071,7 +3071,7 @@ struct __pyx_obj_10tensorxfer_6memory_5_cuda_Copier {
 };
 
 
-/* "tensorxfer/memory/_cuda.pyx":331
+/* "tensorxfer/memory/_cuda.pyx":329
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -3199,7 +3199,7 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion {
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_CudaRegion;
 
 
-/* "tensorxfer/memory/_cuda.pyx":720
+/* "tensorxfer/memory/_cuda.pyx":697
  * 
  * 
  * cdef class _DeviceBytes:             # <<<<<<<<<<<<<<
@@ -3213,7 +3213,7 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda__DeviceBytes {
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes;
 
 
-/* "tensorxfer/memory/_cuda.pyx":752
+/* "tensorxfer/memory/_cuda.pyx":729
  * 
  * # ------------------------------------------------------------------ copies
  * cdef class Stager:             # <<<<<<<<<<<<<<
@@ -3231,7 +3231,7 @@ struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager {
 static struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager;
 
 
-/* "tensorxfer/memory/_cuda.pyx":898
+/* "tensorxfer/memory/_cuda.pyx":875
  * 
  * 
  * cdef class Copier(Stager):             # <<<<<<<<<<<<<<
@@ -5215,22 +5215,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_count); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_index___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_rdma_capable___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self); /* proto */
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_array_interface_____get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
 static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_v_self); /* proto */
@@ -23303,7 +23298,7 @@ static CYTHON_INLINE size_t __pyx_f_10tensorxfer_6memory_5_cuda__round_up(size_t
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":258
+/* "tensorxfer/memory/_cuda.pyx":256
  *     cdef frozenset _holes
  * 
  *     def __cinit__(self):             # <<<<<<<<<<<<<<
@@ -23339,7 +23334,7 @@ static int __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_1__cinit__(PyObject
 static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   int __pyx_r;
 
-  /* "tensorxfer/memory/_cuda.pyx":259
+  /* "tensorxfer/memory/_cuda.pyx":257
  * 
  *     def __cinit__(self):
  *         self._base = 0             # <<<<<<<<<<<<<<
@@ -23348,7 +23343,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
 */
   __pyx_v_self->_base = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":260
+  /* "tensorxfer/memory/_cuda.pyx":258
  *     def __cinit__(self):
  *         self._base = 0
  *         self._chunks = NULL             # <<<<<<<<<<<<<<
@@ -23357,7 +23352,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
 */
   __pyx_v_self->_chunks = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":261
+  /* "tensorxfer/memory/_cuda.pyx":259
  *         self._base = 0
  *         self._chunks = NULL
  *         self._nchunks = 0             # <<<<<<<<<<<<<<
@@ -23366,7 +23361,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
 */
   __pyx_v_self->_nchunks = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":262
+  /* "tensorxfer/memory/_cuda.pyx":260
  *         self._chunks = NULL
  *         self._nchunks = 0
  *         self._reserved = False             # <<<<<<<<<<<<<<
@@ -23375,7 +23370,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
 */
   __pyx_v_self->_reserved = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":258
+  /* "tensorxfer/memory/_cuda.pyx":256
  *     cdef frozenset _holes
  * 
  *     def __cinit__(self):             # <<<<<<<<<<<<<<
@@ -23389,7 +23384,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion___cinit__(struct __
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":265
+/* "tensorxfer/memory/_cuda.pyx":263
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23439,28 +23434,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 265, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 263, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reserve", 0) < (0)) __PYX_ERR(0, 265, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reserve", 0) < (0)) __PYX_ERR(0, 263, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":266
+      /* "tensorxfer/memory/_cuda.pyx":264
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod
  *     def reserve(size, chunk_size=None, int device=0):             # <<<<<<<<<<<<<<
@@ -23469,21 +23464,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, i); __PYX_ERR(0, 265, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, i); __PYX_ERR(0, 263, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 263, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -23492,14 +23487,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 266, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 264, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 265, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("reserve", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 263, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23512,7 +23507,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(__pyx_v_size, __pyx_v_chunk_size, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":265
+  /* "tensorxfer/memory/_cuda.pyx":263
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23541,7 +23536,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("reserve", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":275
+  /* "tensorxfer/memory/_cuda.pyx":273
  *         :meth:`allocate`.
  *         """
  *         return CudaRegion._plan(size, chunk_size, device, False)             # <<<<<<<<<<<<<<
@@ -23550,7 +23545,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
 */
   __pyx_t_2 = ((PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion);
   __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 275, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 273, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 0;
   {
@@ -23558,7 +23553,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_plan, __pyx_callargs+__pyx_t_4, (5-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 275, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 273, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -23572,7 +23567,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":265
+  /* "tensorxfer/memory/_cuda.pyx":263
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23593,7 +23588,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_2reserve(PyOb
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":277
+/* "tensorxfer/memory/_cuda.pyx":275
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23643,28 +23638,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 277, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 275, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "allocate", 0) < (0)) __PYX_ERR(0, 277, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "allocate", 0) < (0)) __PYX_ERR(0, 275, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":278
+      /* "tensorxfer/memory/_cuda.pyx":276
  * 
  *     @staticmethod
  *     def allocate(size, chunk_size=None, int device=0):             # <<<<<<<<<<<<<<
@@ -23673,21 +23668,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, i); __PYX_ERR(0, 277, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, i); __PYX_ERR(0, 275, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -23696,14 +23691,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 278, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 276, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 277, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("allocate", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 275, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23716,7 +23711,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(__pyx_v_size, __pyx_v_chunk_size, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":277
+  /* "tensorxfer/memory/_cuda.pyx":275
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23745,7 +23740,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("allocate", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":295
+  /* "tensorxfer/memory/_cuda.pyx":293
  *             allocated (every step is undone in reverse order).
  *         """
  *         return CudaRegion._plan(size, chunk_size, device, True)             # <<<<<<<<<<<<<<
@@ -23754,7 +23749,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
 */
   __pyx_t_2 = ((PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion);
   __Pyx_INCREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 295, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_device); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 293, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 0;
   {
@@ -23762,7 +23757,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_plan, __pyx_callargs+__pyx_t_4, (5-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 295, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 293, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -23776,7 +23771,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":277
+  /* "tensorxfer/memory/_cuda.pyx":275
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23797,7 +23792,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4allocate(PyO
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":297
+/* "tensorxfer/memory/_cuda.pyx":295
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -23848,53 +23843,53 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_chunk_size,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_map_now,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 297, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 295, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 297, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 297, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 297, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_plan", 0) < (0)) __PYX_ERR(0, 297, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_plan", 0) < (0)) __PYX_ERR(0, 295, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 4; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, i); __PYX_ERR(0, 297, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, i); __PYX_ERR(0, 295, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 4)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 297, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 297, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 297, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 295, __pyx_L3_error)
     }
     __pyx_v_size = values[0];
     __pyx_v_chunk_size = values[1];
-    __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L3_error)
-    __pyx_v_map_now = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_map_now == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 298, __pyx_L3_error)
+    __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 296, __pyx_L3_error)
+    __pyx_v_map_now = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_map_now == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 296, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 297, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_plan", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 295, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -23945,7 +23940,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __Pyx_RefNannySetupContext("_plan", 0);
   __Pyx_INCREF(__pyx_v_size);
 
-  /* "tensorxfer/memory/_cuda.pyx":301
+  /* "tensorxfer/memory/_cuda.pyx":299
  *         """Shared by allocate and reserve: granularity, handle types, chunk plan."""
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef size_t gran = 0             # <<<<<<<<<<<<<<
@@ -23954,30 +23949,30 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   __pyx_v_gran = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":302
+  /* "tensorxfer/memory/_cuda.pyx":300
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef size_t gran = 0
  *         size = int(size)             # <<<<<<<<<<<<<<
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")
 */
-  __pyx_t_1 = __Pyx_PyNumber_Int(__pyx_v_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyNumber_Int(__pyx_v_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 300, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF_SET(__pyx_v_size, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":303
+  /* "tensorxfer/memory/_cuda.pyx":301
  *         cdef size_t gran = 0
  *         size = int(size)
  *         if size <= 0:             # <<<<<<<<<<<<<<
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
 */
-  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_size, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_size, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 301, __pyx_L1_error)
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":304
+    /* "tensorxfer/memory/_cuda.pyx":302
  *         size = int(size)
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")             # <<<<<<<<<<<<<<
@@ -23985,9 +23980,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
 */
     __pyx_t_3 = NULL;
-    __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_v_size, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_v_size, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 302, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_region_size_must_be_positive_got, __pyx_t_4); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_region_size_must_be_positive_got, __pyx_t_4); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 302, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_t_6 = 1;
@@ -23996,14 +23991,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 304, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 304, __pyx_L1_error)
+    __PYX_ERR(0, 302, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":303
+    /* "tensorxfer/memory/_cuda.pyx":301
  *         cdef size_t gran = 0
  *         size = int(size)
  *         if size <= 0:             # <<<<<<<<<<<<<<
@@ -24012,31 +24007,31 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":305
+  /* "tensorxfer/memory/_cuda.pyx":303
  *         if size <= 0:
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
 */
-  __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
+  __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":306
+  /* "tensorxfer/memory/_cuda.pyx":304
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):             # <<<<<<<<<<<<<<
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
   __pyx_t_2 = (!(__pyx_t_8 != 0));
 
 
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":307
+    /* "tensorxfer/memory/_cuda.pyx":305
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")             # <<<<<<<<<<<<<<
@@ -24044,9 +24039,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
 */
     __pyx_t_5 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 307, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 305, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 307, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 305, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_CUDA_device;
     __pyx_t_9[1] = __pyx_t_4;
@@ -24057,7 +24052,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
     #endif
     __pyx_t_8 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_8);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 307, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 305, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_t_6 = 1;
@@ -24078,14 +24073,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 307, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 305, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 307, __pyx_L1_error)
+    __PYX_ERR(0, 305, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":306
+    /* "tensorxfer/memory/_cuda.pyx":304
  *             raise ValueError(f"region size must be positive, got {size}")
  *         bind_device(device)
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):             # <<<<<<<<<<<<<<
@@ -24094,29 +24089,29 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":308
+  /* "tensorxfer/memory/_cuda.pyx":306
  *         if not _attr(cydriver.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device):
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
   __pyx_v_shareable = (!(!(__pyx_t_8 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":309
+  /* "tensorxfer/memory/_cuda.pyx":307
  *             raise CudaError(f"CUDA device {device} does not support virtual memory management")
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, device, shareable, gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
 */
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_8 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
   __pyx_v_gdr = (!(!(__pyx_t_8 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":310
+  /* "tensorxfer/memory/_cuda.pyx":308
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)             # <<<<<<<<<<<<<<
@@ -24125,33 +24120,33 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":311
+  /* "tensorxfer/memory/_cuda.pyx":309
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         _fill_prop(&prop, device, shareable, gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),             # <<<<<<<<<<<<<<
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)
 */
-  __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_12, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 311, __pyx_L1_error)
+  __pyx_t_12 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_12 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_12, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 309, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":313
+  /* "tensorxfer/memory/_cuda.pyx":311
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)             # <<<<<<<<<<<<<<
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:
 */
-  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_size); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L1_error)
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 313, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_size); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 311, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
   __Pyx_DECREF_SET(__pyx_v_size, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":314
+  /* "tensorxfer/memory/_cuda.pyx":312
  *                  b"cuMemGetAllocationGranularity")
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)             # <<<<<<<<<<<<<<
@@ -24161,9 +24156,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_t_2 = (__pyx_v_chunk_size == Py_None);
   if (__pyx_t_2) {
     __pyx_t_11 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_default_chunk_size); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 314, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_default_chunk_size); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 312, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_PyLong_FromSize_t(__pyx_v_gran); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 314, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_FromSize_t(__pyx_v_gran); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 312, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_6 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -24183,13 +24178,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __pyx_t_1 = __pyx_t_3;
     __pyx_t_3 = 0;
   } else {
-    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_chunk_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 314, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_chunk_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 312, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __pyx_t_1 = __pyx_t_3;
     __pyx_t_3 = 0;
@@ -24198,18 +24193,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_v_chunk = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":315
+  /* "tensorxfer/memory/_cuda.pyx":313
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:             # <<<<<<<<<<<<<<
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)
 */
-  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_chunk, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_CompareBoolLe_object_int(__pyx_v_chunk, __pyx_mstate_global->__pyx_int_0, Py_LE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 313, __pyx_L1_error)
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":316
+    /* "tensorxfer/memory/_cuda.pyx":314
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")             # <<<<<<<<<<<<<<
@@ -24217,9 +24212,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
  *         sizes = [chunk] * (size // chunk)
 */
     __pyx_t_3 = NULL;
-    __pyx_t_5 = __Pyx_PyObject_FormatSimple(__pyx_v_chunk, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 316, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_FormatSimple(__pyx_v_chunk, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 314, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_chunk_size_must_be_positive_got, __pyx_t_5); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 316, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_chunk_size_must_be_positive_got, __pyx_t_5); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 314, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = 1;
@@ -24228,14 +24223,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 314, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 316, __pyx_L1_error)
+    __PYX_ERR(0, 314, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":315
+    /* "tensorxfer/memory/_cuda.pyx":313
  *         size = _round_up(size, gran)
  *         chunk = _default_chunk_size(size, gran) if chunk_size is None else int(chunk_size)
  *         if chunk <= 0:             # <<<<<<<<<<<<<<
@@ -24244,35 +24239,35 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":317
+  /* "tensorxfer/memory/_cuda.pyx":315
  *         if chunk <= 0:
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)             # <<<<<<<<<<<<<<
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:
 */
-  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_chunk); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L1_error)
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 317, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_As_size_t(__pyx_v_chunk); if (unlikely((__pyx_t_6 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_t_6, __pyx_v_gran)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 315, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
   __Pyx_DECREF_SET(__pyx_v_chunk, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":318
+  /* "tensorxfer/memory/_cuda.pyx":316
  *             raise ValueError(f"chunk_size must be positive, got {chunk}")
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)             # <<<<<<<<<<<<<<
  *         if size % chunk:
  *             sizes.append(size % chunk)
 */
-  __pyx_t_1 = PyNumber_FloorDivide(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 318, __pyx_L1_error)
+  __pyx_t_1 = PyNumber_FloorDivide(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 318, __pyx_L1_error)
+  __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 316, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_INCREF(__pyx_v_chunk);
   __Pyx_GIVEREF(__pyx_v_chunk);
-  if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_v_chunk) != (0)) __PYX_ERR(0, 318, __pyx_L1_error);
-  { PyObject* __pyx_temp = PyNumber_InPlaceMultiply(__pyx_t_4, __pyx_t_1); if (unlikely(!__pyx_temp)) __PYX_ERR(0, 318, __pyx_L1_error)
+  if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_v_chunk) != (0)) __PYX_ERR(0, 316, __pyx_L1_error);
+  { PyObject* __pyx_temp = PyNumber_InPlaceMultiply(__pyx_t_4, __pyx_t_1); if (unlikely(!__pyx_temp)) __PYX_ERR(0, 316, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_temp);
     __Pyx_DECREF(__pyx_t_4);
     __pyx_t_4 = __pyx_temp;
@@ -24281,34 +24276,34 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_v_sizes = ((PyObject*)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":319
+  /* "tensorxfer/memory/_cuda.pyx":317
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:             # <<<<<<<<<<<<<<
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
 */
-  __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 319, __pyx_L1_error)
+  __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 319, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":320
+    /* "tensorxfer/memory/_cuda.pyx":318
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:
  *             sizes.append(size % chunk)             # <<<<<<<<<<<<<<
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
 */
-    __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 320, __pyx_L1_error)
+    __pyx_t_4 = PyNumber_Remainder(__pyx_v_size, __pyx_v_chunk); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 318, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_13 = __Pyx_PyList_Append(__pyx_v_sizes, __pyx_t_4); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 320, __pyx_L1_error)
+    __pyx_t_13 = __Pyx_PyList_Append(__pyx_v_sizes, __pyx_t_4); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 318, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
 
-    /* "tensorxfer/memory/_cuda.pyx":319
+    /* "tensorxfer/memory/_cuda.pyx":317
  *         chunk = _round_up(chunk, gran)
  *         sizes = [chunk] * (size // chunk)
  *         if size % chunk:             # <<<<<<<<<<<<<<
@@ -24317,14 +24312,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":321
+  /* "tensorxfer/memory/_cuda.pyx":319
  *         if size % chunk:
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(__pyx_v_sizes, 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, __pyx_v_map_now)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 321, __pyx_L1_error)
+  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(__pyx_v_sizes, 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, __pyx_v_map_now)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   {
     PyObject *__pyx_temp;
@@ -24337,7 +24332,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":297
+  /* "tensorxfer/memory/_cuda.pyx":295
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24367,7 +24362,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6_plan(PyObje
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":323
+/* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24418,32 +24413,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_unmapped_tail,&__pyx_mstate_global->__pyx_n_u_holes,&__pyx_mstate_global->__pyx_n_u_device,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 323, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 321, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_from_chunks", 0) < (0)) __PYX_ERR(0, 323, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_from_chunks", 0) < (0)) __PYX_ERR(0, 321, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":324
+      /* "tensorxfer/memory/_cuda.pyx":322
  * 
  *     @staticmethod
  *     def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):             # <<<<<<<<<<<<<<
@@ -24452,25 +24447,25 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)__pyx_mstate_global->__pyx_empty_tuple));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, i); __PYX_ERR(0, 323, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, i); __PYX_ERR(0, 321, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 323, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 321, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -24478,20 +24473,20 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     }
     __pyx_v_sizes = values[0];
     if (values[1]) {
-      __pyx_v_unmapped_tail = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_unmapped_tail == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L3_error)
+      __pyx_v_unmapped_tail = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_unmapped_tail == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
     } else {
       __pyx_v_unmapped_tail = ((size_t)0);
     }
     __pyx_v_holes = values[2];
     if (values[3]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 322, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, __pyx_nargs); __PYX_ERR(0, 323, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_from_chunks", 0, 1, 4, __pyx_nargs); __PYX_ERR(0, 321, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -24504,7 +24499,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks(__pyx_v_sizes, __pyx_v_unmapped_tail, __pyx_v_holes, __pyx_v_device);
 
-  /* "tensorxfer/memory/_cuda.pyx":323
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24523,7 +24518,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 }
 static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator(__pyx_CoroutineObject *__pyx_generator, CYTHON_UNUSED PyThreadState *__pyx_tstate, PyObject *__pyx_sent_value); /* proto */
 
-/* "tensorxfer/memory/_cuda.pyx":331
+/* "tensorxfer/memory/_cuda.pyx":329
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -24543,7 +24538,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   if (unlikely(!__pyx_cur_scope)) {
     __pyx_cur_scope = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr *)Py_None);
     __Pyx_INCREF(Py_None);
-    __PYX_ERR(0, 331, __pyx_L1_error)
+    __PYX_ERR(0, 329, __pyx_L1_error)
   } else {
     __Pyx_GOTREF((PyObject *)__pyx_cur_scope);
   }
@@ -24551,7 +24546,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   __Pyx_INCREF(__pyx_cur_scope->__pyx_genexpr_arg_0);
   __Pyx_GIVEREF(__pyx_cur_scope->__pyx_genexpr_arg_0);
   {
-    __pyx_CoroutineObject *gen = __Pyx_Generator_New((__pyx_coroutine_body_t) __pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0]), (PyObject *) __pyx_cur_scope, __pyx_mstate_global->__pyx_n_u_genexpr, __pyx_mstate_global->__pyx_n_u_from_chunks_locals_genexpr, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda); if (unlikely(!gen)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_CoroutineObject *gen = __Pyx_Generator_New((__pyx_coroutine_body_t) __pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_2generator, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0]), (PyObject *) __pyx_cur_scope, __pyx_mstate_global->__pyx_n_u_genexpr, __pyx_mstate_global->__pyx_n_u_from_chunks_locals_genexpr, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda); if (unlikely(!gen)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_DECREF(__pyx_cur_scope);
     __Pyx_RefNannyFinishContext();
     return (PyObject *) gen;
@@ -24590,17 +24585,17 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   __pyx_L3_first_run:;
   if (unlikely(__pyx_sent_value != Py_None)) {
     if (unlikely(__pyx_sent_value)) PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started generator");
-    __PYX_ERR(0, 331, __pyx_L1_error)
+    __PYX_ERR(0, 329, __pyx_L1_error)
   }
-  if (unlikely(!__pyx_cur_scope->__pyx_genexpr_arg_0)) { __Pyx_RaiseUnboundLocalError(".0"); __PYX_ERR(0, 331, __pyx_L1_error) }
+  if (unlikely(!__pyx_cur_scope->__pyx_genexpr_arg_0)) { __Pyx_RaiseUnboundLocalError(".0"); __PYX_ERR(0, 329, __pyx_L1_error) }
   if (likely(PyList_CheckExact(__pyx_cur_scope->__pyx_genexpr_arg_0)) || PyTuple_CheckExact(__pyx_cur_scope->__pyx_genexpr_arg_0)) {
     __pyx_t_1 = __pyx_cur_scope->__pyx_genexpr_arg_0; __Pyx_INCREF(__pyx_t_1);
     __pyx_t_2 = 0;
     __pyx_t_3 = NULL;
   } else {
-    __pyx_t_2 = -1; __pyx_t_1 = PyObject_GetIter(__pyx_cur_scope->__pyx_genexpr_arg_0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_2 = -1; __pyx_t_1 = PyObject_GetIter(__pyx_cur_scope->__pyx_genexpr_arg_0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_3 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_3 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 329, __pyx_L1_error)
   }
   for (;;) {
     if (likely(!__pyx_t_3)) {
@@ -24608,7 +24603,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         {
           Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_1);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 329, __pyx_L1_error)
           #endif
           if (__pyx_t_2 >= __pyx_temp) break;
         }
@@ -24618,7 +24613,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         {
           Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_1);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 329, __pyx_L1_error)
           #endif
           if (__pyx_t_2 >= __pyx_temp) break;
         }
@@ -24629,13 +24624,13 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
         #endif
         ++__pyx_t_2;
       }
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
     } else {
       __pyx_t_4 = __pyx_t_3(__pyx_t_1);
       if (unlikely(!__pyx_t_4)) {
         PyObject* exc_type = PyErr_Occurred();
         if (exc_type) {
-          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 331, __pyx_L1_error)
+          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 329, __pyx_L1_error)
           PyErr_Clear();
         }
         break;
@@ -24646,7 +24641,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
     __Pyx_XDECREF_SET(__pyx_cur_scope->__pyx_v_h, __pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_4);
     __pyx_t_4 = 0;
-    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_cur_scope->__pyx_v_h); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_cur_scope->__pyx_v_h); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_r = __pyx_t_4;
     __pyx_t_4 = 0;
@@ -24668,7 +24663,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
     __Pyx_XGOTREF(__pyx_t_1);
     __pyx_t_2 = __pyx_cur_scope->__pyx_t_1;
     __pyx_t_3 = __pyx_cur_scope->__pyx_t_2;
-    if (unlikely(!__pyx_sent_value)) __PYX_ERR(0, 331, __pyx_L1_error)
+    if (unlikely(!__pyx_sent_value)) __PYX_ERR(0, 329, __pyx_L1_error)
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   CYTHON_MAYBE_UNUSED_VAR(__pyx_cur_scope);
@@ -24694,7 +24689,7 @@ static PyObject *__pyx_gb_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunk
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":323
+/* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24721,39 +24716,39 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_from_chunks", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":328
+  /* "tensorxfer/memory/_cuda.pyx":326
  *         reserved-but-unmapped ``holes`` (chunk indexes) and tail: the VMM
  *         shapes tests use to prove extents never widen into unmapped memory."""
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 328, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":329
+  /* "tensorxfer/memory/_cuda.pyx":327
  *         shapes tests use to prove extents never widen into unmapped memory."""
  *         bind_device(device)
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
 */
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 327, __pyx_L1_error)
   __pyx_v_shareable = (!(!(__pyx_t_2 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":330
+  /* "tensorxfer/memory/_cuda.pyx":328
  *         bind_device(device)
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))             # <<<<<<<<<<<<<<
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
  *                                  device, shareable, gdr, None, None, True)
 */
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 330, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda__attr(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, __pyx_v_device); if (unlikely(__pyx_t_2 == ((int)-1) && PyErr_Occurred())) __PYX_ERR(0, 328, __pyx_L1_error)
   __pyx_v_gdr = (!(!(__pyx_t_2 != 0)));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":331
+  /* "tensorxfer/memory/_cuda.pyx":329
  *         shareable = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device))
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),             # <<<<<<<<<<<<<<
@@ -24761,16 +24756,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
  * 
 */
   { /* enter inner scope */
-    __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L5_error)
+    __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 329, __pyx_L5_error)
     __Pyx_GOTREF(__pyx_t_3);
     if (likely(PyList_CheckExact(__pyx_v_sizes)) || PyTuple_CheckExact(__pyx_v_sizes)) {
       __pyx_t_4 = __pyx_v_sizes; __Pyx_INCREF(__pyx_t_4);
       __pyx_t_5 = 0;
       __pyx_t_6 = NULL;
     } else {
-      __pyx_t_5 = -1; __pyx_t_4 = PyObject_GetIter(__pyx_v_sizes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L5_error)
+      __pyx_t_5 = -1; __pyx_t_4 = PyObject_GetIter(__pyx_v_sizes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 331, __pyx_L5_error)
+      __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 329, __pyx_L5_error)
     }
     for (;;) {
       if (likely(!__pyx_t_6)) {
@@ -24778,7 +24773,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_4);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 329, __pyx_L5_error)
             #endif
             if (__pyx_t_5 >= __pyx_temp) break;
           }
@@ -24788,7 +24783,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_4);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 331, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 329, __pyx_L5_error)
             #endif
             if (__pyx_t_5 >= __pyx_temp) break;
           }
@@ -24799,13 +24794,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
           #endif
           ++__pyx_t_5;
         }
-        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L5_error)
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 329, __pyx_L5_error)
       } else {
         __pyx_t_7 = __pyx_t_6(__pyx_t_4);
         if (unlikely(!__pyx_t_7)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 331, __pyx_L5_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 329, __pyx_L5_error)
             PyErr_Clear();
           }
           break;
@@ -24814,10 +24809,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
       __Pyx_GOTREF(__pyx_t_7);
       __Pyx_XDECREF_SET(__pyx_7genexpr__pyx_v_s, __pyx_t_7);
       __pyx_t_7 = 0;
-      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_7genexpr__pyx_v_s); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L5_error)
+      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_7genexpr__pyx_v_s); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 329, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_7);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_3, __pyx_t_7))) __PYX_ERR(0, 331, __pyx_L5_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_3, __pyx_t_7))) __PYX_ERR(0, 329, __pyx_L5_error)
       __pyx_t_7 = 0;
     }
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
@@ -24828,20 +24823,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
     goto __pyx_L1_error;
     __pyx_L9_exit_scope:;
   } /* exit inner scope */
-  __pyx_t_4 = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_genexpr(NULL, __pyx_v_holes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
+  __pyx_t_4 = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12_from_chunks_genexpr(NULL, __pyx_v_holes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_7 = __Pyx_PyFrozenSet_New(__pyx_t_4); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 331, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyFrozenSet_New(__pyx_t_4); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 329, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":332
+  /* "tensorxfer/memory/_cuda.pyx":330
  *         gdr = bool(_attr(cydriver.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device))
  *         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
  *                                  device, shareable, gdr, None, None, True)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_3), __pyx_v_unmapped_tail, ((PyObject*)__pyx_t_7), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
+  __pyx_t_4 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_3), __pyx_v_unmapped_tail, ((PyObject*)__pyx_t_7), __pyx_v_device, __pyx_v_shareable, __pyx_v_gdr, ((PyObject*)Py_None), Py_None, 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -24856,7 +24851,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":323
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24881,7 +24876,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_8_from_chunks
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":334
+/* "tensorxfer/memory/_cuda.pyx":332
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -24931,28 +24926,28 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_handles,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_access_devices,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 334, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 332, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 332, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 332, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 332, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "import_handles", 0) < (0)) __PYX_ERR(0, 334, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "import_handles", 0) < (0)) __PYX_ERR(0, 332, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":335
+      /* "tensorxfer/memory/_cuda.pyx":333
  * 
  *     @staticmethod
  *     def import_handles(handles, int device=0, access_devices=None):             # <<<<<<<<<<<<<<
@@ -24961,21 +24956,21 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, i); __PYX_ERR(0, 334, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, i); __PYX_ERR(0, 332, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 332, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 332, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 334, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 332, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -24983,7 +24978,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     }
     __pyx_v_handles = values[0];
     if (values[1]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[1]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 335, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[1]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 333, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
@@ -24991,7 +24986,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 334, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("import_handles", 0, 1, 3, __pyx_nargs); __PYX_ERR(0, 332, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25004,7 +24999,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_handles(__pyx_v_handles, __pyx_v_device, __pyx_v_access_devices);
 
-  /* "tensorxfer/memory/_cuda.pyx":334
+  /* "tensorxfer/memory/_cuda.pyx":332
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25046,7 +25041,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __Pyx_RefNannySetupContext("import_handles", 0);
   __Pyx_INCREF(__pyx_v_handles);
 
-  /* "tensorxfer/memory/_cuda.pyx":355
+  /* "tensorxfer/memory/_cuda.pyx":353
  *             A handle cannot be imported or mapped; nothing stays mapped.
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]             # <<<<<<<<<<<<<<
@@ -25054,16 +25049,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
  *                                  [fd for _, fd in handles], access_devices, True)
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 355, __pyx_L5_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 353, __pyx_L5_error)
     __Pyx_GOTREF(__pyx_t_1);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_2 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_2);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 355, __pyx_L5_error)
+      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 353, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 355, __pyx_L5_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 353, __pyx_L5_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25071,7 +25066,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 353, __pyx_L5_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25081,7 +25076,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L5_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 353, __pyx_L5_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25092,13 +25087,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 355, __pyx_L5_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 353, __pyx_L5_error)
       } else {
         __pyx_t_5 = __pyx_t_4(__pyx_t_2);
         if (unlikely(!__pyx_t_5)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 355, __pyx_L5_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 353, __pyx_L5_error)
             PyErr_Clear();
           }
           break;
@@ -25111,7 +25106,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 355, __pyx_L5_error)
+          __PYX_ERR(0, 353, __pyx_L5_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25121,22 +25116,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_7);
         } else {
           __pyx_t_6 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
+          if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 353, __pyx_L5_error)
           __Pyx_XGOTREF(__pyx_t_6);
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 353, __pyx_L5_error)
           __Pyx_XGOTREF(__pyx_t_7);
         }
         #else
-        __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
+        __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 353, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_6);
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 353, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_7);
         #endif
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_8 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 355, __pyx_L5_error)
+        __pyx_t_8 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 353, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
@@ -25144,7 +25139,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_6);
         index = 1; __pyx_t_7 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_7)) goto __pyx_L8_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_7);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 355, __pyx_L5_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 353, __pyx_L5_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         goto __pyx_L9_unpacking_done;
@@ -25152,27 +25147,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 355, __pyx_L5_error)
+        __PYX_ERR(0, 353, __pyx_L5_error)
         __pyx_L9_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr2__pyx_v_s, __pyx_t_6);
       __pyx_t_6 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr2__pyx_v_fd, __pyx_t_7);
       __pyx_t_7 = 0;
-      __pyx_t_5 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_s); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 355, __pyx_L5_error)
+      __pyx_t_5 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_s); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 353, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_fd); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L5_error)
+      __pyx_t_7 = __Pyx_PyNumber_Int(__pyx_8genexpr2__pyx_v_fd); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 353, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_7);
-      __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L5_error)
+      __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 353, __pyx_L5_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_GIVEREF(__pyx_t_5);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 355, __pyx_L5_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 353, __pyx_L5_error);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 355, __pyx_L5_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 353, __pyx_L5_error);
       __pyx_t_5 = 0;
       __pyx_t_7 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 355, __pyx_L5_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 353, __pyx_L5_error)
       __pyx_t_6 = 0;
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -25188,7 +25183,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __Pyx_DECREF_SET(__pyx_v_handles, __pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":356
+  /* "tensorxfer/memory/_cuda.pyx":354
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,             # <<<<<<<<<<<<<<
@@ -25196,16 +25191,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 356, __pyx_L14_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 354, __pyx_L14_error)
     __Pyx_GOTREF(__pyx_t_1);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_2 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_2);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 356, __pyx_L14_error)
+      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 354, __pyx_L14_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 356, __pyx_L14_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 354, __pyx_L14_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25213,7 +25208,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 356, __pyx_L14_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 354, __pyx_L14_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25223,7 +25218,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_2);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 356, __pyx_L14_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 354, __pyx_L14_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25234,13 +25229,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 356, __pyx_L14_error)
+        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 354, __pyx_L14_error)
       } else {
         __pyx_t_6 = __pyx_t_4(__pyx_t_2);
         if (unlikely(!__pyx_t_6)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 356, __pyx_L14_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 354, __pyx_L14_error)
             PyErr_Clear();
           }
           break;
@@ -25253,7 +25248,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 356, __pyx_L14_error)
+          __PYX_ERR(0, 354, __pyx_L14_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25263,22 +25258,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_5);
         } else {
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 356, __pyx_L14_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 354, __pyx_L14_error)
           __Pyx_XGOTREF(__pyx_t_7);
           __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 356, __pyx_L14_error)
+          if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 354, __pyx_L14_error)
           __Pyx_XGOTREF(__pyx_t_5);
         }
         #else
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 356, __pyx_L14_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 354, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_7);
-        __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 356, __pyx_L14_error)
+        __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 354, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_5);
         #endif
         __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_8 = PyObject_GetIter(__pyx_t_6); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 356, __pyx_L14_error)
+        __pyx_t_8 = PyObject_GetIter(__pyx_t_6); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 354, __pyx_L14_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
@@ -25286,7 +25281,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_7);
         index = 1; __pyx_t_5 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_5)) goto __pyx_L17_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_5);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 356, __pyx_L14_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(0, 354, __pyx_L14_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         goto __pyx_L18_unpacking_done;
@@ -25294,14 +25289,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 356, __pyx_L14_error)
+        __PYX_ERR(0, 354, __pyx_L14_error)
         __pyx_L18_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr3__pyx_v_s, __pyx_t_7);
       __pyx_t_7 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr3__pyx_v__, __pyx_t_5);
       __pyx_t_5 = 0;
-      if (unlikely(__Pyx_ListComp_Append(__pyx_t_1, __pyx_8genexpr3__pyx_v_s))) __PYX_ERR(0, 356, __pyx_L14_error)
+      if (unlikely(__Pyx_ListComp_Append(__pyx_t_1, __pyx_8genexpr3__pyx_v_s))) __PYX_ERR(0, 354, __pyx_L14_error)
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_XDECREF(__pyx_8genexpr3__pyx_v__); __pyx_8genexpr3__pyx_v__ = 0;
@@ -25315,23 +25310,23 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   } /* exit inner scope */
   { /* enter inner scope */
 
-    /* "tensorxfer/memory/_cuda.pyx":357
+    /* "tensorxfer/memory/_cuda.pyx":355
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,
  *                                  [fd for _, fd in handles], access_devices, True)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-    __pyx_t_2 = PyList_New(0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 357, __pyx_L23_error)
+    __pyx_t_2 = PyList_New(0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 355, __pyx_L23_error)
     __Pyx_GOTREF(__pyx_t_2);
     if (likely(PyList_CheckExact(__pyx_v_handles)) || PyTuple_CheckExact(__pyx_v_handles)) {
       __pyx_t_6 = __pyx_v_handles; __Pyx_INCREF(__pyx_t_6);
       __pyx_t_3 = 0;
       __pyx_t_4 = NULL;
     } else {
-      __pyx_t_3 = -1; __pyx_t_6 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 357, __pyx_L23_error)
+      __pyx_t_3 = -1; __pyx_t_6 = PyObject_GetIter(__pyx_v_handles); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 355, __pyx_L23_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 357, __pyx_L23_error)
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 355, __pyx_L23_error)
     }
     for (;;) {
       if (likely(!__pyx_t_4)) {
@@ -25339,7 +25334,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_6);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 357, __pyx_L23_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L23_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25349,7 +25344,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           {
             Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_6);
             #if !CYTHON_ASSUME_SAFE_SIZE
-            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 357, __pyx_L23_error)
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 355, __pyx_L23_error)
             #endif
             if (__pyx_t_3 >= __pyx_temp) break;
           }
@@ -25360,13 +25355,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           #endif
           ++__pyx_t_3;
         }
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 357, __pyx_L23_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 355, __pyx_L23_error)
       } else {
         __pyx_t_5 = __pyx_t_4(__pyx_t_6);
         if (unlikely(!__pyx_t_5)) {
           PyObject* exc_type = PyErr_Occurred();
           if (exc_type) {
-            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 357, __pyx_L23_error)
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 355, __pyx_L23_error)
             PyErr_Clear();
           }
           break;
@@ -25379,7 +25374,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         if (unlikely(size != 2)) {
           if (size > 2) __Pyx_RaiseTooManyValuesError(2);
           else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-          __PYX_ERR(0, 357, __pyx_L23_error)
+          __PYX_ERR(0, 355, __pyx_L23_error)
         }
         #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
         if (likely(PyTuple_CheckExact(sequence))) {
@@ -25389,22 +25384,22 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
           __Pyx_INCREF(__pyx_t_8);
         } else {
           __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 357, __pyx_L23_error)
+          if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L23_error)
           __Pyx_XGOTREF(__pyx_t_7);
           __pyx_t_8 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 357, __pyx_L23_error)
+          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 355, __pyx_L23_error)
           __Pyx_XGOTREF(__pyx_t_8);
         }
         #else
-        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 357, __pyx_L23_error)
+        __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 355, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_7);
-        __pyx_t_8 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 357, __pyx_L23_error)
+        __pyx_t_8 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 355, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_8);
         #endif
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       } else {
         Py_ssize_t index = -1;
-        __pyx_t_10 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 357, __pyx_L23_error)
+        __pyx_t_10 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 355, __pyx_L23_error)
         __Pyx_GOTREF(__pyx_t_10);
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10);
@@ -25412,7 +25407,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_GOTREF(__pyx_t_7);
         index = 1; __pyx_t_8 = __pyx_t_9(__pyx_t_10); if (unlikely(!__pyx_t_8)) goto __pyx_L26_unpacking_failed;
         __Pyx_GOTREF(__pyx_t_8);
-        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_10), 2) < (0)) __PYX_ERR(0, 357, __pyx_L23_error)
+        if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_10), 2) < (0)) __PYX_ERR(0, 355, __pyx_L23_error)
         __pyx_t_9 = NULL;
         __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
         goto __pyx_L27_unpacking_done;
@@ -25420,14 +25415,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
         __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
         __pyx_t_9 = NULL;
         if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-        __PYX_ERR(0, 357, __pyx_L23_error)
+        __PYX_ERR(0, 355, __pyx_L23_error)
         __pyx_L27_unpacking_done:;
       }
       __Pyx_XDECREF_SET(__pyx_8genexpr4__pyx_v__, __pyx_t_7);
       __pyx_t_7 = 0;
       __Pyx_XDECREF_SET(__pyx_8genexpr4__pyx_v_fd, __pyx_t_8);
       __pyx_t_8 = 0;
-      if (unlikely(__Pyx_ListComp_Append(__pyx_t_2, __pyx_8genexpr4__pyx_v_fd))) __PYX_ERR(0, 357, __pyx_L23_error)
+      if (unlikely(__Pyx_ListComp_Append(__pyx_t_2, __pyx_8genexpr4__pyx_v_fd))) __PYX_ERR(0, 355, __pyx_L23_error)
     }
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_XDECREF(__pyx_8genexpr4__pyx_v__); __pyx_8genexpr4__pyx_v__ = 0;
@@ -25440,14 +25435,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
     __pyx_L29_exit_scope:;
   } /* exit inner scope */
 
-  /* "tensorxfer/memory/_cuda.pyx":356
+  /* "tensorxfer/memory/_cuda.pyx":354
  *         """
  *         handles = [(int(s), int(fd)) for s, fd in handles]
  *         return CudaRegion._build([s for s, _ in handles], 0, frozenset(), device, False, False,             # <<<<<<<<<<<<<<
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
 */
-  __pyx_t_6 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_1), 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, 0, 0, ((PyObject*)__pyx_t_2), __pyx_v_access_devices, 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 356, __pyx_L1_error)
+  __pyx_t_6 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__build(((PyObject*)__pyx_t_1), 0, __pyx_mstate_global->__pyx_frozenset[0], __pyx_v_device, 0, 0, ((PyObject*)__pyx_t_2), __pyx_v_access_devices, 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 354, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -25462,7 +25457,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   __pyx_t_6 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":334
+  /* "tensorxfer/memory/_cuda.pyx":332
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25494,7 +25489,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_10import_hand
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":359
+/* "tensorxfer/memory/_cuda.pyx":357
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25545,32 +25540,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ptr,&__pyx_mstate_global->__pyx_n_u_size,&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_keepalive,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 359, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 357, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "adopt", 0) < (0)) __PYX_ERR(0, 359, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "adopt", 0) < (0)) __PYX_ERR(0, 357, __pyx_L3_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":360
+      /* "tensorxfer/memory/_cuda.pyx":358
  * 
  *     @staticmethod
  *     def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):             # <<<<<<<<<<<<<<
@@ -25579,32 +25574,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 */
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, i); __PYX_ERR(0, 359, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, i); __PYX_ERR(0, 357, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 357, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 357, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 359, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 357, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
     }
-    __pyx_v_ptr = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_ptr == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
-    __pyx_v_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+    __pyx_v_ptr = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_ptr == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 358, __pyx_L3_error)
+    __pyx_v_size = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_size == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 358, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 360, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[2]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 358, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
@@ -25612,7 +25607,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 359, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("adopt", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 357, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25625,7 +25620,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __pyx_L4_argument_unpacking_done:;
   __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(__pyx_v_ptr, __pyx_v_size, __pyx_v_device, __pyx_v_keepalive);
 
-  /* "tensorxfer/memory/_cuda.pyx":359
+  /* "tensorxfer/memory/_cuda.pyx":357
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25659,19 +25654,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("adopt", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":369
+  /* "tensorxfer/memory/_cuda.pyx":367
  *         memory alive.  tensorxfer never frees adopted memory.
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)             # <<<<<<<<<<<<<<
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 369, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":370
+  /* "tensorxfer/memory/_cuda.pyx":368
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:             # <<<<<<<<<<<<<<
@@ -25683,7 +25678,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":371
+    /* "tensorxfer/memory/_cuda.pyx":369
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")             # <<<<<<<<<<<<<<
@@ -25696,14 +25691,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
       PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_cannot_adopt_an_empty_range};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 371, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 369, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 371, __pyx_L1_error)
+    __PYX_ERR(0, 369, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":370
+    /* "tensorxfer/memory/_cuda.pyx":368
  *         """
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         if size == 0:             # <<<<<<<<<<<<<<
@@ -25712,17 +25707,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":372
+  /* "tensorxfer/memory/_cuda.pyx":370
  *         if size == 0:
  *             raise ValueError("cannot adopt an empty range")
  *         bind_device(device)             # <<<<<<<<<<<<<<
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr
 */
-  __pyx_t_5 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_5 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 372, __pyx_L1_error)
+  __pyx_t_5 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_5 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 370, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":373
+  /* "tensorxfer/memory/_cuda.pyx":371
  *             raise ValueError("cannot adopt an empty range")
  *         bind_device(device)
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -25731,7 +25726,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":374
+  /* "tensorxfer/memory/_cuda.pyx":372
  *         bind_device(device)
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr             # <<<<<<<<<<<<<<
@@ -25740,7 +25735,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->_base = ((CUdeviceptr)__pyx_v_ptr);
 
-  /* "tensorxfer/memory/_cuda.pyx":375
+  /* "tensorxfer/memory/_cuda.pyx":373
  *         self._device = device
  *         self._base = <cydriver.CUdeviceptr>ptr
  *         self._va_base = ptr             # <<<<<<<<<<<<<<
@@ -25749,7 +25744,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->__pyx_base._va_base = __pyx_v_ptr;
 
-  /* "tensorxfer/memory/_cuda.pyx":376
+  /* "tensorxfer/memory/_cuda.pyx":374
  *         self._base = <cydriver.CUdeviceptr>ptr
  *         self._va_base = ptr
  *         self._va_size = size             # <<<<<<<<<<<<<<
@@ -25758,25 +25753,25 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->__pyx_base._va_size = __pyx_v_size;
 
-  /* "tensorxfer/memory/_cuda.pyx":377
+  /* "tensorxfer/memory/_cuda.pyx":375
  *         self._va_base = ptr
  *         self._va_size = size
  *         self._size = size             # <<<<<<<<<<<<<<
  *         self._owner = False
  *         self._closed = False
 */
-  __pyx_v_self->_size = __pyx_v_size;
+  __pyx_v_self->__pyx_base._size = __pyx_v_size;
 
-  /* "tensorxfer/memory/_cuda.pyx":378
+  /* "tensorxfer/memory/_cuda.pyx":376
  *         self._va_size = size
  *         self._size = size
  *         self._owner = False             # <<<<<<<<<<<<<<
  *         self._closed = False
  *         self._keepalive = keepalive
 */
-  __pyx_v_self->_owner = 0;
+  __pyx_v_self->__pyx_base._owner = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":379
+  /* "tensorxfer/memory/_cuda.pyx":377
  *         self._size = size
  *         self._owner = False
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -25785,7 +25780,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_v_self->__pyx_base._closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":380
+  /* "tensorxfer/memory/_cuda.pyx":378
  *         self._owner = False
  *         self._closed = False
  *         self._keepalive = keepalive             # <<<<<<<<<<<<<<
@@ -25797,7 +25792,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   __Pyx_GOTREF(__pyx_v_self->_keepalive);
   __Pyx_DECREF_SET(__pyx_v_self->_keepalive, __pyx_v_keepalive);
 
-  /* "tensorxfer/memory/_cuda.pyx":381
+  /* "tensorxfer/memory/_cuda.pyx":379
  *         self._closed = False
  *         self._keepalive = keepalive
  *         self.resolve_extent(0, size)             # <<<<<<<<<<<<<<
@@ -25806,7 +25801,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
 */
   __pyx_t_3 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_3);
-  __pyx_t_6 = __Pyx_PyLong_FromSize_t(__pyx_v_size); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 381, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_FromSize_t(__pyx_v_size); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 379, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __pyx_t_4 = 0;
   {
@@ -25814,12 +25809,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_resolve_extent, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 381, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 379, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":382
+  /* "tensorxfer/memory/_cuda.pyx":380
  *         self._keepalive = keepalive
  *         self.resolve_extent(0, size)
  *         return self             # <<<<<<<<<<<<<<
@@ -25837,7 +25832,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":359
+  /* "tensorxfer/memory/_cuda.pyx":357
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25859,7 +25854,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt(uintp
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":384
+/* "tensorxfer/memory/_cuda.pyx":382
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -25907,32 +25902,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_tensor,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 384, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 382, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 382, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "from_tensor", 0) < (0)) __PYX_ERR(0, 384, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "from_tensor", 0) < (0)) __PYX_ERR(0, 382, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, i); __PYX_ERR(0, 384, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, i); __PYX_ERR(0, 382, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 382, __pyx_L3_error)
     }
     __pyx_v_tensor = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 384, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("from_tensor", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 382, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -25971,16 +25966,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("from_tensor", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":387
+  /* "tensorxfer/memory/_cuda.pyx":385
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):             # <<<<<<<<<<<<<<
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
 */
-  __pyx_t_1 = __Pyx_GetAttr3(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_is_cuda, Py_False); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_GetAttr3(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_is_cuda, Py_False); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_3 = (!__pyx_t_2);
 
@@ -25988,7 +25983,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":388
+    /* "tensorxfer/memory/_cuda.pyx":386
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")             # <<<<<<<<<<<<<<
@@ -26001,14 +25996,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_from_tensor_needs_a_CUDA_tensor};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 388, __pyx_L1_error)
+    __PYX_ERR(0, 386, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":387
+    /* "tensorxfer/memory/_cuda.pyx":385
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
  *         if not getattr(tensor, "is_cuda", False):             # <<<<<<<<<<<<<<
@@ -26017,7 +26012,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":389
+  /* "tensorxfer/memory/_cuda.pyx":387
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -26033,7 +26028,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_7, NULL};
     __pyx_t_6 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_data_ptr, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 389, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
   }
   __pyx_t_8 = __pyx_v_tensor;
@@ -26043,7 +26038,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_8, NULL};
     __pyx_t_7 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_numel, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 389, __pyx_L1_error)
+    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
   }
   __pyx_t_9 = __pyx_v_tensor;
@@ -26053,27 +26048,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[2] = {__pyx_t_9, NULL};
     __pyx_t_8 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_element_size, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 389, __pyx_L1_error)
+    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
   }
-  __pyx_t_9 = __Pyx_PyNumber_Multiply_object_object(__pyx_t_7, __pyx_t_8); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyNumber_Multiply_object_object(__pyx_t_7, __pyx_t_8); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":390
+  /* "tensorxfer/memory/_cuda.pyx":388
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
  *                                 tensor.device.index or 0, keepalive=tensor)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_device); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_tensor, __pyx_mstate_global->__pyx_n_u_device); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 388, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_index); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_index); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 388, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-  __pyx_t_3 = __Pyx_PyObject_IsTrue(__pyx_t_10); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_IsTrue(__pyx_t_10); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 388, __pyx_L1_error)
   if (!__pyx_t_3) {
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
   } else {
@@ -26082,14 +26077,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
     goto __pyx_L4_bool_binop_done;
   }
-  __pyx_t_10 = __Pyx_PyLong_From_long(0); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyLong_From_long(0); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 388, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
   __pyx_t_8 = __pyx_t_10;
   __pyx_t_10 = 0;
   __pyx_L4_bool_binop_done:;
   #if CYTHON_VECTORCALL
 
-  /* "tensorxfer/memory/_cuda.pyx":389
+  /* "tensorxfer/memory/_cuda.pyx":387
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -26102,13 +26097,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     PyObject *__pyx_callargs[5] = {__pyx_t_4, __pyx_t_6, __pyx_t_9, __pyx_t_8, __pyx_v_tensor};
     #if CYTHON_VECTORCALL
     __pyx_t_10 = __pyx_mstate_global->__pyx_tuple[4];
-    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 389, __pyx_L1_error)
+    if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_10);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_keepalive};
       __pyx_t_10 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+4, 1);
-      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 389, __pyx_L1_error)
+      if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 387, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
     }
     #endif
@@ -26120,7 +26115,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
     #if CYTHON_VECTORCALL
     #endif
     __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -26134,7 +26129,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":384
+  /* "tensorxfer/memory/_cuda.pyx":382
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26159,7 +26154,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":392
+/* "tensorxfer/memory/_cuda.pyx":390
  *                                 tensor.device.index or 0, keepalive=tensor)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26183,19 +26178,19 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_build", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":395
+  /* "tensorxfer/memory/_cuda.pyx":393
  *     cdef CudaRegion _build(list sizes, size_t tail, frozenset holes, int device, bint shareable, bint gdr,
  *                            list import_fds, access_devices, bint map_now):
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)             # <<<<<<<<<<<<<<
  *         self._device = device
  *         self._owner = True
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda_CudaRegion(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 393, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":396
+  /* "tensorxfer/memory/_cuda.pyx":394
  *                            list import_fds, access_devices, bint map_now):
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -26204,16 +26199,16 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":397
+  /* "tensorxfer/memory/_cuda.pyx":395
  *         cdef CudaRegion self = CudaRegion.__new__(CudaRegion)
  *         self._device = device
  *         self._owner = True             # <<<<<<<<<<<<<<
  *         self._closed = False
  *         self._shareable = shareable
 */
-  __pyx_v_self->_owner = 1;
+  __pyx_v_self->__pyx_base._owner = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":398
+  /* "tensorxfer/memory/_cuda.pyx":396
  *         self._device = device
  *         self._owner = True
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -26222,7 +26217,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->__pyx_base._closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":399
+  /* "tensorxfer/memory/_cuda.pyx":397
  *         self._owner = True
  *         self._closed = False
  *         self._shareable = shareable             # <<<<<<<<<<<<<<
@@ -26231,7 +26226,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_shareable = __pyx_v_shareable;
 
-  /* "tensorxfer/memory/_cuda.pyx":400
+  /* "tensorxfer/memory/_cuda.pyx":398
  *         self._closed = False
  *         self._shareable = shareable
  *         self._gdr = gdr             # <<<<<<<<<<<<<<
@@ -26240,7 +26235,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
   __pyx_v_self->_gdr = __pyx_v_gdr;
 
-  /* "tensorxfer/memory/_cuda.pyx":401
+  /* "tensorxfer/memory/_cuda.pyx":399
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26256,18 +26251,18 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __Pyx_XGOTREF(__pyx_t_4);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":402
+      /* "tensorxfer/memory/_cuda.pyx":400
  *         self._gdr = gdr
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)             # <<<<<<<<<<<<<<
  *             if map_now:
  *                 self._map_upto(self._nchunks)
 */
-      __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_reserve(__pyx_v_self, __pyx_v_sizes, __pyx_v_tail, __pyx_v_holes, __pyx_v_import_fds, __pyx_v_access_devices); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L3_error)
+      __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_reserve(__pyx_v_self, __pyx_v_sizes, __pyx_v_tail, __pyx_v_holes, __pyx_v_import_fds, __pyx_v_access_devices); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 400, __pyx_L3_error)
       __Pyx_GOTREF(__pyx_t_1);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":403
+      /* "tensorxfer/memory/_cuda.pyx":401
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:             # <<<<<<<<<<<<<<
@@ -26276,18 +26271,18 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
       if (__pyx_v_map_now) {
 
-        /* "tensorxfer/memory/_cuda.pyx":404
+        /* "tensorxfer/memory/_cuda.pyx":402
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:
  *                 self._map_upto(self._nchunks)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             self._release()
 */
-        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_v_self->_nchunks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 404, __pyx_L3_error)
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_v_self->_nchunks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L3_error)
         __Pyx_GOTREF(__pyx_t_1);
         __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-        /* "tensorxfer/memory/_cuda.pyx":403
+        /* "tensorxfer/memory/_cuda.pyx":401
  *         try:
  *             self._reserve(sizes, tail, holes, import_fds, access_devices)
  *             if map_now:             # <<<<<<<<<<<<<<
@@ -26296,7 +26291,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":401
+      /* "tensorxfer/memory/_cuda.pyx":399
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26311,7 +26306,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_L3_error:;
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":405
+    /* "tensorxfer/memory/_cuda.pyx":403
  *             if map_now:
  *                 self._map_upto(self._nchunks)
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -26321,12 +26316,12 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_t_5 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_5) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion._build", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_6, &__pyx_t_7) < 0) __PYX_ERR(0, 405, __pyx_L5_except_error)
+      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_6, &__pyx_t_7) < 0) __PYX_ERR(0, 403, __pyx_L5_except_error)
       __Pyx_XGOTREF(__pyx_t_1);
       __Pyx_XGOTREF(__pyx_t_6);
       __Pyx_XGOTREF(__pyx_t_7);
 
-      /* "tensorxfer/memory/_cuda.pyx":406
+      /* "tensorxfer/memory/_cuda.pyx":404
  *                 self._map_upto(self._nchunks)
  *         except BaseException:
  *             self._release()             # <<<<<<<<<<<<<<
@@ -26335,7 +26330,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
 */
       ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._release(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self));
 
-      /* "tensorxfer/memory/_cuda.pyx":407
+      /* "tensorxfer/memory/_cuda.pyx":405
  *         except BaseException:
  *             self._release()
  *             raise             # <<<<<<<<<<<<<<
@@ -26347,11 +26342,11 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
       __Pyx_XGIVEREF(__pyx_t_7);
       __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_6, __pyx_t_7);
       __pyx_t_1 = 0;  __pyx_t_6 = 0;  __pyx_t_7 = 0; 
-      __PYX_ERR(0, 407, __pyx_L5_except_error)
+      __PYX_ERR(0, 405, __pyx_L5_except_error)
     }
     goto __pyx_L5_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":401
+    /* "tensorxfer/memory/_cuda.pyx":399
  *         self._shareable = shareable
  *         self._gdr = gdr
  *         try:             # <<<<<<<<<<<<<<
@@ -26367,7 +26362,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
     __pyx_L8_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":408
+  /* "tensorxfer/memory/_cuda.pyx":406
  *             self._release()
  *             raise
  *         return self             # <<<<<<<<<<<<<<
@@ -26385,7 +26380,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":392
+  /* "tensorxfer/memory/_cuda.pyx":390
  *                                 tensor.device.index or 0, keepalive=tensor)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -26407,7 +26402,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_f_10tensor
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":410
+/* "tensorxfer/memory/_cuda.pyx":408
  *         return self
  * 
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):             # <<<<<<<<<<<<<<
@@ -26450,7 +26445,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_reserve", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":412
+  /* "tensorxfer/memory/_cuda.pyx":410
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUdeviceptr ptr = 0             # <<<<<<<<<<<<<<
@@ -26459,7 +26454,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_ptr = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":413
+  /* "tensorxfer/memory/_cuda.pyx":411
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUdeviceptr ptr = 0
  *         cdef size_t gran = 0, total = 0, off = 0, s             # <<<<<<<<<<<<<<
@@ -26470,7 +26465,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __pyx_v_total = 0;
   __pyx_v_off = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":414
+  /* "tensorxfer/memory/_cuda.pyx":412
  *         cdef cydriver.CUdeviceptr ptr = 0
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)             # <<<<<<<<<<<<<<
@@ -26479,12 +26474,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_sizes == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 414, __pyx_L1_error)
+    __PYX_ERR(0, 412, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_sizes); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_sizes); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 412, __pyx_L1_error)
   __pyx_v_n = __pyx_t_1;
 
-  /* "tensorxfer/memory/_cuda.pyx":415
+  /* "tensorxfer/memory/_cuda.pyx":413
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -26496,7 +26491,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":416
+    /* "tensorxfer/memory/_cuda.pyx":414
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:
  *             raise ValueError("a region needs at least one chunk")             # <<<<<<<<<<<<<<
@@ -26509,14 +26504,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_a_region_needs_at_least_one_chun};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 416, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 414, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 416, __pyx_L1_error)
+    __PYX_ERR(0, 414, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":415
+    /* "tensorxfer/memory/_cuda.pyx":413
  *         cdef size_t gran = 0, total = 0, off = 0, s
  *         cdef Py_ssize_t i, n = len(sizes)
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -26525,17 +26520,17 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":417
+  /* "tensorxfer/memory/_cuda.pyx":415
  *         if n == 0:
  *             raise ValueError("a region needs at least one chunk")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
 */
-  __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":418
+  /* "tensorxfer/memory/_cuda.pyx":416
  *             raise ValueError("a region needs at least one chunk")
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)             # <<<<<<<<<<<<<<
@@ -26544,19 +26539,19 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_self->_device, __pyx_v_self->_shareable, __pyx_v_self->_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":419
+  /* "tensorxfer/memory/_cuda.pyx":417
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),             # <<<<<<<<<<<<<<
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
 */
-  __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAllocationGranularity((&__pyx_v_gran), (&__pyx_v_prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemGetAllocationGranularity); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 417, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":421
+  /* "tensorxfer/memory/_cuda.pyx":419
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:             # <<<<<<<<<<<<<<
@@ -26565,7 +26560,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_sizes == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not iterable");
-    __PYX_ERR(0, 421, __pyx_L1_error)
+    __PYX_ERR(0, 419, __pyx_L1_error)
   }
   __pyx_t_3 = __pyx_v_sizes; __Pyx_INCREF(__pyx_t_3);
   __pyx_t_1 = 0;
@@ -26573,19 +26568,19 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
     {
       Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_3);
       #if !CYTHON_ASSUME_SAFE_SIZE
-      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 421, __pyx_L1_error)
+      if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 419, __pyx_L1_error)
       #endif
       if (__pyx_t_1 >= __pyx_temp) break;
     }
     __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_3, __pyx_t_1, __Pyx_ReferenceSharing_OwnStrongReference);
     ++__pyx_t_1;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 421, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 419, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 421, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_v_s = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":422
+    /* "tensorxfer/memory/_cuda.pyx":420
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
  *             if s == 0 or s % gran:             # <<<<<<<<<<<<<<
@@ -26611,7 +26606,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":423
+      /* "tensorxfer/memory/_cuda.pyx":421
  *         for s in sizes:
  *             if s == 0 or s % gran:
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")             # <<<<<<<<<<<<<<
@@ -26619,9 +26614,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
  *         if tail % gran:
 */
       __pyx_t_10 = NULL;
-      __pyx_t_11 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 423, __pyx_L1_error)
+      __pyx_t_11 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 421, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_11);
-      __pyx_t_12 = __Pyx_PyUnicode_From_size_t(__pyx_v_s, 0, ' ', 'd'); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 423, __pyx_L1_error)
+      __pyx_t_12 = __Pyx_PyUnicode_From_size_t(__pyx_v_s, 0, ' ', 'd'); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 421, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_12);
       __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_chunk_sizes_must_be_positive_mul;
       __pyx_t_13[1] = __pyx_t_11;
@@ -26633,7 +26628,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       #endif
       __pyx_t_8 = 0;
       __pyx_t_15 = __Pyx_PyUnicode_Join(__pyx_t_13, 4, __pyx_t_14, __pyx_t_8);
-      if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 423, __pyx_L1_error)
+      if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 421, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_15);
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
@@ -26643,14 +26638,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
         __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 423, __pyx_L1_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 421, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __PYX_ERR(0, 423, __pyx_L1_error)
+      __PYX_ERR(0, 421, __pyx_L1_error)
 
-      /* "tensorxfer/memory/_cuda.pyx":422
+      /* "tensorxfer/memory/_cuda.pyx":420
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:
  *             if s == 0 or s % gran:             # <<<<<<<<<<<<<<
@@ -26659,7 +26654,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":424
+    /* "tensorxfer/memory/_cuda.pyx":422
  *             if s == 0 or s % gran:
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s             # <<<<<<<<<<<<<<
@@ -26668,7 +26663,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     __pyx_v_total = (__pyx_v_total + __pyx_v_s);
 
-    /* "tensorxfer/memory/_cuda.pyx":421
+    /* "tensorxfer/memory/_cuda.pyx":419
  *         check_cu(cydriver.cuMemGetAllocationGranularity(&gran, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
  *                  b"cuMemGetAllocationGranularity")
  *         for s in sizes:             # <<<<<<<<<<<<<<
@@ -26678,7 +26673,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   }
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":425
+  /* "tensorxfer/memory/_cuda.pyx":423
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s
  *         if tail % gran:             # <<<<<<<<<<<<<<
@@ -26690,7 +26685,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":426
+    /* "tensorxfer/memory/_cuda.pyx":424
  *             total += s
  *         if tail % gran:
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")             # <<<<<<<<<<<<<<
@@ -26698,9 +26693,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
  *         if not 0 < len(devices) <= 16:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_15 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 426, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyUnicode_From_size_t(__pyx_v_gran, 0, ' ', 'd'); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 424, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_15);
-    __pyx_t_10 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_unmapped_tail_must_be_a_multiple, __pyx_t_15); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 426, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_unmapped_tail_must_be_a_multiple, __pyx_t_15); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 424, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
     __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
     __pyx_t_5 = 1;
@@ -26709,14 +26704,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 426, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 424, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 426, __pyx_L1_error)
+    __PYX_ERR(0, 424, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":425
+    /* "tensorxfer/memory/_cuda.pyx":423
  *                 raise ValueError(f"chunk sizes must be positive multiples of the granularity {gran}, got {s}")
  *             total += s
  *         if tail % gran:             # <<<<<<<<<<<<<<
@@ -26725,7 +26720,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":427
+  /* "tensorxfer/memory/_cuda.pyx":425
  *         if tail % gran:
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]             # <<<<<<<<<<<<<<
@@ -26734,27 +26729,27 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_t_2 = (__pyx_v_access_devices == Py_None);
   if (__pyx_t_2) {
-    __pyx_t_10 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 427, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 425, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
-    __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L1_error)
+    __pyx_t_4 = PyList_New(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 425, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_10);
-    if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 427, __pyx_L1_error);
+    if (__Pyx_PyList_SET_ITEM(__pyx_t_4, 0, __pyx_t_10) != (0)) __PYX_ERR(0, 425, __pyx_L1_error);
     __pyx_t_10 = 0;
     __pyx_t_3 = __pyx_t_4;
     __pyx_t_4 = 0;
   } else {
     { /* enter inner scope */
-      __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L13_error)
+      __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 425, __pyx_L13_error)
       __Pyx_GOTREF(__pyx_t_4);
       if (likely(PyList_CheckExact(__pyx_v_access_devices)) || PyTuple_CheckExact(__pyx_v_access_devices)) {
         __pyx_t_10 = __pyx_v_access_devices; __Pyx_INCREF(__pyx_t_10);
         __pyx_t_1 = 0;
         __pyx_t_16 = NULL;
       } else {
-        __pyx_t_1 = -1; __pyx_t_10 = PyObject_GetIter(__pyx_v_access_devices); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 427, __pyx_L13_error)
+        __pyx_t_1 = -1; __pyx_t_10 = PyObject_GetIter(__pyx_v_access_devices); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 425, __pyx_L13_error)
         __Pyx_GOTREF(__pyx_t_10);
-        __pyx_t_16 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 427, __pyx_L13_error)
+        __pyx_t_16 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_10); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 425, __pyx_L13_error)
       }
       for (;;) {
         if (likely(!__pyx_t_16)) {
@@ -26762,7 +26757,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             {
               Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_10);
               #if !CYTHON_ASSUME_SAFE_SIZE
-              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 427, __pyx_L13_error)
+              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 425, __pyx_L13_error)
               #endif
               if (__pyx_t_1 >= __pyx_temp) break;
             }
@@ -26772,7 +26767,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             {
               Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_10);
               #if !CYTHON_ASSUME_SAFE_SIZE
-              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 427, __pyx_L13_error)
+              if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 425, __pyx_L13_error)
               #endif
               if (__pyx_t_1 >= __pyx_temp) break;
             }
@@ -26783,13 +26778,13 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
             #endif
             ++__pyx_t_1;
           }
-          if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 427, __pyx_L13_error)
+          if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 425, __pyx_L13_error)
         } else {
           __pyx_t_15 = __pyx_t_16(__pyx_t_10);
           if (unlikely(!__pyx_t_15)) {
             PyObject* exc_type = PyErr_Occurred();
             if (exc_type) {
-              if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 427, __pyx_L13_error)
+              if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 425, __pyx_L13_error)
               PyErr_Clear();
             }
             break;
@@ -26798,10 +26793,10 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
         __Pyx_GOTREF(__pyx_t_15);
         __Pyx_XDECREF_SET(__pyx_8genexpr5__pyx_v_d, __pyx_t_15);
         __pyx_t_15 = 0;
-        __pyx_t_15 = __Pyx_PyNumber_Int(__pyx_8genexpr5__pyx_v_d); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 427, __pyx_L13_error)
+        __pyx_t_15 = __Pyx_PyNumber_Int(__pyx_8genexpr5__pyx_v_d); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 425, __pyx_L13_error)
         __Pyx_GOTREF(__pyx_t_15);
         __Pyx_GIVEREF(__pyx_t_15);
-        if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_4, __pyx_t_15))) __PYX_ERR(0, 427, __pyx_L13_error)
+        if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_4, __pyx_t_15))) __PYX_ERR(0, 425, __pyx_L13_error)
         __pyx_t_15 = 0;
       }
       __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
@@ -26819,7 +26814,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __pyx_v_devices = ((PyObject*)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":428
+  /* "tensorxfer/memory/_cuda.pyx":426
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:             # <<<<<<<<<<<<<<
@@ -26828,9 +26823,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   if (unlikely(__pyx_v_devices == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 428, __pyx_L1_error)
+    __PYX_ERR(0, 426, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_devices); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 428, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_devices); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 426, __pyx_L1_error)
   __pyx_t_2 = (0 < __pyx_t_1);
   if (__pyx_t_2) {
     __pyx_t_2 = (__pyx_t_1 <= 16);
@@ -26842,7 +26837,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":429
+    /* "tensorxfer/memory/_cuda.pyx":427
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")             # <<<<<<<<<<<<<<
@@ -26855,14 +26850,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_access_devices_must_name_1_to_16};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 429, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 427, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 429, __pyx_L1_error)
+    __PYX_ERR(0, 427, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":428
+    /* "tensorxfer/memory/_cuda.pyx":426
  *             raise ValueError(f"unmapped_tail must be a multiple of the granularity {gran}")
  *         devices = [self._device] if access_devices is None else [int(d) for d in access_devices]
  *         if not 0 < len(devices) <= 16:             # <<<<<<<<<<<<<<
@@ -26871,7 +26866,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":430
+  /* "tensorxfer/memory/_cuda.pyx":428
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:             # <<<<<<<<<<<<<<
@@ -26889,9 +26884,9 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   }
   if (unlikely(__pyx_v_import_fds == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 430, __pyx_L1_error)
+    __PYX_ERR(0, 428, __pyx_L1_error)
   }
-  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_import_fds); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 430, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyList_GET_SIZE(__pyx_v_import_fds); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1))) __PYX_ERR(0, 428, __pyx_L1_error)
   __pyx_t_2 = (__pyx_t_1 != __pyx_v_n);
 
 
@@ -26902,7 +26897,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":431
+    /* "tensorxfer/memory/_cuda.pyx":429
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:
  *             raise ValueError("one fd per chunk is needed")             # <<<<<<<<<<<<<<
@@ -26915,14 +26910,14 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_one_fd_per_chunk_is_needed};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 431, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 429, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 431, __pyx_L1_error)
+    __PYX_ERR(0, 429, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":430
+    /* "tensorxfer/memory/_cuda.pyx":428
  *         if not 0 < len(devices) <= 16:
  *             raise ValueError("access_devices must name 1 to 16 devices")
  *         if import_fds is not None and len(import_fds) != n:             # <<<<<<<<<<<<<<
@@ -26931,7 +26926,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":432
+  /* "tensorxfer/memory/_cuda.pyx":430
  *         if import_fds is not None and len(import_fds) != n:
  *             raise ValueError("one fd per chunk is needed")
  *         self._access_devices = devices             # <<<<<<<<<<<<<<
@@ -26943,7 +26938,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_access_devices);
   __Pyx_DECREF_SET(__pyx_v_self->_access_devices, __pyx_v_devices);
 
-  /* "tensorxfer/memory/_cuda.pyx":433
+  /* "tensorxfer/memory/_cuda.pyx":431
  *             raise ValueError("one fd per chunk is needed")
  *         self._access_devices = devices
  *         self._import_fds = import_fds             # <<<<<<<<<<<<<<
@@ -26955,7 +26950,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_import_fds);
   __Pyx_DECREF_SET(__pyx_v_self->_import_fds, __pyx_v_import_fds);
 
-  /* "tensorxfer/memory/_cuda.pyx":434
+  /* "tensorxfer/memory/_cuda.pyx":432
  *         self._access_devices = devices
  *         self._import_fds = import_fds
  *         self._holes = holes             # <<<<<<<<<<<<<<
@@ -26967,7 +26962,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   __Pyx_GOTREF(__pyx_v_self->_holes);
   __Pyx_DECREF_SET(__pyx_v_self->_holes, __pyx_v_holes);
 
-  /* "tensorxfer/memory/_cuda.pyx":435
+  /* "tensorxfer/memory/_cuda.pyx":433
  *         self._import_fds = import_fds
  *         self._holes = holes
  *         self._granularity = gran             # <<<<<<<<<<<<<<
@@ -26976,7 +26971,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_granularity = __pyx_v_gran;
 
-  /* "tensorxfer/memory/_cuda.pyx":436
+  /* "tensorxfer/memory/_cuda.pyx":434
  *         self._holes = holes
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))             # <<<<<<<<<<<<<<
@@ -26985,7 +26980,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_chunks = ((struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk *)calloc(__pyx_v_n, (sizeof(struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk))));
 
-  /* "tensorxfer/memory/_cuda.pyx":437
+  /* "tensorxfer/memory/_cuda.pyx":435
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:             # <<<<<<<<<<<<<<
@@ -26997,16 +26992,16 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":438
+    /* "tensorxfer/memory/_cuda.pyx":436
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:
  *             raise MemoryError()             # <<<<<<<<<<<<<<
  *         self._nchunks = n
  *         for i in range(n):
 */
-    PyErr_NoMemory(); __PYX_ERR(0, 438, __pyx_L1_error)
+    PyErr_NoMemory(); __PYX_ERR(0, 436, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":437
+    /* "tensorxfer/memory/_cuda.pyx":435
  *         self._granularity = gran
  *         self._chunks = <CuChunk*>calloc(n, sizeof(CuChunk))
  *         if self._chunks == NULL:             # <<<<<<<<<<<<<<
@@ -27015,7 +27010,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":439
+  /* "tensorxfer/memory/_cuda.pyx":437
  *         if self._chunks == NULL:
  *             raise MemoryError()
  *         self._nchunks = n             # <<<<<<<<<<<<<<
@@ -27024,7 +27019,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_nchunks = __pyx_v_n;
 
-  /* "tensorxfer/memory/_cuda.pyx":440
+  /* "tensorxfer/memory/_cuda.pyx":438
  *             raise MemoryError()
  *         self._nchunks = n
  *         for i in range(n):             # <<<<<<<<<<<<<<
@@ -27038,7 +27033,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_14; __pyx_t_17+=1) {
     __pyx_v_i = __pyx_t_17;
 
-    /* "tensorxfer/memory/_cuda.pyx":441
+    /* "tensorxfer/memory/_cuda.pyx":439
  *         self._nchunks = n
  *         for i in range(n):
  *             self._chunks[i].offset = off             # <<<<<<<<<<<<<<
@@ -27047,7 +27042,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     (__pyx_v_self->_chunks[__pyx_v_i]).offset = __pyx_v_off;
 
-    /* "tensorxfer/memory/_cuda.pyx":442
+    /* "tensorxfer/memory/_cuda.pyx":440
  *         for i in range(n):
  *             self._chunks[i].offset = off
  *             self._chunks[i].size = sizes[i]             # <<<<<<<<<<<<<<
@@ -27056,34 +27051,34 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
     if (unlikely(__pyx_v_sizes == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 442, __pyx_L1_error)
+      __PYX_ERR(0, 440, __pyx_L1_error)
     }
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 442, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 440, __pyx_L1_error)
     (__pyx_v_self->_chunks[__pyx_v_i]).size = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":443
+    /* "tensorxfer/memory/_cuda.pyx":441
  *             self._chunks[i].offset = off
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
 */
-    __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_off); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 443, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_off); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 441, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     if (unlikely(__pyx_v_sizes == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 443, __pyx_L1_error)
+      __PYX_ERR(0, 441, __pyx_L1_error)
     }
-    __pyx_t_4 = __Pyx_PyNumber_InPlaceAdd_int_object(__pyx_t_3, __Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 443, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_InPlaceAdd_int_object(__pyx_t_3, __Pyx_PyList_GET_ITEM(__pyx_v_sizes, __pyx_v_i)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 441, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 443, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_5 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 441, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __pyx_v_off = __pyx_t_5;
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":444
+  /* "tensorxfer/memory/_cuda.pyx":442
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -27096,20 +27091,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":445
+        /* "tensorxfer/memory/_cuda.pyx":443
  *             off += sizes[i]
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")             # <<<<<<<<<<<<<<
  *         self._base = ptr
  *         self._reserved = True
 */
-        __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressReserve((&__pyx_v_ptr), (__pyx_v_total + __pyx_v_tail), __pyx_v_gran, 0, 0); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 445, __pyx_L26_error)
-        __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemAddressReserve); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 445, __pyx_L26_error)
+        __pyx_t_7 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressReserve((&__pyx_v_ptr), (__pyx_v_total + __pyx_v_tail), __pyx_v_gran, 0, 0); if (unlikely(__pyx_t_7 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 443, __pyx_L26_error)
+        __pyx_t_8 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_7, __pyx_k_cuMemAddressReserve); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 443, __pyx_L26_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":444
+      /* "tensorxfer/memory/_cuda.pyx":442
  *             self._chunks[i].size = sizes[i]
  *             off += sizes[i]
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -27131,7 +27126,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":446
+  /* "tensorxfer/memory/_cuda.pyx":444
  *         with nogil:
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
  *         self._base = ptr             # <<<<<<<<<<<<<<
@@ -27140,7 +27135,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_base = __pyx_v_ptr;
 
-  /* "tensorxfer/memory/_cuda.pyx":447
+  /* "tensorxfer/memory/_cuda.pyx":445
  *             check_cu(cydriver.cuMemAddressReserve(&ptr, total + tail, gran, 0, 0), b"cuMemAddressReserve")
  *         self._base = ptr
  *         self._reserved = True             # <<<<<<<<<<<<<<
@@ -27149,7 +27144,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_reserved = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":448
+  /* "tensorxfer/memory/_cuda.pyx":446
  *         self._base = ptr
  *         self._reserved = True
  *         self._va_base = <uintptr_t>ptr             # <<<<<<<<<<<<<<
@@ -27158,7 +27153,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->__pyx_base._va_base = ((uintptr_t)__pyx_v_ptr);
 
-  /* "tensorxfer/memory/_cuda.pyx":449
+  /* "tensorxfer/memory/_cuda.pyx":447
  *         self._reserved = True
  *         self._va_base = <uintptr_t>ptr
  *         self._va_size = total + tail             # <<<<<<<<<<<<<<
@@ -27167,16 +27162,16 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->__pyx_base._va_size = (__pyx_v_total + __pyx_v_tail);
 
-  /* "tensorxfer/memory/_cuda.pyx":450
+  /* "tensorxfer/memory/_cuda.pyx":448
  *         self._va_base = <uintptr_t>ptr
  *         self._va_size = total + tail
  *         self._size = total             # <<<<<<<<<<<<<<
  *         self._next_chunk = 0
  * 
 */
-  __pyx_v_self->_size = __pyx_v_total;
+  __pyx_v_self->__pyx_base._size = __pyx_v_total;
 
-  /* "tensorxfer/memory/_cuda.pyx":451
+  /* "tensorxfer/memory/_cuda.pyx":449
  *         self._va_size = total + tail
  *         self._size = total
  *         self._next_chunk = 0             # <<<<<<<<<<<<<<
@@ -27185,7 +27180,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
 */
   __pyx_v_self->_next_chunk = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":410
+  /* "tensorxfer/memory/_cuda.pyx":408
  *         return self
  * 
  *     cdef _reserve(self, list sizes, size_t tail, frozenset holes, list import_fds, access_devices):             # <<<<<<<<<<<<<<
@@ -27221,7 +27216,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__reserve(struc
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":453
+/* "tensorxfer/memory/_cuda.pyx":451
  *         self._next_chunk = 0
  * 
  *     cdef _map_upto(self, Py_ssize_t stop):             # <<<<<<<<<<<<<<
@@ -27258,7 +27253,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_map_upto", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":457
+  /* "tensorxfer/memory/_cuda.pyx":455
  *         cdef cydriver.CUmemAllocationProp prop
  *         cdef cydriver.CUmemAccessDesc access[16]
  *         cdef cydriver.CUdeviceptr ptr = self._base             # <<<<<<<<<<<<<<
@@ -27269,7 +27264,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
   __pyx_v_ptr = __pyx_t_1;
 
-  /* "tensorxfer/memory/_cuda.pyx":459
+  /* "tensorxfer/memory/_cuda.pyx":457
  *         cdef cydriver.CUdeviceptr ptr = self._base
  *         cdef size_t run_start, s
  *         cdef Py_ssize_t i, first = self._next_chunk, naccess = len(self._access_devices)             # <<<<<<<<<<<<<<
@@ -27283,23 +27278,23 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   __Pyx_INCREF(__pyx_t_3);
   if (unlikely(__pyx_t_3 == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 459, __pyx_L1_error)
+    __PYX_ERR(0, 457, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_PyList_GET_SIZE(__pyx_t_3); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1))) __PYX_ERR(0, 459, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyList_GET_SIZE(__pyx_t_3); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1))) __PYX_ERR(0, 457, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_naccess = __pyx_t_2;
 
-  /* "tensorxfer/memory/_cuda.pyx":462
+  /* "tensorxfer/memory/_cuda.pyx":460
  *         cdef CuChunk* c
  *         cdef int fd
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):
 */
-  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 462, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 460, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":463
+  /* "tensorxfer/memory/_cuda.pyx":461
  *         cdef int fd
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)             # <<<<<<<<<<<<<<
@@ -27308,7 +27303,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
   __pyx_f_10tensorxfer_6memory_5_cuda__fill_prop((&__pyx_v_prop), __pyx_v_self->_device, __pyx_v_self->_shareable, __pyx_v_self->_gdr);
 
-  /* "tensorxfer/memory/_cuda.pyx":464
+  /* "tensorxfer/memory/_cuda.pyx":462
  *         bind_device(self._device)
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):             # <<<<<<<<<<<<<<
@@ -27322,7 +27317,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_i = __pyx_t_6;
 
-    /* "tensorxfer/memory/_cuda.pyx":465
+    /* "tensorxfer/memory/_cuda.pyx":463
  *         _fill_prop(&prop, self._device, self._shareable, self._gdr)
  *         for i in range(naccess):
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))             # <<<<<<<<<<<<<<
@@ -27331,7 +27326,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     (void)(memset((&(__pyx_v_access[__pyx_v_i])), 0, (sizeof(CUmemAccessDesc))));
 
-    /* "tensorxfer/memory/_cuda.pyx":466
+    /* "tensorxfer/memory/_cuda.pyx":464
  *         for i in range(naccess):
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE             # <<<<<<<<<<<<<<
@@ -27340,7 +27335,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     (__pyx_v_access[__pyx_v_i]).location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 
-    /* "tensorxfer/memory/_cuda.pyx":467
+    /* "tensorxfer/memory/_cuda.pyx":465
  *             memset(&access[i], 0, sizeof(cydriver.CUmemAccessDesc))
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
  *             access[i].location.id = self._access_devices[i]             # <<<<<<<<<<<<<<
@@ -27349,12 +27344,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     if (unlikely(__pyx_v_self->_access_devices == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 467, __pyx_L1_error)
+      __PYX_ERR(0, 465, __pyx_L1_error)
     }
-    __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_access_devices, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 467, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_access_devices, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 465, __pyx_L1_error)
     (__pyx_v_access[__pyx_v_i]).location.id = __pyx_t_7;
 
-    /* "tensorxfer/memory/_cuda.pyx":468
+    /* "tensorxfer/memory/_cuda.pyx":466
  *             access[i].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
  *             access[i].location.id = self._access_devices[i]
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE             # <<<<<<<<<<<<<<
@@ -27365,7 +27360,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":469
+  /* "tensorxfer/memory/_cuda.pyx":467
  *             access[i].location.id = self._access_devices[i]
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
  *         for i in range(first, stop):             # <<<<<<<<<<<<<<
@@ -27379,7 +27374,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   for (__pyx_t_6 = __pyx_v_first; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_i = __pyx_t_6;
 
-    /* "tensorxfer/memory/_cuda.pyx":470
+    /* "tensorxfer/memory/_cuda.pyx":468
  *             access[i].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
  *         for i in range(first, stop):
  *             c = &self._chunks[i]             # <<<<<<<<<<<<<<
@@ -27388,7 +27383,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_i]));
 
-    /* "tensorxfer/memory/_cuda.pyx":471
+    /* "tensorxfer/memory/_cuda.pyx":469
  *         for i in range(first, stop):
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1             # <<<<<<<<<<<<<<
@@ -27397,21 +27392,21 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_self->_next_chunk = (__pyx_v_i + 1);
 
-    /* "tensorxfer/memory/_cuda.pyx":472
+    /* "tensorxfer/memory/_cuda.pyx":470
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1
  *             if i in self._holes:             # <<<<<<<<<<<<<<
  *                 continue
  *             if self._import_fds is not None:
 */
-    __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_i); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 472, __pyx_L1_error)
+    __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_i); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 470, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_8 = (__Pyx_PySequence_ContainsTF(__pyx_t_3, __pyx_v_self->_holes, Py_EQ)); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 472, __pyx_L1_error)
+    __pyx_t_8 = (__Pyx_PySequence_ContainsTF(__pyx_t_3, __pyx_v_self->_holes, Py_EQ)); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 470, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":473
+      /* "tensorxfer/memory/_cuda.pyx":471
  *             self._next_chunk = i + 1
  *             if i in self._holes:
  *                 continue             # <<<<<<<<<<<<<<
@@ -27420,7 +27415,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       goto __pyx_L5_continue;
 
-      /* "tensorxfer/memory/_cuda.pyx":472
+      /* "tensorxfer/memory/_cuda.pyx":470
  *             c = &self._chunks[i]
  *             self._next_chunk = i + 1
  *             if i in self._holes:             # <<<<<<<<<<<<<<
@@ -27429,7 +27424,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":474
+    /* "tensorxfer/memory/_cuda.pyx":472
  *             if i in self._holes:
  *                 continue
  *             if self._import_fds is not None:             # <<<<<<<<<<<<<<
@@ -27440,7 +27435,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":475
+      /* "tensorxfer/memory/_cuda.pyx":473
  *                 continue
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]             # <<<<<<<<<<<<<<
@@ -27449,12 +27444,12 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       if (unlikely(__pyx_v_self->_import_fds == Py_None)) {
         PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-        __PYX_ERR(0, 475, __pyx_L1_error)
+        __PYX_ERR(0, 473, __pyx_L1_error)
       }
-      __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_import_fds, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 475, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyLong_As_int(__Pyx_PyList_GET_ITEM(__pyx_v_self->_import_fds, __pyx_v_i)); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 473, __pyx_L1_error)
       __pyx_v_fd = __pyx_t_7;
 
-      /* "tensorxfer/memory/_cuda.pyx":476
+      /* "tensorxfer/memory/_cuda.pyx":474
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27467,20 +27462,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           __Pyx_FastGIL_Remember();
           /*try:*/ {
 
-            /* "tensorxfer/memory/_cuda.pyx":477
+            /* "tensorxfer/memory/_cuda.pyx":475
  *                 fd = self._import_fds[i]
  *                 with nogil:
  *                     check_cu(cydriver.cuMemImportFromShareableHandle(             # <<<<<<<<<<<<<<
  *                         &c.handle, <void*><uintptr_t>fd, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
  *                         b"cuMemImportFromShareableHandle")
 */
-            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemImportFromShareableHandle((&__pyx_v_c->handle), ((void *)((uintptr_t)__pyx_v_fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 477, __pyx_L12_error)
-            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemImportFromShareableHandle); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 477, __pyx_L12_error)
+            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemImportFromShareableHandle((&__pyx_v_c->handle), ((void *)((uintptr_t)__pyx_v_fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 475, __pyx_L12_error)
+            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemImportFromShareableHandle); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 475, __pyx_L12_error)
 
 
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":476
+          /* "tensorxfer/memory/_cuda.pyx":474
  *             if self._import_fds is not None:
  *                 fd = self._import_fds[i]
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27502,7 +27497,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           }
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":474
+      /* "tensorxfer/memory/_cuda.pyx":472
  *             if i in self._holes:
  *                 continue
  *             if self._import_fds is not None:             # <<<<<<<<<<<<<<
@@ -27512,7 +27507,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
       goto __pyx_L8;
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":481
+    /* "tensorxfer/memory/_cuda.pyx":479
  *                         b"cuMemImportFromShareableHandle")
  *             else:
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27526,20 +27521,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
           __Pyx_FastGIL_Remember();
           /*try:*/ {
 
-            /* "tensorxfer/memory/_cuda.pyx":482
+            /* "tensorxfer/memory/_cuda.pyx":480
  *             else:
  *                 with nogil:
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")             # <<<<<<<<<<<<<<
  *             c.created = True
  *             with nogil:
 */
-            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemCreate((&__pyx_v_c->handle), __pyx_v_c->size, (&__pyx_v_prop), 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 482, __pyx_L17_error)
-            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 482, __pyx_L17_error)
+            __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemCreate((&__pyx_v_c->handle), __pyx_v_c->size, (&__pyx_v_prop), 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 480, __pyx_L17_error)
+            __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 480, __pyx_L17_error)
 
 
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":481
+          /* "tensorxfer/memory/_cuda.pyx":479
  *                         b"cuMemImportFromShareableHandle")
  *             else:
  *                 with nogil:             # <<<<<<<<<<<<<<
@@ -27563,7 +27558,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     }
     __pyx_L8:;
 
-    /* "tensorxfer/memory/_cuda.pyx":483
+    /* "tensorxfer/memory/_cuda.pyx":481
  *                 with nogil:
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True             # <<<<<<<<<<<<<<
@@ -27572,7 +27567,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_c->created = 1;
 
-    /* "tensorxfer/memory/_cuda.pyx":484
+    /* "tensorxfer/memory/_cuda.pyx":482
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27585,20 +27580,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":485
+          /* "tensorxfer/memory/_cuda.pyx":483
  *             c.created = True
  *             with nogil:
  *                 check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")             # <<<<<<<<<<<<<<
  *             c.mapped = True
  *         # Access is set per run of newly mapped chunks: one call for a
 */
-          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemMap((__pyx_v_ptr + __pyx_v_c->offset), __pyx_v_c->size, 0, __pyx_v_c->handle, 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 485, __pyx_L22_error)
-          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemMap); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 485, __pyx_L22_error)
+          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemMap((__pyx_v_ptr + __pyx_v_c->offset), __pyx_v_c->size, 0, __pyx_v_c->handle, 0); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 483, __pyx_L22_error)
+          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemMap); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 483, __pyx_L22_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":484
+        /* "tensorxfer/memory/_cuda.pyx":482
  *                     check_cu(cydriver.cuMemCreate(&c.handle, c.size, &prop, 0), b"cuMemCreate")
  *             c.created = True
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27620,7 +27615,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         }
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":486
+    /* "tensorxfer/memory/_cuda.pyx":484
  *             with nogil:
  *                 check_cu(cydriver.cuMemMap(ptr + c.offset, c.size, 0, c.handle, 0), b"cuMemMap")
  *             c.mapped = True             # <<<<<<<<<<<<<<
@@ -27632,7 +27627,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   }
 
 
-  /* "tensorxfer/memory/_cuda.pyx":489
+  /* "tensorxfer/memory/_cuda.pyx":487
  *         # Access is set per run of newly mapped chunks: one call for a
  *         # hole-free region, however many handles it has.
  *         i = first             # <<<<<<<<<<<<<<
@@ -27641,7 +27636,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
   __pyx_v_i = __pyx_v_first;
 
-  /* "tensorxfer/memory/_cuda.pyx":490
+  /* "tensorxfer/memory/_cuda.pyx":488
  *         # hole-free region, however many handles it has.
  *         i = first
  *         while i < stop:             # <<<<<<<<<<<<<<
@@ -27654,7 +27649,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
     if (!__pyx_t_8) break;
 
-    /* "tensorxfer/memory/_cuda.pyx":491
+    /* "tensorxfer/memory/_cuda.pyx":489
  *         i = first
  *         while i < stop:
  *             if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27666,7 +27661,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     if (__pyx_t_8) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":492
+      /* "tensorxfer/memory/_cuda.pyx":490
  *         while i < stop:
  *             if not self._chunks[i].mapped:
  *                 i += 1             # <<<<<<<<<<<<<<
@@ -27675,7 +27670,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       __pyx_v_i = (__pyx_v_i + 1);
 
-      /* "tensorxfer/memory/_cuda.pyx":493
+      /* "tensorxfer/memory/_cuda.pyx":491
  *             if not self._chunks[i].mapped:
  *                 i += 1
  *                 continue             # <<<<<<<<<<<<<<
@@ -27684,7 +27679,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
       goto __pyx_L24_continue;
 
-      /* "tensorxfer/memory/_cuda.pyx":491
+      /* "tensorxfer/memory/_cuda.pyx":489
  *         i = first
  *         while i < stop:
  *             if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27693,7 +27688,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":494
+    /* "tensorxfer/memory/_cuda.pyx":492
  *                 i += 1
  *                 continue
  *             run_start = self._chunks[i].offset             # <<<<<<<<<<<<<<
@@ -27704,7 +27699,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
     __pyx_v_run_start = __pyx_t_10;
 
-    /* "tensorxfer/memory/_cuda.pyx":495
+    /* "tensorxfer/memory/_cuda.pyx":493
  *                 continue
  *             run_start = self._chunks[i].offset
  *             while i < stop and self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -27728,7 +27723,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 
       if (!__pyx_t_8) break;
 
-      /* "tensorxfer/memory/_cuda.pyx":496
+      /* "tensorxfer/memory/_cuda.pyx":494
  *             run_start = self._chunks[i].offset
  *             while i < stop and self._chunks[i].mapped:
  *                 i += 1             # <<<<<<<<<<<<<<
@@ -27738,7 +27733,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
       __pyx_v_i = (__pyx_v_i + 1);
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":497
+    /* "tensorxfer/memory/_cuda.pyx":495
  *             while i < stop and self._chunks[i].mapped:
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start             # <<<<<<<<<<<<<<
@@ -27747,7 +27742,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
 */
     __pyx_v_s = (((__pyx_v_self->_chunks[(__pyx_v_i - 1)]).offset + (__pyx_v_self->_chunks[(__pyx_v_i - 1)]).size) - __pyx_v_run_start);
 
-    /* "tensorxfer/memory/_cuda.pyx":498
+    /* "tensorxfer/memory/_cuda.pyx":496
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27760,20 +27755,20 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":499
+          /* "tensorxfer/memory/_cuda.pyx":497
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")             # <<<<<<<<<<<<<<
  * 
  *     def map_next(self, Py_ssize_t count=1):
 */
-          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemSetAccess((__pyx_v_ptr + __pyx_v_run_start), __pyx_v_s, __pyx_v_access, __pyx_v_naccess); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 499, __pyx_L34_error)
-          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemSetAccess); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 499, __pyx_L34_error)
+          __pyx_t_9 = __pyx_f_4cuda_8bindings_8cydriver_cuMemSetAccess((__pyx_v_ptr + __pyx_v_run_start), __pyx_v_s, __pyx_v_access, __pyx_v_naccess); if (unlikely(__pyx_t_9 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 497, __pyx_L34_error)
+          __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_9, __pyx_k_cuMemSetAccess); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 497, __pyx_L34_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":498
+        /* "tensorxfer/memory/_cuda.pyx":496
  *                 i += 1
  *             s = self._chunks[i - 1].offset + self._chunks[i - 1].size - run_start
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -27797,7 +27792,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
     __pyx_L24_continue:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":453
+  /* "tensorxfer/memory/_cuda.pyx":451
  *         self._next_chunk = 0
  * 
  *     cdef _map_upto(self, Py_ssize_t stop):             # <<<<<<<<<<<<<<
@@ -27828,7 +27823,7 @@ static PyObject *__pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__map_upto(stru
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":501
+/* "tensorxfer/memory/_cuda.pyx":499
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -27876,37 +27871,37 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_count,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 501, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 499, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 501, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 499, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "map_next", 0) < (0)) __PYX_ERR(0, 501, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "map_next", 0) < (0)) __PYX_ERR(0, 499, __pyx_L3_error)
     } else {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 501, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 499, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     if (values[0]) {
-      __pyx_v_count = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_count == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 501, __pyx_L3_error)
+      __pyx_v_count = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_count == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 499, __pyx_L3_error)
     } else {
       __pyx_v_count = ((Py_ssize_t)1);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("map_next", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 501, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("map_next", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 499, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -27944,17 +27939,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("map_next", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":507
+  /* "tensorxfer/memory/_cuda.pyx":505
  *         mapped prefix usable) and :meth:`close` releases everything.
  *         """
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if count < 1:
  *             raise ValueError("count must be at least 1")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 507, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 505, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":508
+  /* "tensorxfer/memory/_cuda.pyx":506
  *         """
  *         self._check_open()
  *         if count < 1:             # <<<<<<<<<<<<<<
@@ -27966,7 +27961,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":509
+    /* "tensorxfer/memory/_cuda.pyx":507
  *         self._check_open()
  *         if count < 1:
  *             raise ValueError("count must be at least 1")             # <<<<<<<<<<<<<<
@@ -27979,14 +27974,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_count_must_be_at_least_1};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 509, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 507, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 509, __pyx_L1_error)
+    __PYX_ERR(0, 507, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":508
+    /* "tensorxfer/memory/_cuda.pyx":506
  *         """
  *         self._check_open()
  *         if count < 1:             # <<<<<<<<<<<<<<
@@ -27995,7 +27990,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":510
+  /* "tensorxfer/memory/_cuda.pyx":508
  *         if count < 1:
  *             raise ValueError("count must be at least 1")
  *         self._map_upto(min(self._nchunks, self._next_chunk + count))             # <<<<<<<<<<<<<<
@@ -28016,19 +28011,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
     __pyx_t_8 = __pyx_t_7;
   }
 
-  __pyx_t_3 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_t_8); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 510, __pyx_L1_error)
+  __pyx_t_3 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->_map_upto(__pyx_v_self, __pyx_t_8); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 508, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":511
+  /* "tensorxfer/memory/_cuda.pyx":509
  *             raise ValueError("count must be at least 1")
  *         self._map_upto(min(self._nchunks, self._next_chunk + count))
  *         return self.mapped_size             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(((PyObject *)__pyx_v_self), __pyx_mstate_global->__pyx_n_u_mapped_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 511, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(((PyObject *)__pyx_v_self), __pyx_mstate_global->__pyx_n_u_mapped_size); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   {
     PyObject *__pyx_temp;
@@ -28041,7 +28036,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":501
+  /* "tensorxfer/memory/_cuda.pyx":499
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -28061,7 +28056,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":513
+/* "tensorxfer/memory/_cuda.pyx":511
  *         return self.mapped_size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -28095,7 +28090,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":516
+  /* "tensorxfer/memory/_cuda.pyx":514
  *     def mapped_size(self):
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:             # <<<<<<<<<<<<<<
@@ -28107,7 +28102,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":517
+    /* "tensorxfer/memory/_cuda.pyx":515
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:
  *             return 0             # <<<<<<<<<<<<<<
@@ -28125,7 +28120,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":516
+    /* "tensorxfer/memory/_cuda.pyx":514
  *     def mapped_size(self):
  *         """Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."""
  *         if self._next_chunk == 0:             # <<<<<<<<<<<<<<
@@ -28134,7 +28129,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":518
+  /* "tensorxfer/memory/_cuda.pyx":516
  *         if self._next_chunk == 0:
  *             return 0
  *         c = &self._chunks[self._next_chunk - 1]             # <<<<<<<<<<<<<<
@@ -28143,14 +28138,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
 */
   __pyx_v_c = (&(__pyx_v_self->_chunks[(__pyx_v_self->_next_chunk - 1)]));
 
-  /* "tensorxfer/memory/_cuda.pyx":519
+  /* "tensorxfer/memory/_cuda.pyx":517
  *             return 0
  *         c = &self._chunks[self._next_chunk - 1]
  *         return c.offset + c.size             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- lifetime
 */
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_c->offset + __pyx_v_c->size)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_c->offset + __pyx_v_c->size)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -28163,7 +28158,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":513
+  /* "tensorxfer/memory/_cuda.pyx":511
  *         return self.mapped_size
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -28183,7 +28178,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":522
+/* "tensorxfer/memory/_cuda.pyx":520
  * 
  *     # ---------------------------------------------------------------- lifetime
  *     cdef void _release(self) noexcept:             # <<<<<<<<<<<<<<
@@ -28211,17 +28206,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_release", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":525
+  /* "tensorxfer/memory/_cuda.pyx":523
  *         cdef Py_ssize_t i
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):             # <<<<<<<<<<<<<<
  *             try:
  *                 bind_device(self._device)
 */
-  if (__pyx_v_self->_owner) {
+  if (__pyx_v_self->__pyx_base._owner) {
   } else {
 
-    __pyx_t_1 = __pyx_v_self->_owner;
+    __pyx_t_1 = __pyx_v_self->__pyx_base._owner;
     goto __pyx_L4_bool_binop_done;
   }
   __pyx_t_2 = (__pyx_v_self->_chunks != NULL);
@@ -28240,7 +28235,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":526
+    /* "tensorxfer/memory/_cuda.pyx":524
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28256,17 +28251,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       __Pyx_XGOTREF(__pyx_t_5);
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":527
+        /* "tensorxfer/memory/_cuda.pyx":525
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:
  *                 bind_device(self._device)             # <<<<<<<<<<<<<<
  *             except BaseException:
  *                 pass
 */
-        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 527, __pyx_L7_error)
+        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_6 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 525, __pyx_L7_error)
 
 
-        /* "tensorxfer/memory/_cuda.pyx":526
+        /* "tensorxfer/memory/_cuda.pyx":524
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28280,7 +28275,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       goto __pyx_L12_try_end;
       __pyx_L7_error:;
 
-      /* "tensorxfer/memory/_cuda.pyx":528
+      /* "tensorxfer/memory/_cuda.pyx":526
  *             try:
  *                 bind_device(self._device)
  *             except BaseException:             # <<<<<<<<<<<<<<
@@ -28294,7 +28289,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       }
       goto __pyx_L9_except_error;
 
-      /* "tensorxfer/memory/_cuda.pyx":526
+      /* "tensorxfer/memory/_cuda.pyx":524
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):
  *             try:             # <<<<<<<<<<<<<<
@@ -28315,7 +28310,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       __pyx_L12_try_end:;
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":530
+    /* "tensorxfer/memory/_cuda.pyx":528
  *             except BaseException:
  *                 pass
  *             if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28327,7 +28322,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
     if (__pyx_t_1) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":531
+      /* "tensorxfer/memory/_cuda.pyx":529
  *                 pass
  *             if self._chunks != NULL:
  *                 for i in range(self._nchunks):             # <<<<<<<<<<<<<<
@@ -28341,7 +28336,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "tensorxfer/memory/_cuda.pyx":532
+        /* "tensorxfer/memory/_cuda.pyx":530
  *             if self._chunks != NULL:
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]             # <<<<<<<<<<<<<<
@@ -28350,7 +28345,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_i]));
 
-        /* "tensorxfer/memory/_cuda.pyx":533
+        /* "tensorxfer/memory/_cuda.pyx":531
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]
  *                     if c.mapped:             # <<<<<<<<<<<<<<
@@ -28359,17 +28354,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         if (__pyx_v_c->mapped) {
 
-          /* "tensorxfer/memory/_cuda.pyx":534
+          /* "tensorxfer/memory/_cuda.pyx":532
  *                     c = &self._chunks[i]
  *                     if c.mapped:
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)             # <<<<<<<<<<<<<<
  *                         c.mapped = False
  *                     if c.created:
 */
-          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 534, __pyx_L1_error)
+          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 532, __pyx_L1_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":535
+          /* "tensorxfer/memory/_cuda.pyx":533
  *                     if c.mapped:
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False             # <<<<<<<<<<<<<<
@@ -28378,7 +28373,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
           __pyx_v_c->mapped = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":533
+          /* "tensorxfer/memory/_cuda.pyx":531
  *                 for i in range(self._nchunks):
  *                     c = &self._chunks[i]
  *                     if c.mapped:             # <<<<<<<<<<<<<<
@@ -28387,7 +28382,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":536
+        /* "tensorxfer/memory/_cuda.pyx":534
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False
  *                     if c.created:             # <<<<<<<<<<<<<<
@@ -28396,17 +28391,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
         if (__pyx_v_c->created) {
 
-          /* "tensorxfer/memory/_cuda.pyx":537
+          /* "tensorxfer/memory/_cuda.pyx":535
  *                         c.mapped = False
  *                     if c.created:
  *                         cydriver.cuMemRelease(c.handle)             # <<<<<<<<<<<<<<
  *                         c.created = False
  *             if self._reserved:
 */
-          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemRelease(__pyx_v_c->handle); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 537, __pyx_L1_error)
+          __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemRelease(__pyx_v_c->handle); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 535, __pyx_L1_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":538
+          /* "tensorxfer/memory/_cuda.pyx":536
  *                     if c.created:
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False             # <<<<<<<<<<<<<<
@@ -28415,7 +28410,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
           __pyx_v_c->created = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":536
+          /* "tensorxfer/memory/_cuda.pyx":534
  *                         cydriver.cuMemUnmap(self._base + c.offset, c.size)
  *                         c.mapped = False
  *                     if c.created:             # <<<<<<<<<<<<<<
@@ -28426,7 +28421,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
       }
 
 
-      /* "tensorxfer/memory/_cuda.pyx":530
+      /* "tensorxfer/memory/_cuda.pyx":528
  *             except BaseException:
  *                 pass
  *             if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28435,7 +28430,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":539
+    /* "tensorxfer/memory/_cuda.pyx":537
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False
  *             if self._reserved:             # <<<<<<<<<<<<<<
@@ -28444,17 +28439,17 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     if (__pyx_v_self->_reserved) {
 
-      /* "tensorxfer/memory/_cuda.pyx":540
+      /* "tensorxfer/memory/_cuda.pyx":538
  *                         c.created = False
  *             if self._reserved:
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)             # <<<<<<<<<<<<<<
  *                 self._reserved = False
  *         if self._chunks != NULL:
 */
-      __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressFree(__pyx_v_self->_base, __pyx_v_self->__pyx_base._va_size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 540, __pyx_L1_error)
+      __pyx_t_11 = __pyx_f_4cuda_8bindings_8cydriver_cuMemAddressFree(__pyx_v_self->_base, __pyx_v_self->__pyx_base._va_size); if (unlikely(__pyx_t_11 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 538, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":541
+      /* "tensorxfer/memory/_cuda.pyx":539
  *             if self._reserved:
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False             # <<<<<<<<<<<<<<
@@ -28463,7 +28458,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
       __pyx_v_self->_reserved = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":539
+      /* "tensorxfer/memory/_cuda.pyx":537
  *                         cydriver.cuMemRelease(c.handle)
  *                         c.created = False
  *             if self._reserved:             # <<<<<<<<<<<<<<
@@ -28472,7 +28467,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":525
+    /* "tensorxfer/memory/_cuda.pyx":523
  *         cdef Py_ssize_t i
  *         cdef CuChunk* c
  *         if self._owner and (self._chunks != NULL or self._reserved):             # <<<<<<<<<<<<<<
@@ -28481,7 +28476,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":542
+  /* "tensorxfer/memory/_cuda.pyx":540
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False
  *         if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28493,7 +28488,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":543
+    /* "tensorxfer/memory/_cuda.pyx":541
  *                 self._reserved = False
  *         if self._chunks != NULL:
  *             free(self._chunks)             # <<<<<<<<<<<<<<
@@ -28502,7 +28497,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     free(__pyx_v_self->_chunks);
 
-    /* "tensorxfer/memory/_cuda.pyx":544
+    /* "tensorxfer/memory/_cuda.pyx":542
  *         if self._chunks != NULL:
  *             free(self._chunks)
  *             self._chunks = NULL             # <<<<<<<<<<<<<<
@@ -28511,7 +28506,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
     __pyx_v_self->_chunks = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":542
+    /* "tensorxfer/memory/_cuda.pyx":540
  *                 cydriver.cuMemAddressFree(self._base, self._va_size)
  *                 self._reserved = False
  *         if self._chunks != NULL:             # <<<<<<<<<<<<<<
@@ -28520,7 +28515,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":545
+  /* "tensorxfer/memory/_cuda.pyx":543
  *             free(self._chunks)
  *             self._chunks = NULL
  *         self._nchunks = 0             # <<<<<<<<<<<<<<
@@ -28529,7 +28524,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->_nchunks = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":546
+  /* "tensorxfer/memory/_cuda.pyx":544
  *             self._chunks = NULL
  *         self._nchunks = 0
  *         self._base = 0             # <<<<<<<<<<<<<<
@@ -28538,16 +28533,16 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->_base = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":547
+  /* "tensorxfer/memory/_cuda.pyx":545
  *         self._nchunks = 0
  *         self._base = 0
  *         self._size = 0             # <<<<<<<<<<<<<<
  *         self._va_size = 0
  *         self._keepalive = None
 */
-  __pyx_v_self->_size = 0;
+  __pyx_v_self->__pyx_base._size = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":548
+  /* "tensorxfer/memory/_cuda.pyx":546
  *         self._base = 0
  *         self._size = 0
  *         self._va_size = 0             # <<<<<<<<<<<<<<
@@ -28556,7 +28551,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->__pyx_base._va_size = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":549
+  /* "tensorxfer/memory/_cuda.pyx":547
  *         self._size = 0
  *         self._va_size = 0
  *         self._keepalive = None             # <<<<<<<<<<<<<<
@@ -28568,7 +28563,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   __Pyx_GOTREF(__pyx_v_self->_keepalive);
   __Pyx_DECREF_SET(__pyx_v_self->_keepalive, Py_None);
 
-  /* "tensorxfer/memory/_cuda.pyx":550
+  /* "tensorxfer/memory/_cuda.pyx":548
  *         self._va_size = 0
  *         self._keepalive = None
  *         self._closed = True             # <<<<<<<<<<<<<<
@@ -28577,7 +28572,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
 */
   __pyx_v_self->__pyx_base._closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":522
+  /* "tensorxfer/memory/_cuda.pyx":520
  * 
  *     # ---------------------------------------------------------------- lifetime
  *     cdef void _release(self) noexcept:             # <<<<<<<<<<<<<<
@@ -28596,7 +28591,7 @@ static void __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__release(struct __p
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":552
+/* "tensorxfer/memory/_cuda.pyx":550
  *         self._closed = True
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -28637,7 +28632,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":553
+  /* "tensorxfer/memory/_cuda.pyx":551
  * 
  *     def __dealloc__(self):
  *         if not self._closed:             # <<<<<<<<<<<<<<
@@ -28649,16 +28644,16 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":554
+    /* "tensorxfer/memory/_cuda.pyx":552
  *     def __dealloc__(self):
  *         if not self._closed:
  *             if self._owner:             # <<<<<<<<<<<<<<
  *                 try:
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
 */
-    if (__pyx_v_self->_owner) {
+    if (__pyx_v_self->__pyx_base._owner) {
 
-      /* "tensorxfer/memory/_cuda.pyx":555
+      /* "tensorxfer/memory/_cuda.pyx":553
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -28674,7 +28669,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
         __Pyx_XGOTREF(__pyx_t_4);
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":556
+          /* "tensorxfer/memory/_cuda.pyx":554
  *             if self._owner:
  *                 try:
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",             # <<<<<<<<<<<<<<
@@ -28682,12 +28677,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
  *                 except BaseException:
 */
           __pyx_t_6 = NULL;
-          __Pyx_GetModuleGlobalName(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warnings); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 556, __pyx_L5_error)
+          __Pyx_GetModuleGlobalName(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warnings); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 554, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_7);
-          __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warn); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 556, __pyx_L5_error)
+          __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_warn); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 554, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_8);
           __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-          __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 556, __pyx_L5_error)
+          __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->__pyx_base._size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 554, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_7);
           __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_unclosed_CudaRegion_of;
           __pyx_t_9[1] = __pyx_t_7;
@@ -28698,11 +28693,11 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
           #endif
           __pyx_t_11 = 0;
           __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_11);
-          if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 556, __pyx_L5_error)
+          if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 554, __pyx_L5_error)
           __Pyx_GOTREF(__pyx_t_12);
           __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":557
+          /* "tensorxfer/memory/_cuda.pyx":555
  *                 try:
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
  *                                   ResourceWarning)             # <<<<<<<<<<<<<<
@@ -28727,12 +28722,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
             __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
             __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
             __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-            if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 556, __pyx_L5_error)
+            if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 554, __pyx_L5_error)
             __Pyx_GOTREF(__pyx_t_5);
           }
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":555
+          /* "tensorxfer/memory/_cuda.pyx":553
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -28751,7 +28746,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
         __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
         __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-        /* "tensorxfer/memory/_cuda.pyx":558
+        /* "tensorxfer/memory/_cuda.pyx":556
  *                     warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
  *                                   ResourceWarning)
  *                 except BaseException:             # <<<<<<<<<<<<<<
@@ -28765,7 +28760,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
         }
         goto __pyx_L7_except_error;
 
-        /* "tensorxfer/memory/_cuda.pyx":555
+        /* "tensorxfer/memory/_cuda.pyx":553
  *         if not self._closed:
  *             if self._owner:
  *                 try:             # <<<<<<<<<<<<<<
@@ -28786,7 +28781,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
         __pyx_L10_try_end:;
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":554
+      /* "tensorxfer/memory/_cuda.pyx":552
  *     def __dealloc__(self):
  *         if not self._closed:
  *             if self._owner:             # <<<<<<<<<<<<<<
@@ -28795,7 +28790,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":560
+    /* "tensorxfer/memory/_cuda.pyx":558
  *                 except BaseException:
  *                     pass
  *             self._release()             # <<<<<<<<<<<<<<
@@ -28804,7 +28799,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
 */
     ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._release(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self));
 
-    /* "tensorxfer/memory/_cuda.pyx":553
+    /* "tensorxfer/memory/_cuda.pyx":551
  * 
  *     def __dealloc__(self):
  *         if not self._closed:             # <<<<<<<<<<<<<<
@@ -28813,7 +28808,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":552
+  /* "tensorxfer/memory/_cuda.pyx":550
  *         self._closed = True
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -28835,7 +28830,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_18__dealloc__(stru
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":562
+/* "tensorxfer/memory/_cuda.pyx":560
  *             self._release()
  * 
  *     cdef int _check_open(self) except -1:             # <<<<<<<<<<<<<<
@@ -28851,27 +28846,27 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct _
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":565
+  /* "tensorxfer/memory/_cuda.pyx":563
  *         # Also makes the device's context current: every method that talks
  *         # to the driver starts here, and the extent walk runs right after.
  *         AllocationMap._check_open(self)             # <<<<<<<<<<<<<<
  *         bind_device(self._device)
  *         return 0
 */
-  __pyx_t_1 = __pyx_vtabptr_10tensorxfer_6memory_7_extent_AllocationMap->_check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 565, __pyx_L1_error)
+  __pyx_t_1 = __pyx_vtabptr_10tensorxfer_6memory_7_extent_AllocationMap->_check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 563, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":566
+  /* "tensorxfer/memory/_cuda.pyx":564
  *         # to the driver starts here, and the extent walk runs right after.
  *         AllocationMap._check_open(self)
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_2 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 566, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_2 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 564, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":567
+  /* "tensorxfer/memory/_cuda.pyx":565
  *         AllocationMap._check_open(self)
  *         bind_device(self._device)
  *         return 0             # <<<<<<<<<<<<<<
@@ -28884,7 +28879,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct _
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":562
+  /* "tensorxfer/memory/_cuda.pyx":560
  *             self._release()
  * 
  *     cdef int _check_open(self) except -1:             # <<<<<<<<<<<<<<
@@ -28901,7 +28896,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion__check_open(struct _
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":570
+/* "tensorxfer/memory/_cuda.pyx":568
  * 
  *     # ---------------------------------------------------------------- queries
  *     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -28920,7 +28915,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   int __pyx_clineno = 0;
   PyGILState_STATE __pyx_gilstate_save;
 
-  /* "tensorxfer/memory/_cuda.pyx":574
+  /* "tensorxfer/memory/_cuda.pyx":572
  *         # right for memory we did not allocate (PyTorch segments), and the
  *         # same walk proves our own mappings.
  *         cdef cydriver.CUdeviceptr b = 0             # <<<<<<<<<<<<<<
@@ -28929,7 +28924,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":575
+  /* "tensorxfer/memory/_cuda.pyx":573
  *         # same walk proves our own mappings.
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0             # <<<<<<<<<<<<<<
@@ -28938,21 +28933,21 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   __pyx_v_s = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":576
+  /* "tensorxfer/memory/_cuda.pyx":574
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:             # <<<<<<<<<<<<<<
  *             return 0
  *         base[0] = <uintptr_t>b
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAddressRange((&__pyx_v_b), (&__pyx_v_s), ((CUdeviceptr)__pyx_v_addr)); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 576, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetAddressRange((&__pyx_v_b), (&__pyx_v_s), ((CUdeviceptr)__pyx_v_addr)); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 574, __pyx_L1_error)
   __pyx_t_2 = (__pyx_t_1 != CUDA_SUCCESS);
 
 
   if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":577
+    /* "tensorxfer/memory/_cuda.pyx":575
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:
  *             return 0             # <<<<<<<<<<<<<<
@@ -28965,7 +28960,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":576
+    /* "tensorxfer/memory/_cuda.pyx":574
  *         cdef cydriver.CUdeviceptr b = 0
  *         cdef size_t s = 0
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:             # <<<<<<<<<<<<<<
@@ -28974,7 +28969,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":578
+  /* "tensorxfer/memory/_cuda.pyx":576
  *         if cydriver.cuMemGetAddressRange(&b, &s, <cydriver.CUdeviceptr>addr) != cydriver.CUDA_SUCCESS:
  *             return 0
  *         base[0] = <uintptr_t>b             # <<<<<<<<<<<<<<
@@ -28983,7 +28978,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   (__pyx_v_base[0]) = ((uintptr_t)__pyx_v_b);
 
-  /* "tensorxfer/memory/_cuda.pyx":579
+  /* "tensorxfer/memory/_cuda.pyx":577
  *             return 0
  *         base[0] = <uintptr_t>b
  *         size[0] = s             # <<<<<<<<<<<<<<
@@ -28992,7 +28987,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
 */
   (__pyx_v_size[0]) = __pyx_v_s;
 
-  /* "tensorxfer/memory/_cuda.pyx":580
+  /* "tensorxfer/memory/_cuda.pyx":578
  *         base[0] = <uintptr_t>b
  *         size[0] = s
  *         return 1             # <<<<<<<<<<<<<<
@@ -29005,7 +29000,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":570
+  /* "tensorxfer/memory/_cuda.pyx":568
  * 
  *     # ---------------------------------------------------------------- queries
  *     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -29025,333 +29020,8 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_10CudaRegion_lookup(CYTHON_UNUSED
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":582
+/* "tensorxfer/memory/_cuda.pyx":580
  *         return 1
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def ptr(self):
- *         if self._closed:
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  PyObject *__pyx_t_2 = NULL;
-  size_t __pyx_t_3;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":584
- *     @property
- *     def ptr(self):
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed CudaRegion")
- *         return <uintptr_t>self._base
-*/
-  if (unlikely(__pyx_v_self->__pyx_base._closed)) {
-
-    /* "tensorxfer/memory/_cuda.pyx":585
- *     def ptr(self):
- *         if self._closed:
- *             raise ValueError("operation on a closed CudaRegion")             # <<<<<<<<<<<<<<
- *         return <uintptr_t>self._base
- * 
-*/
-    __pyx_t_2 = NULL;
-    __pyx_t_3 = 1;
-    {
-      PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_CudaRegion};
-      __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 585, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_1);
-    }
-    __Pyx_Raise(__pyx_t_1, 0, 0, 0);
-    __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 585, __pyx_L1_error)
-
-    /* "tensorxfer/memory/_cuda.pyx":584
- *     @property
- *     def ptr(self):
- *         if self._closed:             # <<<<<<<<<<<<<<
- *             raise ValueError("operation on a closed CudaRegion")
- *         return <uintptr_t>self._base
-*/
-  }
-
-  /* "tensorxfer/memory/_cuda.pyx":586
- *         if self._closed:
- *             raise ValueError("operation on a closed CudaRegion")
- *         return <uintptr_t>self._base             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 586, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":582
- *         return 1
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def ptr(self):
- *         if self._closed:
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_XDECREF(__pyx_t_2);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.ptr.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":588
- *         return <uintptr_t>self._base
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def size(self):
- *         return self._size
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_4size_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_4size_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_4size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":590
- *     @property
- *     def size(self):
- *         return self._size             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 590, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":588
- *         return <uintptr_t>self._base
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def size(self):
- *         return self._size
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.size.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":592
- *         return self._size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def reserved_size(self):
- *         return self._va_size
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":594
- *     @property
- *     def reserved_size(self):
- *         return self._va_size             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(__pyx_v_self->__pyx_base._va_size); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 594, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":592
- *         return self._size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def reserved_size(self):
- *         return self._va_size
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.reserved_size.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":596
- *         return self._va_size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def owner(self):
- *         return self._owner
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner_1__get__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner_1__get__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__get__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner___get__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("__get__", 0);
-
-  /* "tensorxfer/memory/_cuda.pyx":598
- *     @property
- *     def owner(self):
- *         return self._owner             # <<<<<<<<<<<<<<
- * 
- *     @property
-*/
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_owner); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 598, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":596
- *         return self._va_size
- * 
- *     @property             # <<<<<<<<<<<<<<
- *     def owner(self):
- *         return self._owner
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.owner.__get__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":600
- *         return self._owner
  * 
  *     @property             # <<<<<<<<<<<<<<
  *     def device_index(self):
@@ -29382,14 +29052,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":602
+  /* "tensorxfer/memory/_cuda.pyx":582
  *     @property
  *     def device_index(self):
  *         return self._device             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 602, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 582, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -29402,8 +29072,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":600
- *         return self._owner
+  /* "tensorxfer/memory/_cuda.pyx":580
+ *         return 1
  * 
  *     @property             # <<<<<<<<<<<<<<
  *     def device_index(self):
@@ -29421,7 +29091,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_inde
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":604
+/* "tensorxfer/memory/_cuda.pyx":584
  *         return self._device
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29454,16 +29124,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":606
+  /* "tensorxfer/memory/_cuda.pyx":586
  *     @property
  *     def device(self):
  *         return f"cuda:{self._device}"             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 606, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 586, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_cuda, __pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 606, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_cuda, __pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 586, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -29477,7 +29147,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":604
+  /* "tensorxfer/memory/_cuda.pyx":584
  *         return self._device
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29497,7 +29167,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6device___get
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":608
+/* "tensorxfer/memory/_cuda.pyx":588
  *         return f"cuda:{self._device}"
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29529,14 +29199,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":611
+  /* "tensorxfer/memory/_cuda.pyx":591
  *     def gpudirect_rdma_capable(self):
  *         """True if the handles were created with ``gpuDirectRDMACapable``."""
  *         return self._gdr             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_gdr); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 611, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_v_self->_gdr); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 591, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -29549,7 +29219,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":608
+  /* "tensorxfer/memory/_cuda.pyx":588
  *         return f"cuda:{self._device}"
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29568,7 +29238,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22gpudirect_r
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":613
+/* "tensorxfer/memory/_cuda.pyx":593
  *         return self._gdr
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29610,7 +29280,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":616
+  /* "tensorxfer/memory/_cuda.pyx":596
  *     def chunks(self):
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -29619,7 +29289,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
 */
   if (unlikely(__pyx_v_self->__pyx_base._closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":617
+    /* "tensorxfer/memory/_cuda.pyx":597
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")             # <<<<<<<<<<<<<<
@@ -29632,14 +29302,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_CudaRegion};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 617, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 597, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 617, __pyx_L1_error)
+    __PYX_ERR(0, 597, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":616
+    /* "tensorxfer/memory/_cuda.pyx":596
  *     def chunks(self):
  *         """``(offset, size, mapped)`` per chunk (adopted memory: empty  the driver knows its handles)."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -29648,7 +29318,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":618
+  /* "tensorxfer/memory/_cuda.pyx":598
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))             # <<<<<<<<<<<<<<
@@ -29656,15 +29326,15 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 618, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 598, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
-    /* "tensorxfer/memory/_cuda.pyx":619
+    /* "tensorxfer/memory/_cuda.pyx":599
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
  *                 for i in range(self._nchunks)]             # <<<<<<<<<<<<<<
  * 
- *     def __len__(self):
+ *     def __repr__(self):
 */
 
     __pyx_t_4 = __pyx_v_self->_nchunks;
@@ -29673,35 +29343,35 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_8genexpr6__pyx_v_i = __pyx_t_6;
 
-      /* "tensorxfer/memory/_cuda.pyx":618
+      /* "tensorxfer/memory/_cuda.pyx":598
  *         if self._closed:
  *             raise ValueError("operation on a closed CudaRegion")
  *         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))             # <<<<<<<<<<<<<<
  *                 for i in range(self._nchunks)]
  * 
 */
-      __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 618, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 598, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_7 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).size); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 618, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).size); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 598, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_7);
       __pyx_t_8 = (__pyx_v_self->_chunks[__pyx_8genexpr6__pyx_v_i]).mapped;
 
-      __pyx_t_9 = __Pyx_PyBool_FromLong((!(!__pyx_t_8))); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 618, __pyx_L1_error)
+      __pyx_t_9 = __Pyx_PyBool_FromLong((!(!__pyx_t_8))); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 598, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
 
-      __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 618, __pyx_L1_error)
+      __pyx_t_10 = PyTuple_New(3); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 598, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_10);
       __Pyx_GIVEREF(__pyx_t_2);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 598, __pyx_L1_error);
       __Pyx_GIVEREF(__pyx_t_7);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 598, __pyx_L1_error);
       __Pyx_GIVEREF(__pyx_t_9);
-      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 618, __pyx_L1_error);
+      if (__Pyx_PyTuple_SET_ITEM(__pyx_t_10, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 598, __pyx_L1_error);
       __pyx_t_2 = 0;
       __pyx_t_7 = 0;
       __pyx_t_9 = 0;
       __Pyx_GIVEREF(__pyx_t_10);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_10))) __PYX_ERR(0, 618, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_10))) __PYX_ERR(0, 598, __pyx_L1_error)
       __pyx_t_10 = 0;
     }
 
@@ -29717,7 +29387,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":613
+  /* "tensorxfer/memory/_cuda.pyx":593
  *         return self._gdr
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -29741,61 +29411,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_6chunks___get
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":621
+/* "tensorxfer/memory/_cuda.pyx":601
  *                 for i in range(self._nchunks)]
- * 
- *     def __len__(self):             # <<<<<<<<<<<<<<
- *         return self._size
- * 
-*/
-
-/* Python wrapper */
-static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__(PyObject *__pyx_v_self); /*proto*/
-static Py_ssize_t __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__(PyObject *__pyx_v_self) {
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  Py_ssize_t __pyx_r;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("__len__ (wrapper)", 0);
-  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
-
-  /* function exit code */
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
-  Py_ssize_t __pyx_r;
-
-  /* "tensorxfer/memory/_cuda.pyx":622
- * 
- *     def __len__(self):
- *         return self._size             # <<<<<<<<<<<<<<
- * 
- *     def __repr__(self):
-*/
-  {
-
-    __pyx_r = __pyx_v_self->_size;
-  }
-  goto __pyx_L0;
-
-  /* "tensorxfer/memory/_cuda.pyx":621
- *                 for i in range(self._nchunks)]
- * 
- *     def __len__(self):             # <<<<<<<<<<<<<<
- *         return self._size
- * 
-*/
-
-  /* function exit code */
-  __pyx_L0:;
-
-  return __pyx_r;
-}
-
-/* "tensorxfer/memory/_cuda.pyx":624
- *         return self._size
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
  *         if self._closed:
@@ -29803,21 +29420,21 @@ static Py_ssize_t __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__len__(st
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__(PyObject *__pyx_v_self); /*proto*/
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__(PyObject *__pyx_v_self) {
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__repr__(PyObject *__pyx_v_self); /*proto*/
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__repr__(PyObject *__pyx_v_self) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__repr__ (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__repr__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_20__repr__(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   PyObject *__pyx_v_kind = NULL;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -29835,7 +29452,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__repr__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":625
+  /* "tensorxfer/memory/_cuda.pyx":602
  * 
  *     def __repr__(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -29844,7 +29461,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
 */
   if (__pyx_v_self->__pyx_base._closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":626
+    /* "tensorxfer/memory/_cuda.pyx":603
  *     def __repr__(self):
  *         if self._closed:
  *             return "<CudaRegion closed>"             # <<<<<<<<<<<<<<
@@ -29862,7 +29479,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":625
+    /* "tensorxfer/memory/_cuda.pyx":602
  * 
  *     def __repr__(self):
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -29871,14 +29488,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":627
+  /* "tensorxfer/memory/_cuda.pyx":604
  *         if self._closed:
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"             # <<<<<<<<<<<<<<
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "
  *                 f"{self._nchunks} handle(s)>")
 */
-  if (__pyx_v_self->_owner) {
+  if (__pyx_v_self->__pyx_base._owner) {
     __Pyx_INCREF(__pyx_mstate_global->__pyx_n_u_owned);
     __pyx_t_1 = __pyx_mstate_global->__pyx_n_u_owned;
   } else {
@@ -29888,33 +29505,33 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   __pyx_v_kind = ((PyObject*)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":628
+  /* "tensorxfer/memory/_cuda.pyx":605
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "             # <<<<<<<<<<<<<<
  *                 f"{self._nchunks} handle(s)>")
  * 
 */
-  __pyx_t_1 = __Pyx_PyUnicode_Unicode(__pyx_v_kind); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 628, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyUnicode_Unicode(__pyx_v_kind); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 628, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->__pyx_base._size, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 628, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_base)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_Format(__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_x_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 628, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_Format(__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_x_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 628, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
-  /* "tensorxfer/memory/_cuda.pyx":629
+  /* "tensorxfer/memory/_cuda.pyx":606
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "
  *                 f"{self._nchunks} handle(s)>")             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- exports
 */
-  __pyx_t_5 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_self->_nchunks, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 629, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_self->_nchunks, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 606, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6[0] = __pyx_mstate_global->__pyx_kp_u_CudaRegion;
   __pyx_t_6[1] = __pyx_t_1;
@@ -29928,7 +29545,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   __pyx_t_6[9] = __pyx_t_5;
   __pyx_t_6[10] = __pyx_mstate_global->__pyx_kp_u_handle_s;
 
-  /* "tensorxfer/memory/_cuda.pyx":628
+  /* "tensorxfer/memory/_cuda.pyx":605
  *             return "<CudaRegion closed>"
  *         kind = "owned" if self._owner else "adopted"
  *         return (f"<CudaRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x} on cuda:{self._device}, "             # <<<<<<<<<<<<<<
@@ -29947,7 +29564,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   __pyx_t_8 |= __Pyx_PyUnicode_KIND_04(__pyx_t_6[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_6[5]);
   #endif
   __pyx_t_9 = __Pyx_PyUnicode_Join(__pyx_t_6, 11, __pyx_t_7, __pyx_t_8);
-  if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 628, __pyx_L1_error)
+  if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 605, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -29965,8 +29582,8 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   __pyx_t_9 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":624
- *         return self._size
+  /* "tensorxfer/memory/_cuda.pyx":601
+ *                 for i in range(self._nchunks)]
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
  *         if self._closed:
@@ -29990,7 +29607,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":632
+/* "tensorxfer/memory/_cuda.pyx":609
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -29999,16 +29616,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22__repr__(st
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf, "CudaRegion.export_dmabuf(self, size_t offset=0, length=None)\n\nOne dmabuf fd over ``[offset, offset+length)``, resolved first.\n\n``offset`` must be page aligned; ``length`` (default: to the end) is\nrounded up to the page size.  The range is resolved before the\ndriver is asked, so a range touching unmapped memory raises\n:class:`ExtentError` naming the address, never a driver error.\n\nReturns\n-------\nint\n    The dmabuf fd, owned by the caller (close it with ``os.close``).");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf = {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf, "CudaRegion.export_dmabuf(self, size_t offset=0, length=None)\n\nOne dmabuf fd over ``[offset, offset+length)``, resolved first.\n\n``offset`` must be page aligned; ``length`` (default: to the end) is\nrounded up to the page size.  The range is resolved before the\ndriver is asked, so a range touching unmapped memory raises\n:class:`ExtentError` naming the address, never a driver error.\n\nReturns\n-------\nint\n    The dmabuf fd, owned by the caller (close it with ``os.close``).");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf = {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -30039,32 +29656,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_length,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 632, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 609, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 632, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 609, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 632, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 609, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "export_dmabuf", 0) < (0)) __PYX_ERR(0, 632, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "export_dmabuf", 0) < (0)) __PYX_ERR(0, 609, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 632, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 609, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 632, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 609, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -30072,7 +29689,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     }
     if (values[0]) {
-      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 632, __pyx_L3_error)
+      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 609, __pyx_L3_error)
     } else {
       __pyx_v_offset = ((size_t)0);
     }
@@ -30080,7 +29697,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("export_dmabuf", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 632, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("export_dmabuf", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 609, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -30091,7 +29708,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -30102,7 +29719,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
   int __pyx_v_fd;
   CUdeviceptr __pyx_v_ptr;
   size_t __pyx_v_n;
@@ -30130,7 +29747,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("export_dmabuf", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":645
+  /* "tensorxfer/memory/_cuda.pyx":622
  *             The dmabuf fd, owned by the caller (close it with ``os.close``).
  *         """
  *         cdef int fd = -1             # <<<<<<<<<<<<<<
@@ -30139,17 +29756,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
   __pyx_v_fd = -1;
 
-  /* "tensorxfer/memory/_cuda.pyx":648
+  /* "tensorxfer/memory/_cuda.pyx":625
  *         cdef cydriver.CUdeviceptr ptr
  *         cdef size_t n
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 648, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 625, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":649
+  /* "tensorxfer/memory/_cuda.pyx":626
  *         cdef size_t n
  *         self._check_open()
  *         if offset % PAGE_SIZE:             # <<<<<<<<<<<<<<
@@ -30161,7 +29778,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":650
+    /* "tensorxfer/memory/_cuda.pyx":627
  *         self._check_open()
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")             # <<<<<<<<<<<<<<
@@ -30169,9 +29786,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
  *         if offset >= self._size and length is None:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 650, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 627, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 650, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 627, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7[0] = __pyx_mstate_global->__pyx_kp_u_dmabuf_offset_must_be_a_multiple;
     __pyx_t_7[1] = __pyx_t_5;
@@ -30183,7 +29800,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
     #endif
     __pyx_t_1 = 0;
     __pyx_t_9 = __Pyx_PyUnicode_Join(__pyx_t_7, 4, __pyx_t_8, __pyx_t_1);
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 650, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 627, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_9);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
@@ -30193,14 +29810,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 650, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 627, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 650, __pyx_L1_error)
+    __PYX_ERR(0, 627, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":649
+    /* "tensorxfer/memory/_cuda.pyx":626
  *         cdef size_t n
  *         self._check_open()
  *         if offset % PAGE_SIZE:             # <<<<<<<<<<<<<<
@@ -30209,7 +29826,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":651
+  /* "tensorxfer/memory/_cuda.pyx":628
  *         if offset % PAGE_SIZE:
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)             # <<<<<<<<<<<<<<
@@ -30219,25 +29836,25 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   __pyx_t_2 = (__pyx_v_length == Py_None);
   if (__pyx_t_2) {
 
-    __pyx_t_10 = (__pyx_v_self->_size - __pyx_v_offset);
+    __pyx_t_10 = (__pyx_v_self->__pyx_base._size - __pyx_v_offset);
   } else {
-    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 651, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 628, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_11 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_11 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 651, __pyx_L1_error)
+    __pyx_t_11 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_11 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 628, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __pyx_t_10 = __pyx_t_11;
   }
 
   __pyx_v_n = __pyx_t_10;
 
-  /* "tensorxfer/memory/_cuda.pyx":652
+  /* "tensorxfer/memory/_cuda.pyx":629
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:             # <<<<<<<<<<<<<<
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
  *                               <uintptr_t>self._base + self._size)
 */
-  __pyx_t_12 = (__pyx_v_offset >= __pyx_v_self->_size);
+  __pyx_t_12 = (__pyx_v_offset >= __pyx_v_self->__pyx_base._size);
 
   if (__pyx_t_12) {
 
@@ -30255,7 +29872,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":653
+    /* "tensorxfer/memory/_cuda.pyx":630
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",             # <<<<<<<<<<<<<<
@@ -30263,11 +29880,11 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
  *         n = _round_up(n, PAGE_SIZE)
 */
     __pyx_t_9 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 653, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 630, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 653, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 630, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 653, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->__pyx_base._size, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 630, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_offset_2;
     __pyx_t_13[1] = __pyx_t_6;
@@ -30280,19 +29897,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
     #endif
     __pyx_t_1 = 0;
     __pyx_t_14 = __Pyx_PyUnicode_Join(__pyx_t_13, 5, __pyx_t_8, __pyx_t_1);
-    if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 653, __pyx_L1_error)
+    if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 630, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":654
+    /* "tensorxfer/memory/_cuda.pyx":631
  *         if offset >= self._size and length is None:
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
  *                               <uintptr_t>self._base + self._size)             # <<<<<<<<<<<<<<
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)
 */
-    __pyx_t_5 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 654, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->__pyx_base._size)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 631, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_10 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -30313,14 +29930,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
       __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 653, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 630, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 653, __pyx_L1_error)
+    __PYX_ERR(0, 630, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":652
+    /* "tensorxfer/memory/_cuda.pyx":629
  *             raise ValueError(f"dmabuf offset must be a multiple of the page size {PAGE_SIZE}, got {offset}")
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset >= self._size and length is None:             # <<<<<<<<<<<<<<
@@ -30329,7 +29946,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":655
+  /* "tensorxfer/memory/_cuda.pyx":632
  *             raise ExtentError(f"offset {offset} is past the end of the region ({self._size} bytes)",
  *                               <uintptr_t>self._base + self._size)
  *         n = _round_up(n, PAGE_SIZE)             # <<<<<<<<<<<<<<
@@ -30338,7 +29955,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
   __pyx_v_n = __pyx_f_10tensorxfer_6memory_5_cuda__round_up(__pyx_v_n, __pyx_v_10tensorxfer_6memory_5_cuda_PAGE_SIZE);
 
-  /* "tensorxfer/memory/_cuda.pyx":656
+  /* "tensorxfer/memory/_cuda.pyx":633
  *                               <uintptr_t>self._base + self._size)
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)             # <<<<<<<<<<<<<<
@@ -30347,9 +29964,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
   __pyx_t_4 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_4);
-  __pyx_t_5 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 656, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 633, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_14 = __Pyx_PyLong_FromSize_t(__pyx_v_n); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 656, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyLong_FromSize_t(__pyx_v_n); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 633, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_14);
   __pyx_t_10 = 0;
   {
@@ -30358,27 +29975,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 656, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 633, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_ext = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":657
+  /* "tensorxfer/memory/_cuda.pyx":634
  *         n = _round_up(n, PAGE_SIZE)
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_ext, __pyx_mstate_global->__pyx_n_u_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 657, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_ext, __pyx_mstate_global->__pyx_n_u_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 634, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_15 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_15 == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 657, __pyx_L1_error)
+  __pyx_t_15 = __Pyx_PyLong_As_size_t(__pyx_t_3); if (unlikely((__pyx_t_15 == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 634, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_ptr = ((CUdeviceptr)((uintptr_t)__pyx_t_15));
 
 
-  /* "tensorxfer/memory/_cuda.pyx":658
+  /* "tensorxfer/memory/_cuda.pyx":635
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -30391,20 +30008,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":659
+        /* "tensorxfer/memory/_cuda.pyx":636
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,             # <<<<<<<<<<<<<<
  *                                                             0), b"cuMemGetHandleForAddressRange(DMA_BUF_FD)")
  *         return fd
 */
-        __pyx_t_16 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetHandleForAddressRange((&__pyx_v_fd), __pyx_v_ptr, __pyx_v_n, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0); if (unlikely(__pyx_t_16 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 659, __pyx_L8_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_16, __pyx_k_cuMemGetHandleForAddressRange_DM); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 659, __pyx_L8_error)
+        __pyx_t_16 = __pyx_f_4cuda_8bindings_8cydriver_cuMemGetHandleForAddressRange((&__pyx_v_fd), __pyx_v_ptr, __pyx_v_n, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0); if (unlikely(__pyx_t_16 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 636, __pyx_L8_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_16, __pyx_k_cuMemGetHandleForAddressRange_DM); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 636, __pyx_L8_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":658
+      /* "tensorxfer/memory/_cuda.pyx":635
  *         ext = self.resolve_extent(offset, n)
  *         ptr = <cydriver.CUdeviceptr><uintptr_t>ext.ptr
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -30426,14 +30043,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":661
+  /* "tensorxfer/memory/_cuda.pyx":638
  *             check_cu(cydriver.cuMemGetHandleForAddressRange(&fd, ptr, n, cydriver.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
  *                                                             0), b"cuMemGetHandleForAddressRange(DMA_BUF_FD)")
  *         return fd             # <<<<<<<<<<<<<<
  * 
  *     def export_handles(self):
 */
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 661, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 638, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   {
     PyObject *__pyx_temp;
@@ -30446,7 +30063,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":632
+  /* "tensorxfer/memory/_cuda.pyx":609
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -30474,7 +30091,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":663
+/* "tensorxfer/memory/_cuda.pyx":640
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
@@ -30483,16 +30100,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmab
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles, "CudaRegion.export_handles(self)\n\nOne POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.\n\nReturns ``[(offset, size, fd), ...]``; the fds are the caller\047s to\nclose.  On failure every fd exported so far is closed.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles = {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles, "CudaRegion.export_handles(self)\n\nOne POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.\n\nReturns ``[(offset, size, fd), ...]``; the fds are the caller\047s to\nclose.  On failure every fd exported so far is closed.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles = {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -30518,14 +30135,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("export_handles", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   int __pyx_v_fd;
   Py_ssize_t __pyx_v_i;
   PyObject *__pyx_v_out = NULL;
@@ -30561,24 +30178,24 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("export_handles", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":671
+  /* "tensorxfer/memory/_cuda.pyx":648
  *         cdef int fd
  *         cdef Py_ssize_t i
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 671, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 648, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":672
+  /* "tensorxfer/memory/_cuda.pyx":649
  *         cdef Py_ssize_t i
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:             # <<<<<<<<<<<<<<
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:
 */
-  __pyx_t_3 = (!__pyx_v_self->_owner);
+  __pyx_t_3 = (!__pyx_v_self->__pyx_base._owner);
 
   if (!__pyx_t_3) {
 
@@ -30597,7 +30214,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":673
+    /* "tensorxfer/memory/_cuda.pyx":650
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")             # <<<<<<<<<<<<<<
@@ -30605,7 +30222,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
 */
     __pyx_t_5 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 673, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 650, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -30624,14 +30241,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_6, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 673, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 650, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 673, __pyx_L1_error)
+    __PYX_ERR(0, 650, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":672
+    /* "tensorxfer/memory/_cuda.pyx":649
  *         cdef Py_ssize_t i
  *         self._check_open()
  *         if not self._owner or self._nchunks == 0:             # <<<<<<<<<<<<<<
@@ -30640,7 +30257,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":674
+  /* "tensorxfer/memory/_cuda.pyx":651
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:             # <<<<<<<<<<<<<<
@@ -30652,7 +30269,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":675
+    /* "tensorxfer/memory/_cuda.pyx":652
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")             # <<<<<<<<<<<<<<
@@ -30660,9 +30277,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
  *         try:
 */
     __pyx_t_6 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 675, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_CudaError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 652, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_8 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 675, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyUnicode_From_int(__pyx_v_self->_device, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 652, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_device_2;
     __pyx_t_9[1] = __pyx_t_8;
@@ -30673,7 +30290,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
     #endif
     __pyx_t_1 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_10, __pyx_t_1);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 675, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 652, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     __pyx_t_7 = 1;
@@ -30694,14 +30311,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 675, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 652, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 675, __pyx_L1_error)
+    __PYX_ERR(0, 652, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":674
+    /* "tensorxfer/memory/_cuda.pyx":651
  *         if not self._owner or self._nchunks == 0:
  *             raise CudaError("only regions tensorxfer allocated can export their handles")
  *         if not self._shareable:             # <<<<<<<<<<<<<<
@@ -30710,19 +30327,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":676
+  /* "tensorxfer/memory/_cuda.pyx":653
  *         if not self._shareable:
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []             # <<<<<<<<<<<<<<
  *         try:
  *             for i in range(self._nchunks):
 */
-  __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 676, __pyx_L1_error)
+  __pyx_t_4 = PyList_New(0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 653, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __pyx_v_out = ((PyObject*)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":677
+  /* "tensorxfer/memory/_cuda.pyx":654
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -30738,7 +30355,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
     __Pyx_XGOTREF(__pyx_t_14);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":678
+      /* "tensorxfer/memory/_cuda.pyx":655
  *         out = []
  *         try:
  *             for i in range(self._nchunks):             # <<<<<<<<<<<<<<
@@ -30752,7 +30369,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
       for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
         __pyx_v_i = __pyx_t_16;
 
-        /* "tensorxfer/memory/_cuda.pyx":679
+        /* "tensorxfer/memory/_cuda.pyx":656
  *         try:
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -30764,7 +30381,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
         if (unlikely(__pyx_t_2)) {
 
 
-          /* "tensorxfer/memory/_cuda.pyx":680
+          /* "tensorxfer/memory/_cuda.pyx":657
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)             # <<<<<<<<<<<<<<
@@ -30772,9 +30389,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
  *                 check_cu(cydriver.cuMemExportToShareableHandle(
 */
           __pyx_t_5 = NULL;
-          __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 680, __pyx_L7_error)
+          __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 657, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_11);
-          __pyx_t_6 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 680, __pyx_L7_error)
+          __pyx_t_6 = __Pyx_PyUnicode_From_Py_ssize_t(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 657, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_6);
           __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_chunk;
           __pyx_t_9[1] = __pyx_t_6;
@@ -30785,10 +30402,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
           #endif
           __pyx_t_1 = 0;
           __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_9, 3, __pyx_t_17, __pyx_t_1);
-          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 680, __pyx_L7_error)
+          if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 657, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_8);
           __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-          __pyx_t_6 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + (__pyx_v_self->_chunks[__pyx_v_i]).offset)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 680, __pyx_L7_error)
+          __pyx_t_6 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + (__pyx_v_self->_chunks[__pyx_v_i]).offset)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 657, __pyx_L7_error)
           __Pyx_GOTREF(__pyx_t_6);
           __pyx_t_7 = 1;
           #if CYTHON_UNPACK_METHODS
@@ -30809,14 +30426,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
             __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
             __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
             __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-            if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 680, __pyx_L7_error)
+            if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 657, __pyx_L7_error)
             __Pyx_GOTREF(__pyx_t_4);
           }
           __Pyx_Raise(__pyx_t_4, 0, 0, 0);
           __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-          __PYX_ERR(0, 680, __pyx_L7_error)
+          __PYX_ERR(0, 657, __pyx_L7_error)
 
-          /* "tensorxfer/memory/_cuda.pyx":679
+          /* "tensorxfer/memory/_cuda.pyx":656
  *         try:
  *             for i in range(self._nchunks):
  *                 if not self._chunks[i].mapped:             # <<<<<<<<<<<<<<
@@ -30825,7 +30442,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":681
+        /* "tensorxfer/memory/_cuda.pyx":658
  *                 if not self._chunks[i].mapped:
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)
  *                 fd = -1             # <<<<<<<<<<<<<<
@@ -30834,49 +30451,49 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
         __pyx_v_fd = -1;
 
-        /* "tensorxfer/memory/_cuda.pyx":682
+        /* "tensorxfer/memory/_cuda.pyx":659
  *                     raise ExtentError(f"chunk {i} is not mapped", <uintptr_t>self._base + self._chunks[i].offset)
  *                 fd = -1
  *                 check_cu(cydriver.cuMemExportToShareableHandle(             # <<<<<<<<<<<<<<
  *                     &fd, self._chunks[i].handle, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
  *                     b"cuMemExportToShareableHandle")
 */
-        __pyx_t_18 = __pyx_f_4cuda_8bindings_8cydriver_cuMemExportToShareableHandle((&__pyx_v_fd), (__pyx_v_self->_chunks[__pyx_v_i]).handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0); if (unlikely(__pyx_t_18 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 682, __pyx_L7_error)
-        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_18, __pyx_k_cuMemExportToShareableHandle); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 682, __pyx_L7_error)
+        __pyx_t_18 = __pyx_f_4cuda_8bindings_8cydriver_cuMemExportToShareableHandle((&__pyx_v_fd), (__pyx_v_self->_chunks[__pyx_v_i]).handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0); if (unlikely(__pyx_t_18 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 659, __pyx_L7_error)
+        __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_18, __pyx_k_cuMemExportToShareableHandle); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 659, __pyx_L7_error)
 
 
 
-        /* "tensorxfer/memory/_cuda.pyx":685
+        /* "tensorxfer/memory/_cuda.pyx":662
  *                     &fd, self._chunks[i].handle, cydriver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
  *                     b"cuMemExportToShareableHandle")
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             for _, _, fd in out:
 */
-        __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).offset); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 685, __pyx_L7_error)
+        __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).offset); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 662, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_4);
-        __pyx_t_11 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).size); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 685, __pyx_L7_error)
+        __pyx_t_11 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_chunks[__pyx_v_i]).size); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 662, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_11);
-        __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 685, __pyx_L7_error)
+        __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_fd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 662, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_6);
-        __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 685, __pyx_L7_error)
+        __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 662, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_8);
         __Pyx_GIVEREF(__pyx_t_4);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 662, __pyx_L7_error);
         __Pyx_GIVEREF(__pyx_t_11);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 662, __pyx_L7_error);
         __Pyx_GIVEREF(__pyx_t_6);
-        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 685, __pyx_L7_error);
+        if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 662, __pyx_L7_error);
         __pyx_t_4 = 0;
         __pyx_t_11 = 0;
         __pyx_t_6 = 0;
-        __pyx_t_19 = __Pyx_PyList_Append(__pyx_v_out, __pyx_t_8); if (unlikely(__pyx_t_19 == ((int)-1))) __PYX_ERR(0, 685, __pyx_L7_error)
+        __pyx_t_19 = __Pyx_PyList_Append(__pyx_v_out, __pyx_t_8); if (unlikely(__pyx_t_19 == ((int)-1))) __PYX_ERR(0, 662, __pyx_L7_error)
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
       }
 
 
-      /* "tensorxfer/memory/_cuda.pyx":677
+      /* "tensorxfer/memory/_cuda.pyx":654
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -30895,7 +30512,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
     __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":686
+    /* "tensorxfer/memory/_cuda.pyx":663
  *                     b"cuMemExportToShareableHandle")
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -30905,12 +30522,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
     __pyx_t_1 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_1) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.CudaRegion.export_handles", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_8, &__pyx_t_6, &__pyx_t_11) < 0) __PYX_ERR(0, 686, __pyx_L9_except_error)
+      if (__Pyx_GetException(&__pyx_t_8, &__pyx_t_6, &__pyx_t_11) < 0) __PYX_ERR(0, 663, __pyx_L9_except_error)
       __Pyx_XGOTREF(__pyx_t_8);
       __Pyx_XGOTREF(__pyx_t_6);
       __Pyx_XGOTREF(__pyx_t_11);
 
-      /* "tensorxfer/memory/_cuda.pyx":687
+      /* "tensorxfer/memory/_cuda.pyx":664
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:
  *             for _, _, fd in out:             # <<<<<<<<<<<<<<
@@ -30923,13 +30540,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
         {
           Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_4);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 664, __pyx_L9_except_error)
           #endif
           if (__pyx_t_10 >= __pyx_temp) break;
         }
         __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_4, __pyx_t_10, __Pyx_ReferenceSharing_OwnStrongReference);
         ++__pyx_t_10;
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 664, __pyx_L9_except_error)
         __Pyx_GOTREF(__pyx_t_5);
         if ((likely(PyTuple_CheckExact(__pyx_t_5))) || (PyList_CheckExact(__pyx_t_5))) {
           PyObject* sequence = __pyx_t_5;
@@ -30937,7 +30554,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
           if (unlikely(size != 3)) {
             if (size > 3) __Pyx_RaiseTooManyValuesError(3);
             else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-            __PYX_ERR(0, 687, __pyx_L9_except_error)
+            __PYX_ERR(0, 664, __pyx_L9_except_error)
           }
           #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
           if (likely(PyTuple_CheckExact(sequence))) {
@@ -30949,27 +30566,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
             __Pyx_INCREF(__pyx_t_22);
           } else {
             __pyx_t_20 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 664, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_20);
             __pyx_t_21 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 664, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_21);
             __pyx_t_22 = __Pyx_PyList_GET_ITEM_REF(sequence, 2, __Pyx_ReferenceSharing_SharedReference);
-            if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+            if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 664, __pyx_L9_except_error)
             __Pyx_XGOTREF(__pyx_t_22);
           }
           #else
-          __pyx_t_20 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          __pyx_t_20 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_20)) __PYX_ERR(0, 664, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_20);
-          __pyx_t_21 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          __pyx_t_21 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_21)) __PYX_ERR(0, 664, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_21);
-          __pyx_t_22 = __Pyx_PySequence_ITEM(sequence, 2); if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          __pyx_t_22 = __Pyx_PySequence_ITEM(sequence, 2); if (unlikely(!__pyx_t_22)) __PYX_ERR(0, 664, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_22);
           #endif
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         } else {
           Py_ssize_t index = -1;
-          __pyx_t_23 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_23)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          __pyx_t_23 = PyObject_GetIter(__pyx_t_5); if (unlikely(!__pyx_t_23)) __PYX_ERR(0, 664, __pyx_L9_except_error)
           __Pyx_GOTREF(__pyx_t_23);
           __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
           __pyx_t_24 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_23);
@@ -30979,7 +30596,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
           __Pyx_GOTREF(__pyx_t_21);
           index = 2; __pyx_t_22 = __pyx_t_24(__pyx_t_23); if (unlikely(!__pyx_t_22)) goto __pyx_L20_unpacking_failed;
           __Pyx_GOTREF(__pyx_t_22);
-          if (__Pyx_IternextUnpackEndCheck(__pyx_t_24(__pyx_t_23), 3) < (0)) __PYX_ERR(0, 687, __pyx_L9_except_error)
+          if (__Pyx_IternextUnpackEndCheck(__pyx_t_24(__pyx_t_23), 3) < (0)) __PYX_ERR(0, 664, __pyx_L9_except_error)
           __pyx_t_24 = NULL;
           __Pyx_DECREF(__pyx_t_23); __pyx_t_23 = 0;
           goto __pyx_L21_unpacking_done;
@@ -30987,10 +30604,10 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
           __Pyx_DECREF(__pyx_t_23); __pyx_t_23 = 0;
           __pyx_t_24 = NULL;
           if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-          __PYX_ERR(0, 687, __pyx_L9_except_error)
+          __PYX_ERR(0, 664, __pyx_L9_except_error)
           __pyx_L21_unpacking_done:;
         }
-        __pyx_t_1 = __Pyx_PyLong_As_int(__pyx_t_22); if (unlikely((__pyx_t_1 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 687, __pyx_L9_except_error)
+        __pyx_t_1 = __Pyx_PyLong_As_int(__pyx_t_22); if (unlikely((__pyx_t_1 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 664, __pyx_L9_except_error)
         __Pyx_DECREF(__pyx_t_22); __pyx_t_22 = 0;
         __Pyx_XDECREF_SET(__pyx_v__, __pyx_t_20);
         __pyx_t_20 = 0;
@@ -30998,7 +30615,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
         __pyx_t_21 = 0;
         __pyx_v_fd = __pyx_t_1;
 
-        /* "tensorxfer/memory/_cuda.pyx":688
+        /* "tensorxfer/memory/_cuda.pyx":665
  *         except BaseException:
  *             for _, _, fd in out:
  *                 close(fd)             # <<<<<<<<<<<<<<
@@ -31007,7 +30624,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
         (void)(close(__pyx_v_fd));
 
-        /* "tensorxfer/memory/_cuda.pyx":687
+        /* "tensorxfer/memory/_cuda.pyx":664
  *                 out.append((self._chunks[i].offset, self._chunks[i].size, fd))
  *         except BaseException:
  *             for _, _, fd in out:             # <<<<<<<<<<<<<<
@@ -31017,7 +30634,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
       }
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":689
+      /* "tensorxfer/memory/_cuda.pyx":666
  *             for _, _, fd in out:
  *                 close(fd)
  *             raise             # <<<<<<<<<<<<<<
@@ -31029,11 +30646,11 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
       __Pyx_XGIVEREF(__pyx_t_11);
       __Pyx_ErrRestoreWithState(__pyx_t_8, __pyx_t_6, __pyx_t_11);
       __pyx_t_8 = 0;  __pyx_t_6 = 0;  __pyx_t_11 = 0; 
-      __PYX_ERR(0, 689, __pyx_L9_except_error)
+      __PYX_ERR(0, 666, __pyx_L9_except_error)
     }
     goto __pyx_L9_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":677
+    /* "tensorxfer/memory/_cuda.pyx":654
  *             raise CudaError(f"device {self._device} does not support POSIX-fd shareable handles")
  *         out = []
  *         try:             # <<<<<<<<<<<<<<
@@ -31049,7 +30666,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
     __pyx_L12_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":690
+  /* "tensorxfer/memory/_cuda.pyx":667
  *                 close(fd)
  *             raise
  *         return out             # <<<<<<<<<<<<<<
@@ -31067,7 +30684,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":663
+  /* "tensorxfer/memory/_cuda.pyx":640
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
@@ -31098,7 +30715,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":692
+/* "tensorxfer/memory/_cuda.pyx":669
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -31107,16 +30724,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_hand
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array, "CudaRegion.cuda_array(self, size_t offset=0, length=None)\n\nA ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.\n\ntorch.as_tensor / cupy.asarray take it zero-copy; while it (or\nanything built on it) is alive the region cannot be closed.");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array = {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array, "CudaRegion.cuda_array(self, size_t offset=0, length=None)\n\nA ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.\n\ntorch.as_tensor / cupy.asarray take it zero-copy; while it (or\nanything built on it) is alive the region cannot be closed.");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array = {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31147,32 +30764,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_length,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 692, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 669, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 692, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 669, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 692, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 669, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "cuda_array", 0) < (0)) __PYX_ERR(0, 692, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "cuda_array", 0) < (0)) __PYX_ERR(0, 669, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 692, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 669, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 692, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 669, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -31180,7 +30797,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
     }
     if (values[0]) {
-      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 692, __pyx_L3_error)
+      __pyx_v_offset = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_offset == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 669, __pyx_L3_error)
     } else {
       __pyx_v_offset = ((size_t)0);
     }
@@ -31188,7 +30805,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("cuda_array", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 692, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("cuda_array", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 669, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -31199,7 +30816,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_offset, __pyx_v_length);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -31210,7 +30827,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, size_t __pyx_v_offset, PyObject *__pyx_v_length) {
   PyObject *__pyx_v_n = NULL;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -31231,17 +30848,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("cuda_array", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":698
+  /* "tensorxfer/memory/_cuda.pyx":675
  *         anything built on it) is alive the region cannot be closed.
  *         """
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 698, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 675, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":699
+  /* "tensorxfer/memory/_cuda.pyx":676
  *         """
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)             # <<<<<<<<<<<<<<
@@ -31250,13 +30867,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
 */
   __pyx_t_3 = (__pyx_v_length == Py_None);
   if (__pyx_t_3) {
-    __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->_size - __pyx_v_offset)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 699, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_FromSize_t((__pyx_v_self->__pyx_base._size - __pyx_v_offset)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 676, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_PyInt_FromNumber(&__pyx_t_4, NULL, 0) < (0)) __PYX_ERR(0, 699, __pyx_L1_error)
+    if (__Pyx_PyInt_FromNumber(&__pyx_t_4, NULL, 0) < (0)) __PYX_ERR(0, 676, __pyx_L1_error)
     __pyx_t_2 = __pyx_t_4;
     __pyx_t_4 = 0;
   } else {
-    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 699, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyNumber_Int(__pyx_v_length); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 676, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __pyx_t_2 = __pyx_t_4;
     __pyx_t_4 = 0;
@@ -31265,27 +30882,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
   __pyx_v_n = ((PyObject*)__pyx_t_2);
   __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":700
+  /* "tensorxfer/memory/_cuda.pyx":677
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:             # <<<<<<<<<<<<<<
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)
 */
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 700, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 677, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_4 = __Pyx_PyNumber_Add_int_int(__pyx_t_2, __pyx_v_n); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 700, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyNumber_Add_int_int(__pyx_t_2, __pyx_v_n); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 677, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 700, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->__pyx_base._size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 677, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolGt_int_int(__pyx_t_4, __pyx_t_2, Py_GT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 700, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolGt_int_int(__pyx_t_4, __pyx_t_2, Py_GT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 677, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":701
+    /* "tensorxfer/memory/_cuda.pyx":678
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",             # <<<<<<<<<<<<<<
@@ -31293,19 +30910,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
  *         return _DeviceBytes._make(self, offset, n)
 */
     __pyx_t_4 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_ExtentError); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_offset, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyLong_FromSize_t(__pyx_v_offset); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
-    __pyx_t_8 = __Pyx_PyNumber_Add_int_int(__pyx_t_7, __pyx_v_n); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyNumber_Add_int_int(__pyx_t_7, __pyx_v_n); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_8, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_8, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 701, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->__pyx_base._size, 0, ' ', 'd'); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_view;
     __pyx_t_9[1] = __pyx_t_6;
@@ -31323,20 +30940,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
     __pyx_t_1 |= __Pyx_PyUnicode_KIND_04(__pyx_t_9[3]);
     #endif
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_9, 7, __pyx_t_10, __pyx_t_1);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 701, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 678, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":702
+    /* "tensorxfer/memory/_cuda.pyx":679
  *         if offset + n > self._size:
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)             # <<<<<<<<<<<<<<
  *         return _DeviceBytes._make(self, offset, n)
  * 
 */
-    __pyx_t_8 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->_size)); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 702, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_FromSize_t((((uintptr_t)__pyx_v_self->_base) + __pyx_v_self->__pyx_base._size)); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 679, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_12 = 1;
     #if CYTHON_UNPACK_METHODS
@@ -31357,14 +30974,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 701, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 678, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 701, __pyx_L1_error)
+    __PYX_ERR(0, 678, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":700
+    /* "tensorxfer/memory/_cuda.pyx":677
  *         self._check_open()
  *         n = (self._size - offset) if length is None else int(length)
  *         if offset + n > self._size:             # <<<<<<<<<<<<<<
@@ -31373,15 +30990,15 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":703
+  /* "tensorxfer/memory/_cuda.pyx":680
  *             raise ExtentError(f"view [{offset}, {offset + n}) runs past the region's {self._size} bytes",
  *                               <uintptr_t>self._base + self._size)
  *         return _DeviceBytes._make(self, offset, n)             # <<<<<<<<<<<<<<
  * 
  *     # ---------------------------------------------------------------- test hooks
 */
-  __pyx_t_12 = __Pyx_PyLong_As_size_t(__pyx_v_n); if (unlikely((__pyx_t_12 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 703, __pyx_L1_error)
-  __pyx_t_2 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(__pyx_v_self, __pyx_v_offset, __pyx_t_12)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 703, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyLong_As_size_t(__pyx_v_n); if (unlikely((__pyx_t_12 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 680, __pyx_L1_error)
+  __pyx_t_2 = ((PyObject *)__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make(__pyx_v_self, __pyx_v_offset, __pyx_t_12)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 680, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -31395,7 +31012,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":692
+  /* "tensorxfer/memory/_cuda.pyx":669
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
@@ -31421,7 +31038,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":706
+/* "tensorxfer/memory/_cuda.pyx":683
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
@@ -31430,16 +31047,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array(
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk, "CudaRegion._unmap_chunk(self, Py_ssize_t index)\n\n``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution).");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk = {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk, "CudaRegion._unmap_chunk(self, Py_ssize_t index)\n\n``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution).");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk = {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31469,32 +31086,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_index,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 706, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 683, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 706, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 683, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_unmap_chunk", 0) < (0)) __PYX_ERR(0, 706, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_unmap_chunk", 0) < (0)) __PYX_ERR(0, 683, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, i); __PYX_ERR(0, 706, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, i); __PYX_ERR(0, 683, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 706, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 683, __pyx_L3_error)
     }
-    __pyx_v_index = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_index == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 706, __pyx_L3_error)
+    __pyx_v_index = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_index == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 683, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 706, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_unmap_chunk", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 683, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -31505,7 +31122,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_index);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v_index);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -31516,7 +31133,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, Py_ssize_t __pyx_v_index) {
   struct __pyx_t_10tensorxfer_6memory_5_cuda_CuChunk *__pyx_v_c;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -31533,24 +31150,24 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_unmap_chunk", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":709
+  /* "tensorxfer/memory/_cuda.pyx":686
  *         """``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution)."""
  *         cdef CuChunk* c
  *         self._check_open()             # <<<<<<<<<<<<<<
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 709, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check_open(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 686, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":710
+  /* "tensorxfer/memory/_cuda.pyx":687
  *         cdef CuChunk* c
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:             # <<<<<<<<<<<<<<
  *             raise IndexError(index)
  *         if self._exports:
 */
-  __pyx_t_3 = (!__pyx_v_self->_owner);
+  __pyx_t_3 = (!__pyx_v_self->__pyx_base._owner);
 
   if (!__pyx_t_3) {
 
@@ -31579,7 +31196,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":711
+    /* "tensorxfer/memory/_cuda.pyx":688
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)             # <<<<<<<<<<<<<<
@@ -31587,7 +31204,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
 */
     __pyx_t_5 = NULL;
-    __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_index); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 711, __pyx_L1_error)
+    __pyx_t_6 = PyLong_FromSsize_t(__pyx_v_index); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 688, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_7 = 1;
     {
@@ -31595,14 +31212,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_IndexError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 711, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 688, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 711, __pyx_L1_error)
+    __PYX_ERR(0, 688, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":710
+    /* "tensorxfer/memory/_cuda.pyx":687
  *         cdef CuChunk* c
  *         self._check_open()
  *         if not self._owner or index < 0 or index >= self._nchunks:             # <<<<<<<<<<<<<<
@@ -31611,7 +31228,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":712
+  /* "tensorxfer/memory/_cuda.pyx":689
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
  *         if self._exports:             # <<<<<<<<<<<<<<
@@ -31623,7 +31240,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":713
+    /* "tensorxfer/memory/_cuda.pyx":690
  *             raise IndexError(index)
  *         if self._exports:
  *             raise BufferError("cannot unmap a chunk while views of the region exist")             # <<<<<<<<<<<<<<
@@ -31636,14 +31253,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
       PyObject *__pyx_callargs[2] = {__pyx_t_6, __pyx_mstate_global->__pyx_kp_u_cannot_unmap_a_chunk_while_views};
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_BufferError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 713, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 690, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 713, __pyx_L1_error)
+    __PYX_ERR(0, 690, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":712
+    /* "tensorxfer/memory/_cuda.pyx":689
  *         if not self._owner or index < 0 or index >= self._nchunks:
  *             raise IndexError(index)
  *         if self._exports:             # <<<<<<<<<<<<<<
@@ -31652,7 +31269,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":714
+  /* "tensorxfer/memory/_cuda.pyx":691
  *         if self._exports:
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]             # <<<<<<<<<<<<<<
@@ -31661,7 +31278,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
   __pyx_v_c = (&(__pyx_v_self->_chunks[__pyx_v_index]));
 
-  /* "tensorxfer/memory/_cuda.pyx":715
+  /* "tensorxfer/memory/_cuda.pyx":692
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]
  *         if c.mapped:             # <<<<<<<<<<<<<<
@@ -31670,19 +31287,19 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
   if (__pyx_v_c->mapped) {
 
-    /* "tensorxfer/memory/_cuda.pyx":716
+    /* "tensorxfer/memory/_cuda.pyx":693
  *         c = &self._chunks[index]
  *         if c.mapped:
  *             check_cu(cydriver.cuMemUnmap(self._base + c.offset, c.size), b"cuMemUnmap")             # <<<<<<<<<<<<<<
  *             c.mapped = False
  * 
 */
-    __pyx_t_8 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_8 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 716, __pyx_L1_error)
-    __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_8, __pyx_k_cuMemUnmap); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 716, __pyx_L1_error)
+    __pyx_t_8 = __pyx_f_4cuda_8bindings_8cydriver_cuMemUnmap((__pyx_v_self->_base + __pyx_v_c->offset), __pyx_v_c->size); if (unlikely(__pyx_t_8 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 693, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_8, __pyx_k_cuMemUnmap); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 693, __pyx_L1_error)
 
 
 
-    /* "tensorxfer/memory/_cuda.pyx":717
+    /* "tensorxfer/memory/_cuda.pyx":694
  *         if c.mapped:
  *             check_cu(cydriver.cuMemUnmap(self._base + c.offset, c.size), b"cuMemUnmap")
  *             c.mapped = False             # <<<<<<<<<<<<<<
@@ -31691,7 +31308,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
     __pyx_v_c->mapped = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":715
+    /* "tensorxfer/memory/_cuda.pyx":692
  *             raise BufferError("cannot unmap a chunk while views of the region exist")
  *         c = &self._chunks[index]
  *         if c.mapped:             # <<<<<<<<<<<<<<
@@ -31700,7 +31317,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":706
+  /* "tensorxfer/memory/_cuda.pyx":683
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
@@ -31731,16 +31348,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chun
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__, "CudaRegion.__reduce_cython__(self)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__, "CudaRegion.__reduce_cython__(self)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__ = {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31766,14 +31383,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   const Py_ssize_t __pyx_kwds_len = unlikely(__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
   if (unlikely(__pyx_kwds_len < 0)) return NULL;
   if (unlikely(__pyx_kwds_len > 0)) {__Pyx_RejectKeywords("__reduce_cython__", __pyx_kwds); return NULL;}
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self));
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -31813,16 +31430,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cy
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__(PyObject *__pyx_v_self, 
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__, "CudaRegion.__setstate_cython__(self, __pyx_state)");
-static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__};
-static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__(PyObject *__pyx_v_self, 
+PyDoc_STRVAR(__pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__, "CudaRegion.__setstate_cython__(self, __pyx_state)");
+static PyMethodDef __pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__ = {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__};
+static PyObject *__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__(PyObject *__pyx_v_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -31888,7 +31505,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v___pyx_state);
+  __pyx_r = __pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self), __pyx_v___pyx_state);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -31898,7 +31515,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
+static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__(CYTHON_UNUSED struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_lineno = 0;
@@ -31930,7 +31547,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":726
+/* "tensorxfer/memory/_cuda.pyx":703
  *     cdef size_t _n
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -31948,19 +31565,19 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_make", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":728
+  /* "tensorxfer/memory/_cuda.pyx":705
  *     @staticmethod
  *     cdef _DeviceBytes _make(CudaRegion region, size_t offset, size_t n):
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)             # <<<<<<<<<<<<<<
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset
 */
-  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda__DeviceBytes(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 728, __pyx_L1_error)
+  __pyx_t_1 = ((PyObject *)__pyx_tp_new_10tensorxfer_6memory_5_cuda__DeviceBytes(((PyTypeObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes), __pyx_mstate_global->__pyx_empty_tuple, NULL)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 705, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_self = ((struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":729
+  /* "tensorxfer/memory/_cuda.pyx":706
  *     cdef _DeviceBytes _make(CudaRegion region, size_t offset, size_t n):
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)
  *         self._region = region             # <<<<<<<<<<<<<<
@@ -31972,7 +31589,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   __Pyx_GOTREF((PyObject *)__pyx_v_self->_region);
   __Pyx_DECREF_SET(__pyx_v_self->_region, __pyx_v_region);
 
-  /* "tensorxfer/memory/_cuda.pyx":730
+  /* "tensorxfer/memory/_cuda.pyx":707
  *         cdef _DeviceBytes self = _DeviceBytes.__new__(_DeviceBytes)
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset             # <<<<<<<<<<<<<<
@@ -31981,7 +31598,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
 */
   __pyx_v_self->_ptr = (((uintptr_t)__pyx_v_region->_base) + __pyx_v_offset);
 
-  /* "tensorxfer/memory/_cuda.pyx":731
+  /* "tensorxfer/memory/_cuda.pyx":708
  *         self._region = region
  *         self._ptr = <uintptr_t>region._base + offset
  *         self._n = n             # <<<<<<<<<<<<<<
@@ -31990,7 +31607,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
 */
   __pyx_v_self->_n = __pyx_v_n;
 
-  /* "tensorxfer/memory/_cuda.pyx":732
+  /* "tensorxfer/memory/_cuda.pyx":709
  *         self._ptr = <uintptr_t>region._base + offset
  *         self._n = n
  *         region._exports += 1             # <<<<<<<<<<<<<<
@@ -31999,7 +31616,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
 */
   __pyx_v_region->__pyx_base._exports = (__pyx_v_region->__pyx_base._exports + 1);
 
-  /* "tensorxfer/memory/_cuda.pyx":733
+  /* "tensorxfer/memory/_cuda.pyx":710
  *         self._n = n
  *         region._exports += 1
  *         return self             # <<<<<<<<<<<<<<
@@ -32017,7 +31634,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":726
+  /* "tensorxfer/memory/_cuda.pyx":703
  *     cdef size_t _n
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -32037,7 +31654,7 @@ static struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *__pyx_f_10tens
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":735
+/* "tensorxfer/memory/_cuda.pyx":712
  *         return self
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -32065,7 +31682,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":736
+  /* "tensorxfer/memory/_cuda.pyx":713
  * 
  *     def __dealloc__(self):
  *         if self._region is not None:             # <<<<<<<<<<<<<<
@@ -32076,17 +31693,17 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
   if (__pyx_t_1) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":737
+    /* "tensorxfer/memory/_cuda.pyx":714
  *     def __dealloc__(self):
  *         if self._region is not None:
  *             self._region._view_released()             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-    __pyx_t_2 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->_region->__pyx_base.__pyx_vtab)->__pyx_base._view_released(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self->_region)); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 737, __pyx_L1_error)
+    __pyx_t_2 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_CudaRegion *)__pyx_v_self->_region->__pyx_base.__pyx_vtab)->__pyx_base._view_released(((struct __pyx_obj_10tensorxfer_6memory_7_extent_AllocationMap *)__pyx_v_self->_region)); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 714, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":736
+    /* "tensorxfer/memory/_cuda.pyx":713
  * 
  *     def __dealloc__(self):
  *         if self._region is not None:             # <<<<<<<<<<<<<<
@@ -32095,7 +31712,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":735
+  /* "tensorxfer/memory/_cuda.pyx":712
  *         return self
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -32111,7 +31728,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes___dealloc__(stru
 
 }
 
-/* "tensorxfer/memory/_cuda.pyx":739
+/* "tensorxfer/memory/_cuda.pyx":716
  *             self._region._view_released()
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -32145,48 +31762,48 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":743
+  /* "tensorxfer/memory/_cuda.pyx":720
  *         # stream None: the producer makes no stream promise; our copies are
  *         # synchronous with respect to the host before any view is handed out.
  *         return {"shape": (self._n,), "typestr": "|u1", "data": (self._ptr, False), "version": 3,             # <<<<<<<<<<<<<<
  *                 "strides": None, "stream": None}
  * 
 */
-  __pyx_t_1 = __Pyx_PyDict_NewPresized(6); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 743, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyDict_NewPresized(6); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_n); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 743, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_n); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = PyTuple_New(1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 743, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 720, __pyx_L1_error);
   __pyx_t_2 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_shape, __pyx_t_3) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_shape, __pyx_t_3) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_typestr, __pyx_mstate_global->__pyx_kp_u_u1) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
-  __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_typestr, __pyx_mstate_global->__pyx_kp_u_u1) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_FromSize_t(__pyx_v_self->_ptr); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 743, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 720, __pyx_L1_error);
   __Pyx_INCREF(Py_False);
   __Pyx_GIVEREF(Py_False);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_False) != (0)) __PYX_ERR(0, 743, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_False) != (0)) __PYX_ERR(0, 720, __pyx_L1_error);
   __pyx_t_3 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data, __pyx_t_2) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data, __pyx_t_2) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_version, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_version, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
 
-  /* "tensorxfer/memory/_cuda.pyx":744
+  /* "tensorxfer/memory/_cuda.pyx":721
  *         # synchronous with respect to the host before any view is handed out.
  *         return {"shape": (self._n,), "typestr": "|u1", "data": (self._ptr, False), "version": 3,
  *                 "strides": None, "stream": None}             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_strides, Py_None) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_stream, Py_None) < (0)) __PYX_ERR(0, 743, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_strides, Py_None) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_stream, Py_None) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
   {
     PyObject *__pyx_temp;
     {
@@ -32198,7 +31815,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":739
+  /* "tensorxfer/memory/_cuda.pyx":716
  *             self._region._view_released()
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -32219,7 +31836,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_24__cuda_ar
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":746
+/* "tensorxfer/memory/_cuda.pyx":723
  *                 "strides": None, "stream": None}
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -32251,14 +31868,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___g
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":748
+  /* "tensorxfer/memory/_cuda.pyx":725
  *     @property
  *     def device(self):
  *         return self._region._device             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_region->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 748, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->_region->_device); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 725, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -32271,7 +31888,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_6device___g
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":746
+  /* "tensorxfer/memory/_cuda.pyx":723
  *                 "strides": None, "stream": None}
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -32768,7 +32385,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_12_DeviceBytes_4__setstate
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":770
+/* "tensorxfer/memory/_cuda.pyx":747
  *     cdef list _views
  * 
  *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
@@ -32815,50 +32432,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_buffer_bytes,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 770, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 747, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 770, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 747, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 770, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 747, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 770, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__cinit__", 0) < (0)) __PYX_ERR(0, 747, __pyx_L3_error)
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 770, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 747, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 770, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 747, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     if (values[0]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 770, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 747, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
     if (values[1]) {
-      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 770, __pyx_L3_error)
+      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 747, __pyx_L3_error)
     } else {
       __pyx_v_buffer_bytes = ((size_t)0x4000000);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 770, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__cinit__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 747, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -32903,7 +32520,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__cinit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":772
+  /* "tensorxfer/memory/_cuda.pyx":749
  *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):
  *         cdef int i
  *         self._stream = NULL             # <<<<<<<<<<<<<<
@@ -32912,7 +32529,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_stream = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":773
+  /* "tensorxfer/memory/_cuda.pyx":750
  *         cdef int i
  *         self._stream = NULL
  *         self._closed = False             # <<<<<<<<<<<<<<
@@ -32921,7 +32538,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_closed = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":774
+  /* "tensorxfer/memory/_cuda.pyx":751
  *         self._stream = NULL
  *         self._closed = False
  *         self._device = device             # <<<<<<<<<<<<<<
@@ -32930,7 +32547,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_device = __pyx_v_device;
 
-  /* "tensorxfer/memory/_cuda.pyx":775
+  /* "tensorxfer/memory/_cuda.pyx":752
  *         self._closed = False
  *         self._device = device
  *         self._size = buffer_bytes             # <<<<<<<<<<<<<<
@@ -32939,21 +32556,21 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   __pyx_v_self->_size = __pyx_v_buffer_bytes;
 
-  /* "tensorxfer/memory/_cuda.pyx":776
+  /* "tensorxfer/memory/_cuda.pyx":753
  *         self._device = device
  *         self._size = buffer_bytes
  *         self._views = []             # <<<<<<<<<<<<<<
  *         for i in range(2):
  *             self._events[i] = NULL
 */
-  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 776, __pyx_L1_error)
+  __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 753, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_1);
   __Pyx_GOTREF(__pyx_v_self->_views);
   __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_1));
   __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":777
+  /* "tensorxfer/memory/_cuda.pyx":754
  *         self._size = buffer_bytes
  *         self._views = []
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -32963,7 +32580,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   for (__pyx_t_2 = 0; __pyx_t_2 < 2; __pyx_t_2+=1) {
     __pyx_v_i = __pyx_t_2;
 
-    /* "tensorxfer/memory/_cuda.pyx":778
+    /* "tensorxfer/memory/_cuda.pyx":755
  *         self._views = []
  *         for i in range(2):
  *             self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -32972,7 +32589,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
     (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":779
+    /* "tensorxfer/memory/_cuda.pyx":756
  *         for i in range(2):
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -32982,7 +32599,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":780
+  /* "tensorxfer/memory/_cuda.pyx":757
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -32994,7 +32611,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":781
+    /* "tensorxfer/memory/_cuda.pyx":758
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")             # <<<<<<<<<<<<<<
@@ -33007,14 +32624,14 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_buffer_bytes_must_be_positive};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_5, (2-__pyx_t_5) | (__pyx_t_5*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 781, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 758, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 781, __pyx_L1_error)
+    __PYX_ERR(0, 758, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":780
+    /* "tensorxfer/memory/_cuda.pyx":757
  *             self._events[i] = NULL
  *             self._pinned[i] = NULL
  *         if buffer_bytes == 0:             # <<<<<<<<<<<<<<
@@ -33023,7 +32640,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":782
+  /* "tensorxfer/memory/_cuda.pyx":759
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -33039,29 +32656,29 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XGOTREF(__pyx_t_8);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":783
+      /* "tensorxfer/memory/_cuda.pyx":760
  *             raise ValueError("buffer_bytes must be positive")
  *         try:
  *             bind_device(device)             # <<<<<<<<<<<<<<
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:
 */
-      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 783, __pyx_L6_error)
+      __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 760, __pyx_L6_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":784
+      /* "tensorxfer/memory/_cuda.pyx":761
  *         try:
  *             bind_device(device)
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             self.close()
 */
-      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 784, __pyx_L6_error)
-      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 784, __pyx_L6_error)
+      __pyx_t_10 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamCreate((&__pyx_v_self->_stream), CU_STREAM_NON_BLOCKING); if (unlikely(__pyx_t_10 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 761, __pyx_L6_error)
+      __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_10, __pyx_k_cuStreamCreate); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 761, __pyx_L6_error)
 
 
 
-      /* "tensorxfer/memory/_cuda.pyx":782
+      /* "tensorxfer/memory/_cuda.pyx":759
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -33077,7 +32694,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":785
+    /* "tensorxfer/memory/_cuda.pyx":762
  *             bind_device(device)
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -33087,12 +32704,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_t_2 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_2) {
       __Pyx_AddTraceback("tensorxfer.memory._cuda.Stager.__cinit__", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_11) < 0) __PYX_ERR(0, 785, __pyx_L8_except_error)
+      if (__Pyx_GetException(&__pyx_t_1, &__pyx_t_4, &__pyx_t_11) < 0) __PYX_ERR(0, 762, __pyx_L8_except_error)
       __Pyx_XGOTREF(__pyx_t_1);
       __Pyx_XGOTREF(__pyx_t_4);
       __Pyx_XGOTREF(__pyx_t_11);
 
-      /* "tensorxfer/memory/_cuda.pyx":786
+      /* "tensorxfer/memory/_cuda.pyx":763
  *             check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
  *         except BaseException:
  *             self.close()             # <<<<<<<<<<<<<<
@@ -33106,12 +32723,12 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
         PyObject *__pyx_callargs[2] = {__pyx_t_13, NULL};
         __pyx_t_12 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_5, (1-__pyx_t_5) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_13); __pyx_t_13 = 0;
-        if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 786, __pyx_L8_except_error)
+        if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 763, __pyx_L8_except_error)
         __Pyx_GOTREF(__pyx_t_12);
       }
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
 
-      /* "tensorxfer/memory/_cuda.pyx":787
+      /* "tensorxfer/memory/_cuda.pyx":764
  *         except BaseException:
  *             self.close()
  *             raise             # <<<<<<<<<<<<<<
@@ -33123,11 +32740,11 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
       __Pyx_XGIVEREF(__pyx_t_11);
       __Pyx_ErrRestoreWithState(__pyx_t_1, __pyx_t_4, __pyx_t_11);
       __pyx_t_1 = 0;  __pyx_t_4 = 0;  __pyx_t_11 = 0; 
-      __PYX_ERR(0, 787, __pyx_L8_except_error)
+      __PYX_ERR(0, 764, __pyx_L8_except_error)
     }
     goto __pyx_L8_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":782
+    /* "tensorxfer/memory/_cuda.pyx":759
  *         if buffer_bytes == 0:
  *             raise ValueError("buffer_bytes must be positive")
  *         try:             # <<<<<<<<<<<<<<
@@ -33143,7 +32760,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
     __pyx_L11_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":770
+  /* "tensorxfer/memory/_cuda.pyx":747
  *     cdef list _views
  * 
  *     def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
@@ -33169,7 +32786,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager___cinit__(struct __pyx_o
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":789
+/* "tensorxfer/memory/_cuda.pyx":766
  *             raise
  * 
  *     cdef int _ensure_pinned(self) except -1:             # <<<<<<<<<<<<<<
@@ -33194,7 +32811,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_ensure_pinned", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":791
+  /* "tensorxfer/memory/_cuda.pyx":768
  *     cdef int _ensure_pinned(self) except -1:
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -33203,7 +32820,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
 */
   if (unlikely(__pyx_v_self->_closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":792
+    /* "tensorxfer/memory/_cuda.pyx":769
  *         cdef int i
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
@@ -33216,14 +32833,14 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 792, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 769, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 792, __pyx_L1_error)
+    __PYX_ERR(0, 769, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":791
+    /* "tensorxfer/memory/_cuda.pyx":768
  *     cdef int _ensure_pinned(self) except -1:
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -33232,7 +32849,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":793
+  /* "tensorxfer/memory/_cuda.pyx":770
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         if self._pinned[1] != NULL:             # <<<<<<<<<<<<<<
@@ -33244,7 +32861,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
   if (__pyx_t_4) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":794
+    /* "tensorxfer/memory/_cuda.pyx":771
  *             raise ValueError("operation on a closed Stager")
  *         if self._pinned[1] != NULL:
  *             return 0             # <<<<<<<<<<<<<<
@@ -33257,7 +32874,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":793
+    /* "tensorxfer/memory/_cuda.pyx":770
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         if self._pinned[1] != NULL:             # <<<<<<<<<<<<<<
@@ -33266,7 +32883,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":795
+  /* "tensorxfer/memory/_cuda.pyx":772
  *         if self._pinned[1] != NULL:
  *             return 0
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -33276,7 +32893,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
   for (__pyx_t_5 = 0; __pyx_t_5 < 2; __pyx_t_5+=1) {
     __pyx_v_i = __pyx_t_5;
 
-    /* "tensorxfer/memory/_cuda.pyx":796
+    /* "tensorxfer/memory/_cuda.pyx":773
  *             return 0
  *         for i in range(2):
  *             if self._events[i] == NULL:             # <<<<<<<<<<<<<<
@@ -33288,19 +32905,19 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
     if (__pyx_t_4) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":797
+      /* "tensorxfer/memory/_cuda.pyx":774
  *         for i in range(2):
  *             if self._events[i] == NULL:
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),             # <<<<<<<<<<<<<<
  *                          b"cuEventCreate")
  *             if self._pinned[i] == NULL:
 */
-      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 797, __pyx_L1_error)
-      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 797, __pyx_L1_error)
+      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuEventCreate((&(__pyx_v_self->_events[__pyx_v_i])), CU_EVENT_DISABLE_TIMING); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 774, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuEventCreate); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 774, __pyx_L1_error)
 
 
 
-      /* "tensorxfer/memory/_cuda.pyx":796
+      /* "tensorxfer/memory/_cuda.pyx":773
  *             return 0
  *         for i in range(2):
  *             if self._events[i] == NULL:             # <<<<<<<<<<<<<<
@@ -33309,7 +32926,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":799
+    /* "tensorxfer/memory/_cuda.pyx":776
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
  *                          b"cuEventCreate")
  *             if self._pinned[i] == NULL:             # <<<<<<<<<<<<<<
@@ -33321,19 +32938,19 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
     if (__pyx_t_4) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":800
+      /* "tensorxfer/memory/_cuda.pyx":777
  *                          b"cuEventCreate")
  *             if self._pinned[i] == NULL:
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")             # <<<<<<<<<<<<<<
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
  *         return 0
 */
-      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, 0); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 800, __pyx_L1_error)
-      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 800, __pyx_L1_error)
+      __pyx_t_6 = __pyx_f_4cuda_8bindings_8cydriver_cuMemHostAlloc((&(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, 0); if (unlikely(__pyx_t_6 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 777, __pyx_L1_error)
+      __pyx_t_7 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_6, __pyx_k_cuMemHostAlloc); if (unlikely(__pyx_t_7 == ((int)-1))) __PYX_ERR(0, 777, __pyx_L1_error)
 
 
 
-      /* "tensorxfer/memory/_cuda.pyx":801
+      /* "tensorxfer/memory/_cuda.pyx":778
  *             if self._pinned[i] == NULL:
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))             # <<<<<<<<<<<<<<
@@ -33342,15 +32959,15 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
 */
       if (unlikely(__pyx_v_self->_views == Py_None)) {
         PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "append");
-        __PYX_ERR(0, 801, __pyx_L1_error)
+        __PYX_ERR(0, 778, __pyx_L1_error)
       }
-      __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 801, __pyx_L1_error)
+      __pyx_t_1 = PyMemoryView_FromMemory(((char *)(__pyx_v_self->_pinned[__pyx_v_i])), __pyx_v_self->_size, PyBUF_WRITE); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 778, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
-      __pyx_t_8 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 801, __pyx_L1_error)
+      __pyx_t_8 = __Pyx_PyList_Append(__pyx_v_self->_views, __pyx_t_1); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 778, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-      /* "tensorxfer/memory/_cuda.pyx":799
+      /* "tensorxfer/memory/_cuda.pyx":776
  *                 check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
  *                          b"cuEventCreate")
  *             if self._pinned[i] == NULL:             # <<<<<<<<<<<<<<
@@ -33360,7 +32977,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
     }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":802
+  /* "tensorxfer/memory/_cuda.pyx":779
  *                 check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
  *                 self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
  *         return 0             # <<<<<<<<<<<<<<
@@ -33373,7 +32990,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":789
+  /* "tensorxfer/memory/_cuda.pyx":766
  *             raise
  * 
  *     cdef int _ensure_pinned(self) except -1:             # <<<<<<<<<<<<<<
@@ -33394,7 +33011,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__ensure_pinned(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":804
+/* "tensorxfer/memory/_cuda.pyx":781
  *         return 0
  * 
  *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
@@ -33423,7 +33040,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":805
+  /* "tensorxfer/memory/_cuda.pyx":782
  * 
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
@@ -33459,7 +33076,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":806
+    /* "tensorxfer/memory/_cuda.pyx":783
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if i < 0 or i > 1 or n > self._size:
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")             # <<<<<<<<<<<<<<
@@ -33467,11 +33084,11 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
  *         self._ensure_pinned()
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From_int(__pyx_v_i, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 783, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_From_size_t(__pyx_v_n, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 783, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 806, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyUnicode_From_size_t(__pyx_v_self->_size, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 783, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_buffer;
     __pyx_t_8[1] = __pyx_t_5;
@@ -33486,7 +33103,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
     #endif
     __pyx_t_10 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 7, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 806, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 783, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
@@ -33497,14 +33114,14 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 806, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 783, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 806, __pyx_L1_error)
+    __PYX_ERR(0, 783, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":805
+    /* "tensorxfer/memory/_cuda.pyx":782
  * 
  *     cdef int _check(self, int i, size_t n) except -1:
  *         if i < 0 or i > 1 or n > self._size:             # <<<<<<<<<<<<<<
@@ -33513,27 +33130,27 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":807
+  /* "tensorxfer/memory/_cuda.pyx":784
  *         if i < 0 or i > 1 or n > self._size:
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         self._ensure_pinned()
  *         return 0
 */
-  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 807, __pyx_L1_error)
+  __pyx_t_13 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_13 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 784, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":808
+  /* "tensorxfer/memory/_cuda.pyx":785
  *             raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
  *         bind_device(self._device)
  *         self._ensure_pinned()             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_10 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_ensure_pinned(__pyx_v_self); if (unlikely(__pyx_t_10 == ((int)-1))) __PYX_ERR(0, 808, __pyx_L1_error)
+  __pyx_t_10 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_ensure_pinned(__pyx_v_self); if (unlikely(__pyx_t_10 == ((int)-1))) __PYX_ERR(0, 785, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":809
+  /* "tensorxfer/memory/_cuda.pyx":786
  *         bind_device(self._device)
  *         self._ensure_pinned()
  *         return 0             # <<<<<<<<<<<<<<
@@ -33546,7 +33163,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":804
+  /* "tensorxfer/memory/_cuda.pyx":781
  *         return 0
  * 
  *     cdef int _check(self, int i, size_t n) except -1:             # <<<<<<<<<<<<<<
@@ -33570,7 +33187,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__check(struct __pyx_obj_1
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":812
+/* "tensorxfer/memory/_cuda.pyx":789
  * 
  *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
  *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33587,31 +33204,31 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async(struct __pyx_
   int __pyx_clineno = 0;
   PyGILState_STATE __pyx_gilstate_save;
 
-  /* "tensorxfer/memory/_cuda.pyx":813
+  /* "tensorxfer/memory/_cuda.pyx":790
  *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
  *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:
  *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),             # <<<<<<<<<<<<<<
  *                  b"cuMemcpyDtoHAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 813, __pyx_L1_error)
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 813, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoHAsync((__pyx_v_self->_pinned[__pyx_v_i]), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 790, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyDtoHAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 790, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":815
+  /* "tensorxfer/memory/_cuda.pyx":792
  *         check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
  *                  b"cuMemcpyDtoHAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 815, __pyx_L1_error)
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 815, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 792, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 792, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":816
+  /* "tensorxfer/memory/_cuda.pyx":793
  *                  b"cuMemcpyDtoHAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  *         return 0             # <<<<<<<<<<<<<<
@@ -33624,7 +33241,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async(struct __pyx_
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":812
+  /* "tensorxfer/memory/_cuda.pyx":789
  * 
  *     # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
  *     cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33642,7 +33259,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__dtoh_async(struct __pyx_
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":818
+/* "tensorxfer/memory/_cuda.pyx":795
  *         return 0
  * 
  *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33659,31 +33276,31 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async(struct __pyx_
   int __pyx_clineno = 0;
   PyGILState_STATE __pyx_gilstate_save;
 
-  /* "tensorxfer/memory/_cuda.pyx":819
+  /* "tensorxfer/memory/_cuda.pyx":796
  * 
  *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:
  *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),             # <<<<<<<<<<<<<<
  *                  b"cuMemcpyHtoDAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 819, __pyx_L1_error)
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 819, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyHtoDAsync(((CUdeviceptr)__pyx_v_dst), (__pyx_v_self->_pinned[__pyx_v_i]), __pyx_v_n, __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 796, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuMemcpyHtoDAsync); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 796, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":821
+  /* "tensorxfer/memory/_cuda.pyx":798
  *         check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
  *                  b"cuMemcpyHtoDAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 821, __pyx_L1_error)
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 821, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventRecord((__pyx_v_self->_events[__pyx_v_i]), __pyx_v_self->_stream); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 798, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventRecord); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 798, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":822
+  /* "tensorxfer/memory/_cuda.pyx":799
  *                  b"cuMemcpyHtoDAsync")
  *         check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
  *         return 0             # <<<<<<<<<<<<<<
@@ -33696,7 +33313,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async(struct __pyx_
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":818
+  /* "tensorxfer/memory/_cuda.pyx":795
  *         return 0
  * 
  *     cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33714,7 +33331,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async(struct __pyx_
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":824
+/* "tensorxfer/memory/_cuda.pyx":801
  *         return 0
  * 
  *     cdef int _wait(self, int i) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33731,19 +33348,19 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait(struct __pyx_obj_10
   int __pyx_clineno = 0;
   PyGILState_STATE __pyx_gilstate_save;
 
-  /* "tensorxfer/memory/_cuda.pyx":825
+  /* "tensorxfer/memory/_cuda.pyx":802
  * 
  *     cdef int _wait(self, int i) except -1 nogil:
  *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
-  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 825, __pyx_L1_error)
-  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 825, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_4cuda_8bindings_8cydriver_cuEventSynchronize((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_1 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 802, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_1, __pyx_k_cuEventSynchronize); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 802, __pyx_L1_error)
 
 
 
-  /* "tensorxfer/memory/_cuda.pyx":826
+  /* "tensorxfer/memory/_cuda.pyx":803
  *     cdef int _wait(self, int i) except -1 nogil:
  *         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
  *         return 0             # <<<<<<<<<<<<<<
@@ -33756,7 +33373,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait(struct __pyx_obj_10
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":824
+  /* "tensorxfer/memory/_cuda.pyx":801
  *         return 0
  * 
  *     cdef int _wait(self, int i) except -1 nogil:             # <<<<<<<<<<<<<<
@@ -33774,7 +33391,7 @@ static int __pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait(struct __pyx_obj_10
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":828
+/* "tensorxfer/memory/_cuda.pyx":805
  *         return 0
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
@@ -33822,32 +33439,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 828, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 805, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 828, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 805, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 828, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "view", 0) < (0)) __PYX_ERR(0, 805, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 828, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, i); __PYX_ERR(0, 805, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 828, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 805, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 828, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 805, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 828, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("view", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 805, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -33878,17 +33495,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("view", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":830
+  /* "tensorxfer/memory/_cuda.pyx":807
  *     def view(self, int i):
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         self._check(i, 0)             # <<<<<<<<<<<<<<
  *         return self._views[i]
  * 
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 830, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 807, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":831
+  /* "tensorxfer/memory/_cuda.pyx":808
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         self._check(i, 0)
  *         return self._views[i]             # <<<<<<<<<<<<<<
@@ -33897,7 +33514,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
 */
   if (unlikely(__pyx_v_self->_views == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-    __PYX_ERR(0, 831, __pyx_L1_error)
+    __PYX_ERR(0, 808, __pyx_L1_error)
   }
   {
     PyObject *__pyx_temp;
@@ -33910,7 +33527,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":828
+  /* "tensorxfer/memory/_cuda.pyx":805
  *         return 0
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
@@ -33928,7 +33545,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_2view(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":833
+/* "tensorxfer/memory/_cuda.pyx":810
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -33978,46 +33595,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 833, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 810, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 810, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 810, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 810, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_dtoh", 0) < (0)) __PYX_ERR(0, 810, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 833, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, i); __PYX_ERR(0, 810, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 810, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 810, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 833, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 810, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 833, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 810, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 810, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 810, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 833, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_dtoh", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 810, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34050,17 +33667,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_dtoh", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":835
+  /* "tensorxfer/memory/_cuda.pyx":812
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             self._dtoh_async(i, src, n)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 835, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 812, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":836
+  /* "tensorxfer/memory/_cuda.pyx":813
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34073,18 +33690,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":837
+        /* "tensorxfer/memory/_cuda.pyx":814
  *         self._check(i, n)
  *         with nogil:
  *             self._dtoh_async(i, src, n)             # <<<<<<<<<<<<<<
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
 */
-        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_dtoh_async(__pyx_v_self, __pyx_v_i, __pyx_v_src, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 837, __pyx_L4_error)
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_dtoh_async(__pyx_v_self, __pyx_v_i, __pyx_v_src, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 814, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":836
+      /* "tensorxfer/memory/_cuda.pyx":813
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34106,7 +33723,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":833
+  /* "tensorxfer/memory/_cuda.pyx":810
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -34126,7 +33743,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_4start_dtoh(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":839
+/* "tensorxfer/memory/_cuda.pyx":816
  *             self._dtoh_async(i, src, n)
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
@@ -34176,46 +33793,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 839, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 816, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 839, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 816, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 839, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 816, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 839, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 816, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 839, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "start_htod", 0) < (0)) __PYX_ERR(0, 816, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 839, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, i); __PYX_ERR(0, 816, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 839, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 816, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 839, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 816, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 839, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 816, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 839, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 816, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 816, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 816, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 839, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("start_htod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 816, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34248,17 +33865,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("start_htod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":841
+  /* "tensorxfer/memory/_cuda.pyx":818
  *     def start_htod(self, int i, uintptr_t dst, size_t n):
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             self._htod_async(i, dst, n)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 841, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 818, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":842
+  /* "tensorxfer/memory/_cuda.pyx":819
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34271,18 +33888,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":843
+        /* "tensorxfer/memory/_cuda.pyx":820
  *         self._check(i, n)
  *         with nogil:
  *             self._htod_async(i, dst, n)             # <<<<<<<<<<<<<<
  * 
  *     def wait(self, int i):
 */
-        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_htod_async(__pyx_v_self, __pyx_v_i, __pyx_v_dst, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 843, __pyx_L4_error)
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_htod_async(__pyx_v_self, __pyx_v_i, __pyx_v_dst, __pyx_v_n); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 820, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":842
+      /* "tensorxfer/memory/_cuda.pyx":819
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34304,7 +33921,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":839
+  /* "tensorxfer/memory/_cuda.pyx":816
  *             self._dtoh_async(i, src, n)
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
@@ -34324,7 +33941,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6start_htod(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":845
+/* "tensorxfer/memory/_cuda.pyx":822
  *             self._htod_async(i, dst, n)
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
@@ -34372,32 +33989,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 845, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 822, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 845, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 822, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 845, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "wait", 0) < (0)) __PYX_ERR(0, 822, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 845, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, i); __PYX_ERR(0, 822, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 845, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 822, __pyx_L3_error)
     }
-    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 845, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_i == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 822, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 845, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("wait", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 822, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -34428,17 +34045,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("wait", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":847
+  /* "tensorxfer/memory/_cuda.pyx":824
  *     def wait(self, int i):
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             self._wait(i)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 847, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_check(__pyx_v_self, __pyx_v_i, 0); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 824, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":848
+  /* "tensorxfer/memory/_cuda.pyx":825
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34451,18 +34068,18 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":849
+        /* "tensorxfer/memory/_cuda.pyx":826
  *         self._check(i, 0)
  *         with nogil:
  *             self._wait(i)             # <<<<<<<<<<<<<<
  * 
  *     def synchronize(self):
 */
-        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_wait(__pyx_v_self, __pyx_v_i); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 849, __pyx_L4_error)
+        __pyx_t_1 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self->__pyx_vtab)->_wait(__pyx_v_self, __pyx_v_i); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 826, __pyx_L4_error)
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":848
+      /* "tensorxfer/memory/_cuda.pyx":825
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34484,7 +34101,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":845
+  /* "tensorxfer/memory/_cuda.pyx":822
  *             self._htod_async(i, dst, n)
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
@@ -34504,7 +34121,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_8wait(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":851
+/* "tensorxfer/memory/_cuda.pyx":828
  *             self._wait(i)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
@@ -34569,7 +34186,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("synchronize", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":853
+  /* "tensorxfer/memory/_cuda.pyx":830
  *     def synchronize(self):
  *         """Block until everything queued on the stream finished."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -34578,7 +34195,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
 */
   if (unlikely(__pyx_v_self->_closed)) {
 
-    /* "tensorxfer/memory/_cuda.pyx":854
+    /* "tensorxfer/memory/_cuda.pyx":831
  *         """Block until everything queued on the stream finished."""
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")             # <<<<<<<<<<<<<<
@@ -34591,14 +34208,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_operation_on_a_closed_Stager};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 854, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 831, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 854, __pyx_L1_error)
+    __PYX_ERR(0, 831, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":853
+    /* "tensorxfer/memory/_cuda.pyx":830
  *     def synchronize(self):
  *         """Block until everything queued on the stream finished."""
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -34607,17 +34224,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":855
+  /* "tensorxfer/memory/_cuda.pyx":832
  *         if self._closed:
  *             raise ValueError("operation on a closed Stager")
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
 */
-  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 855, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_4 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 832, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":856
+  /* "tensorxfer/memory/_cuda.pyx":833
  *             raise ValueError("operation on a closed Stager")
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34630,20 +34247,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":857
+        /* "tensorxfer/memory/_cuda.pyx":834
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")             # <<<<<<<<<<<<<<
  * 
  *     @property
 */
-        __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 857, __pyx_L5_error)
-        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 857, __pyx_L5_error)
+        __pyx_t_5 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_5 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 834, __pyx_L5_error)
+        __pyx_t_6 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_5, __pyx_k_cuStreamSynchronize); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(0, 834, __pyx_L5_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":856
+      /* "tensorxfer/memory/_cuda.pyx":833
  *             raise ValueError("operation on a closed Stager")
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -34665,7 +34282,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":851
+  /* "tensorxfer/memory/_cuda.pyx":828
  *             self._wait(i)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
@@ -34687,7 +34304,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_10synchronize(stru
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":859
+/* "tensorxfer/memory/_cuda.pyx":836
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -34719,14 +34336,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":862
+  /* "tensorxfer/memory/_cuda.pyx":839
  *     def stream(self):
  *         """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
  *         return <uintptr_t>self._stream             # <<<<<<<<<<<<<<
  * 
  *     def close(self):
 */
-  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 862, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FromSize_t(((uintptr_t)__pyx_v_self->_stream)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 839, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -34739,7 +34356,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(st
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":859
+  /* "tensorxfer/memory/_cuda.pyx":836
  *             check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -34758,7 +34375,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_6stream___get__(st
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":864
+/* "tensorxfer/memory/_cuda.pyx":841
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -34832,7 +34449,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("close", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":866
+  /* "tensorxfer/memory/_cuda.pyx":843
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -34841,7 +34458,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
   if (__pyx_v_self->_closed) {
 
-    /* "tensorxfer/memory/_cuda.pyx":867
+    /* "tensorxfer/memory/_cuda.pyx":844
  *         cdef int i
  *         if self._closed:
  *             return             # <<<<<<<<<<<<<<
@@ -34858,7 +34475,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":866
+    /* "tensorxfer/memory/_cuda.pyx":843
  *     def close(self):
  *         cdef int i
  *         if self._closed:             # <<<<<<<<<<<<<<
@@ -34867,7 +34484,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":868
+  /* "tensorxfer/memory/_cuda.pyx":845
  *         if self._closed:
  *             return
  *         self._closed = True             # <<<<<<<<<<<<<<
@@ -34876,14 +34493,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
   __pyx_v_self->_closed = 1;
 
-  /* "tensorxfer/memory/_cuda.pyx":869
+  /* "tensorxfer/memory/_cuda.pyx":846
  *             return
  *         self._closed = True
  *         for v in self._views or ():             # <<<<<<<<<<<<<<
  *             v.release()
  *         self._views = []
 */
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_v_self->_views); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_v_self->_views); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 846, __pyx_L1_error)
   if (!__pyx_t_2) {
   } else {
     __Pyx_INCREF(__pyx_v_self->_views);
@@ -34898,9 +34515,9 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     __pyx_t_4 = 0;
     __pyx_t_5 = NULL;
   } else {
-    __pyx_t_4 = -1; __pyx_t_3 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 869, __pyx_L1_error)
+    __pyx_t_4 = -1; __pyx_t_3 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 846, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_5 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 869, __pyx_L1_error)
+    __pyx_t_5 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 846, __pyx_L1_error)
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   for (;;) {
@@ -34909,7 +34526,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
         {
           Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_3);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 846, __pyx_L1_error)
           #endif
           if (__pyx_t_4 >= __pyx_temp) break;
         }
@@ -34919,7 +34536,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
         {
           Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_3);
           #if !CYTHON_ASSUME_SAFE_SIZE
-          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 869, __pyx_L1_error)
+          if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 846, __pyx_L1_error)
           #endif
           if (__pyx_t_4 >= __pyx_temp) break;
         }
@@ -34930,13 +34547,13 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
         #endif
         ++__pyx_t_4;
       }
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 869, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 846, __pyx_L1_error)
     } else {
       __pyx_t_1 = __pyx_t_5(__pyx_t_3);
       if (unlikely(!__pyx_t_1)) {
         PyObject* exc_type = PyErr_Occurred();
         if (exc_type) {
-          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 869, __pyx_L1_error)
+          if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 846, __pyx_L1_error)
           PyErr_Clear();
         }
         break;
@@ -34946,7 +34563,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     __Pyx_XDECREF_SET(__pyx_v_v, __pyx_t_1);
     __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":870
+    /* "tensorxfer/memory/_cuda.pyx":847
  *         self._closed = True
  *         for v in self._views or ():
  *             v.release()             # <<<<<<<<<<<<<<
@@ -34960,12 +34577,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
       PyObject *__pyx_callargs[2] = {__pyx_t_6, NULL};
       __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_release, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 870, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 847, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":869
+    /* "tensorxfer/memory/_cuda.pyx":846
  *             return
  *         self._closed = True
  *         for v in self._views or ():             # <<<<<<<<<<<<<<
@@ -34975,21 +34592,21 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
   }
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":871
+  /* "tensorxfer/memory/_cuda.pyx":848
  *         for v in self._views or ():
  *             v.release()
  *         self._views = []             # <<<<<<<<<<<<<<
  *         try:
  *             bind_device(self._device)
 */
-  __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 871, __pyx_L1_error)
+  __pyx_t_3 = PyList_New(0); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 848, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_3);
   __Pyx_GOTREF(__pyx_v_self->_views);
   __Pyx_DECREF_SET(__pyx_v_self->_views, ((PyObject*)__pyx_t_3));
   __pyx_t_3 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":872
+  /* "tensorxfer/memory/_cuda.pyx":849
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -35005,17 +34622,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     __Pyx_XGOTREF(__pyx_t_10);
     /*try:*/ {
 
-      /* "tensorxfer/memory/_cuda.pyx":873
+      /* "tensorxfer/memory/_cuda.pyx":850
  *         self._views = []
  *         try:
  *             bind_device(self._device)             # <<<<<<<<<<<<<<
  *         except BaseException:
  *             pass
 */
-      __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_11 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 873, __pyx_L9_error)
+      __pyx_t_11 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->_device); if (unlikely(__pyx_t_11 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 850, __pyx_L9_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":872
+      /* "tensorxfer/memory/_cuda.pyx":849
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -35032,7 +34649,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
 
-    /* "tensorxfer/memory/_cuda.pyx":874
+    /* "tensorxfer/memory/_cuda.pyx":851
  *         try:
  *             bind_device(self._device)
  *         except BaseException:             # <<<<<<<<<<<<<<
@@ -35046,7 +34663,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     }
     goto __pyx_L11_except_error;
 
-    /* "tensorxfer/memory/_cuda.pyx":872
+    /* "tensorxfer/memory/_cuda.pyx":849
  *             v.release()
  *         self._views = []
  *         try:             # <<<<<<<<<<<<<<
@@ -35067,7 +34684,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     __pyx_L14_try_end:;
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":876
+  /* "tensorxfer/memory/_cuda.pyx":853
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -35079,27 +34696,27 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
   if (__pyx_t_2) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":877
+    /* "tensorxfer/memory/_cuda.pyx":854
  *             pass
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)             # <<<<<<<<<<<<<<
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
 */
-    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 877, __pyx_L1_error)
+    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamSynchronize(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 854, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":878
+    /* "tensorxfer/memory/_cuda.pyx":855
  *         if self._stream != NULL:
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)             # <<<<<<<<<<<<<<
  *             self._stream = NULL
  *         for i in range(2):
 */
-    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 878, __pyx_L1_error)
+    __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuStreamDestroy(__pyx_v_self->_stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 855, __pyx_L1_error)
 
 
-    /* "tensorxfer/memory/_cuda.pyx":879
+    /* "tensorxfer/memory/_cuda.pyx":856
  *             cydriver.cuStreamSynchronize(self._stream)
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL             # <<<<<<<<<<<<<<
@@ -35108,7 +34725,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
     __pyx_v_self->_stream = NULL;
 
-    /* "tensorxfer/memory/_cuda.pyx":876
+    /* "tensorxfer/memory/_cuda.pyx":853
  *         except BaseException:
  *             pass
  *         if self._stream != NULL:             # <<<<<<<<<<<<<<
@@ -35117,7 +34734,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":880
+  /* "tensorxfer/memory/_cuda.pyx":857
  *             cydriver.cuStreamDestroy(self._stream)
  *             self._stream = NULL
  *         for i in range(2):             # <<<<<<<<<<<<<<
@@ -35127,7 +34744,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
   for (__pyx_t_12 = 0; __pyx_t_12 < 2; __pyx_t_12+=1) {
     __pyx_v_i = __pyx_t_12;
 
-    /* "tensorxfer/memory/_cuda.pyx":881
+    /* "tensorxfer/memory/_cuda.pyx":858
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -35139,17 +34756,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     if (__pyx_t_2) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":882
+      /* "tensorxfer/memory/_cuda.pyx":859
  *         for i in range(2):
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])             # <<<<<<<<<<<<<<
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
 */
-      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 882, __pyx_L1_error)
+      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuEventDestroy((__pyx_v_self->_events[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 859, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":883
+      /* "tensorxfer/memory/_cuda.pyx":860
  *             if self._events[i] != NULL:
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL             # <<<<<<<<<<<<<<
@@ -35158,7 +34775,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
       (__pyx_v_self->_events[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":881
+      /* "tensorxfer/memory/_cuda.pyx":858
  *             self._stream = NULL
  *         for i in range(2):
  *             if self._events[i] != NULL:             # <<<<<<<<<<<<<<
@@ -35167,7 +34784,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":884
+    /* "tensorxfer/memory/_cuda.pyx":861
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
@@ -35179,17 +34796,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     if (__pyx_t_2) {
 
 
-      /* "tensorxfer/memory/_cuda.pyx":885
+      /* "tensorxfer/memory/_cuda.pyx":862
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])             # <<<<<<<<<<<<<<
  *                 self._pinned[i] = NULL
  * 
 */
-      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 885, __pyx_L1_error)
+      __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemFreeHost((__pyx_v_self->_pinned[__pyx_v_i])); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && PyErr_Occurred())) __PYX_ERR(0, 862, __pyx_L1_error)
 
 
-      /* "tensorxfer/memory/_cuda.pyx":886
+      /* "tensorxfer/memory/_cuda.pyx":863
  *             if self._pinned[i] != NULL:
  *                 cydriver.cuMemFreeHost(self._pinned[i])
  *                 self._pinned[i] = NULL             # <<<<<<<<<<<<<<
@@ -35198,7 +34815,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
 */
       (__pyx_v_self->_pinned[__pyx_v_i]) = NULL;
 
-      /* "tensorxfer/memory/_cuda.pyx":884
+      /* "tensorxfer/memory/_cuda.pyx":861
  *                 cydriver.cuEventDestroy(self._events[i])
  *                 self._events[i] = NULL
  *             if self._pinned[i] != NULL:             # <<<<<<<<<<<<<<
@@ -35208,7 +34825,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
     }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":864
+  /* "tensorxfer/memory/_cuda.pyx":841
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
@@ -35233,7 +34850,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_12close(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":888
+/* "tensorxfer/memory/_cuda.pyx":865
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -35264,7 +34881,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(struct __
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__dealloc__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":889
+  /* "tensorxfer/memory/_cuda.pyx":866
  * 
  *     def __dealloc__(self):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -35278,12 +34895,12 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(struct __
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 889, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 866, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":888
+  /* "tensorxfer/memory/_cuda.pyx":865
  *                 self._pinned[i] = NULL
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
@@ -35302,7 +34919,7 @@ static void __pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_14__dealloc__(struct __
   __Pyx_RefNannyFinishContext();
 }
 
-/* "tensorxfer/memory/_cuda.pyx":891
+/* "tensorxfer/memory/_cuda.pyx":868
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -35358,7 +34975,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(struct
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("__enter__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":892
+  /* "tensorxfer/memory/_cuda.pyx":869
  * 
  *     def __enter__(self):
  *         return self             # <<<<<<<<<<<<<<
@@ -35376,7 +34993,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(struct
   }
   goto __pyx_L0;
 
-  /* "tensorxfer/memory/_cuda.pyx":891
+  /* "tensorxfer/memory/_cuda.pyx":868
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
@@ -35391,7 +35008,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_16__enter__(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":894
+/* "tensorxfer/memory/_cuda.pyx":871
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -35440,7 +35057,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__exit__(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__exit__", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":895
+  /* "tensorxfer/memory/_cuda.pyx":872
  * 
  *     def __exit__(self, *exc):
  *         self.close()             # <<<<<<<<<<<<<<
@@ -35454,12 +35071,12 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_18__exit__(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, NULL};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_close, __pyx_callargs+__pyx_t_3, (1-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 895, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 872, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":894
+  /* "tensorxfer/memory/_cuda.pyx":871
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
@@ -35687,7 +35304,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Stager_22__setstate_cytho
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":908
+/* "tensorxfer/memory/_cuda.pyx":885
  *     """
  * 
  *     def __init__(self, int device=0, size_t buffer_bytes=64 << 20):             # <<<<<<<<<<<<<<
@@ -35734,50 +35351,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_device,&__pyx_mstate_global->__pyx_n_u_buffer_bytes,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL_TPNEW(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 908, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 885, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 908, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 885, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 908, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 885, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 908, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "__init__", 0) < (0)) __PYX_ERR(0, 885, __pyx_L3_error)
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 908, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 885, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL_TPNEW(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 908, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 885, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     if (values[0]) {
-      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 908, __pyx_L3_error)
+      __pyx_v_device = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_device == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 885, __pyx_L3_error)
     } else {
       __pyx_v_device = ((int)0);
     }
     if (values[1]) {
-      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 908, __pyx_L3_error)
+      __pyx_v_buffer_bytes = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_buffer_bytes == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 885, __pyx_L3_error)
     } else {
       __pyx_v_buffer_bytes = ((size_t)0x4000000);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("__init__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 908, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("__init__", 0, 0, 2, __pyx_nargs); __PYX_ERR(0, 885, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -35809,7 +35426,7 @@ static int __pyx_pf_10tensorxfer_6memory_5_cuda_6Copier___init__(CYTHON_UNUSED s
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":911
+/* "tensorxfer/memory/_cuda.pyx":888
  *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -35859,46 +35476,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,&__pyx_mstate_global->__pyx_n_u_n,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 911, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 888, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 911, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 888, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 911, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 888, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 911, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 888, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 911, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod", 0) < (0)) __PYX_ERR(0, 888, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 911, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, i); __PYX_ERR(0, 888, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 911, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 888, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 911, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 888, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 911, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 888, __pyx_L3_error)
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 911, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 888, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 888, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[2]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 888, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 911, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtod", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 888, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -35933,17 +35550,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":913
+  /* "tensorxfer/memory/_cuda.pyx":890
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 913, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 890, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":914
+  /* "tensorxfer/memory/_cuda.pyx":891
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35956,20 +35573,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":915
+        /* "tensorxfer/memory/_cuda.pyx":892
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,             # <<<<<<<<<<<<<<
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 915, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 915, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)__pyx_v_dst), ((CUdeviceptr)__pyx_v_src), __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 892, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 892, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":914
+      /* "tensorxfer/memory/_cuda.pyx":891
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -35991,7 +35608,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":911
+  /* "tensorxfer/memory/_cuda.pyx":888
  *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
@@ -36011,7 +35628,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_2dtod(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":918
+/* "tensorxfer/memory/_cuda.pyx":895
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
@@ -36062,46 +35679,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dsts,&__pyx_mstate_global->__pyx_n_u_srcs,&__pyx_mstate_global->__pyx_n_u_sizes,&__pyx_mstate_global->__pyx_n_u_batch_api,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 918, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 895, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 895, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 895, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 895, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 895, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 918, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtod_batch", 0) < (0)) __PYX_ERR(0, 895, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 918, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, i); __PYX_ERR(0, 895, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 895, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 895, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 895, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 918, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 895, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -36110,14 +35727,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_srcs = values[1];
     __pyx_v_sizes = values[2];
     if (values[3]) {
-      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 918, __pyx_L3_error)
+      __pyx_v_batch_api = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_batch_api == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 895, __pyx_L3_error)
     } else {
       __pyx_v_batch_api = ((int)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 918, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtod_batch", 0, 3, 4, __pyx_nargs); __PYX_ERR(0, 895, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36173,43 +35790,43 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtod_batch", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":925
+  /* "tensorxfer/memory/_cuda.pyx":902
  *         (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
  *         """
  *         cdef const unsigned long long[::1] d = dsts             # <<<<<<<<<<<<<<
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes
 */
-  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 925, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_dsts, 0); if (unlikely(!__pyx_t_1.memview)) __PYX_ERR(0, 902, __pyx_L1_error)
   __pyx_v_d = __pyx_t_1;
   __pyx_t_1.memview = NULL;
   __pyx_t_1.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":926
+  /* "tensorxfer/memory/_cuda.pyx":903
  *         """
  *         cdef const unsigned long long[::1] d = dsts
  *         cdef const unsigned long long[::1] s = srcs             # <<<<<<<<<<<<<<
  *         cdef const unsigned long long[::1] n = sizes
  *         cdef size_t i, count = d.shape[0]
 */
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 926, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_srcs, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 903, __pyx_L1_error)
   __pyx_v_s = __pyx_t_2;
   __pyx_t_2.memview = NULL;
   __pyx_t_2.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":927
+  /* "tensorxfer/memory/_cuda.pyx":904
  *         cdef const unsigned long long[::1] d = dsts
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes             # <<<<<<<<<<<<<<
  *         cdef size_t i, count = d.shape[0]
  *         cdef cydriver.CUmemcpyAttributes attr
 */
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 927, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_PY_LONG_LONG__const__(__pyx_v_sizes, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 904, __pyx_L1_error)
   __pyx_v_n = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":928
+  /* "tensorxfer/memory/_cuda.pyx":905
  *         cdef const unsigned long long[::1] s = srcs
  *         cdef const unsigned long long[::1] n = sizes
  *         cdef size_t i, count = d.shape[0]             # <<<<<<<<<<<<<<
@@ -36218,7 +35835,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   __pyx_v_count = (__pyx_v_d.shape[0]);
 
-  /* "tensorxfer/memory/_cuda.pyx":930
+  /* "tensorxfer/memory/_cuda.pyx":907
  *         cdef size_t i, count = d.shape[0]
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0             # <<<<<<<<<<<<<<
@@ -36227,7 +35844,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   __pyx_v_attr_index = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":931
+  /* "tensorxfer/memory/_cuda.pyx":908
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
@@ -36253,7 +35870,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":932
+    /* "tensorxfer/memory/_cuda.pyx":909
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")             # <<<<<<<<<<<<<<
@@ -36266,14 +35883,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
       PyObject *__pyx_callargs[2] = {__pyx_t_7, __pyx_mstate_global->__pyx_kp_u_dsts_srcs_and_sizes_must_have_th};
       __pyx_t_6 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 932, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 909, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     __Pyx_Raise(__pyx_t_6, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __PYX_ERR(0, 932, __pyx_L1_error)
+    __PYX_ERR(0, 909, __pyx_L1_error)
 
-    /* "tensorxfer/memory/_cuda.pyx":931
+    /* "tensorxfer/memory/_cuda.pyx":908
  *         cdef cydriver.CUmemcpyAttributes attr
  *         cdef size_t attr_index = 0
  *         if s.shape[0] != count or n.shape[0] != count:             # <<<<<<<<<<<<<<
@@ -36282,7 +35899,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":933
+  /* "tensorxfer/memory/_cuda.pyx":910
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:             # <<<<<<<<<<<<<<
@@ -36294,7 +35911,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
   if (__pyx_t_4) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":934
+    /* "tensorxfer/memory/_cuda.pyx":911
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -36311,7 +35928,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":933
+    /* "tensorxfer/memory/_cuda.pyx":910
  *         if s.shape[0] != count or n.shape[0] != count:
  *             raise ValueError("dsts, srcs and sizes must have the same length")
  *         if count == 0:             # <<<<<<<<<<<<<<
@@ -36320,17 +35937,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":935
+  /* "tensorxfer/memory/_cuda.pyx":912
  *         if count == 0:
  *             return
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))
 */
-  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 935, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 912, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":936
+  /* "tensorxfer/memory/_cuda.pyx":913
  *             return
  *         bind_device(self._device)
  *         if batch_api:             # <<<<<<<<<<<<<<
@@ -36339,7 +35956,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   if (__pyx_v_batch_api) {
 
-    /* "tensorxfer/memory/_cuda.pyx":937
+    /* "tensorxfer/memory/_cuda.pyx":914
  *         bind_device(self._device)
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))             # <<<<<<<<<<<<<<
@@ -36348,7 +35965,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
     (void)(memset((&__pyx_v_attr), 0, (sizeof(__pyx_v_attr))));
 
-    /* "tensorxfer/memory/_cuda.pyx":938
+    /* "tensorxfer/memory/_cuda.pyx":915
  *         if batch_api:
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM             # <<<<<<<<<<<<<<
@@ -36357,7 +35974,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
     __pyx_v_attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
 
-    /* "tensorxfer/memory/_cuda.pyx":939
+    /* "tensorxfer/memory/_cuda.pyx":916
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -36370,7 +35987,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "tensorxfer/memory/_cuda.pyx":940
+          /* "tensorxfer/memory/_cuda.pyx":917
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
@@ -36380,7 +35997,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
           __pyx_t_10 = 0;
           __pyx_t_11 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":941
+          /* "tensorxfer/memory/_cuda.pyx":918
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),             # <<<<<<<<<<<<<<
@@ -36389,20 +36006,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
           __pyx_t_12 = 0;
 
-          /* "tensorxfer/memory/_cuda.pyx":940
+          /* "tensorxfer/memory/_cuda.pyx":917
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:
  *                 check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],             # <<<<<<<<<<<<<<
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
  *                          b"cuMemcpyBatchAsync")
 */
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 940, __pyx_L9_error)
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 940, __pyx_L9_error)
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyBatchAsync(((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_10)) ))))), ((CUdeviceptr *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_11)) ))))), ((size_t *)(&(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_12)) ))))), __pyx_v_count, (&__pyx_v_attr), (&__pyx_v_attr_index), 1, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 917, __pyx_L9_error)
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyBatchAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 917, __pyx_L9_error)
 
 
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":939
+        /* "tensorxfer/memory/_cuda.pyx":916
  *             memset(&attr, 0, sizeof(attr))
  *             attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -36424,7 +36041,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
         }
     }
 
-    /* "tensorxfer/memory/_cuda.pyx":943
+    /* "tensorxfer/memory/_cuda.pyx":920
  *                                                      <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
  *                          b"cuMemcpyBatchAsync")
  *             return             # <<<<<<<<<<<<<<
@@ -36441,7 +36058,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":936
+    /* "tensorxfer/memory/_cuda.pyx":913
  *             return
  *         bind_device(self._device)
  *         if batch_api:             # <<<<<<<<<<<<<<
@@ -36450,7 +36067,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":944
+  /* "tensorxfer/memory/_cuda.pyx":921
  *                          b"cuMemcpyBatchAsync")
  *             return
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -36463,7 +36080,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":945
+        /* "tensorxfer/memory/_cuda.pyx":922
  *             return
  *         with nogil:
  *             for i in range(count):             # <<<<<<<<<<<<<<
@@ -36477,7 +36094,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
         for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
           __pyx_v_i = __pyx_t_16;
 
-          /* "tensorxfer/memory/_cuda.pyx":946
+          /* "tensorxfer/memory/_cuda.pyx":923
  *         with nogil:
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
@@ -36488,30 +36105,30 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
           __pyx_t_18 = __pyx_v_i;
           __pyx_t_19 = __pyx_v_i;
 
-          /* "tensorxfer/memory/_cuda.pyx":947
+          /* "tensorxfer/memory/_cuda.pyx":924
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
  *                                                     self._stream), b"cuMemcpyDtoDAsync")             # <<<<<<<<<<<<<<
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
 */
-          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 946, __pyx_L12_error)
+          __pyx_t_13 = __pyx_f_4cuda_8bindings_8cydriver_cuMemcpyDtoDAsync(((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_d.data) + __pyx_t_17)) )))), ((CUdeviceptr)(*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_s.data) + __pyx_t_18)) )))), (*((unsigned PY_LONG_LONG const  *) ( /* dim=0 */ ((char *) (((unsigned PY_LONG_LONG const  *) __pyx_v_n.data) + __pyx_t_19)) ))), __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_13 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 923, __pyx_L12_error)
 
-          /* "tensorxfer/memory/_cuda.pyx":946
+          /* "tensorxfer/memory/_cuda.pyx":923
  *         with nogil:
  *             for i in range(count):
  *                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],             # <<<<<<<<<<<<<<
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
 */
-          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 946, __pyx_L12_error)
+          __pyx_t_14 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_13, __pyx_k_cuMemcpyDtoDAsync); if (unlikely(__pyx_t_14 == ((int)-1))) __PYX_ERR(0, 923, __pyx_L12_error)
 
 
         }
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":944
+      /* "tensorxfer/memory/_cuda.pyx":921
  *                          b"cuMemcpyBatchAsync")
  *             return
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -36533,7 +36150,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":918
+  /* "tensorxfer/memory/_cuda.pyx":895
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
@@ -36565,7 +36182,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_4dtod_batch(struct
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":949
+/* "tensorxfer/memory/_cuda.pyx":926
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -36615,55 +36232,55 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_value,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 949, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 926, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 926, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 926, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 926, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 949, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "memset", 0) < (0)) __PYX_ERR(0, 926, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 949, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, i); __PYX_ERR(0, 926, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 926, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 926, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 949, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 926, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
-    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 926, __pyx_L3_error)
+    __pyx_v_n = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_n == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 926, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 949, __pyx_L3_error)
+      __pyx_v_value = __Pyx_PyLong_As_unsigned_char(values[2]); if (unlikely((__pyx_v_value == (unsigned char)-1) && PyErr_Occurred())) __PYX_ERR(0, 926, __pyx_L3_error)
     } else {
       __pyx_v_value = ((unsigned char)0);
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 949, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("memset", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 926, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36698,17 +36315,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __p
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("memset", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":950
+  /* "tensorxfer/memory/_cuda.pyx":927
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
 */
-  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 950, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10tensorxfer_6memory_5_cuda_bind_device(__pyx_v_self->__pyx_base._device); if (unlikely(__pyx_t_1 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 927, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":951
+  /* "tensorxfer/memory/_cuda.pyx":928
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -36721,20 +36338,20 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __p
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":952
+        /* "tensorxfer/memory/_cuda.pyx":929
  *         bind_device(self._device)
  *         with nogil:
  *             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),             # <<<<<<<<<<<<<<
  *                      b"cuMemsetD8Async")
  * 
 */
-        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 952, __pyx_L4_error)
-        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 952, __pyx_L4_error)
+        __pyx_t_2 = __pyx_f_4cuda_8bindings_8cydriver_cuMemsetD8Async(((CUdeviceptr)__pyx_v_dst), __pyx_v_value, __pyx_v_n, __pyx_v_self->__pyx_base._stream); if (unlikely(__pyx_t_2 == ((enum cudaError_enum)CUDA_ERROR_NOT_FOUND) && __Pyx_ErrOccurredWithGIL())) __PYX_ERR(0, 929, __pyx_L4_error)
+        __pyx_t_3 = __pyx_f_10tensorxfer_6memory_5_cuda_check_cu(__pyx_t_2, __pyx_k_cuMemsetD8Async); if (unlikely(__pyx_t_3 == ((int)-1))) __PYX_ERR(0, 929, __pyx_L4_error)
 
 
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":951
+      /* "tensorxfer/memory/_cuda.pyx":928
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
  *         bind_device(self._device)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -36756,7 +36373,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __p
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":949
+  /* "tensorxfer/memory/_cuda.pyx":926
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -36776,7 +36393,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_6memset(struct __p
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":955
+/* "tensorxfer/memory/_cuda.pyx":932
  *                      b"cuMemsetD8Async")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
@@ -36825,39 +36442,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 955, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 932, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 955, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 932, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 955, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 932, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 955, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "htod", 0) < (0)) __PYX_ERR(0, 932, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 955, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, i); __PYX_ERR(0, 932, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 955, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 932, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 955, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 932, __pyx_L3_error)
     }
-    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 955, __pyx_L3_error)
+    __pyx_v_dst = __Pyx_PyLong_As_size_t(values[0]); if (unlikely((__pyx_v_dst == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 932, __pyx_L3_error)
     __pyx_v_src = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 955, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("htod", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 932, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -36901,14 +36518,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("htod", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":957
+  /* "tensorxfer/memory/_cuda.pyx":934
  *     def htod(self, uintptr_t dst, src):
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")             # <<<<<<<<<<<<<<
  *         cdef size_t n = view.shape[0], off = 0, k
  *         cdef const unsigned char* p
 */
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 957, __pyx_L1_error)
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_src); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 934, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -36918,17 +36535,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 957, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 934, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 957, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 957, __pyx_L1_error)
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 934, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 934, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_view = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":958
+  /* "tensorxfer/memory/_cuda.pyx":935
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
  *         cdef size_t n = view.shape[0], off = 0, k             # <<<<<<<<<<<<<<
@@ -36938,7 +36555,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   __pyx_v_n = (__pyx_v_view.shape[0]);
   __pyx_v_off = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":960
+  /* "tensorxfer/memory/_cuda.pyx":937
  *         cdef size_t n = view.shape[0], off = 0, k
  *         cdef const unsigned char* p
  *         cdef int b = 0             # <<<<<<<<<<<<<<
@@ -36947,7 +36564,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":961
+  /* "tensorxfer/memory/_cuda.pyx":938
  *         cdef const unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -36959,7 +36576,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   if (__pyx_t_6) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":962
+    /* "tensorxfer/memory/_cuda.pyx":939
  *         cdef int b = 0
  *         if n == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -36976,7 +36593,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":961
+    /* "tensorxfer/memory/_cuda.pyx":938
  *         cdef const unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -36985,7 +36602,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":963
+  /* "tensorxfer/memory/_cuda.pyx":940
  *         if n == 0:
  *             return
  *         p = &view[0]             # <<<<<<<<<<<<<<
@@ -36995,17 +36612,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   __pyx_t_7 = 0;
   __pyx_v_p = (&(*((unsigned char const  *) ( /* dim=0 */ ((char *) (((unsigned char const  *) __pyx_v_view.data) + __pyx_t_7)) ))));
 
-  /* "tensorxfer/memory/_cuda.pyx":964
+  /* "tensorxfer/memory/_cuda.pyx":941
  *             return
  *         p = &view[0]
  *         self._check(0, 0)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             while off < n:
 */
-  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 964, __pyx_L1_error)
+  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 941, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":965
+  /* "tensorxfer/memory/_cuda.pyx":942
  *         p = &view[0]
  *         self._check(0, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37018,7 +36635,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":966
+        /* "tensorxfer/memory/_cuda.pyx":943
  *         self._check(0, 0)
  *         with nogil:
  *             while off < n:             # <<<<<<<<<<<<<<
@@ -37031,7 +36648,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 
           if (!__pyx_t_6) break;
 
-          /* "tensorxfer/memory/_cuda.pyx":967
+          /* "tensorxfer/memory/_cuda.pyx":944
  *         with nogil:
  *             while off < n:
  *                 k = n - off if n - off < self._size else self._size             # <<<<<<<<<<<<<<
@@ -37050,17 +36667,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 
           __pyx_v_k = __pyx_t_4;
 
-          /* "tensorxfer/memory/_cuda.pyx":968
+          /* "tensorxfer/memory/_cuda.pyx":945
  *             while off < n:
  *                 k = n - off if n - off < self._size else self._size
  *                 self._wait(b)                      # buffer b's previous copy has drained             # <<<<<<<<<<<<<<
  *                 memcpy(self._pinned[b], p + off, k)
  *                 self._htod_async(b, dst + off, k)
 */
-          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 968, __pyx_L5_error)
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 945, __pyx_L5_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":969
+          /* "tensorxfer/memory/_cuda.pyx":946
  *                 k = n - off if n - off < self._size else self._size
  *                 self._wait(b)                      # buffer b's previous copy has drained
  *                 memcpy(self._pinned[b], p + off, k)             # <<<<<<<<<<<<<<
@@ -37069,17 +36686,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
           (void)(memcpy((__pyx_v_self->__pyx_base._pinned[__pyx_v_b]), (__pyx_v_p + __pyx_v_off), __pyx_v_k));
 
-          /* "tensorxfer/memory/_cuda.pyx":970
+          /* "tensorxfer/memory/_cuda.pyx":947
  *                 self._wait(b)                      # buffer b's previous copy has drained
  *                 memcpy(self._pinned[b], p + off, k)
  *                 self._htod_async(b, dst + off, k)             # <<<<<<<<<<<<<<
  *                 off += k
  *                 b ^= 1
 */
-          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._htod_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_dst + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 970, __pyx_L5_error)
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._htod_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_dst + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 947, __pyx_L5_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":971
+          /* "tensorxfer/memory/_cuda.pyx":948
  *                 memcpy(self._pinned[b], p + off, k)
  *                 self._htod_async(b, dst + off, k)
  *                 off += k             # <<<<<<<<<<<<<<
@@ -37088,7 +36705,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
 */
           __pyx_v_off = (__pyx_v_off + __pyx_v_k);
 
-          /* "tensorxfer/memory/_cuda.pyx":972
+          /* "tensorxfer/memory/_cuda.pyx":949
  *                 self._htod_async(b, dst + off, k)
  *                 off += k
  *                 b ^= 1             # <<<<<<<<<<<<<<
@@ -37099,7 +36716,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
         }
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":965
+      /* "tensorxfer/memory/_cuda.pyx":942
  *         p = &view[0]
  *         self._check(0, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37121,7 +36738,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":955
+  /* "tensorxfer/memory/_cuda.pyx":932
  *                      b"cuMemsetD8Async")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
@@ -37151,7 +36768,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_8htod(struct __pyx
   return __pyx_r;
 }
 
-/* "tensorxfer/memory/_cuda.pyx":974
+/* "tensorxfer/memory/_cuda.pyx":951
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
@@ -37200,39 +36817,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_dst,&__pyx_mstate_global->__pyx_n_u_src,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 974, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 951, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 951, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 951, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "dtoh", 0) < (0)) __PYX_ERR(0, 951, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 974, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, i); __PYX_ERR(0, 951, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 951, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 974, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 951, __pyx_L3_error)
     }
     __pyx_v_dst = values[0];
-    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 974, __pyx_L3_error)
+    __pyx_v_src = __Pyx_PyLong_As_size_t(values[1]); if (unlikely((__pyx_v_src == ((uintptr_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 951, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 974, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("dtoh", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 951, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -37279,14 +36896,14 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("dtoh", 0);
 
-  /* "tensorxfer/memory/_cuda.pyx":976
+  /* "tensorxfer/memory/_cuda.pyx":953
  *     def dtoh(self, dst, uintptr_t src):
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")             # <<<<<<<<<<<<<<
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
  *         cdef unsigned char* p
 */
-  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 976, __pyx_L1_error)
+  __pyx_t_3 = PyMemoryView_FromObject(__pyx_v_dst); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 953, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -37296,17 +36913,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_cast, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 976, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 953, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 976, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 976, __pyx_L1_error)
+  if (!(likely(PyMemoryView_Check(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("memoryview", __pyx_t_1))) __PYX_ERR(0, 953, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char(__pyx_t_1, PyBUF_WRITABLE); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 953, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_view = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "tensorxfer/memory/_cuda.pyx":977
+  /* "tensorxfer/memory/_cuda.pyx":954
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0             # <<<<<<<<<<<<<<
@@ -37318,7 +36935,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   __pyx_v_prev_off = 0;
   __pyx_v_prev_k = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":979
+  /* "tensorxfer/memory/_cuda.pyx":956
  *         cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
  *         cdef unsigned char* p
  *         cdef int b = 0             # <<<<<<<<<<<<<<
@@ -37327,7 +36944,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
   __pyx_v_b = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":980
+  /* "tensorxfer/memory/_cuda.pyx":957
  *         cdef unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -37339,7 +36956,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   if (__pyx_t_6) {
 
 
-    /* "tensorxfer/memory/_cuda.pyx":981
+    /* "tensorxfer/memory/_cuda.pyx":958
  *         cdef int b = 0
  *         if n == 0:
  *             return             # <<<<<<<<<<<<<<
@@ -37356,7 +36973,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
     }
     goto __pyx_L0;
 
-    /* "tensorxfer/memory/_cuda.pyx":980
+    /* "tensorxfer/memory/_cuda.pyx":957
  *         cdef unsigned char* p
  *         cdef int b = 0
  *         if n == 0:             # <<<<<<<<<<<<<<
@@ -37365,7 +36982,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":982
+  /* "tensorxfer/memory/_cuda.pyx":959
  *         if n == 0:
  *             return
  *         p = &view[0]             # <<<<<<<<<<<<<<
@@ -37375,17 +36992,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
   __pyx_t_7 = 0;
   __pyx_v_p = (&(*((unsigned char *) ( /* dim=0 */ ((char *) (((unsigned char *) __pyx_v_view.data) + __pyx_t_7)) ))));
 
-  /* "tensorxfer/memory/_cuda.pyx":983
+  /* "tensorxfer/memory/_cuda.pyx":960
  *             return
  *         p = &view[0]
  *         self._check(0, 0)             # <<<<<<<<<<<<<<
  *         with nogil:
  *             while off < n:
 */
-  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 983, __pyx_L1_error)
+  __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._check(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), 0, 0); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 960, __pyx_L1_error)
 
 
-  /* "tensorxfer/memory/_cuda.pyx":984
+  /* "tensorxfer/memory/_cuda.pyx":961
  *         p = &view[0]
  *         self._check(0, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37398,7 +37015,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "tensorxfer/memory/_cuda.pyx":985
+        /* "tensorxfer/memory/_cuda.pyx":962
  *         self._check(0, 0)
  *         with nogil:
  *             while off < n:             # <<<<<<<<<<<<<<
@@ -37411,7 +37028,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 
           if (!__pyx_t_6) break;
 
-          /* "tensorxfer/memory/_cuda.pyx":986
+          /* "tensorxfer/memory/_cuda.pyx":963
  *         with nogil:
  *             while off < n:
  *                 k = n - off if n - off < self._size else self._size             # <<<<<<<<<<<<<<
@@ -37430,17 +37047,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 
           __pyx_v_k = __pyx_t_4;
 
-          /* "tensorxfer/memory/_cuda.pyx":987
+          /* "tensorxfer/memory/_cuda.pyx":964
  *             while off < n:
  *                 k = n - off if n - off < self._size else self._size
  *                 self._dtoh_async(b, src + off, k)             # <<<<<<<<<<<<<<
  *                 if prev_k:                         # drain the other buffer while this one fills
  *                     self._wait(b ^ 1)
 */
-          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._dtoh_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_src + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 987, __pyx_L5_error)
+          __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._dtoh_async(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), __pyx_v_b, (__pyx_v_src + __pyx_v_off), __pyx_v_k); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 964, __pyx_L5_error)
 
 
-          /* "tensorxfer/memory/_cuda.pyx":988
+          /* "tensorxfer/memory/_cuda.pyx":965
  *                 k = n - off if n - off < self._size else self._size
  *                 self._dtoh_async(b, src + off, k)
  *                 if prev_k:                         # drain the other buffer while this one fills             # <<<<<<<<<<<<<<
@@ -37452,17 +37069,17 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           if (__pyx_t_6) {
 
 
-            /* "tensorxfer/memory/_cuda.pyx":989
+            /* "tensorxfer/memory/_cuda.pyx":966
  *                 self._dtoh_async(b, src + off, k)
  *                 if prev_k:                         # drain the other buffer while this one fills
  *                     self._wait(b ^ 1)             # <<<<<<<<<<<<<<
  *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k
 */
-            __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 989, __pyx_L5_error)
+            __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 966, __pyx_L5_error)
 
 
-            /* "tensorxfer/memory/_cuda.pyx":990
+            /* "tensorxfer/memory/_cuda.pyx":967
  *                 if prev_k:                         # drain the other buffer while this one fills
  *                     self._wait(b ^ 1)
  *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
@@ -37471,7 +37088,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
             (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->__pyx_base._pinned[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
 
-            /* "tensorxfer/memory/_cuda.pyx":988
+            /* "tensorxfer/memory/_cuda.pyx":965
  *                 k = n - off if n - off < self._size else self._size
  *                 self._dtoh_async(b, src + off, k)
  *                 if prev_k:                         # drain the other buffer while this one fills             # <<<<<<<<<<<<<<
@@ -37480,7 +37097,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
           }
 
-          /* "tensorxfer/memory/_cuda.pyx":991
+          /* "tensorxfer/memory/_cuda.pyx":968
  *                     self._wait(b ^ 1)
  *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k             # <<<<<<<<<<<<<<
@@ -37494,7 +37111,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           __pyx_v_prev_off = __pyx_t_4;
           __pyx_v_prev_k = __pyx_t_9;
 
-          /* "tensorxfer/memory/_cuda.pyx":992
+          /* "tensorxfer/memory/_cuda.pyx":969
  *                     memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
  *                 prev_off, prev_k = off, k
  *                 off += k             # <<<<<<<<<<<<<<
@@ -37503,7 +37120,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
 */
           __pyx_v_off = (__pyx_v_off + __pyx_v_k);
 
-          /* "tensorxfer/memory/_cuda.pyx":993
+          /* "tensorxfer/memory/_cuda.pyx":970
  *                 prev_off, prev_k = off, k
  *                 off += k
  *                 b ^= 1             # <<<<<<<<<<<<<<
@@ -37513,16 +37130,16 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
           __pyx_v_b = (__pyx_v_b ^ 1);
         }
 
-        /* "tensorxfer/memory/_cuda.pyx":994
+        /* "tensorxfer/memory/_cuda.pyx":971
  *                 off += k
  *                 b ^= 1
  *             self._wait(b ^ 1)             # <<<<<<<<<<<<<<
  *             memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
 */
-        __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 994, __pyx_L5_error)
+        __pyx_t_8 = ((struct __pyx_vtabstruct_10tensorxfer_6memory_5_cuda_Copier *)__pyx_v_self->__pyx_base.__pyx_vtab)->__pyx_base._wait(((struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *)__pyx_v_self), (__pyx_v_b ^ 1)); if (unlikely(__pyx_t_8 == ((int)-1))) __PYX_ERR(0, 971, __pyx_L5_error)
 
 
-        /* "tensorxfer/memory/_cuda.pyx":995
+        /* "tensorxfer/memory/_cuda.pyx":972
  *                 b ^= 1
  *             self._wait(b ^ 1)
  *             memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)             # <<<<<<<<<<<<<<
@@ -37530,7 +37147,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
         (void)(memcpy((__pyx_v_p + __pyx_v_prev_off), (__pyx_v_self->__pyx_base._pinned[(__pyx_v_b ^ 1)]), __pyx_v_prev_k));
       }
 
-      /* "tensorxfer/memory/_cuda.pyx":984
+      /* "tensorxfer/memory/_cuda.pyx":961
  *         p = &view[0]
  *         self._check(0, 0)
  *         with nogil:             # <<<<<<<<<<<<<<
@@ -37552,7 +37169,7 @@ static PyObject *__pyx_pf_10tensorxfer_6memory_5_cuda_6Copier_10dtoh(struct __py
       }
   }
 
-  /* "tensorxfer/memory/_cuda.pyx":974
+  /* "tensorxfer/memory/_cuda.pyx":951
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
@@ -38226,22 +37843,6 @@ static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_mapped_s
   return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_11mapped_size_1__get__(o);
 }
 
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_ptr(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_3ptr_1__get__(o);
-}
-
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_size(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_4size_1__get__(o);
-}
-
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_reserved_size(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13reserved_size_1__get__(o);
-}
-
-static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_owner(PyObject *o, CYTHON_UNUSED void *x) {
-  return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_5owner_1__get__(o);
-}
-
 static PyObject *__pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_device_index(PyObject *o, CYTHON_UNUSED void *x) {
   return __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_12device_index_1__get__(o);
 }
@@ -38267,21 +37868,17 @@ static PyMethodDef __pyx_methods_10tensorxfer_6memory_5_cuda_CudaRegion[] = {
   {"adopt", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_12adopt},
   {"from_tensor", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_14from_tensor},
   {"map_next", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_16map_next},
-  {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_dmabuf},
-  {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26export_handles},
-  {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28cuda_array},
-  {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30_unmap_chunk},
-  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__reduce_cython__},
-  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_34__setstate_cython__},
+  {"export_dmabuf", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_22export_dmabuf},
+  {"export_handles", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_24export_handles},
+  {"cuda_array", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_26cuda_array},
+  {"_unmap_chunk", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_28_unmap_chunk},
+  {"__reduce_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_30__reduce_cython__},
+  {"__setstate_cython__", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10tensorxfer_6memory_5_cuda_10CudaRegion_32__setstate_cython__},
   {0, 0, 0, 0}
 };
 
 static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_CudaRegion[] = {
   {"mapped_size", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_mapped_size, 0, PyDoc_STR("Bytes from the start that have been mapped (all of :attr:`size` once fully mapped)."), 0},
-  {"ptr", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_ptr, 0, 0, 0},
-  {"size", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_size, 0, 0, 0},
-  {"reserved_size", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_reserved_size, 0, 0, 0},
-  {"owner", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_owner, 0, 0, 0},
   {"device_index", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_device_index, 0, 0, 0},
   {"device", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_device, 0, 0, 0},
   {"gpudirect_rdma_capable", __pyx_getprop_10tensorxfer_6memory_5_cuda_10CudaRegion_gpudirect_rdma_capable, 0, PyDoc_STR("True if the handles were created with ``gpuDirectRDMACapable``."), 0},
@@ -38291,9 +37888,7 @@ static struct PyGetSetDef __pyx_getsets_10tensorxfer_6memory_5_cuda_CudaRegion[]
 #if CYTHON_USE_TYPE_SPECS
 static PyType_Slot __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion_slots[] = {
   {Py_tp_dealloc, (void *)__pyx_tp_dealloc_10tensorxfer_6memory_5_cuda_CudaRegion},
-  {Py_tp_repr, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__},
-  {Py_sq_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__},
-  {Py_mp_length, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__},
+  {Py_tp_repr, (void *)__pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__repr__},
   {Py_tp_doc, (void *)PyDoc_STR("One contiguous device virtual range backed by several VMM handles.\n\n    Create with :meth:`allocate` (owned), :meth:`import_handles` (owned\n    mapping of another process\047s handles) or :meth:`adopt` (memory the\n    caller allocated: never freed here).  Views (:meth:`cuda_array`) keep\n    the mapping alive: :meth:`close` refuses while any exists, unless\n    ``defer=True``.\n    ")},
   {Py_tp_traverse, (void *)__pyx_tp_traverse_10tensorxfer_6memory_5_cuda_CudaRegion},
   {Py_tp_clear, (void *)__pyx_tp_clear_10tensorxfer_6memory_5_cuda_CudaRegion},
@@ -38311,25 +37906,6 @@ static PyType_Spec __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion_spec = {
 };
 #else
 
-static PySequenceMethods __pyx_tp_as_sequence_CudaRegion = {
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__, /*sq_length*/
-  0, /*sq_concat*/
-  0, /*sq_repeat*/
-  0, /*sq_item*/
-  0, /*sq_slice*/
-  0, /*sq_ass_item*/
-  0, /*sq_ass_slice*/
-  0, /*sq_contains*/
-  0, /*sq_inplace_concat*/
-  0, /*sq_inplace_repeat*/
-};
-
-static PyMappingMethods __pyx_tp_as_mapping_CudaRegion = {
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__len__, /*mp_length*/
-  0, /*mp_subscript*/
-  0, /*mp_ass_subscript*/
-};
-
 static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion = {
   PyVarObject_HEAD_INIT(0, 0)
   "tensorxfer.memory._cuda.""CudaRegion", /*tp_name*/
@@ -38340,10 +37916,10 @@ static PyTypeObject __pyx_type_10tensorxfer_6memory_5_cuda_CudaRegion = {
   0, /*tp_getattr*/
   0, /*tp_setattr*/
   0, /*tp_as_async*/
-  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_23__repr__, /*tp_repr*/
+  __pyx_pw_10tensorxfer_6memory_5_cuda_10CudaRegion_21__repr__, /*tp_repr*/
   0, /*tp_as_number*/
-  &__pyx_tp_as_sequence_CudaRegion, /*tp_as_sequence*/
-  &__pyx_tp_as_mapping_CudaRegion, /*tp_as_mapping*/
+  0, /*tp_as_sequence*/
+  0, /*tp_as_mapping*/
   0, /*tp_hash*/
   0, /*tp_call*/
   0, /*tp_str*/
@@ -40491,14 +40067,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBy
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes = &__pyx_vtable_10tensorxfer_6memory_5_cuda__DeviceBytes;
   __pyx_vtable_10tensorxfer_6memory_5_cuda__DeviceBytes._make = (struct __pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBytes *(*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_CudaRegion *, size_t, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_12_DeviceBytes__make;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes)) __PYX_ERR(0, 720, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes)) __PYX_ERR(0, 697, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes = &__pyx_type_10tensorxfer_6memory_5_cuda__DeviceBytes;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 697, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes);
@@ -40508,9 +40084,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda__DeviceBy
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_DeviceBytes, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 720, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_vtabptr_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 697, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_DeviceBytes, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 697, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes) < (0)) __PYX_ERR(0, 697, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -40533,14 +40109,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._htod_async = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int, uintptr_t, size_t))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__htod_async;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Stager._wait = (int (*)(struct __pyx_obj_10tensorxfer_6memory_5_cuda_Stager *, int))__pyx_f_10tensorxfer_6memory_5_cuda_6Stager__wait;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 752, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Stager_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager)) __PYX_ERR(0, 729, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager = &__pyx_type_10tensorxfer_6memory_5_cuda_Stager;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 729, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager);
@@ -40550,9 +40126,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Stager(__
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 752, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 729, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Stager, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 729, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager) < (0)) __PYX_ERR(0, 729, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -40572,11 +40148,11 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__
   __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier = &__pyx_vtable_10tensorxfer_6memory_5_cuda_Copier;
   __pyx_vtable_10tensorxfer_6memory_5_cuda_Copier.__pyx_base = *__pyx_vtabptr_10tensorxfer_6memory_5_cuda_Stager;
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_t_1 = PyTuple_Pack(1, (PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 898, __pyx_L1_error)
+  __pyx_t_1 = PyTuple_Pack(1, (PyObject *)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 875, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda_Copier_spec, __pyx_t_1);
   __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 898, __pyx_L1_error)
+  if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier)) __PYX_ERR(0, 875, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier = &__pyx_type_10tensorxfer_6memory_5_cuda_Copier;
   #endif
@@ -40584,7 +40160,7 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__
   __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_base = __pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager;
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 875, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier);
@@ -40594,9 +40170,9 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda_Copier(__
     __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier->tp_getattro = PyObject_GenericGetAttr;
   }
   #endif
-  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
-  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
-  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 898, __pyx_L1_error)
+  if (__Pyx_SetVtable(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_vtabptr_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 875, __pyx_L1_error)
+  if (PyObject_SetAttr(__pyx_m, __pyx_mstate_global->__pyx_n_u_Copier, (PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 875, __pyx_L1_error)
+  if (__Pyx_setup_reduce((PyObject *) __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier) < (0)) __PYX_ERR(0, 875, __pyx_L1_error)
   __Pyx_RefNannyFinishContext();
   return 0;
   __pyx_L1_error:;
@@ -40614,14 +40190,14 @@ static int __Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_sco
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr", 0);
   /*--- Exttype __pyx_obj_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr ---*/
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr)) __PYX_ERR(0, 331, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr)) __PYX_ERR(0, 329, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr = &__pyx_type_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr) < (0)) __PYX_ERR(0, 331, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr) < (0)) __PYX_ERR(0, 329, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10tensorxfer_6memory_5_cuda___pyx_scope_struct__genexpr);
@@ -41918,23 +41494,23 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_default_chunk_size, __pyx_t_2) < (0)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":265
+  /* "tensorxfer/memory/_cuda.pyx":263
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def reserve(size, chunk_size=None, int device=0):
  *         """Reserve the address range and plan its chunks, mapping none yet.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_3reserve, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_reserve, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 265, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_3reserve, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_reserve, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[5]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 265, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 265, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -41942,29 +41518,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 265, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 263, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 265, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_reserve, __pyx_t_2) < (0)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":277
+  /* "tensorxfer/memory/_cuda.pyx":275
  *         return CudaRegion._plan(size, chunk_size, device, False)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def allocate(size, chunk_size=None, int device=0):
  *         """Reserve ``size`` bytes of device address space and back it with VMM handles.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_5allocate, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_allocate, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 277, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_5allocate, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_allocate, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[5]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 277, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -41972,28 +41548,28 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 277, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 275, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_allocate, __pyx_t_2) < (0)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":297
+  /* "tensorxfer/memory/_cuda.pyx":295
  *         return CudaRegion._plan(size, chunk_size, device, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def _plan(size, chunk_size, int device, bint map_now):
  *         """Shared by allocate and reserve: granularity, handle types, chunk plan."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_7_plan, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__plan, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_7_plan, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__plan, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 297, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 297, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -42001,29 +41577,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 295, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 297, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_plan, __pyx_t_2) < (0)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":323
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), int device=0):
  *         """A region from explicit chunk sizes (granularity multiples), with
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_9_from_chunks, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__from_chunks, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 323, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_9_from_chunks, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__from_chunks, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[6]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 323, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 323, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -42031,29 +41607,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 323, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 321, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 323, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_chunks, __pyx_t_2) < (0)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":334
+  /* "tensorxfer/memory/_cuda.pyx":332
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def import_handles(handles, int device=0, access_devices=None):
  *         """Map another process's exported chunk handles contiguously.
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_11import_handles, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_import_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 334, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_11import_handles, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_import_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 334, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 334, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -42061,29 +41637,29 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 334, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 332, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 334, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_import_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":359
+  /* "tensorxfer/memory/_cuda.pyx":357
  *                                  [fd for _, fd in handles], access_devices, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def adopt(uintptr_t ptr, size_t size, int device=0, keepalive=None):
  *         """Wrap device memory the caller allocated (cudaMalloc, a PyTorch
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_adopt, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 359, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_13adopt, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_adopt, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 357, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 359, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 357, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 359, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_11, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 357, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __pyx_t_6 = 1;
   {
@@ -42091,28 +41667,28 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 359, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 357, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 359, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_adopt, __pyx_t_2) < (0)) __PYX_ERR(0, 357, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":384
+  /* "tensorxfer/memory/_cuda.pyx":382
  *         return self
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
  *     def from_tensor(tensor):
  *         """``adopt`` a CUDA torch tensor's bytes (the tensor is kept alive)."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_from_tensor, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_15from_tensor, __Pyx_CYFUNCTION_STATICMETHOD | __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_from_tensor, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 384, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_11 = NULL;
-  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __Pyx_GetNameInClass(__pyx_t_5, (PyObject*)__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_6 = 1;
   {
@@ -42120,88 +41696,88 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_staticmethod, __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 382, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 384, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_from_tensor, __pyx_t_2) < (0)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":501
+  /* "tensorxfer/memory/_cuda.pyx":499
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
  *         """Map the next ``count`` planned chunks (see :meth:`reserve`); returns :attr:`mapped_size`.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_map_next, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 501, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_17map_next, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_map_next, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 499, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[8]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_map_next, __pyx_t_2) < (0)) __PYX_ERR(0, 501, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_map_next, __pyx_t_2) < (0)) __PYX_ERR(0, 499, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":632
+  /* "tensorxfer/memory/_cuda.pyx":609
  * 
  *     # ---------------------------------------------------------------- exports
  *     def export_dmabuf(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
  *         """One dmabuf fd over ``[offset, offset+length)``, resolved first.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_dmabuf, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_dmabuf, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 632, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_23export_dmabuf, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_dmabuf, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 609, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_dmabuf, __pyx_t_2) < (0)) __PYX_ERR(0, 632, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_dmabuf, __pyx_t_2) < (0)) __PYX_ERR(0, 609, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":663
+  /* "tensorxfer/memory/_cuda.pyx":640
  *         return fd
  * 
  *     def export_handles(self):             # <<<<<<<<<<<<<<
  *         """One POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27export_handles, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 663, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_25export_handles, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_export_handles, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 640, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 663, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_export_handles, __pyx_t_2) < (0)) __PYX_ERR(0, 640, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":692
+  /* "tensorxfer/memory/_cuda.pyx":669
  *         return out
  * 
  *     def cuda_array(self, size_t offset=0, length=None):             # <<<<<<<<<<<<<<
  *         """A ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29cuda_array, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_cuda_array, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 692, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_27cuda_array, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion_cuda_array, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 669, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[7]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_cuda_array, __pyx_t_2) < (0)) __PYX_ERR(0, 692, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_cuda_array, __pyx_t_2) < (0)) __PYX_ERR(0, 669, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":706
+  /* "tensorxfer/memory/_cuda.pyx":683
  * 
  *     # ---------------------------------------------------------------- test hooks
  *     def _unmap_chunk(self, Py_ssize_t index):             # <<<<<<<<<<<<<<
  *         """``cuMemUnmap`` one chunk, leaving a hole (tests of extent resolution)."""
  *         cdef CuChunk* c
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31_unmap_chunk, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__unmap_chunk, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 706, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_29_unmap_chunk, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion__unmap_chunk, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 683, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_unmap_chunk, __pyx_t_2) < (0)) __PYX_ERR(0, 706, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_CudaRegion, __pyx_mstate_global->__pyx_n_u_unmap_chunk, __pyx_t_2) < (0)) __PYX_ERR(0, 683, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -42209,7 +41785,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
  * def __setstate_cython__(self, __pyx_state):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_31__reduce_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___reduce_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 1, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -42223,7 +41799,7 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
  * def __setstate_cython__(self, __pyx_state):             # <<<<<<<<<<<<<<
  *     raise TypeError, "no default __reduce__ due to non-trivial __cinit__"
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_35__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_10CudaRegion_33__setstate_cython__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_CudaRegion___setstate_cython, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_2)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
@@ -42258,124 +41834,124 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda__DeviceBytes, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 17, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":828
+  /* "tensorxfer/memory/_cuda.pyx":805
  *         return 0
  * 
  *     def view(self, int i):             # <<<<<<<<<<<<<<
  *         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
  *         self._check(i, 0)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 828, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_3view, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_view, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 805, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 828, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_view_2, __pyx_t_2) < (0)) __PYX_ERR(0, 805, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":833
+  /* "tensorxfer/memory/_cuda.pyx":810
  *         return self._views[i]
  * 
  *     def start_dtoh(self, int i, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue device  buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
  *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 833, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_5start_dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 810, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 833, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 810, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":839
+  /* "tensorxfer/memory/_cuda.pyx":816
  *             self._dtoh_async(i, src, n)
  * 
  *     def start_htod(self, int i, uintptr_t dst, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue buffer ``i``  device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
  *         self._check(i, n)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 839, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_7start_htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_start_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 816, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 839, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_start_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 816, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":845
+  /* "tensorxfer/memory/_cuda.pyx":822
  *             self._htod_async(i, dst, n)
  * 
  *     def wait(self, int i):             # <<<<<<<<<<<<<<
  *         """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
  *         self._check(i, 0)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 845, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_9wait, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_wait, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 822, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 845, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_wait, __pyx_t_2) < (0)) __PYX_ERR(0, 822, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":851
+  /* "tensorxfer/memory/_cuda.pyx":828
  *             self._wait(i)
  * 
  *     def synchronize(self):             # <<<<<<<<<<<<<<
  *         """Block until everything queued on the stream finished."""
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 851, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_11synchronize, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_synchronize, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 828, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 851, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_synchronize, __pyx_t_2) < (0)) __PYX_ERR(0, 828, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":864
+  /* "tensorxfer/memory/_cuda.pyx":841
  *         return <uintptr_t>self._stream
  * 
  *     def close(self):             # <<<<<<<<<<<<<<
  *         cdef int i
  *         if self._closed:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_13close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 864, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_13close, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager_close, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 841, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 864, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_close, __pyx_t_2) < (0)) __PYX_ERR(0, 841, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":891
+  /* "tensorxfer/memory/_cuda.pyx":868
  *         self.close()
  * 
  *     def __enter__(self):             # <<<<<<<<<<<<<<
  *         return self
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 891, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_17__enter__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___enter, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 868, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 891, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_enter, __pyx_t_2) < (0)) __PYX_ERR(0, 868, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":894
+  /* "tensorxfer/memory/_cuda.pyx":871
  *         return self
  * 
  *     def __exit__(self, *exc):             # <<<<<<<<<<<<<<
  *         self.close()
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 894, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Stager_19__exit__, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Stager___exit, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[31])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 871, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 894, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Stager, __pyx_mstate_global->__pyx_n_u_exit, __pyx_t_2) < (0)) __PYX_ERR(0, 871, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -42405,81 +41981,81 @@ __Pyx_RefNannySetupContext("PyInit__cuda", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_setstate_cython, __pyx_t_2) < (0)) __PYX_ERR(1, 3, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":911
+  /* "tensorxfer/memory/_cuda.pyx":888
  *         pass                      # Stager.__cinit__ took the arguments (staging buffer size)
  * 
  *     def dtod(self, uintptr_t dst, uintptr_t src, size_t n):             # <<<<<<<<<<<<<<
  *         """Queue a device-to-device copy of ``n`` bytes."""
  *         bind_device(self._device)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 911, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_3dtod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[34])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 888, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 911, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod, __pyx_t_2) < (0)) __PYX_ERR(0, 888, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":918
+  /* "tensorxfer/memory/_cuda.pyx":895
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
  *         """Queue many device-to-device copies in one call, without the GIL.
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 918, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_5dtod_batch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtod_batch, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[35])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 895, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[9]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 918, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtod_batch, __pyx_t_2) < (0)) __PYX_ERR(0, 895, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":949
+  /* "tensorxfer/memory/_cuda.pyx":926
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
  *         bind_device(self._device)
  *         with nogil:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 949, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_7memset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_memset, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[36])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 926, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[10]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 949, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_memset, __pyx_t_2) < (0)) __PYX_ERR(0, 926, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":955
+  /* "tensorxfer/memory/_cuda.pyx":932
  *                      b"cuMemsetD8Async")
  * 
  *     def htod(self, uintptr_t dst, src):             # <<<<<<<<<<<<<<
  *         """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
  *         cdef const unsigned char[::1] view = memoryview(src).cast("B")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 955, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_9htod, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_htod, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[37])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 932, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 955, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_htod, __pyx_t_2) < (0)) __PYX_ERR(0, 932, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "tensorxfer/memory/_cuda.pyx":974
+  /* "tensorxfer/memory/_cuda.pyx":951
  *                 b ^= 1
  * 
  *     def dtoh(self, dst, uintptr_t src):             # <<<<<<<<<<<<<<
  *         """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
  *         cdef unsigned char[::1] view = memoryview(dst).cast("B")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 974, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_10tensorxfer_6memory_5_cuda_6Copier_11dtoh, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_Copier_dtoh, NULL, __pyx_mstate_global->__pyx_n_u_tensorxfer_memory__cuda, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[38])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 951, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 974, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_10tensorxfer_6memory_5_cuda_Copier, __pyx_mstate_global->__pyx_n_u_dtoh, __pyx_t_2) < (0)) __PYX_ERR(0, 951, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -42576,7 +42152,7 @@ static int __Pyx_InitCachedBuiltins(__pyx_mstatetype *__pyx_mstate) {
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
-  __pyx_builtin_staticmethod = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_staticmethod); if (!__pyx_builtin_staticmethod) __PYX_ERR(0, 265, __pyx_L1_error)
+  __pyx_builtin_staticmethod = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_staticmethod); if (!__pyx_builtin_staticmethod) __PYX_ERR(0, 263, __pyx_L1_error)
   __pyx_builtin___import__ = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_import); if (!__pyx_builtin___import__) __PYX_ERR(1, 119, __pyx_L1_error)
   __pyx_builtin_enumerate = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_enumerate); if (!__pyx_builtin_enumerate) __PYX_ERR(1, 175, __pyx_L1_error)
   __pyx_builtin_Ellipsis = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_Ellipsis); if (!__pyx_builtin_Ellipsis) __PYX_ERR(1, 436, __pyx_L1_error)
@@ -42670,16 +42246,16 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
 
-  /* "tensorxfer/memory/_cuda.pyx":321
+  /* "tensorxfer/memory/_cuda.pyx":319
  *         if size % chunk:
  *             sizes.append(size % chunk)
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)             # <<<<<<<<<<<<<<
  * 
  *     @staticmethod
 */
-  __pyx_mstate_global->__pyx_frozenset[0] = PyFrozenSet_New(NULL); if (unlikely(!__pyx_mstate_global->__pyx_frozenset[0])) __PYX_ERR(0, 321, __pyx_L1_error)
+  __pyx_mstate_global->__pyx_frozenset[0] = PyFrozenSet_New(NULL); if (unlikely(!__pyx_mstate_global->__pyx_frozenset[0])) __PYX_ERR(0, 319, __pyx_L1_error)
 
-  /* "tensorxfer/memory/_cuda.pyx":389
+  /* "tensorxfer/memory/_cuda.pyx":387
  *         if not getattr(tensor, "is_cuda", False):
  *             raise ValueError("from_tensor needs a CUDA tensor")
  *         return CudaRegion.adopt(tensor.data_ptr(), tensor.numel() * tensor.element_size(),             # <<<<<<<<<<<<<<
@@ -42688,12 +42264,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_keepalive};
-    __pyx_mstate_global->__pyx_tuple[4] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[4])) __PYX_ERR(0, 389, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[4] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[4])) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[4]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[4]);
 
-  /* "tensorxfer/memory/_cuda.pyx":265
+  /* "tensorxfer/memory/_cuda.pyx":263
  * 
  *     # ---------------------------------------------------------------- factories
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -42702,12 +42278,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {Py_None, __pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[5] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[5])) __PYX_ERR(0, 265, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[5] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[5])) __PYX_ERR(0, 263, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[5]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[5]);
 
-  /* "tensorxfer/memory/_cuda.pyx":323
+  /* "tensorxfer/memory/_cuda.pyx":321
  *         return CudaRegion._build(sizes, 0, frozenset(), device, shareable, gdr, None, None, map_now)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -42716,12 +42292,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[3] = {__pyx_mstate_global->__pyx_int_0, __pyx_mstate_global->__pyx_empty_tuple, __pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[6] = __Pyx_PyTuple_FromArray(__pyx_temp, 3); if (unlikely(!__pyx_mstate_global->__pyx_tuple[6])) __PYX_ERR(0, 323, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[6] = __Pyx_PyTuple_FromArray(__pyx_temp, 3); if (unlikely(!__pyx_mstate_global->__pyx_tuple[6])) __PYX_ERR(0, 321, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[6]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[6]);
 
-  /* "tensorxfer/memory/_cuda.pyx":334
+  /* "tensorxfer/memory/_cuda.pyx":332
  *                                  device, shareable, gdr, None, None, True)
  * 
  *     @staticmethod             # <<<<<<<<<<<<<<
@@ -42730,12 +42306,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {__pyx_mstate_global->__pyx_int_0, Py_None};
-    __pyx_mstate_global->__pyx_tuple[7] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[7])) __PYX_ERR(0, 334, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[7] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[7])) __PYX_ERR(0, 332, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[7]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[7]);
 
-  /* "tensorxfer/memory/_cuda.pyx":501
+  /* "tensorxfer/memory/_cuda.pyx":499
  *                 check_cu(cydriver.cuMemSetAccess(ptr + run_start, s, access, naccess), b"cuMemSetAccess")
  * 
  *     def map_next(self, Py_ssize_t count=1):             # <<<<<<<<<<<<<<
@@ -42744,12 +42320,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_1};
-    __pyx_mstate_global->__pyx_tuple[8] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[8])) __PYX_ERR(0, 501, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[8] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[8])) __PYX_ERR(0, 499, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[8]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[8]);
 
-  /* "tensorxfer/memory/_cuda.pyx":918
+  /* "tensorxfer/memory/_cuda.pyx":895
  *                                                 self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):             # <<<<<<<<<<<<<<
@@ -42758,12 +42334,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {Py_False};
-    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 918, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[9] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[9])) __PYX_ERR(0, 895, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[9]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[9]);
 
-  /* "tensorxfer/memory/_cuda.pyx":949
+  /* "tensorxfer/memory/_cuda.pyx":926
  *                                                     self._stream), b"cuMemcpyDtoDAsync")
  * 
  *     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):             # <<<<<<<<<<<<<<
@@ -42772,7 +42348,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_int_0};
-    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 949, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[10] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[10])) __PYX_ERR(0, 926, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[10]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[10]);
@@ -43008,7 +42584,7 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_GENERATOR), 331};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_GENERATOR), 329};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_h};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_genexpr, __pyx_mstate->__pyx_kp_b_iso88591_VW, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
@@ -43048,62 +42624,62 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_default_chunk_size, __pyx_mstate->__pyx_kp_b_iso88591_r_r_9AWA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 265};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 263};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device};
     __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_reserve, __pyx_mstate->__pyx_kp_b_iso88591_A_2_z_q_l, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 277};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 275};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_allocate, __pyx_mstate->__pyx_kp_b_iso88591_A_31_z_q_l, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 297};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 295};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_chunk_size, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_map_now, __pyx_mstate->__pyx_n_u_prop, __pyx_mstate->__pyx_n_u_gran, __pyx_mstate->__pyx_n_u_shareable, __pyx_mstate->__pyx_n_u_gdr, __pyx_mstate->__pyx_n_u_chunk_2, __pyx_mstate->__pyx_n_u_sizes};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_kp_b_iso88591_A_1_s_1_5_1_A_A_1A_4uI_WWX_1N_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 323};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 321};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_unmapped_tail, __pyx_mstate->__pyx_n_u_holes, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_shareable, __pyx_mstate->__pyx_n_u_gdr, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_genexpr, __pyx_mstate->__pyx_n_u_genexpr};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_from_chunks, __pyx_mstate->__pyx_kp_b_iso88591_A1_1A_D_i_iij_d_5____Qc_U_RVVW_E, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 334};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 332};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_handles, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_access_devices, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u__9, __pyx_mstate->__pyx_n_u__9, __pyx_mstate->__pyx_n_u_fd};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_import_handles, __pyx_mstate->__pyx_kp_b_iso88591_A_Q_Cq_Cq_T_F_D_5_Yd_RYYZ_T_F_LA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 359};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 357};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ptr, __pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_device, __pyx_mstate->__pyx_n_u_keepalive, __pyx_mstate->__pyx_n_u_self};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_adopt, __pyx_mstate->__pyx_kp_b_iso88591_A5B_z_5_1_AQ_1A_Kq_I_1_L_L_IQ_Ja, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 384};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 382};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_tensor};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_from_tensor, __pyx_mstate->__pyx_kp_b_iso88591_A_4wax_AQ_z_q_it6_s_F_WX_gWCs_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 501};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 499};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_count};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_map_next, __pyx_mstate->__pyx_kp_b_iso88591_L_6_1_AQ_Je4_m2Q_t1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 632};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 609};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_length, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_ptr, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_ext};
     __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_dmabuf, __pyx_mstate->__pyx_kp_b_iso88591_A_q_L_7_A_A_QQRRbbccd_AT_WCz_AQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 663};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 640};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_fd, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u__9};
     __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_export_handles, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83d_Cq_1A_4t1_1IQd_a_U_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 692};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 669};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_length, __pyx_mstate->__pyx_n_u_n};
     __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_cuda_array, __pyx_mstate->__pyx_kp_b_iso88591_z_L_AT_WCz_AQ_7_Bb_A_Qhay_UUVVZ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 706};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 683};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_index, __pyx_mstate->__pyx_n_u_c};
     __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_unmap_chunk, __pyx_mstate->__pyx_kp_b_iso88591_A_L_4t83fBb_6_D_AQ_4q_Qa_AT_1A_I, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
   }
@@ -43128,42 +42704,42 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 828};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 805};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_t7_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 833};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 810};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
     __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_AS_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 839};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 816};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n};
     __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_start_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_AS_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 845};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 822};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_wait, __pyx_mstate->__pyx_kp_b_iso88591_A_G1Cq_aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 851};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 828};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
     __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_synchronize, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_AQ_1D_I_1_k, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 864};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 841};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_v};
     __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_close, __pyx_mstate->__pyx_kp_b_iso88591_A_4q_Kq_E_XS_XQ_Ja_q_A_4y_1_Q_AT, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 891};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 868};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self};
     __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_enter, __pyx_mstate->__pyx_kp_b_iso88591_A_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 894};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS|CO_VARARGS), 871};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_exc};
     __pyx_mstate_global->__pyx_codeobj_tab[31] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_exit, __pyx_mstate->__pyx_kp_b_iso88591_A_F, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[31])) goto bad;
   }
@@ -43178,27 +42754,27 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[33] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tree_fragment, __pyx_mstate->__pyx_n_u_setstate_cython, __pyx_mstate->__pyx_kp_b_iso88591_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[33])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 911};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 888};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n};
     __pyx_mstate_global->__pyx_codeobj_tab[34] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod, __pyx_mstate->__pyx_kp_b_iso88591_A_1D_I_q0FeKaaffg04Kq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[34])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 918};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 895};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dsts, __pyx_mstate->__pyx_n_u_srcs, __pyx_mstate->__pyx_n_u_sizes, __pyx_mstate->__pyx_n_u_batch_api, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_attr, __pyx_mstate->__pyx_n_u_attr_index};
     __pyx_mstate_global->__pyx_codeobj_tab[35] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtod_batch, __pyx_mstate->__pyx_kp_b_iso88591_1_0q_q_q_q_aq_1F_3c_s_6_S_AQ_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[35])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 949};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 926};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_value};
     __pyx_mstate_global->__pyx_codeobj_tab[36] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_memset, __pyx_mstate->__pyx_kp_b_iso88591_B_1D_I_Q_DE_PSSWWX, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[36])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 955};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 932};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
     __pyx_mstate_global->__pyx_codeobj_tab[37] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_htod, __pyx_mstate->__pyx_kp_b_iso88591_A_Zq_E_F_Q_Q_2S_AT_G1Cq_b_Bb_r_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[37])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 974};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 11, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 951};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_view_2, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_off, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_prev_off, __pyx_mstate->__pyx_n_u_prev_k, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_b};
     __pyx_mstate_global->__pyx_codeobj_tab[38] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_tensorxfer_memory__cuda_pyx, __pyx_mstate->__pyx_n_u_dtoh, __pyx_mstate->__pyx_kp_b_iso88591_A_z_e1A_F_l_Q_2S_AT_G1Cq_b_Bb_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[38])) goto bad;
   }

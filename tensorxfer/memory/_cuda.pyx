@@ -240,11 +240,9 @@ cdef class CudaRegion(AllocationMap):
     ``defer=True``.
     """
     cdef cydriver.CUdeviceptr _base
-    cdef size_t _size
     cdef CuChunk* _chunks
     cdef Py_ssize_t _nchunks
     cdef int _device
-    cdef bint _owner
     cdef bint _reserved         # we hold the VA reservation
     cdef bint _shareable
     cdef bint _gdr
@@ -580,24 +578,6 @@ cdef class CudaRegion(AllocationMap):
         return 1
 
     @property
-    def ptr(self):
-        if self._closed:
-            raise ValueError("operation on a closed CudaRegion")
-        return <uintptr_t>self._base
-
-    @property
-    def size(self):
-        return self._size
-
-    @property
-    def reserved_size(self):
-        return self._va_size
-
-    @property
-    def owner(self):
-        return self._owner
-
-    @property
     def device_index(self):
         return self._device
 
@@ -617,9 +597,6 @@ cdef class CudaRegion(AllocationMap):
             raise ValueError("operation on a closed CudaRegion")
         return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
                 for i in range(self._nchunks)]
-
-    def __len__(self):
-        return self._size
 
     def __repr__(self):
         if self._closed:

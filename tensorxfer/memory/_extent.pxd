@@ -11,6 +11,8 @@ cdef class AllocationMap:
     """
     cdef uintptr_t _va_base   # start of the whole reservation
     cdef size_t _va_size      # whole reservation, unmapped parts included
+    cdef size_t _size         # usable bytes from _va_base (mapped chunks, holes aside)
+    cdef bint _owner          # tensorxfer allocated (or imported) it and frees it
     cdef bint _closed
     cdef Py_ssize_t _exports        # live views (buffer exports, device views)
     cdef bint _close_pending        # close(defer=True) while views were alive

@@ -120,6 +120,30 @@ cdef class AllocationMap:
     def closed(self):
         return self._closed
 
+    @property
+    def ptr(self):
+        """Address of the first byte."""
+        self._check_open()
+        return self._va_base
+
+    @property
+    def size(self):
+        """Usable bytes (the reservation may extend past them, unmapped)."""
+        return self._size
+
+    @property
+    def reserved_size(self):
+        """Bytes reserved, unmapped tail included."""
+        return self._va_size
+
+    @property
+    def owner(self):
+        """True if tensorxfer allocated this memory (False for adopted memory)."""
+        return self._owner
+
+    def __len__(self):
+        return self._size
+
     def allocation_at(self, size_t offset):
         """The one allocation holding ``base + offset`` as ``(base, size)``, or None.
 

@@ -89,10 +89,8 @@ cdef class HostRegion(AllocationMap):
     outlive the mapping.
     """
     cdef char* _base
-    cdef size_t _size          # usable bytes: [base, base+size) is what views cover
     cdef Chunk* _chunks
     cdef Py_ssize_t _nchunks
-    cdef bint _owner
     cdef bint _readonly
     cdef bint _has_view
     cdef Py_buffer _adopted     # export held on an adopted object until close()
@@ -416,27 +414,6 @@ cdef class HostRegion(AllocationMap):
         return 1
 
     @property
-    def ptr(self):
-        """Address of the first byte."""
-        self._check_open()
-        return <uintptr_t>self._base
-
-    @property
-    def size(self):
-        """Usable bytes (the reservation may extend past them, unmapped)."""
-        return self._size
-
-    @property
-    def reserved_size(self):
-        """Bytes reserved, unmapped tail included."""
-        return self._va_size
-
-    @property
-    def owner(self):
-        """True if tensorxfer allocated this memory (False for adopted memory)."""
-        return self._owner
-
-    @property
     def readonly(self):
         return self._readonly
 
@@ -454,9 +431,6 @@ cdef class HostRegion(AllocationMap):
         self._check_open()
         return [(self._chunks[i].offset, self._chunks[i].size, self._chunks[i].fd)
                 for i in range(self._nchunks)]
-
-    def __len__(self):
-        return self._size
 
     def __repr__(self):
         if self._closed:
