@@ -60,3 +60,16 @@ def test_descriptor_validation(mutate: Any, match: str) -> None:
 def test_default_post_batch() -> None:
     assert rdma.default_post_batch(1 << 20) == 1
     assert rdma.default_post_batch(4096) == 32
+
+
+def test_forced_rdma_on_a_host_without_a_device_names_the_reason() -> None:
+    from tensorxfer import Sender
+    from tensorxfer.transport import local_transports
+
+    ok, reason = rdma_available()
+    if ok:
+        pytest.skip("an RDMA device is present (covered by tests/test_rdma_engine.py)")
+    assert "rdma" not in local_transports()
+    with pytest.raises(TransportUnavailable, match="transport 'rdma' was requested but cannot run") as info:
+        Sender("127.0.0.1:1", transport="rdma")
+    assert reason in str(info.value)
