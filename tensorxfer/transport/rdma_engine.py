@@ -263,7 +263,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 self._side = conn
             try:
                 peer = msgpack.unpackb(body, raw=False)
-            except Exception as e:  # noqa: BLE001 - any decoding failure of an authenticated peer
+            except Exception as e:    # any decoding failure of an authenticated peer
                 raise ProtocolError(f"rdma: the sender's descriptors are not valid msgpack: {e}") from None
             return _check_peer(peer, "sender")
 
