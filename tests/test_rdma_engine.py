@@ -7,13 +7,21 @@ connection is loopback TCP, the data moves by RDMA WRITE over the device.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 
+import msgpack
 import numpy as np
 import pytest
 
 from tensorxfer import Manifest, Receiver, Sender, TensorRegion
-from tensorxfer.transport.rdma import rdma_available
-from tests.helpers import Background
+from tensorxfer.errors import PeerLost, TransferTimeout
+from tensorxfer.protocol import mac
+from tensorxfer.transport.base import TransferContext
+from tensorxfer.transport.rdma import RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
+from tensorxfer.transport.rdma_engine import READY, SIDE_HEADER, SIDE_MAGIC, RdmaReceiver, RdmaSender
+from tests.helpers import Background, region_of
 
 OK, REASON = rdma_available()
 pytestmark = [pytest.mark.rdma, pytest.mark.skipif(not OK, reason=f"no usable RDMA device: {REASON}")]
@@ -74,3 +82,81 @@ def test_auto_picks_rdma_when_ipc_is_disabled(monkeypatch: pytest.MonkeyPatch,
             assert s.send(src, verify=True).transport == "rdma"
         assert job.result(timeout=120) == data
     assert any("chose 'rdma'" in r.message for r in caplog.records)
+
+
+# ------------------------------------------------------- the transport halves, directly
+def ctx(stall: float = 20.0) -> TransferContext:
+    return TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=os.urandom(32),
+                           transfer_id=5, stall_timeout=stall, streams=2)
+
+
+def test_stranger_on_the_side_port_is_dropped_and_the_real_sender_lands() -> None:
+    c = ctx()
+    with region_of(300_000) as dst, region_of(300_000) as src:
+        data = fill(src, 11)
+        with RdmaReceiver(c) as rx, RdmaSender(c) as tx:
+            d = msgpack.unpackb(msgpack.packb(rx.prepare(dst)))
+            job = Background(rx.wait)
+            for junk in (b"hello", SIDE_HEADER.pack(SIDE_MAGIC, 5, 3, bytes(32)) + b"abc"):
+                with socket.create_connection(("127.0.0.1", d["side_port"]), timeout=5) as s:
+                    s.sendall(junk)
+                    s.shutdown(socket.SHUT_WR)
+                    s.settimeout(10)
+                    assert s.recv(1) == b"", "the receiver must close a stranger's connection"
+            tx.connect(d)
+            assert tx.send(src) == src.nbytes
+            assert job.result(timeout=60) == dst.nbytes
+        assert payload(dst) == data
+
+
+def test_sender_that_vanishes_after_ready_is_peer_lost_not_a_hang() -> None:
+    c = ctx(stall=30.0)
+    with region_of(300_000) as dst, region_of(300_000) as src:
+        with RdmaReceiver(c) as rx:
+            d = rx.prepare(dst)
+            job = Background(rx.wait)
+            with RdmaSenderEndpoint(src, qps=len(d["qps"])) as ep:
+                ep.connect(d)
+                body = msgpack.packb(ep.descriptors())
+                proof = mac(c.session_key, b"rdma-side", d["nonce"], (5).to_bytes(8, "big"), body)
+                with socket.create_connection(("127.0.0.1", d["side_port"]), timeout=5) as s:
+                    s.sendall(SIDE_HEADER.pack(SIDE_MAGIC, 5, len(body), proof) + body)
+                    s.settimeout(10)
+                    assert s.recv(1) == READY
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost, match="sender lost"):
+                job.result(timeout=20)
+            assert time.monotonic() - t0 < 5
+
+
+def test_receiver_without_a_sender_times_out_and_close_from_another_thread_wakes_it() -> None:
+    with region_of(100_000) as dst:
+        with RdmaReceiver(ctx(stall=1.0)) as rx:
+            rx.prepare(dst)
+            with pytest.raises(TransferTimeout, match="side connection"):
+                rx.wait()
+        rx2 = RdmaReceiver(ctx(stall=60.0))
+        rx2.prepare(dst)
+        job = Background(rx2.wait)
+        time.sleep(0.3)
+        rx2.close()
+        with pytest.raises(PeerLost, match="closed"):
+            job.result(timeout=5)
+        rx2.close()  # idempotent
+
+
+def test_receiver_that_vanishes_is_peer_lost_on_the_sender() -> None:
+    c = ctx(stall=30.0)
+    with region_of(300_000) as dst, region_of(300_000) as src:
+        with RdmaReceiverEndpoint(dst, qps=2) as ep, socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            d = {**ep.descriptors(), "side_port": listener.getsockname()[1], "nonce": os.urandom(32), "streams": 2}
+            with RdmaSender(c) as tx:
+                tx.connect(d)
+                job = Background(tx.send, src)
+                listener.settimeout(10)
+                conn, _ = listener.accept()
+                conn.close()           # hangs up instead of answering READY
+                with pytest.raises(PeerLost):
+                    job.result(timeout=20)

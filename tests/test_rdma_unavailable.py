@@ -73,3 +73,22 @@ def test_forced_rdma_on_a_host_without_a_device_names_the_reason() -> None:
     with pytest.raises(TransportUnavailable, match="transport 'rdma' was requested but cannot run") as info:
         Sender("127.0.0.1:1", transport="rdma")
     assert reason in str(info.value)
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda d: d.pop("side_port"), "side_port"),
+    (lambda d: d.update(side_port=70000), "out of range"),
+    (lambda d: d.update(nonce=b"short"), "out of range"),
+    (lambda d: d.update(qps=[]), "out of range"),
+    (lambda d: d.update(role="sender"), "expected receiver"),
+])
+def test_rdma_sender_transport_rejects_malformed_accept_descriptors(mutate: Any, match: str) -> None:
+    from tensorxfer.transport.base import TransferContext
+    from tensorxfer.transport.rdma_engine import RdmaSender
+
+    d = {**good(), "side_port": 4000, "nonce": bytes(32), "streams": 1}
+    mutate(d)
+    c = TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=bytes(32), transfer_id=1,
+                        stall_timeout=1.0)
+    with RdmaSender(c) as tx, pytest.raises(ProtocolError, match=match):
+        tx.connect(d)
