@@ -87,8 +87,16 @@ def _proof(ctx: TransferContext, side_nonce: bytes, body: bytes) -> bytes:
 def _alive(sock: socket.socket) -> bool:
     """False once the peer closed or reset the side socket (pending data counts as alive)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        poller = select.poll()          # not select(): a process holding many memfd chunks has fds >= 1024
+        poller.register(sock, select.POLLIN)
+        events = poller.poll(0)
+        if not events:
+            return True
+        if events[0][1] & (select.POLLERR | select.POLLNVAL):
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
     except (OSError, ValueError):
         return False
 
