@@ -60,3 +60,35 @@ def test_descriptor_validation(mutate: Any, match: str) -> None:
 def test_default_post_batch() -> None:
     assert rdma.default_post_batch(1 << 20) == 1
     assert rdma.default_post_batch(4096) == 32
+
+
+def test_forced_rdma_on_a_host_without_a_device_names_the_reason() -> None:
+    from tensorxfer import Sender
+    from tensorxfer.transport import local_transports
+
+    ok, reason = rdma_available()
+    if ok:
+        pytest.skip("an RDMA device is present (covered by tests/test_rdma_engine.py)")
+    assert "rdma" not in local_transports()
+    with pytest.raises(TransportUnavailable, match="transport 'rdma' was requested but cannot run") as info:
+        Sender("127.0.0.1:1", transport="rdma")
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda d: d.pop("side_port"), "side_port"),
+    (lambda d: d.update(side_port=70000), "out of range"),
+    (lambda d: d.update(nonce=b"short"), "out of range"),
+    (lambda d: d.update(qps=[]), "out of range"),
+    (lambda d: d.update(role="sender"), "expected receiver"),
+])
+def test_rdma_sender_transport_rejects_malformed_accept_descriptors(mutate: Any, match: str) -> None:
+    from tensorxfer.transport.base import TransferContext
+    from tensorxfer.transport.rdma_engine import RdmaSender
+
+    d = {**good(), "side_port": 4000, "nonce": bytes(32), "streams": 1}
+    mutate(d)
+    c = TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=bytes(32), transfer_id=1,
+                        stall_timeout=1.0)
+    with RdmaSender(c) as tx, pytest.raises(ProtocolError, match=match):
+        tx.connect(d)

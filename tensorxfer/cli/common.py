@@ -56,7 +56,7 @@ def exit_code(error: BaseException) -> int:
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help=f"file holding the shared token (default: ${TOKEN_ENV}; none: no authentication)")
-    p.add_argument("--transport", default="auto", help="auto (default), ipc or tcp; forced: never falls back")
+    p.add_argument("--transport", default="auto", help="auto (default), ipc, rdma or tcp; forced: never falls back")
     p.add_argument("--device", default="cpu", help="where the region lives (cpu)")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
                    help="fail when no data moves for S seconds (default 30)")

@@ -17,15 +17,17 @@ from typing import Any
 from tensorxfer.errors import TransportUnavailable
 from tensorxfer.transport.base import ReceiverTransport, SenderTransport, TransferContext
 from tensorxfer.transport.ipc import IpcReceiver, IpcSender
+from tensorxfer.transport.rdma_engine import RdmaReceiver, RdmaSender
 from tensorxfer.transport.tcp import TcpReceiver, TcpSender
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS: dict[str, tuple[type[SenderTransport], type[ReceiverTransport]]] = {
     "ipc": (IpcSender, IpcReceiver),
+    "rdma": (RdmaSender, RdmaReceiver),
     "tcp": (TcpSender, TcpReceiver),
 }
-"""name -> (sender half, receiver half).  ``rdma`` registers here when built."""
+"""name -> (sender half, receiver half); ``available()`` says when one cannot run here (rdma: no device)."""
 
 AUTO_ORDER = ("ipc", "rdma", "tcp")
 """Preference of ``transport="auto"``: fastest first."""
