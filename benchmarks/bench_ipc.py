@@ -112,11 +112,11 @@ def time_host_memcpy(nbytes: int, repeat: int) -> dict[str, Any]:
     return {"runs_s": runs, "median_s": statistics.median(runs), "what": "numpy.copyto, 1 thread"}
 
 
-def time_torch_copy(nbytes: int, device: str, repeat: int) -> dict[str, Any]:
+def time_torch_copy(nbytes: int, device: str, repeat: int, dst_device: str | None = None) -> dict[str, Any]:
     import torch
 
     src = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device or device)   # another GPU: a P2P copy
     dst.copy_(src)
     torch.cuda.synchronize()
     runs = []
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=2e9, help="payload bytes (default 2e9; fits a 24 GiB machine)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument("--receiver-device", default=None,
+                   help="where the receiver's region lives (default: --device); cuda:1 with --device cuda:0 "
+                        "measures GPU 0 -> GPU 1 over NVLink/P2P against torch's cuda:0 -> cuda:1 copy")
     p.add_argument("--repeat", type=int, default=5, help="warm transfers / reference copies (median)")
     p.add_argument("--no-share", action="store_true", help="skip the share-mode timing")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.role == "receiver":
         return receiver_main(args.device, args.count, args.share)
+    rx_device = args.receiver_device or args.device
 
     reason = ipc.IpcSender.available()
     if reason:
@@ -169,16 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ipc benchmark: {nbytes / 1e9:.2f} GB on {args.device}, {args.repeat} warm runs; "
           f"host copy threads {ipc.COPY_THREADS}", flush=True)
 
-    ref_before = time_torch_copy(nbytes, args.device, args.repeat) if cuda else time_host_memcpy(nbytes, args.repeat)
+    ref_before = (time_torch_copy(nbytes, args.device, args.repeat, rx_device) if cuda
+                  else time_host_memcpy(nbytes, args.repeat))
     region = TensorRegion.from_manifest(Manifest.layout([("w", "U8", (nbytes,))]), device=args.device)
     try:
         fill(region)
-        copy = time_ipc(region, args.device, args.repeat, share=False)
-        copy1 = None if cuda or ipc.COPY_THREADS == 1 else time_ipc(region, args.device, args.repeat, False, 1)
-        share = None if args.no_share else time_ipc(region, args.device, args.repeat, share=True)
+        copy = time_ipc(region, rx_device, args.repeat, share=False)
+        copy1 = None if cuda or ipc.COPY_THREADS == 1 else time_ipc(region, rx_device, args.repeat, False, 1)
+        share = None if args.no_share else time_ipc(region, rx_device, args.repeat, share=True)
     finally:
         region.close()
-    ref_after = time_torch_copy(nbytes, args.device, args.repeat) if cuda else time_host_memcpy(nbytes, args.repeat)
+    ref_after = (time_torch_copy(nbytes, args.device, args.repeat, rx_device) if cuda
+                 else time_host_memcpy(nbytes, args.repeat))
     ref_s = statistics.median(ref_before["runs_s"] + ref_after["runs_s"])
     goal = 0.9 if cuda else 0.8
 
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "machine": facts,
         "device": args.device,
+        "receiver_device": rx_device,
         "bytes": nbytes,
         "copy_threads": None if cuda else ipc.COPY_THREADS,
         "reference": {"before": ref_before, "after": ref_after, "median_s": ref_s, "GBps": gbs(ref_s)},
