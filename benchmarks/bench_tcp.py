@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     size = int(args.size)
     rows = []
     for rnd in range(args.rounds):
-        tx = run_bench(size, list(args.streams), args.repeat, verify=False, quiet=True)
+        tx = run_bench(size, list(args.streams), args.repeat, verify=False, transport="tcp", quiet=True)
         print(f"round {rnd}: cold transfer {tx['cold']['gbps']:.2f} Gbps (receiver first-touches its region)")
         for streams in args.streams:
             mine = tx["by_streams"][streams]

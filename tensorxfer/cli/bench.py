@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=float, default=synthetic.REFERENCE_BYTES,
                    help="model bytes (default: the reference run's 31.2e9); e.g. 1e9")
     p.add_argument("--streams", type=int, default=None, help="parallel TCP streams (default: measured default)")
-    p.add_argument("--transport", default="auto")
+    p.add_argument("--transport", default="tcp",
+                   help="tcp (default: the network path, compared with iperf3), ipc, rdma or auto")
     p.add_argument("--repeat", type=int, default=3, help="warm transfers after the first (cold) one")
     p.add_argument("--verify", action="store_true", help="per-tensor xxh3 checksums")
     p.add_argument("--device", default="cpu", help="where both regions live: cpu or cuda:N (GPU regions stage "
