@@ -5,7 +5,8 @@ over a multi-handle region registers, whether a dmabuf MR registers.  Device
 and port discovery goes through pyverbs when this interpreter can import it
 (rdma-core's own bindings: an independent view), otherwise through
 tensorxfer's Cython verbs module.  CUDA: whether the CUDA module imports;
-:func:`cuda_report` is the hook the CUDA side fills in.
+:func:`cuda_report` asks the CUDA module for the driver and each device's VMM, IPC handle, dmabuf and
+GPUDirect-RDMA-with-VMM support.
 
 Every missing piece is reported with what it means and how to fix it.
 ``--json`` prints the same as one JSON document.
@@ -161,16 +162,41 @@ def _registration(verbs: Any, device: str | None) -> tuple[dict[str, Any], list[
 
 
 def cuda_report() -> dict[str, Any]:
-    """CUDA section.  Hook for the CUDA side: today, whether the module imports."""
+    """CUDA section: the module, the driver, and per device what tensorxfer relies on."""
     try:
-        import tensorxfer.memory._cuda  # noqa: F401
+        from tensorxfer.memory import _cuda
     except ImportError as exc:
         return {"module": False, "error": str(exc),
                 "problems": [_problem("tensorxfer.memory._cuda is not built",
                                       "GPU regions (CUDA VMM, dmabuf export) are unavailable",
                                       "install cuda-bindings and the CUDA headers (cuda.h; set CUDA_HOME), then "
                                       "reinstall tensorxfer")]}
-    return {"module": True, "problems": []}
+    from tensorxfer.errors import CudaError
+
+    try:
+        count = _cuda.device_count()
+        out: dict[str, Any] = {"module": True, "driver_version": _cuda.driver_version(), "devices": []}
+        for i in range(count):
+            out["devices"].append(_cuda.device_info(i))
+    except CudaError as exc:
+        return {"module": True, "driver": False, "error": str(exc),
+                "problems": [_problem("no usable CUDA driver or device",
+                                      "device='cuda:N' regions are unavailable; host regions and every transport "
+                                      "still work", "install the NVIDIA driver on a machine with a GPU")]}
+    problems = []
+    for d in out["devices"]:
+        for key, means in (("vmm", "no multi-handle VMM regions on this device"),
+                           ("posix_fd_handles", "CUDA regions cannot be shared over ipc"),
+                           ("dmabuf", "no dmabuf export: RDMA must register the GPU address (nvidia-peermem)"),
+                           ("gpudirect_rdma_with_vmm", "the NIC cannot DMA into VMM memory (GPUDirect RDMA)")):
+            if not d.get(key):
+                problems.append(_problem(f"cuda:{d['device']} lacks {key}", means,
+                                         "check the driver version and the GPU model (see docs/rdma.md)"))
+    if not count:
+        problems.append(_problem("no CUDA device is visible", "device='cuda:N' regions are unavailable",
+                                 "check CUDA_VISIBLE_DEVICES and the driver"))
+    out["problems"] = problems
+    return out
 
 
 def collect(device: str | None = None) -> dict[str, Any]:
@@ -252,6 +278,14 @@ def _print_text(r: dict[str, Any]) -> None:
     print("CUDA")
     c = r["cuda"]
     print(f"  tensorxfer.memory._cuda: {'imports' if c['module'] else 'missing: ' + c.get('error', '')}")
+    if c.get("error") and c["module"]:
+        print(f"  driver: {c['error']}")
+    if "driver_version" in c:
+        print(f"  driver version {c['driver_version']}, {len(c['devices'])} device(s)")
+    for d in c.get("devices", []):
+        flags = ", ".join(f"{k} {'yes' if d[k] else 'NO'}" for k in ("vmm", "posix_fd_handles", "dmabuf",
+                                                                     "gpudirect_rdma_with_vmm"))
+        print(f"  cuda:{d['device']} {d['name']}: {flags}, granularity {d['granularity'] >> 20} MiB")
     if r["problems"]:
         print("Problems")
         for p in r["problems"]:
