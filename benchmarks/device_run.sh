@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: build the extensions there, run the CUDA-marked
 # tests and the full suite, then the GPU benchmark; everything lands in $OUT.
-# Usage (on the GPU machine, from the repo root): bash benchmarks/device_run.sh [bench args]
+# Usage (on the GPU machine, from the repo root): bash benchmarks/device_run.sh [bench_cuda args]
+# Options (environment): SKIP_BENCH=1 (tests only), TCP_BENCH=1 (loopback TCP, host vs GPU regions),
+# IPC_BENCH=1 (tests/test_ipc.py and benchmarks/bench_ipc.py --device cuda:0).
 set -uo pipefail
 OUT=${OUT:-/tmp/tensorxfer-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -20,4 +22,10 @@ if [ "${TCP_BENCH:-0}" = 1 ]; then
     python3 -c "import sys; from tensorxfer.cli.bench import main; sys.exit(main(sys.argv[1:]))" \
       --size "${TCP_SIZE:-8e9}" --repeat 3 --no-iperf --device "$dev" --json 2>&1 | tee "$OUT/tcp-${dev/:/}.json"
   done
+fi
+if [ "${IPC_BENCH:-0}" = 1 ]; then
+  # same-host ipc between two processes on the GPU: copy and share against torch's copy of the same bytes
+  python3 -m pytest -p no:cacheprovider -v -rs tests/test_ipc.py 2>&1 | tee "$OUT/test_ipc.txt" | tail -5
+  python3 benchmarks/bench_ipc.py --device cuda:0 --size "${IPC_SIZE:-31.2e9}" --repeat 5 --out "$OUT/ipc" 2>&1 |
+    tee "$OUT/bench_ipc_cuda.txt"
 fi
