@@ -317,16 +317,21 @@ class Receiver:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
             nbytes = transport.wait(progress)
-        done = ch.recv("done", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
-        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
-            raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
-                                f"{nbytes} landed, the manifest has {manifest.nbytes}")
-        if verify:
-            self._verify(ch, region, done)
-        ch.send("ack", seq=seq, bytes=nbytes)
+        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "landed")
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
                                         verified=verify, reallocated=reallocated)
         return region
+
+    def _finish(self, ch: Channel, seq: int, region: TensorRegion, manifest: Manifest, nbytes: int, verify: bool,
+                timeout: float, verb: str) -> None:
+        """The end of every transfer: the sender's done frame must match, checksums if asked, then ack."""
+        done = ch.recv("done", timeout=timeout)
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
+            raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
+                                f"{nbytes} {verb}, the manifest has {manifest.nbytes}")
+        if verify:
+            self._verify(ch, region, done)
+        ch.send("ack", seq=seq, bytes=nbytes)
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, progress: Progress | None,
                       t0: float) -> TensorRegion:
@@ -345,13 +350,7 @@ class Receiver:
         if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
         region.manifest = manifest      # same layout when reused; metadata and checksums may be new
-        done = ch.recv("done", timeout=self.stall_timeout)
-        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
-            raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
-                                f"{nbytes} mapped, the manifest has {manifest.nbytes}")
-        if verify:
-            self._verify(ch, region, done)
-        ch.send("ack", seq=seq, bytes=nbytes)
+        self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped")
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
                                         reallocated=old is not region)
         return region
