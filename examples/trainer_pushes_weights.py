@@ -17,12 +17,19 @@ import numpy as np
 
 import tensorxfer as tx
 
+_print_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    with _print_lock:    # both sides print from their own threads: keep lines whole
+        print(line, flush=True)
+
 
 def inference_server(rx: tx.Receiver, steps: int) -> None:
     for _ in range(steps):
         region = rx.receive(timeout=60)          # the same region object every step
         weights = region.tensors()               # zero-copy views of what just landed
-        print(f"  server: step weights landed, embed[0, :3] = {weights['embed'][0, :3]}")
+        say(f"  server: step weights landed, embed[0, :3] = {weights['embed'][0, :3]}")
         del weights                              # views pin the region; drop them before the next receive
 
 
@@ -37,7 +44,7 @@ def trainer(address: str, steps: int, transport: str) -> None:
                 p += np.float32(0.01)
             region.update_from(params)           # copy into the registered region
             stats = sender.send(region, verify=True)
-            print(f"trainer: step {step}: {stats.bytes / 1e6:.1f} MB in {stats.seconds * 1e3:.1f} ms over "
+            say(f"trainer: step {step}: {stats.bytes / 1e6:.1f} MB in {stats.seconds * 1e3:.1f} ms over "
                   f"{stats.transport} ({stats.gbps:.2f} Gbps), re-allocated: {stats.reallocated}")
 
 
