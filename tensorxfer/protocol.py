@@ -106,6 +106,7 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
     "transport": TransportUnavailable,
     "checksum": ChecksumMismatch,
     "transfer": TransferError,
+    "landed": TransferError,       # the receiver's on_landed (e.g. writing the files) failed
 }
 
 

@@ -176,7 +176,8 @@ class Receiver:
 
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
-                on_offer: Callable[[Manifest], None] | None = None) -> TensorRegion:
+                on_offer: Callable[[Manifest], None] | None = None,
+                on_landed: Callable[[TensorRegion], None] | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         Parameters
@@ -189,6 +190,13 @@ class Receiver:
         on_offer : callable, optional
             Called with the validated manifest before data moves (e.g. to
             size a progress bar).
+        on_landed : callable, optional
+            Called with the region once every byte landed (and was verified),
+            *before* the sender is acknowledged: the sender's ``send()``
+            succeeds only if it returns.  If it raises, the sender gets an
+            error naming it instead of the ack (e.g. the CLI writes the files
+            here, so a sender is never told "done" for files that were not
+            written).
 
         Returns
         -------
@@ -246,7 +254,7 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(self._channel, frame, progress, on_offer)
+                    return self._serve_offer(self._channel, frame, progress, on_offer, on_landed)
                 except BaseException:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -281,7 +289,8 @@ class Receiver:
             ch.close()
 
     def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None,
-                     on_offer: Callable[[Manifest], None] | None) -> TensorRegion:
+                     on_offer: Callable[[Manifest], None] | None,
+                     on_landed: Callable[[TensorRegion], None] | None) -> TensorRegion:
         t0 = time.perf_counter()
         seq = field(offer, "seq", int)
         if seq != self._seq + 1:
@@ -303,7 +312,7 @@ class Receiver:
             ch.send_error("transport", msg)
             raise TransportUnavailable(msg)
         if self.share:
-            return self._serve_shared(ch, seq, manifest, verify, progress, t0)
+            return self._serve_shared(ch, seq, manifest, verify, progress, t0, on_landed)
         try:
             region, reallocated = self._region_for(manifest)
         except (CudaError, RegionError, MemoryError) as e:
@@ -317,24 +326,32 @@ class Receiver:
             descriptors = transport.prepare(region)
             ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
             nbytes = transport.wait(progress)
-        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "landed")
+        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "landed",
+                     on_landed)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
                                         verified=verify, reallocated=reallocated)
         return region
 
     def _finish(self, ch: Channel, seq: int, region: TensorRegion, manifest: Manifest, nbytes: int, verify: bool,
-                timeout: float, verb: str) -> None:
-        """The end of every transfer: the sender's done frame must match, checksums if asked, then ack."""
+                timeout: float, verb: str, on_landed: Callable[[TensorRegion], None] | None) -> None:
+        """The end of every transfer: the sender's done frame must match, checksums if asked, the
+        caller's ``on_landed``, then ack."""
         done = ch.recv("done", timeout=timeout)
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
                                 f"{nbytes} {verb}, the manifest has {manifest.nbytes}")
         if verify:
             self._verify(ch, region, done)
+        if on_landed is not None:
+            try:
+                on_landed(region)
+            except BaseException as e:
+                ch.send_error("landed", f"the receiver failed after the data landed: {type(e).__name__}: {e}")
+                raise
         ch.send("ack", seq=seq, bytes=nbytes)
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, progress: Progress | None,
-                      t0: float) -> TensorRegion:
+                      t0: float, on_landed: Callable[[TensorRegion], None] | None) -> TensorRegion:
         """Share mode: the region comes from the sender's memory; the previous one is released."""
         from tensorxfer.transport.ipc import IpcReceiver
 
@@ -350,7 +367,7 @@ class Receiver:
         if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
         region.manifest = manifest      # same layout when reused; metadata and checksums may be new
-        self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped")
+        self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped", on_landed)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
                                         reallocated=old is not region)
         return region
@@ -533,8 +550,11 @@ class Sender:
             transport.connect(descriptors)
             nbytes = transport.send(region, progress)
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
-        verify_allowance = nbytes / 1e9 if verify else 0.0     # receiver hashes at >= 1 GB/s
-        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance)
+        # The receiver hashes at >= 1 GB/s when verifying, and its on_landed (the CLI writes and fsyncs
+        # the files) runs before the ack: allow for both as the accept wait allows for allocation.
+        verify_allowance = nbytes / 1e9 if verify else 0.0
+        landed_allowance = nbytes / ALLOCATION_FLOOR_BYTES_PER_S
+        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance)
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
         return TransferStats(nbytes, time.perf_counter() - t0, self.transport,

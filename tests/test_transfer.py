@@ -310,3 +310,24 @@ def test_on_offer_and_progress_see_the_whole_transfer():
         job.result()
     assert [m.nbytes for m in seen] == [r.nbytes]
     assert sum(moved) == sum(sent) == r.nbytes
+
+
+def test_on_landed_runs_before_the_ack_and_its_failure_reaches_the_sender():
+    seen: list[int] = []
+
+    def landed(region: TensorRegion) -> None:
+        seen.append(region.nbytes)
+        if len(seen) == 2:
+            raise OSError(28, "No space left on device")
+
+    with Receiver() as rx, region_of(1 << 20, fill=7) as src:
+        addr = "{}:{}".format(*rx.address)
+        got = Background(rx.receive, timeout=10, on_landed=landed)
+        with Sender(addr, transport="tcp") as tx_:
+            tx_.send(src)
+            assert got.result() is rx.region and seen == [1 << 20]
+            failed = Background(rx.receive, timeout=10, on_landed=landed)
+            with pytest.raises(tx.TransferError, match="No space left on device"):
+                tx_.send(src)
+        with pytest.raises(OSError, match="No space left"):
+            failed.result()
