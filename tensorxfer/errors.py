@@ -99,6 +99,18 @@ class TransferTimeout(TransferError, TimeoutError):
     """The peer stalled for longer than the configured timeout."""
 
 
+class CompletionError(VerbsError, TransferError):
+    """An RDMA work completion failed: the transfer did not complete, and the status says why.
+
+    ``status`` names the ``ibv_wc_status`` (``IBV_WC_LOC_PROT_ERR``: the local
+    MR does not cover the request; ``IBV_WC_REM_ACCESS_ERR``: the receiver's
+    MR is gone or too small), ``qp_num``, ``offset`` and ``length`` locate
+    the failed request in the region.  Never reported as :class:`PeerLost`:
+    a completion error is a fact about the memory or the QP, not a guess
+    about the peer.
+    """
+
+
 class ChecksumMismatch(TransferError):
     """Verified data differed from what the sender checksummed (``tensor`` names it)."""
 
@@ -110,6 +122,7 @@ class ChecksumMismatch(TransferError):
 __all__ = [
     "AuthError",
     "ChecksumMismatch",
+    "CompletionError",
     "CudaError",
     "ExtentError",
     "LayoutError",

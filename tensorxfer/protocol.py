@@ -40,7 +40,7 @@ from tensorxfer.errors import (
     TransportUnavailable,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2       # 2: session-scoped transports (offer.fresh, accept descriptors.setup)
 HEADER = struct.Struct(">I")
 PREAUTH_MAX_FRAME = 64 << 10          # hello/auth frames are tiny; a stranger cannot make us allocate more
 DEFAULT_MAX_FRAME = (256 << 20) + (1 << 20)   # the largest manifest Manifest.unpack accepts, plus room

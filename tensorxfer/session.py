@@ -5,14 +5,22 @@ A :class:`Sender` opens one control connection to a :class:`Receiver`
 lifetime; every :meth:`Sender.send` is one offer → accept → data → done →
 ack exchange (``docs/protocol.md``).  The receiver allocates a region from
 the first offer's manifest and lands every later offer with the same layout
-in that same region — a training step's update allocates and registers
-nothing.  An offer with a *different* layout is re-allocated explicitly:
+in that same region, and both ends keep their transport for the session: it
+is set up (registered with the NIC, connected, handles exported) on the first
+update and reused by every later one — a training step's update allocates,
+registers and connects nothing, and :class:`TransferStats` shows it
+(``setup``, ``setup_seconds`` vs ``wire_seconds``, the transport's
+``counters``).  An offer with a *different* layout is re-allocated explicitly:
 the old region is closed (deferred while views of it are alive) and a new
 one allocated; the ``accept`` frame and :attr:`Receiver.last_stats` say so.
 
 A receiver serves senders one after another: when a sender closes its
-session, :meth:`Receiver.receive` accepts the next.  Everything is plain
-blocking code usable from threads; no event loop is needed.
+session, :meth:`Receiver.receive` accepts the next.  Connections are
+authenticated concurrently, each within ``handshake_timeout`` in all
+(:class:`~tensorxfer.connections.Gate`): idle or trickling strangers are
+dropped and counted (:attr:`Receiver.dropped_connections`), never fatal,
+and never hold a legitimate sender up.  Everything is plain blocking code
+usable from threads; no event loop is needed.
 
 Ownership: the receiver owns the region it returns and reuses it for the
 next offer; copy what you need to keep before calling ``receive()`` again.
@@ -21,17 +29,19 @@ next offer; copy what you need to keep before calling ``receive()`` again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tensorxfer.checksum import ALGORITHM, first_mismatch, tensor_checksums
+from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     ChecksumMismatch,
     CudaError,
@@ -48,7 +58,7 @@ from tensorxfer.manifest import DEFAULT_MAX_REGION_BYTES, Manifest
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
-from tensorxfer.transport.base import Progress, TransferContext
+from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +70,21 @@ ALLOCATION_FLOOR_BYTES_PER_S = 100e6    # slowest allocation rate a live receive
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one transfer did.
+    """What one transfer (one update of a session) did.
 
     ``seconds`` runs from the offer to the ack (allocation on first use,
-    data, verification); ``gbps`` is ``bytes * 8 / seconds / 1e9``.
+    setup, data, verification); ``gbps`` is ``bytes * 8 / seconds / 1e9``.
+    ``setup_seconds`` is what setting the data path up cost (the receiver's
+    allocation and registration, the sender's registration and connection;
+    0 on a warm update), ``wire_seconds`` the time the bytes were moving
+    (``wire_gbps``).  ``update`` numbers the updates of the session from 1;
+    ``setup`` says whether this one set the transport up (the first, and the
+    first after the region changed); ``counters`` are the transport's totals
+    for the session so far (``registrations``, ``connects``, ``updates``), so
+    update 100 can show it registered and connected nothing;
+    ``registration`` is how the region was registered with the NIC
+    (``"dmabuf"`` / ``"reg_mr"``; empty for transports that register
+    nothing).
     """
 
     bytes: int
@@ -72,14 +93,30 @@ class TransferStats:
     streams: int
     verified: bool = False
     reallocated: bool = False
+    update: int = 0
+    setup: bool = False
+    setup_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    registration: str = ""
+    counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
         return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    @property
+    def wire_gbps(self) -> float:
+        return self.bytes * 8 / self.wire_seconds / 1e9 if self.wire_seconds > 0 else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps, "transport": self.transport,
-                "streams": self.streams, "verified": self.verified, "reallocated": self.reallocated}
+                "streams": self.streams, "verified": self.verified, "reallocated": self.reallocated,
+                "update": self.update, "setup": self.setup, "setup_seconds": self.setup_seconds,
+                "wire_seconds": self.wire_seconds, "wire_gbps": self.wire_gbps, "registration": self.registration,
+                "counters": dict(self.counters)}
+
+
+listen_on = listen       # Receiver's parameter is called listen
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -139,40 +176,48 @@ class Receiver:
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
-        self._transport_state: dict[str, Any] = {}    # per session; see TransferContext.session_state
+        self._transports: dict[str, ReceiverTransport] = {}     # this session's, by name
         self._region: TensorRegion | None = None
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(16)
-        except BaseException:
-            listener.close()
-            raise
-        self._listener: socket.socket | None = listener
+        self._closing = False
+        self._gate: Gate | None = Gate(listen_on(host, port=port), self._handshake, self.handshake_timeout, "control")
 
     @property
     def address(self) -> tuple[str, int]:
         """``(host, port)`` this receiver listens on."""
-        host, port = self._open_listener().getsockname()[:2]
+        host, port = self._open_gate().address[:2]
         return host, port
 
     @property
     def closed(self) -> bool:
-        return self._listener is None
+        return self._gate is None
+
+    @property
+    def dropped_connections(self) -> int:
+        """Connections dropped before they became a session (strangers, wrong tokens, port scans)."""
+        gate = self._gate
+        return gate.dropped if gate is not None else self._dropped_at_close
+
+    _dropped_at_close = 0
 
     @property
     def region(self) -> TensorRegion | None:
         """The region the last transfer landed in (reused for the next same-layout offer)."""
         return self._region
 
-    def _open_listener(self) -> socket.socket:
-        if self._listener is None:
+    def _open_gate(self) -> Gate:
+        if self._gate is None:
             raise TransferError("this Receiver is closed")
-        return self._listener
+        return self._gate
+
+    def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes]:
+        """Hello + authentication of a new connection (in the gate's thread for it; it bounds the time)."""
+        ch = Channel(sock)
+        names = [t for t in local_transports() if t == "ipc" or not self.share]   # sharing needs ipc
+        caps = {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
+        _, key = server_handshake(ch, self._key, caps, self.handshake_timeout)
+        return ch, key
 
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
@@ -233,60 +278,68 @@ class Receiver:
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
-                if self._channel is None:
-                    self._accept_session(deadline)
-                assert self._channel is not None
+                ch = self._channel
+                if ch is None:
+                    ch = self._accept_session(deadline)
                 try:
-                    frame = self._channel.recv("offer", "bye", timeout=_remaining(deadline))
+                    frame = ch.recv("offer", "bye", timeout=_remaining(deadline))
                 except TransferTimeout:
-                    if self._channel.desynced:     # timed out mid-frame: the stream is unusable
+                    if ch.desynced:     # timed out mid-frame: the stream is unusable
                         self._end_session()
                     raise TransferTimeout(f"no offer within {timeout} s") from None
                 except PeerLost:
-                    log.info("sender %s ended its session", self._channel.peer)
                     self._end_session()
+                    self._check_open()          # close() from another thread wakes us this way
+                    log.info("sender %s ended its session", ch.peer)
                     continue
                 except TensorXferError:
                     self._end_session()
                     raise
                 if frame["type"] == "bye":
-                    log.info("sender %s said goodbye", self._channel.peer)
+                    log.info("sender %s said goodbye", ch.peer)
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(self._channel, frame, progress, on_offer, on_landed)
-                except BaseException:
+                    return self._serve_offer(ch, frame, progress, on_offer, on_landed)
+                except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
+                    if self._closing and not isinstance(e, KeyboardInterrupt):
+                        raise TransferError(f"this Receiver was closed during the transfer ({e})") from e
                     raise
 
-    def _accept_session(self, deadline: float | None) -> None:
-        listener = self._open_listener()
-        listener.settimeout(_remaining(deadline))
+    def _check_open(self) -> None:
+        if self._closing:
+            raise TransferError("this Receiver was closed (from another thread); receive() ended")
+
+    def _accept_session(self, deadline: float | None) -> Channel:
+        gate = self._open_gate()
         try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            raise TransferTimeout("no sender connected within the timeout") from None
-        ch = Channel(sock)
-        try:
-            names = [t for t in local_transports() if t == "ipc" or not self.share]   # sharing needs ipc
-            caps = {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
-            _, self._session_key = server_handshake(ch, self._key, caps, self.handshake_timeout)
-        except BaseException:
-            ch.close()
-            raise
-        self._channel = ch
-        self._seq = 0
+            [(_, (ch, key))] = gate.admit(1, timeout=None if deadline is None else _remaining(deadline),
+                                          abort=lambda: "this Receiver was closed" if self._closing else None)
+        except TransferTimeout:
+            why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
+            raise TransferTimeout(f"no sender connected within the timeout{why}") from None
+        self._channel, self._session_key, self._seq = ch, key, 0
         log.info("session with sender %s", ch.peer)
+        return ch
 
     def _end_session(self) -> None:
-        state, self._transport_state = self._transport_state, {}
-        for value in state.values():
-            if hasattr(value, "close"):
-                value.close()
+        transports, self._transports = self._transports, {}
+        for transport in transports.values():
+            transport.close()
         ch, self._channel = self._channel, None
         if ch is not None:
             ch.close()
+
+    def _transport(self, ch: Channel, name: str, streams: int | None) -> ReceiverTransport:
+        """This session's transport ``name`` (made on its first use, reused by every later update)."""
+        transport = self._transports.get(name)
+        if transport is None:
+            ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
+                                  session_key=self._session_key, stall_timeout=self.stall_timeout, streams=streams)
+            transport = self._transports[name] = TRANSPORTS[name][1](ctx)
+        return transport
 
     def _serve_offer(self, ch: Channel, offer: dict[str, Any], progress: Progress | None,
                      on_offer: Callable[[Manifest], None] | None,
@@ -311,25 +364,43 @@ class Receiver:
                   f"{'; share=True needs ipc' if self.share else ''})"
             ch.send_error("transport", msg)
             raise TransportUnavailable(msg)
+        fresh = field(offer, "fresh", bool)
         if self.share:
-            return self._serve_shared(ch, seq, manifest, verify, progress, t0, on_landed)
+            return self._serve_shared(ch, seq, manifest, verify, fresh, progress, t0, on_landed)
+        previous = self._region
         try:
             region, reallocated = self._region_for(manifest)
         except (CudaError, RegionError, MemoryError) as e:
             ch.send_error("transfer", f"the receiver cannot allocate {manifest.nbytes} bytes on "
                                       f"{self.device!r}: {e}")
             raise
-        ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
-                              session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
-                              streams=streams, session_state=self._transport_state)
-        with TRANSPORTS[name][1](ctx) as transport:
-            descriptors = transport.prepare(region)
-            ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated)
+        try:
+            transport = self._transport(ch, name, streams)
+            registered, used = transport.counters.registrations, transport.counters.updates
+            descriptors = transport.prepare(region, seq, fresh)
+            setup = setup_flag(descriptors)
+            setup_seconds = time.perf_counter() - t0
+            ch.send("accept", seq=seq, transport=name, descriptors=descriptors, reallocated=reallocated,
+                    setup_seconds=setup_seconds)
+            t1 = time.perf_counter()
             nbytes = transport.wait(progress)
-        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "landed",
-                     on_landed)
+            wire = time.perf_counter() - t1
+            setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
+            if setup and used:
+                log.info("update %d: the %s transport was set up again (%s): %d registrations, %d connects so far",
+                         seq, name, "the layout changed" if reallocated else "the sender's region changed",
+                         transport.counters.registrations, transport.counters.connects)
+            self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT),
+                         "landed", on_landed)
+        except BaseException:
+            if region is not previous:      # memory allocated for this offer: a vanished sender leaves none behind
+                self._region = None
+                region.close(defer=True)
+            raise
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
-                                        verified=verify, reallocated=reallocated)
+                                        verified=verify, reallocated=reallocated, update=seq, setup=setup,
+                                        setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
+                                        registration=transport.registration, counters=transport.counters.as_dict())
         return region
 
     def _finish(self, ch: Channel, seq: int, region: TensorRegion, manifest: Manifest, nbytes: int, verify: bool,
@@ -350,26 +421,34 @@ class Receiver:
                 raise
         ch.send("ack", seq=seq, bytes=nbytes)
 
-    def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, progress: Progress | None,
-                      t0: float, on_landed: Callable[[TensorRegion], None] | None) -> TensorRegion:
+    def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, fresh: bool,
+                      progress: Progress | None, t0: float,
+                      on_landed: Callable[[TensorRegion], None] | None) -> TensorRegion:
         """Share mode: the region comes from the sender's memory; the previous one is released."""
         from tensorxfer.transport.ipc import IpcReceiver
 
-        ctx = TransferContext(local_host="", peer_host="", session_key=self._session_key, transfer_id=seq,
-                              stall_timeout=self.stall_timeout, session_state=self._transport_state)
-        transport = IpcReceiver(ctx)
-        with transport:
-            descriptors = transport.prepare_shared(manifest, self.device, previous=self._region)
-            ch.send("accept", seq=seq, transport="ipc", descriptors=descriptors, reallocated=True)
-            nbytes = transport.wait(progress)
-            region = transport.take_shared()
+        transport = self._transport(ch, "ipc", None)
+        assert isinstance(transport, IpcReceiver)
+        registered = transport.counters.registrations
+        descriptors = transport.prepare_shared(manifest, self.device, seq, fresh, previous=self._region)
+        setup = setup_flag(descriptors)
+        setup_seconds = time.perf_counter() - t0
+        ch.send("accept", seq=seq, transport="ipc", descriptors=descriptors, reallocated=True,
+                setup_seconds=setup_seconds)
+        t1 = time.perf_counter()
+        nbytes = transport.wait(progress)
+        wire = time.perf_counter() - t1
+        setup = setup or transport.counters.registrations > registered
+        region = transport.take_shared()
         old, self._region = self._region, region
         if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
         region.manifest = manifest      # same layout when reused; metadata and checksums may be new
         self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped", on_landed)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
-                                        reallocated=old is not region)
+                                        reallocated=old is not region, update=seq, setup=setup,
+                                        setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
+                                        counters=transport.counters.as_dict())
         return region
 
     def _region_for(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
@@ -399,12 +478,26 @@ class Receiver:
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the session, the listener and the region; idempotent."""
-        self._end_session()
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
-        region, self._region = self._region, None
+        """Close the session, the listener and the region; idempotent.
+
+        From another thread it also ends a blocked :meth:`receive` with :class:`TransferError`.
+        """
+        self._closing = True
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            self._dropped_at_close = gate.dropped
+            gate.close()
+        ch = self._channel
+        if ch is not None and not ch.closed:
+            try:
+                ch.sock.shutdown(socket.SHUT_RDWR)     # wakes a receive() blocked on the control channel
+            except (OSError, ProtocolError):
+                pass    # already closed: nothing to wake
+        for transport in list(self._transports.values()):
+            transport.close()                       # wakes a receive() blocked in a transfer
+        with self._lock:                            # the receive() in flight, if any, has ended
+            self._end_session()
+            region, self._region = self._region, None
         if region is not None:
             region.close(defer=True)
 
@@ -467,6 +560,7 @@ class Sender:
         self._seq = 0
         self._channel: Channel | None = None
         self._broken: str | None = None
+        self._transports: dict[str, SenderTransport] = {}      # this session's, by name
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
@@ -531,8 +625,14 @@ class Sender:
         self._seq += 1
         seq = self._seq
         checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()] if verify else None
+        transport = self._transports.get(self.transport)
+        if transport is None:
+            ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
+                                  session_key=self._session_key, stall_timeout=self.stall_timeout,
+                                  streams=self.streams)
+            transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
         ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
-                streams=self.streams, verify=verify)
+                streams=self.streams, verify=verify, fresh=transport.needs_setup(region))
         # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
         # receiver's allocation (before accept) or verification (before ack) look like a stall.  The
         # receiver commits its region before accepting (MAP_POPULATE), which on fresh memory can run at
@@ -543,12 +643,14 @@ class Sender:
             raise ProtocolError(f"accept does not match offer {seq} over {self.transport!r}: {accept.get('seq')}, "
                                 f"{accept.get('transport')!r}")
         descriptors = field(accept, "descriptors", dict)
-        ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
-                              session_key=self._session_key, transfer_id=seq, stall_timeout=self.stall_timeout,
-                              streams=self.streams)
-        with TRANSPORTS[self.transport][0](ctx) as transport:
-            transport.connect(descriptors)
-            nbytes = transport.send(region, progress)
+        setup = setup_flag(descriptors)
+        registered = transport.counters.registrations
+        t1 = time.perf_counter()
+        transport.connect(region, seq, descriptors)
+        t2 = time.perf_counter()
+        nbytes = transport.send(region, progress)
+        wire = time.perf_counter() - t2
+        setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         # The receiver hashes at >= 1 GB/s when verifying, and its on_landed (the CLI writes and fsyncs
         # the files) runs before the ack: allow for both as the accept wait allows for allocation.
@@ -557,12 +659,19 @@ class Sender:
         ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance)
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
+        receiver_setup = accept.get("setup_seconds")
+        setup_seconds = (t2 - t1) + (receiver_setup if isinstance(receiver_setup, float) else 0.0)
         return TransferStats(nbytes, time.perf_counter() - t0, self.transport,
                              field(descriptors, "streams", int, optional=True) or 0, verified=verify,
-                             reallocated=bool(accept.get("reallocated")))
+                             reallocated=bool(accept.get("reallocated")), update=seq, setup=setup,
+                             setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
+                             registration=transport.registration, counters=transport.counters.as_dict())
 
     def close(self) -> None:
-        """Say goodbye (best effort) and close the session; idempotent."""
+        """Say goodbye (best effort) and close the session and its transports; idempotent."""
+        transports, self._transports = self._transports, {}
+        for transport in transports.values():
+            transport.close()
         ch, self._channel = self._channel, None
         if ch is not None:
             if self._broken is None:

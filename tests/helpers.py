@@ -51,6 +51,16 @@ class Background:
         return self.value
 
 
+def wait_until(condition: Any, timeout: float = 5.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it is true; fail the test after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not become true within {timeout} s"
+        time.sleep(0.01)
+
+
 def child(code: str, *args: str, **kw: Any) -> subprocess.Popen:
     """Start ``python -c code args...`` with the package importable; stdout/stderr piped."""
     env = dict(os.environ, PYTHONPATH=ROOT)

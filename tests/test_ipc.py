@@ -224,12 +224,12 @@ def test_share_refuses_a_forced_tcp_sender():
 
 # ---------------------------------------------------------------- peer checks
 def _receiver_transport(key: bytes = b"k" * 32) -> ipc.IpcReceiver:
-    ctx = TransferContext(local_host="", peer_host="", session_key=key, transfer_id=1, stall_timeout=10.0)
+    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=10.0)
     return ipc.IpcReceiver(ctx)
 
 
 def _sender_transport(key: bytes = b"k" * 32) -> ipc.IpcSender:
-    ctx = TransferContext(local_host="", peer_host="", session_key=key, transfer_id=1, stall_timeout=10.0)
+    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=10.0)
     return ipc.IpcSender(ctx)
 
 
@@ -250,7 +250,7 @@ print(s.recv(4096).decode(errors="replace"))
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a child as another uid")
 def test_a_process_of_another_uid_is_refused_and_the_real_sender_still_gets_through():
     with region_of(3 << 20, fill=5) as src, region_of(3 << 20) as dst, _receiver_transport() as rt:
-        d = rt.prepare(dst)
+        d = rt.prepare(dst, 1, True)
         assert stat.S_IMODE(os.stat(os.path.dirname(d["path"])).st_mode) == 0o700
         # open the private directory so that SO_PEERCRED, not the file system, has to refuse the stranger
         os.chmod(os.path.dirname(d["path"]), 0o755)
@@ -260,7 +260,7 @@ def test_a_process_of_another_uid_is_refused_and_the_real_sender_still_gets_thro
         assert rc == 0, err
         assert out.startswith("E") and "uid 65534" in out and f"uid {os.getuid()}" in out
         with _sender_transport() as st:
-            st.connect(d)
+            st.connect(src, 1, d)
             assert st.send(src) == src.nbytes
         assert job.result() == src.nbytes
         assert bytes(memoryview(dst.region)[:16]) == bytes([5]) * 16
@@ -275,12 +275,12 @@ def test_check_peer_accepts_our_own_uid():
 
 def test_wrong_session_key_is_refused_with_a_clear_error():
     with region_of(1 << 20) as src, region_of(1 << 20) as dst, _receiver_transport() as rt:
-        d = rt.prepare(dst)
+        d = rt.prepare(dst, 1, True)
         job = Background(rt.wait)
         with _sender_transport(b"x" * 32) as bad, pytest.raises(tx.AuthError, match="authentication"):
-            bad.connect(d)
+            bad.connect(src, 1, d)
         with _sender_transport() as good:
-            good.connect(d)
+            good.connect(src, 1, d)
             good.send(src)
         assert job.result() == src.nbytes
 
@@ -296,15 +296,16 @@ def _send_raw(dst_nbytes: int, count: int, chunks: list, sizes: list[int]) -> tu
     import msgpack
 
     with region_of(dst_nbytes) as dst, _receiver_transport() as rt:
-        d = rt.prepare(dst)
+        d = rt.prepare(dst, 1, True)
         job = Background(rt.wait)
         fds = [_memfd(n) for n in sizes]
         try:
             with _sender_transport() as st:
-                st.connect(d)
+                st.connect(dst, 1, d)
                 assert st._sock is not None
                 st._sock.sendall(msgpack.packb({"kind": "host", "device": 0, "nbytes": dst.nbytes,
-                                                "token": bytes(16), "count": count}))
+                                                "token": bytes(16), "count": count, "cached": False,
+                                                "seq": 1}))
                 socket.send_fds(st._sock, [b"F" + msgpack.packb(chunks)], fds)
                 answer = st._sock.recv(4096)     # refused before anything is mapped
         finally:
@@ -333,12 +334,12 @@ def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
 
 
 def test_a_sender_that_stalls_after_authenticating_times_out_the_receiver():
-    ctx = TransferContext(local_host="", peer_host="", session_key=b"k" * 32, transfer_id=1, stall_timeout=1.0)
+    ctx = TransferContext(local_host="", peer_host="", session_key=b"k" * 32, stall_timeout=1.0)
     with region_of(1 << 20) as dst, ipc.IpcReceiver(ctx) as rt:
-        d = rt.prepare(dst)
+        d = rt.prepare(dst, 1, True)
         job = Background(rt.wait)
         with _sender_transport() as st:
-            st.connect(d)                   # authenticated, then passes nothing
+            st.connect(dst, 1, d)           # authenticated, then passes nothing
             with pytest.raises(tx.TransferTimeout, match="chunk table"):
                 job.result(timeout=10)
 
@@ -377,7 +378,7 @@ def test_adopted_memory_has_no_handles_and_says_so():
 def test_close_is_idempotent_and_removes_the_private_directory():
     with region_of(1 << 20) as dst:
         rt = _receiver_transport()
-        d = rt.prepare(dst)
+        d = rt.prepare(dst, 1, True)
         assert os.path.exists(d["path"])
         rt.close()
         rt.close()
@@ -390,7 +391,7 @@ def test_close_is_idempotent_and_removes_the_private_directory():
 def test_close_from_another_thread_aborts_a_waiting_receiver():
     with region_of(1 << 20) as dst:
         rt = _receiver_transport()
-        rt.prepare(dst)
+        rt.prepare(dst, 1, True)
         job = Background(rt.wait)
         threading.Timer(0.3, rt.close).start()
         with pytest.raises(tx.TransferError):

@@ -87,7 +87,7 @@ def test_auto_picks_rdma_when_ipc_is_disabled(monkeypatch: pytest.MonkeyPatch,
 # ------------------------------------------------------- the transport halves, directly
 def ctx(stall: float = 20.0) -> TransferContext:
     return TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=os.urandom(32),
-                           transfer_id=5, stall_timeout=stall, streams=2)
+                           stall_timeout=stall, streams=2)
 
 
 def test_stranger_on_the_side_port_is_dropped_and_the_real_sender_lands() -> None:
@@ -95,7 +95,7 @@ def test_stranger_on_the_side_port_is_dropped_and_the_real_sender_lands() -> Non
     with region_of(300_000) as dst, region_of(300_000) as src:
         data = fill(src, 11)
         with RdmaReceiver(c) as rx, RdmaSender(c) as tx:
-            d = msgpack.unpackb(msgpack.packb(rx.prepare(dst)))
+            d = msgpack.unpackb(msgpack.packb(rx.prepare(dst, 5, True)))
             job = Background(rx.wait)
             for junk in (b"hello", SIDE_HEADER.pack(SIDE_MAGIC, 5, 3, bytes(32)) + b"abc"):
                 with socket.create_connection(("127.0.0.1", d["side_port"]), timeout=5) as s:
@@ -103,7 +103,7 @@ def test_stranger_on_the_side_port_is_dropped_and_the_real_sender_lands() -> Non
                     s.shutdown(socket.SHUT_WR)
                     s.settimeout(10)
                     assert s.recv(1) == b"", "the receiver must close a stranger's connection"
-            tx.connect(d)
+            tx.connect(src, 5, d)
             assert tx.send(src) == src.nbytes
             assert job.result(timeout=60) == dst.nbytes
         assert payload(dst) == data
@@ -113,7 +113,7 @@ def test_sender_that_vanishes_after_ready_is_peer_lost_not_a_hang() -> None:
     c = ctx(stall=30.0)
     with region_of(300_000) as dst, region_of(300_000) as src:
         with RdmaReceiver(c) as rx:
-            d = rx.prepare(dst)
+            d = rx.prepare(dst, 5, True)
             job = Background(rx.wait)
             with RdmaSenderEndpoint(src, qps=len(d["qps"])) as ep:
                 ep.connect(d)
@@ -132,11 +132,11 @@ def test_sender_that_vanishes_after_ready_is_peer_lost_not_a_hang() -> None:
 def test_receiver_without_a_sender_times_out_and_close_from_another_thread_wakes_it() -> None:
     with region_of(100_000) as dst:
         with RdmaReceiver(ctx(stall=1.0)) as rx:
-            rx.prepare(dst)
+            rx.prepare(dst, 1, True)
             with pytest.raises(TransferTimeout, match="side connection"):
                 rx.wait()
         rx2 = RdmaReceiver(ctx(stall=60.0))
-        rx2.prepare(dst)
+        rx2.prepare(dst, 1, True)
         job = Background(rx2.wait)
         time.sleep(0.3)
         rx2.close()
@@ -151,12 +151,79 @@ def test_receiver_that_vanishes_is_peer_lost_on_the_sender() -> None:
         with RdmaReceiverEndpoint(dst, qps=2) as ep, socket.socket() as listener:
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
-            d = {**ep.descriptors(), "side_port": listener.getsockname()[1], "nonce": os.urandom(32), "streams": 2}
+            d = {**ep.descriptors(), "setup": True, "side_port": listener.getsockname()[1], "nonce": os.urandom(32),
+                 "streams": 2}
             with RdmaSender(c) as tx:
-                tx.connect(d)
-                job = Background(tx.send, src)
+                job = Background(tx.connect, src, 1, d)
                 listener.settimeout(10)
                 conn, _ = listener.accept()
                 conn.close()           # hangs up instead of answering READY
                 with pytest.raises(PeerLost):
                     job.result(timeout=20)
+
+
+# ------------------------------------------------------- register once, connect once
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_100_updates_register_once_connect_once_and_stay_flat() -> None:
+    import psutil
+
+    with TensorRegion.from_manifest(manifest(), chunk_size=64 * KIB) as src, Receiver() as rx:
+        job = Background(lambda: [rx.receive(timeout=60) and rx.last_stats for _ in range(100)])
+        with Sender(addr(rx), transport="rdma", streams=2, stall_timeout=60) as s:
+            stats = []
+            for k in range(100):
+                if k == 10:
+                    fds, rss = _fds(), psutil.Process().memory_info().rss
+                if k in (0, 50, 99):
+                    data = fill(src, k)
+                stats.append(s.send(src, verify=k in (0, 99)))
+            assert _fds() <= fds and psutil.Process().memory_info().rss < rss + (16 << 20)
+        got = job.result(timeout=300)
+        assert payload(rx.region) == data
+    first, last = stats[0], stats[-1]
+    assert first.setup and first.setup_seconds > 0 and first.registration in ("reg_mr", "dmabuf")
+    assert not last.setup and last.setup_seconds == 0 and last.update == 100
+    assert dict(last.counters) == {"registrations": 1, "connects": 1, "updates": 100}
+    assert dict(got[-1].counters) == {"registrations": 1, "connects": 1, "updates": 100}
+    assert all(not st.setup for st in stats[1:])
+
+
+def test_a_layout_change_registers_again_once_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorxfer")
+    small = Manifest.layout([("a", "U8", (300_000,))])
+    with TensorRegion.from_manifest(manifest()) as a, TensorRegion.from_manifest(small) as b, Receiver() as rx:
+        job = Background(lambda: [payload(rx.receive(timeout=60)) for _ in range(4)])
+        with Sender(addr(rx), transport="rdma", stall_timeout=60) as s:
+            sent = [fill(a, 1)]
+            s.send(a)
+            sent.append(fill(b, 2))
+            st = s.send(b)
+            assert st.setup and st.reallocated and st.counters["registrations"] == 2
+            for seed in (3, 4):
+                sent.append(fill(b, seed))
+                st = s.send(b)
+            assert not st.setup and st.counters["registrations"] == 2 and st.counters["updates"] == 4
+        assert job.result(timeout=120) == sent
+    assert any("set up again" in r.message and "layout changed" in r.message for r in caplog.records)
+
+
+def test_a_short_mr_fails_with_a_completion_error_naming_loc_prot_err(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed's bug on purpose, through the engine: the sender's MR covers its first chunk only."""
+    from tensorxfer.errors import CompletionError
+    from tensorxfer.transport import rdma_engine
+
+    monkeypatch.setattr(rdma_engine, "_FIRST_CHUNK_ONLY", True)
+    with TensorRegion.from_manifest(manifest(), chunk_size=64 * KIB) as src, Receiver(stall_timeout=10) as rx:
+        job = Background(rx.receive, timeout=60)
+        with Sender(addr(rx), transport="rdma", stall_timeout=10) as s:
+            with pytest.raises(CompletionError, match="IBV_WC_LOC_PROT_ERR") as info:
+                s.send(src)
+        e = info.value
+        assert e.status == "IBV_WC_LOC_PROT_ERR" and e.qp_num and e.length and e.offset is not None
+        assert e.offset + e.length > 64 * KIB, "the failed request lies past the registered first chunk"
+        assert not isinstance(e, PeerLost)
+        with pytest.raises(Exception):   # noqa: B017  (the receiver sees the sender give up, whatever its form)
+            job.result(timeout=60)

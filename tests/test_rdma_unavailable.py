@@ -86,9 +86,8 @@ def test_rdma_sender_transport_rejects_malformed_accept_descriptors(mutate: Any,
     from tensorxfer.transport.base import TransferContext
     from tensorxfer.transport.rdma_engine import RdmaSender
 
-    d = {**good(), "side_port": 4000, "nonce": bytes(32), "streams": 1}
+    d = {**good(), "setup": True, "side_port": 4000, "nonce": bytes(32), "streams": 1}
     mutate(d)
-    c = TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=bytes(32), transfer_id=1,
-                        stall_timeout=1.0)
+    c = TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=bytes(32), stall_timeout=1.0)
     with RdmaSender(c) as tx, pytest.raises(ProtocolError, match=match):
-        tx.connect(d)
+        tx.connect(None, 1, d)  # type: ignore[arg-type]   # refused before the region is looked at

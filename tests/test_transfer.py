@@ -11,7 +11,7 @@ import pytest
 import tensorxfer as tx
 from tensorxfer import Manifest, Receiver, Sender, TensorRegion
 from tensorxfer.transport.tcp import MIN_SLICE_BYTES, SLICE_ALIGN, plan_slices, slices_of
-from tests.helpers import Background, FlipProxy, region_of
+from tests.helpers import Background, FlipProxy, region_of, wait_until
 
 
 def model(seed: int = 0, n: int = 40, big: int = 300_000) -> dict[str, np.ndarray]:
@@ -99,30 +99,27 @@ def test_offer_over_the_limit_is_refused_before_allocating():
 
 
 def test_wrong_token_is_refused_and_no_data_moves():
+    # Failed handshakes are strangers to the receiver: dropped and counted, never an error of receive(),
+    # which goes on to serve the sender with the right token.
     with region_of(1 << 20) as r, Receiver(token="right") as rx:
         job = Background(rx.receive, timeout=10)
         with pytest.raises(tx.AuthError):
             Sender(addr(rx), token="wrong")
-        with pytest.raises(tx.AuthError, match="wrong token"):
-            job.result()
-        assert rx.region is None
-        job = Background(rx.receive, timeout=10)
         with pytest.raises(tx.AuthError, match="token mismatch"):
             Sender(addr(rx))
-        with pytest.raises(tx.AuthError):
-            job.result()
-        job = Background(rx.receive, timeout=10)
+        wait_until(lambda: rx.dropped_connections == 2)
+        assert rx.region is None
         with Sender(addr(rx), token="right") as s:
             s.send(r)
-        job.result()
+        assert job.result() is rx.region and rx.region is not None
 
 
 def test_token_on_sender_only_is_refused():
     with Receiver() as rx:
-        job = Background(rx.receive, timeout=10)
+        job = Background(rx.receive, timeout=1)
         with pytest.raises(tx.AuthError, match="token"):
             Sender(addr(rx), token="secret")
-        with pytest.raises(tx.AuthError):
+        with pytest.raises(tx.TransferTimeout, match="1 connection.*dropped.*token"):
             job.result()
 
 

@@ -33,7 +33,7 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from tensorxfer._lib.includes.libibverbs cimport *
 from tensorxfer._lib.includes.posix cimport htonl, ntohl
 
-from tensorxfer.errors import PeerLost, TransferError, TransferTimeout, VerbsError
+from tensorxfer.errors import CompletionError, PeerLost, TransferError, TransferTimeout, VerbsError
 
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
@@ -894,7 +894,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         ln = min(wr_size, length - off)
         if err.kind == 1:
             name = wc_status_name(err.status)
-            raise VerbsError(
+            raise CompletionError(
                 5, f"RDMA write failed: {name} ({wc_status_str(err.status)}, vendor_err {err.vendor_err:#x}) "
                 f"on QP {err.qp_num:#x} for region bytes [{off}, {off + ln}) ({ln} bytes)",
                 status=name, qp_num=err.qp_num, offset=off, length=ln)
@@ -1031,7 +1031,7 @@ cdef class ImmWaiter:
                     break
         if kind == 1:
             name = wc_status_name(bad_status)
-            raise VerbsError(5, f"RDMA receive failed: {name} ({wc_status_str(bad_status)}) on QP {bad_qpn:#x}; "
+            raise CompletionError(5, f"RDMA receive failed: {name} ({wc_status_str(bad_status)}) on QP {bad_qpn:#x}; "
                              f"the sender's QP is gone or broken", status=name, qp_num=bad_qpn)
         if kind == 2:
             raise TransferError(f"QP {bad_qpn:#x} delivered immediate {bad_imm:#x}, expected {self.expect:#x}: "

@@ -2,25 +2,33 @@
 
 The engine (:mod:`tensorxfer.session`) owns the control channel — hello,
 authentication, offer, accept, done, ack — and hands the data movement to a
-transport.  A transport has two halves:
+transport.  A transport lives as long as one session (one Sender and its
+Receiver) and one region: it is set up on the first update, reused by every
+later update of the same region, and closed when the session ends, the
+region changes, or the peer is lost.  Setup is where the expensive work is
+(rdma: registering the MR, connecting QPs; ipc: exporting and importing the
+memory handles; tcp: connecting the streams), so update 100 pays only for
+moving data.  Each half counts what it did in :class:`Counters`, so tests and
+users can see that.
 
 - :class:`ReceiverTransport` — :meth:`~ReceiverTransport.prepare` gets the
-  region the offer will land in and returns *descriptors*: a msgpack-able
-  dict the engine puts into the ``accept`` frame (TCP: a stream port and a
-  nonce; RDMA: address, rkey and QP info of one MR over the region; IPC: a
-  Unix socket path).  :meth:`~ReceiverTransport.wait` blocks until every
-  byte has landed, :meth:`~ReceiverTransport.close` releases what
-  ``prepare`` set up.
-- :class:`SenderTransport` — :meth:`~SenderTransport.connect` uses those
-  descriptors, :meth:`~SenderTransport.send` moves the region's payload
-  bytes ``[0, region.nbytes)``, :meth:`~SenderTransport.close` releases.
+  region the update lands in and returns *descriptors*: a msgpack-able dict
+  the engine puts into the ``accept`` frame.  ``descriptors["setup"]`` says
+  whether this update sets the data path up (then it also carries what the
+  sender needs: a port and nonce, QP numbers and an rkey, a socket path) or
+  reuses the one set up before.  :meth:`~ReceiverTransport.wait` blocks
+  until every byte of the update has landed.
+- :class:`SenderTransport` — :meth:`~SenderTransport.connect` sets up (or
+  checks it may reuse) the data path from those descriptors,
+  :meth:`~SenderTransport.send` moves the region's payload bytes
+  ``[0, region.nbytes)``.
 
-Both halves are created per transfer with a :class:`TransferContext`, are
-used from plain threads, and must be safe to ``close()`` twice and from
-another thread (that is how the engine aborts a stuck transfer).  Errors are
-the engine's: :class:`~tensorxfer.errors.PeerLost`,
+Both halves are used from plain threads and must be safe to ``close()``
+twice and from another thread (that is how the engine aborts a stuck
+transfer).  Errors are the engine's: :class:`~tensorxfer.errors.PeerLost`,
 :class:`~tensorxfer.errors.TransferTimeout` (nothing moved for
-``stall_timeout`` seconds), :class:`~tensorxfer.errors.ProtocolError`.
+``stall_timeout`` seconds), :class:`~tensorxfer.errors.ProtocolError`.  A
+failed update ends the session, so a transport never resumes after an error.
 
 A transport registers itself in :data:`tensorxfer.transport.TRANSPORTS`;
 ``available()`` says why it cannot run here (``None`` when it can), so
@@ -32,8 +40,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from tensorxfer.errors import ProtocolError
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -44,7 +54,7 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True)
 class TransferContext:
-    """What both halves of a transport know about one transfer.
+    """What both halves of a transport know about their session.
 
     Attributes
     ----------
@@ -56,37 +66,44 @@ class TransferContext:
         Secret shared by the two authenticated ends of this session (derived
         from the token and both hello nonces); transports prove data
         connections with it so a stranger cannot inject bytes.
-    transfer_id : int
-        The offer's sequence number in the session.
     stall_timeout : float
         Seconds without progress after which a transfer fails with
         :class:`~tensorxfer.errors.TransferTimeout`.
     streams : int or None
         The sender's requested parallelism (``None``: the transport's default).
-    session_state : dict
-        Scratch space that lives as long as the receiver's session (the same
-        dict for every transfer of one sender): transports keep what can be
-        reused by the next update there (ipc: the mapping of the sender's
-        handles).  When the session ends the engine calls ``close()`` on every
-        value that has one.
     """
 
     local_host: str
     peer_host: str
     session_key: bytes
-    transfer_id: int
     stall_timeout: float
     streams: int | None = None
-    session_state: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
-class ReceiverTransport(ABC):
-    """The receiving half of a data path (one per transfer)."""
+@dataclass
+class Counters:
+    """What a transport did over its life (one session): the proof that warm updates move only data.
 
+    ``registrations``: regions registered with a NIC (rdma) or handle sets
+    exported (ipc sender) / imported (ipc receiver); ``connects``: data paths
+    connected (tcp streams, QP sets, Unix sockets); ``updates``: updates moved.
+    """
+
+    registrations: int = 0
+    connects: int = 0
+    updates: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"registrations": self.registrations, "connects": self.connects, "updates": self.updates}
+
+
+class _Half(ABC):
     name: ClassVar[str]
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
+        self.counters = Counters()
+        self.registration = ""      # how the region was registered ("dmabuf", "reg_mr"); "" when nothing is
 
     @classmethod
     def available(cls) -> str | None:
@@ -94,41 +111,42 @@ class ReceiverTransport(ABC):
         return None
 
     @abstractmethod
-    def prepare(self, region: TensorRegion) -> dict[str, Any]:
-        """Get ready to receive into ``region``; return msgpack-able descriptors for ``accept``."""
-
-    @abstractmethod
-    def wait(self, progress: Progress | None = None) -> int:
-        """Block until every payload byte landed; return the byte count.
-
-        Raises
-        ------
-        PeerLost, TransferTimeout, ProtocolError
-        """
-
-    @abstractmethod
     def close(self) -> None:
-        """Release every resource ``prepare`` created; idempotent, callable from another thread."""
+        """Release everything; idempotent, callable from another thread."""
 
-    def __enter__(self) -> ReceiverTransport:
+    def __enter__(self: _H) -> _H:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class SenderTransport(ABC):
-    """The sending half of a data path (one per transfer)."""
+_H = TypeVar("_H", bound=_Half)
 
-    name: ClassVar[str]
 
-    def __init__(self, ctx: TransferContext) -> None:
-        self.ctx = ctx
+class ReceiverTransport(_Half):
+    """The receiving half of a data path (one per session and transport)."""
 
-    @classmethod
-    def available(cls) -> str | None:
-        """``None`` if this transport can run here, else the reason it cannot."""
-        return None
+    @abstractmethod
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+        """Get ready to receive update ``seq`` into ``region``; return msgpack-able descriptors for ``accept``.
+
+        Sets the data path up (``descriptors["setup"]`` true) when ``fresh`` (the sender asked for it), on the
+        first update, or when ``region`` is not the region the current setup serves; else reuses it.
+        """
+
+    @abstractmethod
+    def wait(self, progress: Progress | None = None) -> int:
+        """Block until every payload byte of the prepared update landed; return the byte count.
+
+        Raises
+        ------
+        PeerLost, TransferTimeout, ProtocolError
+        """
+
+
+class SenderTransport(_Half):
+    """The sending half of a data path (one per session and transport)."""
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
@@ -144,32 +162,34 @@ class SenderTransport(ABC):
         return None
 
     @abstractmethod
-    def connect(self, descriptors: dict[str, Any]) -> None:
-        """Set up the data path from the receiver's ``accept`` descriptors.
+    def needs_setup(self, region: TensorRegion) -> bool:
+        """Whether sending ``region`` needs a new setup (nothing set up yet, or set up for other memory)."""
+
+    @abstractmethod
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+        """Set up the data path for ``region`` from the receiver's descriptors, or check the current one serves.
 
         Raises
         ------
         ProtocolError
-            The descriptors are malformed.
+            The descriptors are malformed, or say "reuse" when nothing here can be reused.
         PeerLost
             The receiver cannot be reached.
         """
 
     @abstractmethod
     def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
-        """Move ``region``'s payload; return the byte count once every byte is out.
+        """Move ``region``'s payload as update ``seq`` (given to :meth:`connect`); return the byte count.
 
         Raises
         ------
         PeerLost, TransferTimeout
         """
 
-    @abstractmethod
-    def close(self) -> None:
-        """Release everything ``connect`` created; idempotent, callable from another thread."""
 
-    def __enter__(self) -> SenderTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def setup_flag(descriptors: dict[str, Any]) -> bool:
+    """``descriptors["setup"]``, checked (a receiver must always say)."""
+    value = descriptors.get("setup")
+    if not isinstance(value, bool):
+        raise ProtocolError("accept descriptors must say whether this update sets the data path up ('setup')")
+    return value

@@ -17,7 +17,9 @@ Security
 - The sender proves it holds the session key: its first message is an HMAC
   over the accept descriptors' nonce and the transfer id, as the TCP stream
   header does.  A connection that fails either check is dropped and the
-  receiver keeps waiting for the real sender (until ``stall_timeout``).
+  receiver keeps waiting for the real sender (until ``stall_timeout``);
+  strangers are identified concurrently (:class:`~tensorxfer.connections.Gate`),
+  so idle ones cannot hold the real sender up.
 - The receiver never maps past the end of a passed memfd (``fstat`` first:
   that would turn a read into ``SIGBUS``).  A same-uid sender that *shrinks*
   its memfd while the receiver copies can still crash the receiver: IPC
@@ -35,13 +37,20 @@ across machines or containers, and a forced ``ipc`` raises
 
 Messages (``SOCK_SEQPACKET``: boundaries are kept, fds travel with one message)
 ----------------------------------------------------------------------------
-::
+The Unix socket is connected once per session (the setup update) and
+carries every later update; the private directory is removed as soon as the
+sender is connected.  Handles are exported and passed once per region: a
+later update of the same region says ``cached`` and passes nothing, and the
+receiver copies from the mapping it kept. ::
 
+    setup:
     sender -> receiver  "TXI1" u64be(seq) proof(32)    proof = M(S, "ipc", nonce, u64be(seq))
     receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
-    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int}
+    every update:
+    sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int,
+                                 cached: bool, seq: int}
     sender -> receiver  "F" msgpack [[offset, size], ...] + as many fds (SCM_RIGHTS, at most 250),
-                        in chunk order, until ``count`` chunks have arrived
+                        in chunk order, until ``count`` chunks have arrived (none when cached)
     receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
     receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
 
@@ -80,13 +89,13 @@ import struct
 import sys
 import tempfile
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 import numpy as np
 
+from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     AuthError,
     CudaError,
@@ -99,7 +108,7 @@ from tensorxfer.errors import (
 )
 from tensorxfer.memory import HostRegion
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext
+from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 if TYPE_CHECKING:
     from tensorxfer.manifest import Manifest
@@ -186,8 +195,8 @@ def check_peer(sock: socket.socket) -> int:
     return pid
 
 
-def _proof(ctx: TransferContext, ipc_nonce: bytes) -> bytes:
-    return mac(ctx.session_key, b"ipc", ipc_nonce, U64.pack(ctx.transfer_id))
+def _proof(ctx: TransferContext, ipc_nonce: bytes, seq: int) -> bytes:
+    return mac(ctx.session_key, b"ipc", ipc_nonce, U64.pack(seq))
 
 
 def _recv(sock: socket.socket, what: str, timeout: float) -> bytes:
@@ -236,7 +245,7 @@ def _unpack(data: bytes, what: str) -> Any:
         raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
 
 
-def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int]:
+def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int]:
     table = _unpack(data, "the chunk table header")
     if not isinstance(table, dict):
         raise ProtocolError("ipc: the chunk table header is not a map")
@@ -245,11 +254,13 @@ def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int]:
     token = field(table, "token", bytes)
     nbytes = field(table, "nbytes", int)
     count = field(table, "count", int)
+    cached = field(table, "cached", bool)
+    seq = field(table, "seq", int)
     if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
-            or (count == 0) != (nbytes == 0):
+            or (count == 0) != (nbytes == 0 or cached) or (cached and nbytes == 0) or len(token) != 16:
         raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
-                            f"{count} chunks")
-    return kind, device, nbytes, token, count
+                            f"{count} chunks, cached {cached}, {len(token)}-byte token")
+    return kind, device, nbytes, token, count, cached, seq
 
 
 def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
@@ -267,16 +278,16 @@ def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
 
 
 class _SourceCache:
-    """The last mapping of a sender's handles, kept for the session's next update (copy mode).
+    """The mapping of the sender's handles, kept for the session's next update (copy mode).
 
-    A training loop sends the same region every step: mapping 31 GB of memfd
-    pages (or importing a hundred CUDA handles) each time would cost as much
-    as the copy.  The key proves it is the same memory: for memfds the
-    ``(st_dev, st_ino)`` of every passed fd (a live mapping pins its inode,
-    so the number cannot be reused); for CUDA handles the sender's pid (from
-    ``SO_PEERCRED``) and a random token the sender keeps per region.  The
-    engine closes it when the session ends; until then it keeps at most one
-    region of the sender's memory alive after the sender freed it.
+    A training loop sends the same region every step: exporting, passing and
+    mapping 31 GB of memfd pages (or a hundred CUDA handles) each time would
+    cost as much as the copy.  So the sender passes a region's handles once
+    per session and then says ``cached``; the key proves it is the same
+    memory: the sender's pid (from ``SO_PEERCRED``), a random token the
+    sender keeps per region, and the device it is mapped on.  The transport
+    closes it when the session ends; until then it keeps at most one region
+    of the sender's memory alive after the sender freed it.
     """
 
     def __init__(self) -> None:
@@ -308,22 +319,25 @@ def _close_fds(fds: list[int]) -> None:
 
 # ---------------------------------------------------------------- receiver
 class IpcReceiver(ReceiverTransport):
-    """Receives a region from a process on the same host: maps its handles, copies (or shares) them."""
+    """Receives regions from a process on the same host: maps its handles once, copies (or shares) each update."""
 
     name: ClassVar[str] = "ipc"
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self._dir: str | None = None
-        self._path = ""
-        self._listener: socket.socket | None = None
+        self._gate: Gate | None = None          # open only while a setup waits for the sender
         self._conn: socket.socket | None = None
         self._nonce = b""
+        self._seq = 0
+        self._setup_seq = 0
         self._region: TensorRegion | None = None
         self._manifest: Manifest | None = None
         self._device = "cpu"
         self._shared: TensorRegion | None = None
         self._previous: TensorRegion | None = None      # share mode: the region the last transfer returned
+        self._cache = _SourceCache()                    # copy mode: the sender's memory, mapped
+        self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
         self._closing = False
         self._peer_pid = 0
         self._lock = threading.Lock()
@@ -332,30 +346,22 @@ class IpcReceiver(ReceiverTransport):
     def available(cls) -> str | None:
         return _unavailable()
 
-    def _cache(self) -> _SourceCache | None:
-        """The session's mapping cache (copy mode only: a shared mapping belongs to its region)."""
-        if self._manifest is not None:
-            return None
-        cache = self.ctx.session_state.get("ipc")
-        if not isinstance(cache, _SourceCache):
-            cache = self.ctx.session_state["ipc"] = _SourceCache()
-        return cache
-
-    def _release_source(self, cache: _SourceCache | None, key: tuple, src: Any, ok: bool) -> None:
-        if cache is not None and ok:
-            cache.put(key, src)
+    def _release_source(self, key: tuple, src: Any, ok: bool) -> None:
+        if self._manifest is None and ok:
+            self._cache.put(key, src)
         else:
-            if cache is not None and cache.region is src:
-                cache.key = cache.region = None
+            if self._cache.region is src:
+                self._cache.key = self._cache.region = None
             src.close()
 
-    def prepare(self, region: TensorRegion) -> dict[str, Any]:
-        """Open a Unix socket in a fresh 0700 directory; descriptors: ``path``, ``nonce``, ``share`` (false)."""
-        self._region = region
-        self._device = region.device
-        return self._listen(share=False)
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+        """Copy mode.  Descriptors: ``setup``, ``share`` (false), ``streams``; on setup ``path``, ``nonce``,
+        ``identity`` of a Unix socket in a fresh 0700 directory."""
+        self._region, self._manifest, self._device = region, None, region.device
+        return self._begin(seq, fresh, share=False)
 
-    def prepare_shared(self, manifest: Manifest, device: str, previous: TensorRegion | None = None) -> dict[str, Any]:
+    def prepare_shared(self, manifest: Manifest, device: str, seq: int, fresh: bool,
+                       previous: TensorRegion | None = None) -> dict[str, Any]:
         """Like :meth:`prepare`, for share mode: nothing is allocated; :meth:`take_shared` returns the
         sender's memory as a region with ``manifest``'s layout after :meth:`wait`.
 
@@ -363,27 +369,26 @@ class IpcReceiver(ReceiverTransport):
         transfer returned) maps, with the same layout, ``take_shared`` returns ``previous`` itself:
         it already shows the sender's update, and nothing is mapped again.
         """
-        self._previous = previous
-        self._manifest = manifest
-        self._device = device
-        return self._listen(share=True)
+        self._region, self._manifest, self._device, self._previous = None, manifest, device, previous
+        return self._begin(seq, fresh, share=True)
 
-    def _listen(self, share: bool) -> dict[str, Any]:
+    def _begin(self, seq: int, fresh: bool, share: bool) -> dict[str, Any]:
+        self._seq = seq
+        if self._conn is not None and not fresh:
+            return {"setup": False, "share": share, "streams": 1}
+        self._teardown()
         self._nonce = nonce()
+        self._setup_seq = seq
         self._dir = tempfile.mkdtemp(prefix="tensorxfer-ipc-")     # mode 0700: only our uid gets in
-        self._path = os.path.join(self._dir, "s")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            listener.bind(self._path)
-            listener.listen(4)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        return {"path": self._path, "nonce": self._nonce, "share": share, "identity": host_identity(), "streams": 1}
+        path = os.path.join(self._dir, "s")
+        self._gate = Gate(listen(path, socket.AF_UNIX, socket.SOCK_SEQPACKET), self._authenticate,
+                          min(HEADER_TIMEOUT, self.ctx.stall_timeout), "ipc")
+        return {"setup": True, "path": path, "nonce": self._nonce, "share": share, "identity": host_identity(),
+                "streams": 1}
 
     def wait(self, progress: Progress | None = None) -> int:
-        """Accept the authenticated sender, map its handles, copy (or share); return the byte count.
+        """(On setup: admit the authenticated sender.)  Map its handles or reuse the mapping, copy (or share);
+        return the byte count.
 
         Raises
         ------
@@ -394,9 +399,11 @@ class IpcReceiver(ReceiverTransport):
         ProtocolError
             A malformed chunk table, a wrong fd count, an fd smaller than its chunk.
         """
-        if self._listener is None:
+        if self._gate is not None:
+            self._admit()
+        conn = self._conn
+        if conn is None:
             raise ProtocolError("IpcReceiver.wait() before prepare()")
-        conn = self._accept()
         try:
             nbytes = self._receive(conn, progress)
         except TensorXferError as e:
@@ -406,131 +413,137 @@ class IpcReceiver(ReceiverTransport):
                 pass    # the sender is gone; it will see the closed connection instead
             raise
         _send(conn, b"D" + U64.pack(nbytes), "the done message")
+        self.counters.updates += 1
         return nbytes
 
-    def _accept(self) -> socket.socket:
-        assert self._listener is not None
-        deadline = time.monotonic() + self.ctx.stall_timeout
-        while True:
-            remaining = deadline - time.monotonic()
+    def _admit(self) -> None:
+        gate = self._gate
+        assert gate is not None
+        try:
+            [(conn, pid)] = gate.admit(1, timeout=self.ctx.stall_timeout,
+                                       abort=lambda: "ipc: the transfer was aborted" if self._closing else None)
+        except TransferTimeout:
+            raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s"
+                                  f"{f' ({gate.dropped} refused: {gate.last_drop})' if gate.dropped else ''}") \
+                from None
+        finally:
+            self._close_gate()      # connected (or failed): nobody else may reach this socket
+        with self._lock:
             if self._closing:
+                conn.close()
                 raise TransferError("ipc: the transfer was aborted")
-            if remaining <= 0:
-                raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s")
-            self._listener.settimeout(remaining)
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if self._closing:
-                    raise TransferError("ipc: the transfer was aborted") from None
-                raise PeerLost(f"ipc: accepting the sender failed: {e}") from None
-            reason = self._authenticate(conn)
-            if reason is None:
-                with self._lock:
-                    if self._closing:
-                        conn.close()
-                        raise TransferError("ipc: the transfer was aborted")
-                    self._conn = conn
-                return conn
-            log.warning("ipc: refused a connection: %s", reason)
-            try:
-                conn.send(b"E" + reason.encode())
-            except OSError:
-                pass    # it left already; nothing to tell it
-            conn.close()
+            self._conn, self._peer_pid = conn, pid
+        self.counters.connects += 1
 
-    def _authenticate(self, conn: socket.socket) -> str | None:
-        """None for our sender, else why the connection is refused."""
+    def _authenticate(self, conn: socket.socket) -> int | None:
+        """The peer's pid if it is our sender, else None (after telling it why, in an ``E`` message)."""
         # Read the proof first even from a stranger: closing a Unix socket with unread data resets the
         # connection, and the peer would then lose our "E" explanation.
         try:
             data = _recv(conn, "the authentication message", min(HEADER_TIMEOUT, self.ctx.stall_timeout))
+            missing = ""
         except TransferError as e:
-            data = b""
-            missing = f"no authentication message: {e}"
+            data, missing = b"", f"no authentication message: {e}"
+        pid = 0
         try:
-            self._peer_pid = check_peer(conn)
+            pid = check_peer(conn)
+            reason = missing
+            if data:
+                magic, tid, proof = AUTH.unpack(data) if len(data) == AUTH.size else (b"", 0, b"")
+                if len(data) != AUTH.size:
+                    reason = f"authentication message of {len(data)} bytes, expected {AUTH.size}"
+                elif magic != AUTH_MAGIC or tid != self._setup_seq \
+                        or not hmac.compare_digest(proof, _proof(self.ctx, self._nonce, tid)):
+                    reason = "the connection failed ipc authentication (wrong session key, transfer or magic)"
         except AuthError as e:
-            return str(e)
-        if not data:
-            return missing
-        if len(data) != AUTH.size:
-            return f"authentication message of {len(data)} bytes, expected {AUTH.size}"
-        magic, tid, proof = AUTH.unpack(data)
-        if magic != AUTH_MAGIC or tid != self.ctx.transfer_id \
-                or not hmac.compare_digest(proof, _proof(self.ctx, self._nonce)):
-            return "the connection failed ipc authentication (wrong session key, transfer or magic)"
+            reason = str(e)
         try:
-            conn.send(b"K")
+            conn.send(b"E" + reason.encode() if reason else b"K")
         except OSError as e:
-            return f"it left during authentication: {e}"
-        return None
+            reason = reason or f"it left during authentication: {e}"
+        if reason:
+            log.warning("ipc: refused a connection: %s", reason)
+            return None
+        return pid
 
     def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
         timeout = self.ctx.stall_timeout
-        kind, device, nbytes, token, count = _parse_header(_recv(conn, "the chunk table", timeout))
+        kind, device, nbytes, token, count, cached, seq = _parse_header(_recv(conn, "the chunk table", timeout))
         expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
             if self._region is not None else -1
+        if seq != self._seq:
+            raise ProtocolError(f"ipc: the sender passes update {seq}, this is update {self._seq}")
         if nbytes != expected:
             raise ProtocolError(f"ipc: the sender passes {nbytes} payload bytes, the offer's manifest has "
                                 f"{expected}")
+        if not nbytes:
+            return self._empty()
         fds: list[int] = []
-        chunks: list[tuple[int, int]] = []
         try:
-            while len(fds) < count:
-                conn.settimeout(timeout)
-                try:
-                    data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
-                except TimeoutError:
-                    raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {count} handles and "
-                                          f"stalled") from None
-                except OSError as e:
-                    raise PeerLost(f"ipc: connection lost after {len(fds)} of {count} handles: {e}") from None
-                fds.extend(got)
-                if not data:
-                    raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
-                if flags & socket.MSG_CTRUNC:
-                    raise TransferError(f"ipc: handles were dropped in transit after {len(fds)} of {count} (this "
-                                        f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
-                                        f"chunks: raise it, or use larger chunks)")
-                if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
-                    raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
-                                        f"{len(fds)} of {count} handles so far)")
-                before = len(chunks)
-                _add_chunks(chunks, _unpack(data[1:], "a handle message"), nbytes)
-                if len(chunks) - before != len(got) or len(chunks) > count:
-                    raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
-                                        f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
-            if count and chunks[-1][0] + chunks[-1][1] < nbytes:
-                raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
-                                    f"{nbytes}-byte payload does")
-            handles = [(size, fd) for (_, size), fd in zip(chunks, fds)]
+            handles = [] if cached else self._receive_handles(conn, nbytes, count, fds)
             if kind == "host":
-                return self._from_host(conn, handles, nbytes, progress, fds)
+                return self._from_host(conn, handles, nbytes, progress, fds, token)
             return self._from_cuda(conn, handles, device, nbytes, progress, fds, token)
         finally:
             _close_fds(fds)
 
+    def _receive_handles(self, conn: socket.socket, nbytes: int, count: int, fds: list[int]) -> list[tuple[int, int]]:
+        """``count`` (size, fd) handles tiling ``[0, nbytes)``; the fds go into ``fds`` (the caller closes them)."""
+        chunks: list[tuple[int, int]] = []
+        while len(fds) < count:
+            conn.settimeout(self.ctx.stall_timeout)
+            try:
+                data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+            except TimeoutError:
+                raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {count} handles and "
+                                      f"stalled") from None
+            except OSError as e:
+                raise PeerLost(f"ipc: connection lost after {len(fds)} of {count} handles: {e}") from None
+            fds.extend(got)
+            if not data:
+                raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
+            if flags & socket.MSG_CTRUNC:
+                raise TransferError(f"ipc: handles were dropped in transit after {len(fds)} of {count} (this "
+                                    f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
+                                    f"chunks: raise it, or use larger chunks)")
+            if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
+                raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
+                                    f"{len(fds)} of {count} handles so far)")
+            before = len(chunks)
+            _add_chunks(chunks, _unpack(data[1:], "a handle message"), nbytes)
+            if len(chunks) - before != len(got) or len(chunks) > count:
+                raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
+                                    f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
+        if chunks[-1][0] + chunks[-1][1] < nbytes:
+            raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
+                                f"{nbytes}-byte payload does")
+        self.counters.registrations += 1
+        return [(size, fd) for (_, size), fd in zip(chunks, fds)]
+
+    def _source(self, key: tuple, handles: list[tuple[int, int]], fds: list[int], import_: Any) -> Any:
+        """The sender's memory: the session's mapping when the sender said ``cached``, else ``handles`` imported."""
+        if not handles:
+            src = self._previous if self._manifest is not None and self._reusable_previous(key) else None
+            src = src or self._cache.get(key)
+            if src is None:
+                raise ProtocolError("ipc: the sender says this region's handles were passed before, but this "
+                                    "session holds no mapping of them")
+            return src
+        src = import_(handles)
+        _close_fds(fds)     # the mappings hold the memory now
+        return src
+
     # -- host handles
     def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
-                   progress: Progress | None, fds: list[int]) -> int:
+                   progress: Progress | None, fds: list[int], token: bytes) -> int:
         for i, (size, fd) in enumerate(handles):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < size:
                 raise ProtocolError(f"ipc: handle {i} is not a memory file of at least {size} bytes "
                                     f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
-        if not handles:
-            return self._empty()
-        cache = self._cache()
-        key = ("host", tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino, size) for size, fd in handles))
-        if self._reuse_previous(key, fds):
-            return self._manifest.nbytes if self._manifest is not None else 0
-        src = cache.get(key) if cache is not None else None
-        if src is None:
-            src = HostRegion.import_fds(handles, writable=False, populate=True)
-        _close_fds(fds)     # the mappings hold the memory now
+        key = ("host", self._peer_pid, token)
+        src = self._source(key, handles, fds,
+                           lambda hs: HostRegion.import_fds(hs, writable=False, populate=True))
         if self._manifest is not None:
             return self._adopt(src, "cpu", key)
         ok = False
@@ -553,7 +566,7 @@ class IpcReceiver(ReceiverTransport):
                     del s, d
             ok = True
         finally:
-            self._release_source(cache, key, src, ok)
+            self._release_source(key, src, ok)
         return nbytes
 
     @staticmethod
@@ -569,42 +582,41 @@ class IpcReceiver(ReceiverTransport):
         if CudaRegion is None:
             raise TransportUnavailable(f"ipc: the sender's region is on cuda:{device} but this receiver cannot use "
                                        f"CUDA: {CUDA_UNAVAILABLE}")
-        if not handles:
-            return self._empty()
         kind, index = parse_device(self._device)
         on = index if kind == "cuda" else device
-        cache = self._cache()
-        key = ("cuda", self._peer_pid, token, on, tuple(size for size, _ in handles))
-        if len(token) == 16 and self._reuse_previous(key, fds):
-            return self._manifest.nbytes if self._manifest is not None else 0
-        src = cache.get(key) if cache is not None and len(token) == 16 else None
-        if src is None:
-            src = CudaRegion.import_handles(handles, device=on)
-        _close_fds(fds)     # the imported handles hold the memory now
+        key = ("cuda", self._peer_pid, token, on)
+        src = self._source(key, handles, fds, lambda hs: CudaRegion.import_handles(hs, device=on))
         if self._manifest is not None:
             return self._adopt(src, f"cuda:{on}", key)
         ok = False
         try:
-            from tensorxfer.memory._cuda import Copier
-
             assert self._region is not None
             dst = self._region
-            with Copier(on) as copier:
-                if dst.is_cuda:
-                    def piece(off: int, n: int) -> None:
-                        copier.dtod(dst.region.ptr + off, src.ptr + off, n)
-                else:
-                    d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+            copier = self._copier(on)
+            if dst.is_cuda:
+                def piece(off: int, n: int) -> None:
+                    copier.dtod(dst.region.ptr + off, src.ptr + off, n)
+            else:
+                d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
 
-                    def piece(off: int, n: int) -> None:
-                        copier.dtoh(d[off:off + n], src.ptr + off)
-                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
-                                  piece_bytes=CUDA_PIECE_BYTES if dst.is_cuda else PIECE_BYTES)
-                copier.synchronize()
+                def piece(off: int, n: int) -> None:
+                    copier.dtoh(d[off:off + n], src.ptr + off)
+            self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
+                              piece_bytes=CUDA_PIECE_BYTES if dst.is_cuda else PIECE_BYTES)
+            copier.synchronize()
             ok = True
         finally:
-            self._release_source(cache, key, src, ok)
+            self._release_source(key, src, ok)
         return nbytes
+
+    def _copier(self, device: int) -> Any:
+        """The session's copy stream on ``device`` (made once: a stream per update costs time on the GPU)."""
+        copier = self._copiers.get(device)
+        if copier is None:
+            from tensorxfer.memory._cuda import Copier
+
+            copier = self._copiers[device] = Copier(device)
+        return copier
 
     # -- helpers
     def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
@@ -662,20 +674,19 @@ class IpcReceiver(ReceiverTransport):
             self._shared = TensorRegion.from_manifest(self._manifest, device=self._device)
         return 0
 
-    def _reuse_previous(self, key: tuple, fds: list[int]) -> bool:
-        """Share mode: is the sender passing the very memory the previous shared region maps?"""
+    def _reusable_previous(self, key: tuple) -> bool:
+        """Share mode: does the previous shared region map the very memory the sender names?"""
         prev = self._previous
-        if (self._manifest is None or prev is None or prev.closed or _SHARED_KEYS.get(prev) != key
-                or not prev.manifest.same_layout(self._manifest)):
-            return False
-        _close_fds(fds)
-        self._shared = prev
-        return True
+        return (self._manifest is not None and prev is not None and not prev.closed
+                and _SHARED_KEYS.get(prev) == key and prev.manifest.same_layout(self._manifest))
 
     def _adopt(self, src: Any, device: str, key: tuple) -> int:
         from tensorxfer.region import TensorRegion
 
         assert self._manifest is not None
+        if src is self._previous:       # the same memory again: the region is reused as is
+            self._shared = src
+            return self._manifest.nbytes
         try:
             self._shared = TensorRegion(src, self._manifest, device=device)
         except BaseException:
@@ -691,32 +702,43 @@ class IpcReceiver(ReceiverTransport):
             raise ProtocolError("ipc: take_shared() before a successful shared wait()")
         return region
 
-    def close(self) -> None:
-        """Close the sockets, remove the private directory, release an untaken shared region; idempotent."""
-        with self._lock:
-            self._closing = True
-            conn, self._conn = self._conn, None
-            listener, self._listener = self._listener, None
-        for s in (conn, listener):
-            if s is not None:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass    # not connected / already shut: closing is enough
-                s.close()
+    def _close_gate(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.close()
         d, self._dir = self._dir, None
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
+
+    def _teardown(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass    # not connected / already shut: closing is enough
+            conn.close()
+        self._close_gate()
+        self._cache.close()
+
+    def close(self) -> None:
+        """Close the socket, remove the private directory, release the session's mappings; idempotent."""
+        self._closing = True
+        self._teardown()
         shared, self._shared = self._shared, None
         if shared is not None and shared is not self._previous:     # the previous one is its owner's
             shared.close(defer=True)
         self._previous = None
         self._region = None
+        copiers, self._copiers = self._copiers, {}
+        for copier in copiers.values():
+            copier.close()
 
 
 # ---------------------------------------------------------------- sender
 class IpcSender(SenderTransport):
-    """Passes a region's memory handles to a receiver on the same host and waits until it copied them."""
+    """Passes a region's memory handles (once per session) to a receiver on the same host; waits for each copy."""
 
     name: ClassVar[str] = "ipc"
 
@@ -724,6 +746,8 @@ class IpcSender(SenderTransport):
         super().__init__(ctx)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._passed: bytes | None = None       # token of the region whose handles the receiver holds
+        self._seq = 0
         self.share = False
 
     @classmethod
@@ -738,8 +762,11 @@ class IpcSender(SenderTransport):
     def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
         return identity_mismatch((peer_caps or {}).get("identity"))
 
-    def connect(self, descriptors: dict[str, Any]) -> None:
-        """Connect to the receiver's socket, check its uid, authenticate.
+    def needs_setup(self, region: TensorRegion) -> bool:
+        return self._sock is None
+
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+        """On setup connect to the receiver's socket, check its uid, authenticate; else reuse the connection.
 
         Raises
         ------
@@ -750,16 +777,23 @@ class IpcSender(SenderTransport):
         AuthError
             The receiver runs as another user, or refused our proof.
         """
+        self._seq = seq
+        self.share = field(descriptors, "share", bool)
+        if not setup_flag(descriptors):
+            if self._sock is None:
+                raise ProtocolError("ipc: the receiver reuses a connection this sender does not have")
+            return
         path = field(descriptors, "path", str)
         ipc_nonce = field(descriptors, "nonce", bytes)
-        self.share = field(descriptors, "share", bool)
         if len(ipc_nonce) != NONCE_BYTES or not path or len(path.encode()) > 107:
             raise ProtocolError(f"ipc accept descriptors out of range: path {path!r}, {len(ipc_nonce)}-byte nonce")
         reason = identity_mismatch(descriptors.get("identity"))
         if reason:
             raise TransportUnavailable(f"ipc: {reason}")
+        self.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = sock
+        with self._lock:
+            self._sock = sock
         sock.settimeout(self.ctx.stall_timeout)
         try:
             sock.connect(path)
@@ -769,14 +803,16 @@ class IpcSender(SenderTransport):
         except OSError as e:
             raise PeerLost(f"ipc: cannot connect to the receiver's socket {path}: {e}") from None
         check_peer(sock)
-        _send(sock, AUTH.pack(AUTH_MAGIC, self.ctx.transfer_id, _proof(self.ctx, ipc_nonce)), "authentication")
+        _send(sock, AUTH.pack(AUTH_MAGIC, seq, _proof(self.ctx, ipc_nonce, seq)), "authentication")
         answer = _recv(sock, "the authentication answer", self.ctx.stall_timeout)
         if answer != b"K":
             raise AuthError(f"ipc: the receiver refused the connection: "
                             f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
+        self.counters.connects += 1
 
     def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
-        """Pass the handles of ``region``'s payload; return once the receiver has copied (or mapped) them.
+        """Pass the handles of ``region``'s payload (or say the receiver has them); return once it copied (or
+        mapped) them.
 
         Raises
         ------
@@ -791,34 +827,16 @@ class IpcSender(SenderTransport):
         if sock is None:
             raise ProtocolError("IpcSender.send() before connect()")
         nbytes = region.nbytes
-        owned: list[int] = []      # exported CUDA handles are ours to close; memfds stay the region's
+        kind, device = ("cuda", int(region.region.device_index)) if region.is_cuda else ("host", 0)
+        token = _TOKENS.get(region)
+        if token is None:
+            token = _TOKENS[region] = os.urandom(16)
+        cached = nbytes > 0 and token == self._passed
+        chunks = [] if cached or not nbytes else self._export(region)
+        owned = [fd for _, _, fd in chunks] if region.is_cuda else []   # exported CUDA handles are ours to close
         try:
-            if region.is_cuda:
-                kind, device = "cuda", int(region.region.device_index)
-                try:
-                    exported = region.region.export_handles() if nbytes else []
-                except CudaError as e:
-                    raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
-                                               f"use transport='tcp'") from None
-                owned = [fd for _, _, fd in exported]
-                if nbytes and not exported:
-                    raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
-                                               "(no handles to pass); copy it into a TensorRegion (from_tensors) "
-                                               "or use transport='tcp'")
-                chunks = [(off, size, fd) for off, size, fd in exported]
-            else:
-                kind, device = "host", 0
-                chunks = list(region.region.chunks)
-            chunks = [c for c in chunks if c[0] < nbytes]
-            if any(fd < 0 for _, _, fd in chunks):
-                raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
-                                           "there are no memory handles to pass; copy it into a TensorRegion "
-                                           "(from_tensors) or use transport='tcp'")
-            token = _TOKENS.get(region)
-            if token is None:
-                token = _TOKENS[region] = os.urandom(16)
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
-                                   "count": len(chunks)}, use_bin_type=True)
+                                   "count": len(chunks), "cached": cached, "seq": self._seq}, use_bin_type=True)
             _send(sock, table, "the chunk table")
             for i in range(0, len(chunks), FD_BATCH):
                 batch = chunks[i:i + FD_BATCH]
@@ -826,6 +844,9 @@ class IpcSender(SenderTransport):
                       [fd for _, _, fd in batch])
         finally:
             _close_fds(owned)
+        if chunks:
+            self._passed = token
+            self.counters.registrations += 1
         reported = 0
         while True:
             msg = _recv(sock, "the receiver's copy to finish", self.ctx.stall_timeout)
@@ -837,16 +858,43 @@ class IpcSender(SenderTransport):
             elif msg[:1] == b"D" and len(msg) == 9 and U64.unpack(msg[1:])[0] == nbytes:
                 if progress is not None and nbytes > reported:
                     progress(nbytes - reported)
+                self.counters.updates += 1
                 return nbytes
             elif msg[:1] == b"E":
                 raise TransferError(f"ipc: the receiver failed: {msg[1:].decode(errors='replace')}")
             else:
                 raise ProtocolError(f"ipc: unexpected message from the receiver: {msg[:16]!r}")
 
+    @staticmethod
+    def _export(region: TensorRegion) -> list[tuple[int, int, int]]:
+        """``(offset, size, fd)`` of the chunks holding the payload; CUDA fds are new (the caller closes them)."""
+        nbytes = region.nbytes
+        if region.is_cuda:
+            try:
+                chunks = region.region.export_handles()
+            except CudaError as e:
+                raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
+                                           f"use transport='tcp'") from None
+            if not chunks:
+                raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
+                                           "(no handles to pass); copy it into a TensorRegion (from_tensors) "
+                                           "or use transport='tcp'")
+        else:
+            chunks = list(region.region.chunks)
+        inside = [c for c in chunks if c[0] < nbytes]
+        if region.is_cuda:
+            _close_fds([fd for off, _, fd in chunks if off >= nbytes])
+        if any(fd < 0 for _, _, fd in inside):
+            raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
+                                       "there are no memory handles to pass; copy it into a TensorRegion "
+                                       "(from_tensors) or use transport='tcp'")
+        return inside
+
     def close(self) -> None:
-        """Close the socket; idempotent."""
+        """Close the socket; idempotent, callable from another thread."""
         with self._lock:
             sock, self._sock = self._sock, None
+        self._passed = None
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -2,11 +2,15 @@
 
 The payload ``[0, nbytes)`` is cut into one contiguous slice per stream
 (:func:`plan_slices`, 64 KiB aligned).  Each stream is its own TCP
-connection to a listener the receiver opens for the transfer; it first sends
-a 52-byte header — magic, transfer id, stream index, stream count and an
-HMAC proof keyed by the session key over the accept frame's nonce — so a
-stranger who connects to the port cannot inject bytes (a connection with a
-bad header is dropped and the receiver keeps waiting for the real one).
+connection, opened once per session (and region): the receiver opens a
+listener for the setup update, each stream first sends a 52-byte header —
+magic, setup update number, stream index, stream count and an HMAC proof
+keyed by the session key over the accept frame's nonce — so a stranger who
+connects to the port cannot inject bytes (the :class:`~tensorxfer.connections.Gate`
+drops it, concurrently with the real streams), and once every stream proved
+itself the listener closes.  Every update then sends, on each stream, a
+12-byte update header (magic, update number) and its slice: a warm update
+connects nothing.
 
 Zero copy for host regions: the sender calls ``socket.sendall`` on
 ``memoryview`` slices of the region and the receiver ``recv_into`` region
@@ -47,12 +51,12 @@ import os
 import socket
 import struct
 import threading
-import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext
+from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -73,7 +77,9 @@ PIECE_BYTES = _env_int("TENSORXFER_TCP_PIECE", 8 << 20)            # one sendall
 SOCKET_BUFFER_BYTES = _env_int("TENSORXFER_TCP_SOCKBUF", 0)         # 0: the kernel's autotuning
 HEADER_TIMEOUT = 5.0           # a connected stream must identify itself this fast
 STREAM_MAGIC = b"TXS1"
-STREAM_HEADER = struct.Struct(">4sQII32s")
+STREAM_HEADER = struct.Struct(">4sQII32s")     # once per stream: magic, setup update, index, count, proof
+UPDATE_MAGIC = b"TXU1"
+UPDATE_HEADER = struct.Struct(">4sQ")          # every update, on every stream: magic, update number
 
 
 def plan_slices(nbytes: int, streams: int) -> list[tuple[int, int]]:
@@ -112,8 +118,8 @@ def _stager(region: TensorRegion) -> Any:
     return Stager(region.region.device_index, PIECE_BYTES)
 
 
-def _stream_proof(ctx: TransferContext, stream_nonce: bytes, index: int, count: int) -> bytes:
-    return mac(ctx.session_key, b"tcp-stream", stream_nonce, struct.pack(">QII", ctx.transfer_id, index, count))
+def _stream_proof(ctx: TransferContext, stream_nonce: bytes, seq: int, index: int, count: int) -> bytes:
+    return mac(ctx.session_key, b"tcp-stream", stream_nonce, struct.pack(">QII", seq, index, count))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -176,110 +182,98 @@ class _Streams:
 
 
 class TcpReceiver(ReceiverTransport):
-    """Receives a region over parallel TCP streams into region memory."""
+    """Receives a region over parallel TCP streams into region memory; the streams live for the session."""
 
     name: ClassVar[str] = "tcp"
+    _closing = False
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
-        self._listener: socket.socket | None = None
+        self._gate: Gate | None = None         # open only while a setup waits for its streams
         self._streams = _Streams("recv")
         self._slices: list[tuple[int, int]] = []
         self._view: memoryview | None = None
         self._region: TensorRegion | None = None
         self._nonce = b""
+        self._seq = 0
+        self._setup_seq = 0
 
-    def prepare(self, region: TensorRegion) -> dict[str, Any]:
-        """Open a listener for this transfer; descriptors: ``port``, ``nonce``, ``streams``."""
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+        """Reuse the session's streams, or (first update, new region, ``fresh``) open a listener for new ones.
+
+        Descriptors: ``setup``, ``streams``, ``slice_bytes``; on setup also ``port`` and ``nonce``.
+        """
+        self._seq = seq
+        if not fresh and region is self._region and self._gate is None and self._streams.socks:
+            return {"setup": False, "streams": len(self._slices), "slice_bytes": self._slice_bytes()}
+        self._teardown()
         requested = self.ctx.streams or DEFAULT_STREAMS
         self._slices = plan_slices(region.nbytes, min(max(requested, 1), MAX_STREAMS))
         self._view = host_view(region)
         self._region = region
         self._nonce = nonce()
-        family = socket.AF_INET6 if ":" in self.ctx.local_host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.bind((self.ctx.local_host, 0))
-            listener.listen(len(self._slices) + 4)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        return {"port": listener.getsockname()[1], "nonce": self._nonce, "streams": len(self._slices),
-                "slice_bytes": self._slices[0][1] if self._slices else 0}
+        self._setup_seq = seq
+        self._gate = Gate(listen(self.ctx.local_host), self._identify, min(HEADER_TIMEOUT, self.ctx.stall_timeout),
+                          "tcp data stream")
+        return {"setup": True, "port": self._gate.address[1], "nonce": self._nonce, "streams": len(self._slices),
+                "slice_bytes": self._slice_bytes()}
+
+    def _slice_bytes(self) -> int:
+        return self._slices[0][1] if self._slices else 0
 
     def wait(self, progress: Progress | None = None) -> int:
-        """Accept every stream, receive every slice; return the byte count.
+        """(On setup: admit every proven stream.)  Receive every slice; return the byte count.
 
         Raises
         ------
         PeerLost
             A stream closed or reset before its slice was complete.
         TransferTimeout
-            No stream connected, or no bytes arrived, for ``stall_timeout`` s.
+            Not every stream connected, or no bytes arrived, for ``stall_timeout`` s.
         """
-        if self._listener is None or self._region is None:
+        if self._region is None:
             raise ProtocolError("TcpReceiver.wait() before prepare()")
-        self._streams._progress = progress
-        seen: set[int] = set()
-        deadline = time.monotonic() + self.ctx.stall_timeout
-        try:
-            while len(seen) < len(self._slices) and self._streams.error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferTimeout(f"tcp: only {len(seen)} of {len(self._slices)} data streams connected "
-                                          f"within {self.ctx.stall_timeout} s")
-                # Short waits, so a stream that already failed (sender died) ends the wait promptly.
-                self._listener.settimeout(min(remaining, 0.2))
-                try:
-                    conn, addr = self._listener.accept()
-                except TimeoutError:
-                    continue
-                except OSError:
-                    if self._streams.error is not None:
-                        break
-                    raise
-                index = self._identify(conn, addr)
-                if index is None or index in seen:
+        if self._gate is not None:
+            gate = self._gate
+            try:
+                admitted = gate.admit(len(self._slices), timeout=self.ctx.stall_timeout,
+                                      abort=lambda: "tcp: the transfer was aborted" if self._closing else None)
+            finally:
+                gate.close()        # every stream is here (or the setup failed): strangers find no listener
+                self._gate = None
+            # A proof binds its index, so two admitted streams with one index means a replayed header.
+            by_index = dict((index, conn) for conn, index in admitted)
+            if len(by_index) != len(admitted):
+                for conn, _ in admitted:
                     conn.close()
-                    continue
-                seen.add(index)
-                _tune(conn)
-                self._streams.socks.append(conn)
-                self._streams.start(conn, self._recv_slice, index)
-        except BaseException:
-            self._streams.abort()
-            self._streams.close()
-            raise
+                raise ProtocolError("tcp: two data streams proved the same stream index (a replayed header)")
+            for index in range(len(self._slices)):
+                _tune(by_index[index])
+                self._streams.socks.append(by_index[index])
+            self.counters.connects += 1
+        self._streams._progress = progress
+        for index, sock in enumerate(self._streams.socks):
+            self._streams.start(sock, self._recv_update, index)
         self._streams.join()
+        self.counters.updates += 1
         return sum(length for _, length in self._slices)
 
-    def _identify(self, conn: socket.socket, addr: Any) -> int | None:
-        """The stream index a new connection proves, or None (logged) for a stranger."""
-        conn.settimeout(min(HEADER_TIMEOUT, self.ctx.stall_timeout))
-        buf = bytearray(STREAM_HEADER.size)
-        view = memoryview(buf)
-        got = 0
-        try:
-            while got < len(buf):
-                k = conn.recv_into(view[got:])
-                if k == 0:
-                    break
-                got += k
-        except OSError:
-            got = -1
-        finally:
-            view.release()
-        if got != len(buf):
-            log.warning("tcp: data connection from %s closed or stalled before identifying itself; dropped", addr)
-            return None
-        magic, tid, index, count, proof = STREAM_HEADER.unpack(buf)
-        expected = _stream_proof(self.ctx, self._nonce, index, count) if index < len(self._slices) else b""
-        if (magic != STREAM_MAGIC or tid != self.ctx.transfer_id or count != len(self._slices)
+    def _identify(self, conn: socket.socket) -> int | None:
+        """The stream index a new connection proves (None: a stranger, dropped by the gate)."""
+        buf = recv_exact(conn, STREAM_HEADER.size, None, "a tcp stream header")
+        magic, seq, index, count, proof = STREAM_HEADER.unpack(buf)
+        expected = _stream_proof(self.ctx, self._nonce, seq, index, count) if index < len(self._slices) else b""
+        if (magic != STREAM_MAGIC or seq != self._setup_seq or count != len(self._slices)
                 or not hmac.compare_digest(proof, expected)):
-            log.warning("tcp: data connection from %s failed stream authentication; dropped", addr)
             return None
         return int(index)
+
+    def _recv_update(self, sock: socket.socket, index: int) -> None:
+        magic, seq = UPDATE_HEADER.unpack(recv_exact(sock, UPDATE_HEADER.size, self.ctx.stall_timeout,
+                                                     f"tcp stream {index}'s update header"))
+        if magic != UPDATE_MAGIC or seq != self._seq:
+            raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
+        self._recv_slice(sock, index)
 
     def _recv_slice(self, sock: socket.socket, index: int) -> None:
         if self._view is None:
@@ -339,20 +333,24 @@ class TcpReceiver(ReceiverTransport):
                     raise
                 raise PeerLost(f"tcp stream {index}: connection lost at region offset {pos}: {e}") from None
 
-    def close(self) -> None:
-        """Close the listener and every stream; idempotent."""
+    def _teardown(self) -> None:
         self._streams.close()
         self._region = None
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.close()
         view, self._view = self._view, None
         if view is not None:
             view.release()
 
+    def close(self) -> None:
+        """Close the listener and every stream; idempotent, callable from another thread."""
+        self._closing = True
+        self._teardown()
+
 
 class TcpSender(SenderTransport):
-    """Sends a region over parallel TCP streams, straight from region memory."""
+    """Sends a region over parallel TCP streams, straight from region memory; the streams live for the session."""
 
     name: ClassVar[str] = "tcp"
 
@@ -361,25 +359,37 @@ class TcpSender(SenderTransport):
         self._streams = _Streams("send")
         self._count = 0
         self._slice_bytes = 0
+        self._region: TensorRegion | None = None
+        self._seq = 0
 
-    def connect(self, descriptors: dict[str, Any]) -> None:
-        """Open and authenticate one connection per stream the receiver asked for.
+    def needs_setup(self, region: TensorRegion) -> bool:
+        return region is not self._region or not self._streams.socks
+
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+        """On setup open and authenticate one connection per stream the receiver asked for; else reuse them.
 
         Raises
         ------
         ProtocolError
-            Malformed descriptors.
+            Malformed descriptors, or "reuse" when this side has other streams or none.
         PeerLost
             A stream could not connect.
         """
-        port = field(descriptors, "port", int)
-        stream_nonce = field(descriptors, "nonce", bytes)
+        self._seq = seq
         count = field(descriptors, "streams", int)
         slice_bytes = field(descriptors, "slice_bytes", int)
-        if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES or not 0 <= count <= MAX_STREAMS \
-                or slice_bytes < 0 or (count > 0) != (slice_bytes > 0):
-            raise ProtocolError(f"tcp accept descriptors out of range: port {port}, {len(stream_nonce)}-byte "
-                                f"nonce, {count} streams of {slice_bytes} bytes")
+        if not 0 <= count <= MAX_STREAMS or slice_bytes < 0 or (count > 0) != (slice_bytes > 0):
+            raise ProtocolError(f"tcp accept descriptors out of range: {count} streams of {slice_bytes} bytes")
+        if not setup_flag(descriptors):
+            if region is not self._region or (count, slice_bytes) != (self._count, self._slice_bytes):
+                raise ProtocolError("tcp: the receiver reuses streams this sender did not set up for this region")
+            return
+        port = field(descriptors, "port", int)
+        stream_nonce = field(descriptors, "nonce", bytes)
+        if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES:
+            raise ProtocolError(f"tcp accept descriptors out of range: port {port}, {len(stream_nonce)}-byte nonce")
+        self._streams.close()
+        self._region = None
         self._count = count
         self._slice_bytes = slice_bytes
         for index in range(count):
@@ -389,12 +399,11 @@ class TcpSender(SenderTransport):
                 raise PeerLost(f"tcp stream {index}: cannot connect to {self.ctx.peer_host}:{port}: {e}") from None
             self._streams.socks.append(sock)
             _tune(sock)
-            header = STREAM_HEADER.pack(STREAM_MAGIC, self.ctx.transfer_id, index, count,
-                                        _stream_proof(self.ctx, stream_nonce, index, count))
-            try:
-                sock.sendall(header)
-            except OSError as e:
-                raise PeerLost(f"tcp stream {index}: receiver closed it during setup: {e}") from None
+            header = STREAM_HEADER.pack(STREAM_MAGIC, seq, index, count,
+                                        _stream_proof(self.ctx, stream_nonce, seq, index, count))
+            send_all(sock, header, self.ctx.stall_timeout, f"tcp stream {index}'s header")
+        self._region = region
+        self.counters.connects += 1
 
     def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
         """Send every slice on its own stream, in parallel; return the byte count.
@@ -407,25 +416,33 @@ class TcpSender(SenderTransport):
             A stream made no progress for ``stall_timeout`` seconds.
         """
         slices = slices_of(region.nbytes, self._slice_bytes) if self._slice_bytes else []
-        if len(slices) != self._count:
+        if len(slices) != self._count or region is not self._region:
             raise ProtocolError(f"receiver asked for {self._count} streams of {self._slice_bytes} bytes; "
                                 f"{region.nbytes} bytes make {len(slices)} such slices")
         self._streams._progress = progress
+        update = UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq)
         view = host_view(region)
         try:
             for index, sock in enumerate(self._streams.socks):
-                if view is None:
-                    self._streams.start(sock, self._send_slice_staged, region, index, slices[index])
-                else:
-                    self._streams.start(sock, self._send_slice, view, index, slices[index])
-            try:
-                self._streams.join()
-            finally:
-                self._streams.close()
+                self._streams.start(sock, self._send_update, update, view, region, index, slices[index])
+            self._streams.join()
+        except BaseException:
+            self._streams.close()
+            self._region = None
+            raise
         finally:
             if view is not None:
                 view.release()
+        self.counters.updates += 1
         return region.nbytes
+
+    def _send_update(self, sock: socket.socket, update: bytes, view: memoryview | None, region: TensorRegion,
+                     index: int, where: tuple[int, int]) -> None:
+        send_all(sock, update, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
+        if view is None:
+            self._send_slice_staged(sock, region, index, where)
+        else:
+            self._send_slice(sock, view, index, where)
 
     def _send_slice_staged(self, sock: socket.socket, region: TensorRegion, index: int,
                            where: tuple[int, int]) -> None:
@@ -473,5 +490,6 @@ class TcpSender(SenderTransport):
                            f"{e}") from None
 
     def close(self) -> None:
-        """Close every stream; idempotent."""
+        """Close every stream; idempotent, callable from another thread."""
         self._streams.close()
+        self._region = None

@@ -1,0 +1,295 @@
+"""Connection plumbing shared by the control channel and every transport.
+
+:class:`Gate` is a listening socket whose connections must *prove*
+themselves before anyone uses them.  The control listener (hello +
+authentication), tcp's data streams, ipc's Unix socket and rdma's side
+connection all have the same problem: a stranger can connect and then send
+nothing, or one byte every few seconds.  Handled one at a time, ten idle
+strangers hold a receiver for their timeouts in turn and a full backlog
+locks everyone out.  So the gate identifies every connection concurrently,
+each in its own thread against one overall deadline (a watchdog shuts the
+socket down when it passes, however slowly bytes trickle in), keeps at most
+``max_pending`` unproven connections (more are closed at once), and counts
+what it dropped.  A connection that proved itself waits in the gate until
+:meth:`Gate.admit` hands it out, so a legitimate peer is never queued
+behind strangers.
+
+:func:`recv_exact` / :func:`send_all` translate socket errors into the
+engine's: a timeout is :class:`~tensorxfer.errors.TransferTimeout`, a closed
+or reset connection :class:`~tensorxfer.errors.PeerLost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from tensorxfer.errors import PeerLost, TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING = 256       # unproven connections kept at once; more are closed on arrival
+BACKLOG = 512                   # the kernel's queue in front of the gate
+_TICK = 0.05                    # how often admit() and the watchdog look at deadlines
+
+Identify = Callable[[socket.socket], Any]
+"""Reads a new connection's proof (blocking; the gate bounds it); returns what it proves, or None."""
+
+
+def recv_exact(sock: socket.socket, n: int, timeout: float | None, what: str) -> bytes:
+    """Exactly ``n`` bytes from ``sock``.
+
+    Raises
+    ------
+    TransferTimeout
+        Nothing for ``timeout`` seconds.
+    PeerLost
+        The peer closed or reset the connection first.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    sock.settimeout(timeout)
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise PeerLost(f"the peer closed the connection while this side waited for {what} "
+                               f"({got} of {n} bytes)")
+            got += k
+    except TimeoutError:
+        raise TransferTimeout(f"no {what} from the peer within {timeout} s") from None
+    except OSError as e:
+        if isinstance(e, PeerLost):
+            raise
+        raise PeerLost(f"connection lost while waiting for {what}: {e}") from None
+    finally:
+        view.release()
+    return bytes(buf)
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, timeout: float | None, what: str) -> None:
+    """Send all of ``data``; a timeout is :class:`TransferTimeout`, a lost connection :class:`PeerLost`."""
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise TransferTimeout(f"the peer did not take {what} within {timeout} s") from None
+    except OSError as e:
+        raise PeerLost(f"connection lost while sending {what}: {e}") from None
+
+
+def listen(host: str, family: int | None = None, kind: int = socket.SOCK_STREAM, port: int = 0) -> socket.socket:
+    """A listening socket on ``host:port`` with the gate's backlog (port 0: a free one)."""
+    if family is None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, kind)
+    try:
+        if family != socket.AF_UNIX:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(host if family == socket.AF_UNIX else (host, port))
+        s.listen(BACKLOG)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+class Gate:
+    """A listener whose connections prove themselves concurrently before use.
+
+    Parameters
+    ----------
+    listener : socket.socket
+        A listening socket; the gate owns it from now on (``close()`` closes it).
+    identify : callable
+        ``identify(conn)`` reads and checks a new connection's proof and
+        returns what it proves (any value but None), or None / raises for a
+        stranger.  It runs in a thread of its own; the gate shuts ``conn``
+        down when ``proof_timeout`` passes, so it may block.
+    proof_timeout : float
+        Seconds one connection may take to prove itself, in all.
+    what : str
+        What the connections are, for logs and errors ("control", "tcp stream").
+    max_pending : int
+        Unproven connections kept at once; more are closed on arrival.
+
+    Notes
+    -----
+    ``dropped`` counts strangers (closed, too slow, failed proof, over the
+    pending limit); ``last_drop`` says why the latest one was dropped.
+    """
+
+    def __init__(self, listener: socket.socket, identify: Identify, proof_timeout: float, what: str,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        self._listener: socket.socket | None = listener
+        self._identify = identify
+        self.proof_timeout = float(proof_timeout)
+        self.what = what
+        self.max_pending = max_pending
+        self.dropped = 0
+        self.last_drop = ""
+        self._lock = threading.Condition()
+        self._pending: dict[socket.socket, float] = {}     # unproven connection -> its deadline
+        self._ready: deque[tuple[socket.socket, Any]] = deque()
+        self._watchdog: threading.Thread | None = None
+        self._provers: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def address(self) -> Any:
+        if self._listener is None:
+            raise TransferError(f"the {self.what} listener is closed")
+        return self._listener.getsockname()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def admit(self, count: int = 1, timeout: float | None = None,
+              abort: Callable[[], str | None] | None = None) -> list[tuple[socket.socket, Any]]:
+        """The next ``count`` connections that proved themselves, as ``(conn, proof)``; the caller owns them.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait in all (``None``: until ``count`` arrived or ``abort`` says stop).
+        abort : callable, optional
+            Polled every 50 ms; a non-None return (the reason) ends the wait with :class:`TransferError`.
+
+        Raises
+        ------
+        TransferTimeout
+            Fewer than ``count`` proved themselves within ``timeout`` (strangers dropped meanwhile are named).
+        TransferError
+            The gate was closed, or ``abort`` returned a reason.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if len(self._ready) >= count:
+                    return [self._ready.popleft() for _ in range(count)]
+                have = len(self._ready)
+            if self._closed or self._listener is None:
+                raise TransferError(f"the {self.what} listener was closed")
+            reason = abort() if abort is not None else None
+            if reason is not None:
+                raise TransferError(reason)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                why = f"; {self.dropped} stranger(s) dropped (last: {self.last_drop})" if self.dropped else ""
+                raise TransferTimeout(f"{have} of {count} {self.what} connection(s) proved themselves within "
+                                      f"{timeout} s{why}")
+            wait = _TICK if deadline is None else max(1e-3, min(_TICK, deadline - now))
+            self._accept_one(wait)
+
+    def _accept_one(self, wait: float) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        listener.settimeout(wait)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            return
+        except OSError:
+            if self._closed:
+                return
+            raise
+        with self._lock:
+            if len(self._pending) >= self.max_pending:
+                over = True
+            else:
+                over = False
+                self._pending[conn] = time.monotonic() + self.proof_timeout
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(target=self._watch, name=f"tensorxfer-gate-{self.what}",
+                                                      daemon=True)
+                    self._watchdog.start()
+        if over:
+            conn.close()
+            self._drop(f"over {self.max_pending} unproven connections at once")
+            return
+        prover = threading.Thread(target=self._prove, args=(conn,), name=f"tensorxfer-prove-{self.what}",
+                                  daemon=True)
+        with self._lock:
+            self._provers = [t for t in self._provers if t.is_alive()] + [prover]
+        prover.start()
+
+    def _prove(self, conn: socket.socket) -> None:
+        conn.settimeout(self.proof_timeout)     # a backstop; the watchdog enforces the overall deadline
+        try:
+            proof = self._identify(conn)
+            why = "it failed the proof" if proof is None else ""
+        except Exception as e:      # a stranger's garbage must never escape the gate
+            proof, why = None, f"{type(e).__name__}: {e}"
+        with self._lock:
+            expired = self._pending.pop(conn, None) is None or self._closed
+            if proof is not None and not expired:
+                self._ready.append((conn, proof))
+                self._lock.notify_all()
+                return
+        conn.close()
+        self._drop("it did not prove itself in time" if expired and proof is not None else why)
+
+    def _drop(self, why: str) -> None:
+        with self._lock:
+            self.dropped += 1
+            self.last_drop = why
+        log.warning("%s connection dropped: %s", self.what, why)
+
+    def _watch(self) -> None:
+        """Shut down connections past their deadline (their prover wakes and drops them)."""
+        while True:
+            time.sleep(_TICK)
+            now = time.monotonic()
+            with self._lock:
+                expired = [c for c, d in self._pending.items() if d <= now or self._closed]
+                for c in expired:
+                    del self._pending[c]
+                done = not self._pending
+                if done:
+                    self._watchdog = None
+            for c in expired:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass    # already gone: its prover sees that
+            if done:
+                return
+
+    def close(self) -> None:
+        """Close the listener, every unproven connection and every proven one nobody took; idempotent."""
+        with self._lock:
+            self._closed = True
+            listener, self._listener = self._listener, None
+            pending = list(self._pending)
+            ready = [c for c, _ in self._ready]
+            self._ready.clear()
+            provers, self._provers = self._provers, []
+        if listener is not None:
+            listener.close()
+        for c in pending:
+            try:
+                c.shutdown(socket.SHUT_RDWR)    # its prover wakes and closes it
+            except OSError:
+                pass
+        for t in provers:
+            t.join(1.0)         # so a closed gate leaves no socket behind
+        with self._lock:
+            ready += [c for c, _ in self._ready]
+            self._ready.clear()
+        for c in ready:
+            c.close()
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

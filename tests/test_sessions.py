@@ -1,0 +1,244 @@
+"""Session-scoped transports and a receiver that strangers cannot block.
+
+Register once, connect once: every transport is set up on a session's first
+update and reused by the next hundred (the counters prove it), a new layout
+sets it up again exactly once, and idle, trickling or scanning strangers
+never hold a legitimate sender up or end ``receive()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import tensorxfer as tx
+from tensorxfer import Manifest, Receiver, Sender, TensorRegion
+from tensorxfer.transport import ipc as ipc_mod
+from tensorxfer.transport import tcp as tcp_mod
+from tests.helpers import Background, region_of, wait_until
+
+
+def addr(rx: Receiver) -> str:
+    return "{}:{}".format(*rx.address)
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def payload(region: TensorRegion) -> bytes:
+    with memoryview(region.region) as mv:
+        return bytes(mv.cast("B")[:region.nbytes])
+
+
+def fill(region: TensorRegion, seed: int) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, region.nbytes, dtype=np.uint8).tobytes()
+    with memoryview(region.region) as mv:
+        mv.cast("B")[:region.nbytes] = data
+    return data
+
+
+MANIFEST = Manifest.layout([(f"t{i}", "U8", (100_003 + 7919 * i,)) for i in range(20)])
+
+
+# ---------------------------------------------------------------- register once, connect once
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_100_updates_set_the_transport_up_once_and_stay_flat(transport: str) -> None:
+    with TensorRegion.from_manifest(MANIFEST, chunk_size=256 << 10) as src, Receiver() as rx:
+        job = Background(lambda: [rx.receive(timeout=30) and rx.last_stats for _ in range(100)])
+        stats = []
+        with Sender(addr(rx), transport=transport, streams=3) as s:
+            for k in range(100):
+                if k == 10:
+                    fds0, rss0 = fds(), rss()
+                if k in (0, 42, 99):
+                    data = fill(src, k)
+                stats.append(s.send(src, verify=k in (0, 99)))
+                if k in (0, 42, 99):
+                    assert payload(rx.region) == data if k != 0 else True
+            assert fds() <= fds0 and rss() < rss0 + (16 << 20)
+        received = job.result(timeout=120)
+        assert payload(rx.region) == data
+    first, last = stats[0], stats[-1]
+    assert first.setup and first.setup_seconds > 0 and first.update == 1
+    assert all(not st.setup and st.setup_seconds == 0 for st in stats[1:])
+    assert last.update == 100 and last.wire_seconds > 0 and last.wire_gbps > 0
+    # ipc: the region's handles were exported (sender) and imported (receiver) once; tcp registers nothing
+    registrations = 1 if transport == "ipc" else 0
+    assert dict(last.counters) == {"registrations": registrations, "connects": 1, "updates": 100}
+    assert dict(received[-1].counters) == {"registrations": registrations, "connects": 1, "updates": 100}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_new_layout_sets_the_transport_up_again_once_and_says_so(transport: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorxfer")
+    with region_of(3 << 20) as a, region_of(5 << 20, name="b") as b, Receiver() as rx:
+        job = Background(lambda: [payload(rx.receive(timeout=30)) for _ in range(4)])
+        sent = []
+        with Sender(addr(rx), transport=transport) as s:
+            for region, seed in ((a, 1), (b, 2), (b, 3), (b, 4)):
+                sent.append(fill(region, seed))
+                st = s.send(region)
+                assert st.setup == (seed <= 2) and st.reallocated == (seed == 2)
+        assert job.result() == sent
+        assert st.counters["updates"] == 4
+        if transport == "ipc":      # one connection; handles passed once per region
+            assert dict(st.counters) == {"registrations": 2, "connects": 1, "updates": 4}
+        else:                       # streams connected once per region
+            assert st.counters["connects"] == 2
+    assert any("set up again" in r.message and "layout changed" in r.message for r in caplog.records)
+
+
+# ---------------------------------------------------------------- strangers
+def _idle(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+
+
+def test_a_sender_gets_through_200_idle_and_trickling_strangers_within_2_s() -> None:
+    with region_of(1 << 20, fill=9) as src, Receiver(handshake_timeout=30) as rx:
+        port = rx.address[1]
+        strangers = _idle(port, 200)
+        trickler = socket.create_connection(("127.0.0.1", port), timeout=5)
+        trickler.sendall(struct.pack(">I", 60000))        # a frame header, then one byte at a time
+        stop = threading.Event()
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                try:
+                    trickler.send(b"x")
+                except OSError:
+                    return
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        try:
+            job = Background(rx.receive, timeout=10)
+            t0 = time.monotonic()
+            with Sender(addr(rx)) as s:
+                s.send(src)
+            got = job.result()
+            assert time.monotonic() - t0 < 2.0, "strangers held a legitimate sender up"
+            assert payload(got) == bytes([9]) * src.nbytes
+        finally:
+            stop.set()
+            t.join()
+            for c in [*strangers, trickler]:
+                c.close()
+
+
+def test_a_trickling_handshake_is_cut_at_its_overall_deadline() -> None:
+    with Receiver(handshake_timeout=1.0) as rx, socket.create_connection(rx.address, timeout=5) as c:
+        c.sendall(struct.pack(">I", 60000))
+        t0 = time.monotonic()
+        with pytest.raises(tx.TransferTimeout):
+            rx.receive(timeout=3)
+        assert time.monotonic() - t0 < 4, "receive(timeout=3) must end near 3 s"
+        dropped = False
+        for _ in range(10):         # one byte every 0.3 s: each recv is quick, the handshake is not
+            try:
+                c.send(b"x")
+            except OSError:
+                dropped = True
+                break
+            time.sleep(0.3)
+        assert dropped or c.recv(1) == b"", "the trickler must be disconnected at the handshake deadline"
+        assert rx.dropped_connections == 1
+
+
+def test_a_port_scan_is_counted_and_never_ends_receive() -> None:
+    with region_of(1 << 20, fill=3) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10)
+        for _ in range(5):
+            socket.create_connection(rx.address, timeout=5).close()
+        wait_until(lambda: rx.dropped_connections == 5)
+        with Sender(addr(rx)) as s:
+            s.send(src)
+        assert payload(job.result()) == bytes([3]) * src.nbytes
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_idle_strangers_on_the_data_port_do_not_fail_the_transfer(transport: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    strangers: list[socket.socket] = []
+    cls = tcp_mod.TcpReceiver if transport == "tcp" else ipc_mod.IpcReceiver
+    prepare = cls.prepare
+
+    def prepare_then_crowd(self, region, seq, fresh):  # type: ignore[no-untyped-def]
+        d = prepare(self, region, seq, fresh)
+        for _ in range(6):          # six idle strangers get there before the real sender
+            if transport == "tcp":
+                strangers.append(socket.create_connection((self.ctx.local_host, d["port"]), timeout=5))
+            else:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.connect(d["path"])
+                strangers.append(s)
+        return d
+
+    monkeypatch.setattr(cls, "prepare", prepare_then_crowd)
+    try:
+        with region_of(8 << 20, fill=4) as src, Receiver() as rx:
+            job = Background(rx.receive, timeout=20)
+            with Sender(addr(rx), transport=transport, streams=4) as s:
+                t0 = time.monotonic()
+                s.send(src)
+                assert time.monotonic() - t0 < 3
+            assert payload(job.result()) == bytes([4]) * src.nbytes
+    finally:
+        for c in strangers:
+            c.close()
+
+
+# ---------------------------------------------------------------- lifetime
+def test_close_from_another_thread_ends_receive_with_a_typed_error() -> None:
+    rx = Receiver()
+    job = Background(rx.receive)
+    time.sleep(0.2)
+    rx.close()
+    with pytest.raises(tx.TransferError, match="closed"):
+        job.result(timeout=5)
+    rx.close()
+
+
+def test_close_from_another_thread_during_a_session_ends_receive_with_a_typed_error() -> None:
+    with region_of(1 << 20) as src:
+        rx = Receiver()
+        job = Background(lambda: [rx.receive(timeout=10) for _ in range(2)])
+        with Sender(addr(rx)) as s:
+            s.send(src)
+            wait_until(lambda: rx.last_stats is not None)
+            time.sleep(0.2)         # the receiver now waits for the next offer
+            rx.close()
+            with pytest.raises(tx.TransferError, match="closed"):
+                job.result(timeout=5)
+
+
+def test_memory_a_vanished_sender_left_behind_is_released() -> None:
+    """An offer allocates; the sender dies before any data: the receiver keeps nothing of it."""
+    big = 64 << 20
+    with region_of(big) as src, Receiver(stall_timeout=2) as rx:
+        job = Background(rx.receive, timeout=20)
+        s = Sender(addr(rx), transport="tcp", stall_timeout=2)
+
+        def vanish(self, region, progress=None):  # type: ignore[no-untyped-def]
+            s._channel.close()      # the control connection drops mid-transfer (the process died)
+            raise tx.PeerLost("gone")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tcp_mod.TcpSender, "send", vanish)
+            with pytest.raises(tx.TransferError):
+                s.send(src)
+        s.close()
+        with pytest.raises(tx.TransferError):
+            job.result()
+        assert rx.region is None, "the region allocated for the vanished sender's offer must be released"
