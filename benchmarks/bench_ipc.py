@@ -86,7 +86,8 @@ def time_ipc(region: TensorRegion, device: str, repeat: int, share: bool, thread
     proc, where = start_receiver(device, repeat + 1, share, threads)
     try:
         with Sender(where, transport="ipc", stall_timeout=300) as s:
-            runs = [s.send(region).seconds for _ in range(repeat + 1)]
+            stats = [s.send(region) for _ in range(repeat + 1)]
+        runs = [st.seconds for st in stats]
         if proc.wait(timeout=120) != 0:
             raise RuntimeError(f"receiver child failed with {proc.returncode}")
     finally:
@@ -96,7 +97,10 @@ def time_ipc(region: TensorRegion, device: str, repeat: int, share: bool, thread
         if proc.stdout is not None:
             proc.stdout.close()
     warm = runs[1:]
-    return {"cold_s": runs[0], "runs_s": warm, "median_s": statistics.median(warm)}
+    return {"cold_s": runs[0], "runs_s": warm, "median_s": statistics.median(warm),
+            "cold_setup_s": stats[0].setup_seconds,
+            "warm_wire_median_s": statistics.median(st.wire_seconds for st in stats[1:]),
+            "warm_setup": [st.setup for st in stats[1:]], "counters_after": dict(stats[-1].counters)}
 
 
 def time_host_memcpy(nbytes: int, repeat: int) -> dict[str, Any]:

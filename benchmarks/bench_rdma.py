@@ -10,7 +10,12 @@ software emulation only the *ratios* mean anything:
 - a pyverbs loop (tests/rdma_pyverbs_peer.py under /usr/bin/python3): one
   Python ``SendWR`` + ``post_send`` per request, pipelined — what the Cython
   nogil loop buys;
-- sweeps over WR size and QP count for tensorxfer.
+- sweeps over WR size and QP count for tensorxfer;
+- the engine itself (``Sender``/``Receiver`` with ``transport="rdma"``, the
+  receiver in a child process): the first (cold) update, which registers the
+  MR and connects the QPs, is reported apart from the warm ones, whose
+  offer-to-ack time (control round trips included) is set against
+  ``ib_write_bw`` at the same message size and QP count, interleaved.
 
 tensorxfer's sender and receiver endpoints run in this one process (the
 device loops the traffic back, as ib_write_bw's server and client do through
@@ -40,9 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from tensorxfer import HostRegion
+from tensorxfer import HostRegion, Manifest, Sender, TensorRegion
 from tensorxfer.transport import _verbs
-from tensorxfer.transport.rdma import DEFAULT_QPS, RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
+from tensorxfer.transport.rdma import (
+    DEFAULT_QPS,
+    DEFAULT_WR_SIZE,
+    RdmaReceiverEndpoint,
+    RdmaSenderEndpoint,
+    rdma_available,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "tests" / "rdma_pyverbs_peer.py"
@@ -82,6 +93,47 @@ def tensorxfer_run(size: int, qps: int, wr_size: int, reps: int, chunk: int, dev
     return {"impl": "tensorxfer", "bytes": size, "qps": qps, "wr_size": wr_size, "reps": reps,
             "seconds": secs, "gbps": gbps(size, med), "MBps": size / med / 1e6, "wrs": st["wrs"],
             "post_batch": st["post_batch"], "chunks": -(-size // chunk), "setup_seconds": t_reg, "verified": ok}
+
+
+ENGINE_RECEIVER = """
+import json, sys
+from tensorxfer import Receiver
+with Receiver(stall_timeout=300) as rx:
+    print("{}:{}".format(*rx.address), flush=True)
+    for _ in range(int(sys.argv[1])):
+        rx.receive(timeout=600)
+    print(json.dumps(rx.last_stats.as_dict()), flush=True)
+"""
+
+
+def engine_run(size: int, qps: int, updates: int, chunk: int) -> dict[str, Any]:
+    """``updates`` sends of one region through Sender/Receiver over rdma (receiver in a child process)."""
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_RECEIVER, str(updates)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    try:
+        where = proc.stdout.readline().strip()
+        with TensorRegion.from_manifest(Manifest.layout([("w", "U8", (size,))]), chunk_size=chunk) as src:
+            a = np.frombuffer(src.region, np.uint8, count=size)
+            a[:] = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+            del a
+            with Sender(where, transport="rdma", streams=qps, stall_timeout=300) as s:
+                stats = [s.send(src) for _ in range(updates)]
+        received = json.loads(proc.stdout.readline())
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    warm = [st.seconds for st in stats[1:]]
+    med = statistics.median(warm)
+    return {"impl": "tensorxfer engine (Sender/Receiver, rdma)", "bytes": size, "qps": qps,
+            "wr_size": DEFAULT_WR_SIZE, "updates": updates, "cold_seconds": stats[0].seconds,
+            "cold_setup_seconds": stats[0].setup_seconds, "cold_gbps": gbps(size, stats[0].seconds),
+            "seconds": warm, "gbps": gbps(size, med), "warm_setup_seconds": max(st.setup_seconds for st in stats[1:]),
+            "warm_wire_gbps": gbps(size, statistics.median(st.wire_seconds for st in stats[1:])),
+            "registration": stats[0].registration, "sender_counters": dict(stats[-1].counters),
+            "receiver_counters": received["counters"]}
 
 
 def ib_write_bw(size: int, qps: int, iters: int, device: str, gid_index: int, host: str) -> dict[str, Any]:
@@ -195,7 +247,18 @@ def main(argv: list[str] | None = None) -> int:
         if per:
             ratios[f"tensorxfer/ib_write_bw wr={wr} qps={q}"] = {"median": statistics.median(per), "rounds": per}
 
-    # the headline: same message size and QP count as ib_write_bw
+    # the engine: warm updates (registered and connected once) against ib_write_bw, interleaved
+    per = []
+    for _ in range(rounds):
+        ib = note(ib_write_bw(DEFAULT_WR_SIZE, DEFAULT_QPS, max(8, size // DEFAULT_WR_SIZE), device, gid_index,
+                              args.host))
+        eng = note(engine_run(size, DEFAULT_QPS, reps + 1, args.chunk))
+        if "gbps" in ib:
+            per.append(eng["gbps"] / ib["gbps"])
+    if per:
+        ratios[f"engine warm update/ib_write_bw wr={DEFAULT_WR_SIZE} qps={DEFAULT_QPS}"] = {
+            "median": statistics.median(per), "rounds": per}
+    # the endpoints alone, same message size and QP count as ib_write_bw
     for q in sorted({1, DEFAULT_QPS}):
         paired(ref_wr, q)
     paired(64 << 10, DEFAULT_QPS)

@@ -119,7 +119,7 @@ def test_token_on_sender_only_is_refused():
         job = Background(rx.receive, timeout=1)
         with pytest.raises(tx.AuthError, match="token"):
             Sender(addr(rx), token="secret")
-        with pytest.raises(tx.TransferTimeout, match="1 connection.*dropped.*token"):
+        with pytest.raises(tx.TransferTimeout, match=r"1 connection.*dropped.*token"):
             job.result()
 
 
