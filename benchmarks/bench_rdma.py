@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default=os.environ.get("RDMA_HOST", "192.168.77.1"),
                     help="address ib_write_bw's client dials (this machine's RoCE/IPoIB address)")
     ap.add_argument("--chunk", type=int, default=4 * MIB, help="region chunk (handle) size")
+    ap.add_argument("--engine-only", action="store_true", help="only the engine against ib_write_bw")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/rdma-<date>.json)")
     args = ap.parse_args(argv)
 
@@ -259,16 +260,17 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"engine warm update/ib_write_bw wr={DEFAULT_WR_SIZE} qps={DEFAULT_QPS}"] = {
             "median": statistics.median(per), "rounds": per}
     # the endpoints alone, same message size and QP count as ib_write_bw
-    for q in sorted({1, DEFAULT_QPS}):
+    for q in sorted({1, DEFAULT_QPS}) if not args.engine_only else ():
         paired(ref_wr, q)
-    paired(64 << 10, DEFAULT_QPS)
+    if not args.engine_only:
+        paired(64 << 10, DEFAULT_QPS)
     # sweeps (tensorxfer alone)
-    for wr in wr_sweep:
+    for wr in wr_sweep if not args.engine_only else ():
         note(tensorxfer_run(size, DEFAULT_QPS, wr, reps, args.chunk, args.device))
-    for q in qp_sweep:
+    for q in qp_sweep if not args.engine_only else ():
         note(tensorxfer_run(size, q, ref_wr, reps, args.chunk, args.device))
     # pyverbs' Python loop vs tensorxfer at the same WR size and QP count, back to back
-    for wr in py_sweep:
+    for wr in py_sweep if not args.engine_only else ():
         py = note(pyverbs_run(size, DEFAULT_QPS, wr, reps, args.device))
         txr = note(tensorxfer_run(size, DEFAULT_QPS, wr, reps, args.chunk, args.device))
         if "gbps" in py:

@@ -28,7 +28,7 @@ from libc.errno cimport errno, ENODATA
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy, strerror
-from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+from posix.time cimport clock_gettime, nanosleep, timespec, CLOCK_MONOTONIC
 
 from tensorxfer._lib.includes.libibverbs cimport *
 from tensorxfer._lib.includes.posix cimport htonl, ntohl
@@ -59,6 +59,9 @@ _GID_TYPES = {IBV_GID_TYPE_IB: "IB", IBV_GID_TYPE_ROCE_V1: "RoCE v1", IBV_GID_TY
 
 cdef enum:
     WC_BATCH = 64          # completions taken per ibv_poll_cq call
+    IDLE_SPINS = 64        # receiver: empty CQ polls before it starts sleeping between polls
+    IDLE_MIN_NS = 20000    # receiver: first sleep between empty polls (20 us), doubling while idle ...
+    IDLE_MAX_NS = 1000000  # ... up to 1 ms: at most that is added to the end of an update
     POST_BATCH = 32        # work requests chained per ibv_post_send call
     QP_SHIFT = 40          # wr_id = (qp index << QP_SHIFT) | sequence number on that QP
 
@@ -983,9 +986,13 @@ cdef class ImmWaiter:
         cdef int n, i, q, bad_q = -1, rc = 0
         cdef uint32_t imm = 0, bad_status = 0, bad_qpn = 0, bad_imm = 0
         cdef int kind = 0
+        cdef int idle = 0
         cdef double t0
+        cdef timespec pause
         cdef ibv_recv_wr rwr
         cdef ibv_recv_wr* rbad
+        pause.tv_sec = 0
+        pause.tv_nsec = IDLE_MIN_NS
         for o in self._qps:
             (<QP?>o)._check_open()
         self.cq._check_open()
@@ -1027,8 +1034,22 @@ cdef class ImmWaiter:
                         self.ngot += 1
                 if kind != 0:
                     break
-                if n == 0 and _now() - t0 > slice:
-                    break
+                if n == 0:
+                    if _now() - t0 > slice:
+                        break
+                    # The receiver has nothing to do until the last immediates arrive, so it must not
+                    # spin: a spinning receiver takes a core from whatever moves the bytes (measured on
+                    # Soft-RoCE, where the kernel does: the engine's warm updates ran at 0.2-0.3 of
+                    # ib_write_bw while both ends spun).  Empty polls back off to sleeps that double from
+                    # IDLE_MIN_NS to IDLE_MAX_NS, which adds at most that to the end of an update.
+                    idle += 1
+                    if idle > IDLE_SPINS:
+                        nanosleep(&pause, NULL)
+                        if pause.tv_nsec < IDLE_MAX_NS:
+                            pause.tv_nsec = min(2 * pause.tv_nsec, <long>IDLE_MAX_NS)
+                else:
+                    idle = 0
+                    pause.tv_nsec = IDLE_MIN_NS
         if kind == 1:
             name = wc_status_name(bad_status)
             raise CompletionError(5, f"RDMA receive failed: {name} ({wc_status_str(bad_status)}) on QP {bad_qpn:#x}; "
