@@ -31,6 +31,7 @@ the memory only after the last copy finished.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -47,6 +48,8 @@ from tensorxfer.memory import AllocationMap, HostRegion
 COPY_PIECE_BYTES = 64 << 20
 
 Piece = tuple[int, memoryview]
+
+_log = logging.getLogger(__name__)
 
 
 def memory_of(region: Any) -> AllocationMap:
@@ -189,7 +192,12 @@ def _quietly(step: Callable[[], object], exc: BaseException) -> None:
     try:
         step()
     except Exception as e:
-        exc.add_note(f"while cleaning up after it: {type(e).__name__}: {e}")
+        note = f"while cleaning up after it: {type(e).__name__}: {e}"
+        add_note = getattr(exc, "add_note", None)       # Python 3.11+
+        if add_note is not None:
+            add_note(note)
+        else:
+            _log.warning("%s: %s", type(exc).__name__, note)
 
 
 # ---------------------------------------------------------------- internals

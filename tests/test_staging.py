@@ -56,7 +56,7 @@ def test_read_pieces_cover_the_range_in_order_zero_copy(offset, length, piece):
 
 def test_read_pieces_of_a_host_region_are_views_not_copies():
     with patterned(2) as r, read_pieces(r, PAGE - 2, 4, 4) as pieces:
-        pos, view = next(pieces)
+        _, view = next(pieces)
         with memoryview(r) as mv:
             mv[PAGE - 2:PAGE + 2] = b"WXYZ"          # across the chunk boundary
         assert bytes(view) == b"WXYZ"

@@ -11,7 +11,6 @@ no driver or GPU is present, its calls raise ``CudaError``.
 from typing import Any, NoReturn
 
 from tensorxfer.errors import CudaError
-
 from tensorxfer.memory._extent import AllocationMap, Extent
 from tensorxfer.memory._host import HostRegion, page_size
 
