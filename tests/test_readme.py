@@ -34,3 +34,15 @@ def test_first_snippet_under_using_it_runs_verbatim():
     ns.clear()
     gc.collect()
     assert len(tensorxfer_mappings()) == before
+
+
+def test_staging_and_handles_snippet_runs_verbatim():
+    before = len(tensorxfer_mappings())
+    code = python_blocks("Using it")[1]
+    assert "read_pieces" in code and "export_handles" in code
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)
+    assert ns["src"].closed and ns["dst"].closed
+    ns.clear()
+    gc.collect()
+    assert len(tensorxfer_mappings()) == before
