@@ -536,6 +536,11 @@ cdef class CudaRegion(AllocationMap):
             except BaseException:
                 pass
             if self._chunks != NULL:
+                # The last view may go (a torch tensor's deleter) while kernels
+                # that read it are still queued on someone else's stream; the
+                # driver documents cuMemUnmap as synchronous only "for most use
+                # cases".  Closing is rare: wait for the device before unmapping.
+                cydriver.cuCtxSynchronize()
                 for i in range(self._nchunks):
                     c = &self._chunks[i]
                     if c.mapped:
