@@ -68,6 +68,31 @@ def is_device(region: Any) -> bool:
     return not isinstance(mem, HostRegion)
 
 
+def open_stager(region: Any, buffer_bytes: int) -> Any:
+    """Pinned buffers and a stream for staging ``region``, to reuse across calls; None for host regions.
+
+    A transport session opens one per connection and passes it as
+    ``stager=`` to every :func:`read_pieces` / :func:`write_pieces`, so the
+    pinned allocation (milliseconds for tens of MiB) is paid once.  Host
+    regions need none (their pieces are zero-copy), and ``stager=None`` is
+    what they get, so the caller never branches on the region kind.
+
+    Returns
+    -------
+    Stager or None
+        Owned by the caller: ``close()`` it (or use ``with``) when done, after
+        the last staged call returned.
+    """
+    mem = memory_of(region)
+    if isinstance(mem, HostRegion):
+        return None
+    if _memory.CudaRegion is None or not isinstance(mem, _memory.CudaRegion):
+        raise TypeError(f"cannot stage a {type(mem).__name__}")
+    from tensorxfer.memory._cuda import Stager
+
+    return Stager(mem.device_index, int(buffer_bytes))
+
+
 def read_pieces(region: Any, offset: int, length: int, piece_bytes: int, *,
                 stager: Any = None) -> contextlib.AbstractContextManager[Iterator[Piece]]:
     """Read ``[offset, offset+length)`` of a region as host-visible pieces, in order.
@@ -82,10 +107,12 @@ def read_pieces(region: Any, offset: int, length: int, piece_bytes: int, *,
         The most bytes per piece (the last one may be shorter).  With a
         caller's ``stager`` it is also capped at ``stager.buffer_bytes``.
     stager : Stager, optional
-        CUDA regions only: reuse these pinned buffers and stream (a transport
-        session keeps one per connection) instead of allocating a pair for
-        this call.  It must belong to the region's device.  It is left idle
-        (no copy in flight) when the context exits; the caller closes it.
+        CUDA regions: reuse these pinned buffers and stream (from
+        :func:`open_stager`; a transport session keeps one per connection)
+        instead of allocating a pair for this call.  It must belong to the
+        region's device and not be used by another thread meanwhile.  It is
+        left idle (no copy in flight) when the context exits; the caller
+        closes it.  Ignored for host regions.
 
     Returns
     -------

@@ -509,11 +509,11 @@ def test_staging_exception_mid_iteration_waits_cleans_up_and_leaks_nothing(torch
 @needs_gpu
 def test_staging_reuses_a_callers_stager_and_leaves_it_idle(torch, gran):
     from tensorxfer.memory._cuda import Stager
-    from tensorxfer.staging import read_into, read_pieces, write_from, write_pieces
+    from tensorxfer.staging import open_stager, read_into, read_pieces, write_from, write_pieces
 
     data = np.random.default_rng(8).integers(0, 256, gran + 99, dtype=np.uint8)
-    with mem.CudaRegion.allocate(2 * gran, chunk_size=gran) as r, Stager(0, 1 << 20) as st:
-        assert st.buffer_bytes == 1 << 20
+    with mem.CudaRegion.allocate(2 * gran, chunk_size=gran) as r, open_stager(r, 1 << 20) as st:
+        assert isinstance(st, Stager) and st.buffer_bytes == 1 << 20
         write_from(r, 5, data, stager=st)
         back = np.zeros_like(data)
         read_into(r, 5, back, stager=st)

@@ -14,7 +14,7 @@ import xxhash
 from tensorxfer import ExtentError, HostRegion, RegionClosed, TensorRegion
 from tensorxfer import checksum as _checksum
 from tensorxfer.memory import page_size
-from tensorxfer.staging import is_device, memory_of, read_into, read_pieces, write_from, write_pieces
+from tensorxfer.staging import is_device, memory_of, open_stager, read_into, read_pieces, write_from, write_pieces
 
 from .conftest import tensorxfer_mappings
 
@@ -143,6 +143,9 @@ def test_read_only_regions_refuse_write_pieces():
 def test_tensor_regions_and_raw_regions_are_both_accepted():
     with TensorRegion.from_tensors({"a": np.arange(5, dtype=np.int32)}) as tr:
         assert memory_of(tr) is tr.region and not is_device(tr) and not is_device(tr.region)
+        assert open_stager(tr, 1 << 20) is None          # host pieces are zero-copy: nothing to pin
+        with read_pieces(tr, 0, 4, 4, stager=None) as pieces:
+            assert [p for p, _ in pieces] == [0]
         with read_pieces(tr, 0, tr.nbytes, 8) as pieces:
             assert b"".join(bytes(v) for _, v in pieces) == np.arange(5, dtype=np.int32).tobytes()
         write_from(tr, 4, np.array([42], np.int32))
