@@ -392,13 +392,15 @@ class _Staged:
             raise RuntimeError("a read_pieces/write_pieces context can be entered only once")
         try:
             self._pieces = self._open()
-        except BaseException:
-            self._cleanup(ok=False, exc=None)
+        except BaseException as e:
+            self._cleanup(ok=False, exc=e)
             raise
         return self._pieces
 
     def _open(self) -> _HostPieces | _DevicePieces:
         mem = self._mem
+        if self._length == 0:
+            return _HostPieces(memoryview(b""), 0, 0, 1)    # nothing to pin, copy or allocate
         if isinstance(mem, HostRegion):
             whole = memoryview(mem)            # the export pins the mapping until _cleanup
             self._pins.append(whole)
@@ -407,14 +409,13 @@ class _Staged:
             return _HostPieces(view, self._offset, self._length, self._piece)
         if _memory.CudaRegion is None or not isinstance(mem, _memory.CudaRegion):
             raise TypeError(f"cannot stage a {type(mem).__name__}")
-        if self._length:
-            self._pins.append(mem.cuda_array(self._offset, self._length))    # keeps the mapping while copies run
+        self._pins.append(mem.cuda_array(self._offset, self._length))    # keeps the mapping while copies run
         stager = self._stager
         piece = self._piece
         if stager is None:
             from tensorxfer.memory._cuda import Stager
 
-            piece = max(1, min(piece, self._length))
+            piece = min(piece, self._length)
             stager = self._own_stager = Stager(mem.device_index, piece)
         else:
             piece = min(piece, int(stager.buffer_bytes))
