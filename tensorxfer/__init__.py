@@ -6,18 +6,27 @@ Public API (everything else is private):
 - :class:`Manifest` / :class:`TensorSpec` — the validated msgpack layout.
 - :class:`Sender` / :class:`Receiver` — sessions moving regions (TCP today).
 - :class:`HostRegion` — one virtual range backed by many memfd chunks.
+- :class:`CudaRegion` — the same on a GPU (CUDA VMM handles); where the CUDA
+  extension is not importable it is a stand-in whose every use raises
+  :class:`CudaError` saying why.
+- :mod:`tensorxfer.staging` — any region's bytes as host-visible pieces.
 - the exception tree in :mod:`tensorxfer.errors`.
 """
 
+from typing import TYPE_CHECKING
+
+from tensorxfer import memory as _memory
 from tensorxfer.errors import (
     AuthError,
     ChecksumMismatch,
     CudaError,
     ExtentError,
+    HandleError,
     LayoutError,
     ManifestError,
     PeerLost,
     ProtocolError,
+    RegionClosed,
     RegionError,
     TensorXferError,
     TransferError,
@@ -30,14 +39,21 @@ from tensorxfer.memory import Extent, HostRegion
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import Receiver, Sender, TransferStats
 
+if TYPE_CHECKING:
+    from tensorxfer.memory._cuda import CudaRegion
+else:
+    CudaRegion = _memory.CudaRegion if _memory.CudaRegion is not None else _memory.UnavailableCudaRegion
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AuthError",
     "ChecksumMismatch",
     "CudaError",
+    "CudaRegion",
     "Extent",
     "ExtentError",
+    "HandleError",
     "HostRegion",
     "LayoutError",
     "Manifest",
@@ -45,6 +61,7 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "Receiver",
+    "RegionClosed",
     "RegionError",
     "Sender",
     "TensorRegion",

@@ -14,30 +14,48 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tensorxfer.staging import read_pieces
+
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
 
 ALGORITHM = "xxh3_64"
 
 
+#: Piece size for hashing: CUDA regions stage pieces this large through
+#: pinned memory (the copy of the next overlaps hashing this one); host
+#: regions are hashed in place, piece by piece, at no extra cost.
 STAGE_BYTES = 8 << 20
 
 
 def tensor_checksums(region: TensorRegion) -> list[int]:
     """xxh3_64 of every tensor's bytes, in manifest order.
 
-    Host regions are hashed in place (zero-copy); CUDA regions stream through
-    a pinned staging buffer, the next piece's copy queued while the current
-    one is hashed.
+    The payload is read once, in order, through
+    :func:`~tensorxfer.staging.read_pieces` (zero-copy on host regions,
+    double-buffered pinned staging on CUDA regions); each piece feeds the
+    hashers of the tensors it overlaps.  Streaming xxh3 gives the same digest
+    as hashing each tensor in one call.
     """
-    if region.is_cuda:
-        return _device_checksums(region)
-    out = []
-    with memoryview(region.region).cast("B") as view:
-        for off, size in zip(region.manifest.offsets.tolist(), region.manifest.sizes.tolist()):
-            with view[off:off + size] as piece:
-                out.append(xxhash.xxh3_64_intdigest(piece))
-    return out
+    offsets = region.manifest.offsets.tolist()
+    sizes = region.manifest.sizes.tolist()
+    hashers = [xxhash.xxh3_64() for _ in offsets]
+    # tensors by offset (validated manifests never overlap, so their ends are in order too)
+    order = sorted((i for i in range(len(offsets)) if sizes[i]), key=offsets.__getitem__)
+    first = 0              # order[first:] are the tensors not yet hashed to their end
+    with read_pieces(region, 0, region.nbytes, STAGE_BYTES) as pieces:
+        for pos, view in pieces:
+            end = pos + len(view)
+            j = first
+            while j < len(order) and offsets[order[j]] < end:
+                t = order[j]
+                lo, hi = max(offsets[t], pos), min(offsets[t] + sizes[t], end)
+                if lo < hi:
+                    hashers[t].update(view[lo - pos:hi - pos])
+                j += 1
+            while first < len(order) and offsets[order[first]] + sizes[order[first]] <= end:
+                first += 1
+    return [h.intdigest() for h in hashers]
 
 
 def first_mismatch(region: TensorRegion, expected: list[int]) -> str | None:
@@ -46,24 +64,3 @@ def first_mismatch(region: TensorRegion, expected: list[int]) -> str | None:
         if got != want:
             return name
     return None
-
-
-def _device_checksums(region: TensorRegion) -> list[int]:
-    from tensorxfer.memory._cuda import Stager
-
-    base = region.region.ptr
-    pieces = []        # (tensor index, region offset, length): every tensor cut into staging-sized pieces
-    for i, (off, size) in enumerate(zip(region.manifest.offsets.tolist(), region.manifest.sizes.tolist())):
-        pieces += [(i, p, min(STAGE_BYTES, off + size - p)) for p in range(off, off + size, STAGE_BYTES)]
-    hashers = [xxhash.xxh3_64() for _ in region.manifest.names]
-    with Stager(region.region.device_index, STAGE_BYTES) as st:
-        if pieces:
-            st.start_dtoh(0, base + pieces[0][1], pieces[0][2])
-        for k, (i, _, n) in enumerate(pieces):
-            b = k & 1
-            if k + 1 < len(pieces):
-                st.start_dtoh(b ^ 1, base + pieces[k + 1][1], pieces[k + 1][2])
-            st.wait(b)
-            with st.view(b)[:n] as piece:
-                hashers[i].update(piece)
-    return [h.intdigest() for h in hashers]

@@ -20,6 +20,27 @@ class RegionError(TensorXferError, OSError):
     """Allocating, mapping or releasing region memory failed (carries ``errno``)."""
 
 
+class RegionClosed(TensorXferError, ValueError):
+    """The region was closed: it hands out no new views, handles or pointers.
+
+    Views taken before :meth:`close` stay valid (the memory is released when
+    the last of them is dropped); only new ones are refused.
+    """
+
+
+class HandleError(RegionError):
+    """A memory handle offered for import is unusable; nothing was mapped.
+
+    ``index`` is the handle's position in the list passed to
+    ``import_handles``; the message says what is missing (not a memory file,
+    shorter than its chunk, or not sealed against shrinking and growing).
+    """
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 class ExtentError(TensorXferError, ValueError):
     """A byte range does not resolve to mapped, contiguous memory.
 
@@ -125,10 +146,12 @@ __all__ = [
     "CompletionError",
     "CudaError",
     "ExtentError",
+    "HandleError",
     "LayoutError",
     "ManifestError",
     "PeerLost",
     "ProtocolError",
+    "RegionClosed",
     "RegionError",
     "TensorXferError",
     "TransferError",

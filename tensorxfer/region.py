@@ -17,9 +17,10 @@ import numpy as np
 
 from tensorxfer import dtypes as _dt
 from tensorxfer import memory as _memory
-from tensorxfer.errors import CudaError, LayoutError
+from tensorxfer.errors import CudaError, LayoutError, RegionClosed
 from tensorxfer.manifest import DEFAULT_ALIGNMENT, Manifest
 from tensorxfer.memory import HostRegion
+from tensorxfer.staging import write_from
 
 TensorsLike = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
@@ -112,6 +113,11 @@ def _as_source(name: str, obj: Any, to_device: bool) -> Source:
     return _as_numpy(name, obj)
 
 
+def _host_bytes(a: np.ndarray) -> np.ndarray:
+    """A host array's bytes, flat and C-contiguous (copied only if the array is strided)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
 def _torch() -> Any:
     try:
         import torch
@@ -126,9 +132,11 @@ class TensorRegion:
     Use :meth:`from_tensors` to pack existing tensors, or
     :meth:`from_manifest` to allocate the same layout for receiving.  On
     ``device="cpu"`` the region is a :class:`HostRegion` (memfd chunks); on
-    ``"cuda:N"`` a ``CudaRegion`` (VMM handles).  The region owns its memory;
-    :meth:`close` releases it (refusing, with ``BufferError``, while views
-    returned by :meth:`tensors` are alive).
+    ``"cuda:N"`` a ``CudaRegion`` (VMM handles).  The region owns its memory.
+    :meth:`close` (or leaving a ``with`` block) never raises because views
+    are alive: the region is closed at once (:meth:`tensors` refuses) and its
+    memory is released when the last view returned by :meth:`tensors` is
+    dropped, never under a live view.
     """
 
     def __init__(self, region: Any, manifest: Manifest, device: str = "cpu") -> None:
@@ -138,7 +146,6 @@ class TensorRegion:
         self.manifest = manifest
         self.device = device
         self.is_cuda = parse_device(device)[0] == "cuda"
-        self._bytes: np.ndarray | None = None
         self._copier: Any = None
         #: CUDA only: queue device copies with one cuMemcpyBatchAsync call
         #: instead of one cuMemcpyDtoDAsync per tensor (measured on an H200,
@@ -266,12 +273,20 @@ class TensorRegion:
         return cls(region, manifest, device)
 
     # ------------------------------------------------------------ access
+    def _check_open(self) -> None:
+        if self.region.closed:
+            raise RegionClosed("this TensorRegion is closed: it hands out no new views (views taken before "
+                               "close() stay valid until dropped)")
+
     def _byte_view(self) -> np.ndarray:
+        # Never cached: a cached array would hold a buffer export on the
+        # region for as long as this object lives, so a closed region's
+        # memory could never be released.  Each call's array (and the views
+        # cut from it) pins the memory only while the caller keeps them.
         if self.is_cuda:
             raise ValueError(f"this region lives on {self.device}: use tensors(framework='torch') or 'cupy'")
-        if self._bytes is None:
-            self._bytes = np.frombuffer(self.region, dtype=np.uint8)
-        return self._bytes
+        self._check_open()
+        return np.frombuffer(self.region, dtype=np.uint8)
 
     def _get_copier(self) -> Any:
         if self._copier is None:
@@ -287,8 +302,14 @@ class TensorRegion:
         dtypes), ``"torch"`` (host or CUDA), ``"cupy"`` (CUDA).  Default:
         numpy for host regions, torch for CUDA regions.  Writing through a
         view writes the region.  Views keep the region's memory mapped:
-        :meth:`close` refuses while any is alive.
+        after :meth:`close` it is released when the last view is dropped.
+
+        Raises
+        ------
+        RegionClosed
+            The region was closed.
         """
+        self._check_open()
         framework = framework or ("torch" if self.is_cuda else "numpy")
         if framework not in ("numpy", "torch", "cupy"):
             raise ValueError(f"framework must be 'numpy', 'torch' or 'cupy', got {framework!r}")
@@ -383,13 +404,9 @@ class TensorRegion:
         return True
 
     def _copy_in(self, sources: list[tuple[str, Source]]) -> None:
+        self._check_open()
         if not self.is_cuda:
-            buf = self._byte_view()
-            for name, a in sources:
-                assert isinstance(a, np.ndarray)   # host regions get host sources only
-                t = self.manifest[name]
-                dst = buf[t.offset:t.offset + t.nbytes].view(a.dtype).reshape(a.shape)
-                np.copyto(dst, a, casting="no")
+            self._issue_copies(sources)        # host sources only: each lands before write_from returns
             return
         self._sync_producers(sources)
         self._issue_copies(sources)
@@ -402,10 +419,20 @@ class TensorRegion:
             _torch().cuda.synchronize()
 
     def _issue_copies(self, sources: list[tuple[str, Source]]) -> None:
-        """Queue copies into a CUDA region: device sources in one batched call, host ones staged."""
+        """Copy sources in: device sources in one batched call (queued), host ones through staging.
+
+        Host sources go through :func:`~tensorxfer.staging.write_from`: a
+        slice copy on host regions, the Copier's pinned buffers on its one
+        stream for CUDA regions (so they stay ordered after the batch).
+        """
+        manifest = self.manifest
+        if not self.is_cuda:
+            for name, src in sources:
+                assert isinstance(src, np.ndarray)   # host regions get host sources only
+                write_from(self, manifest[name].offset, _host_bytes(src))
+            return
         copier = self._get_copier()
         base = self.region.ptr
-        manifest = self.manifest
         dev = [(manifest[name], src) for name, src in sources if isinstance(src, _DeviceSource)]
         dev = [(t, src) for t, src in dev if t.nbytes]
         if dev:
@@ -415,7 +442,7 @@ class TensorRegion:
                               batch_api=self.batch_copies)
         for name, src in sources:
             if not isinstance(src, _DeviceSource) and src.nbytes:
-                copier.htod(base + manifest[name].offset, np.ascontiguousarray(src).reshape(-1).view(np.uint8))
+                write_from(self, manifest[name].offset, _host_bytes(src), stager=copier)
 
     def resolve_extent(self, whole_alloc: bool = False) -> Any:
         """The registration extent of the whole payload (see ``AllocationMap.resolve_extent``)."""
@@ -431,27 +458,25 @@ class TensorRegion:
     def closed(self) -> bool:
         return bool(self.region.closed)
 
-    def close(self, defer: bool = False) -> None:
-        """Release the region; idempotent.
+    def close(self, defer: object = None) -> None:
+        """Close the region; never raises because views are alive; idempotent.
 
-        Raises ``BufferError`` while views from :meth:`tensors` are alive,
-        unless ``defer`` is true: then the memory is released when the last
-        view is dropped.
+        The region is closed at once (:meth:`tensors` and :meth:`update_from`
+        refuse).  Its memory is released now if no view from :meth:`tensors`
+        is alive, else when the last one is dropped.  ``defer`` is ignored
+        (kept for compatibility: every close now waits for the last view).
         """
-        self._bytes = None
         self._plan = None          # it references the caller's tensors
         if self._copier is not None:
-            self._copier.close()
+            self._copier.close()   # drains its stream before the memory can go
             self._copier = None
-        self.region.close(defer=defer)
+        self.region.close()
 
     def __enter__(self) -> TensorRegion:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        # With an exception in flight its traceback may still hold views;
-        # defer instead of masking the real error with a BufferError.
-        self.close(defer=exc_type is not None)
+        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.nbytes} bytes"

@@ -17,7 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from tensorxfer import CudaError, ExtentError, LayoutError, TensorRegion
+import tensorxfer as tx
+from tensorxfer import CudaError, ExtentError, LayoutError, RegionClosed, TensorRegion
 from tensorxfer import memory as mem
 from tensorxfer.dtypes import DTYPES
 
@@ -46,6 +47,18 @@ def test_without_a_driver_cuda_calls_raise_a_clear_cuda_error():
         mem.CudaRegion.allocate(1 << 20)
     with pytest.raises(CudaError):
         TensorRegion.from_tensors({"x": np.zeros(4)}, device="cuda:0")
+
+
+def test_top_level_cuda_region_exists_everywhere():
+    assert "CudaRegion" in tx.__all__
+    if mem.CudaRegion is not None:
+        assert tx.CudaRegion is mem.CudaRegion
+    # the stand-in used where the extension cannot be imported: every use is a clear CudaError
+    with pytest.raises(CudaError, match="allocate"):
+        mem.UnavailableCudaRegion.allocate(1 << 20)
+    with pytest.raises(CudaError, match="not usable"):
+        mem.UnavailableCudaRegion()
+    assert not isinstance(object(), mem.UnavailableCudaRegion)
 
 
 cuda = pytest.mark.cuda
@@ -277,10 +290,14 @@ def test_tensor_region_on_gpu_all_dtypes_torch_and_cupy_views(torch):
         print("cupy bf16 view dtype:", bf16.dtype)
         assert bf16.dtype.itemsize == 2 and bf16.shape == (7, 33)
         assert cp.asnumpy(bf16).view(np.uint16).tobytes() == views["BF16"].cpu().view(torch.uint16).numpy().tobytes()
-        with pytest.raises(BufferError):
-            r.close()
+        r.close()                              # views alive: no error, the region is closed at once
+        assert r.closed and not r.region.released
+        with pytest.raises(RegionClosed):
+            r.tensors()
+        assert float(views["F32"][0, 0]) == 1234.5 and float(cviews["F32"][0, 0]) == 1234.5   # still mapped
         del views, cviews, bf16, v
         gc.collect()
+        assert r.region.released               # the last view went: unmapped then
 
 
 @cuda
@@ -425,3 +442,143 @@ def test_tcp_transfer_stages_gpu_regions_through_pinned_buffers(torch, src_devic
         assert all(torch.equal(a[k].view(torch.uint8).cpu(), b[k].view(torch.uint8).cpu()) for k in tensors)
         print(f"tcp {src_device} -> {dst_device}: {st2.bytes / 1e6:.1f} MB at {st2.gbps:.2f} Gbps")
         del a, b, got
+
+
+# ---------------------------------------------------------------- staging (the CUDA half of test_staging.py)
+def _gpu_pattern(torch, n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+
+
+def _region_bytes(torch, r):
+    return torch.as_tensor(r.cuda_array(0, r.size), device=f"cuda:{r.device_index}").cpu().numpy().tobytes()
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("piece", [1 << 20, (1 << 20) + 3, 7 << 20, 64 << 20])
+def test_staged_pieces_round_trip_across_handles(torch, gran, piece):
+    from tensorxfer.staging import read_pieces, write_pieces
+
+    with mem.CudaRegion.allocate(4 * gran, chunk_size=gran) as r:
+        assert len(r.chunks) == 4 and all(fd == -1 for _, _, fd in r.chunks)
+        offset, length = gran - 12345, 3 * gran + 777        # starts in handle 0, ends in handle 3
+        data = np.random.default_rng(6).integers(0, 256, length, dtype=np.uint8).tobytes()
+        before = _region_bytes(torch, r)
+        end = offset
+        with write_pieces(r, offset, length, piece) as pieces:
+            for pos, view in pieces:
+                assert pos == end and 0 < len(view) <= piece
+                view[:] = data[pos - offset:pos - offset + len(view)]
+                end += len(view)
+        assert end == offset + length
+        after = _region_bytes(torch, r)                      # the normal exit waited for every copy
+        assert after[offset:offset + length] == data
+        assert after[:offset] == before[:offset] and after[offset + length:] == before[offset + length:]
+        got, end = [], offset
+        with read_pieces(r, offset, length, piece) as pieces:
+            for pos, view in pieces:
+                assert pos == end and 0 < len(view) <= piece
+                got.append(bytes(view))
+                end += len(view)
+        assert b"".join(got) == data and r.views == 0
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("direction", ["read", "write"])
+def test_staging_exception_mid_iteration_waits_cleans_up_and_leaks_nothing(torch, gran, direction):
+    from tensorxfer.staging import read_pieces, write_pieces
+
+    staged = read_pieces if direction == "read" else write_pieces
+    free0 = _free_mem()
+    r = mem.CudaRegion.allocate(2 * gran, chunk_size=gran)
+    with pytest.raises(KeyError, match="consumer") as e, staged(r, 0, 2 * gran, 1 << 20) as pieces:
+        for n, (_, view) in enumerate(pieces):
+            if direction == "write":
+                view[:1] = b"x"
+            if n == 1:                                       # pieces 2 and 3 never requested
+                raise KeyError("consumer failed")
+    assert not getattr(e.value, "__notes__", None), "cleanup raised nothing of its own"
+    assert r.views == 0
+    r.close()
+    assert r.released and abs(_free_mem() - free0) < (64 << 20)
+
+
+@cuda
+@needs_gpu
+def test_staging_reuses_a_callers_stager_and_leaves_it_idle(torch, gran):
+    from tensorxfer.memory._cuda import Stager
+    from tensorxfer.staging import open_stager, read_into, read_pieces, write_from, write_pieces
+
+    data = np.random.default_rng(8).integers(0, 256, gran + 99, dtype=np.uint8)
+    with mem.CudaRegion.allocate(2 * gran, chunk_size=gran) as r, open_stager(r, 1 << 20) as st:
+        assert isinstance(st, Stager) and st.buffer_bytes == 1 << 20
+        write_from(r, 5, data, stager=st)
+        back = np.zeros_like(data)
+        read_into(r, 5, back, stager=st)
+        assert np.array_equal(back, data)
+        with read_pieces(r, 0, 3 << 20, 64 << 20, stager=st) as pieces:
+            assert [len(v) for _, v in pieces] == [1 << 20] * 3      # capped at the stager's buffers
+        # a consumer that stops early: the pieces it filled land, the others are not written
+        with write_pieces(r, 0, 4 << 20, 1 << 20, stager=st) as pieces:
+            for n, (_, view) in enumerate(pieces):
+                view[:] = bytes([n + 1]) * len(view)
+                if n == 1:
+                    break
+        head = _region_bytes(torch, r)[:3 << 20]
+        assert head[:1 << 20] == b"\x01" * (1 << 20) and head[1 << 20:2 << 20] == b"\x02" * (1 << 20)
+        # never handed out, so not written: still what write_from put there (region offset 2 MiB = data[2 MiB - 5])
+        assert head[2 << 20:(2 << 20) + 5] == data[(2 << 20) - 5:2 << 20].tobytes()
+
+
+@cuda
+@needs_gpu
+def test_copier_htod_dtoh_use_the_staging_loop(torch, gran):
+    from tensorxfer.memory._cuda import Copier
+
+    data = np.random.default_rng(9).integers(0, 256, 3 * (1 << 20) + 5, dtype=np.uint8)
+    with mem.CudaRegion.allocate(4 * gran) as r, Copier(0, buffer_bytes=1 << 20) as c:
+        c.htod(r.ptr + 3, data)
+        back = np.empty_like(data)
+        c.dtoh(back, r.ptr + 3)
+        assert np.array_equal(back, data)
+        with pytest.raises(ValueError, match="writable"):
+            c.dtoh(b"read-only", r.ptr)
+
+
+@cuda
+@needs_gpu
+def test_device_checksums_match_the_host_ones(torch, monkeypatch):
+    from tensorxfer import checksum
+
+    src = {f"t{i}": _gpu_pattern(torch, n, i) for i, n in enumerate([1, 3 << 20, 17, (9 << 20) + 1, 0, 256])}
+    with TensorRegion.from_tensors(src, device="cuda:0", chunk_size=2 << 20) as g, \
+            TensorRegion.from_tensors({k: v.cpu() for k, v in src.items()}) as h:
+        expect = checksum.tensor_checksums(h)
+        for stage in (1 << 20, (1 << 20) + 7, 8 << 20):
+            monkeypatch.setattr(checksum, "STAGE_BYTES", stage)
+            assert checksum.tensor_checksums(g) == expect, stage
+
+
+@cuda
+@needs_gpu
+def test_cuda_region_close_with_a_live_torch_view_releases_with_it(torch, gran):
+    free0 = _free_mem()
+    r = mem.CudaRegion.allocate(64 * gran, chunk_size=gran)
+    try:
+        t = torch.as_tensor(r.cuda_array(0, r.size), device="cuda:0")
+        t.fill_(7)
+    finally:
+        r.close()                                  # no BufferError with t alive
+    assert r.closed and not r.released and r.views == 1
+    with pytest.raises(RegionClosed):
+        r.cuda_array()
+    with pytest.raises(RegionClosed):
+        r.export_handles()
+    torch.cuda.synchronize()
+    assert int(t[0]) == 7 and int(t[-1]) == 7    # the memory under t is still there
+    assert _free_mem() < free0 - 32 * gran         # still mapped for t
+    del t
+    gc.collect()
+    assert r.released and abs(_free_mem() - free0) < (64 << 20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import subprocess
@@ -11,11 +12,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from tensorxfer import HostRegion
+from tensorxfer import HandleError, HostRegion, RegionClosed, RegionError
 from tensorxfer.memory import page_size
 from tensorxfer.memory._host import DEFAULT_CHUNK_SIZE
 
-from .conftest import tensorxfer_mappings
+from .conftest import tensorxfer_mappings, torch_or_skip
 
 PAGE = page_size()
 
@@ -78,17 +79,60 @@ def test_close_is_idempotent_and_later_use_is_an_error():
         memoryview(r)
     with pytest.raises(ValueError, match="closed"):
         r.resolve_extent(0, 1)
+    with pytest.raises(RegionClosed):
+        r.chunks  # noqa: B018
 
 
-def test_close_refuses_while_views_are_alive():
-    r = HostRegion.allocate(PAGE)
+def _fd_alive(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tensorxfer")
+    except OSError:
+        return False
+
+
+def test_close_with_a_live_numpy_view_defers_release_to_the_last_view():
+    before = len(tensorxfer_mappings())
+    r = HostRegion.allocate(3 * PAGE, chunk_size=PAGE)
+    fds = [fd for _, _, fd in r.chunks]
     view = np.frombuffer(r, dtype=np.uint8)
-    with pytest.raises(BufferError, match="view"):
-        r.close()
-    assert not r.closed
-    view[0] = 1
-    del view
-    r.close()
+    view[:] = np.arange(view.size, dtype=np.uint64).astype(np.uint8)
+    expect = view.copy()
+    other = memoryview(r)[PAGE:2 * PAGE]
+    assert r.views == 2
+    r.close()                               # no BufferError: closed at once, memory kept for the views
+    assert r.closed and not r.released
+    with pytest.raises(RegionClosed, match="closed"):
+        memoryview(r)                       # no new views
+    with pytest.raises(RegionClosed):
+        r.export_handles()
+    assert np.array_equal(view, expect)     # the old ones still read the right bytes
+    assert all(_fd_alive(fd) for fd in fds) and len(tensorxfer_mappings()) == before + 3
+    other.release()
+    assert not r.released and all(_fd_alive(fd) for fd in fds)
+    del view                                # the last view: fds and mappings go now, not at gc
+    assert r.released and r.views == 0
+    assert not any(_fd_alive(fd) for fd in fds)
+    assert len(tensorxfer_mappings()) == before
+    r.close()                               # still idempotent
+
+
+def test_close_with_a_live_torch_view_defers_release_to_the_last_view():
+    torch = torch_or_skip()
+    before = len(tensorxfer_mappings())
+    r = HostRegion.allocate(2 * PAGE, chunk_size=PAGE)
+    fds = [fd for _, _, fd in r.chunks]
+    try:
+        # from_dlpack over numpy keeps the buffer export (torch.frombuffer would not: it
+        # releases the export at once and keeps only a reference, so nothing can pin the memory)
+        t = torch.from_dlpack(np.frombuffer(r, dtype=np.int32))
+        t[:] = torch.arange(t.numel(), dtype=torch.int32)
+    finally:
+        r.close()                           # the ordinary pattern, with a tensor still referenced
+    assert r.closed and not r.released and int(t[-1]) == t.numel() - 1
+    assert all(_fd_alive(fd) for fd in fds) and len(tensorxfer_mappings()) == before + 2
+    del t
+    gc.collect()
+    assert r.released and not any(_fd_alive(fd) for fd in fds) and len(tensorxfer_mappings()) == before
 
 
 def test_unclosed_region_is_released_with_a_resource_warning():
@@ -173,3 +217,130 @@ def test_failed_reservation_raises_region_error():
         """)
     assert r.returncode == 0, r.stderr
     assert "errno 12 True" in r.stdout, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- handles: export, import, seals
+def test_allocated_chunks_are_sealed_against_resizing_but_writable():
+    import fcntl
+
+    with HostRegion.allocate(2 * PAGE, chunk_size=PAGE) as r:
+        for _, size, fd in r.chunks:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+            assert not seals & fcntl.F_SEAL_WRITE
+            for new_size in (size // 2, 0, 2 * size):
+                with pytest.raises(PermissionError) as e:
+                    os.ftruncate(fd, new_size)
+                assert e.value.errno == errno.EPERM
+            assert os.pwrite(fd, b"w", 0) == 1          # writes stay allowed
+        assert bytes(memoryview(r)[:1]) == b"w"
+
+
+def test_export_handles_gives_fresh_fds_the_caller_owns():
+    r = HostRegion.allocate(3 * PAGE, chunk_size=PAGE)
+    with memoryview(r) as mv:
+        mv[PAGE:PAGE + 3] = b"abc"
+    exported = r.export_handles()
+    try:
+        own = [fd for _, _, fd in r.chunks]
+        assert [(o, s) for o, s, _ in exported] == [(o, s) for o, s, _ in r.chunks]
+        for (_, _, fd), mine in zip(exported, own):
+            assert fd not in own and os.get_inheritable(fd) is False
+            assert os.fstat(fd).st_ino == os.fstat(mine).st_ino       # the same memfd
+        r.close()
+        # the caller's fds keep the memory: closing the region did not close them
+        assert os.pread(exported[1][2], 3, 0) == b"abc"
+        with HostRegion.import_handles([(s, fd) for _, s, fd in exported]) as imp:
+            assert bytes(memoryview(imp)[PAGE:PAGE + 3]) == b"abc"
+            with pytest.raises(RegionError, match="no fd"):
+                imp.export_handles()                  # imported: nothing of its own to export
+    finally:
+        for _, _, fd in exported:
+            os.close(fd)
+
+
+def test_export_handles_refuses_adopted_memory_and_holes():
+    with HostRegion.adopt(bytearray(PAGE)) as r, pytest.raises(RegionError, match="adopted"):
+        r.export_handles()
+    with HostRegion._from_chunks([PAGE] * 3, holes={1}) as r:
+        from tensorxfer import ExtentError
+
+        with pytest.raises(ExtentError, match="chunk 1"):
+            r.export_handles()
+
+
+def _test_memfd(size: int, seals: int | None, allow_sealing: bool = True) -> int:
+    import fcntl
+
+    fd = os.memfd_create("tensorxfer-test", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if allow_sealing else 0))
+    os.ftruncate(fd, size)
+    if seals is not None:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("unsealed", "lacks F_SEAL_SHRINK and F_SEAL_GROW"),
+    ("grow-only-sealed", "lacks F_SEAL_SHRINK"),
+    ("not-sealable", "lacks F_SEAL_SHRINK and F_SEAL_GROW"),   # born with F_SEAL_SEAL
+    ("regular-file", "handle 1"),
+    ("short", "less than its"),
+    ("pipe", "not a memory file"),
+    ("closed", "cannot be inspected"),
+])
+def test_import_handles_refuses_fds_that_could_fault(kind, match, tmp_path):
+    import fcntl
+
+    both = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    before = len(tensorxfer_mappings())
+    good = _test_memfd(PAGE, both)
+    extra: list[int] = []
+    if kind == "unsealed":
+        bad = _test_memfd(PAGE, None)
+    elif kind == "grow-only-sealed":
+        bad = _test_memfd(PAGE, fcntl.F_SEAL_GROW)
+    elif kind == "not-sealable":
+        bad = _test_memfd(PAGE, None, allow_sealing=False)
+    elif kind == "regular-file":
+        path = tmp_path / "f"
+        path.write_bytes(bytes(PAGE))
+        bad = os.open(path, os.O_RDONLY)
+    elif kind == "short":
+        bad = _test_memfd(PAGE // 2, both)
+    elif kind == "pipe":
+        bad, w = os.pipe()
+        extra.append(w)
+    else:
+        bad = os.dup(good)
+        os.close(bad)                 # a number that is no open fd
+        bad = -2 if bad < 0 else bad
+    try:
+        with pytest.raises(HandleError, match=match) as e:
+            HostRegion.import_handles([(PAGE, good), (PAGE, bad)])
+        assert e.value.index == 1 and "handle 1" in str(e.value)
+        assert isinstance(e.value, RegionError)
+        assert len(tensorxfer_mappings()) == before                    # nothing was mapped
+        with HostRegion.import_handles([(PAGE, good)]) as ok:         # the sealed one imports
+            assert ok.readonly and ok.size == PAGE
+    finally:
+        for fd in [good, *extra] + ([] if kind == "closed" else [bad]):
+            os.close(fd)
+
+
+def test_import_fds_is_an_alias_of_import_handles():
+    with HostRegion.allocate(PAGE) as r:
+        exported = r.export_handles()
+        try:
+            with HostRegion.import_fds([(s, fd) for _, s, fd in exported], writable=True) as imp:
+                assert not imp.readonly
+                memoryview(imp)[:2] = b"hi"
+            assert bytes(memoryview(r)[:2]) == b"hi"
+            unsealed = _test_memfd(PAGE, None)
+            try:
+                with pytest.raises(HandleError):
+                    HostRegion.import_fds([(PAGE, unsealed)])
+            finally:
+                os.close(unsealed)
+        finally:
+            for _, _, fd in exported:
+                os.close(fd)

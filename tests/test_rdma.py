@@ -452,12 +452,13 @@ def test_close_is_children_first_and_idempotent() -> None:
         cq = ctx.create_cq(16)
         qp = pd.create_qp(cq, cq, 8, 8)
         mr = pd.reg_mr(r.ptr, r.size, _verbs.ACCESS_LOCAL_WRITE, owner=r)
-        with pytest.raises(BufferError):
-            r.close()                   # registered memory cannot be unmapped under the MR
+        r.close()                       # never raises: the MR's buffer export keeps the memory mapped
+        assert r.closed and not r.released
         cq.close()                      # the CQ closes the QP using it first
         assert qp.closed and cq.closed and not pd.closed
         ctx.close()                     # then MR, PD, context
         assert mr.closed and pd.closed and ctx.closed
+        assert r.released               # the MR's export went with it: unmapped only now
         for obj in (qp, mr, cq, pd, ctx):
             obj.close()                 # idempotent
         with pytest.raises(ValueError, match="closed"):

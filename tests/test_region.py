@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tensorxfer import LayoutError, Manifest, ManifestError, TensorRegion
+from tensorxfer import LayoutError, Manifest, ManifestError, RegionClosed, TensorRegion
 from tensorxfer.dtypes import DTYPES
 from tensorxfer.memory import page_size
 
-from .conftest import torch_or_skip
+from .conftest import tensorxfer_mappings, torch_or_skip
 
 rng = np.random.default_rng(7)
 
@@ -123,25 +125,61 @@ def test_from_manifest_allocates_the_same_layout_zeroed():
             assert bytes(memoryview(dst.region))[: r.nbytes] == bytes(memoryview(r.region))[: r.nbytes]
 
 
-def test_exit_with_an_exception_defers_release_to_the_last_view():
+def test_exit_with_an_exception_keeps_memory_for_the_views_in_flight():
     kept = []
     with pytest.raises(KeyError), TensorRegion.from_tensors({"x": np.arange(10)}) as r:
         kept.append(r.tensors()["x"])
-        raise KeyError("boom")       # not masked by a BufferError from __exit__
-    assert not r.closed and kept[0][3] == 3
+        raise KeyError("boom")       # not masked by an error from __exit__
+    assert r.closed and not r.region.released and kept[0][3] == 3
     kept.clear()
-    assert r.closed
+    assert r.region.released
 
 
-def test_close_refuses_while_views_live_then_releases():
-    r = TensorRegion.from_tensors({"x": np.arange(10)})
-    v = r.tensors()["x"]
-    with pytest.raises(BufferError):
-        r.close()
+def test_close_with_live_views_never_raises_refuses_new_views_and_releases_with_the_last():
+    before = len(tensorxfer_mappings())
+    r = TensorRegion.from_tensors({"x": np.arange(10), "y": np.ones(3, np.float32)}, chunk_size=page_size())
+    v = r.tensors()
+    x = v["x"]
     del v
     r.close()
+    assert r.closed and not r.region.released
+    with pytest.raises(RegionClosed, match="closed"):
+        r.tensors()
+    with pytest.raises(RegionClosed):
+        r.tensors(framework="torch")
+    with pytest.raises(RegionClosed):
+        r.update_from({"x": np.arange(10), "y": np.ones(3, np.float32)})
+    assert x.tolist() == list(range(10))               # the live view still reads the right bytes
+    assert len(tensorxfer_mappings()) > before
+    del x                                              # the last view: released now
+    assert r.region.released and len(tensorxfer_mappings()) == before
     r.close()
     assert r.closed
+
+
+def test_close_with_a_live_torch_view_releases_when_it_goes():
+    torch = torch_or_skip()
+    before = len(tensorxfer_mappings())
+    r = TensorRegion.from_tensors({"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    try:
+        t = r.tensors(framework="torch")["w"]
+    finally:
+        r.close()
+    assert not r.region.released and torch.equal(t, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    del t
+    gc.collect()
+    assert r.region.released and len(tensorxfer_mappings()) == before
+
+
+def test_no_internal_view_outlives_close():
+    # tensors() and update_from() used to cache a byte view that kept the memory mapped forever
+    before = len(tensorxfer_mappings())
+    r = TensorRegion.from_tensors({"x": np.arange(10)})
+    r.update_from({"x": np.arange(10) * 2})
+    assert r.tensors()["x"][3] == 6
+    assert r.region.views == 0
+    r.close()
+    assert r.region.released and len(tensorxfer_mappings()) == before
 
 
 def test_torch_views_and_inputs_all_dtypes():

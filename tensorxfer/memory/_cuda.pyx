@@ -26,7 +26,7 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from cuda.bindings cimport cydriver
 from libc.stdint cimport uintptr_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset, memcpy
+from libc.string cimport memset
 from posix.unistd cimport close, sysconf, _SC_PAGESIZE
 
 from tensorxfer.memory._extent cimport AllocationMap
@@ -235,9 +235,10 @@ cdef class CudaRegion(AllocationMap):
 
     Create with :meth:`allocate` (owned), :meth:`import_handles` (owned
     mapping of another process's handles) or :meth:`adopt` (memory the
-    caller allocated: never freed here).  Views (:meth:`cuda_array`) keep
-    the mapping alive: :meth:`close` refuses while any exists, unless
-    ``defer=True``.
+    caller allocated: never freed here).  Views (:meth:`cuda_array`, and the
+    torch/CuPy tensors built on them) keep the mapping alive: :meth:`close`
+    never refuses; it marks the region closed at once (no new views) and
+    unmaps the memory when the last view is dropped.
     """
     cdef cydriver.CUdeviceptr _base
     cdef CuChunk* _chunks
@@ -329,21 +330,30 @@ cdef class CudaRegion(AllocationMap):
         return CudaRegion._build([int(s) for s in sizes], unmapped_tail, frozenset(int(h) for h in holes),
                                  device, shareable, gdr, None, None, True)
 
-    @staticmethod
-    def import_handles(handles, int device=0, access_devices=None):
+    @classmethod
+    def import_handles(cls, handles, int device=0, access_devices=None):
         """Map another process's exported chunk handles contiguously.
+
+        Same shape as :meth:`HostRegion.import_handles`.
 
         Parameters
         ----------
-        handles : sequence of (size, fd)
+        handles : iterable of (size, fd)
             As produced by :meth:`export_handles` on the other side (the fds
             arrive over a Unix socket with SCM_RIGHTS, or are inherited).
-            The fds stay the caller's: close them when done.
+            The fds stay the caller's: close them after this returns (the
+            imported handles keep the memory alive on their own).
         device : int
             The device whose context performs the mapping.
         access_devices : sequence of int, optional
             Devices granted read/write access (default: ``[device]``); a
             device other than the memory's own reaches it over NVLink/P2P.
+
+        Returns
+        -------
+        CudaRegion
+            Owns the mappings and imported handles (not the fds); mapped
+            read-write.
 
         Raises
         ------
@@ -526,6 +536,11 @@ cdef class CudaRegion(AllocationMap):
             except BaseException:
                 pass
             if self._chunks != NULL:
+                # The last view may go (a torch tensor's deleter) while kernels
+                # that read it are still queued on someone else's stream; the
+                # driver documents cuMemUnmap as synchronous only "for most use
+                # cases".  Closing is rare: wait for the device before unmapping.
+                cydriver.cuCtxSynchronize()
                 for i in range(self._nchunks):
                     c = &self._chunks[i]
                     if c.mapped:
@@ -548,14 +563,13 @@ cdef class CudaRegion(AllocationMap):
         self._closed = True
 
     def __dealloc__(self):
-        if not self._closed:
-            if self._owner:
-                try:
-                    warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
-                                  ResourceWarning)
-                except BaseException:
-                    pass
-            self._release()
+        if not self._closed and self._owner:
+            try:
+                warnings.warn(f"unclosed CudaRegion of {self._size} bytes; call close() or use 'with'",
+                              ResourceWarning)
+            except BaseException:
+                pass
+        self._release()          # idempotent; device views hold a reference, so none can be alive here
 
     cdef int _check_open(self) except -1:
         # Also makes the device's context current: every method that talks
@@ -592,11 +606,15 @@ cdef class CudaRegion(AllocationMap):
 
     @property
     def chunks(self):
-        """``(offset, size, mapped)`` per chunk (adopted memory: empty — the driver knows its handles)."""
-        if self._closed:
-            raise ValueError("operation on a closed CudaRegion")
-        return [(self._chunks[i].offset, self._chunks[i].size, bool(self._chunks[i].mapped))
-                for i in range(self._nchunks)]
+        """``(offset, size, fd)`` per chunk, for diagnostics; the same shape as ``HostRegion.chunks``.
+
+        ``fd`` is always -1: a CUDA chunk is a driver handle, and the region
+        holds no fd for it (:meth:`export_handles` makes fds the caller
+        owns).  Adopted memory has no chunk table: empty (the driver knows
+        its handles; see :meth:`resolve_extent`).
+        """
+        AllocationMap._check_open(self)
+        return [(self._chunks[i].offset, self._chunks[i].size, -1) for i in range(self._nchunks)]
 
     def __repr__(self):
         if self._closed:
@@ -638,10 +656,24 @@ cdef class CudaRegion(AllocationMap):
         return fd
 
     def export_handles(self):
-        """One POSIX fd per chunk (``cuMemExportToShareableHandle``), for IPC.
+        """One fresh POSIX fd per chunk (``cuMemExportToShareableHandle``), for :meth:`import_handles`.
 
-        Returns ``[(offset, size, fd), ...]``; the fds are the caller's to
-        close.  On failure every fd exported so far is closed.
+        The same shape and ownership as :meth:`HostRegion.export_handles`.
+
+        Returns
+        -------
+        list of (offset, size, fd)
+            In chunk order; every fd is the caller's to close (``os.close``).
+
+        Raises
+        ------
+        RegionClosed
+            The region is closed.
+        CudaError
+            Adopted memory, a device without POSIX-fd handles, or a driver
+            failure; every fd exported so far is closed.
+        ExtentError
+            A chunk is unmapped.
         """
         cdef int fd
         cdef Py_ssize_t i
@@ -669,8 +701,16 @@ cdef class CudaRegion(AllocationMap):
     def cuda_array(self, size_t offset=0, length=None):
         """A ``__cuda_array_interface__`` byte view (uint8) of ``[offset, offset+length)``.
 
-        torch.as_tensor / cupy.asarray take it zero-copy; while it (or
-        anything built on it) is alive the region cannot be closed.
+        torch.as_tensor / cupy.asarray take it zero-copy.  While it (or
+        anything built on it) is alive the mapping stays: :meth:`close`
+        then releases the memory when the last such view is dropped.
+
+        Raises
+        ------
+        RegionClosed
+            The region is closed (no new views).
+        ExtentError
+            The range runs past the region.
         """
         self._check_open()
         n = (self._size - offset) if length is None else int(length)
@@ -802,6 +842,11 @@ cdef class Stager:
         check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
         return 0
 
+    @property
+    def buffer_bytes(self):
+        """Bytes per pinned buffer (the largest piece one copy can stage)."""
+        return self._size
+
     def view(self, int i):
         """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
         self._check(i, 0)
@@ -930,43 +975,21 @@ cdef class Copier(Stager):
                      b"cuMemsetD8Async")
 
     def htod(self, uintptr_t dst, src):
-        """Copy a host buffer (any C-contiguous buffer) to ``dst`` through pinned staging; returns when queued."""
-        cdef const unsigned char[::1] view = memoryview(src).cast("B")
-        cdef size_t n = view.shape[0], off = 0, k
-        cdef const unsigned char* p
-        cdef int b = 0
-        if n == 0:
-            return
-        p = &view[0]
-        self._check(0, 0)
-        with nogil:
-            while off < n:
-                k = n - off if n - off < self._size else self._size
-                self._wait(b)                      # buffer b's previous copy has drained
-                memcpy(self._pinned[b], p + off, k)
-                self._htod_async(b, dst + off, k)
-                off += k
-                b ^= 1
+        """Copy a C-contiguous host buffer to device address ``dst`` through the pinned buffers.
+
+        Returns when the bytes have landed.  The loop is
+        :func:`tensorxfer.staging.write_from`'s (one staging loop in the
+        package); new code should call that with a region.
+        """
+        from tensorxfer.staging import _stage_ptr
+
+        _stage_ptr(self, dst, src, True)
 
     def dtoh(self, dst, uintptr_t src):
-        """Copy device bytes into a writable host buffer through pinned staging; returns when done."""
-        cdef unsigned char[::1] view = memoryview(dst).cast("B")
-        cdef size_t n = view.shape[0], off = 0, k, prev_off = 0, prev_k = 0
-        cdef unsigned char* p
-        cdef int b = 0
-        if n == 0:
-            return
-        p = &view[0]
-        self._check(0, 0)
-        with nogil:
-            while off < n:
-                k = n - off if n - off < self._size else self._size
-                self._dtoh_async(b, src + off, k)
-                if prev_k:                         # drain the other buffer while this one fills
-                    self._wait(b ^ 1)
-                    memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
-                prev_off, prev_k = off, k
-                off += k
-                b ^= 1
-            self._wait(b ^ 1)
-            memcpy(p + prev_off, self._pinned[b ^ 1], prev_k)
+        """Copy device bytes at ``src`` into a writable host buffer through the pinned buffers; returns when done.
+
+        The loop is :func:`tensorxfer.staging.read_into`'s.
+        """
+        from tensorxfer.staging import _stage_ptr
+
+        _stage_ptr(self, src, dst, False)

@@ -15,7 +15,7 @@ cdef class AllocationMap:
     cdef bint _owner          # tensorxfer allocated (or imported) it and frees it
     cdef bint _closed
     cdef Py_ssize_t _exports        # live views (buffer exports, device views)
-    cdef bint _close_pending        # close(defer=True) while views were alive
+    cdef bint _close_pending        # closed while views were alive: _release() when the last goes
 
     cdef void _release(self) noexcept
     cdef int _view_released(self) except -1

@@ -21,7 +21,7 @@ The rules this module enforces, whatever the memory kind:
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport malloc, realloc, free
 
-from tensorxfer.errors import ExtentError
+from tensorxfer.errors import ExtentError, RegionClosed
 
 
 cdef class Extent:
@@ -72,7 +72,8 @@ cdef class AllocationMap:
 
     cdef int _check_open(self) except -1:
         if self._closed:
-            raise ValueError(f"operation on a closed {type(self).__name__}")
+            raise RegionClosed(f"this {type(self).__name__} is closed: it hands out no new views, pointers or "
+                               f"handles (views taken before close() stay valid until dropped)")
         return 0
 
     cdef void _release(self) noexcept:
@@ -81,44 +82,53 @@ cdef class AllocationMap:
     cdef int _view_released(self) except -1:
         self._exports -= 1
         if self._exports == 0 and self._close_pending:
+            self._close_pending = False
             self._release()
         return 0
 
-    def close(self, bint defer=False):
-        """Release the memory; safe to call more than once.
+    def close(self, defer=None):
+        """Close the region; never raises because views are alive; idempotent.
+
+        The region is closed at once: it hands out no new views, pointers or
+        handles.  Its memory is released now if no view of it remains
+        (memoryviews, numpy arrays, tensors, device views, an MR's buffer
+        export), otherwise when the last one is dropped, so no view ever
+        outlives the memory under it.
 
         Parameters
         ----------
-        defer : bool
-            If views are alive, release when the last one is dropped instead
-            of raising (``__exit__`` uses this while an exception is in
-            flight, since the traceback may hold views).
-
-        Raises
-        ------
-        BufferError
-            Views of the region (memoryviews, arrays, tensors) still exist
-            and ``defer`` is false; drop them first.
+        defer : object, optional
+            Ignored; accepted for compatibility (releasing after the last
+            view is now what every close does).
         """
         if self._closed:
             return
-        if self._exports and defer:
-            self._close_pending = True
-            return
+        self._closed = True
         if self._exports:
-            raise BufferError(f"cannot close a region while {self._exports} view(s) of it exist; "
-                              f"delete the arrays/tensors viewing it first")
-        self._release()
+            self._close_pending = True
+        else:
+            self._release()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.close(defer=exc_type is not None)
+        self.close()
 
     @property
     def closed(self):
+        """True once :meth:`close` was called (the memory may still wait for views to go)."""
         return self._closed
+
+    @property
+    def released(self):
+        """True once the memory itself is gone: closed and no view left."""
+        return self._closed and not self._close_pending
+
+    @property
+    def views(self):
+        """How many views (buffer exports, device views) of the region are alive."""
+        return self._exports
 
     @property
     def ptr(self):

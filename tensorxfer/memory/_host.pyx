@@ -10,6 +10,7 @@ handle passing over IPC) therefore runs and is tested on CPU-only machines.
 """
 
 import os
+import stat
 import threading
 import warnings
 
@@ -20,12 +21,19 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport strerror
 from posix.mman cimport (mmap, munmap, madvise, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
                          MAP_ANONYMOUS, MAP_SHARED, MAP_FIXED, MAP_FAILED)
+from posix.fcntl cimport fcntl, F_DUPFD_CLOEXEC
 from posix.unistd cimport close, ftruncate, sysconf, _SC_PAGESIZE
 
-from tensorxfer._lib.includes.posix cimport memfd_create, MFD_CLOEXEC, MAP_NORESERVE, MAP_POPULATE
+from tensorxfer._lib.includes.posix cimport (memfd_create, MFD_CLOEXEC, MFD_ALLOW_SEALING, MAP_NORESERVE,
+                                             MAP_POPULATE, F_ADD_SEALS, F_GET_SEALS, F_SEAL_SHRINK, F_SEAL_GROW)
 from tensorxfer.memory._extent cimport AllocationMap
 
-from tensorxfer.errors import RegionError
+from tensorxfer.errors import ExtentError, HandleError, RegionError
+
+#: Seals every chunk memfd carries once sized: nobody holding the fd (this
+#: process or an importer) can shrink it under a mapping, which would turn
+#: the next read of the cut pages into SIGBUS, or grow it.  Writes stay allowed.
+REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
 
 cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
 cdef int MADV_POPULATE_WRITE = 23       # Linux 5.14+; older kernels answer EINVAL
@@ -52,6 +60,35 @@ cdef int check_errno(int rc, const char* what) except -1 nogil:
         err = errno
         with gil:
             raise RegionError(err, f"{what.decode()} failed: {strerror(err).decode()}")
+    return 0
+
+
+def check_handle(Py_ssize_t index, size_t size, int fd):
+    """Refuse an fd that could fault under a mapping: not a regular file, short, or unsealed.
+
+    Raises :class:`HandleError` naming ``index`` and what is missing.
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise HandleError(f"handle {index}: fd {fd} cannot be inspected ({e.strerror}); pass an open memfd",
+                          index) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HandleError(f"handle {index}: fd {fd} is not a memory file (mode {st.st_mode:#o}); only memfds "
+                          f"from HostRegion.export_handles can be imported", index)
+    if <size_t>st.st_size < size:
+        raise HandleError(f"handle {index}: fd {fd} holds {st.st_size} bytes, less than its {size}-byte chunk; "
+                          f"mapping it would fault (SIGBUS) on the missing pages", index)
+    cdef int seals = fcntl(fd, F_GET_SEALS)
+    if seals == -1:
+        raise HandleError(f"handle {index}: fd {fd} cannot be sealed (not a memfd created with "
+                          f"MFD_ALLOW_SEALING); its owner could truncate it under the mapping", index)
+    missing = [name for bit, name in ((F_SEAL_SHRINK, "F_SEAL_SHRINK"), (F_SEAL_GROW, "F_SEAL_GROW"))
+               if not seals & bit]
+    if missing:
+        raise HandleError(f"handle {index}: fd {fd} lacks {' and '.join(missing)}; its owner could resize it "
+                          f"under the mapping (a shrink makes reads fault with SIGBUS). Seal it with "
+                          f"fcntl(F_ADD_SEALS) or allocate with HostRegion.allocate", index)
     return 0
 
 
@@ -84,9 +121,15 @@ cdef class HostRegion(AllocationMap):
     Create one with :meth:`allocate` (tensorxfer owns the memory) or
     :meth:`adopt` (the caller owns it).  The region supports the buffer
     protocol: ``memoryview(region)`` and ``numpy.frombuffer(region, ...)``
-    give zero-copy, writable access.  While such views exist :meth:`close`
-    refuses (``BufferError``), exactly like :class:`mmap.mmap`, so no view can
-    outlive the mapping.
+    give zero-copy, writable access.  :meth:`close` never refuses: it marks
+    the region closed at once (no new views) and unmaps the memory when the
+    last view is dropped, so no view can outlive the mapping.
+
+    A view counts while it holds a buffer export.  ``torch.frombuffer`` does
+    not (it releases the export at once and keeps only a reference), so a
+    tensor made that way is not protected: use
+    ``torch.from_dlpack(numpy.frombuffer(region, ...))``, or
+    ``TensorRegion.tensors(framework="torch")``, which does.
     """
     cdef char* _base
     cdef Chunk* _chunks
@@ -172,17 +215,24 @@ cdef class HostRegion(AllocationMap):
             raise
         return self
 
-    @staticmethod
-    def import_fds(handles, bint writable=False, bint populate=True):
-        """Map another process's chunk fds (memfds) contiguously, for IPC.
+    @classmethod
+    def import_handles(cls, handles, bint writable=False, bint populate=True):
+        """Map another process's chunk memfds contiguously, for IPC.
+
+        Every fd is checked before anything is mapped: it must be a regular
+        file (a memfd), at least as long as its chunk, and sealed with
+        ``F_SEAL_SHRINK | F_SEAL_GROW`` (what :meth:`allocate` does), so the
+        owner can never truncate it under this mapping (which would turn a
+        later read into SIGBUS).
 
         Parameters
         ----------
-        handles : sequence of (size, fd)
-            Chunk sizes (page multiples) and their fds, e.g. received over a
-            Unix socket with SCM_RIGHTS.  Each fd is mapped ``MAP_SHARED`` at
-            the next offset; the fds stay the caller's (close them after this
-            returns: the mappings keep the memory alive on their own).
+        handles : iterable of (size, fd)
+            Chunk sizes (page multiples) and their fds, e.g. from
+            :meth:`export_handles` on the other side, received over a Unix
+            socket with SCM_RIGHTS.  Each fd is mapped ``MAP_SHARED`` at the
+            next offset.  The fds stay the caller's: close them after this
+            returns (the mappings keep the memory alive on their own).
         writable : bool
             Map ``PROT_READ|PROT_WRITE`` instead of ``PROT_READ``.  A
             read-only region exports read-only buffers (numpy views are not
@@ -197,11 +247,16 @@ cdef class HostRegion(AllocationMap):
         HostRegion
             Owns the mappings (not the fds); :meth:`close` unmaps them.  The
             memory is the other process's: its later writes are visible.
+            It has no fds of its own, so it cannot export handles again.
 
         Raises
         ------
         ValueError
-            An empty list or a size that is not a positive page multiple.
+            An empty list, a size that is not a positive page multiple, or
+            a negative fd.
+        HandleError
+            An fd is not a regular file, is shorter than its chunk, or lacks
+            a seal; ``err.index`` names the handle.  Nothing was mapped.
         RegionError
             A mapping failed; nothing stays mapped.
         """
@@ -209,13 +264,15 @@ cdef class HostRegion(AllocationMap):
         cdef size_t total = 0
         handles = [(int(s), int(fd)) for s, fd in handles]
         if not handles:
-            raise ValueError("import_fds needs at least one (size, fd)")
+            raise ValueError("import_handles needs at least one (size, fd)")
         for s, fd in handles:
             if s <= 0 or s % PAGE_SIZE:
                 raise ValueError(f"chunk sizes must be positive multiples of {PAGE_SIZE}, got {s}")
             if fd < 0:
                 raise ValueError(f"invalid fd {fd}")
             total += s
+        for i, (s, fd) in enumerate(handles):
+            check_handle(i, s, fd)
         self._owner = True
         self._closed = False
         self._readonly = not writable
@@ -226,6 +283,11 @@ cdef class HostRegion(AllocationMap):
             self._release()
             raise
         return self
+
+    @classmethod
+    def import_fds(cls, handles, bint writable=False, bint populate=True):
+        """Alias of :meth:`import_handles`, kept for callers written before it."""
+        return cls.import_handles(handles, writable, populate)
 
     cdef _map_all(self, list sizes, size_t total, size_t tail, frozenset holes, list import_fds=None,
                   bint writable=True, bint populate=True):
@@ -264,9 +326,10 @@ cdef class HostRegion(AllocationMap):
                     check_errno(-1, b"mmap(MAP_FIXED) of an imported chunk fd")
                 c.mapped = True
                 continue
-            c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC)
+            c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC | MFD_ALLOW_SEALING)
             check_errno(c.fd, b"memfd_create")
             check_errno(ftruncate(c.fd, c.size), b"ftruncate(memfd)")
+            check_errno(fcntl(c.fd, F_ADD_SEALS, <int>REQUIRED_SEALS), b"fcntl(F_ADD_SEALS) sealing a chunk memfd")
             p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, c.fd, 0)
             if p == MAP_FAILED:
                 check_errno(-1, b"mmap(MAP_FIXED) of a chunk")
@@ -392,7 +455,7 @@ cdef class HostRegion(AllocationMap):
                               f"'with'", ResourceWarning)
             except BaseException:
                 pass
-            self._release()
+        self._release()          # idempotent; views hold a reference, so none can be alive here
 
     # ---------------------------------------------------------------- queries
     cdef int lookup(self, uintptr_t addr, uintptr_t* base, size_t* size) except -1 nogil:
@@ -423,14 +486,61 @@ cdef class HostRegion(AllocationMap):
 
     @property
     def chunks(self):
-        """``(offset, size, fd)`` per chunk; fd is -1 for adopted memory and holes.
+        """``(offset, size, fd)`` per chunk, for diagnostics; same shape on ``CudaRegion``.
 
-        The fds belong to the region: do not close them.  ``os.dup`` one to
-        keep it beyond :meth:`close`.
+        ``fd`` is the region's own descriptor for the chunk, *borrowed*: do
+        not close it, and do not use it after :meth:`close`.  It is -1 where
+        the region holds none (adopted memory, holes, imported chunks).  To
+        pass chunks to another process use :meth:`export_handles`, which
+        returns fds the caller owns.
         """
         self._check_open()
         return [(self._chunks[i].offset, self._chunks[i].size, self._chunks[i].fd)
                 for i in range(self._nchunks)]
+
+    def export_handles(self):
+        """One fresh fd per chunk, for another process to :meth:`import_handles`.
+
+        Returns
+        -------
+        list of (offset, size, fd)
+            In chunk order.  Each fd is a new ``F_DUPFD_CLOEXEC`` duplicate
+            of the chunk's sealed memfd, owned by the caller: close it (after
+            sending it) with ``os.close``.  It keeps the chunk's memory alive
+            on its own, even after :meth:`close`.
+
+        Raises
+        ------
+        RegionClosed
+            The region is closed.
+        RegionError
+            The memory is adopted or imported (the region holds no fds), or
+            ``fcntl`` failed; every fd duplicated so far is closed.
+        ExtentError
+            A chunk is unmapped (a hole).
+        """
+        cdef Py_ssize_t i
+        cdef int fd
+        self._check_open()
+        if not self._owner or self._nchunks == 0:
+            raise RegionError("only regions tensorxfer allocated have handles to export (this one adopted its "
+                              "memory); use HostRegion.allocate or TensorRegion.from_tensors")
+        out = []
+        try:
+            for i in range(self._nchunks):
+                if not self._chunks[i].mapped:
+                    raise ExtentError(f"chunk {i} is not mapped", self._va_base + self._chunks[i].offset)
+                if self._chunks[i].fd < 0:
+                    raise RegionError(f"chunk {i} has no fd to export (an imported region cannot export "
+                                      f"its handles again)")
+                fd = fcntl(self._chunks[i].fd, F_DUPFD_CLOEXEC, 0)
+                check_errno(fd, b"fcntl(F_DUPFD_CLOEXEC) exporting a chunk fd")
+                out.append((self._chunks[i].offset, self._chunks[i].size, fd))
+        except BaseException:
+            for _, _, fd in out:
+                close(fd)
+            raise
+        return out
 
     def __repr__(self):
         if self._closed:
