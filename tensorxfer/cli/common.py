@@ -89,7 +89,10 @@ def check_device(device: str) -> None:
         raise CudaError(f"--device {device}: {memory.CUDA_UNAVAILABLE}; use --device cpu")
     from tensorxfer.memory import _cuda
 
-    count = _cuda.device_count()          # raises CudaError without a driver
+    try:
+        count = _cuda.device_count()
+    except CudaError as e:                # no driver: say which flag asked for it
+        raise CudaError(f"--device {device}: {e}") from None
     if index >= count:
         raise CudaError(f"--device {device}: this machine has {count} CUDA device(s); use cuda:0..cuda:{count - 1} "
                         f"or --device cpu")
