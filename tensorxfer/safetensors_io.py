@@ -29,7 +29,7 @@ validated first; every file is written under a temporary
 ``.tensorxfer-*.part`` name in the target directory and fsynced; only then
 are they renamed into place, and if a rename fails the ones already renamed
 are rolled back (files they replaced are restored).  :func:`clean_leftovers`
-removes what a killed writer left behind.
+removes the temporary files a killed writer left behind.
 
 Metadata keys (all values are strings, so they fit the manifest format)::
 
@@ -635,26 +635,34 @@ def _umask() -> int:
     return mask
 
 
-def clean_leftovers(out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove the ``.tensorxfer-*.part`` / ``.tensorxfer-*.bak`` files a killed writer left in ``out_dir``.
+def clean_leftovers(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+    """Remove the ``.tensorxfer-*.part`` files a killed writer left in ``out_dir``.
 
-    Only regular files with those names are removed (never followed
-    symlinks or directories).  Returns what was removed; a missing
-    directory has nothing to clean.
+    Only regular files with that name are removed (never symlinks or
+    directories).  ``.tensorxfer-*.bak`` files — what a file being replaced
+    held, left only if a writer died in the middle of its renames or a
+    rollback failed — are kept: they may be the only copy.  Returns
+    ``(removed, kept backups)``; a missing directory has nothing to clean.
     """
     removed: list[Path] = []
+    backups: list[Path] = []
     try:
-        names = os.listdir(out_dir)
+        names = sorted(os.listdir(out_dir))
     except FileNotFoundError:
-        return removed
+        return removed, backups
     for n in names:
-        if n.startswith(TEMP_PREFIX) and n.endswith((".part", ".bak")):
-            p = Path(out_dir) / n
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISREG(os.lstat(p).st_mode):
-                    os.unlink(p)
-                    removed.append(p)
-    return removed
+        if not n.startswith(TEMP_PREFIX):
+            continue
+        p = Path(out_dir) / n
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            if n.endswith(".part"):
+                os.unlink(p)
+                removed.append(p)
+            elif n.endswith(".bak"):
+                backups.append(p)
+    return removed, backups
 
 
 def check_output_dir(out_dir: str | os.PathLike[str]) -> Path:
@@ -727,8 +735,9 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
         _check_target(t)
     umask = _umask()
     temps: list[str] = []
-    done: list[tuple[Path, str | None]] = []     # renamed into place, with the backup of what it replaced
-    backups: list[str] = []
+    # per target being committed: (target, backup of what it replaces, whether undoing must restore the backup
+    # — i.e. the target no longer holds the old file — or just drop the backup)
+    undo: list[tuple[Path, str | None, bool]] = []
     try:
         with _Drain(region) as drain:
             for fp in plans:
@@ -756,28 +765,51 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
                 backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
                 try:
                     os.link(target, backup, follow_symlinks=False)   # the old file stays in place meanwhile
+                    undo.append((target, backup, False))
                 except OSError:
                     os.rename(target, backup)                       # no hard links here: move it aside
-                backups.append(backup)
+                    undo.append((target, backup, True))
+            if backup is None:
+                undo.append((target, None, False))
             os.replace(tmp, target)
-            done.append((target, backup))
-        for b in backups:
-            os.unlink(b)
+            undo[-1] = (target, backup, True)                       # renamed: undoing restores the backup
+        for _, backup, _ in undo:
+            if backup is not None:
+                os.unlink(backup)
         _fsync_dir(real)
-    except BaseException:
-        for target, backup in reversed(done):
-            with contextlib.suppress(OSError):
-                if backup is not None:
-                    os.replace(backup, target)
-                else:
-                    os.unlink(target)
-        for leftover in temps + backups:
+    except BaseException as e:
+        lost = _roll_back(undo)
+        for tmp in temps:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(leftover)
+                os.unlink(tmp)
         with contextlib.suppress(OSError):
             _fsync_dir(real)
+        if lost:
+            raise OutputError(f"writing the files failed ({type(e).__name__}: {e}) and rolling back failed too: "
+                              f"the previous contents are kept in {'; '.join(lost)}") from e
         raise
     return targets
+
+
+def _roll_back(undo: list[tuple[Path, str | None, bool]]) -> list[str]:
+    """Undo a partial commit, newest first; returns "target <- backup" for backups that could not be restored
+    (they are kept, never deleted)."""
+    lost = []
+    for target, backup, restore in reversed(undo):
+        try:
+            if backup is None:
+                if restore:
+                    os.unlink(target)        # a new file where there was none
+            elif restore:
+                os.replace(backup, target)
+            else:
+                os.unlink(backup)            # the target still holds the old file
+        except FileNotFoundError:
+            pass
+        except OSError:
+            if backup is not None and restore:
+                lost.append(f"{target} <- {backup}")
+    return lost
 
 
 class _Drain:

@@ -420,9 +420,54 @@ def test_clean_leftovers_removes_only_our_temporaries(tmp_path):
     for n in (".tensorxfer-abc.part", ".tensorxfer-def.bak", "keep.part", ".tensorxfer-notes"):
         (tmp_path / n).write_text("x")
     (tmp_path / ".tensorxfer-dir.part").mkdir()
-    removed = clean_leftovers(tmp_path)
-    assert sorted(p.name for p in removed) == [".tensorxfer-abc.part", ".tensorxfer-def.bak"]
-    assert sorted(os.listdir(tmp_path)) == [".tensorxfer-dir.part", ".tensorxfer-notes", "keep.part"]
+    removed, backups = clean_leftovers(tmp_path)
+    assert [p.name for p in removed] == [".tensorxfer-abc.part"]
+    assert [p.name for p in backups] == [".tensorxfer-def.bak"]          # possibly the only copy: kept
+    assert sorted(os.listdir(tmp_path)) == [".tensorxfer-def.bak", ".tensorxfer-dir.part", ".tensorxfer-notes",
+                                            "keep.part"]
+
+
+def test_aside_mode_rollback_without_hard_links(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    (out / "b.json").write_text("old b")
+    real_replace = os.replace
+
+    def no_link(*a, **k):
+        raise OSError(1, "Operation not permitted")
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json") and str(src).endswith(".part"):
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stio.os, "link", no_link)
+    monkeypatch.setattr(stio.os, "replace", replace)
+    with two_files() as region, pytest.raises(OSError, match="Input/output"):
+        write_files(region, out)
+    monkeypatch.undo()
+    assert (out / "a.json").read_text() == "old a" and (out / "b.json").read_text() == "old b"
+    assert sorted(os.listdir(out)) == ["a.json", "b.json"]
+
+
+def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json") or str(src).endswith(".bak"):
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stio.os, "replace", replace)
+    with two_files() as region, pytest.raises(OutputError, match=r"previous contents are kept in .*a.json <- "):
+        write_files(region, out)
+    monkeypatch.undo()
+    (bak,) = [p for p in out.iterdir() if p.name.endswith(".bak")]
+    assert bak.read_text() == "old a"
 
 
 # ---------------------------------------------------------------- the GPU staging logic, on a CPU

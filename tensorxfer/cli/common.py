@@ -151,9 +151,11 @@ class Progress:
                 sys.stderr.flush()
 
     def finish(self) -> None:
+        """End the bar's line (once; later calls do nothing)."""
         if self.enabled and self.done:
             sys.stderr.write("\n")
             sys.stderr.flush()
+        self.enabled = False
 
 
 def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:

@@ -91,8 +91,12 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
     except BlockingIOError:
         os.close(fd)
         raise ValueError(f"another tensorxfer-recv is writing into {real}; pick another --out") from None
-    for p in clean_leftovers(real):
+    removed, backups = clean_leftovers(real)
+    for p in removed:
         logging.getLogger(PROG).info("removed %s, left behind by an interrupted receiver", p.name)
+    for p in backups:
+        logging.getLogger(PROG).warning("kept %s: the previous content of a file an interrupted receiver was "
+                                        "replacing; check it and remove it", p)
     return real, fd
 
 
