@@ -566,3 +566,26 @@ def test_gpu_staging_order_with_a_lazy_fake_stager(tmp_path, monkeypatch):
         write_files(region, tmp_path / "out")
     for p in src.iterdir():
         assert sha(p) == sha(tmp_path / "out" / p.name), p.name
+
+
+def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    safetensors_numpy.save_file({"w": np.ones(4, np.float32)}, str(src / "model.safetensors"))
+    # 12 MB of JSON with 1-, 2-, 3- and 4-byte UTF-8 characters, so chunk boundaries fall inside characters
+    vocab = {f"tok{i}-é中😀": i for i in range(400_000)}
+    (src / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}, ensure_ascii=False))
+    (src / "blob.bin.model").write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8).tobytes())
+    with load_files([src]) as region, TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack())) as region2:
+        memoryview(region2.region)[:region.nbytes] = memoryview(region.region)[:region.nbytes]
+        write_files(region2, tmp_path / "out")
+    for p in src.iterdir():
+        assert sha(p) == sha(tmp_path / "out" / p.name), p.name
+
+
+def test_side_files_that_overflow_the_metadata_are_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(stio, "CHUNK_BYTES", 100)
+    src = hf_like_dir(tmp_path / "src")
+    (src / "big.txt").write_text("x" * 200_000)
+    with pytest.raises(FileFormatError, match="send fewer files at once"):
+        load_files([src])
