@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         os.close(lock_fd)
         if isinstance(e, TensorXferError):
             return report_error(PROG, e, args.json)
-        msg = f"cannot listen on {host}:{port}: {e.strerror or e}"
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        msg = f"cannot listen on {where}: {e.strerror or e}"
         if args.json:
             emit_json({"event": "error", "error": type(e).__name__, "message": msg, "exit_code": EXIT_UNAVAILABLE})
         print(f"{PROG}: {type(e).__name__}: {msg} (is another process using the port? pick another --listen)",
