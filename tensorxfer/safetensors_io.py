@@ -401,11 +401,11 @@ def _discover_dir(d: Path, found: Discovery) -> None:
         if q.name.startswith("."):
             found.skipped.append((q.name, "hidden"))
         elif q.is_dir():
-            found.skipped.append((q.name + "/", "subdirectory (only top-level files are sent)"))
+            found.skipped.append((q.name + "/", "subdirectory; only top-level files are sent"))
         elif q.suffix == ".safetensors":
             found.skipped.append((q.name, f"not named by {INDEX_NAME}"))
         elif q.suffix in OTHER_WEIGHT_SUFFIXES:
-            found.skipped.append((q.name, "another weight format (the safetensors files carry the weights)"))
+            found.skipped.append((q.name, "another weight format; the safetensors files carry the weights"))
         elif q.is_symlink() and not q.exists():
             found.skipped.append((q.name, "dangling symlink"))
         else:

@@ -353,7 +353,7 @@ def test_side_files_arrive_and_are_listed(tmp_path):
     sent = json.loads(out_s)
     assert sent["side_files"] == ["config.json", "model.safetensors.index.json", "tokenizer.model"]
     assert sent["skipped"] == [{"name": "pytorch_model.bin",
-                                "reason": "another weight format (the safetensors files carry the weights)"}]
+                                "reason": "another weight format; the safetensors files carry the weights"}]
     assert sorted(os.listdir(out)) == sorted(sent["files"])
     for n in sent["files"]:
         assert sha(src / n) == sha(out / n), n
