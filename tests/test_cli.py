@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,7 +65,8 @@ def test_send_recv_model_dir_byte_identical(tmp_path):
     assert rc_r == 0, err_r
     sent = json.loads(out_s)
     # auto picks ipc: both ends are on one host, as one user
-    assert sent["event"] == "sent" and sent["files"] == 4 and sent["verified"] and sent["transport"] == "ipc"
+    assert sent["event"] == "sent" and sent["verified"] and sent["transport"] == "ipc"
+    assert sent["files"] == sorted(os.listdir(src)) and sent["side_files"] == ["model.safetensors.index.json"]
     got = json.loads(out_r.splitlines()[-1])
     assert got["event"] == "received" and got["bytes"] == sent["bytes"]
     for p in src.iterdir():
@@ -175,7 +177,7 @@ def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
     try:
         assert finish(cli("send", str(src), "--to", where, env={"TENSORXFER_TOKEN": "x"}))[0] == 3
         assert finish(cli("send", str(src), "--to", where, env={"TENSORXFER_TOKEN": "t"}))[0] == 0
-        # the sender has its ack; the receiver writes the files after that
+        # the sender exits 0 only after the receiver wrote the files; the "received" line follows the ack
         lines = Background(lambda: [recv.stdout.readline() for _ in range(1)]).result(timeout=20)
     finally:
         recv.send_signal(signal.SIGINT)
@@ -207,3 +209,176 @@ def test_bench_refuses_what_does_not_fit():
     proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.bench", "--size", "1e15"], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     assert proc.returncode == 2 and "--size" in proc.stderr
+
+
+# ---------------------------------------------------------------- what a user is told must be true
+def test_sender_fails_when_the_receiver_cannot_write(tmp_path):
+    src = model_dir(tmp_path / "src", shards=2, rows=10)
+    out = tmp_path / "out"
+    (out / "model-00002-of-00002.safetensors").mkdir(parents=True)     # in the way of the second file
+    recv, where = start_recv(out, "--once")
+    rc_s, _, err_s = finish(cli("send", str(src), "--to", where, "--verify"))
+    rc_r, _, err_r = finish(recv)
+    assert rc_s == 1 and "is a directory" in err_s, err_s          # the receiver's error, at the sender
+    assert rc_r == 1 and "OutputError" in err_r, err_r
+    assert os.listdir(out) == ["model-00002-of-00002.safetensors"]  # nothing else landed
+
+
+RECV_KILLED_WHILE_WRITING = """
+import os, signal, sys
+real, calls = os.fsync, [0]
+def fsync(fd):
+    calls[0] += 1
+    if calls[0] == 2:                     # the first file is written, the second is being written
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(fd)
+os.fsync = fsync
+from tensorxfer.cli.recv import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_receiver_killed_while_writing_fails_the_sender_and_the_next_run_cleans_up(tmp_path):
+    src = model_dir(tmp_path / "src", shards=2, rows=10)
+    out = tmp_path / "out"
+    recv = subprocess.Popen([sys.executable, "-c", RECV_KILLED_WHILE_WRITING, "--out", str(out), "--json", "--once"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert recv.stdout is not None
+    line = json.loads(recv.stdout.readline())
+    rc_s, _, err_s = finish(cli("send", str(src), "--to", f"{line['host']}:{line['port']}"))
+    rc_r, _, _ = finish(recv)
+    assert rc_r == -signal.SIGKILL
+    assert rc_s == 1 and "PeerLost" in err_s, err_s
+    left = os.listdir(out)
+    assert left and all(n.startswith(".tensorxfer-") and n.endswith(".part") for n in left), left
+    again, _ = start_recv(out)
+    try:
+        assert os.listdir(out) == []            # cleaned before listening
+    finally:
+        again.send_signal(signal.SIGINT)
+        finish(again)
+
+
+def test_files_keep_the_senders_mode_bits(tmp_path):
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    os.chmod(src / "model-00001-of-00001.safetensors", 0o640)
+    os.chmod(src / "model.safetensors.index.json", 0o604)
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once")
+    assert finish(cli("send", str(src), "--to", where))[0] == 0
+    assert finish(recv)[0] == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in src.iterdir():
+        assert (out / p.name).stat().st_mode & 0o7777 == p.stat().st_mode & 0o777 & ~umask, p.name
+
+
+def test_out_that_is_a_file_is_refused_at_start(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, _, err = finish(cli("recv", "--out", str(f)))           # no --once: it would otherwise wait forever
+    assert rc == 2 and "not a directory" in err, err
+
+
+def test_second_receiver_on_the_same_out_is_refused(tmp_path):
+    first, _ = start_recv(tmp_path / "out")
+    try:
+        rc, _, err = finish(cli("recv", "--out", str(tmp_path / "out")))
+        assert rc == 2 and "another tensorxfer-recv" in err, err
+    finally:
+        first.send_signal(signal.SIGINT)
+        finish(first)
+
+
+def test_port_in_use_is_exit_4_naming_the_address(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", f"127.0.0.1:{port}"))
+    assert rc == 4 and f"127.0.0.1:{port}" in err, err
+
+
+def test_port_scan_does_not_end_once(tmp_path):
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once")
+    host, port = where.rsplit(":", 1)
+    for _ in range(3):
+        with socket.create_connection((host, int(port))):
+            pass                                   # connect + close, as a port scanner does
+    rc_s, _, err_s = finish(cli("send", str(src), "--to", where))
+    rc_r, out_r, err_r = finish(recv)
+    assert rc_s == 0, err_s
+    assert rc_r == 0, err_r
+    assert json.loads(out_r.splitlines()[-1])["event"] == "received"
+    for p in src.iterdir():
+        assert sha(p) == sha(out / p.name)
+
+
+def test_hostile_file_layout_does_not_kill_a_long_running_receiver(tmp_path):
+    from tensorxfer import Manifest, Sender, TensorRegion, TensorXferError
+    from tensorxfer.safetensors_io import FILES_KEY
+
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    out = tmp_path / "out"
+    recv, where = start_recv(out)
+    try:
+        hostile = Manifest.layout([("w", "U8", (8,))], metadata={FILES_KEY: "[" * 50000})
+        with TensorRegion.from_manifest(hostile) as region, Sender(where, transport="tcp") as sender, \
+                pytest.raises(TensorXferError):
+            sender.send(region)
+        assert finish(cli("send", str(src), "--to", where))[0] == 0      # still serving
+    finally:
+        recv.send_signal(signal.SIGINT)
+        rc, out_r, err_r = finish(recv)
+    assert rc == 130, err_r
+    assert "levels deep" in err_r and "RecursionError" not in err_r
+    assert [json.loads(x)["event"] for x in out_r.splitlines()] == ["error", "received"], out_r
+
+
+def test_deeply_nested_index_is_a_usage_error_for_send(tmp_path):
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
+    rc, _, err = finish(cli("send", str(src), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "FileFormatError" in err and "Traceback" not in err, err
+
+
+def test_side_files_arrive_and_are_listed(tmp_path):
+    src = model_dir(tmp_path / "src", shards=1, rows=10)
+    (src / "config.json").write_text('{"model_type": "gpt2"}\n')
+    (src / "tokenizer.model").write_bytes(bytes(range(256)))
+    (src / "pytorch_model.bin").write_bytes(b"\0" * 10)
+    out = tmp_path / "out"
+    recv, where = start_recv(out, "--once")
+    rc_s, out_s, err_s = finish(cli("send", str(src), "--to", where, "--json"))
+    assert rc_s == 0, err_s
+    assert finish(recv)[0] == 0
+    sent = json.loads(out_s)
+    assert sent["side_files"] == ["config.json", "model.safetensors.index.json", "tokenizer.model"]
+    assert sent["skipped"] == [{"name": "pytorch_model.bin",
+                                "reason": "another weight format; the safetensors files carry the weights"}]
+    assert sorted(os.listdir(out)) == sorted(sent["files"])
+    for n in sent["files"]:
+        assert sha(src / n) == sha(out / n), n
+    recv, where = start_recv(tmp_path / "out2", "--once")
+    rc_s, text, err_s = finish(cli("send", str(src), "--to", where))     # the summary line names them too
+    assert finish(recv)[0] == 0
+    assert rc_s == 0 and "side files: config.json, model.safetensors.index.json, tokenizer.model" in text, text
+    assert "not sent: pytorch_model.bin" in err_s, err_s
+
+
+def test_gpu_device_without_a_gpu_fails_cleanly_at_start(tmp_path):
+    from tests.test_cuda import GPU_REASON
+
+    if GPU_REASON is None:
+        pytest.skip("a GPU is present: see tests/test_cli_cuda.py")
+    f = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
+    rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--device", "cuda:0"))   # no --once: must not wait
+    assert rc == 4 and "CudaError: --device cuda:0" in err and "cpu" in err, err
+    rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1", "--device", "cuda:0"))
+    assert rc == 4 and "CudaError" in err and "Traceback" not in err, err
+    rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1", "--device", "tpu"))
+    assert rc == 2 and "device must be" in err, err

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -14,10 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorxfer import Manifest, TensorRegion
+from tensorxfer import safetensors_io as stio
 from tensorxfer.safetensors_io import (
     FILES_KEY,
     FileFormatError,
+    OutputError,
     check_name,
+    check_output_dir,
+    clean_leftovers,
+    discover,
     load_files,
     parse_header,
     read_header,
@@ -204,3 +210,382 @@ def test_duplicate_tensor_names_across_files_are_refused(tmp_path):
         safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / f"{n}.safetensors"))
     with pytest.raises(FileFormatError, match="both"):
         load_files([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+
+
+# ---------------------------------------------------------------- names, nesting
+@pytest.mark.parametrize("name", ["a\nb.safetensors", "a\rb", "tab\there", "del\x7f", "c1\x85x",
+                                  "evil\u202egnp.safetensors", "iso\u2066x", "mark\u200fx", "\udcffbytes.json",
+                                  "lone\ud800", ".tensorxfer-x.part"])
+def test_names_that_hide_what_they_are_are_refused(name):
+    with pytest.raises(FileFormatError, match="unsafe"):
+        check_name(name)
+
+
+def test_plain_unicode_names_are_fine():
+    assert check_name("modèle-00001.safetensors") == "modèle-00001.safetensors"
+
+
+@pytest.mark.parametrize("name", ["a\nb.json", "x\u202ey.json", "\ud800.json"])
+def test_received_control_and_bidi_names_write_nothing(tmp_path, name):
+    files = [{"name": "ok.json", "kind": "text", "tensors": 0, "chunks": 1},
+             {"name": name, "kind": "text", "tensors": 0, "chunks": 1}]
+    with received(files, {"tensorxfer.file.0.0": "{}", "tensorxfer.file.1.0": "{}"}) as region:
+        with pytest.raises(FileFormatError, match="unsafe"):
+            write_files(region, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sender_refuses_a_file_name_that_is_not_utf8(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(d / "model.safetensors"))
+    (d / os.fsdecode(b"bad\xff.json")).write_text("{}")
+    with pytest.raises(FileFormatError, match="surrogate"):
+        load_files([d])
+
+
+@pytest.mark.parametrize("layout", ["[" * 50000, '{"a":' * 50000, '"' + '\\"' * 200_000 + "[" * 40])
+def test_deeply_nested_layout_is_a_typed_error(tmp_path, layout):
+    with received([], {}) as region:
+        region.manifest.metadata[FILES_KEY] = layout
+        with pytest.raises(FileFormatError, match="levels deep"):
+            write_files(region, tmp_path / "out")
+
+
+def test_deeply_nested_header_is_a_typed_error(tmp_path):
+    p = write_raw(tmp_path / "deep.safetensors", b"[" * 50000)
+    with pytest.raises(FileFormatError, match="levels deep"):
+        load_files([p])
+
+
+def test_deeply_nested_index_is_a_typed_error(tmp_path):
+    safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
+    with pytest.raises(FileFormatError, match="levels deep"):
+        load_files([tmp_path])
+
+
+# ---------------------------------------------------------------- side files
+def hf_like_dir(d: Path) -> Path:
+    d.mkdir()
+    make_model(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "x", "n": 1}, indent=2) + "\n")
+    (d / "tokenizer.json").write_text('{"vocab": {"é": 1}}')
+    (d / "tokenizer.model").write_bytes(bytes(range(256)) * 3)      # binary: travels as base64
+    (d / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(d / "run.sh", 0o750)
+    os.chmod(d / "config.json", 0o640)
+    (d / "pytorch_model.bin").write_bytes(b"\0" * 100)
+    (d / ".gitattributes").write_text("*")
+    (d / "sub").mkdir()
+    return d
+
+
+def test_side_files_travel_byte_identical_with_their_modes(tmp_path):
+    src, out = hf_like_dir(tmp_path / "src"), tmp_path / "out"
+    found = discover([src])
+    assert sorted(s.name for s in found.files if s.kind == "side") == [
+        "config.json", "model.safetensors.index.json", "run.sh", "tokenizer.json", "tokenizer.model"]
+    assert {n for n, _ in found.skipped} == {"pytorch_model.bin", ".gitattributes", "sub/"}
+    with load_files(found) as region:
+        kinds = {f["name"]: f["kind"] for f in json.loads(region.manifest.metadata[FILES_KEY])}
+        assert kinds["tokenizer.model"] == "base64" and kinds["config.json"] == "text"
+        region2 = TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack()))   # as the receiver sees it
+        memoryview(region2.region)[:region.nbytes] = memoryview(region.region)[:region.nbytes]
+        with region2:
+            write_files(region2, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    for s in found.files:
+        assert sha(s.path) == sha(out / s.name), s.name
+        assert (out / s.name).stat().st_mode & 0o7777 == s.path.stat().st_mode & 0o777 & ~umask, s.name
+    assert sorted(os.listdir(out)) == sorted(s.name for s in found.files)
+
+
+def test_received_mode_never_sets_special_bits(tmp_path):
+    files = [{"name": "x.sh", "kind": "text", "tensors": 0, "chunks": 1, "mode": 0o7777}]
+    with received(files, {"tensorxfer.file.0.0": "hi"}) as region:
+        (path,) = write_files(region, tmp_path / "out")
+    assert path.stat().st_mode & 0o7000 == 0
+
+
+@pytest.mark.parametrize("mode", [-1, 0o10000, "0644", True, 1.5])
+def test_received_bad_mode_is_refused(tmp_path, mode):
+    files = [{"name": "x", "kind": "text", "tensors": 0, "chunks": 1, "mode": mode}]
+    with received(files, {"tensorxfer.file.0.0": "hi"}) as region, pytest.raises(FileFormatError, match="malformed"):
+        write_files(region, tmp_path / "out")
+
+
+def test_received_bad_base64_is_refused(tmp_path):
+    files = [{"name": "x", "kind": "base64", "tensors": 0, "chunks": 1}]
+    with received(files, {"tensorxfer.file.0.0": "not base64!"}) as region, pytest.raises(FileFormatError):
+        write_files(region, tmp_path / "out")
+
+
+def test_side_file_caps_are_clear_errors(tmp_path, monkeypatch):
+    src = hf_like_dir(tmp_path / "src")
+    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 700)
+    with pytest.raises(FileFormatError, match=r"tokenizer.model: 768 bytes, over the 700-byte limit"):
+        discover([src])
+    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 1000)
+    monkeypatch.setattr(stio, "MAX_SIDE_TOTAL_BYTES", 800)
+    with pytest.raises(FileFormatError, match="side files add up to"):
+        discover([src])
+
+
+def test_symlink_escaping_the_directory_is_refused(tmp_path):
+    src = hf_like_dir(tmp_path / "src")
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE")
+    (src / "notes.txt").symlink_to(secret)
+    with pytest.raises(FileFormatError, match="outside"):
+        discover([src])
+    (src / "notes.txt").unlink()
+    (src / "notes.txt").symlink_to(src / "config.json")       # inside: followed
+    assert "notes.txt" in [s.name for s in discover([src]).files]
+
+
+def test_hub_snapshot_links_into_blobs_are_followed(tmp_path):
+    repo = tmp_path / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    safetensors_numpy.save_file({"w": np.ones(3, np.float32)}, str(repo / "blobs" / "b1"))
+    (repo / "blobs" / "b2").write_text("{}")
+    (snap / "model.safetensors").symlink_to("../../blobs/b1")
+    (snap / "config.json").symlink_to("../../blobs/b2")
+    assert sorted(s.name for s in discover([snap]).files) == ["config.json", "model.safetensors"]
+
+
+def test_fifo_in_the_directory_is_skipped_not_read(tmp_path):
+    src = hf_like_dir(tmp_path / "src")
+    os.mkfifo(src / "pipe")
+    found = discover([src])
+    assert ("pipe", "not a regular file") in found.skipped
+
+
+# ---------------------------------------------------------------- all or nothing
+def two_files(text_a: str = "new a", text_b: str = "new b") -> TensorRegion:
+    files = [{"name": "a.json", "kind": "text", "tensors": 0, "chunks": 1},
+             {"name": "b.json", "kind": "text", "tensors": 0, "chunks": 1}]
+    return received(files, {"tensorxfer.file.0.0": text_a, "tensorxfer.file.1.0": text_b})
+
+
+def test_a_directory_at_a_later_target_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    (out / "b.json").mkdir(parents=True)
+    with two_files() as region, pytest.raises(OutputError, match="is a directory"):
+        write_files(region, out)
+    assert os.listdir(out) == ["b.json"]
+
+
+def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if str(dst).endswith("b.json"):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stio.os, "replace", replace)
+    with two_files() as region, pytest.raises(OSError, match="No space"):
+        write_files(region, out)
+    monkeypatch.undo()
+    assert (out / "a.json").read_text() == "old a"        # restored, not the new one
+    assert sorted(os.listdir(out)) == ["a.json"]          # no b.json, no temporary or backup files
+    assert len(calls) >= 2
+
+
+def test_replacing_existing_files_leaves_no_backups(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    with two_files() as region:
+        write_files(region, out)
+    assert sorted(os.listdir(out)) == ["a.json", "b.json"]
+    assert (out / "a.json").read_text() == "new a"
+
+
+def test_out_that_is_a_file_is_an_output_error(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="not a directory"):
+        check_output_dir(tmp_path / "f")
+
+
+def test_clean_leftovers_removes_only_our_temporaries(tmp_path):
+    for n in (".tensorxfer-abc.part", ".tensorxfer-def.bak", "keep.part", ".tensorxfer-notes"):
+        (tmp_path / n).write_text("x")
+    (tmp_path / ".tensorxfer-dir.part").mkdir()
+    removed, backups = clean_leftovers(tmp_path)
+    assert [p.name for p in removed] == [".tensorxfer-abc.part"]
+    assert [p.name for p in backups] == [".tensorxfer-def.bak"]          # possibly the only copy: kept
+    assert sorted(os.listdir(tmp_path)) == [".tensorxfer-def.bak", ".tensorxfer-dir.part", ".tensorxfer-notes",
+                                            "keep.part"]
+
+
+def test_aside_mode_rollback_without_hard_links(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    (out / "b.json").write_text("old b")
+    real_replace = os.replace
+
+    def no_link(*a, **k):
+        raise OSError(1, "Operation not permitted")
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json") and str(src).endswith(".part"):
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stio.os, "link", no_link)
+    monkeypatch.setattr(stio.os, "replace", replace)
+    with two_files() as region, pytest.raises(OSError, match="Input/output"):
+        write_files(region, out)
+    monkeypatch.undo()
+    assert (out / "a.json").read_text() == "old a" and (out / "b.json").read_text() == "old b"
+    assert sorted(os.listdir(out)) == ["a.json", "b.json"]
+
+
+def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json") or str(src).endswith(".bak"):
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stio.os, "replace", replace)
+    with two_files() as region, pytest.raises(OutputError, match=r"previous contents are kept in .*a.json <- "):
+        write_files(region, out)
+    monkeypatch.undo()
+    (bak,) = [p for p in out.iterdir() if p.name.endswith(".bak")]
+    assert bak.read_text() == "old a"
+
+
+# ---------------------------------------------------------------- the GPU staging logic, on a CPU
+class LazyStager:
+    """Stands in for ``_cuda.Stager`` with the same asynchrony: a queued copy happens only at
+    ``wait(i)`` / ``synchronize()``, so reading a buffer before waiting, or refilling one whose
+    upload has not drained, gives wrong bytes."""
+
+    memory: ClassVar[dict[int, bytearray]] = {}      # device "address" base -> bytes
+
+    def __init__(self, device: int = 0, buffer_bytes: int = 1 << 20) -> None:
+        self.bufs = [bytearray(buffer_bytes), bytearray(buffer_bytes)]
+        self.pending: list[list] = [[], []]
+        self.closed = False
+
+    def _dev(self, addr: int) -> tuple[bytearray, int]:
+        base = max(b for b in self.memory if b <= addr)
+        return self.memory[base], addr - base
+
+    def view(self, i):
+        assert not self.closed
+        return memoryview(self.bufs[i])
+
+    def start_htod(self, i, dst, n):
+        self.pending[i].append(("htod", dst, n))
+
+    def start_dtoh(self, i, src, n):
+        self.pending[i].append(("dtoh", src, n))
+
+    def wait(self, i):
+        for kind, addr, n in self.pending[i]:
+            mem, off = self._dev(addr)
+            if kind == "htod":
+                mem[off:off + n] = self.bufs[i][:n]
+            else:
+                self.bufs[i][:n] = mem[off:off + n]
+        self.pending[i] = []
+
+    def synchronize(self):
+        self.wait(0)
+        self.wait(1)
+
+    def close(self):
+        assert self.pending == [[], []], "closed with copies still queued"
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class FakeDeviceRegion:
+    """A TensorRegion-shaped object whose bytes live behind LazyStager's 'device' addresses."""
+
+    def __init__(self, manifest, device="cuda:0"):
+        self.manifest, self.is_cuda, self.device = manifest, True, device
+        self.nbytes = manifest.nbytes
+        base = 0x7000_0000_0000 + len(LazyStager.memory) * (1 << 40)
+        LazyStager.memory[base] = bytearray(max(manifest.nbytes, 1))
+        self.region = type("R", (), {"ptr": base, "device_index": 0})()
+
+    def close(self, defer=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_gpu_staging_order_with_a_lazy_fake_stager(tmp_path, monkeypatch):
+    from tensorxfer.memory import _cuda
+
+    monkeypatch.setattr(_cuda, "Stager", LazyStager)
+    monkeypatch.setattr(stio, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(stio.TensorRegion, "from_manifest",
+                        classmethod(lambda cls, manifest, device="cpu", chunk_size=None: FakeDeviceRegion(manifest)))
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    for f in range(3):
+        t = {f"f{f}.a": rng.standard_normal(5000).astype(np.float32),      # 20000 bytes: 5 pieces
+             f"f{f}.b": rng.integers(0, 255, 4097, dtype=np.uint8),
+             f"f{f}.c": np.zeros(0, np.float32),
+             f"f{f}.d": rng.integers(0, 255, 3, dtype=np.uint8)}
+        safetensors_numpy.save_file(t, str(src / f"m{f}.safetensors"))
+    with load_files([src], device="cuda:0") as region:
+        assert isinstance(region, FakeDeviceRegion)
+        dev = LazyStager.memory[region.region.ptr]
+        for t in region.manifest.tensors:                # the 'device' holds the right bytes
+            ref = safetensors_numpy.load_file(str(src / f"{t.name.split('.')[0].replace('f', 'm')}.safetensors"))
+            assert bytes(dev[t.offset:t.offset + t.nbytes]) == ref[t.name].tobytes(), t.name
+        write_files(region, tmp_path / "out")
+    for p in src.iterdir():
+        assert sha(p) == sha(tmp_path / "out" / p.name), p.name
+
+
+def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    safetensors_numpy.save_file({"w": np.ones(4, np.float32)}, str(src / "model.safetensors"))
+    # 12 MB of JSON with 1-, 2-, 3- and 4-byte UTF-8 characters, so chunk boundaries fall inside characters
+    vocab = {f"tok{i}-é中😀": i for i in range(400_000)}
+    (src / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}, ensure_ascii=False))
+    (src / "blob.bin.model").write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8).tobytes())
+    with load_files([src]) as region, TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack())) as region2:
+        memoryview(region2.region)[:region.nbytes] = memoryview(region.region)[:region.nbytes]
+        write_files(region2, tmp_path / "out")
+    for p in src.iterdir():
+        assert sha(p) == sha(tmp_path / "out" / p.name), p.name
+
+
+def test_side_files_that_overflow_the_metadata_are_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(stio, "CHUNK_BYTES", 100)
+    src = hf_like_dir(tmp_path / "src")
+    (src / "big.txt").write_text("x" * 200_000)
+    with pytest.raises(FileFormatError, match="send fewer files at once"):
+        load_files([src])

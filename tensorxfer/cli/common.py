@@ -5,9 +5,11 @@ Exit codes (both commands):
 ====  =====================================================================
 0     success
 1     the transfer failed (peer lost, stalled, checksum mismatch, refused)
-2     bad usage or bad input (arguments, malformed or unsafe files, token file)
+2     bad usage or bad input (arguments, malformed or unsafe files, token file,
+      ``--out`` that is not a directory or is used by another tensorxfer-recv)
 3     authentication failed (wrong or missing token)
-4     the requested transport or device is not available
+4     the requested transport or device is not available, or the ``--listen``
+      address cannot be bound (port in use, address not on this host)
 5     protocol error (the peer speaks another version, or garbage)
 130   interrupted (Ctrl-C)
 ====  =====================================================================
@@ -57,12 +59,43 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help=f"file holding the shared token (default: ${TOKEN_ENV}; none: no authentication)")
     p.add_argument("--transport", default="auto", help="auto (default), ipc, rdma or tcp; forced: never falls back")
-    p.add_argument("--device", default="cpu", help="where the region lives (cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="where the region lives: cpu (default) or cuda:N (files are staged through pinned memory)")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
                    help="fail when no data moves for S seconds (default 30)")
     p.add_argument("--verify", action="store_true", help="per-tensor xxh3_64 checksums, checked by the receiver")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON lines on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def check_device(device: str) -> None:
+    """Fail at start, not at the first transfer, when ``device`` cannot be used here.
+
+    Raises
+    ------
+    ValueError
+        Not ``cpu``, ``cuda`` or ``cuda:N``.
+    CudaError
+        A GPU was asked for and this machine has no usable one (exit code 4).
+    """
+    from tensorxfer.region import parse_device
+
+    kind, index = parse_device(device)
+    if kind != "cuda":
+        return
+    from tensorxfer import memory
+
+    if memory.CudaRegion is None:
+        raise CudaError(f"--device {device}: {memory.CUDA_UNAVAILABLE}; use --device cpu")
+    from tensorxfer.memory import _cuda
+
+    try:
+        count = _cuda.device_count()
+    except CudaError as e:                # no driver: say which flag asked for it
+        raise CudaError(f"--device {device}: {e}") from None
+    if index >= count:
+        raise CudaError(f"--device {device}: this machine has {count} CUDA device(s); use cuda:0..cuda:{count - 1} "
+                        f"or --device cpu")
 
 
 def read_token(args: argparse.Namespace) -> str | None:
@@ -118,9 +151,11 @@ class Progress:
                 sys.stderr.flush()
 
     def finish(self) -> None:
+        """End the bar's line (once; later calls do nothing)."""
         if self.enabled and self.done:
             sys.stderr.write("\n")
             sys.stderr.flush()
+        self.enabled = False
 
 
 def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
@@ -132,12 +167,14 @@ def emit_json(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def report_error(prog: str, error: BaseException, as_json: bool) -> int:
-    code = exit_code(error)
+def report_error(prog: str, error: BaseException, as_json: bool, code: int | None = None) -> int:
+    """Print (and with ``--json`` emit) an error; returns its exit code (``code`` overrides the default)."""
+    code = exit_code(error) if code is None else code
     if as_json:
         emit_json({"event": "error", "error": type(error).__name__, "message": str(error), "exit_code": code})
     print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
     return code
 
 
-__all__ = ["EXIT_OK", "TensorXferError", "add_common", "exit_code", "read_token", "report_error", "summary"]
+__all__ = ["EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "read_token", "report_error",
+           "summary"]

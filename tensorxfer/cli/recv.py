@@ -1,29 +1,45 @@
 """``tensorxfer-recv --listen HOST:PORT --out DIR``: receive files sent by ``tensorxfer-send``.
 
-Writes the same files, byte-identical, into ``DIR``: each under a temporary
-name, fsynced, and renamed only after the whole transfer arrived (and, with
-``--verify`` on the sender, was checked).  A failed transfer writes nothing.
-File names from the peer are untrusted: anything but a plain name inside
-``DIR`` is refused.  Binds 127.0.0.1 unless ``--listen`` names another
-address; listening beyond loopback without a token prints a warning.
+Writes the same files, byte-identical and with the sender's permission bits
+(masked by the umask; never setuid/setgid/sticky), into ``DIR``, all or
+nothing: every name and target is checked first, each file is written under
+a temporary name, fsynced, and renamed only after the whole transfer arrived
+(and, with ``--verify`` on the sender, was checked); if a rename fails the
+files already renamed are rolled back.  The sender is acknowledged only
+after that, so its exit code says whether the files were written.  File
+names from the peer are untrusted: anything but a plain, printable name
+inside ``DIR`` is refused.  ``DIR`` is created if missing and checked at
+start; one tensorxfer-recv at a time may write into it, and the
+``.tensorxfer-*.part`` files a killed one left behind are removed.  Binds
+127.0.0.1 unless ``--listen`` names another address; listening beyond
+loopback without a token prints a warning.
 
 Without ``--once`` it keeps serving senders one after another, reporting
-failed transfers and carrying on.  Exit codes are listed in
-:mod:`tensorxfer.cli.common`.
+failed transfers and carrying on.  Connections that never make an offer
+(port scans, peers that are not tensorxfer) are dropped and reported, and
+do not end ``--once``; a sender with the wrong token does.  Exit codes are
+listed in :mod:`tensorxfer.cli.common`.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import ipaddress
 import logging
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from tensorxfer.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
     Progress,
     add_common,
+    check_device,
     emit_json,
     read_token,
     report_error,
@@ -54,50 +70,135 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def claim_output_dir(out: str) -> tuple[Path, int]:
+    """Create/check ``out``, lock it against a second tensorxfer-recv, and remove a killed one's leftovers.
+
+    Returns the resolved directory and the locked fd (held for the life of the process).
+
+    Raises
+    ------
+    OutputError
+        ``out`` is not a directory or cannot be created.
+    ValueError
+        Another tensorxfer-recv is writing into it.
+    """
+    from tensorxfer.safetensors_io import check_output_dir, clean_leftovers
+
+    real = check_output_dir(out)
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"another tensorxfer-recv is writing into {real}; pick another --out") from None
+    removed, backups = clean_leftovers(real)
+    for p in removed:
+        logging.getLogger(PROG).info("removed %s, left behind by an interrupted receiver", p.name)
+    for p in backups:
+        logging.getLogger(PROG).warning("kept %s: the previous content of a file an interrupted receiver was "
+                                        "replacing; check it and remove it", p)
+    return real, fd
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
     from tensorxfer import Receiver, TensorXferError
     from tensorxfer.protocol import parse_address
-    from tensorxfer.safetensors_io import write_files
 
     try:
         token = read_token(args)
-        host, _ = parse_address(args.listen)
+        host, port = parse_address(args.listen)
+        check_device(args.device)
+        _, lock_fd = claim_output_dir(args.out)
+    except (TensorXferError, OSError, ValueError) as e:
+        # an --out that cannot be used is bad usage, found before anyone connects
+        return report_error(PROG, e, args.json, EXIT_USAGE if isinstance(e, OSError) else None)
+    try:
         rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=int(args.max_bytes),
                       stall_timeout=args.stall_timeout)
-    except (TensorXferError, OSError, ValueError) as e:
+    except OSError as e:
+        os.close(lock_fd)
+        if isinstance(e, TensorXferError):
+            return report_error(PROG, e, args.json)
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        msg = f"cannot listen on {where}: {e.strerror or e}"
+        if args.json:
+            emit_json({"event": "error", "error": type(e).__name__, "message": msg, "exit_code": EXIT_UNAVAILABLE})
+        print(f"{PROG}: {type(e).__name__}: {msg} (is another process using the port? pick another --listen)",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (TensorXferError, ValueError) as e:
+        os.close(lock_fd)
         return report_error(PROG, e, args.json)
     with rx:
-        if token is None and not is_loopback(host):
-            print(f"{PROG}: WARNING: listening on {host} without a token: anyone who can reach this port can "
-                  f"write files into {args.out}; use --token-file", file=sys.stderr)
-        lhost, lport = rx.address
-        if args.json:
-            emit_json({"event": "listening", "host": lhost, "port": lport})
-        print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
-        while True:
-            bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
-            try:
-                region = rx.receive(progress=bar, on_offer=bar.start)
-                bar.finish()
-                paths = write_files(region, args.out)
-            except KeyboardInterrupt:
-                return EXIT_INTERRUPTED
-            except (TensorXferError, OSError, ValueError) as e:
-                bar.finish()
-                code = report_error(PROG, e, args.json)
-                if args.once:
-                    return code
+        try:
+            return serve(args, rx, token is not None, host)
+        finally:
+            os.close(lock_fd)
+
+
+class _Transfer:
+    """One receive: its progress bar, whether an offer came, and the files written."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tensorxfer.safetensors_io import plan_files, write_files
+
+        self.args = args
+        self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
+        self.offered = False
+        self.written: list[Path] = []
+        self._plan, self._write = plan_files, write_files
+
+    def on_offer(self, manifest: Any) -> None:
+        self.offered = True
+        self.bar.start(manifest)
+        self._plan(manifest)           # a hostile or unusable file layout is refused before allocating
+
+    def on_landed(self, region: Any) -> None:
+        self.bar.finish()
+        self.written = self._write(region, self.args.out)   # before the ack: the sender learns if this fails
+
+
+def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
+    """Receive transfers until ``--once`` is satisfied or Ctrl-C; returns the exit code."""
+    from tensorxfer import AuthError, TensorXferError
+
+    if not has_token and not is_loopback(host):
+        print(f"{PROG}: WARNING: listening on {host} without a token: anyone who can reach this port can "
+              f"write files into {args.out}; use --token-file", file=sys.stderr)
+    lhost, lport = rx.address
+    if args.json:
+        emit_json({"event": "listening", "host": lhost, "port": lport})
+    print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
+    while True:
+        t = _Transfer(args)
+        try:
+            rx.receive(progress=t.bar, on_offer=t.on_offer, on_landed=t.on_landed)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except (TensorXferError, OSError, ValueError) as e:
+            t.bar.finish()
+            if not t.offered and not isinstance(e, AuthError):
+                # No offer was made: a port scan, an idle or foreign peer.  Not a transfer; never ends --once.
+                if args.json:
+                    emit_json({"event": "dropped", "error": type(e).__name__, "message": str(e)})
+                if not args.quiet:
+                    print(f"{PROG}: dropped a connection that made no offer ({type(e).__name__}: {e})",
+                          file=sys.stderr, flush=True)
                 continue
-            assert rx.last_stats is not None
-            stats = rx.last_stats.as_dict()
-            if args.json:
-                emit_json({"event": "received", "files": [str(p) for p in paths], **stats})
-            elif not args.quiet:
-                print(summary("received", stats, f"; wrote {len(paths)} files to {args.out}"), flush=True)
+            code = report_error(PROG, e, args.json)
             if args.once:
-                return EXIT_OK
+                return code
+            continue
+        assert rx.last_stats is not None
+        stats = rx.last_stats.as_dict()
+        if args.json:
+            emit_json({"event": "received", "files": [str(p) for p in t.written], **stats})
+        elif not args.quiet:
+            print(summary("received", stats, f"; wrote {len(t.written)} files to {args.out}"), flush=True)
+        if args.once:
+            return EXIT_OK
 
 
 if __name__ == "__main__":

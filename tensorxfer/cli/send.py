@@ -1,14 +1,19 @@
 """``tensorxfer-send SRC... --to HOST:PORT``: send safetensors files or model directories.
 
 Every file goes in one region, one transfer; the receiver
-(``tensorxfer-recv``) writes byte-identical files.  Exit codes are listed
-in :mod:`tensorxfer.cli.common`.
+(``tensorxfer-recv``) writes byte-identical files.  A model directory also
+sends its side files (config.json, generation_config.json, tokenizer files,
+the index: every other regular top-level file, 32 MiB each and 48 MiB in all
+at most), so a Hugging Face directory arrives loadable; hidden files,
+subdirectories and other weight formats (.bin, .pt, ...) are left out and
+listed.  Exits 0 only once the receiver has written and fsynced every file;
+if it cannot, the exit code is non-zero and the message is the receiver's.
+Exit codes are listed in :mod:`tensorxfer.cli.common`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -17,6 +22,7 @@ from tensorxfer.cli.common import (
     EXIT_OK,
     Progress,
     add_common,
+    check_device,
     emit_json,
     read_token,
     report_error,
@@ -24,6 +30,7 @@ from tensorxfer.cli.common import (
 )
 
 PROG = "tensorxfer-send"
+log = logging.getLogger(PROG)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
     from tensorxfer import Sender, TensorXferError
-    from tensorxfer.safetensors_io import FILES_KEY, load_files
+    from tensorxfer.safetensors_io import discover, load_files
 
     try:
         token = read_token(args)
-        with load_files(args.sources, device=args.device) as region:
-            files = len(json.loads(region.manifest.metadata[FILES_KEY]))
+        check_device(args.device)
+        found = discover(args.sources)
+        for name, why in found.skipped:
+            log.info("not sent: %s (%s)", name, why)
+        with load_files(found, device=args.device) as region:
             with Sender(args.to, token=token, transport=args.transport, streams=args.streams,
                         stall_timeout=args.stall_timeout) as sender:
                 bar = Progress(region.nbytes, "send", enabled=not args.quiet and not args.json)
@@ -52,14 +62,20 @@ def main(argv: list[str] | None = None) -> int:
                     stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
                 finally:
                     bar.finish()
+            tensors = len(region.manifest)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except (TensorXferError, OSError, ValueError) as e:
         return report_error(PROG, e, args.json)
+    side = [s.name for s in found.files if s.kind == "side"]
+    tensor_files = [s.name for s in found.files if s.kind == "safetensors"]
     if args.json:
-        emit_json({"event": "sent", "files": files, "tensors": len(region.manifest), **stats})
+        emit_json({"event": "sent", "files": [s.name for s in found.files], "tensor_files": tensor_files,
+                   "side_files": side, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
+                   "tensors": tensors, **stats})
     elif not args.quiet:
-        print(summary("sent", stats, f"; {files} files, {len(region.manifest)} tensors"))
+        print(summary("sent", stats, f"; {len(found.files)} files ({len(tensor_files)} safetensors, "
+                                     f"{tensors} tensors; side files: {', '.join(side) or 'none'})"))
     return EXIT_OK
 
 
