@@ -6,9 +6,14 @@ A frame is a 4-byte big-endian unsigned length ``N`` followed by ``N`` bytes
 of msgpack encoding one map whose ``"type"`` key names the frame.  Frames are
 read with a bounds-checked reader: the length is checked against a limit
 before anything is allocated (64 KiB until the peer is authenticated, then
-``max_frame`` — a manifest of a million tensors fits), msgpack's own
-per-object limits are bounded by the frame size, and every field a caller
-reads goes through :func:`field`, which checks its type.  Never pickle.
+``max_frame`` — a manifest of a million tensors fits, as one ``bin``), and
+the body is pre-scanned before msgpack decodes it: at most
+:data:`MAX_FRAME_OBJECTS` objects nested at most :data:`MAX_FRAME_DEPTH`
+deep (:func:`scan_msgpack`).  msgpack's own per-container limits bound only
+each container, not their number: a 16 MiB frame of empty maps decoded into
+16 million dicts (1.2 GiB), so without the scan a frame could make the
+receiver allocate ~80 times its own size.  Every field a caller reads goes
+through :func:`field`, which checks its type.  Never pickle.
 
 Connections are owned by :class:`Channel`; ``close()`` is idempotent.
 Errors map onto the exception tree: EOF or a reset is :class:`PeerLost`, a
@@ -46,6 +51,10 @@ PREAUTH_MAX_FRAME = 64 << 10          # hello/auth frames are tiny; a stranger c
 DEFAULT_MAX_FRAME = (256 << 20) + (1 << 20)   # the largest manifest Manifest.unpack accepts, plus room
 NONCE_BYTES = 32
 AUTH_CONTEXT = b"tensorxfer-auth-v1"
+#: Control frames are a few dozen objects (the largest: an rdma accept, ~10 per QP); a manifest
+#: travels as one bin.  4096 objects cost at most ~0.5 MiB of Python objects, whatever the frame size.
+MAX_FRAME_OBJECTS = 4096
+MAX_FRAME_DEPTH = 16
 FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "ack", "error", "bye"))
 
 T = TypeVar("T")
@@ -254,17 +263,19 @@ class Channel:
 
 
 def decode_frame(body: bytes) -> dict[str, Any]:
-    """Decode one frame body with msgpack limits bounded by its size.
+    """Decode one frame body: pre-scanned (:func:`scan_msgpack`), then decoded with msgpack limits.
 
     Raises
     ------
     ProtocolError
-        Not one msgpack map with a known ``type``.
+        Not one msgpack map with a known ``type``, or more objects or deeper
+        nesting than a control frame ever has.
     """
+    scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH)
     lim = len(body)
     try:
         frame = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=lim, max_bin_len=lim,
-                                max_array_len=lim, max_map_len=lim, max_ext_len=0)
+                                max_array_len=MAX_FRAME_OBJECTS, max_map_len=MAX_FRAME_OBJECTS, max_ext_len=0)
     except Exception as e:   # msgpack raises several types for bad input; all mean the same here
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
@@ -272,6 +283,83 @@ def decode_frame(body: bytes) -> dict[str, Any]:
     if frame["type"] not in FRAME_TYPES:
         raise ProtocolError(f"unknown frame type {frame['type']!r}")
     return frame
+
+
+# Bytes that follow a msgpack type byte before its payload or children: fixed-size scalars, and the
+# width of the length field of str/bin/ext (ext also has a 1-byte type code).
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}         # bin8/16/32, str8/16/32
+_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}
+_CONTAINER = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}   # array16/32, map16/32: (width, per entry)
+
+
+def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_depth: int) -> int:
+    """Walk one msgpack object without building it; return how many objects it holds.
+
+    The walk touches each object header once and skips str/bin payloads by
+    their length, so it costs at most ``max_objects`` steps whatever a
+    header claims: a container that declares 2**32 children fails when the
+    budget or the bytes run out, before anything is allocated.
+
+    Raises
+    ------
+    ProtocolError
+        More than ``max_objects`` objects, nesting deeper than ``max_depth``,
+        a truncated object, a reserved type byte, or bytes after the object.
+    """
+    buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    size = len(buf)
+    pos = 0
+    count = 0
+    pending = [1]          # children still to read at each open container level (the root: one object)
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        if pos >= size:
+            raise ProtocolError(f"frame is truncated msgpack (an object is missing at byte {pos})")
+        count += 1
+        if count > max_objects:
+            raise ProtocolError(f"frame holds more than {max_objects} msgpack objects: no control frame "
+                                f"does; refused before decoding it")
+        b = buf[pos]
+        pos += 1
+        children = 0
+        if b <= 0x7f or b >= 0xe0:
+            continue                                 # fixint
+        if b <= 0x8f:
+            children = 2 * (b & 0x0f)                # fixmap
+        elif b <= 0x9f:
+            children = b & 0x0f                      # fixarray
+        elif b <= 0xbf:
+            pos += b & 0x1f                          # fixstr
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED or b in _EXT:
+            width = _SIZED.get(b) or _EXT[b]
+            if pos + width > size:
+                raise ProtocolError(f"frame is truncated msgpack (a length field at byte {pos})")
+            pos += width + int.from_bytes(buf[pos:pos + width], "big") + (1 if b in _EXT else 0)
+        elif b in _CONTAINER:
+            width, per = _CONTAINER[b]
+            if pos + width > size:
+                raise ProtocolError(f"frame is truncated msgpack (a length field at byte {pos})")
+            children = per * int.from_bytes(buf[pos:pos + width], "big")
+            pos += width
+        else:
+            raise ProtocolError(f"frame is not valid msgpack: reserved type byte {b:#04x} at byte {pos - 1}")
+        if pos > size:
+            raise ProtocolError(f"frame is truncated msgpack (an object overruns the frame at byte {pos})")
+        if 0x80 <= b <= 0x9f or b in _CONTAINER:
+            if len(pending) > max_depth:     # pending holds one level per open container, plus the root's
+                raise ProtocolError(f"frame nests msgpack containers deeper than {max_depth} levels: no "
+                                    f"control frame does; refused before decoding it")
+            pending.append(children)
+    if pos != size:
+        raise ProtocolError(f"frame has {size - pos} bytes after its msgpack object")
+    return count
 
 
 def _peername(sock: socket.socket) -> str:
