@@ -363,10 +363,16 @@ def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) 
             rows = np.repeat(np.arange(n), ndims)
             starts = np.repeat(np.cumsum(ndims, dtype=np.int64) - ndims, ndims)
             padded[rows, np.arange(total_dims) - starts] = dims
-        approx = np.prod(padded.astype(np.float64), axis=1) * itemsizes
+        # numpy and torch compute a shape's extent in int64 *ignoring zero dims* (numpy refuses
+        # (0, 2**63) with "array is too big"), so a zero-sized tensor with a huge other dim is as
+        # unrepresentable as a huge one: bound the product with zeros counted as ones.
+        approx = np.prod(np.maximum(padded, 1).astype(np.float64), axis=1) * itemsizes
         if approx.max() >= 2.0**62:
             bad = int(np.argmax(approx >= 2.0**62))
-            raise fail(f"tensor {names[bad]!r}: shape is impossibly large")
+            a, b = int(np.cumsum(ndims)[bad] - ndims[bad]), int(np.cumsum(ndims)[bad])
+            raise fail(f"tensor {names[bad]!r}: shape {tuple(dims[a:b].tolist())} is impossibly large: its "
+                       f"non-zero dimensions times the item size must stay below 2**62 (numpy and torch "
+                       f"index in int64, zero dimensions or not)")
         exact = np.prod(padded, axis=1, dtype=np.uint64) * itemsizes
         wrong = np.flatnonzero(exact != sizes)
         if wrong.size:
