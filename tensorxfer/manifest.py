@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -49,9 +50,93 @@ MAX_NDIM = 64
 MAX_METADATA_ITEMS = 1024
 MAX_METADATA_STR = 1 << 16
 MAX_CHECKSUM_NAME = 32
-DEFAULT_MAX_REGION_BYTES = 1 << 40      # 1 TiB
+REGION_MEMORY_FRACTION = 2              # a default receiver takes at most 1/2 of the memory its region lives in
 DEFAULT_MAX_TENSORS = 1 << 20
 DEFAULT_MAX_MANIFEST_BYTES = 256 << 20
+_LIMIT_ORIGINS: dict[int, str] = {}    # limits default_max_region_bytes() computed -> where they came from
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _host_memory() -> tuple[int, str]:
+    """Physical memory this process may use, and where that number comes from."""
+    total, origin = 0, ""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total, origin = int(line.split()[1]) * 1024, "MemTotal in /proc/meminfo"
+                    break
+    except OSError:
+        pass
+    if not total:
+        total, origin = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "sysconf(SC_PHYS_PAGES)"
+    # A container's memory limit is what the kernel enforces, whatever MemTotal says.
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total, origin = int(text), f"the cgroup memory limit in {path}"
+        break
+    return total, origin
+
+
+def _gpu_memory(index: int) -> tuple[int, str] | None:
+    """Total memory of CUDA device ``index`` (``None`` where the driver cannot say)."""
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None
+        err, dev = driver.cuDeviceGet(index)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None
+        err, total = driver.cuDeviceTotalMem(dev)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None
+    except Exception:     # no cuda-bindings, no libcuda, no such device: the host rule applies
+        return None
+    return int(total), f"cuDeviceTotalMem of cuda:{index}"
+
+
+def default_max_region_bytes(device: str = "cpu") -> int:
+    """The largest region a receiver on ``device`` accepts unless told otherwise.
+
+    Half of the memory the region would live in: for ``"cpu"`` the
+    machine's physical memory (``MemTotal``, or the cgroup limit where it is
+    lower); for ``"cuda"`` / ``"cuda:N"`` that GPU's total memory (the host
+    rule where the driver cannot be asked).  Physical rather than available
+    memory, so the limit does not change from one offer to the next; the
+    point is that a manifest of a few bytes cannot make a receiver commit
+    more memory than the machine has (the old default was 1 TiB).  A
+    refusal names this limit and its origin (see :meth:`Manifest.unpack`).
+    """
+    kind, _, index = device.partition(":")
+    found = None
+    if kind == "cuda":
+        found = _gpu_memory(int(index) if index.isdigit() else 0)
+        what = f"{device}'s"
+    if found is None:
+        total, source = _host_memory()
+        what = "this machine's"
+        if kind == "cuda":
+            source += f"; the memory of {device} could not be queried"
+    else:
+        total, source = found
+    limit = max(total // REGION_MEMORY_FRACTION, 1)
+    _LIMIT_ORIGINS.setdefault(limit, f"the default: half of {what} {_gib(total)} of memory ({source})")
+    return limit
+
+
+DEFAULT_MAX_REGION_BYTES = default_max_region_bytes("cpu")
+"""The host default of ``max_region_bytes`` at import (:func:`default_max_region_bytes`)."""
+
 _KEYS = frozenset(("format", "version", "alignment", "nbytes", "names", "dtype_names", "dtypes",
                    "ndims", "dims", "offsets", "sizes", "metadata", "checksums"))
 _U64 = np.dtype("<u8")
@@ -106,7 +191,7 @@ class Manifest:
         alignment: int = DEFAULT_ALIGNMENT,
         metadata: Mapping[str, str] | None = None,
         checksums: tuple[str, Sequence[int]] | None = None,
-        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        max_region_bytes: int = 1 << 62,     # tensors this process holds: the receiver's limit applies on unpack
         max_tensors: int = DEFAULT_MAX_TENSORS,
     ) -> None:
         specs = [TensorSpec(*t) for t in tensors]
@@ -306,8 +391,10 @@ def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) 
     if type(nbytes) is not int or nbytes < 0:
         raise fail(f"nbytes must be a non-negative integer, got {nbytes!r:.40}")
     if nbytes > max_region_bytes:
-        raise fail(f"manifest needs {nbytes} bytes, over this receiver's limit of {max_region_bytes} "
-                   f"(max_region_bytes)")
+        origin = _LIMIT_ORIGINS.get(max_region_bytes, "set with max_region_bytes / --max-bytes")
+        raise fail(f"manifest needs {nbytes} bytes ({_gib(nbytes)}), over this receiver's limit of "
+                   f"{max_region_bytes} bytes ({_gib(max_region_bytes)}; {origin}); to accept it, raise the "
+                   f"limit on the receiver: Receiver(max_region_bytes=N) or tensorxfer-recv --max-bytes N")
 
     # ---- names
     names = obj["names"]
