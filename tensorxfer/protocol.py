@@ -150,6 +150,10 @@ class Channel:
         self.desynced = False       # a read timed out mid-frame: no later frame boundary can be trusted
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
+        self.frames_received = 0
+        #: what the other end should be ("receiver" / "sender", set by the handshakes): names it when
+        #: its very first answer is not a tensorxfer frame (an HTTP server, an SSH daemon, ...).
+        self.peer_role: str | None = None
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Control frames are small and latency-bound: never wait for Nagle.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -214,15 +218,39 @@ class Channel:
         head = self._read_exact(HEADER.size, what="frame header")
         (size,) = HEADER.unpack(head)
         if size == 0 or size > self._limit:
-            raise ProtocolError(f"frame of {size} bytes from {self.peer}: the limit here is {self._limit} "
-                                f"(and frames are never empty)")
+            why = (f"frame of {size} bytes from {self.peer}: the limit here is {self._limit} "
+                   f"(and frames are never empty)")
+            raise self._foreign(head, why) if not self.frames_received else ProtocolError(why)
         body = self._read_exact(size, what=f"frame body of {size} bytes")
-        frame = decode_frame(body)
+        try:
+            frame = decode_frame(body)
+        except ProtocolError as e:
+            if not self.frames_received:
+                raise self._foreign(head + body, str(e)) from None
+            raise
+        self.frames_received += 1
         if frame["type"] == "error" and "error" not in expected:
             raise_peer_error(frame)
         if frame["type"] not in expected:
             raise ProtocolError(f"expected a {' or '.join(expected)} frame from {self.peer}, got {frame['type']!r}")
         return frame
+
+    def _foreign(self, first: bytes, why: str) -> ProtocolError:
+        """The error for a peer whose first bytes are not a tensorxfer frame, quoting them."""
+        if len(first) < 64:
+            try:        # the rest of its greeting, if it sent one (an HTTP status line, an SSH banner)
+                self.sock.settimeout(0.2)
+                first += self.sock.recv(64 - len(first))
+            except OSError:
+                pass    # nothing more came: quote what did
+        text = first[:64].decode("ascii", "backslashreplace")
+        quoted = repr(text + ("..." if len(first) > 64 else ""))
+        if self.peer_role is None:
+            return ProtocolError(f"the peer at {self.peer} does not speak the tensorxfer protocol "
+                                 f"(it sent {quoted}; {why})")
+        verb = "answered" if self.peer_role == "receiver" else "sent"
+        return ProtocolError(f"the peer at {self.peer} is not a tensorxfer {self.peer_role} (it {verb} {quoted}); "
+                             f"check the address and port ({why})")
 
     def _read_exact(self, n: int, what: str) -> bytes:
         buf = bytearray(n)
@@ -410,9 +438,19 @@ def client_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, 
         prove it knows the token.
     """
     my_nonce = nonce()
+    ch.peer_role = "receiver"
+    # The hello ends in CR LF CR LF ("eol", ignored by receivers) so that a line-based server at
+    # this address (HTTP, SMTP, ...) answers at once and is named, instead of waiting for more.
     ch.send("hello", version=PROTOCOL_VERSION, role="sender", auth=key is not None, nonce=my_nonce,
-            capabilities=dict(capabilities))
-    hello = ch.recv("hello", timeout=timeout)
+            capabilities=dict(capabilities), eol="\r\n\r\n")
+    try:
+        hello = ch.recv("hello", timeout=timeout)
+    except PeerLost as e:
+        raise PeerLost(f"{e} before answering the hello: is {ch.peer} a tensorxfer receiver? (or it "
+                       f"refused this sender: see its log)") from None
+    except TransferTimeout as e:
+        raise TransferTimeout(f"{e}: the peer at {ch.peer} did not answer the hello; is it a tensorxfer "
+                              f"receiver (or one busy with another sender)?") from None
     _check_hello(hello, key, "receiver")
     if key is not None:
         peer_nonce = field(hello, "nonce", bytes)
@@ -437,6 +475,7 @@ def server_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, 
     ProtocolError, AuthError
         As :func:`client_handshake`.
     """
+    ch.peer_role = "sender"
     hello = ch.recv("hello", timeout=timeout)
     try:
         _check_hello(hello, key, "sender")
