@@ -21,10 +21,22 @@ validates with vectorized numpy instead of a Python loop::
      "offsets": bin,              # uint64 little-endian per tensor
      "sizes": bin,                # uint64 little-endian per tensor (bytes)
      "metadata": {str: str},
-     "checksums": null | [algorithm, bin]}   # uint64 little-endian per tensor
+     "checksums": null | [algorithm, bin],   # uint64 little-endian per tensor
+     "aliases": bin}              # optional: uint64 little-endian (alias, target) index pairs
 
 ``nbytes`` must equal the end of the last tensor, so a peer cannot make a
 receiver allocate more memory than its tensors need.
+
+**Aliases** (tied weights: GPT-2's ``lm_head.weight`` *is* its
+``wte.weight``): a tensor stored once under several names.  Every name has
+its own row in the columns; an alias row repeats its target's dtype, shape,
+offset and size, and ``aliases`` lists ``(alias index, target index)``
+pairs in increasing alias order.  A target must be a tensor that is not
+itself an alias.  Alias rows are exempt from the overlap check (they *are*
+their target's bytes) and count nothing towards ``nbytes``.  The key is
+absent when there are no aliases, so such manifests are byte-identical to
+those of earlier versions; a receiver that predates aliases refuses a
+manifest that has them (an unexpected key), never misreads it.
 """
 
 from __future__ import annotations
@@ -139,6 +151,7 @@ DEFAULT_MAX_REGION_BYTES = default_max_region_bytes("cpu")
 
 _KEYS = frozenset(("format", "version", "alignment", "nbytes", "names", "dtype_names", "dtypes",
                    "ndims", "dims", "offsets", "sizes", "metadata", "checksums"))
+_OPTIONAL_KEYS = frozenset(("aliases",))
 _U64 = np.dtype("<u8")
 _DTYPE_NAMES = tuple(DTYPES)
 _ITEMSIZE_BY_NAME = {k: v.itemsize for k, v in DTYPES.items()}
@@ -168,8 +181,8 @@ class Manifest:
     ``tensors`` gives the same data as :class:`TensorSpec` records.
     """
 
-    __slots__ = ("_by_name", "_dims", "_dtype_idx", "_dtype_names", "_ndims", "_specs",
-                 "alignment", "checksums", "metadata", "names", "nbytes", "offsets", "sizes")
+    __slots__ = ("_alias_pairs", "_by_name", "_dims", "_dtype_idx", "_dtype_names", "_ndims", "_specs",
+                 "aliases", "alignment", "checksums", "metadata", "names", "nbytes", "offsets", "sizes")
     names: tuple[str, ...]
     nbytes: int
     alignment: int
@@ -183,6 +196,8 @@ class Manifest:
     _dims: np.ndarray
     _by_name: dict[str, int]
     _specs: tuple[TensorSpec, ...] | None
+    aliases: dict[str, str]      # alias name -> the name of the tensor whose bytes it shares
+    _alias_pairs: np.ndarray     # uint64 (k, 2): (alias index, target index), sorted by alias index
 
     def __init__(
         self,
@@ -193,6 +208,7 @@ class Manifest:
         checksums: tuple[str, Sequence[int]] | None = None,
         max_region_bytes: int = 1 << 62,     # tensors this process holds: the receiver's limit applies on unpack
         max_tensors: int = DEFAULT_MAX_TENSORS,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         specs = [TensorSpec(*t) for t in tensors]
         try:
@@ -212,7 +228,16 @@ class Manifest:
                 "checksums": None if checksums is None else
                 [checksums[0], np.array(checksums[1], dtype=_U64).tobytes()],
             }
+            if aliases:
+                position = {s.name: i for i, s in enumerate(specs)}
+                missing = [n for pair in aliases.items() for n in pair if n not in position]
+                if missing:
+                    raise ManifestError(f"alias names a tensor that is not in the manifest: {missing[0]!r}")
+                pairs = sorted((position[a], position[t]) for a, t in aliases.items())
+                obj["aliases"] = np.array(pairs, dtype=_U64).tobytes()
         except (TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, ManifestError):
+                raise
             raise ManifestError(f"invalid tensor records: {e}") from None
         _validate(obj, self, max_region_bytes, max_tensors)
 
@@ -224,33 +249,53 @@ class Manifest:
         *,
         alignment: int = DEFAULT_ALIGNMENT,
         metadata: Mapping[str, str] | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> Manifest:
-        """Place ``(name, dtype, shape)`` entries at aligned offsets, in order."""
-        specs = []
+        """Place ``(name, dtype, shape)`` entries at aligned offsets, in order.
+
+        ``aliases`` maps a name to the name of the tensor whose bytes it
+        shares (tied weights): the alias takes no space of its own, it is
+        placed at its target's offset (dtype and shape must be the target's).
+        """
+        aliases = dict(aliases or {})
+        specs: list[TensorSpec] = []
+        placed: dict[str, TensorSpec] = {}
         offset = 0
-        for name, dtype, shape in entries:
+        rows = list(entries)
+        for name, dtype, shape in rows:
             if dtype not in DTYPES:
                 raise ManifestError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+            if name in aliases:
+                continue
             shape = tuple(int(d) for d in shape)
             nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-            specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
+            placed[name] = TensorSpec(name, dtype, shape, offset, nbytes)
             offset = align_up(offset + nbytes, alignment)
-        return cls(specs, alignment=alignment, metadata=metadata)
+        for name, dtype, shape in rows:
+            if name in aliases:
+                target = placed.get(aliases[name])
+                if target is None:
+                    raise ManifestError(f"tensor {name!r} is an alias of {aliases[name]!r}, which is not a "
+                                        f"stored tensor of this layout")
+                specs.append(TensorSpec(name, dtype, tuple(int(d) for d in shape), target.offset, target.nbytes))
+            else:
+                specs.append(placed[name])
+        return cls(specs, alignment=alignment, metadata=metadata, aliases=aliases)
 
     def pack(self) -> bytes:
         """Serialize to msgpack bytes (the module docstring gives the format)."""
-        return msgpack.packb(
-            {
-                "format": FORMAT, "version": VERSION, "alignment": self.alignment, "nbytes": self.nbytes,
-                "names": list(self.names), "dtype_names": list(self._dtype_names),
-                "dtypes": self._dtype_idx.tobytes(), "ndims": self._ndims.tobytes(),
-                "dims": self._dims.tobytes(), "offsets": self.offsets.tobytes(), "sizes": self.sizes.tobytes(),
-                "metadata": dict(self.metadata),
-                "checksums": None if self.checksums is None else
-                [self.checksums[0], np.asarray(self.checksums[1], dtype=_U64).tobytes()],
-            },
-            use_bin_type=True,
-        )
+        obj: dict[str, Any] = {
+            "format": FORMAT, "version": VERSION, "alignment": self.alignment, "nbytes": self.nbytes,
+            "names": list(self.names), "dtype_names": list(self._dtype_names),
+            "dtypes": self._dtype_idx.tobytes(), "ndims": self._ndims.tobytes(),
+            "dims": self._dims.tobytes(), "offsets": self.offsets.tobytes(), "sizes": self.sizes.tobytes(),
+            "metadata": dict(self.metadata),
+            "checksums": None if self.checksums is None else
+            [self.checksums[0], np.asarray(self.checksums[1], dtype=_U64).tobytes()],
+        }
+        if len(self._alias_pairs):
+            obj["aliases"] = self._alias_pairs.tobytes()      # absent otherwise: readable by older versions
+        return msgpack.packb(obj, use_bin_type=True)
 
     @classmethod
     def unpack(
@@ -338,13 +383,13 @@ class Manifest:
         return self._by_name[name]
 
     def same_layout(self, other: Manifest) -> bool:
-        """True if ``other`` places the same tensors, dtypes and shapes at the same offsets."""
-        return self.nbytes == other.nbytes and self.tensors == other.tensors
+        """True if ``other`` places the same tensors, dtypes and shapes at the same offsets (and aliases)."""
+        return self.nbytes == other.nbytes and self.tensors == other.tensors and self.aliases == other.aliases
 
     def with_checksums(self, algorithm: str, values: Sequence[int]) -> Manifest:
-        """A copy carrying one checksum per tensor, in manifest order."""
+        """A copy carrying one checksum per tensor (aliases included), in manifest order."""
         return Manifest(self.tensors, alignment=self.alignment, metadata=self.metadata,
-                        checksums=(algorithm, list(values)))
+                        checksums=(algorithm, list(values)), aliases=self.aliases)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Manifest) and self.same_layout(other) and self.alignment == other.alignment
@@ -371,13 +416,47 @@ def _u8_column(obj: dict, key: str, count: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+def _validate_aliases(raw: Any, names: list[str], dtype_idx: np.ndarray, ndims: np.ndarray,
+                      padded: np.ndarray | None, offsets: np.ndarray,
+                      sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Check the optional alias column; return the (alias, target) pairs and an is-alias mask."""
+    n = len(names)
+    is_alias = np.zeros(n, dtype=bool)
+    if raw is None:
+        return np.zeros((0, 2), dtype=_U64), is_alias
+    if not isinstance(raw, bytes) or len(raw) % 16 or not 0 < len(raw) // 16 < max(n, 1):
+        raise ManifestError(f"aliases must be 1 to {max(n - 1, 0)} pairs of little-endian uint64 "
+                            f"(alias index, target index), 16 bytes each")
+    pairs = np.frombuffer(raw, dtype=_U64).reshape(-1, 2)
+    alias, target = pairs[:, 0], pairs[:, 1]
+    if int(pairs.max()) >= n:
+        raise ManifestError(f"an alias pair names tensor index {int(pairs.max())}; there are {n} tensors")
+    if len(alias) > 1 and not bool(np.all(alias[1:] > alias[:-1])):
+        raise ManifestError("alias indices must be strictly increasing (each tensor is an alias at most once)")
+    a, t = alias.astype(np.intp), target.astype(np.intp)
+    is_alias[a] = True
+    if is_alias[t].any():
+        i = int(np.flatnonzero(is_alias[t])[0])
+        raise ManifestError(f"tensor {names[a[i]]!r} is an alias of {names[t[i]]!r}, which is itself an alias "
+                            f"(or the same tensor); an alias must point to a stored tensor")
+    assert padded is not None      # n > 0 here
+    differs = ((dtype_idx[a] != dtype_idx[t]) | (ndims[a] != ndims[t]) | (padded[a] != padded[t]).any(axis=1)
+               | (offsets[a] != offsets[t]) | (sizes[a] != sizes[t]))
+    if differs.any():
+        i = int(np.flatnonzero(differs)[0])
+        raise ManifestError(f"tensor {names[a[i]]!r} is an alias of {names[t[i]]!r} but its dtype, shape, offset "
+                            f"or size differs; an alias repeats its target's exactly")
+    pairs.flags.writeable = False
+    return pairs, is_alias
+
+
 def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) -> None:
     """Validate a decoded manifest and fill ``out``; ManifestError on any violation."""
     fail = ManifestError
     if not isinstance(obj, dict):
         raise fail(f"manifest must be a map, got {type(obj).__name__}")
-    if obj.keys() != _KEYS:
-        missing, extra = _KEYS - obj.keys(), obj.keys() - _KEYS
+    if not _KEYS <= obj.keys() <= _KEYS | _OPTIONAL_KEYS:
+        missing, extra = _KEYS - obj.keys(), obj.keys() - _KEYS - _OPTIONAL_KEYS
         raise fail(f"manifest keys wrong: missing {sorted(missing)}, unexpected {sorted(map(repr, extra))}")
     if obj["format"] != FORMAT:
         raise fail(f"not a tensorxfer manifest (format {obj['format']!r:.80})")
@@ -479,7 +558,9 @@ def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) 
         end = 0
     if end != nbytes:
         raise fail(f"nbytes is {nbytes} but the tensors end at {end}; they must agree")
-    nonempty = np.flatnonzero(sizes)
+    pairs, is_alias = _validate_aliases(obj.get("aliases"), names, dtype_idx, ndims, padded if n else None,
+                                        offsets, sizes)
+    nonempty = np.flatnonzero(sizes * ~is_alias)      # an alias row *is* its target's bytes: no overlap check
     if nonempty.size > 1:
         order = nonempty[np.argsort(offsets[nonempty], kind="stable")]
         clash = np.flatnonzero(offsets[order][1:] < (offsets + sizes)[order][:-1])
@@ -514,3 +595,5 @@ def _validate(obj: Any, out: Manifest, max_region_bytes: int, max_tensors: int) 
     out._dims = dims
     out._by_name = by_name
     out._specs = None
+    out._alias_pairs = pairs
+    out.aliases = {names[a]: names[t] for a, t in pairs.tolist()}
