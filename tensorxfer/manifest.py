@@ -51,7 +51,8 @@ import msgpack
 import numpy as np
 
 from tensorxfer.dtypes import DTYPES
-from tensorxfer.errors import ManifestError
+from tensorxfer.errors import ManifestError, ProtocolError
+from tensorxfer.protocol import scan_msgpack
 
 FORMAT = "tensorxfer.manifest"
 VERSION = 1
@@ -332,6 +333,14 @@ class Manifest:
         # declares more elements than the input has bytes: bounding the
         # limits by `size` keeps a lying header from allocating memory.
         lim = max(size, 1)
+        # Per-container limits do not bound the number of containers: 4 MiB of nested empty maps
+        # decoded into 4 million dicts (~300 MiB).  A manifest is one map of a few fixed keys, the
+        # names (one str each), the metadata (<= 1024 pairs) and a 2-item checksums list, at most
+        # 3 levels deep: walk the headers first and refuse anything bigger or deeper.
+        try:
+            scan_msgpack(data, max_tensors + 2 * MAX_METADATA_ITEMS + 64, 3, what="manifest")
+        except ProtocolError as e:
+            raise ManifestError(str(e)) from None
         gc_was_enabled = gc.isenabled()
         gc.disable()     # msgpack's advice for large inputs: no GC passes over half-built lists
         try:

@@ -322,7 +322,8 @@ _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}
 _CONTAINER = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}   # array16/32, map16/32: (width, per entry)
 
 
-def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_depth: int) -> int:
+def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_depth: int,
+                 what: str = "frame") -> int:
     """Walk one msgpack object without building it; return how many objects it holds.
 
     The walk touches each object header once and skips str/bin payloads by
@@ -347,11 +348,11 @@ def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_dep
             continue
         pending[-1] -= 1
         if pos >= size:
-            raise ProtocolError(f"frame is truncated msgpack (an object is missing at byte {pos})")
+            raise ProtocolError(f"{what} is truncated msgpack (an object is missing at byte {pos})")
         count += 1
         if count > max_objects:
-            raise ProtocolError(f"frame holds more than {max_objects} msgpack objects: no control frame "
-                                f"does; refused before decoding it")
+            raise ProtocolError(f"{what} holds more than {max_objects} msgpack objects (no valid {what} "
+                                f"does); refused before decoding it")
         b = buf[pos]
         pos += 1
         children = 0
@@ -368,25 +369,25 @@ def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_dep
         elif b in _SIZED or b in _EXT:
             width = _SIZED.get(b) or _EXT[b]
             if pos + width > size:
-                raise ProtocolError(f"frame is truncated msgpack (a length field at byte {pos})")
+                raise ProtocolError(f"{what} is truncated msgpack (a length field at byte {pos})")
             pos += width + int.from_bytes(buf[pos:pos + width], "big") + (1 if b in _EXT else 0)
         elif b in _CONTAINER:
             width, per = _CONTAINER[b]
             if pos + width > size:
-                raise ProtocolError(f"frame is truncated msgpack (a length field at byte {pos})")
+                raise ProtocolError(f"{what} is truncated msgpack (a length field at byte {pos})")
             children = per * int.from_bytes(buf[pos:pos + width], "big")
             pos += width
         else:
-            raise ProtocolError(f"frame is not valid msgpack: reserved type byte {b:#04x} at byte {pos - 1}")
+            raise ProtocolError(f"{what} is not valid msgpack: reserved type byte {b:#04x} at byte {pos - 1}")
         if pos > size:
-            raise ProtocolError(f"frame is truncated msgpack (an object overruns the frame at byte {pos})")
+            raise ProtocolError(f"{what} is truncated msgpack (an object overruns the {what} at byte {pos})")
         if 0x80 <= b <= 0x9f or b in _CONTAINER:
             if len(pending) > max_depth:     # pending holds one level per open container, plus the root's
-                raise ProtocolError(f"frame nests msgpack containers deeper than {max_depth} levels: no "
-                                    f"control frame does; refused before decoding it")
+                raise ProtocolError(f"{what} nests msgpack containers deeper than {max_depth} levels (no "
+                                    f"valid {what} does); refused before decoding it")
             pending.append(children)
     if pos != size:
-        raise ProtocolError(f"frame has {size - pos} bytes after its msgpack object")
+        raise ProtocolError(f"{what} has {size - pos} bytes after its msgpack object")
     return count
 
 

@@ -221,3 +221,27 @@ def test_large_manifest_round_trips():
     m = Manifest.layout((f"layers.{i}.w", "F16", (i % 7, 3)) for i in range(n))
     m2 = Manifest.unpack(m.pack())
     assert len(m2) == n and m2.same_layout(m)
+
+
+def test_nested_empty_maps_are_refused_before_decoding():
+    """Per-container limits let 4 arrays of a million empty maps through: 4 million dicts (~300 MiB)
+    from a 4 MiB manifest.  The header walk refuses it while allocating nothing of that size."""
+    inner = b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x80" * (1 << 20)
+    obj = raw(sample())
+    obj["names"] = []
+    body = repack(obj)
+    key = msgpack.packb("names")
+    at = body.index(key) + len(key)
+    assert body[at] == 0x90               # the empty names list, replaced by 4 lists of 1M empty maps
+    data = body[:at] + b"\x94" + inner * 4 + body[at + 1:]
+    tracemalloc.start()
+    with pytest.raises(ManifestError, match=r"more than \d+ msgpack objects|deeper than"):
+        Manifest.unpack(data)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < len(data), f"peak {peak} bytes while refusing a {len(data)}-byte manifest"
+    with pytest.raises(ManifestError, match="deeper than 3"):
+        Manifest.unpack(body[:at] + b"\x91\x91\x91\x90" + body[at + 1:])
+    flat = body[:at] + b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x80" * (4 << 20) + body[at + 1:]
+    with pytest.raises(ManifestError, match=r"more than \d+ msgpack objects"):
+        Manifest.unpack(flat)
