@@ -6,9 +6,14 @@ A frame is a 4-byte big-endian unsigned length ``N`` followed by ``N`` bytes
 of msgpack encoding one map whose ``"type"`` key names the frame.  Frames are
 read with a bounds-checked reader: the length is checked against a limit
 before anything is allocated (64 KiB until the peer is authenticated, then
-``max_frame`` — a manifest of a million tensors fits), msgpack's own
-per-object limits are bounded by the frame size, and every field a caller
-reads goes through :func:`field`, which checks its type.  Never pickle.
+``max_frame`` — a manifest of a million tensors fits, as one ``bin``), and
+the body is pre-scanned before msgpack decodes it: at most
+:data:`MAX_FRAME_OBJECTS` objects nested at most :data:`MAX_FRAME_DEPTH`
+deep (:func:`scan_msgpack`).  msgpack's own per-container limits bound only
+each container, not their number: a 16 MiB frame of empty maps decoded into
+16 million dicts (1.2 GiB), so without the scan a frame could make the
+receiver allocate ~80 times its own size.  Every field a caller reads goes
+through :func:`field`, which checks its type.  Never pickle.
 
 Connections are owned by :class:`Channel`; ``close()`` is idempotent.
 Errors map onto the exception tree: EOF or a reset is :class:`PeerLost`, a
@@ -46,6 +51,10 @@ PREAUTH_MAX_FRAME = 64 << 10          # hello/auth frames are tiny; a stranger c
 DEFAULT_MAX_FRAME = (256 << 20) + (1 << 20)   # the largest manifest Manifest.unpack accepts, plus room
 NONCE_BYTES = 32
 AUTH_CONTEXT = b"tensorxfer-auth-v1"
+#: Control frames are a few dozen objects (the largest: an rdma accept, ~10 per QP); a manifest
+#: travels as one bin.  4096 objects cost at most ~0.5 MiB of Python objects, whatever the frame size.
+MAX_FRAME_OBJECTS = 4096
+MAX_FRAME_DEPTH = 16
 FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "ack", "error", "bye"))
 
 T = TypeVar("T")
@@ -141,6 +150,10 @@ class Channel:
         self.desynced = False       # a read timed out mid-frame: no later frame boundary can be trusted
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
+        self.frames_received = 0
+        #: what the other end should be ("receiver" / "sender", set by the handshakes): names it when
+        #: its very first answer is not a tensorxfer frame (an HTTP server, an SSH daemon, ...).
+        self.peer_role: str | None = None
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Control frames are small and latency-bound: never wait for Nagle.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -205,15 +218,39 @@ class Channel:
         head = self._read_exact(HEADER.size, what="frame header")
         (size,) = HEADER.unpack(head)
         if size == 0 or size > self._limit:
-            raise ProtocolError(f"frame of {size} bytes from {self.peer}: the limit here is {self._limit} "
-                                f"(and frames are never empty)")
+            why = (f"frame of {size} bytes from {self.peer}: the limit here is {self._limit} "
+                   f"(and frames are never empty)")
+            raise self._foreign(head, why) if not self.frames_received else ProtocolError(why)
         body = self._read_exact(size, what=f"frame body of {size} bytes")
-        frame = decode_frame(body)
+        try:
+            frame = decode_frame(body)
+        except ProtocolError as e:
+            if not self.frames_received:
+                raise self._foreign(head + body, str(e)) from None
+            raise
+        self.frames_received += 1
         if frame["type"] == "error" and "error" not in expected:
             raise_peer_error(frame)
         if frame["type"] not in expected:
             raise ProtocolError(f"expected a {' or '.join(expected)} frame from {self.peer}, got {frame['type']!r}")
         return frame
+
+    def _foreign(self, first: bytes, why: str) -> ProtocolError:
+        """The error for a peer whose first bytes are not a tensorxfer frame, quoting them."""
+        if len(first) < 64:
+            try:        # the rest of its greeting, if it sent one (an HTTP status line, an SSH banner)
+                self.sock.settimeout(0.2)
+                first += self.sock.recv(64 - len(first))
+            except OSError:
+                pass    # nothing more came: quote what did
+        text = first[:64].decode("ascii", "backslashreplace")
+        quoted = repr(text + ("..." if len(first) > 64 else ""))
+        if self.peer_role is None:
+            return ProtocolError(f"the peer at {self.peer} does not speak the tensorxfer protocol "
+                                 f"(it sent {quoted}; {why})")
+        verb = "answered" if self.peer_role == "receiver" else "sent"
+        return ProtocolError(f"the peer at {self.peer} is not a tensorxfer {self.peer_role} (it {verb} {quoted}); "
+                             f"check the address and port ({why})")
 
     def _read_exact(self, n: int, what: str) -> bytes:
         buf = bytearray(n)
@@ -254,17 +291,19 @@ class Channel:
 
 
 def decode_frame(body: bytes) -> dict[str, Any]:
-    """Decode one frame body with msgpack limits bounded by its size.
+    """Decode one frame body: pre-scanned (:func:`scan_msgpack`), then decoded with msgpack limits.
 
     Raises
     ------
     ProtocolError
-        Not one msgpack map with a known ``type``.
+        Not one msgpack map with a known ``type``, or more objects or deeper
+        nesting than a control frame ever has.
     """
+    scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH)
     lim = len(body)
     try:
         frame = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=lim, max_bin_len=lim,
-                                max_array_len=lim, max_map_len=lim, max_ext_len=0)
+                                max_array_len=MAX_FRAME_OBJECTS, max_map_len=MAX_FRAME_OBJECTS, max_ext_len=0)
     except Exception as e:   # msgpack raises several types for bad input; all mean the same here
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
@@ -272,6 +311,84 @@ def decode_frame(body: bytes) -> dict[str, Any]:
     if frame["type"] not in FRAME_TYPES:
         raise ProtocolError(f"unknown frame type {frame['type']!r}")
     return frame
+
+
+# Bytes that follow a msgpack type byte before its payload or children: fixed-size scalars, and the
+# width of the length field of str/bin/ext (ext also has a 1-byte type code).
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}         # bin8/16/32, str8/16/32
+_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}
+_CONTAINER = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}   # array16/32, map16/32: (width, per entry)
+
+
+def scan_msgpack(data: bytes | bytearray | memoryview, max_objects: int, max_depth: int,
+                 what: str = "frame") -> int:
+    """Walk one msgpack object without building it; return how many objects it holds.
+
+    The walk touches each object header once and skips str/bin payloads by
+    their length, so it costs at most ``max_objects`` steps whatever a
+    header claims: a container that declares 2**32 children fails when the
+    budget or the bytes run out, before anything is allocated.
+
+    Raises
+    ------
+    ProtocolError
+        More than ``max_objects`` objects, nesting deeper than ``max_depth``,
+        a truncated object, a reserved type byte, or bytes after the object.
+    """
+    buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    size = len(buf)
+    pos = 0
+    count = 0
+    pending = [1]          # children still to read at each open container level (the root: one object)
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        if pos >= size:
+            raise ProtocolError(f"{what} is truncated msgpack (an object is missing at byte {pos})")
+        count += 1
+        if count > max_objects:
+            raise ProtocolError(f"{what} holds more than {max_objects} msgpack objects (no valid {what} "
+                                f"does); refused before decoding it")
+        b = buf[pos]
+        pos += 1
+        children = 0
+        if b <= 0x7f or b >= 0xe0:
+            continue                                 # fixint
+        if b <= 0x8f:
+            children = 2 * (b & 0x0f)                # fixmap
+        elif b <= 0x9f:
+            children = b & 0x0f                      # fixarray
+        elif b <= 0xbf:
+            pos += b & 0x1f                          # fixstr
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED or b in _EXT:
+            width = _SIZED.get(b) or _EXT[b]
+            if pos + width > size:
+                raise ProtocolError(f"{what} is truncated msgpack (a length field at byte {pos})")
+            pos += width + int.from_bytes(buf[pos:pos + width], "big") + (1 if b in _EXT else 0)
+        elif b in _CONTAINER:
+            width, per = _CONTAINER[b]
+            if pos + width > size:
+                raise ProtocolError(f"{what} is truncated msgpack (a length field at byte {pos})")
+            children = per * int.from_bytes(buf[pos:pos + width], "big")
+            pos += width
+        else:
+            raise ProtocolError(f"{what} is not valid msgpack: reserved type byte {b:#04x} at byte {pos - 1}")
+        if pos > size:
+            raise ProtocolError(f"{what} is truncated msgpack (an object overruns the {what} at byte {pos})")
+        if 0x80 <= b <= 0x9f or b in _CONTAINER:
+            if len(pending) > max_depth:     # pending holds one level per open container, plus the root's
+                raise ProtocolError(f"{what} nests msgpack containers deeper than {max_depth} levels (no "
+                                    f"valid {what} does); refused before decoding it")
+            pending.append(children)
+    if pos != size:
+        raise ProtocolError(f"{what} has {size - pos} bytes after its msgpack object")
+    return count
 
 
 def _peername(sock: socket.socket) -> str:
@@ -322,9 +439,19 @@ def client_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, 
         prove it knows the token.
     """
     my_nonce = nonce()
+    ch.peer_role = "receiver"
+    # The hello ends in CR LF CR LF ("eol", ignored by receivers) so that a line-based server at
+    # this address (HTTP, SMTP, ...) answers at once and is named, instead of waiting for more.
     ch.send("hello", version=PROTOCOL_VERSION, role="sender", auth=key is not None, nonce=my_nonce,
-            capabilities=dict(capabilities))
-    hello = ch.recv("hello", timeout=timeout)
+            capabilities=dict(capabilities), eol="\r\n\r\n")
+    try:
+        hello = ch.recv("hello", timeout=timeout)
+    except PeerLost as e:
+        raise PeerLost(f"{e} before answering the hello: is {ch.peer} a tensorxfer receiver? (or it "
+                       f"refused this sender: see its log)") from None
+    except TransferTimeout as e:
+        raise TransferTimeout(f"{e}: the peer at {ch.peer} did not answer the hello; is it a tensorxfer "
+                              f"receiver (or one busy with another sender)?") from None
     _check_hello(hello, key, "receiver")
     if key is not None:
         peer_nonce = field(hello, "nonce", bytes)
@@ -349,6 +476,7 @@ def server_handshake(ch: Channel, key: bytes | None, capabilities: Mapping[str, 
     ProtocolError, AuthError
         As :func:`client_handshake`.
     """
+    ch.peer_role = "sender"
     hello = ch.recv("hello", timeout=timeout)
     try:
         _check_hello(hello, key, "sender")

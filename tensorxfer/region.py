@@ -118,6 +118,56 @@ def _host_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def _storage_key(obj: Any) -> tuple | None:
+    """What makes two inputs the *same* tensor: memory space, data pointer, dtype, shape, byte strides.
+
+    Tied weights (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``)
+    are one tensor under two names; equal keys mean every element lives at
+    the same address, so the bytes are stored once.  Views that merely
+    overlap (a slice of another tensor) get different keys and are stored
+    separately.  ``None`` for empty tensors and for sources with no stable
+    address (DLPack / buffer-protocol objects other than the ones below).
+    """
+    if isinstance(obj, np.ndarray):
+        if obj.size == 0:
+            return None
+        return ("host", obj.__array_interface__["data"][0], obj.dtype, obj.shape, obj.strides)
+    if _is_torch(obj):
+        if obj.numel() == 0:
+            return None
+        try:
+            d = _dt.from_torch(obj.dtype)
+        except TypeError:
+            return None          # unsupported dtype: _as_source raises the real error
+        space = "host" if obj.device.type == "cpu" else obj.device.type   # CUDA pointers are unique (UVA)
+        return (space, obj.data_ptr(), np.dtype(d.numpy), tuple(obj.shape),
+                tuple(st * d.itemsize for st in obj.stride()))
+    if hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        dtype, shape = np.dtype(cai["typestr"]), tuple(cai["shape"])
+        if 0 in shape:
+            return None
+        strides = cai.get("strides") or tuple(int(np.prod(shape[i + 1:])) * dtype.itemsize
+                                              for i in range(len(shape)))
+        return ("cuda", cai["data"][0], dtype, shape, tuple(strides))
+    return None
+
+
+def _aliases(items: list[tuple[str, Any]]) -> dict[str, str]:
+    """alias name -> the first name holding the same tensor (see :func:`_storage_key`)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, obj in items:
+        key = _storage_key(obj)
+        if key is None:
+            continue
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
 def _torch() -> Any:
     try:
         import torch
@@ -184,6 +234,12 @@ class TensorRegion:
         metadata : mapping of str to str, optional
             Carried in the manifest.
 
+        Tensors that are the same tensor under several names (tied weights:
+        same data pointer, dtype, shape and strides — torch, numpy or CuPy)
+        are stored once; the manifest records the other names as aliases,
+        and :meth:`tensors` returns every name, viewing the same memory (on
+        the receiver too).
+
         Raises
         ------
         TypeError
@@ -197,10 +253,12 @@ class TensorRegion:
         items = _items(tensors)
         if not items:
             raise ValueError("from_tensors needs at least one tensor")
-        sources = [(name, _as_source(name, obj, kind == "cuda")) for name, obj in items]
+        aliases = _aliases(items)
+        sources = [(name, _as_source(name, obj, kind == "cuda")) for name, obj in items if name not in aliases]
+        entry = {name: (_dt.from_numpy(src.dtype).name, src.shape) for name, src in sources}
         manifest = Manifest.layout(
-            ((name, _dt.from_numpy(src.dtype).name, src.shape) for name, src in sources),
-            alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata,
+            ((name, *entry[aliases.get(name, name)]) for name, _ in items),
+            alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata, aliases=aliases,
         )
         if kind == "cuda":
             return cls._from_sources_cuda(manifest, sources, device, chunk_size)
@@ -225,7 +283,7 @@ class TensorRegion:
         self = cls(region, manifest, f"cuda:{index}")
         try:
             self._sync_producers(sources)
-            specs = self.manifest.tensors
+            specs = [self.manifest[name] for name, _ in sources]     # aliases have no source of their own
             ordered = sorted(range(len(sources)), key=lambda i: specs[i].offset)
             done = 0
             while region.mapped_size < region.size:

@@ -54,7 +54,7 @@ from tensorxfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
-from tensorxfer.manifest import DEFAULT_MAX_REGION_BYTES, Manifest
+from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
@@ -136,8 +136,11 @@ class Receiver:
         only token-less senders are accepted.
     device : str
         Where received regions live (``"cpu"``).
-    max_region_bytes : int
+    max_region_bytes : int, optional
         Offers larger than this are refused before anything is allocated.
+        Default (``None``): half of the memory the region would live in —
+        this machine's RAM for ``"cpu"``, the GPU's memory for ``"cuda:N"``
+        (:func:`~tensorxfer.manifest.default_max_region_bytes`).
     stall_timeout : float
         Seconds without progress before a transfer fails with
         :class:`TransferTimeout`.
@@ -160,7 +163,7 @@ class Receiver:
         listen: str = "127.0.0.1:0",
         token: str | bytes | None = None,
         device: str = "cpu",
-        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        max_region_bytes: int | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         share: bool = False,
@@ -169,7 +172,8 @@ class Receiver:
         self.share = bool(share)
         host, port = parse_address(listen)
         self.device = device
-        self.max_region_bytes = int(max_region_bytes)
+        self.max_region_bytes = (default_max_region_bytes(device) if max_region_bytes is None
+                                 else int(max_region_bytes))
         self.stall_timeout = float(stall_timeout)
         self.handshake_timeout = float(handshake_timeout)
         self._key = token_key(token)

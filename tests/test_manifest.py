@@ -98,6 +98,42 @@ def test_impossible_shapes_do_not_wrap_around():
         Manifest.unpack(repack(obj))
 
 
+@pytest.mark.parametrize("shape", [(0, 2**64 - 1), (0, 2**63), (2**40, 0, 2**40), (0, 2**61, 4), (0,) + (2**8,) * 8])
+def test_zero_sized_shapes_that_numpy_cannot_represent_are_refused(shape):
+    """A zero dim made the size 0, so (0, 2**64-1) passed and tensors() later raised a plain ValueError."""
+    with pytest.raises(ValueError, match=r"too big|Maximum allowed dimension"):
+        np.zeros(0, np.uint8).reshape(shape)     # what a receiver's view would do
+    obj = raw(Manifest.layout([("a", "U8", (0,))]))
+    obj.update(ndims=bytes([len(shape)]), dims=u64(*shape), sizes=u64(0))
+    with pytest.raises(ManifestError, match=r"impossibly large.*2\*\*62"):
+        Manifest.unpack(repack(obj))
+    with pytest.raises(ManifestError, match="impossibly large"):
+        Manifest.layout([("a", "U8", shape)])
+
+
+def assert_viewable(m: Manifest) -> None:
+    """Every tensor of a manifest that passed validation can be viewed with its shape."""
+    for t in m:
+        if t.nbytes <= 1 << 20:
+            np.zeros(t.nbytes, np.uint8).view(DTYPES[t.dtype].numpy).reshape(t.shape)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 2**20) | st.just(0), min_size=1, max_size=6),
+       st.sampled_from(sorted(DTYPES)))
+def test_fuzz_shapes_are_refused_or_viewable(shape, dtype):
+    obj = raw(Manifest.layout([("a", "U8", (0,))]))
+    size = int(np.prod([float(d) for d in shape])) * DTYPES[dtype].itemsize if 0 not in shape else 0
+    if size >= 1 << 62:
+        size = 0
+    obj.update(dtype_names=[dtype], ndims=bytes([len(shape)]), dims=u64(*shape), sizes=u64(size), nbytes=size)
+    try:
+        m = Manifest.unpack(repack(obj))
+    except ManifestError:
+        return
+    assert_viewable(m)
+
+
 def test_limits():
     data = sample().pack()
     with pytest.raises(ManifestError, match="max_region_bytes"):
@@ -157,6 +193,7 @@ def test_fuzz_mutated_valid_manifests(flips, cut):
             continue
         # whatever survives validation must be self-consistent
         assert m.nbytes == max((t.offset + t.nbytes for t in m), default=0)
+        assert_viewable(m)
 
 
 msgpack_values = st.recursive(
@@ -173,9 +210,10 @@ def test_fuzz_fields_replaced_by_arbitrary_values(key, value):
     obj = raw(sample())
     obj[key] = value
     try:
-        Manifest.unpack(repack(obj))
+        m = Manifest.unpack(repack(obj))
     except ManifestError:
-        pass
+        return
+    assert_viewable(m)
 
 
 def test_large_manifest_round_trips():
@@ -183,3 +221,27 @@ def test_large_manifest_round_trips():
     m = Manifest.layout((f"layers.{i}.w", "F16", (i % 7, 3)) for i in range(n))
     m2 = Manifest.unpack(m.pack())
     assert len(m2) == n and m2.same_layout(m)
+
+
+def test_nested_empty_maps_are_refused_before_decoding():
+    """Per-container limits let 4 arrays of a million empty maps through: 4 million dicts (~300 MiB)
+    from a 4 MiB manifest.  The header walk refuses it while allocating nothing of that size."""
+    inner = b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x80" * (1 << 20)
+    obj = raw(sample())
+    obj["names"] = []
+    body = repack(obj)
+    key = msgpack.packb("names")
+    at = body.index(key) + len(key)
+    assert body[at] == 0x90               # the empty names list, replaced by 4 lists of 1M empty maps
+    data = body[:at] + b"\x94" + inner * 4 + body[at + 1:]
+    tracemalloc.start()
+    with pytest.raises(ManifestError, match=r"more than \d+ msgpack objects|deeper than"):
+        Manifest.unpack(data)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < len(data), f"peak {peak} bytes while refusing a {len(data)}-byte manifest"
+    with pytest.raises(ManifestError, match="deeper than 3"):
+        Manifest.unpack(body[:at] + b"\x91\x91\x91\x90" + body[at + 1:])
+    flat = body[:at] + b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x80" * (4 << 20) + body[at + 1:]
+    with pytest.raises(ManifestError, match=r"more than \d+ msgpack objects"):
+        Manifest.unpack(flat)

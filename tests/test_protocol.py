@@ -237,3 +237,125 @@ def test_timeout_between_frames_keeps_the_channel_usable(pair):
     assert not b.desynced
     a.send("offer", seq=1)
     assert b.recv("offer", timeout=2)["seq"] == 1
+
+
+# ------------------------------------------------------------------ resource limits on decoding
+def count_objects(obj: object) -> int:
+    if isinstance(obj, dict):
+        return 1 + sum(count_objects(k) + count_objects(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return 1 + sum(count_objects(x) for x in obj)
+    return 1
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats(width=32)
+    | st.text(max_size=40) | st.binary(max_size=300),
+    lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=8), kids, max_size=6),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(msgpack_values, st.booleans())
+def test_scan_counts_every_object_msgpack_decodes(obj, single_float):
+    body = msgpack.packb(obj, use_bin_type=True, use_single_float=single_float)
+    assert P.scan_msgpack(body, 1 << 20, 64) == count_objects(obj)
+
+
+@settings(max_examples=300, deadline=None)
+@given(msgpack_values)
+def test_scan_refuses_every_truncation(obj):
+    body = msgpack.packb(obj, use_bin_type=True)
+    for cut in range(len(body)):
+        with pytest.raises(tx.ProtocolError):
+            P.scan_msgpack(body[:cut], 1 << 20, 64)
+
+
+def test_scan_bounds_objects_depth_and_lying_headers():
+    with pytest.raises(tx.ProtocolError, match="more than 10 msgpack objects"):
+        P.scan_msgpack(msgpack.packb([{}] * 10), 10, 4)
+    assert P.scan_msgpack(msgpack.packb([{}] * 9), 10, 4) == 10
+    nested: object = []
+    for _ in range(4):
+        nested = [nested]
+    assert P.scan_msgpack(msgpack.packb(nested), 100, 5) == 5
+    with pytest.raises(tx.ProtocolError, match="deeper than 4"):
+        P.scan_msgpack(msgpack.packb(nested), 100, 4)
+    with pytest.raises(tx.ProtocolError, match="truncated"):   # claims 2**32-1 elements, has 3 bytes
+        P.scan_msgpack(b"\xdd\xff\xff\xff\xff\x80\x80\x80", 1 << 40, 4)
+    with pytest.raises(tx.ProtocolError, match="truncated"):   # a bin claiming 4 GiB
+        P.scan_msgpack(b"\xc6\xff\xff\xff\xff" + b"x" * 10, 100, 4)
+    with pytest.raises(tx.ProtocolError, match="reserved"):
+        P.scan_msgpack(b"\xc1", 100, 4)
+    with pytest.raises(tx.ProtocolError, match="after"):
+        P.scan_msgpack(b"\x80\x80", 100, 4)
+
+
+def empty_maps_offer(size: int) -> bytes:
+    """An ``offer`` frame body of ``size`` bytes that is mostly empty msgpack maps (one byte each)."""
+    head = b"\x82" + msgpack.packb("type") + msgpack.packb("offer") + msgpack.packb("pad") + b"\xdd"
+    n = size - len(head) - 4
+    return head + struct.pack(">I", n) + b"\x80" * n
+
+
+def test_frame_of_many_small_objects_is_refused(pair):
+    a, b = pair
+    b.authenticated()
+    body = empty_maps_offer(1 << 16)
+    job = Background(raw, a, struct.pack(">I", len(body)) + body)
+    with pytest.raises(tx.ProtocolError, match=f"more than {P.MAX_FRAME_OBJECTS} msgpack objects"):
+        b.recv("offer", timeout=5)
+    job.result()
+
+
+def test_deeply_nested_frame_is_refused(pair):
+    a, b = pair
+    body = b"\x82" + msgpack.packb("type") + msgpack.packb("offer") + msgpack.packb("x") + b"\x91" * 50 + b"\xc0"
+    raw(a, struct.pack(">I", len(body)) + body)
+    with pytest.raises(tx.ProtocolError, match="deeper than"):
+        b.recv("offer", timeout=2)
+
+
+RECEIVER_PEAK = """
+import resource, sys
+import tensorxfer as tx
+with tx.Receiver("127.0.0.1:0") as rx:
+    print(rx.address[1], flush=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        rx.receive(timeout=60)
+        print("RECEIVED")
+    except tx.TensorXferError as e:
+        print(type(e).__name__, str(e).replace("\\n", " "))
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print("GREW_KIB", grew, flush=True)
+"""
+
+
+def test_receiver_survives_a_16_mib_frame_of_empty_maps_in_little_memory():
+    """After a token-less handshake, one 16 MiB offer of empty maps (16 million objects) used to
+    drive the receiver's RSS from 45 MiB to 1.2 GiB.  Now it is refused after the frame is read:
+    the peak grows by the frame's own buffers (2 x 16 MiB) and no more."""
+    from tests.helpers import child, finish
+
+    size = 16 << 20
+    proc = child(RECEIVER_PEAK)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with P.Channel(socket.create_connection(("127.0.0.1", port), timeout=10)) as ch:
+            P.client_handshake(ch, None, {"transports": ["tcp"]}, 10)
+            body = empty_maps_offer(size)
+            ch.sock.settimeout(30)
+            ch.sock.sendall(struct.pack(">I", len(body)) + body)
+            rc, out, err = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            finish(proc)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("ProtocolError") and "msgpack objects" in lines[0], out + err
+    grew_kib = int(lines[-1].split()[1])
+    assert grew_kib * 1024 < 3 * size, f"receiver peak RSS grew by {grew_kib} KiB for a {size >> 20} MiB frame"

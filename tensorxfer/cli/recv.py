@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1 and a free port, printed at start)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the received files into")
     p.add_argument("--once", action="store_true", help="exit after one transfer (its exit code)")
-    p.add_argument("--max-bytes", type=float, default=float(1 << 40),
-                   help="refuse offers larger than this many bytes (default 1 TiB)")
+    p.add_argument("--max-bytes", type=float, default=None,
+                   help="refuse offers larger than this many bytes (default: half of this machine's memory, or "
+                        "of the GPU's with --device cuda:N)")
     add_common(p)
     return p
 
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         # an --out that cannot be used is bad usage, found before anyone connects
         return report_error(PROG, e, args.json, EXIT_USAGE if isinstance(e, OSError) else None)
     try:
-        rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=int(args.max_bytes),
+        limit = None if args.max_bytes is None else int(args.max_bytes)
+        rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=limit,
                       stall_timeout=args.stall_timeout)
     except OSError as e:
         os.close(lock_fd)

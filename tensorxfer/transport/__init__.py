@@ -10,15 +10,36 @@ skipped; a forced name that cannot run raises
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 from tensorxfer.errors import TransportUnavailable
-from tensorxfer.transport.base import ReceiverTransport, SenderTransport, TransferContext
-from tensorxfer.transport.ipc import IpcReceiver, IpcSender
-from tensorxfer.transport.rdma_engine import RdmaReceiver, RdmaSender
-from tensorxfer.transport.tcp import TcpReceiver, TcpSender
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import the optional native ``_verbs`` module on ``from tensorxfer.transport import _verbs``.
+
+    Without this hook, where the module was not built (no libibverbs-dev,
+    or ``TENSORXFER_NO_VERBS=1``) that import inside ``rdma.py`` — which runs
+    while this package is still initializing — failed with "cannot import
+    name '_verbs' from partially initialized module ... (most likely due to
+    a circular import)", hiding the real reason.  Importing the submodule
+    by its full name raises ``ModuleNotFoundError: No module named
+    'tensorxfer.transport._verbs'`` instead, which is what callers report.
+    """
+    if name == "_verbs":
+        return importlib.import_module(f"{__name__}._verbs")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# After the hook: rdma.py's import of _verbs, run by these imports, needs it.
+from tensorxfer.transport.base import ReceiverTransport, SenderTransport, TransferContext  # noqa: E402
+from tensorxfer.transport.ipc import IpcReceiver, IpcSender  # noqa: E402
+from tensorxfer.transport.rdma_engine import RdmaReceiver, RdmaSender  # noqa: E402
+from tensorxfer.transport.tcp import TcpReceiver, TcpSender  # noqa: E402
 
 log = logging.getLogger(__name__)
 
