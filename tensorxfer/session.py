@@ -54,6 +54,7 @@ from tensorxfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
+from tensorxfer.fanout import Onward, Relay, RelayJob, Version, manifest_digest, parse_chain
 from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
@@ -167,6 +168,7 @@ class Receiver:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         share: bool = False,
+        relay: bool | None = None,
     ) -> None:
         parse_device(device)
         self.share = bool(share)
@@ -177,6 +179,12 @@ class Receiver:
         self.stall_timeout = float(stall_timeout)
         self.handshake_timeout = float(handshake_timeout)
         self._key = token_key(token)
+        # Fan-out (tensorxfer.fanout): forward offers to the next hops the authenticated sender names,
+        # with this receiver's token; without a token only when asked for explicitly.
+        self._relay_allowed = relay if relay is not None else token is not None
+        self._relay: Relay | None = (Relay(token, self.stall_timeout, self.handshake_timeout)
+                                     if self._relay_allowed else None)
+        self._version: Version | None = None
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
@@ -204,6 +212,12 @@ class Receiver:
         return gate.dropped if gate is not None else self._dropped_at_close
 
     _dropped_at_close = 0
+
+    @property
+    def version(self) -> Version | None:
+        """The update :attr:`region` holds completely (landed, verified if asked); ``None`` while one is
+        being written or after a failed one."""
+        return self._version
 
     @property
     def region(self) -> TensorRegion | None:
@@ -356,10 +370,12 @@ class Receiver:
         name = field(offer, "transport", str)
         streams = field(offer, "streams", int, optional=True)
         verify = field(offer, "verify", bool)
+        self._version = None            # the region is about to be written: no complete version in it
         try:
             manifest = Manifest.unpack(field(offer, "manifest", bytes), max_region_bytes=self.max_region_bytes)
-        except ManifestError as e:
-            ch.send_error("refused", str(e))
+            version, chain = self._offered_version(offer, manifest)
+        except (ManifestError, ProtocolError) as e:
+            ch.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
             raise
         if on_offer is not None:
             on_offer(manifest)
@@ -369,7 +385,13 @@ class Receiver:
             ch.send_error("transport", msg)
             raise TransportUnavailable(msg)
         fresh = field(offer, "fresh", bool)
+        if chain and (self.share or self._relay is None):
+            msg = ("this receiver does not relay (share=True)" if self.share else
+                   "this receiver does not relay (it has no token; Receiver(relay=True) allows it)")
+            ch.send_error("refused", msg)
+            raise ManifestError(msg)
         if self.share:
+            self._version = None
             return self._serve_shared(ch, seq, manifest, verify, fresh, progress, t0, on_landed)
         previous = self._region
         try:
@@ -378,8 +400,14 @@ class Receiver:
             ch.send_error("transfer", f"the receiver cannot allocate {manifest.nbytes} bytes on "
                                       f"{self.device!r}: {e}")
             raise
+        job: RelayJob | None = None
         try:
             transport = self._transport(ch, name, streams)
+            if chain:
+                assert self._relay is not None and version is not None
+                job = self._relay.start(region, chain, version, verify, name, streams, "{}:{}".format(*self.address))
+            if hasattr(transport, "on_piece"):      # tcp: a relay forwards ranges as they land
+                transport.on_piece = job.landed.add if job is not None else None
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = transport.prepare(region, seq, fresh)
             setup = setup_flag(descriptors)
@@ -389,14 +417,18 @@ class Receiver:
             t1 = time.perf_counter()
             nbytes = transport.wait(progress)
             wire = time.perf_counter() - t1
+            if job is not None:
+                job.landed.add_all()
             setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
             if setup and used:
                 log.info("update %d: the %s transport was set up again (%s): %d registrations, %d connects so far",
                          seq, name, "the layout changed" if reallocated else "the sender's region changed",
                          transport.counters.registrations, transport.counters.connects)
             self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT),
-                         "landed", on_landed)
-        except BaseException:
+                         "landed", on_landed, job)
+        except BaseException as e:
+            if job is not None:
+                job.abort(f"{type(e).__name__}: {e}")
             if region is not previous:      # memory allocated for this offer: a vanished sender leaves none behind
                 self._region = None
                 region.close(defer=True)
@@ -405,10 +437,23 @@ class Receiver:
                                         verified=verify, reallocated=reallocated, update=seq, setup=setup,
                                         setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
                                         registration=transport.registration, counters=transport.counters.as_dict())
+        self._version = version
         return region
 
+    def _offered_version(self, offer: dict[str, Any], manifest: Manifest) -> tuple[Version | None, list[str]]:
+        """The offer's version (its digest must be the manifest's) and the chain to forward to."""
+        raw = offer.get("version")
+        version = None if raw is None else Version.from_wire(raw)
+        if version is not None and version.digest != manifest_digest(manifest):
+            raise ProtocolError("offer: the version's digest is not the digest of the offered manifest")
+        chain = parse_chain(offer.get("chain", []))
+        if chain and version is None:
+            raise ProtocolError("offer: a chain needs a version")
+        return version, chain
+
     def _finish(self, ch: Channel, seq: int, region: TensorRegion, manifest: Manifest, nbytes: int, verify: bool,
-                timeout: float, verb: str, on_landed: Callable[[TensorRegion], None] | None) -> None:
+                timeout: float, verb: str, on_landed: Callable[[TensorRegion], None] | None,
+                job: RelayJob | None = None) -> None:
         """The end of every transfer: the sender's done frame must match, checksums if asked, the
         caller's ``on_landed``, then ack."""
         done = ch.recv("done", timeout=timeout)
@@ -417,13 +462,16 @@ class Receiver:
                                 f"{nbytes} {verb}, the manifest has {manifest.nbytes}")
         if verify:
             self._verify(ch, region, done)
+        if job is not None:
+            job.complete(done.get("checksums"))     # our copy is complete: the next hop may finish
         if on_landed is not None:
             try:
                 on_landed(region)
             except BaseException as e:
                 ch.send_error("landed", f"the receiver failed after the data landed: {type(e).__name__}: {e}")
                 raise
-        ch.send("ack", seq=seq, bytes=nbytes)
+        relayed = job.finish() if job is not None else None
+        ch.send("ack", seq=seq, bytes=nbytes, **({"relayed": relayed} if relayed is not None else {}))
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, fresh: bool,
                       progress: Progress | None, t0: float,
@@ -504,6 +552,9 @@ class Receiver:
             region, self._region = self._region, None
         if region is not None:
             region.close(defer=True)
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.close()
 
     def __enter__(self) -> Receiver:
         return self
@@ -587,7 +638,8 @@ class Sender:
     def closed(self) -> bool:
         return self._channel is None
 
-    def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None) -> TransferStats:
+    def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None,
+             onward: Onward | None = None) -> TransferStats:
         """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
 
         Parameters
@@ -598,6 +650,8 @@ class Sender:
             Send per-tensor xxh3_64 checksums; the receiver checks them.
         progress : callable, optional
             Called with byte counts as data goes out (from stream threads).
+        onward : Onward, optional
+            Internal (:mod:`tensorxfer.fanout`): the receiver forwards to these further hops.
 
         Raises
         ------
@@ -618,17 +672,22 @@ class Sender:
                 raise TransferError(f"this Sender is closed{': ' + self._broken if self._broken else ''}; "
                                     f"open a new one")
             try:
-                return self._send(ch, region, verify, progress)
+                return self._send(ch, region, verify, progress, onward)
             except BaseException as e:
                 self._broken = f"an earlier transfer failed ({type(e).__name__})"
                 self.close()
                 raise
 
-    def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None) -> TransferStats:
+    def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None,
+              onward: Onward | None = None) -> TransferStats:
         t0 = time.perf_counter()
         self._seq += 1
         seq = self._seq
-        checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()] if verify else None
+        relayed = onward is not None and onward.checksums is not None   # the region may still be landing
+        checksums = ([ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
+                     if verify and not relayed else None)
+        version = onward.version if onward is not None else Version(seq, manifest_digest(region.manifest))
+        chain = {"chain": onward.chain} if onward is not None and onward.chain else {}
         transport = self._transports.get(self.transport)
         if transport is None:
             ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
@@ -636,7 +695,8 @@ class Sender:
                                   streams=self.streams)
             transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
         ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
-                streams=self.streams, verify=verify, fresh=transport.needs_setup(region))
+                streams=self.streams, verify=verify, fresh=transport.needs_setup(region),
+                version=version.as_wire(), **chain)
         # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
         # receiver's allocation (before accept) or verification (before ack) look like a stall.  The
         # receiver commits its region before accepting (MAP_POPULATE), which on fresh memory can run at
@@ -652,17 +712,33 @@ class Sender:
         t1 = time.perf_counter()
         transport.connect(region, seq, descriptors)
         t2 = time.perf_counter()
-        nbytes = transport.send(region, progress)
+        before_piece = onward.before_piece if onward is not None else None
+        if before_piece is not None and not hasattr(transport, "before_piece"):
+            before_piece(0, region.nbytes)      # no per-piece hook: store and forward
+            before_piece = None
+        if before_piece is not None:
+            transport.before_piece = before_piece   # type: ignore[attr-defined]
+        try:
+            nbytes = transport.send(region, progress)
+        finally:
+            if before_piece is not None:
+                transport.before_piece = None   # type: ignore[attr-defined]
         wire = time.perf_counter() - t2
+        if onward is not None and onward.checksums is not None:
+            checksums = onward.checksums()
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         # The receiver hashes at >= 1 GB/s when verifying, and its on_landed (the CLI writes and fsyncs
         # the files) runs before the ack: allow for both as the accept wait allows for allocation.
         verify_allowance = nbytes / 1e9 if verify else 0.0
         landed_allowance = nbytes / ALLOCATION_FLOOR_BYTES_PER_S
-        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance)
+        chain_allowance = onward.ack_allowance if onward is not None else 0.0
+        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance
+                      + chain_allowance)
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
+        if onward is not None:
+            onward.acked(ack)
         receiver_setup = accept.get("setup_seconds")
         setup_seconds = (t2 - t1) + (receiver_setup if isinstance(receiver_setup, float) else 0.0)
         return TransferStats(nbytes, time.perf_counter() - t0, self.transport,

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from tensorxfer.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TRANSFER,
     Progress,
     add_common,
     check_device,
@@ -36,7 +38,9 @@ log = logging.getLogger(PROG)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sources", nargs="+", metavar="SRC", help="safetensors files or model directories")
-    p.add_argument("--to", required=True, metavar="HOST:PORT", help="the receiver's address")
+    p.add_argument("--to", required=True, action="append", metavar="HOST:PORT",
+                   help="the receiver's address; repeat it to fan out to several receivers, in chain order (each "
+                        "receiver forwards to the next as the bytes land; every one must have the same token)")
     p.add_argument("--streams", type=int, default=None, help="parallel data streams (default: measured default)")
     add_common(p)
     return p
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
     from tensorxfer import Sender, TensorXferError
+    from tensorxfer.fanout import FanoutSender
     from tensorxfer.safetensors_io import discover, load_files
 
     try:
@@ -55,13 +60,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, why in found.skipped:
             log.info("not sent: %s (%s)", name, why)
         with load_files(found, device=args.device) as region:
-            with Sender(args.to, token=token, transport=args.transport, streams=args.streams,
-                        stall_timeout=args.stall_timeout) as sender:
-                bar = Progress(region.nbytes, "send", enabled=not args.quiet and not args.json)
-                try:
-                    stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
-                finally:
-                    bar.finish()
+            bar = Progress(region.nbytes, "send", enabled=not args.quiet and not args.json)
+            if len(args.to) == 1:
+                with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
+                            stall_timeout=args.stall_timeout) as sender:
+                    try:
+                        stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
+                    finally:
+                        bar.finish()
+            else:
+                with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
+                                  stall_timeout=args.stall_timeout) as fan:
+                    try:
+                        fanned = fan.send(region, verify=args.verify, progress=bar)
+                    finally:
+                        bar.finish()
+                stats = fanout_record(fanned)
             tensors = len(region.manifest)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -76,7 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.quiet:
         print(summary("sent", stats, f"; {len(found.files)} files ({len(tensor_files)} safetensors, "
                                      f"{tensors} tensors; side files: {', '.join(side) or 'none'})"))
+        for r in stats.get("receivers", []):
+            print(f"  {r['address']}: " + (f"ok, {r['bytes']:,} bytes in {r['seconds']:.3f} s over {r['transport']}"
+                                           f"{', verified' if r['verified'] else ''} (from {r['via']})" if r["ok"]
+                                           else f"FAILED, taken out of the chain: {r['error_type']}: {r['error']}"))
+    failed = [r for r in stats.get("receivers", []) if not r["ok"]]
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(stats['receivers'])} receivers failed: "
+              + "; ".join(f"{r['address']} ({r['error_type']})" for r in failed), file=sys.stderr)
+        return EXIT_TRANSFER
     return EXIT_OK
+
+
+def fanout_record(fanned: Any) -> dict[str, Any]:
+    """A fan-out's FanoutStats in the shape of a single send's stats, plus the chain and every receiver."""
+    head = fanned.head.as_dict() if fanned.head is not None else {}
+    record = fanned.as_dict()
+    return {**head, "bytes": fanned.bytes, "seconds": fanned.seconds, "gbps": fanned.gbps,
+            "transport": head.get("transport", ""), "streams": head.get("streams", 0),
+            "verified": all(r.verified for r in fanned.receivers if r.ok) and any(r.ok for r in fanned.receivers),
+            "chain": record["chain"], "piece_bytes": record["piece_bytes"], "version": record["version"],
+            "receivers": record["receivers"]}
 
 
 if __name__ == "__main__":

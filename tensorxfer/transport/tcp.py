@@ -51,6 +51,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
@@ -197,6 +198,9 @@ class TcpReceiver(ReceiverTransport):
         self._nonce = b""
         self._seq = 0
         self._setup_seq = 0
+        # Hook for relays (tensorxfer.fanout): called from the stream threads with (region offset, length)
+        # of every host-region range as it lands, so the bytes can be forwarded before the whole update did.
+        self.on_piece: Callable[[int, int], None] | None = None
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
         """Reuse the session's streams, or (first update, new region, ``fresh``) open a listener for new ones.
@@ -289,6 +293,8 @@ class TcpReceiver(ReceiverTransport):
                 if k == 0:
                     raise PeerLost(f"tcp stream {index}: sender closed the connection at byte {pos - offset} "
                                    f"of {length} (region offset {pos}); the transfer is incomplete")
+                if self.on_piece is not None:
+                    self.on_piece(pos, k)
                 pos += k
                 self._streams.report(k)
         except TimeoutError:
@@ -361,6 +367,10 @@ class TcpSender(SenderTransport):
         self._slice_bytes = 0
         self._region: TensorRegion | None = None
         self._seq = 0
+        # Hook for relays (tensorxfer.fanout): called from the stream threads before each range
+        # (region offset, length) goes out; it blocks until those bytes are in the region (they may be
+        # landing from an upstream sender) and raises to abort the update.
+        self.before_piece: Callable[[int, int], None] | None = None
 
     def needs_setup(self, region: TensorRegion) -> bool:
         return region is not self._region or not self._streams.socks
@@ -455,10 +465,14 @@ class TcpSender(SenderTransport):
         with _stager(region) as st:
             try:
                 if pieces:
+                    if self.before_piece is not None:
+                        self.before_piece(*pieces[0])
                     st.start_dtoh(0, base + pieces[0][0], pieces[0][1])
                 for k, (pos, n) in enumerate(pieces):  # noqa: B007  (pos names the failure point)
                     b = k & 1
                     if k + 1 < len(pieces):    # buffer b^1 was sent synchronously: free to refill
+                        if self.before_piece is not None:
+                            self.before_piece(*pieces[k + 1])
                         st.start_dtoh(b ^ 1, base + pieces[k + 1][0], pieces[k + 1][1])
                     st.wait(b)
                     with st.view(b)[:n] as piece:
@@ -478,6 +492,8 @@ class TcpSender(SenderTransport):
         try:
             while pos < end:
                 n = min(PIECE_BYTES, end - pos)
+                if self.before_piece is not None:
+                    self.before_piece(pos, n)
                 with view[pos:pos + n] as piece:
                     sock.sendall(piece)
                 pos += n
