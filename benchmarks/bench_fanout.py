@@ -7,7 +7,14 @@ first N of them (tcp, default streams), sends one warm-up update (sessions set u
 machine hits them alike.  The ratio compares each N's median to N = 1's median in the same round; "naive" is
 N x the N = 1 time (N transfers from the sender, what the chain avoids).
 
-Writes ``benchmarks/results/fanout-<UTC time>.json`` with the exact command, machine facts and every run.
+Two regimes: plain loopback (every hop's kernel copies share this machine's CPUs, so on a 2-core box the
+hops compete for the same cores: a CPU bound, not what a chain of machines sees), and ``--link-gbps G``:
+every tcp data socket's sending rate is capped (``SO_MAX_PACING_RATE``, per process, nothing global) so
+each hop behaves like its own G Gbit/s link -- the regime fan-out is for (the sender's one NIC is the
+bottleneck).  Store-and-forward or N sends would take N x there; the chain should take one transfer plus
+(N-1) pieces.
+
+Writes ``benchmarks/results/fanout-<regime>-<UTC time>.json`` with the exact command, machine facts and every run.
 Not a timed test: run it by hand::
 
     .venv/bin/python benchmarks/bench_fanout.py --size 1e9 --receivers 1 2 4 8 --repeat 3 --rounds 2
@@ -31,18 +38,19 @@ import numpy as np
 import tensorxfer as tx
 from tensorxfer.cli.bench import machine_facts
 from tensorxfer.fanout import FanoutSender
-from tensorxfer.transport.tcp import DEFAULT_STREAMS, PIECE_BYTES
+from tensorxfer.transport.tcp import DEFAULT_STREAMS, FORWARD_PIECE_BYTES, PIECE_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-fanout"
 
 
-def start_peers(n: int, stall: float) -> list[tuple[subprocess.Popen, str]]:
+def start_peers(n: int, stall: float, pacing: int) -> list[tuple[subprocess.Popen, str]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     peers = []
     for _ in range(n):
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fanout_peer.py"), TOKEN, str(stall), "0"],
+        peer = [sys.executable, str(ROOT / "tests" / "fanout_peer.py"), TOKEN, str(stall), "0", str(pacing)]
+        proc = subprocess.Popen(peer,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         assert proc.stdout is not None
         peers.append((proc, json.loads(proc.stdout.readline())["address"]))
@@ -57,12 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="timed updates per N per round (after one warm-up)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--verify", action="store_true")
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="emulate one link of this speed per hop: every tcp data socket's sending rate is capped "
+                        "at link/streams (SO_MAX_PACING_RATE); 0 (default): loopback as fast as the CPUs go")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     size = int(args.size) // args.tensors * args.tensors
     rng = np.random.default_rng(0)
     tensors = {f"t{i}": rng.integers(0, 255, size // args.tensors, dtype=np.uint8) for i in range(args.tensors)}
-    peers = start_peers(max(args.receivers), stall=60.0)
+    pacing = int(args.link_gbps * 1e9 / 8 / DEFAULT_STREAMS) if args.link_gbps else 0
+    if pacing:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from fanout_peer import pace_tcp_streams
+
+        pace_tcp_streams(pacing)
+    peers = start_peers(max(args.receivers), stall=60.0, pacing=pacing)
     rows: list[dict] = []
     try:
         with tx.TensorRegion.from_tensors(tensors) as region:
@@ -102,13 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_facts(),
+        "link_gbps": args.link_gbps, "pacing_bytes_per_s_per_stream": pacing,
         "bytes": size, "tensors": args.tensors, "verify": args.verify, "transport": "tcp",
-        "streams": DEFAULT_STREAMS, "piece_bytes": PIECE_BYTES,
+        "streams": DEFAULT_STREAMS, "piece_bytes": PIECE_BYTES, "forward_piece_bytes": FORWARD_PIECE_BYTES,
         "goal": "N=4 within 1.25x of N=1",
         "summary": summary, "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fanout-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%dT%H%MZ')}.json"
+    kind = f"link{args.link_gbps:g}g" if args.link_gbps else "loopback"
+    path = args.out / f"fanout-{kind}-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%dT%H%MZ')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

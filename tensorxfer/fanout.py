@@ -9,9 +9,10 @@ land*: over tcp the receiving stream threads report every range that landed
 (``TcpReceiver.on_piece``) and the forwarding stream threads wait for each
 piece before sending it (``TcpSender.before_piece``), so ``R1`` sends piece
 k-1 to ``R2`` while piece k arrives from the sender.  The total time is about
-one transfer plus (N-1) pieces (``tcp.PIECE_BYTES`` per stream), not N
-transfers.  Transports without a per-piece hook (ipc, rdma) forward once the
-whole update landed (store and forward: correct, not pipelined).
+one transfer plus (N-1) pieces (``tcp.FORWARD_PIECE_BYTES`` per stream,
+the piece a relay waits for before forwarding it), not N transfers.
+Transports without a per-piece hook (ipc, rdma) forward once the whole
+update landed (store and forward: correct, not pipelined).
 
 Trust: a receiver forwards only to the addresses the *authenticated* sender
 named in its offer, with the token it was itself authenticated with, so the
@@ -24,9 +25,12 @@ number and the SHA-256 of the packed manifest); the receiver checks the
 digest against the manifest it unpacked, clears :attr:`Receiver.version`
 while a region is being written, and sets it only once every byte landed
 (and verified, with ``verify``).  A relay sends ``done`` downstream (and so
-lets the next hop acknowledge) only after its own copy is complete (and
-verified); a relay whose upstream fails aborts its forward, so the next hop
-never acknowledges a half-written version.
+lets the next hop acknowledge) only once every byte of its own copy landed
+and its upstream said ``done``; with ``verify`` the ``done`` carries the
+*origin's* checksums, so every hop checks its own copy against the source
+(in parallel, not one hop after another).  A relay whose upstream fails
+aborts its forward, so the next hop never acknowledges a half-written
+version.
 
 Failures: when a hop fails (killed: ``PeerLost``; stalled for
 ``stall_timeout``: ``TransferTimeout``; refused), the hop *before* it takes
@@ -374,7 +378,7 @@ class RelayJob:
         return self._checksums
 
     def complete(self, checksums: Any) -> None:
-        """This relay's own copy is complete (and verified): the hop after it may finish."""
+        """Every byte of this relay's copy landed and upstream said done: the hop after it may finish."""
         self.landed.add_all()
         self._checksums = checksums
         self._ready.set()
@@ -484,9 +488,9 @@ class FanoutSender:
             failed = {r.address for r in results if not r.ok}
             self.removed.extend(r for r in results if not r.ok)
             self.chain = [a for a in self.chain if a not in failed]
-            from tensorxfer.transport.tcp import PIECE_BYTES
+            from tensorxfer.transport.tcp import FORWARD_PIECE_BYTES
 
-            return FanoutStats(region.nbytes, seconds, version, order, PIECE_BYTES, tuple(results), head)
+            return FanoutStats(region.nbytes, seconds, version, order, FORWARD_PIECE_BYTES, tuple(results), head)
 
     def close(self) -> None:
         chain, self._chain = self._chain, None

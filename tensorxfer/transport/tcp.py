@@ -75,6 +75,9 @@ MAX_STREAMS = 64
 MIN_SLICE_BYTES = 4 << 20      # below this, another stream costs more than it brings
 SLICE_ALIGN = 64 << 10
 PIECE_BYTES = _env_int("TENSORXFER_TCP_PIECE", 8 << 20)            # one sendall: progress and stall granularity
+# A forwarding sender (a fan-out relay, before_piece set) waits for each piece to land before sending it, so
+# its piece is the chain's delay per hop: smaller than PIECE_BYTES (tensorxfer.fanout; bench_fanout.py).
+FORWARD_PIECE_BYTES = _env_int("TENSORXFER_TCP_FORWARD_PIECE", 1 << 20)
 SOCKET_BUFFER_BYTES = _env_int("TENSORXFER_TCP_SOCKBUF", 0)         # 0: the kernel's autotuning
 HEADER_TIMEOUT = 5.0           # a connected stream must identify itself this fast
 STREAM_MAGIC = b"TXS1"
@@ -489,9 +492,10 @@ class TcpSender(SenderTransport):
         offset, length = where
         sock.settimeout(self.ctx.stall_timeout)
         pos, end = offset, offset + length
+        piece_bytes = PIECE_BYTES if self.before_piece is None else FORWARD_PIECE_BYTES
         try:
             while pos < end:
-                n = min(PIECE_BYTES, end - pos)
+                n = min(piece_bytes, end - pos)
                 if self.before_piece is not None:
                     self.before_piece(pos, n)
                 with view[pos:pos + n] as piece:
