@@ -5,6 +5,8 @@ Public API (everything else is private):
 - :class:`TensorRegion` — many tensors packed into one region, one manifest.
 - :class:`Manifest` / :class:`TensorSpec` — the validated msgpack layout.
 - :class:`Sender` / :class:`Receiver` — sessions moving regions (TCP today).
+- :class:`FanoutSender` — one update to N receivers by chain pipelining
+  (:class:`FanoutStats`, one :class:`ReceiverResult` each; :class:`Version`).
 - :class:`HostRegion` — one virtual range backed by many memfd chunks.
 - :class:`CudaRegion` — the same on a GPU (CUDA VMM handles); where the CUDA
   extension is not importable it is a stand-in whose every use raises
@@ -32,8 +34,10 @@ from tensorxfer.errors import (
     TransferError,
     TransferTimeout,
     TransportUnavailable,
+    UpstreamFailed,
     VerbsError,
 )
+from tensorxfer.fanout import FanoutSender, FanoutStats, ReceiverResult, Version
 from tensorxfer.manifest import Manifest, TensorSpec
 from tensorxfer.memory import Extent, HostRegion
 from tensorxfer.region import TensorRegion
@@ -53,6 +57,8 @@ __all__ = [
     "CudaRegion",
     "Extent",
     "ExtentError",
+    "FanoutSender",
+    "FanoutStats",
     "HandleError",
     "HostRegion",
     "LayoutError",
@@ -61,6 +67,7 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "Receiver",
+    "ReceiverResult",
     "RegionClosed",
     "RegionError",
     "Sender",
@@ -71,6 +78,8 @@ __all__ = [
     "TransferStats",
     "TransferTimeout",
     "TransportUnavailable",
+    "UpstreamFailed",
     "VerbsError",
+    "Version",
     "__version__",
 ]

@@ -120,6 +120,13 @@ class TransferTimeout(TransferError, TimeoutError):
     """The peer stalled for longer than the configured timeout."""
 
 
+class UpstreamFailed(TransferError):
+    """A fan-out relay stopped forwarding: its own upstream transfer failed or stalled.
+
+    Deliberately not an ``OSError``: a transport must not mistake it for the next hop's socket failing.
+    """
+
+
 class CompletionError(VerbsError, TransferError):
     """An RDMA work completion failed: the transfer did not complete, and the status says why.
 

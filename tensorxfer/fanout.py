@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.errors import ProtocolError, TensorXferError, TransferError, UpstreamFailed
 from tensorxfer.protocol import parse_address
 
 if TYPE_CHECKING:
@@ -224,23 +224,22 @@ class Landed:
 
         Raises
         ------
-        PeerLost
-            The upstream transfer failed (the relay aborted).
-        TransferTimeout
-            Nothing new landed for ``stall_timeout`` seconds.
+        UpstreamFailed
+            The upstream transfer failed (the relay aborted), or nothing new landed for 1.5 x
+            ``stall_timeout`` seconds.
         """
         end = offset + length
         with self._cond:
             while not self._has(offset, end):
                 if self.aborted is not None:
-                    raise PeerLost(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
+                    raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
                 # Longer than the stall timeout: a stalled upstream fails this relay's own receive first
                 # (and aborts), so the next hop is not blamed for it.
                 if not self._cond.wait(1.5 * self.stall_timeout + 1.0):
-                    raise TransferTimeout(f"relay: no new bytes from upstream for {self.stall_timeout} s "
-                                          f"(waiting for region offset {offset})")
+                    raise UpstreamFailed(f"relay: no new bytes from upstream for {1.5 * self.stall_timeout + 1.0} s "
+                                         f"(waiting for region offset {offset})")
             if self.aborted is not None:
-                raise PeerLost(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
+                raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
 
 
 @dataclass
@@ -327,8 +326,8 @@ class Chain:
                 head = sender.send(region, verify=verify, progress=progress if i == 0 else None, onward=onward)
             except (TensorXferError, OSError) as e:
                 self._drop(address)
-                if landed is not None and landed.aborted is not None:
-                    raise
+                if isinstance(e, UpstreamFailed) or (landed is not None and landed.aborted is not None):
+                    raise       # this relay's own update failed: the next hop is not to blame
                 log.warning("fan-out: %s taken out of the chain (%s: %s)%s", address, type(e).__name__, e,
                             f"; sending to {rest[0]} instead" if rest else "")
                 results.append(ReceiverResult(address, False, seconds=time.perf_counter() - t0, via=self.origin,
@@ -372,9 +371,9 @@ class RelayJob:
 
     def _wait_checksums(self) -> Any:
         if not self._ready.wait(self._wait_allowance):
-            raise TransferTimeout("relay: the upstream update did not complete in time")
+            raise UpstreamFailed("relay: the upstream update did not complete in time")
         if self.landed.aborted is not None:
-            raise PeerLost(f"relay: the upstream transfer failed ({self.landed.aborted})")
+            raise UpstreamFailed(f"relay: the upstream transfer failed ({self.landed.aborted})")
         return self._checksums
 
     def complete(self, checksums: Any) -> None:

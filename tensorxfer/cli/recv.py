@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1 and a free port, printed at start)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the received files into")
     p.add_argument("--once", action="store_true", help="exit after one transfer (its exit code)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="refuse to forward fan-out updates to the next receivers a sender names (with a token, "
+                        "forwarding is allowed by default; without one it is always refused)")
     p.add_argument("--max-bytes", type=float, default=None,
                    help="refuse offers larger than this many bytes (default: half of this machine's memory, or "
                         "of the GPU's with --device cuda:N)")
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limit = None if args.max_bytes is None else int(args.max_bytes)
         rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=limit,
-                      stall_timeout=args.stall_timeout)
+                      stall_timeout=args.stall_timeout, relay=False if args.no_relay else None)
     except OSError as e:
         os.close(lock_fd)
         if isinstance(e, TensorXferError):
