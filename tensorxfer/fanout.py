@@ -358,6 +358,7 @@ class RelayJob:
         self._wait_allowance = stall_timeout + 10.0 + region.nbytes / 1e9
         self.results: list[ReceiverResult] | None = None
         self.error: BaseException | None = None
+        self._chain = chain
         self._thread = threading.Thread(target=self._run, args=(chain, region, version, verify),
                                         name="tensorxfer-relay", daemon=True)
         self._thread.start()
@@ -392,9 +393,16 @@ class RelayJob:
         return [r.as_dict() for r in self.results]
 
     def abort(self, why: str) -> None:
+        """This relay's own update failed: stop forwarding (the next hop's session ends with it)."""
         self.landed.abort(why)
         self._ready.set()
-        self._thread.join(timeout=30.0)
+        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            # Blocked in a control wait (connecting, waiting for accept): closing the sessions wakes it, so
+            # the next update never shares the chain with this one.  The forward session is lost anyway: a
+            # Sender ends its session on any failure.
+            self._chain.close()
+            self._thread.join()
 
 
 class Relay:
@@ -458,8 +466,12 @@ class FanoutSender:
     def closed(self) -> bool:
         return self._chain is None
 
-    def send(self, region: TensorRegion, verify: bool = False, progress: Any = None) -> FanoutStats:
+    def send(self, region: TensorRegion, verify: bool = False, progress: Any = None,
+             version: Version | None = None) -> FanoutStats:
         """Deliver ``region`` to every receiver still in the chain; wait for all of them.
+
+        ``version``: the update this is (default: this FanoutSender's next update number and the manifest's
+        digest); a warm peer passing on what it received keeps the origin's (:meth:`Receiver.send_on`).
 
         Returns
         -------
@@ -479,7 +491,11 @@ class FanoutSender:
                 raise TransferError("fan-out: every receiver was taken out of the chain: "
                                     + "; ".join(f"{r.address}: {r.error_type}" for r in self.removed))
             self._update += 1
-            version = Version(self._update, manifest_digest(region.manifest))
+            digest = manifest_digest(region.manifest)
+            if version is None:
+                version = Version(self._update, digest)
+            elif version.digest != digest:
+                raise ValueError("fan-out: the version's digest is not the region's manifest digest")
             t0 = time.perf_counter()
             order = tuple(self.chain)
             results, head = chain.send(region, order, version, verify, progress)

@@ -54,7 +54,7 @@ from tensorxfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
-from tensorxfer.fanout import Onward, Relay, RelayJob, Version, manifest_digest, parse_chain
+from tensorxfer.fanout import FanoutSender, FanoutStats, Onward, Relay, RelayJob, Version, manifest_digest, parse_chain
 from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
@@ -179,6 +179,7 @@ class Receiver:
         self.stall_timeout = float(stall_timeout)
         self.handshake_timeout = float(handshake_timeout)
         self._key = token_key(token)
+        self._token = token
         # Fan-out (tensorxfer.fanout): forward offers to the next hops the authenticated sender names,
         # with this receiver's token; without a token only when asked for explicitly.
         self._relay_allowed = relay if relay is not None else token is not None
@@ -529,6 +530,29 @@ class Receiver:
             msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
             ch.send_error("checksum", msg, tensor=bad)
             raise ChecksumMismatch(msg, tensor=bad)
+
+    def send_on(self, to: str | list[str], verify: bool = False, transport: str = "auto",
+                streams: int | None = None) -> FanoutStats:
+        """Send the complete update this receiver holds to other receivers (a new replica pulls from a warm peer).
+
+        Sends :attr:`region` with its :attr:`version` kept (the origin's update number), over a chain when
+        ``to`` names several receivers, with this receiver's token.  Holds the receiver's lock meanwhile, so
+        no ``receive()`` overwrites the region while it is being sent.
+
+        Raises
+        ------
+        TransferError
+            No complete version is held (nothing received yet, or the last update failed or is in flight).
+        """
+        targets = [to] if isinstance(to, str) else list(to)
+        with self._lock:
+            region, version = self._region, self._version
+            if region is None or region.closed or version is None:
+                raise TransferError("this receiver holds no complete update to send on (nothing received yet, "
+                                    "or the last update failed)")
+            with FanoutSender(targets, token=self._token, transport=transport, streams=streams,
+                              stall_timeout=self.stall_timeout, connect_timeout=self.handshake_timeout) as fan:
+                return fan.send(region, verify=verify, version=version)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -283,3 +283,19 @@ def test_one_to_four_over_ipc_store_and_forward(peers):
             for p in ps:
                 got = p.wait_oks(update)[-1]
                 assert got["sha256"] == sha(region) and got["update"] == update
+
+
+def test_new_replica_pulls_from_a_warm_peer_keeping_the_version():
+    with tx.Receiver("127.0.0.1:0", token=TOKEN) as warm, tx.Receiver("127.0.0.1:0", token=TOKEN) as fresh, \
+            model(4 << 20, seed=9) as region:
+        with pytest.raises(tx.TransferError, match="no complete update"):
+            warm.send_on("{}:{}".format(*fresh.address))
+        got = Background(warm.receive, timeout=20)
+        with FanoutSender(["{}:{}".format(*warm.address)], token=TOKEN, transport="tcp") as fan:
+            fan.send(region)
+        got.result()
+        assert warm.version is not None and warm.version.update == 1
+        pulled = Background(fresh.receive, timeout=20)
+        stats = warm.send_on("{}:{}".format(*fresh.address), verify=True, transport="tcp")
+        assert stats.ok and stats.version == warm.version
+        assert sha(pulled.result()) == sha(region) and fresh.version == warm.version
