@@ -84,7 +84,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import struct
 import sys
 import tempfile
@@ -99,15 +98,17 @@ from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     AuthError,
     CudaError,
+    HandleError,
     PeerLost,
     ProtocolError,
+    RegionError,
     TensorXferError,
     TransferError,
     TransferTimeout,
     TransportUnavailable,
 )
 from tensorxfer.memory import HostRegion
-from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
 FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
 MAX_CHUNKS = 1 << 20
 MAX_MESSAGE = 64 << 10         # every message is small: the chunk list travels in batches with its fds
+CHUNK_TAIL = 2 << 20           # a region's last handle ends at most here past its payload (VMM granularity)
 PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
 CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
 
@@ -239,6 +241,7 @@ def _unavailable() -> str | None:
 
 
 def _unpack(data: bytes, what: str) -> Any:
+    scan_msgpack(data, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what=f"ipc: {what}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
     except Exception as e:
@@ -264,15 +267,22 @@ def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int]:
 
 
 def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
-    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0."""
+    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0.
+
+    No chunk may reach past the payload rounded up to ``CHUNK_TAIL``: a region's last handle is at most
+    that much longer than its payload, and a hostile sender must not make the receiver map (and populate)
+    a huge sparse file for a small update.
+    """
     if not isinstance(raw, list) or not raw:
         raise ProtocolError("ipc: a handle message must carry a non-empty list of [offset, size] pairs")
     end = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    limit = -(-nbytes // CHUNK_TAIL) * CHUNK_TAIL
     for item in raw:
         if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
-                or item[0] != end or item[1] <= 0 or end >= nbytes):
+                or item[0] != end or item[1] <= 0 or end >= nbytes or item[0] + item[1] > limit):
             raise ProtocolError(f"ipc: chunk {len(chunks)} is {item!r}; chunks must be [offset, size] pairs "
-                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end})")
+                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end}) and end "
+                                f"by {limit}")
         chunks.append((item[0], item[1]))
         end += item[1]
 
@@ -536,14 +546,14 @@ class IpcReceiver(ReceiverTransport):
     # -- host handles
     def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
                    progress: Progress | None, fds: list[int], token: bytes) -> int:
-        for i, (size, fd) in enumerate(handles):
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-                raise ProtocolError(f"ipc: handle {i} is not a memory file of at least {size} bytes "
-                                    f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
         key = ("host", self._peer_pid, token)
-        src = self._source(key, handles, fds,
-                           lambda hs: HostRegion.import_fds(hs, writable=False, populate=True))
+
+        def import_(hs: list[tuple[int, int]]) -> HostRegion:
+            try:    # every fd checked first: a sealed memory file at least as long as its chunk
+                return HostRegion.import_handles(hs, writable=False, populate=True)
+            except HandleError as e:
+                raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
+        src = self._source(key, handles, fds, import_)
         if self._manifest is not None:
             return self._adopt(src, "cpu", key)
         ok = False
@@ -833,7 +843,7 @@ class IpcSender(SenderTransport):
             token = _TOKENS[region] = os.urandom(16)
         cached = nbytes > 0 and token == self._passed
         chunks = [] if cached or not nbytes else self._export(region)
-        owned = [fd for _, _, fd in chunks] if region.is_cuda else []   # exported CUDA handles are ours to close
+        owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
                                    "count": len(chunks), "cached": cached, "seq": self._seq}, use_bin_type=True)
@@ -867,24 +877,16 @@ class IpcSender(SenderTransport):
 
     @staticmethod
     def _export(region: TensorRegion) -> list[tuple[int, int, int]]:
-        """``(offset, size, fd)`` of the chunks holding the payload; CUDA fds are new (the caller closes them)."""
-        nbytes = region.nbytes
-        if region.is_cuda:
-            try:
-                chunks = region.region.export_handles()
-            except CudaError as e:
-                raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
-                                           f"use transport='tcp'") from None
-            if not chunks:
-                raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
-                                           "(no handles to pass); copy it into a TensorRegion (from_tensors) "
-                                           "or use transport='tcp'")
-        else:
-            chunks = list(region.region.chunks)
-        inside = [c for c in chunks if c[0] < nbytes]
-        if region.is_cuda:
-            _close_fds([fd for off, _, fd in chunks if off >= nbytes])
-        if any(fd < 0 for _, _, fd in inside):
+        """``(offset, size, fd)`` of the chunks holding the payload; the fds are new (the caller closes them)."""
+        try:
+            chunks = region.region.export_handles()
+        except (CudaError, RegionError) as e:
+            raise TransportUnavailable(f"ipc: the region's memory handles cannot be exported ({e}); "
+                                       f"use transport='tcp'") from None
+        inside = [c for c in chunks if c[0] < region.nbytes]
+        _close_fds([fd for off, _, fd in chunks if off >= region.nbytes])
+        if not inside or any(fd < 0 for _, _, fd in inside):
+            _close_fds([fd for _, _, fd in inside if fd >= 0])
             raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
                                        "there are no memory handles to pass; copy it into a TensorRegion "
                                        "(from_tensors) or use transport='tcp'")

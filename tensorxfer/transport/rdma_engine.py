@@ -47,7 +47,7 @@ import msgpack
 
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout
-from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 from tensorxfer.transport.rdma import (
     DEFAULT_QPS,
@@ -247,7 +247,10 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 raise PeerLost("rdma: the transport was closed while the sender connected")
             self._side = conn
         try:
+            scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what="rdma: the sender's descriptors")
             peer = msgpack.unpackb(body, raw=False)
+        except ProtocolError:
+            raise
         except Exception as e:    # any decoding failure of an authenticated peer
             raise ProtocolError(f"rdma: the sender's descriptors are not valid msgpack: {e}") from None
         return _check_peer(peer, "sender")
