@@ -119,6 +119,37 @@ class TransferStats:
 listen_on = listen       # Receiver's parameter is called listen
 
 
+KEEPALIVE_SECONDS = 2.0        # how often a busy receiver says "wait" (well under any ack timeout)
+
+
+class _KeepAlive:
+    """Sends ``wait`` frames from a thread while the receiver works between ``done`` and ``ack``.
+
+    Only this thread sends while the block runs; the block's own frames
+    (error, ack) are sent after it ended, so frames never interleave.
+    """
+
+    def __init__(self, ch: Channel, seq: int) -> None:
+        self._ch, self._seq = ch, seq
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorxfer-keepalive", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(KEEPALIVE_SECONDS):
+            try:
+                self._ch.send("wait", seq=self._seq)
+            except TensorXferError:
+                return      # the sender is gone; the block's own frames will find that out
+
+    def __enter__(self) -> _KeepAlive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _remaining(deadline: float | None) -> float | None:
     # Never 0: a zero socket timeout means non-blocking (BlockingIOError), not "time is up".
     return None if deadline is None else max(1e-3, deadline - time.monotonic())
@@ -362,7 +393,11 @@ class Receiver:
             ch.send_error("refused", str(e))
             raise
         if on_offer is not None:
-            on_offer(manifest)
+            try:
+                on_offer(manifest)
+            except BaseException as e:
+                ch.send_error("refused", f"the receiver refused the offer: {type(e).__name__}: {e}")
+                raise
         if name not in local_transports() or (self.share and name != "ipc"):
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()}" \
                   f"{'; share=True needs ipc' if self.share else ''})"
@@ -415,14 +450,28 @@ class Receiver:
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
                                 f"{nbytes} {verb}, the manifest has {manifest.nbytes}")
-        if verify:
-            self._verify(ch, region, done)
-        if on_landed is not None:
-            try:
-                on_landed(region)
-            except BaseException as e:
-                ch.send_error("landed", f"the receiver failed after the data landed: {type(e).__name__}: {e}")
-                raise
+        expected = self._expected_sums(region, done) if verify else None
+        # Hashing a large region and the caller's on_landed (the CLI writes and fsyncs every file) can
+        # take minutes: "wait" frames tell the sender the receiver is alive and working, so its ack wait
+        # measures a stall, not the length of the work.
+        bad: str | None = None
+        failure: BaseException | None = None
+        with _KeepAlive(ch, seq):
+            if expected is not None:
+                bad = first_mismatch(region, expected)
+            if bad is None and on_landed is not None:
+                try:
+                    on_landed(region)
+                except BaseException as e:
+                    failure = e
+        if bad is not None:
+            msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
+            ch.send_error("checksum", msg, tensor=bad)
+            raise ChecksumMismatch(msg, tensor=bad)
+        if failure is not None:
+            ch.send_error("landed", f"the receiver failed after the data landed: {type(failure).__name__}: "
+                                    f"{failure}")
+            raise failure
         ch.send("ack", seq=seq, bytes=nbytes)
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, fresh: bool,
@@ -468,17 +517,13 @@ class Receiver:
         self._region = TensorRegion.from_manifest(manifest, device=self.device)
         return self._region, old is not None
 
-    def _verify(self, ch: Channel, region: TensorRegion, done: dict[str, Any]) -> None:
+    @staticmethod
+    def _expected_sums(region: TensorRegion, done: dict[str, Any]) -> list[int]:
         sums = field(done, "checksums", list)
         if len(sums) != 2 or sums[0] != ALGORITHM or not isinstance(sums[1], bytes) \
                 or len(sums[1]) != 8 * len(region.manifest):
             raise ProtocolError(f"done frame: checksums must be [{ALGORITHM!r}, 8 bytes per tensor]")
-        expected = np.frombuffer(sums[1], dtype="<u8").tolist()
-        bad = first_mismatch(region, expected)
-        if bad is not None:
-            msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
-            ch.send_error("checksum", msg, tensor=bad)
-            raise ChecksumMismatch(msg, tensor=bad)
+        return list(np.frombuffer(sums[1], dtype="<u8").tolist())
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -656,11 +701,12 @@ class Sender:
         wire = time.perf_counter() - t2
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
-        # The receiver hashes at >= 1 GB/s when verifying, and its on_landed (the CLI writes and fsyncs
-        # the files) runs before the ack: allow for both as the accept wait allows for allocation.
-        verify_allowance = nbytes / 1e9 if verify else 0.0
-        landed_allowance = nbytes / ALLOCATION_FLOOR_BYTES_PER_S
-        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance)
+        # While the receiver verifies and runs its on_landed (the CLI writes the files) it sends "wait"
+        # frames: each resets this wait, so only a receiver that stopped answering times out.
+        while True:
+            ack = ch.recv("ack", "wait", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
+            if ack["type"] == "ack":
+                break
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
         receiver_setup = accept.get("setup_seconds")

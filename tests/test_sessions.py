@@ -242,3 +242,33 @@ def test_memory_a_vanished_sender_left_behind_is_released() -> None:
         with pytest.raises(tx.TransferError):
             job.result()
         assert rx.region is None, "the region allocated for the vanished sender's offer must be released"
+
+
+# ---------------------------------------------------------------- the receiver's own work
+def test_a_long_on_landed_keeps_the_sender_waiting_and_a_stalled_one_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorxfer import session
+
+    monkeypatch.setattr(session, "CONTROL_TIMEOUT", 0.5)
+    monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 0.1)
+    with region_of(1 << 20) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(2.0))   # 4x the ack timeout
+        with Sender(addr(rx), transport="tcp", stall_timeout=0.5) as s:
+            assert s.send(src).bytes == src.nbytes
+        job.result()
+        monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 5.0)      # a receiver that goes quiet
+        job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(2.0))
+        with Sender(addr(rx), transport="tcp", stall_timeout=0.5) as s, pytest.raises(tx.TransferTimeout):
+            s.send(src)
+        job.thread.join(10)     # its ack may or may not reach the closed sender: either way it ends
+
+
+def test_an_on_offer_refusal_reaches_the_sender() -> None:
+    def refuse(manifest: Manifest) -> None:
+        raise ValueError("no room for this layout")
+
+    with region_of(1 << 20) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_offer=refuse)
+        with Sender(addr(rx)) as s, pytest.raises(tx.ManifestError, match="no room for this layout"):
+            s.send(src)
+        with pytest.raises(ValueError):
+            job.result()
