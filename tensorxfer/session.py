@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import threading
 import time
@@ -83,7 +84,7 @@ class TransferStats:
     for the session so far (``registrations``, ``connects``, ``updates``), so
     update 100 can show it registered and connected nothing;
     ``registration`` is how the region was registered with the NIC
-    (``"dmabuf"`` / ``"reg_mr"``; empty for transports that register
+    (``"reg_dmabuf_mr"`` / ``"reg_mr"``; empty for transports that register
     nothing).
     """
 
@@ -216,6 +217,7 @@ class Receiver:
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
         self._closing = False
+        self._idle_since = 0.0              # when the current session last finished something
         self._gate: Gate | None = Gate(listen_on(host, port=port), self._handshake, self.handshake_timeout, "control")
 
     @property
@@ -307,8 +309,7 @@ class Receiver:
         -----
         Every failure ends the current session (the next call accepts a new
         sender) but leaves the receiver usable.  Calling :meth:`close` from
-        another thread does not interrupt a blocked ``receive``; bound it
-        with ``timeout`` instead.
+        another thread ends a blocked ``receive`` with :class:`TransferError`.
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -317,7 +318,10 @@ class Receiver:
                 if ch is None:
                     ch = self._accept_session(deadline)
                 try:
-                    frame = ch.recv("offer", "bye", timeout=_remaining(deadline))
+                    frame = self._next_frame(ch, deadline)
+                    if frame is None:           # an idle session yielded to a waiting sender
+                        self._end_session()
+                        continue
                 except TransferTimeout:
                     if ch.desynced:     # timed out mid-frame: the stream is unusable
                         self._end_session()
@@ -335,13 +339,43 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(ch, frame, progress, on_offer, on_landed)
+                    region = self._serve_offer(ch, frame, progress, on_offer, on_landed)
+                    self._idle_since = time.monotonic()
+                    return region
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
                     if self._closing and not isinstance(e, KeyboardInterrupt):
                         raise TransferError(f"this Receiver was closed during the transfer ({e})") from e
                     raise
+
+    def _next_frame(self, ch: Channel, deadline: float | None) -> dict[str, Any] | None:
+        """The session's next offer (or bye), proving new connections meanwhile.
+
+        One session is served at a time, so a session that sits idle would lock every other sender
+        out (a token-less stranger needs only to say hello).  While waiting, the gate keeps proving new
+        connections; once one is waiting and this session has been idle for ``handshake_timeout``, the
+        session yields: None is returned and the caller ends it.  A single sender (a trainer between
+        steps) is never cut off: it yields only to another sender that is actually waiting.
+        """
+        gate = self._open_gate()
+        poller = select.poll()
+        poller.register(ch.sock, select.POLLIN)
+        while True:
+            if poller.poll(0):
+                # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
+                limit = CONTROL_TIMEOUT if deadline is None else max(1e-3, min(CONTROL_TIMEOUT,
+                                                                              deadline - time.monotonic()))
+                return ch.recv("offer", "bye", timeout=limit)
+            self._check_open()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TransferTimeout("no offer within the timeout")
+            if gate.ready and now - self._idle_since > self.handshake_timeout:
+                log.warning("session with %s idle for %.0f s while another sender waits: ending it", ch.peer,
+                            now - self._idle_since)
+                return None
+            gate.pump(0.05)
 
     def _check_open(self) -> None:
         if self._closing:
@@ -356,6 +390,7 @@ class Receiver:
             why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
             raise TransferTimeout(f"no sender connected within the timeout{why}") from None
         self._channel, self._session_key, self._seq = ch, key, 0
+        self._idle_since = time.monotonic()
         log.info("session with sender %s", ch.peer)
         return ch
 
@@ -497,7 +532,8 @@ class Receiver:
         if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
         region.manifest = manifest      # same layout when reused; metadata and checksums may be new
-        self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped", on_landed)
+        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "mapped",
+                     on_landed)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
                                         reallocated=old is not region, update=seq, setup=setup,
                                         setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
@@ -702,9 +738,19 @@ class Sender:
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         # While the receiver verifies and runs its on_landed (the CLI writes the files) it sends "wait"
-        # frames: each resets this wait, so only a receiver that stopped answering times out.
+        # frames: each resets the stall wait, so only a receiver that stopped answering times out early.
+        # The whole wait is still bounded (hashing at >= 1 GB/s, writing at >= 100 MB/s, plus a minute),
+        # so a receiver whose on_landed hangs cannot hold this sender forever.
+        limit = max(self.stall_timeout, CONTROL_TIMEOUT)
+        waited_from = time.monotonic()
+        give_up = waited_from + limit + 60.0 + nbytes / ALLOCATION_FLOOR_BYTES_PER_S \
+            + (nbytes / 1e9 if verify else 0.0)
         while True:
-            ack = ch.recv("ack", "wait", timeout=max(self.stall_timeout, CONTROL_TIMEOUT))
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"the receiver kept working on transfer {seq} past {give_up - waited_from:.0f} s "
+                                      f"without acknowledging it (its on_landed may hang)")
+            ack = ch.recv("ack", "wait", timeout=min(limit, left))
             if ack["type"] == "ack":
                 break
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:

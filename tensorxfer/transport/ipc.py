@@ -20,10 +20,12 @@ Security
   receiver keeps waiting for the real sender (until ``stall_timeout``);
   strangers are identified concurrently (:class:`~tensorxfer.connections.Gate`),
   so idle ones cannot hold the real sender up.
-- The receiver never maps past the end of a passed memfd (``fstat`` first:
-  that would turn a read into ``SIGBUS``).  A same-uid sender that *shrinks*
-  its memfd while the receiver copies can still crash the receiver: IPC
-  trusts the same uid, which could ptrace it anyway.
+- The receiver maps only sealed memfds (``F_SEAL_SHRINK | F_SEAL_GROW``,
+  set by ``HostRegion.allocate``) at least as long as their chunk, checked
+  before anything is mapped (``HostRegion.import_handles``): the sender can
+  never shrink a file under the receiver's mapping, which would turn a read
+  into ``SIGBUS``.  No chunk may end past the payload rounded up to
+  ``CHUNK_TAIL``, so a small update cannot make the receiver map a huge file.
 
 Same host
 ---------
@@ -551,7 +553,7 @@ class IpcReceiver(ReceiverTransport):
         def import_(hs: list[tuple[int, int]]) -> HostRegion:
             try:    # every fd checked first: a sealed memory file at least as long as its chunk
                 return HostRegion.import_handles(hs, writable=False, populate=True)
-            except HandleError as e:
+            except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
                 raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
         src = self._source(key, handles, fds, import_)
         if self._manifest is not None:
@@ -655,7 +657,9 @@ class IpcReceiver(ReceiverTransport):
                     with lock:
                         state["done"] += n
                         conn.send(b"P" + U64.pack(state["done"]))
-                except BaseException as e:
+                except BaseException:
+                    if self._closing:   # close() from another thread tore the socket down under us
+                        e = TransferError("ipc: the transfer was aborted during the copy")
                     with lock:
                         state["error"] = state["error"] or e
                     return

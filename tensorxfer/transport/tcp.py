@@ -119,6 +119,9 @@ def _close_stagers(stagers: list[Any]) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
+    # Streams stay open between updates: without TCP_NODELAY the last partial segment of a slice can
+    # wait for the receiver's delayed ACK (up to 40 ms) before it leaves, on every update.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCKET_BUFFER_BYTES:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
