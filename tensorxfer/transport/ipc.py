@@ -657,11 +657,11 @@ class IpcReceiver(ReceiverTransport):
                     with lock:
                         state["done"] += n
                         conn.send(b"P" + U64.pack(state["done"]))
-                except BaseException:
-                    if self._closing:   # close() from another thread tore the socket down under us
-                        e = TransferError("ipc: the transfer was aborted during the copy")
+                except BaseException as e:
+                    # close() from another thread tears the socket down under us: say so, not "lost"
+                    error = TransferError("ipc: the transfer was aborted during the copy") if self._closing else e
                     with lock:
-                        state["error"] = state["error"] or e
+                        state["error"] = state["error"] or error
                     return
 
         workers = [threading.Thread(target=worker, name=f"tensorxfer-ipc-copy-{k}", daemon=True)
