@@ -161,6 +161,12 @@ class Gate:
         with self._lock:
             return len(self._ready)
 
+    def fileno(self) -> int:
+        """The listening socket's fd (readable when a connection waits to be accepted), for poll()."""
+        if self._listener is None:
+            raise TransferError(f"the {self.what} listener is closed")
+        return self._listener.fileno()
+
     def pump(self, wait: float) -> None:
         """Accept what arrived within ``wait`` seconds and start proving it, without taking anything out.
 

@@ -361,8 +361,13 @@ class Receiver:
         gate = self._open_gate()
         poller = select.poll()
         poller.register(ch.sock, select.POLLIN)
+        poller.register(gate.fileno(), select.POLLIN)
+        channel = ch.sock.fileno()
         while True:
-            if poller.poll(0):
+            # Wake for whichever comes first, the session's next frame or a new connection: an offer is
+            # noticed at once (a warm CUDA ipc update takes ~16 ms; a polling delay would show).
+            events = dict(poller.poll(50))
+            if events.get(channel):
                 # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
                 limit = CONTROL_TIMEOUT if deadline is None else max(1e-3, min(CONTROL_TIMEOUT,
                                                                               deadline - time.monotonic()))
@@ -375,7 +380,8 @@ class Receiver:
                 log.warning("session with %s idle for %.0f s while another sender waits: ending it", ch.peer,
                             now - self._idle_since)
                 return None
-            gate.pump(0.05)
+            if events:
+                gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
 
     def _check_open(self) -> None:
         if self._closing:
