@@ -33,7 +33,8 @@ from tensorxfer.errors import PeerLost, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_PENDING = 256       # unproven connections kept at once; more are closed on arrival
+DEFAULT_MAX_PENDING = 256       # unproven connections kept at once; past it the oldest is dropped
+MAX_READY = 16                  # proven connections waiting for admit(); more are dropped
 BACKLOG = 512                   # the kernel's queue in front of the gate
 _TICK = 0.05                    # how often admit() and the watchdog look at deadlines
 
@@ -117,7 +118,9 @@ class Gate:
     what : str
         What the connections are, for logs and errors ("control", "tcp stream").
     max_pending : int
-        Unproven connections kept at once; more are closed on arrival.
+        Unproven connections kept at once; when a new one arrives past it,
+        the *oldest* is dropped (a flood of idle strangers cannot lock out a
+        peer that proves itself in milliseconds).
 
     Notes
     -----
@@ -126,12 +129,12 @@ class Gate:
     """
 
     def __init__(self, listener: socket.socket, identify: Identify, proof_timeout: float, what: str,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+                 max_pending: int | None = None) -> None:
         self._listener: socket.socket | None = listener
         self._identify = identify
         self.proof_timeout = float(proof_timeout)
         self.what = what
-        self.max_pending = max_pending
+        self.max_pending = DEFAULT_MAX_PENDING if max_pending is None else max_pending
         self.dropped = 0
         self.last_drop = ""
         self._lock = threading.Condition()
@@ -151,6 +154,27 @@ class Gate:
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    @property
+    def ready(self) -> int:
+        """Connections that proved themselves and wait for :meth:`admit`."""
+        with self._lock:
+            return len(self._ready)
+
+    def fileno(self) -> int:
+        """The listening socket's fd (readable when a connection waits to be accepted), for poll()."""
+        if self._listener is None:
+            raise TransferError(f"the {self.what} listener is closed")
+        return self._listener.fileno()
+
+    def pump(self, wait: float) -> None:
+        """Accept what arrived within ``wait`` seconds and start proving it, without taking anything out.
+
+        For a caller busy with something else (the receiver waiting for its session's next offer) that
+        still wants new connections proved meanwhile.
+        """
+        if not self._closed:
+            self._accept_one(wait)
 
     def admit(self, count: int = 1, timeout: float | None = None,
               abort: Callable[[], str | None] | None = None) -> list[tuple[socket.socket, Any]]:
@@ -202,20 +226,21 @@ class Gate:
             if self._closed:
                 return
             raise
+        oldest = None
         with self._lock:
             if len(self._pending) >= self.max_pending:
-                over = True
-            else:
-                over = False
-                self._pending[conn] = time.monotonic() + self.proof_timeout
-                if self._watchdog is None:
-                    self._watchdog = threading.Thread(target=self._watch, name=f"tensorxfer-gate-{self.what}",
-                                                      daemon=True)
-                    self._watchdog.start()
-        if over:
-            conn.close()
-            self._drop(f"over {self.max_pending} unproven connections at once")
-            return
+                oldest = min(self._pending, key=self._pending.__getitem__)
+                del self._pending[oldest]   # its prover wakes, finds itself expired and drops it
+            self._pending[conn] = time.monotonic() + self.proof_timeout
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name=f"tensorxfer-gate-{self.what}",
+                                                  daemon=True)
+                self._watchdog.start()
+        if oldest is not None:
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass    # already gone
         prover = threading.Thread(target=self._prove, args=(conn,), name=f"tensorxfer-prove-{self.what}",
                                   daemon=True)
         with self._lock:
@@ -231,12 +256,15 @@ class Gate:
             proof, why = None, f"{type(e).__name__}: {e}"
         with self._lock:
             expired = self._pending.pop(conn, None) is None or self._closed
-            if proof is not None and not expired:
+            if proof is not None and not expired and len(self._ready) < MAX_READY:
                 self._ready.append((conn, proof))
                 self._lock.notify_all()
                 return
         conn.close()
-        self._drop("it did not prove itself in time" if expired and proof is not None else why)
+        if proof is not None:
+            why = "it did not prove itself in time" if expired else \
+                f"{MAX_READY} proven connections already wait their turn"
+        self._drop(why)
 
     def _drop(self, why: str) -> None:
         with self._lock:

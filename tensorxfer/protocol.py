@@ -29,6 +29,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -55,7 +56,7 @@ AUTH_CONTEXT = b"tensorxfer-auth-v1"
 #: travels as one bin.  4096 objects cost at most ~0.5 MiB of Python objects, whatever the frame size.
 MAX_FRAME_OBJECTS = 4096
 MAX_FRAME_DEPTH = 16
-FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "ack", "error", "bye"))
+FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "wait", "ack", "error", "bye"))
 
 T = TypeVar("T")
 
@@ -148,6 +149,8 @@ class Channel:
         self._sock: socket.socket | None = sock
         self.send_timeout = send_timeout
         self.desynced = False       # a read timed out mid-frame: no later frame boundary can be trusted
+        self._deadline: float | None = None     # of the frame being read (see recv)
+        self._timeout: float | None = None
         self._limit = PREAUTH_MAX_FRAME
         self._max_frame = max_frame
         self.frames_received = 0
@@ -213,8 +216,12 @@ class Channel:
         TransferTimeout
             Nothing arrived within ``timeout`` seconds.
         """
-        sock = self.sock
-        sock.settimeout(timeout)
+        if self._sock is None:
+            raise ProtocolError("the control channel is closed")
+        # ``timeout`` bounds the whole frame, not each recv: a peer trickling one byte at a time
+        # cannot stretch one frame past it.
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
         head = self._read_exact(HEADER.size, what="frame header")
         (size,) = HEADER.unpack(head)
         if size == 0 or size > self._limit:
@@ -258,6 +265,14 @@ class Channel:
         got = 0
         try:
             while got < n:
+                deadline = self._deadline
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.sock.settimeout(left)
+                else:
+                    self.sock.settimeout(None)
                 k = self.sock.recv_into(view[got:])
                 if k == 0:
                     if got == 0 and what == "frame header":
@@ -268,7 +283,7 @@ class Channel:
             if got or what != "frame header":
                 self.desynced = True
             raise TransferTimeout(f"control channel to {self.peer}: no {what} within "
-                                  f"{self.sock.gettimeout()} s") from None
+                                  f"{self._timeout} s") from None
         except (ConnectionError, OSError) as e:
             if isinstance(e, PeerLost):
                 raise

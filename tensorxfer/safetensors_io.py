@@ -21,7 +21,7 @@ the index, ...: every other regular top-level file, bounded by
 verbatim in the metadata, so a Hugging Face directory arrives loadable.
 
 Regions on a GPU (``device="cuda:N"``) are filled from, and written to,
-files through two pinned staging buffers (``tensorxfer.memory._cuda.Stager``),
+files through two pinned staging buffers (:mod:`tensorxfer.staging`, the same loop as host regions),
 double-buffered: the disk works on one while the copy engine works on the other.
 
 Output (:func:`write_files`) is all-or-nothing: every name and target is
@@ -65,6 +65,7 @@ from tensorxfer.dtypes import DTYPES
 from tensorxfer.errors import TensorXferError
 from tensorxfer.manifest import MAX_METADATA_ITEMS, MAX_METADATA_STR, Manifest
 from tensorxfer.region import TensorRegion
+from tensorxfer.staging import open_stager, read_pieces, write_pieces
 
 log = logging.getLogger(__name__)
 
@@ -511,35 +512,23 @@ def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: st
 
 
 def _fill(region: TensorRegion, jobs: list[tuple[Path, list[tuple[int, int, int]]]]) -> None:
-    """Copy ``(file offset, region offset, n)`` pieces of each file into the region."""
-    if not region.is_cuda:
-        with memoryview(region.region).cast("B") as view:
-            for path, items in jobs:
-                with open(path, "rb") as f:
-                    for file_off, off, n in items:
-                        f.seek(file_off)
-                        with view[off:off + n] as dst:
-                            _read_exact(f, dst, path)
-        return
-    from tensorxfer.memory._cuda import Stager
+    """Copy ``(file offset, region offset, n)`` pieces of each file into the region.
 
-    base = region.region.ptr
-    with Stager(region.region.device_index, STAGE_BYTES) as st:
-        b, queued = 0, [False, False]
+    Host regions are read into directly; GPU regions through one pair of pinned buffers (the file read
+    into one while the other uploads) — :func:`tensorxfer.staging.write_pieces` either way.
+    """
+    stager = open_stager(region, STAGE_BYTES)
+    try:
         for path, items in jobs:
             with open(path, "rb") as f:
                 for file_off, off, n in items:
-                    for p in range(0, n, STAGE_BYTES):
-                        k = min(STAGE_BYTES, n - p)
-                        if queued[b]:
-                            st.wait(b)          # its previous upload has drained: refill it
-                        f.seek(file_off + p)
-                        with st.view(b)[:k] as dst:
+                    f.seek(file_off)
+                    with write_pieces(region, off, n, STAGE_BYTES, stager=stager) as pieces:
+                        for _, dst in pieces:
                             _read_exact(f, dst, path)
-                        st.start_htod(b, base + off + p, k)
-                        queued[b] = True
-                        b ^= 1
-        st.synchronize()
+    finally:
+        if stager is not None:
+            stager.close()
 
 
 def _read_exact(f: Any, dst: memoryview, path: Path) -> None:
@@ -813,46 +802,26 @@ def _roll_back(undo: list[tuple[Path, str | None, bool]]) -> list[str]:
 
 
 class _Drain:
-    """Reads region bytes in order, for writing: slices of the region on the host, pinned staging
-    buffers (double-buffered device-to-host copies) on a GPU."""
+    """Reads region bytes in order, for writing files: zero-copy slices of a host region, pinned
+    staging buffers (double-buffered device-to-host copies) for a GPU region — one
+    :func:`tensorxfer.staging.read_pieces` loop either way, one stager for all the files."""
 
     def __init__(self, region: TensorRegion) -> None:
         self.region = region
-        self._view: memoryview | None = None
         self._stager: Any = None
 
     def __enter__(self) -> _Drain:
-        if self.region.is_cuda:
-            from tensorxfer.memory._cuda import Stager
-
-            self._stager = Stager(self.region.region.device_index, STAGE_BYTES)
-        else:
-            self._view = memoryview(self.region.region).cast("B")
+        self._stager = open_stager(self.region, STAGE_BYTES)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._view is not None:
-            self._view.release()
-            self._view = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
 
     def pieces(self, spans: list[tuple[int, int]]) -> Generator[memoryview, None, None]:
         """Memoryviews of the bytes of ``(offset, n)`` spans, in order; each valid until the next."""
-        if self._view is not None:
-            for off, n in spans:
-                with self._view[off:off + n] as v:
-                    yield v
-            return
-        st, base = self._stager, self.region.region.ptr
-        cut = [(p, min(STAGE_BYTES, off + n - p)) for off, n in spans for p in range(off, off + n, STAGE_BYTES)]
-        if cut:
-            st.start_dtoh(0, base + cut[0][0], cut[0][1])
-        for k, (_, n) in enumerate(cut):
-            b = k & 1
-            if k + 1 < len(cut):      # the other buffer was handed out last time and is free again
-                st.start_dtoh(b ^ 1, base + cut[k + 1][0], cut[k + 1][1])
-            st.wait(b)
-            with st.view(b)[:n] as v:
-                yield v
+        for off, n in spans:
+            with read_pieces(self.region, off, n, STAGE_BYTES, stager=self._stager) as pieces:
+                for _, view in pieces:
+                    yield view

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import threading
 import time
@@ -84,7 +85,7 @@ class TransferStats:
     for the session so far (``registrations``, ``connects``, ``updates``), so
     update 100 can show it registered and connected nothing;
     ``registration`` is how the region was registered with the NIC
-    (``"dmabuf"`` / ``"reg_mr"``; empty for transports that register
+    (``"reg_dmabuf_mr"`` / ``"reg_mr"``; empty for transports that register
     nothing).
     """
 
@@ -118,6 +119,37 @@ class TransferStats:
 
 
 listen_on = listen       # Receiver's parameter is called listen
+
+
+KEEPALIVE_SECONDS = 2.0        # how often a busy receiver says "wait" (well under any ack timeout)
+
+
+class _KeepAlive:
+    """Sends ``wait`` frames from a thread while the receiver works between ``done`` and ``ack``.
+
+    Only this thread sends while the block runs; the block's own frames
+    (error, ack) are sent after it ended, so frames never interleave.
+    """
+
+    def __init__(self, ch: Channel, seq: int) -> None:
+        self._ch, self._seq = ch, seq
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorxfer-keepalive", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(KEEPALIVE_SECONDS):
+            try:
+                self._ch.send("wait", seq=self._seq)
+            except TensorXferError:
+                return      # the sender is gone; the block's own frames will find that out
+
+    def __enter__(self) -> _KeepAlive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -194,6 +226,7 @@ class Receiver:
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
         self._closing = False
+        self._idle_since = 0.0              # when the current session last finished something
         self._gate: Gate | None = Gate(listen_on(host, port=port), self._handshake, self.handshake_timeout, "control")
 
     @property
@@ -291,8 +324,7 @@ class Receiver:
         -----
         Every failure ends the current session (the next call accepts a new
         sender) but leaves the receiver usable.  Calling :meth:`close` from
-        another thread does not interrupt a blocked ``receive``; bound it
-        with ``timeout`` instead.
+        another thread ends a blocked ``receive`` with :class:`TransferError`.
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -301,7 +333,10 @@ class Receiver:
                 if ch is None:
                     ch = self._accept_session(deadline)
                 try:
-                    frame = ch.recv("offer", "bye", timeout=_remaining(deadline))
+                    frame = self._next_frame(ch, deadline)
+                    if frame is None:           # an idle session yielded to a waiting sender
+                        self._end_session()
+                        continue
                 except TransferTimeout:
                     if ch.desynced:     # timed out mid-frame: the stream is unusable
                         self._end_session()
@@ -319,13 +354,49 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._serve_offer(ch, frame, progress, on_offer, on_landed)
+                    region = self._serve_offer(ch, frame, progress, on_offer, on_landed)
+                    self._idle_since = time.monotonic()
+                    return region
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
                     if self._closing and not isinstance(e, KeyboardInterrupt):
                         raise TransferError(f"this Receiver was closed during the transfer ({e})") from e
                     raise
+
+    def _next_frame(self, ch: Channel, deadline: float | None) -> dict[str, Any] | None:
+        """The session's next offer (or bye), proving new connections meanwhile.
+
+        One session is served at a time, so a session that sits idle would lock every other sender
+        out (a token-less stranger needs only to say hello).  While waiting, the gate keeps proving new
+        connections; once one is waiting and this session has been idle for ``handshake_timeout``, the
+        session yields: None is returned and the caller ends it.  A single sender (a trainer between
+        steps) is never cut off: it yields only to another sender that is actually waiting.
+        """
+        gate = self._open_gate()
+        poller = select.poll()
+        poller.register(ch.sock, select.POLLIN)
+        poller.register(gate.fileno(), select.POLLIN)
+        channel = ch.sock.fileno()
+        while True:
+            # Wake for whichever comes first, the session's next frame or a new connection: an offer is
+            # noticed at once (a warm CUDA ipc update takes ~16 ms; a polling delay would show).
+            events = dict(poller.poll(50))
+            if events.get(channel):
+                # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
+                limit = CONTROL_TIMEOUT if deadline is None else max(1e-3, min(CONTROL_TIMEOUT,
+                                                                              deadline - time.monotonic()))
+                return ch.recv("offer", "bye", timeout=limit)
+            self._check_open()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TransferTimeout("no offer within the timeout")
+            if gate.ready and now - self._idle_since > self.handshake_timeout:
+                log.warning("session with %s idle for %.0f s while another sender waits: ending it", ch.peer,
+                            now - self._idle_since)
+                return None
+            if events:
+                gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
 
     def _check_open(self) -> None:
         if self._closing:
@@ -340,6 +411,7 @@ class Receiver:
             why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
             raise TransferTimeout(f"no sender connected within the timeout{why}") from None
         self._channel, self._session_key, self._seq = ch, key, 0
+        self._idle_since = time.monotonic()
         log.info("session with sender %s", ch.peer)
         return ch
 
@@ -379,7 +451,11 @@ class Receiver:
             ch.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
             raise
         if on_offer is not None:
-            on_offer(manifest)
+            try:
+                on_offer(manifest)
+            except BaseException as e:
+                ch.send_error("refused", f"the receiver refused the offer: {type(e).__name__}: {e}")
+                raise
         if name not in local_transports() or (self.share and name != "ipc"):
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()}" \
                   f"{'; share=True needs ipc' if self.share else ''})"
@@ -461,19 +537,35 @@ class Receiver:
         if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != manifest.nbytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
                                 f"{nbytes} {verb}, the manifest has {manifest.nbytes}")
+        expected = self._expected_sums(region, done) if verify else None
         if job is not None:
             # Every byte is here: the next hop may finish.  It checks its own copy against the origin's
             # checksums (passed on as they came), so it need not wait for this hop's verification.
             job.complete(done.get("checksums"))
-        if verify:
-            self._verify(ch, region, done)
-        if on_landed is not None:
-            try:
-                on_landed(region)
-            except BaseException as e:
-                ch.send_error("landed", f"the receiver failed after the data landed: {type(e).__name__}: {e}")
-                raise
-        relayed = job.finish() if job is not None else None
+        # Hashing a large region and the caller's on_landed (the CLI writes and fsyncs every file) can
+        # take minutes, and a relay waits for the rest of its chain: "wait" frames tell the sender the
+        # receiver is alive and working, so its ack wait measures a stall, not the length of the work.
+        bad: str | None = None
+        failure: BaseException | None = None
+        relayed: list[dict[str, Any]] | None = None
+        with _KeepAlive(ch, seq):
+            if expected is not None:
+                bad = first_mismatch(region, expected)
+            if bad is None and on_landed is not None:
+                try:
+                    on_landed(region)
+                except BaseException as e:
+                    failure = e
+            if bad is None and failure is None and job is not None:
+                relayed = job.finish()
+        if bad is not None:
+            msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
+            ch.send_error("checksum", msg, tensor=bad)
+            raise ChecksumMismatch(msg, tensor=bad)
+        if failure is not None:
+            ch.send_error("landed", f"the receiver failed after the data landed: {type(failure).__name__}: "
+                                    f"{failure}")
+            raise failure
         ch.send("ack", seq=seq, bytes=nbytes, **({"relayed": relayed} if relayed is not None else {}))
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, fresh: bool,
@@ -499,7 +591,8 @@ class Receiver:
         if old is not None and old is not region:   # the same memory again: the region is reused as is
             old.close(defer=True)       # views the caller still holds keep the old mapping alive
         region.manifest = manifest      # same layout when reused; metadata and checksums may be new
-        self._finish(ch, seq, region, manifest, nbytes, verify, self.stall_timeout, "mapped", on_landed)
+        self._finish(ch, seq, region, manifest, nbytes, verify, max(self.stall_timeout, CONTROL_TIMEOUT), "mapped",
+                     on_landed)
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
                                         reallocated=old is not region, update=seq, setup=setup,
                                         setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
@@ -519,17 +612,13 @@ class Receiver:
         self._region = TensorRegion.from_manifest(manifest, device=self.device)
         return self._region, old is not None
 
-    def _verify(self, ch: Channel, region: TensorRegion, done: dict[str, Any]) -> None:
+    @staticmethod
+    def _expected_sums(region: TensorRegion, done: dict[str, Any]) -> list[int]:
         sums = field(done, "checksums", list)
         if len(sums) != 2 or sums[0] != ALGORITHM or not isinstance(sums[1], bytes) \
                 or len(sums[1]) != 8 * len(region.manifest):
             raise ProtocolError(f"done frame: checksums must be [{ALGORITHM!r}, 8 bytes per tensor]")
-        expected = np.frombuffer(sums[1], dtype="<u8").tolist()
-        bad = first_mismatch(region, expected)
-        if bad is not None:
-            msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
-            ch.send_error("checksum", msg, tensor=bad)
-            raise ChecksumMismatch(msg, tensor=bad)
+        return list(np.frombuffer(sums[1], dtype="<u8").tolist())
 
     def send_on(self, to: str | list[str], verify: bool = False, transport: str = "auto",
                 streams: int | None = None) -> FanoutStats:
@@ -754,13 +843,23 @@ class Sender:
             checksums = onward.checksums()
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
-        # The receiver hashes at >= 1 GB/s when verifying, and its on_landed (the CLI writes and fsyncs
-        # the files) runs before the ack: allow for both as the accept wait allows for allocation.
-        verify_allowance = nbytes / 1e9 if verify else 0.0
-        landed_allowance = nbytes / ALLOCATION_FLOOR_BYTES_PER_S
-        chain_allowance = onward.ack_allowance if onward is not None else 0.0
-        ack = ch.recv("ack", timeout=max(self.stall_timeout, CONTROL_TIMEOUT) + verify_allowance + landed_allowance
-                      + chain_allowance)
+        # While the receiver verifies and runs its on_landed (the CLI writes the files) it sends "wait"
+        # frames: each resets the stall wait, so only a receiver that stopped answering times out early.
+        # The whole wait is still bounded (hashing at >= 1 GB/s, writing at >= 100 MB/s, plus a minute,
+        # plus, for a fan-out, what the rest of the chain may take), so a receiver whose on_landed hangs
+        # cannot hold this sender forever.
+        limit = max(self.stall_timeout, CONTROL_TIMEOUT)
+        waited_from = time.monotonic()
+        give_up = waited_from + limit + 60.0 + nbytes / ALLOCATION_FLOOR_BYTES_PER_S \
+            + (nbytes / 1e9 if verify else 0.0) + (onward.ack_allowance if onward is not None else 0.0)
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"the receiver kept working on transfer {seq} past {give_up - waited_from:.0f} s "
+                                      f"without acknowledging it (its on_landed may hang)")
+            ack = ch.recv("ack", "wait", timeout=min(limit, left))
+            if ack["type"] == "ack":
+                break
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
         if onward is not None:

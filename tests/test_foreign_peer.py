@@ -38,13 +38,16 @@ def test_sender_to_an_http_server_is_told_it_is_not_a_tensorxfer_receiver(http_s
     assert "<!DOCTYPE HTML>" in msg or "HTTP/" in msg, msg
 
 
-def test_receiver_reached_by_an_http_client_names_it():
+def test_receiver_reached_by_an_http_client_names_it(caplog):
+    # A stranger to the receiver: dropped and counted (never an error of receive()), and the log names it.
     with tx.Receiver() as rx:
-        job = Background(rx.receive, timeout=10)
+        job = Background(rx.receive, timeout=2)
         with socket.create_connection(rx.address, timeout=5) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            with pytest.raises(tx.ProtocolError, match=r"is not a tensorxfer sender \(it sent 'GET / HTTP/1.1"):
+            with pytest.raises(tx.TransferTimeout, match=r"1 connection\(s\) dropped"):
                 job.result()
+        assert rx.dropped_connections == 1
+    assert any("is not a tensorxfer sender (it sent 'GET / HTTP/1.1" in r.getMessage() for r in caplog.records)
 
 
 def test_sender_to_a_server_that_hangs_up_or_stays_silent_is_asked_whether_it_is_a_receiver():

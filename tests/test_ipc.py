@@ -330,7 +330,19 @@ def test_handle_message_whose_fd_count_differs_from_its_chunks_is_a_protocol_err
 
 def test_a_memfd_shorter_than_its_chunk_is_refused_before_mapping():
     answer, error = _send_raw(1 << 20, 1, [[0, 1 << 20]], [4096])
-    assert answer.startswith(b"E") and b"not a memory file of at least" in error
+    assert answer.startswith(b"E") and b"less than its 1048576-byte chunk" in error
+
+
+def test_an_unsealed_memfd_is_refused_before_mapping():
+    """A sender could truncate an unsealed memfd during the copy and kill the receiver with SIGBUS."""
+    answer, error = _send_raw(1 << 20, 1, [[0, 1 << 20]], [1 << 20])
+    assert answer.startswith(b"E") and b"F_SEAL_SHRINK" in error
+
+
+def test_a_chunk_far_larger_than_the_payload_is_refused_before_mapping():
+    """A small update must not make the receiver map and populate a huge (sparse) file."""
+    answer, error = _send_raw(1 << 20, 1, [[0, 1 << 30]], [1 << 30])
+    assert answer.startswith(b"E") and b"end by 2097152" in error
 
 
 def test_a_sender_that_stalls_after_authenticating_times_out_the_receiver():

@@ -1,10 +1,13 @@
-"""README snippets run verbatim (the ones that need no GPU and no peer)."""
+"""Every README snippet under "Using it" runs verbatim (the GPU one on the device machine)."""
 
 from __future__ import annotations
 
 import gc
+import os
 import re
 from pathlib import Path
+
+import pytest
 
 from .conftest import tensorxfer_mappings
 
@@ -46,3 +49,33 @@ def test_staging_and_handles_snippet_runs_verbatim():
     ns.clear()
     gc.collect()
     assert len(tensorxfer_mappings()) == before
+
+
+def test_sending_snippet_runs_verbatim(capsys):
+    """The Sender/Receiver block, with `weights` from the first block (as a reader runs them in order)."""
+    import numpy as np
+
+    blocks = python_blocks("Using it")
+    code = next(b for b in blocks if "tx.Sender(" in b)
+    ns: dict = {"weights": {"embed": np.random.rand(1000, 64).astype(np.float32), "norm": np.ones(64, np.float32)}}
+    exec(compile(code, str(README), "exec"), ns)
+    assert ns["stats"].update == 2 and not ns["stats"].setup and ns["rx"].closed
+    out = capsys.readouterr().out
+    assert out.count("dict_keys(['embed', 'norm'])") == 2
+    ns.clear()
+    gc.collect()
+
+
+@pytest.mark.cuda
+def test_gpu_snippet_runs_verbatim():
+    """The "On the GPU" block with a small torch model on cuda:0 (skips without a GPU)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    code = next(b for b in python_blocks("Using it") if 'device="cuda:0"' in b)
+    ns: dict = {"model": torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).cuda()}
+    exec(compile(code, str(README), "exec"), ns)
+    assert set(ns["views"]) == {n for n, _ in ns["model"].named_parameters()}
+    assert ns["ext"].length >= ns["region"].nbytes
+    os.close(ns["fd"])
+    ns["region"].close()

@@ -7,7 +7,6 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -468,104 +467,6 @@ def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch
     monkeypatch.undo()
     (bak,) = [p for p in out.iterdir() if p.name.endswith(".bak")]
     assert bak.read_text() == "old a"
-
-
-# ---------------------------------------------------------------- the GPU staging logic, on a CPU
-class LazyStager:
-    """Stands in for ``_cuda.Stager`` with the same asynchrony: a queued copy happens only at
-    ``wait(i)`` / ``synchronize()``, so reading a buffer before waiting, or refilling one whose
-    upload has not drained, gives wrong bytes."""
-
-    memory: ClassVar[dict[int, bytearray]] = {}      # device "address" base -> bytes
-
-    def __init__(self, device: int = 0, buffer_bytes: int = 1 << 20) -> None:
-        self.bufs = [bytearray(buffer_bytes), bytearray(buffer_bytes)]
-        self.pending: list[list] = [[], []]
-        self.closed = False
-
-    def _dev(self, addr: int) -> tuple[bytearray, int]:
-        base = max(b for b in self.memory if b <= addr)
-        return self.memory[base], addr - base
-
-    def view(self, i):
-        assert not self.closed
-        return memoryview(self.bufs[i])
-
-    def start_htod(self, i, dst, n):
-        self.pending[i].append(("htod", dst, n))
-
-    def start_dtoh(self, i, src, n):
-        self.pending[i].append(("dtoh", src, n))
-
-    def wait(self, i):
-        for kind, addr, n in self.pending[i]:
-            mem, off = self._dev(addr)
-            if kind == "htod":
-                mem[off:off + n] = self.bufs[i][:n]
-            else:
-                self.bufs[i][:n] = mem[off:off + n]
-        self.pending[i] = []
-
-    def synchronize(self):
-        self.wait(0)
-        self.wait(1)
-
-    def close(self):
-        assert self.pending == [[], []], "closed with copies still queued"
-        self.closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class FakeDeviceRegion:
-    """A TensorRegion-shaped object whose bytes live behind LazyStager's 'device' addresses."""
-
-    def __init__(self, manifest, device="cuda:0"):
-        self.manifest, self.is_cuda, self.device = manifest, True, device
-        self.nbytes = manifest.nbytes
-        base = 0x7000_0000_0000 + len(LazyStager.memory) * (1 << 40)
-        LazyStager.memory[base] = bytearray(max(manifest.nbytes, 1))
-        self.region = type("R", (), {"ptr": base, "device_index": 0})()
-
-    def close(self, defer=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def test_gpu_staging_order_with_a_lazy_fake_stager(tmp_path, monkeypatch):
-    from tensorxfer.memory import _cuda
-
-    monkeypatch.setattr(_cuda, "Stager", LazyStager)
-    monkeypatch.setattr(stio, "STAGE_BYTES", 4096)
-    monkeypatch.setattr(stio.TensorRegion, "from_manifest",
-                        classmethod(lambda cls, manifest, device="cpu", chunk_size=None: FakeDeviceRegion(manifest)))
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(5)
-    for f in range(3):
-        t = {f"f{f}.a": rng.standard_normal(5000).astype(np.float32),      # 20000 bytes: 5 pieces
-             f"f{f}.b": rng.integers(0, 255, 4097, dtype=np.uint8),
-             f"f{f}.c": np.zeros(0, np.float32),
-             f"f{f}.d": rng.integers(0, 255, 3, dtype=np.uint8)}
-        safetensors_numpy.save_file(t, str(src / f"m{f}.safetensors"))
-    with load_files([src], device="cuda:0") as region:
-        assert isinstance(region, FakeDeviceRegion)
-        dev = LazyStager.memory[region.region.ptr]
-        for t in region.manifest.tensors:                # the 'device' holds the right bytes
-            ref = safetensors_numpy.load_file(str(src / f"{t.name.split('.')[0].replace('f', 'm')}.safetensors"))
-            assert bytes(dev[t.offset:t.offset + t.nbytes]) == ref[t.name].tobytes(), t.name
-        write_files(region, tmp_path / "out")
-    for p in src.iterdir():
-        assert sha(p) == sha(tmp_path / "out" / p.name), p.name
 
 
 def test_a_large_side_file_survives_the_manifest_limits(tmp_path):

@@ -242,3 +242,82 @@ def test_memory_a_vanished_sender_left_behind_is_released() -> None:
         with pytest.raises(tx.TransferError):
             job.result()
         assert rx.region is None, "the region allocated for the vanished sender's offer must be released"
+
+
+# ---------------------------------------------------------------- the receiver's own work
+def test_a_long_on_landed_keeps_the_sender_waiting_and_a_stalled_one_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorxfer import session
+
+    monkeypatch.setattr(session, "CONTROL_TIMEOUT", 1.0)
+    monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 0.1)
+    with region_of(1 << 20) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(3.0))   # 3x the ack timeout
+        with Sender(addr(rx), transport="tcp", stall_timeout=1.0) as s:
+            assert s.send(src).bytes == src.nbytes
+        job.result()
+        monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 5.0)      # a receiver that goes quiet
+        job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(3.0))
+        with Sender(addr(rx), transport="tcp", stall_timeout=1.0) as s, pytest.raises(tx.TransferTimeout):
+            s.send(src)
+        job.thread.join(10)     # its ack may or may not reach the closed sender: either way it ends
+
+
+def test_an_on_offer_refusal_reaches_the_sender() -> None:
+    def refuse(manifest: Manifest) -> None:
+        raise ValueError("no room for this layout")
+
+    with region_of(1 << 20) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_offer=refuse)
+        with Sender(addr(rx)) as s, pytest.raises(tx.ManifestError, match="no room for this layout"):
+            s.send(src)
+        with pytest.raises(ValueError):
+            job.result()
+
+
+def test_an_idle_token_less_session_yields_to_a_waiting_sender() -> None:
+    """Without a token anyone can say hello: an idle session must not lock the receiver for good."""
+    from tensorxfer.protocol import Channel, client_handshake
+
+    with region_of(1 << 20, fill=6) as src, Receiver(handshake_timeout=1.0) as rx:
+        job = Background(rx.receive, timeout=20)
+        idle = Channel(socket.create_connection(rx.address, timeout=5))
+        try:
+            client_handshake(idle, None, {"transports": ["tcp"]}, 5)     # then says nothing, ever
+            time.sleep(0.3)                 # the receiver now serves the idle session
+            t0 = time.monotonic()
+            with Sender(addr(rx), transport="tcp") as s:
+                s.send(src)
+            assert payload(job.result()) == bytes([6]) * src.nbytes
+            assert time.monotonic() - t0 < 4, "the idle session must yield within about handshake_timeout"
+        finally:
+            idle.close()
+
+
+def test_a_single_idle_sender_is_never_cut_off() -> None:
+    """A trainer between steps keeps its session as long as nobody else waits."""
+    with region_of(1 << 20) as src, Receiver(handshake_timeout=0.3) as rx:
+        job = Background(lambda: [rx.receive(timeout=10) for _ in range(2)])
+        with Sender(addr(rx), transport="tcp") as s:
+            first = s.send(src)
+            time.sleep(1.5)                 # five times handshake_timeout
+            second = s.send(src)
+        job.result()
+        assert first.setup and not second.setup and second.counters["connects"] == 1
+
+
+def test_more_strangers_than_the_pending_limit_do_not_lock_out_a_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorxfer import connections
+
+    monkeypatch.setattr(connections, "DEFAULT_MAX_PENDING", 20)
+    with region_of(1 << 20, fill=8) as src, Receiver(handshake_timeout=30) as rx:
+        job = Background(rx.receive, timeout=15)
+        strangers = _idle(rx.address[1], 40)
+        try:
+            time.sleep(0.5)
+            with Sender(addr(rx), transport="tcp") as s:
+                s.send(src)
+            assert payload(job.result()) == bytes([8]) * src.nbytes
+            assert rx.dropped_connections >= 20
+        finally:
+            for c in strangers:
+                c.close()

@@ -15,10 +15,12 @@ start; one tensorxfer-recv at a time may write into it, and the
 loopback without a token prints a warning.
 
 Without ``--once`` it keeps serving senders one after another, reporting
-failed transfers and carrying on.  Connections that never make an offer
-(port scans, peers that are not tensorxfer) are dropped and reported, and
-do not end ``--once``; a sender with the wrong token does.  Exit codes are
-listed in :mod:`tensorxfer.cli.common`.
+failed transfers and carrying on.  Connections that never become a
+session — port scans, idle or trickling strangers, peers that are not
+tensorxfer, wrong tokens — are dropped and counted by the Receiver (logged
+with the reason) and never end ``--once``; an authenticated sender that
+leaves without an offer is reported as ``dropped`` and does not end it
+either.  Exit codes are listed in :mod:`tensorxfer.cli.common`.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class _Transfer:
 
 def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
     """Receive transfers until ``--once`` is satisfied or Ctrl-C; returns the exit code."""
-    from tensorxfer import AuthError, TensorXferError
+    from tensorxfer import TensorXferError
 
     if not has_token and not is_loopback(host):
         print(f"{PROG}: WARNING: listening on {host} without a token: anyone who can reach this port can "
@@ -184,8 +186,8 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
             return EXIT_INTERRUPTED
         except (TensorXferError, OSError, ValueError) as e:
             t.bar.finish()
-            if not t.offered and not isinstance(e, AuthError):
-                # No offer was made: a port scan, an idle or foreign peer.  Not a transfer; never ends --once.
+            if not t.offered:
+                # An authenticated sender that made no offer.  Not a transfer; never ends --once.
                 if args.json:
                     emit_json({"event": "dropped", "error": type(e).__name__, "message": str(e)})
                 if not args.quiet:

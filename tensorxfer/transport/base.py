@@ -103,7 +103,7 @@ class _Half(ABC):
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
         self.counters = Counters()
-        self.registration = ""      # how the region was registered ("dmabuf", "reg_mr"); "" when nothing is
+        self.registration = ""      # how the region was registered ("reg_dmabuf_mr", "reg_mr"); "" when nothing is
 
     @classmethod
     def available(cls) -> str | None:

@@ -20,10 +20,12 @@ Security
   receiver keeps waiting for the real sender (until ``stall_timeout``);
   strangers are identified concurrently (:class:`~tensorxfer.connections.Gate`),
   so idle ones cannot hold the real sender up.
-- The receiver never maps past the end of a passed memfd (``fstat`` first:
-  that would turn a read into ``SIGBUS``).  A same-uid sender that *shrinks*
-  its memfd while the receiver copies can still crash the receiver: IPC
-  trusts the same uid, which could ptrace it anyway.
+- The receiver maps only sealed memfds (``F_SEAL_SHRINK | F_SEAL_GROW``,
+  set by ``HostRegion.allocate``) at least as long as their chunk, checked
+  before anything is mapped (``HostRegion.import_handles``): the sender can
+  never shrink a file under the receiver's mapping, which would turn a read
+  into ``SIGBUS``.  No chunk may end past the payload rounded up to
+  ``CHUNK_TAIL``, so a small update cannot make the receiver map a huge file.
 
 Same host
 ---------
@@ -84,7 +86,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import struct
 import sys
 import tempfile
@@ -99,15 +100,17 @@ from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     AuthError,
     CudaError,
+    HandleError,
     PeerLost,
     ProtocolError,
+    RegionError,
     TensorXferError,
     TransferError,
     TransferTimeout,
     TransportUnavailable,
 )
 from tensorxfer.memory import HostRegion
-from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 if TYPE_CHECKING:
@@ -125,6 +128,7 @@ HEADER_TIMEOUT = 5.0           # a connected sender must authenticate this fast
 FD_BATCH = 250                 # fds per message: the kernel's SCM_MAX_FD is 253
 MAX_CHUNKS = 1 << 20
 MAX_MESSAGE = 64 << 10         # every message is small: the chunk list travels in batches with its fds
+CHUNK_TAIL = 2 << 20           # a region's last handle ends at most here past its payload (VMM granularity)
 PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
 CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
 
@@ -239,6 +243,7 @@ def _unavailable() -> str | None:
 
 
 def _unpack(data: bytes, what: str) -> Any:
+    scan_msgpack(data, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what=f"ipc: {what}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
     except Exception as e:
@@ -264,15 +269,22 @@ def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int]:
 
 
 def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
-    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0."""
+    """Append one batch of ``[offset, size]`` pairs, checking that they keep tiling ``[0, end)`` from 0.
+
+    No chunk may reach past the payload rounded up to ``CHUNK_TAIL``: a region's last handle is at most
+    that much longer than its payload, and a hostile sender must not make the receiver map (and populate)
+    a huge sparse file for a small update.
+    """
     if not isinstance(raw, list) or not raw:
         raise ProtocolError("ipc: a handle message must carry a non-empty list of [offset, size] pairs")
     end = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    limit = -(-nbytes // CHUNK_TAIL) * CHUNK_TAIL
     for item in raw:
         if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
-                or item[0] != end or item[1] <= 0 or end >= nbytes):
+                or item[0] != end or item[1] <= 0 or end >= nbytes or item[0] + item[1] > limit):
             raise ProtocolError(f"ipc: chunk {len(chunks)} is {item!r}; chunks must be [offset, size] pairs "
-                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end})")
+                                f"tiling the payload of {nbytes} bytes from 0 (next offset {end}) and end "
+                                f"by {limit}")
         chunks.append((item[0], item[1]))
         end += item[1]
 
@@ -536,14 +548,14 @@ class IpcReceiver(ReceiverTransport):
     # -- host handles
     def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
                    progress: Progress | None, fds: list[int], token: bytes) -> int:
-        for i, (size, fd) in enumerate(handles):
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-                raise ProtocolError(f"ipc: handle {i} is not a memory file of at least {size} bytes "
-                                    f"(mode {st.st_mode:#o}, {st.st_size} bytes)")
         key = ("host", self._peer_pid, token)
-        src = self._source(key, handles, fds,
-                           lambda hs: HostRegion.import_fds(hs, writable=False, populate=True))
+
+        def import_(hs: list[tuple[int, int]]) -> HostRegion:
+            try:    # every fd checked first: a sealed memory file at least as long as its chunk
+                return HostRegion.import_handles(hs, writable=False, populate=True)
+            except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
+                raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
+        src = self._source(key, handles, fds, import_)
         if self._manifest is not None:
             return self._adopt(src, "cpu", key)
         ok = False
@@ -646,8 +658,10 @@ class IpcReceiver(ReceiverTransport):
                         state["done"] += n
                         conn.send(b"P" + U64.pack(state["done"]))
                 except BaseException as e:
+                    # close() from another thread tears the socket down under us: say so, not "lost"
+                    error = TransferError("ipc: the transfer was aborted during the copy") if self._closing else e
                     with lock:
-                        state["error"] = state["error"] or e
+                        state["error"] = state["error"] or error
                     return
 
         workers = [threading.Thread(target=worker, name=f"tensorxfer-ipc-copy-{k}", daemon=True)
@@ -833,7 +847,7 @@ class IpcSender(SenderTransport):
             token = _TOKENS[region] = os.urandom(16)
         cached = nbytes > 0 and token == self._passed
         chunks = [] if cached or not nbytes else self._export(region)
-        owned = [fd for _, _, fd in chunks] if region.is_cuda else []   # exported CUDA handles are ours to close
+        owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
                                    "count": len(chunks), "cached": cached, "seq": self._seq}, use_bin_type=True)
@@ -867,24 +881,16 @@ class IpcSender(SenderTransport):
 
     @staticmethod
     def _export(region: TensorRegion) -> list[tuple[int, int, int]]:
-        """``(offset, size, fd)`` of the chunks holding the payload; CUDA fds are new (the caller closes them)."""
-        nbytes = region.nbytes
-        if region.is_cuda:
-            try:
-                chunks = region.region.export_handles()
-            except CudaError as e:
-                raise TransportUnavailable(f"ipc: the CUDA region's handles cannot be exported ({e}); "
-                                           f"use transport='tcp'") from None
-            if not chunks:
-                raise TransportUnavailable("ipc: the CUDA region adopts memory tensorxfer did not allocate "
-                                           "(no handles to pass); copy it into a TensorRegion (from_tensors) "
-                                           "or use transport='tcp'")
-        else:
-            chunks = list(region.region.chunks)
-        inside = [c for c in chunks if c[0] < nbytes]
-        if region.is_cuda:
-            _close_fds([fd for off, _, fd in chunks if off >= nbytes])
-        if any(fd < 0 for _, _, fd in inside):
+        """``(offset, size, fd)`` of the chunks holding the payload; the fds are new (the caller closes them)."""
+        try:
+            chunks = region.region.export_handles()
+        except (CudaError, RegionError) as e:
+            raise TransportUnavailable(f"ipc: the region's memory handles cannot be exported ({e}); "
+                                       f"use transport='tcp'") from None
+        inside = [c for c in chunks if c[0] < region.nbytes]
+        _close_fds([fd for off, _, fd in chunks if off >= region.nbytes])
+        if not inside or any(fd < 0 for _, _, fd in inside):
+            _close_fds([fd for _, _, fd in inside if fd >= 0])
             raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
                                        "there are no memory handles to pass; copy it into a TensorRegion "
                                        "(from_tensors) or use transport='tcp'")

@@ -352,11 +352,15 @@ class RdmaReceiverEndpoint(_Endpoint):
         self._check_open()
         self._connect_qps(_check_peer(peer, "sender"))
 
-    def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+    def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None,
+                      update: int | None = None) -> dict[str, Any]:
         """Block until the next update fully landed (every QP's immediate arrived).
 
         ``peer_alive`` (e.g. a check of the control connection) is called
         every 50 ms; False raises :class:`PeerLost` at once.
+
+        ``update`` is the number the sender's immediates carry (default: this
+        endpoint's count of updates + 1; the engine passes its offer's number).
 
         Raises
         ------
@@ -372,7 +376,7 @@ class RdmaReceiverEndpoint(_Endpoint):
             raise ValueError("connect() first")
         if self._broken is not None:
             raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
-        seq = (self.updates + 1) & 0xFFFFFFFF
+        seq = (self.updates + 1 if update is None else update) & 0xFFFFFFFF
         self._waiter.reset(seq)
         t0 = time.perf_counter()
         deadline = t0 + timeout
@@ -441,13 +445,17 @@ class RdmaSenderEndpoint(_Endpoint):
     def write(self, timeout: float = 60.0, *, offset: int = 0, length: int | None = None,
               wr_size: int | None = None, max_outstanding: int | None = None,
               signal_every: int | None = None, post_batch: int | None = None,
-              peer_alive: Callable[[], bool] | None = None) -> dict[str, Any]:
+              peer_alive: Callable[[], bool] | None = None, update: int | None = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
 
         ``peer_alive`` (e.g. a check of the control connection) is called every
         50 ms while the write runs; False raises :class:`PeerLost` at once.
         Without it a dead receiver shows as ``IBV_WC_RETRY_EXC_ERR`` (hardware
         retry timers) or, failing that, as the ``timeout`` stall.
+
+        ``update`` is the immediate the last request on each QP carries
+        (default: this endpoint's count of updates + 1; the engine passes
+        its offer's number, so both ends name the update the same way).
 
         Returns
         -------
@@ -479,7 +487,7 @@ class RdmaSenderEndpoint(_Endpoint):
         pb = int(post_batch or self.post_batch or default_post_batch(wr))
         if wr > self._pa["max_msg_sz"]:
             raise ValueError(f"wr_size {wr} exceeds the port's max message size {self._pa['max_msg_sz']}")
-        seq = (self.updates + 1) & 0xFFFFFFFF
+        seq = (self.updates + 1 if update is None else update) & 0xFFFFFFFF
         t0 = time.perf_counter()
         try:
             st = _verbs.write_striped(self._qps, self._cq, self._local_ptr + offset, self._mr.lkey,

@@ -47,7 +47,7 @@ import msgpack
 
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout
-from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 from tensorxfer.transport.rdma import (
     DEFAULT_QPS,
@@ -164,6 +164,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         self._region: TensorRegion | None = None
         self._nonce = b""
         self._nbytes = 0
+        self._seq = 0               # the update being received: every QP's immediate carries it
         self._setup_seq = 0
 
     @classmethod
@@ -176,6 +177,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         endpoint's and ``side_port``, ``nonce``."""
         self._enter()
         try:
+            self._seq = seq
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
                 return {"setup": False, "streams": len(endpoint.descriptors()["qps"])}
@@ -218,7 +220,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 send_all(self._side, READY, self.ctx.stall_timeout, "READY")
                 self.counters.connects += 1
             timeout = self.ctx.stall_timeout + self._nbytes / RATE_FLOOR_BYTES_PER_S
-            endpoint.wait_complete(timeout, peer_alive=self._peer_alive)
+            endpoint.wait_complete(timeout, peer_alive=self._peer_alive, update=self._seq)
         finally:
             self._exit()
         self.counters.updates += 1
@@ -247,7 +249,10 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 raise PeerLost("rdma: the transport was closed while the sender connected")
             self._side = conn
         try:
+            scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what="rdma: the sender's descriptors")
             peer = msgpack.unpackb(body, raw=False)
+        except ProtocolError:
+            raise
         except Exception as e:    # any decoding failure of an authenticated peer
             raise ProtocolError(f"rdma: the sender's descriptors are not valid msgpack: {e}") from None
         return _check_peer(peer, "sender")
@@ -285,6 +290,7 @@ class RdmaSender(_Owned, SenderTransport):
         _Owned.__init__(self)
         self._endpoint: RdmaSenderEndpoint | None = None
         self._region: TensorRegion | None = None
+        self._seq = 0               # the update being sent: the immediates carry it
 
     @classmethod
     def available(cls) -> str | None:
@@ -306,6 +312,7 @@ class RdmaSender(_Owned, SenderTransport):
         """
         self._enter()
         try:
+            self._seq = seq
             if not setup_flag(descriptors):
                 if self.needs_setup(region):
                     raise ProtocolError("rdma: the receiver reuses QPs this sender did not set up for this region")
@@ -364,7 +371,7 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint = self._endpoint
             if endpoint is None or region is not self._region:
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
-            endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive)
+            endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq)
         finally:
             self._exit()
         self.counters.updates += 1

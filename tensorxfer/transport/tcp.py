@@ -35,12 +35,13 @@ drifted 3x between rounds, more than any buffer setting changed).  On
 other machines ``TENSORXFER_TCP_STREAMS``, ``TENSORXFER_TCP_PIECE`` and
 ``TENSORXFER_TCP_SOCKBUF`` override the defaults.
 
-GPU regions stage through pinned bounce buffers: each stream owns a
-``Stager`` (two pinned buffers, its own CUDA stream).  The sender queues the
-device→host copy of piece k+1 before it sends piece k; the receiver queues
-the host→device copy of piece k and receives piece k+1 into the other
-buffer meanwhile.  The copies (~50 GB/s each way on an H200) thus hide
-behind the network, and streams copy in parallel.
+GPU regions stage through pinned bounce buffers, the same code as host
+regions (:mod:`tensorxfer.staging`: ``read_pieces`` / ``write_pieces``):
+each stream owns a stager (two pinned buffers, its own CUDA stream) for the
+session.  The sender's device→host copy of piece k+1 is queued before piece
+k is sent; the receiver's host→device copy of piece k is queued while piece
+k+1 is received into the other buffer.  The copies (~50 GB/s each way on an
+H200) thus hide behind the network, and streams copy in parallel.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
+from tensorxfer.staging import open_stager, read_pieces, write_pieces
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 
 if TYPE_CHECKING:
@@ -109,24 +111,21 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def host_view(region: TensorRegion) -> memoryview | None:
-    """A writable byte view of a host region's payload; None for a CUDA region (staged instead)."""
-    if region.is_cuda:
-        return None
-    return memoryview(region.region).cast("B")[:region.nbytes]
-
-
-def _stager(region: TensorRegion) -> Any:
-    from tensorxfer.memory._cuda import Stager
-
-    return Stager(region.region.device_index, PIECE_BYTES)
-
-
 def _stream_proof(ctx: TransferContext, stream_nonce: bytes, seq: int, index: int, count: int) -> bytes:
     return mac(ctx.session_key, b"tcp-stream", stream_nonce, struct.pack(">QII", seq, index, count))
 
 
+def _close_stagers(stagers: list[Any]) -> None:
+    while stagers:
+        stager = stagers.pop()
+        if stager is not None:
+            stager.close()
+
+
 def _tune(sock: socket.socket) -> None:
+    # Streams stay open between updates: without TCP_NODELAY the last partial segment of a slice can
+    # wait for the receiver's delayed ACK (up to 40 ms) before it leaves, on every update.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCKET_BUFFER_BYTES:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
@@ -196,7 +195,7 @@ class TcpReceiver(ReceiverTransport):
         self._gate: Gate | None = None         # open only while a setup waits for its streams
         self._streams = _Streams("recv")
         self._slices: list[tuple[int, int]] = []
-        self._view: memoryview | None = None
+        self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
         self._region: TensorRegion | None = None
         self._nonce = b""
         self._seq = 0
@@ -216,7 +215,6 @@ class TcpReceiver(ReceiverTransport):
         self._teardown()
         requested = self.ctx.streams or DEFAULT_STREAMS
         self._slices = plan_slices(region.nbytes, min(max(requested, 1), MAX_STREAMS))
-        self._view = host_view(region)
         self._region = region
         self._nonce = nonce()
         self._setup_seq = seq
@@ -257,6 +255,7 @@ class TcpReceiver(ReceiverTransport):
             for index in range(len(self._slices)):
                 _tune(by_index[index])
                 self._streams.socks.append(by_index[index])
+                self._stagers.append(open_stager(self._region, PIECE_BYTES))
             self.counters.connects += 1
         self._streams._progress = progress
         for index, sock in enumerate(self._streams.socks):
@@ -283,23 +282,27 @@ class TcpReceiver(ReceiverTransport):
         self._recv_slice(sock, index)
 
     def _recv_slice(self, sock: socket.socket, index: int) -> None:
-        if self._view is None:
-            return self._recv_slice_staged(sock, index)
+        """Receive stream ``index``'s slice straight into region memory (host) or through its stager (GPU)."""
+        assert self._region is not None
         offset, length = self._slices[index]
         sock.settimeout(self.ctx.stall_timeout)
-        pos, end = offset, offset + length
-        view = self._view
+        pos = offset
         try:
-            while pos < end:
-                with view[pos:min(end, pos + PIECE_BYTES)] as piece:
-                    k = sock.recv_into(piece)
-                if k == 0:
-                    raise PeerLost(f"tcp stream {index}: sender closed the connection at byte {pos - offset} "
-                                   f"of {length} (region offset {pos}); the transfer is incomplete")
-                if self.on_piece is not None:
-                    self.on_piece(pos, k)
-                pos += k
-                self._streams.report(k)
+            # A relay (tensorxfer.fanout) forwards host-region bytes as they land; a GPU region's slot is
+            # copied to the device after it is yielded back, so a relay forwards those only once all landed.
+            on_piece = self.on_piece if not self._region.is_cuda else None
+            with write_pieces(self._region, offset, length, PIECE_BYTES, stager=self._stagers[index]) as pieces:
+                for pos, piece in pieces:
+                    got, n = 0, len(piece)
+                    while got < n:
+                        k = sock.recv_into(piece[got:])
+                        if k == 0:
+                            raise PeerLost(f"tcp stream {index}: sender closed the connection at region offset "
+                                           f"{pos + got}; the transfer is incomplete")
+                        if on_piece is not None:
+                            on_piece(pos + got, k)
+                        got += k
+                        self._streams.report(k)
         except TimeoutError:
             raise TransferTimeout(f"tcp stream {index}: no data for {self.ctx.stall_timeout} s at region offset "
                                   f"{pos}; the sender stalled") from None
@@ -308,49 +311,13 @@ class TcpReceiver(ReceiverTransport):
                 raise
             raise PeerLost(f"tcp stream {index}: connection lost at region offset {pos}: {e}") from None
 
-    def _recv_slice_staged(self, sock: socket.socket, index: int) -> None:
-        """Receive a slice of a CUDA region: fill one pinned buffer while the other drains to the device."""
-        assert self._region is not None
-        offset, length = self._slices[index]
-        base = self._region.region.ptr
-        sock.settimeout(self.ctx.stall_timeout)
-        pos, end, b = offset, offset + length, 0
-        with _stager(self._region) as st:
-            try:
-                while pos < end:
-                    n = min(PIECE_BYTES, end - pos)
-                    st.wait(b)                       # the copy that last drained buffer b is done
-                    with st.view(b)[:n] as piece:
-                        got = 0
-                        while got < n:
-                            k = sock.recv_into(piece[got:])
-                            if k == 0:
-                                raise PeerLost(f"tcp stream {index}: sender closed the connection at region "
-                                               f"offset {pos + got}; the transfer is incomplete")
-                            got += k
-                            self._streams.report(k)
-                    st.start_htod(b, base + pos, n)
-                    pos += n
-                    b ^= 1
-                st.wait(0)
-                st.wait(1)
-            except TimeoutError:
-                raise TransferTimeout(f"tcp stream {index}: no data for {self.ctx.stall_timeout} s at region "
-                                      f"offset {pos}; the sender stalled") from None
-            except ConnectionError as e:
-                if isinstance(e, PeerLost):
-                    raise
-                raise PeerLost(f"tcp stream {index}: connection lost at region offset {pos}: {e}") from None
-
     def _teardown(self) -> None:
         self._streams.close()
         self._region = None
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.close()
-        view, self._view = self._view, None
-        if view is not None:
-            view.release()
+        _close_stagers(self._stagers)
 
     def close(self) -> None:
         """Close the listener and every stream; idempotent, callable from another thread."""
@@ -366,6 +333,7 @@ class TcpSender(SenderTransport):
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self._streams = _Streams("send")
+        self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
         self._count = 0
         self._slice_bytes = 0
         self._region: TensorRegion | None = None
@@ -402,6 +370,7 @@ class TcpSender(SenderTransport):
         if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES:
             raise ProtocolError(f"tcp accept descriptors out of range: port {port}, {len(stream_nonce)}-byte nonce")
         self._streams.close()
+        _close_stagers(self._stagers)
         self._region = None
         self._count = count
         self._slice_bytes = slice_bytes
@@ -415,6 +384,7 @@ class TcpSender(SenderTransport):
             header = STREAM_HEADER.pack(STREAM_MAGIC, seq, index, count,
                                         _stream_proof(self.ctx, stream_nonce, seq, index, count))
             send_all(sock, header, self.ctx.stall_timeout, f"tcp stream {index}'s header")
+            self._stagers.append(open_stager(region, PIECE_BYTES))
         self._region = region
         self.counters.connects += 1
 
@@ -434,82 +404,49 @@ class TcpSender(SenderTransport):
                                 f"{region.nbytes} bytes make {len(slices)} such slices")
         self._streams._progress = progress
         update = UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq)
-        view = host_view(region)
         try:
             for index, sock in enumerate(self._streams.socks):
-                self._streams.start(sock, self._send_update, update, view, region, index, slices[index])
+                self._streams.start(sock, self._send_update, update, region, index, slices[index])
             self._streams.join()
         except BaseException:
             self._streams.close()
             self._region = None
             raise
-        finally:
-            if view is not None:
-                view.release()
         self.counters.updates += 1
         return region.nbytes
 
-    def _send_update(self, sock: socket.socket, update: bytes, view: memoryview | None, region: TensorRegion,
-                     index: int, where: tuple[int, int]) -> None:
+    def _send_update(self, sock: socket.socket, update: bytes, region: TensorRegion, index: int,
+                     where: tuple[int, int]) -> None:
+        """One stream's part of an update: the update header, then its slice from region memory (or staged)."""
         send_all(sock, update, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
-        if view is None:
-            self._send_slice_staged(sock, region, index, where)
-        else:
-            self._send_slice(sock, view, index, where)
-
-    def _send_slice_staged(self, sock: socket.socket, region: TensorRegion, index: int,
-                           where: tuple[int, int]) -> None:
-        """Send a slice of a CUDA region: copy piece k+1 to pinned memory while piece k is on the wire."""
         offset, length = where
-        base = region.region.ptr
         sock.settimeout(self.ctx.stall_timeout)
-        pieces = [(p, min(PIECE_BYTES, offset + length - p)) for p in range(offset, offset + length, PIECE_BYTES)]
         pos = offset
-        with _stager(region) as st:
-            try:
-                if pieces:
-                    if self.before_piece is not None:
-                        self.before_piece(*pieces[0])
-                    st.start_dtoh(0, base + pieces[0][0], pieces[0][1])
-                for k, (pos, n) in enumerate(pieces):  # noqa: B007  (pos names the failure point)
-                    b = k & 1
-                    if k + 1 < len(pieces):    # buffer b^1 was sent synchronously: free to refill
-                        if self.before_piece is not None:
-                            self.before_piece(*pieces[k + 1])
-                        st.start_dtoh(b ^ 1, base + pieces[k + 1][0], pieces[k + 1][1])
-                    st.wait(b)
-                    with st.view(b)[:n] as piece:
-                        sock.sendall(piece)
-                    self._streams.report(n)
-            except TimeoutError:
-                raise TransferTimeout(f"tcp stream {index}: receiver stopped reading for {self.ctx.stall_timeout} "
-                                      f"s at region offset {pos}") from None
-            except OSError as e:
-                raise PeerLost(f"tcp stream {index}: receiver closed the connection at region offset {pos}: "
-                               f"{e}") from None
-
-    def _send_slice(self, sock: socket.socket, view: memoryview, index: int, where: tuple[int, int]) -> None:
-        offset, length = where
-        sock.settimeout(self.ctx.stall_timeout)
-        pos, end = offset, offset + length
-        piece_bytes = PIECE_BYTES if self.before_piece is None else FORWARD_PIECE_BYTES
+        # A relay waits for each piece to land before sending it (in FORWARD_PIECE_BYTES pieces: the chain's
+        # delay per hop).  Staged (GPU) reads run ahead of the loop, so there it waits for the whole slice.
+        wait = self.before_piece
+        piece_bytes = FORWARD_PIECE_BYTES if wait is not None and not region.is_cuda else PIECE_BYTES
+        if wait is not None and region.is_cuda:
+            wait(offset, length)
+            wait = None
         try:
-            while pos < end:
-                n = min(piece_bytes, end - pos)
-                if self.before_piece is not None:
-                    self.before_piece(pos, n)
-                with view[pos:pos + n] as piece:
+            with read_pieces(region, offset, length, piece_bytes, stager=self._stagers[index]) as pieces:
+                for pos, piece in pieces:
+                    if wait is not None:
+                        wait(pos, len(piece))
                     sock.sendall(piece)
-                pos += n
-                self._streams.report(n)
+                    self._streams.report(len(piece))
         except TimeoutError:
             raise TransferTimeout(f"tcp stream {index}: receiver stopped reading for {self.ctx.stall_timeout} s "
                                   f"at region offset {pos}") from None
         except OSError as e:
+            if isinstance(e, PeerLost):
+                raise
             raise PeerLost(f"tcp stream {index}: receiver closed the connection at region offset {pos}: "
                            f"{e}") from None
 
     def close(self) -> None:
         """Close every stream; idempotent, callable from another thread."""
         self._streams.close()
+        _close_stagers(self._stagers)
         self._region = None
