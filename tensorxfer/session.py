@@ -29,6 +29,7 @@ next offer; copy what you need to keep before calling ``receive()`` again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import select
@@ -41,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from tensorxfer import connections
 from tensorxfer.checksum import ALGORITHM, first_mismatch, tensor_checksums
-from tensorxfer.connections import Gate, listen
+from tensorxfer.connections import Gate
 from tensorxfer.errors import (
     ChecksumMismatch,
     CudaError,
@@ -116,9 +118,6 @@ class TransferStats:
                 "update": self.update, "setup": self.setup, "setup_seconds": self.setup_seconds,
                 "wire_seconds": self.wire_seconds, "wire_gbps": self.wire_gbps, "registration": self.registration,
                 "counters": dict(self.counters)}
-
-
-listen_on = listen       # Receiver's parameter is called listen
 
 
 KEEPALIVE_SECONDS = 2.0        # how often a busy receiver says "wait" (well under any ack timeout)
@@ -227,7 +226,8 @@ class Receiver:
         self._lock = threading.Lock()
         self._closing = False
         self._idle_since = 0.0              # when the current session last finished something
-        self._gate: Gate | None = Gate(listen_on(host, port=port), self._handshake, self.handshake_timeout, "control")
+        self._gate: Gate | None = Gate(connections.listen(host, port=port), self._handshake,
+                                       self.handshake_timeout, "control")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -548,7 +548,8 @@ class Receiver:
         bad: str | None = None
         failure: BaseException | None = None
         relayed: list[dict[str, Any]] | None = None
-        with _KeepAlive(ch, seq):
+        busy = expected is not None or on_landed is not None or job is not None
+        with _KeepAlive(ch, seq) if busy else contextlib.nullcontext():    # no thread for a plain update
             if expected is not None:
                 bad = first_mismatch(region, expected)
             if bad is None and on_landed is not None:
