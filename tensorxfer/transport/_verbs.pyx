@@ -24,14 +24,15 @@ import warnings
 import weakref
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer
-from libc.errno cimport errno, ENODATA
+from libc.errno cimport errno, ENODATA, EINTR
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy, strerror
+from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from posix.time cimport clock_gettime, nanosleep, timespec, CLOCK_MONOTONIC
 
 from tensorxfer._lib.includes.libibverbs cimport *
-from tensorxfer._lib.includes.posix cimport htonl, ntohl
+from tensorxfer._lib.includes.posix cimport htonl, ntohl, poll, pollfd, POLLIN
 
 from tensorxfer.errors import CompletionError, PeerLost, TransferError, TransferTimeout, VerbsError
 
@@ -59,9 +60,10 @@ _GID_TYPES = {IBV_GID_TYPE_IB: "IB", IBV_GID_TYPE_ROCE_V1: "RoCE v1", IBV_GID_TY
 
 cdef enum:
     WC_BATCH = 64          # completions taken per ibv_poll_cq call
-    IDLE_SPINS = 64        # receiver: empty CQ polls before it starts sleeping between polls
-    IDLE_MIN_NS = 20000    # receiver: first sleep between empty polls (20 us), doubling while idle ...
-    IDLE_MAX_NS = 1000000  # ... up to 1 ms: at most that is added to the end of an update
+    IDLE_SPINS = 64        # empty CQ polls before a waiter blocks on the CQ's completion channel
+    BLOCK_MS = 10          # longest single block: deadlines and slices are checked at least this often
+    IDLE_MIN_NS = 20000    # CQ without a channel: first sleep between empty polls (20 us), doubling ...
+    IDLE_MAX_NS = 1000000  # ... up to 1 ms
     POST_BATCH = 32        # work requests chained per ibv_post_send call
     QP_SHIFT = 40          # wr_id = (qp index << QP_SHIFT) | sequence number on that QP
 
@@ -109,6 +111,33 @@ cdef double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef int _cq_block(ibv_cq* cq, ibv_comp_channel* ch, bint* armed, int timeout_ms) noexcept nogil:
+    """After an empty poll of ``cq``: arm it and return at once (the caller polls again, since a
+    completion may have landed before the arming), or, armed, block until its completion event or
+    ``timeout_ms``.  Returns 0, or -1 when arming, waiting or taking the event failed."""
+    cdef pollfd pfd
+    cdef ibv_cq* ev_cq
+    cdef void* ev_ctx
+    cdef int rc
+    if not armed[0]:
+        if ibv_req_notify_cq(cq, 0) != 0:
+            return -1
+        armed[0] = True
+        return 0
+    pfd.fd = ch.fd
+    pfd.events = POLLIN
+    pfd.revents = 0
+    rc = poll(&pfd, 1, timeout_ms)
+    if rc < 0:
+        return 0 if errno == EINTR else -1
+    if rc > 0:
+        if ibv_get_cq_event(ch, &ev_cq, &ev_ctx) == 0:
+            ibv_ack_cq_events(ev_cq, 1)
+            armed[0] = False            # an event disarms the CQ
+        # else EAGAIN: nothing to take after all; still armed
+    return 0
 
 
 def _warn_unclosed(what):
@@ -320,13 +349,31 @@ cdef class Context(_Owned):
         self._adopt_child(pd)
         return pd
 
-    def create_cq(self, int cqe):
-        """A completion queue of at least ``cqe`` entries owned by this context."""
+    def create_cq(self, int cqe, bint events=True):
+        """A completion queue of at least ``cqe`` entries owned by this context.
+
+        With ``events`` (the default) the CQ gets its own completion channel,
+        so the data path can block until a completion arrives instead of
+        spinning (see :class:`CQ`).
+        """
         self._check_open()
         if cqe <= 0:
             raise ValueError(f"cqe must be positive, got {cqe}")
         cdef CQ cq = CQ.__new__(CQ)
-        cq.cq = ibv_create_cq(self.ctx, cqe, NULL, NULL, 0)
+        cdef int flags
+        if events:
+            cq.channel = ibv_create_comp_channel(self.ctx)
+            check_ptr(cq.channel, b"ibv_create_comp_channel")
+            # non-blocking: a wakeup whose event someone else took must not block ibv_get_cq_event
+            flags = fcntl(cq.channel.fd, F_GETFL)
+            if flags < 0 or fcntl(cq.channel.fd, F_SETFL, flags | O_NONBLOCK) < 0:
+                ibv_destroy_comp_channel(cq.channel)
+                cq.channel = NULL
+                check_rc(-1, b"fcntl(O_NONBLOCK) on the completion channel")
+        cq.cq = ibv_create_cq(self.ctx, cqe, NULL, cq.channel, 0)
+        if cq.cq == NULL and cq.channel != NULL:
+            ibv_destroy_comp_channel(cq.channel)
+            cq.channel = NULL
         check_ptr(cq.cq, b"ibv_create_cq")
         cq.context = self
         cq._closed = False
@@ -522,29 +569,55 @@ cdef class MR(_Owned):
 
 
 cdef class CQ(_Owned):
-    """A completion queue (``ibv_create_cq``), no completion channel: polled only."""
+    """A completion queue (``ibv_create_cq``), usually with its own completion channel.
+
+    Waiting on a CQ polls it a few times (:data:`IDLE_SPINS`), then arms it
+    (``ibv_req_notify_cq``), polls once more (a completion may have landed
+    before the arming) and blocks in ``poll(2)`` on the channel's fd until
+    the next completion event.  A waiter that spins takes a core from
+    whatever moves the bytes -- on Soft-RoCE that is the kernel on the same
+    cores -- and a real NIC keeps ``max_outstanding`` requests queued, so a
+    wakeup of a few microseconds never starves it.  Every event taken is
+    acked at once, so ``ibv_destroy_cq`` never waits.
+    """
     cdef ibv_cq* cq
+    cdef ibv_comp_channel* channel
+    cdef bint armed              # an arming is outstanding (or its event not yet taken)
     cdef readonly Context context
 
     def __cinit__(self):
         self.cq = NULL
+        self.channel = NULL
+        self.armed = False
 
     def close(self):
-        """Destroy the QPs using this CQ, then the CQ."""
-        cdef int rc
+        """Destroy the QPs using this CQ, then the CQ and its channel."""
+        cdef int rc, rc2 = 0
         if self._closed:
             return
         self._close_children()
         rc = ibv_destroy_cq(self.cq)
         self.cq = NULL
+        if self.channel != NULL:
+            rc2 = ibv_destroy_comp_channel(self.channel)
+            self.channel = NULL
         self._closed = True
         check_rc(rc, b"ibv_destroy_cq")
+        check_rc(rc2, b"ibv_destroy_comp_channel")
 
     def __dealloc__(self):
         if self.cq != NULL:
             _warn_unclosed("RDMA CQ")
             ibv_destroy_cq(self.cq)
             self.cq = NULL
+        if self.channel != NULL:
+            ibv_destroy_comp_channel(self.channel)
+            self.channel = NULL
+
+    @property
+    def events(self):
+        """Whether this CQ has a completion channel (waiters block instead of spinning)."""
+        return self.channel != NULL
 
     def poll(self, int max_entries=16):
         """Poll once (no wait) and return the completions as dicts; for diagnostics."""
@@ -693,7 +766,7 @@ cdef struct LoopState:   # survives between slices of one write
 
 
 cdef struct WriteError:
-    int kind              # 0 none, 1 completion error, 2 post error, 3 stall timeout
+    int kind              # 0 none, 1 completion error, 2 post/poll error, 3 stall timeout, 4 channel error
     int status
     uint32_t vendor_err
     uint32_t qp_num
@@ -701,7 +774,8 @@ cdef struct WriteError:
     int post_rc
 
 
-cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint32_t lkey,
+cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint* armed,
+                     uint64_t local_addr, uint32_t lkey,
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
                      uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
@@ -710,6 +784,9 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
 
     Returns 0 when every QP's last request completed, -1 on an error (``err``
     says which), 1 when ``slice_s`` (> 0) elapsed first: call again to go on.
+    With a completion channel ``ch``, a CQ that stays empty (every QP has
+    ``max_out`` requests in flight or nothing left to post) is waited on
+    blocked, not spun on (:class:`CQ` says why).
     """
     cdef int q, k, n, i
     cdef uint64_t j, gi, off, room, nb
@@ -790,7 +867,13 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, uint64_t local_addr, uint3
             st.last = _now()
         else:
             st.empty += 1
-            if st.empty % 256 == 0:
+            if ch != NULL and st.empty > IDLE_SPINS:
+                # nothing can be posted until a completion frees room: sleep until one comes
+                if _cq_block(cq, ch, armed, BLOCK_MS) != 0:
+                    err.kind = 4
+                    err.post_rc = errno if errno != 0 else 5
+                    return -1
+            if st.empty % 256 == 0 or (ch != NULL and st.empty > IDLE_SPINS):
                 now = _now()
                 if now - st.last > timeout:
                     err.kind = 3
@@ -880,8 +963,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         st.last = _now()
         while True:
             with nogil:
-                rc = _write_loop(qs, nq, cq.cq, local_addr, lkey, remote_addr, rkey, length, wr_size,
-                                 max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
+                rc = _write_loop(qs, nq, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
+                                 length, wr_size, max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
                                  &err, &st, slice_s)
             if rc != 1:
                 break
@@ -901,6 +984,9 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                 5, f"RDMA write failed: {name} ({wc_status_str(err.status)}, vendor_err {err.vendor_err:#x}) "
                 f"on QP {err.qp_num:#x} for region bytes [{off}, {off + ln}) ({ln} bytes)",
                 status=name, qp_num=err.qp_num, offset=off, length=ln)
+        if err.kind == 4:
+            raise VerbsError(err.post_rc, f"waiting on the send CQ's completion channel failed: "
+                             f"{strerror(err.post_rc).decode()}")
         if err.kind == 2:
             raise VerbsError(err.post_rc, f"ibv_post_send failed on QP {err.qp_num:#x} at region offset "
                              f"{off}: {strerror(err.post_rc).decode()}", qp_num=err.qp_num, offset=off, length=ln)
@@ -987,7 +1073,8 @@ cdef class ImmWaiter:
         cdef uint32_t imm = 0, bad_status = 0, bad_qpn = 0, bad_imm = 0
         cdef int kind = 0
         cdef int idle = 0
-        cdef double t0
+        cdef int block_ms, block_err = 0
+        cdef double t0, left
         cdef timespec pause
         cdef ibv_recv_wr rwr
         cdef ibv_recv_wr* rbad
@@ -1035,18 +1122,28 @@ cdef class ImmWaiter:
                 if kind != 0:
                     break
                 if n == 0:
-                    if _now() - t0 > slice:
+                    left = slice - (_now() - t0)
+                    if left <= 0:
                         break
                     # The receiver has nothing to do until the last immediates arrive, so it must not
                     # spin: a spinning receiver takes a core from whatever moves the bytes (measured on
                     # Soft-RoCE, where the kernel does: the engine's warm updates ran at 0.2-0.3 of
-                    # ib_write_bw while both ends spun).  Empty polls back off to sleeps that double from
-                    # IDLE_MIN_NS to IDLE_MAX_NS, which adds at most that to the end of an update.
+                    # ib_write_bw while both ends spun).  It blocks on the CQ's completion channel (woken
+                    # by the first immediate that lands), or without one backs off to sleeps doubling
+                    # from IDLE_MIN_NS to IDLE_MAX_NS.
                     idle += 1
                     if idle > IDLE_SPINS:
-                        nanosleep(&pause, NULL)
-                        if pause.tv_nsec < IDLE_MAX_NS:
-                            pause.tv_nsec = min(2 * pause.tv_nsec, <long>IDLE_MAX_NS)
+                        if self.cq.channel != NULL:
+                            block_ms = <int>(left * 1000) + 1
+                            if _cq_block(self.cq.cq, self.cq.channel, &self.cq.armed,
+                                         block_ms if block_ms < BLOCK_MS else BLOCK_MS) != 0:
+                                kind = 5
+                                block_err = errno
+                                break
+                        else:
+                            nanosleep(&pause, NULL)
+                            if pause.tv_nsec < IDLE_MAX_NS:
+                                pause.tv_nsec = min(2 * pause.tv_nsec, <long>IDLE_MAX_NS)
                 else:
                     idle = 0
                     pause.tv_nsec = IDLE_MIN_NS
@@ -1061,4 +1158,7 @@ cdef class ImmWaiter:
             raise VerbsError(5, "ibv_poll_cq failed on the receive CQ")
         if kind == 4:
             raise VerbsError(rc if rc > 0 else 5, f"ibv_post_recv failed on QP {bad_qpn:#x}", qp_num=bad_qpn)
+        if kind == 5:
+            raise VerbsError(block_err or 5, f"waiting on the receive CQ's completion channel failed: "
+                             f"{strerror(block_err or 5).decode()}")
         return self.ngot == self.nq

@@ -292,6 +292,13 @@ cdef extern from "infiniband/verbs.h" nogil:
                           ibv_comp_channel* channel, int comp_vector)
     int ibv_destroy_cq(ibv_cq* cq)
     int ibv_poll_cq(ibv_cq* cq, int num_entries, ibv_wc* wc)
+    # Completion events: a CQ armed with ibv_req_notify_cq makes its channel's fd readable at the
+    # next completion (once per arming); every event taken with ibv_get_cq_event must be acked.
+    ibv_comp_channel* ibv_create_comp_channel(ibv_context* context)
+    int ibv_destroy_comp_channel(ibv_comp_channel* channel)
+    int ibv_req_notify_cq(ibv_cq* cq, int solicited_only)
+    int ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context)
+    void ibv_ack_cq_events(ibv_cq* cq, unsigned int nevents)
 
     ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* qp_init_attr)
     int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask)

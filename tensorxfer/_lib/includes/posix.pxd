@@ -24,3 +24,12 @@ cdef extern from "<fcntl.h>" nogil:
         F_GET_SEALS
         F_SEAL_SHRINK
         F_SEAL_GROW
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    enum:
+        POLLIN
+    int poll(pollfd* fds, unsigned long nfds, int timeout)
