@@ -221,6 +221,7 @@ class Receiver:
         self._session_key = b""
         self._seq = 0
         self._transports: dict[str, ReceiverTransport] = {}     # this session's, by name
+        self._last_manifest: tuple[int, bytes, Manifest] | None = None   # (limit, packed, parsed)
         self._region: TensorRegion | None = None
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
@@ -445,7 +446,7 @@ class Receiver:
         verify = field(offer, "verify", bool)
         self._version = None            # the region is about to be written: no complete version in it
         try:
-            manifest = Manifest.unpack(field(offer, "manifest", bytes), max_region_bytes=self.max_region_bytes)
+            manifest = self._unpack_manifest(field(offer, "manifest", bytes))
             version, chain = self._offered_version(offer, manifest)
         except (ManifestError, ProtocolError) as e:
             ch.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
@@ -456,7 +457,9 @@ class Receiver:
             except BaseException as e:
                 ch.send_error("refused", f"the receiver refused the offer: {type(e).__name__}: {e}")
                 raise
-        if name not in local_transports() or (self.share and name != "ipc"):
+        # a transport this session already runs is known to work: probing again (rdma opens the device)
+        # would cost every warm update more than a small one's data
+        if (self.share and name != "ipc") or (name not in self._transports and name not in local_transports()):
             msg = f"transport {name!r} is not available on this receiver (it has {local_transports()}" \
                   f"{'; share=True needs ipc' if self.share else ''})"
             ch.send_error("transport", msg)
@@ -516,6 +519,16 @@ class Receiver:
                                         registration=transport.registration, counters=transport.counters.as_dict())
         self._version = version
         return region
+
+    def _unpack_manifest(self, packed: bytes) -> Manifest:
+        """The offer's manifest, validated; an update with the same bytes as the last reuses its (immutable)
+        parse: checking an 820-tensor layout again on every warm update would cost more than a small one's data."""
+        last, limit = self._last_manifest, self.max_region_bytes
+        if last is not None and last[0] == limit and last[1] == packed:
+            return last[2]
+        manifest = Manifest.unpack(packed, max_region_bytes=limit)
+        self._last_manifest = (limit, packed, manifest)
+        return manifest
 
     def _offered_version(self, offer: dict[str, Any], manifest: Manifest) -> tuple[Version | None, list[str]]:
         """The offer's version (its digest must be the manifest's) and the chain to forward to."""
@@ -732,6 +745,7 @@ class Sender:
         self._channel: Channel | None = None
         self._broken: str | None = None
         self._transports: dict[str, SenderTransport] = {}      # this session's, by name
+        self._last_manifest: tuple[Manifest, bytes, bytes] | None = None   # (manifest, packed, digest)
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
@@ -794,6 +808,14 @@ class Sender:
                 self.close()
                 raise
 
+    def _wire_manifest(self, manifest: Manifest) -> tuple[bytes, bytes]:
+        """The packed manifest and its digest, kept while the (immutable) manifest is the same object."""
+        last = self._last_manifest
+        if last is None or last[0] is not manifest:
+            packed = manifest.pack()
+            last = self._last_manifest = (manifest, packed, manifest_digest(manifest))
+        return last[1], last[2]
+
     def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None,
               onward: Onward | None = None) -> TransferStats:
         t0 = time.perf_counter()
@@ -802,7 +824,8 @@ class Sender:
         relayed = onward is not None and onward.checksums is not None   # the region may still be landing
         checksums = ([ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
                      if verify and not relayed else None)
-        version = onward.version if onward is not None else Version(seq, manifest_digest(region.manifest))
+        packed, digest = self._wire_manifest(region.manifest)
+        version = onward.version if onward is not None else Version(seq, digest)
         chain = {"chain": onward.chain} if onward is not None and onward.chain else {}
         transport = self._transports.get(self.transport)
         if transport is None:
@@ -810,7 +833,7 @@ class Sender:
                                   session_key=self._session_key, stall_timeout=self.stall_timeout,
                                   streams=self.streams)
             transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
-        ch.send("offer", seq=seq, manifest=region.manifest.pack(), transport=self.transport,
+        ch.send("offer", seq=seq, manifest=packed, transport=self.transport,
                 streams=self.streams, verify=verify, fresh=transport.needs_setup(region),
                 version=version.as_wire(), **chain)
         # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
