@@ -8,11 +8,18 @@ keeps that hop: connected and set up once) and *forwards bytes as they
 land*: over tcp the receiving stream threads report every range that landed
 (``TcpReceiver.on_piece``) and the forwarding stream threads wait for each
 piece before sending it (``TcpSender.before_piece``), so ``R1`` sends piece
-k-1 to ``R2`` while piece k arrives from the sender.  The total time is about
-one transfer plus (N-1) pieces (``tcp.FORWARD_PIECE_BYTES`` per stream,
-the piece a relay waits for before forwarding it), not N transfers.
-Transports without a per-piece hook (ipc, rdma) forward once the whole
-update landed (store and forward: correct, not pipelined).
+k-1 to ``R2`` while piece k arrives from the sender.  Over ipc the receiver
+pulls: ``R1``'s copy reports each piece once its bytes are in the region
+(``IpcReceiver.on_piece``; device pieces once the stream finished them),
+and ``R1``'s sender raises ``R2``'s *watermark* as the contiguous landed
+prefix grows (``IpcSender.ready_after`` over :meth:`Landed.wait_prefix`),
+so ``R2`` copies piece k-1 from ``R1`` while ``R1`` copies piece k.  The
+total time is about one transfer plus (N-1) pieces
+(:attr:`FanoutStats.piece_bytes`: ``tcp.FORWARD_PIECE_BYTES`` per stream,
+``ipc.RELAY_PIECE_BYTES`` / ``RELAY_CUDA_PIECE_BYTES``), not N transfers.
+Transports without a per-piece hook (rdma), and tcp for GPU regions,
+forward once the whole update landed (store and forward: correct, not
+pipelined).
 
 Trust: a receiver forwards only to the addresses the *authenticated* sender
 named in its offer, with the token it was itself authenticated with, so the

@@ -50,14 +50,37 @@ receiver copies from the mapping it kept. ::
     receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
     every update:
     sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int,
-                                 cached: bool, seq: int}
+                                 cached: bool, seq: int, ready: int}
     sender -> receiver  "F" msgpack [[offset, size], ...] + as many fds (SCM_RIGHTS, at most 250),
                         in chunk order, until ``count`` chunks have arrived (none when cached)
+    sender -> receiver  "W" u64be(ready)  ... while ready < nbytes: the watermark grew ...
+                        |  "E" utf-8 reason  (the sender gives up: a relay whose upstream failed)
     receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
     receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
 
 ``send()`` returns only after ``D``: the receiver has finished copying (or,
 sharing, has mapped the memory), so the sender may reuse or free its region.
+
+Watermark (fan-out relays)
+--------------------------
+The receiver copies (pulls) from the sender's memory, so a fan-out relay
+(:mod:`tensorxfer.fanout`) that forwards an update while its own copy is
+still landing must say how far its region is ready: ``ready`` in the chunk
+table is the payload prefix the receiver may copy now, and each ``W`` raises
+it (strictly growing, at most ``nbytes``; anything else is a
+:class:`ProtocolError`).  The receiver copies a piece only once the
+watermark covers it; if it stands still for ``stall_timeout`` the update
+fails with :class:`TransferTimeout`.  A plain sender says ``ready = nbytes``
+in the chunk table: no extra message, no wait (an absent ``ready`` means the
+same).  A relay sends ``ready = 0`` and raises it as its own copy lands; a
+relay's receiver reports a piece as landed only once its bytes are there
+(device copies: once the stream finished them, seen through stream marks
+while the next piece copies).  Relayed copies use smaller pieces
+(``RELAY_PIECE_BYTES`` host, ``RELAY_CUDA_PIECE_BYTES`` device), the same
+on both ends of a hop: a piece is the chain's delay per hop.  The receiver
+advertises that it reads ``W`` (``watermark: true`` in its accept
+descriptors); to a receiver that does not, or to a share-mode one, a relay
+sends only complete regions.
 
 Share mode (``Receiver(share=True)``)
 -------------------------------------
