@@ -47,6 +47,23 @@ def pace_tcp_streams(bytes_per_s: int) -> None:
     tcp._tune = paced
 
 
+def sha256(region: tx.TensorRegion) -> str:
+    """SHA-256 of the region's payload (a GPU region's is copied to the host first)."""
+    if region.is_cuda:
+        import numpy as np
+
+        from tensorxfer.staging import read_into
+
+        host = np.empty(region.nbytes, dtype=np.uint8)
+        read_into(region, 0, host)
+        return hashlib.sha256(host).hexdigest()
+    mv = memoryview(region.region).cast("B")[:region.nbytes]
+    try:
+        return hashlib.sha256(mv).hexdigest()
+    finally:
+        mv.release()
+
+
 def trace_ipc_copies(delay: float) -> list[tuple[float, float]]:
     """Slow every ipc copy piece down by ``delay`` s; the (start, end) of each piece go into the returned list."""
     from tensorxfer.transport import ipc
@@ -99,9 +116,7 @@ def main() -> None:
                 line["copy_end"] = max(b for _, b in spans)
                 spans.clear()
             if digest:
-                mv = memoryview(region.region).cast("B")[:region.nbytes]
-                line["sha256"] = hashlib.sha256(mv).hexdigest()
-                mv.release()
+                line["sha256"] = sha256(region)
             print(json.dumps(line), flush=True)
 
 

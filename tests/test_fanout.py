@@ -30,9 +30,12 @@ PEER = os.path.join(ROOT, "tests", "fanout_peer.py")
 class Peer:
     """A fan-out receiver process; ``lines()`` are its JSON reports so far."""
 
-    def __init__(self, stall: float = 10.0, digest: bool = True, ipc_piece_delay: float | None = None) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        extra = ["--ipc-piece-delay", str(ipc_piece_delay)] if ipc_piece_delay is not None else []
+    def __init__(self, stall: float = 10.0, digest: bool = True, ipc_piece_delay: float | None = None,
+                 device: str = "cpu", env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        extra = ["--device", device]
+        if ipc_piece_delay is not None:
+            extra += ["--ipc-piece-delay", str(ipc_piece_delay)]
         self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0", *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
@@ -368,6 +371,51 @@ def test_repeated_ipc_updates_on_the_chain_keep_fds_and_rss_flat(peers):
         assert {r["fds"] for r in reports[5:]} == {reports[5]["fds"]}, [r["fds"] for r in reports]
         growth = reports[-1]["rss_kb"] - reports[5]["rss_kb"]
         assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 40 updates"
+
+
+def _gpu_reason() -> str | None:
+    from tensorxfer import memory as mem
+
+    if mem.CudaRegion is None:
+        return mem.CUDA_UNAVAILABLE
+    from tensorxfer.memory import _cuda
+
+    try:
+        return None if _cuda.device_count() > 0 else "no CUDA device"
+    except tx.CudaError as e:
+        return str(e)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a CUDA GPU: {_gpu_reason()}")
+def test_one_to_three_over_ipc_between_gpu_regions_pipelined_byte_identical_verified(peers, monkeypatch):
+    # As the host test above, with every region on cuda:0: the relays' device-to-device copies report each
+    # piece once the stream finished it (stream marks), and the next hop copies it from the relay's memory.
+    # Relay pieces of 8 MiB (the environment, for the peers; this process only reports the size).
+    piece = 8 << 20
+    monkeypatch.setattr(ipc, "RELAY_CUDA_PIECE_BYTES", piece)
+    ps = peers(3, device="cuda:0", ipc_piece_delay=0.2, env={"TENSORXFER_IPC_CUDA_FORWARD_PIECE": str(piece)})
+    rng = np.random.default_rng(13)
+    tensors = {f"layer{i}.w": rng.integers(0, 255, 2 * piece, dtype=np.uint8) for i in range(4)}
+    with tx.TensorRegion.from_tensors(tensors, device="cuda:0") as region, \
+            FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
+        from tensorxfer.staging import read_into
+
+        host = np.empty(region.nbytes, dtype=np.uint8)
+        read_into(region, 0, host)
+        want = hashlib.sha256(host).hexdigest()
+        for update in (1, 2):
+            stats = fan.send(region, verify=True)
+            assert stats.ok, stats.failed
+            assert all(r.transport == "ipc" and r.verified for r in stats.receivers)
+            assert stats.piece_bytes == piece
+            reports = [p.wait_oks(update, timeout=60)[-1] for p in ps]
+            for got in reports:
+                assert got["sha256"] == want and got["update"] == update
+            if update == 2:
+                timing = [(round(r["copy_start"], 3), round(r["copy_end"], 3)) for r in reports]
+                for up, down in itertools.pairwise(reports):
+                    assert down["copy_start"] < up["copy_end"] - 0.3, timing
 
 
 def test_new_replica_pulls_from_a_warm_peer_keeping_the_version():

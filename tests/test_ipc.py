@@ -538,6 +538,31 @@ def test_an_upstream_failure_stops_the_forward_and_tells_the_receiver():
             relay.close()
 
 
+def test_device_pieces_are_reported_once_the_stream_finished_them():
+    """A relay's device copies: piece k is reported after its stream mark was waited for, which happens only
+    once piece k+1 was queued behind it (the copy engine never idles between pieces).  A fake copier stands
+    in for the GPU (the real one runs in tests/test_fanout.py's GPU test)."""
+    calls: list[tuple] = []
+
+    class FakeCopier:
+        def mark(self, i: int) -> None:
+            calls.append(("mark", i))
+
+        def wait_mark(self, i: int) -> None:
+            calls.append(("wait", i))
+
+    marks = ipc._LandedMarks(FakeCopier(), lambda off, n: calls.append(("landed", off, n)))
+    for k in range(3):
+        calls.append(("queued", k))
+        marks.queued(k * 10, 10)
+    marks.finish()
+    marks.finish()                          # nothing pending: nothing happens
+    assert calls == [("queued", 0), ("mark", 0),
+                     ("queued", 1), ("mark", 1), ("wait", 0), ("landed", 0, 10),
+                     ("queued", 2), ("mark", 0), ("wait", 1), ("landed", 10, 10),
+                     ("wait", 0), ("landed", 20, 10)]
+
+
 # ---------------------------------------------------------------- auto choice
 RECEIVER_CHILD = r"""
 import sys
@@ -714,6 +739,37 @@ def test_cuda_handles_are_released_after_copy():
     # sender exited and the receiver closed its region: nothing of either may stay mapped
     assert rx_region_gone >= free0 - (64 << 20), (free0, rx_region_gone)
     assert _cuda.device_count() > 0
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_copier_marks_wait_for_the_work_queued_before_them():
+    """The stream marks an ipc relay reports device pieces with (``Copier.mark`` / ``wait_mark``)."""
+    from tensorxfer.memory import CudaRegion
+    from tensorxfer.memory._cuda import Copier
+
+    assert CudaRegion is not None
+    n = 64 << 20
+    with CudaRegion.allocate(n) as a, CudaRegion.allocate(n) as b:
+        copier = Copier(0)
+        try:
+            with pytest.raises(ValueError, match="never recorded"):
+                copier.wait_mark(0)
+            with pytest.raises(ValueError, match="out of range"):
+                copier.mark(2)
+            for slot, value in enumerate((7, 9, 11)):
+                copier.memset(a.ptr, n, value)
+                copier.dtod(b.ptr, a.ptr, n)
+                copier.mark(slot & 1)           # both slots; slot 0 is recorded again in the third round
+                copier.wait_mark(slot & 1)
+                host = np.empty(n, dtype=np.uint8)
+                copier.dtoh(host, b.ptr)
+                assert (host == value).all()
+        finally:
+            copier.close()
+            copier.close()
+        with pytest.raises(ValueError, match="closed"):
+            copier.mark(0)
 
 
 def test_struct_sizes_match_the_protocol_doc():
