@@ -401,7 +401,7 @@ class _Watermark:
         Raises
         ------
         TransferTimeout
-            The watermark did not advance for ``stall_timeout`` seconds (the relay's upstream stalled).
+            The watermark did not advance for ``stall_timeout`` seconds (the relay or its upstream stalled).
         ProtocolError
             A watermark that goes backwards or past the payload, or another message.
         PeerLost, TransferError
@@ -428,8 +428,8 @@ class _Watermark:
                     if not blocking:
                         return
                     raise TransferTimeout(f"ipc: the sender's region was ready up to offset {self.ready} of "
-                                          f"{self.nbytes} and did not advance for {self._timeout} s (the relay's "
-                                          f"upstream stalled)")
+                                          f"{self.nbytes} and did not advance for {self._timeout} s (the relay or "
+                                          f"its upstream stalled)")
                 self._take(self._conn.recv(MAX_MESSAGE))
                 blocking = False
         except BaseException as e:
