@@ -8,11 +8,18 @@ keeps that hop: connected and set up once) and *forwards bytes as they
 land*: over tcp the receiving stream threads report every range that landed
 (``TcpReceiver.on_piece``) and the forwarding stream threads wait for each
 piece before sending it (``TcpSender.before_piece``), so ``R1`` sends piece
-k-1 to ``R2`` while piece k arrives from the sender.  The total time is about
-one transfer plus (N-1) pieces (``tcp.FORWARD_PIECE_BYTES`` per stream,
-the piece a relay waits for before forwarding it), not N transfers.
-Transports without a per-piece hook (ipc, rdma) forward once the whole
-update landed (store and forward: correct, not pipelined).
+k-1 to ``R2`` while piece k arrives from the sender.  Over ipc the receiver
+pulls: ``R1``'s copy reports each piece once its bytes are in the region
+(``IpcReceiver.on_piece``; device pieces once the stream finished them),
+and ``R1``'s sender raises ``R2``'s *watermark* as the contiguous landed
+prefix grows (``IpcSender.ready_after`` over :meth:`Landed.wait_prefix`),
+so ``R2`` copies piece k-1 from ``R1`` while ``R1`` copies piece k.  The
+total time is about one transfer plus (N-1) pieces
+(:attr:`FanoutStats.piece_bytes`: ``tcp.FORWARD_PIECE_BYTES`` per stream,
+``ipc.RELAY_PIECE_BYTES`` / ``RELAY_CUDA_PIECE_BYTES``), not N transfers.
+Transports without a per-piece hook (rdma), and tcp for GPU regions,
+forward once the whole update landed (store and forward: correct, not
+pipelined).
 
 Trust: a receiver forwards only to the addresses the *authenticated* sender
 named in its offer, with the token it was itself authenticated with, so the
@@ -148,7 +155,12 @@ class ReceiverResult:
 
 @dataclass(frozen=True)
 class FanoutStats:
-    """What one fan-out update did: the chain order, the piece size, one :class:`ReceiverResult` each."""
+    """What one fan-out update did: the chain order, the piece size, one :class:`ReceiverResult` each.
+
+    ``piece_bytes``: the piece a relay waits for before passing it on over the transport the first hop
+    used (the chain's delay per hop; the whole region where that transport stores and forwards; 0 when
+    no hop succeeded).
+    """
 
     bytes: int
     seconds: float
@@ -219,8 +231,24 @@ class Landed:
     def _has(self, offset: int, end: int) -> bool:
         return self._all or any(s <= offset and end <= e for s, e in self._by_start.items())
 
+    def _prefix(self) -> int:
+        return self.nbytes if self._all else self._by_start.get(0, 0)
+
+    def _wait(self, ready: Callable[[], bool], offset: int) -> None:
+        """Wait (holding the condition) until ``ready()``; raise when aborted or nothing lands for long."""
+        while not ready():
+            if self.aborted is not None:
+                raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
+            # Longer than the stall timeout: a stalled upstream fails this relay's own receive first
+            # (and aborts), so the next hop is not blamed for it.
+            if not self._cond.wait(1.5 * self.stall_timeout + 1.0):
+                raise UpstreamFailed(f"relay: no new bytes from upstream for {1.5 * self.stall_timeout + 1.0} s "
+                                     f"(waiting for region offset {offset})")
+        if self.aborted is not None:
+            raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
+
     def wait_range(self, offset: int, length: int) -> None:
-        """Block until ``[offset, offset+length)`` landed.
+        """Block until ``[offset, offset+length)`` landed (tcp: a relay's stream thread, before each piece).
 
         Raises
         ------
@@ -230,16 +258,23 @@ class Landed:
         """
         end = offset + length
         with self._cond:
-            while not self._has(offset, end):
-                if self.aborted is not None:
-                    raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
-                # Longer than the stall timeout: a stalled upstream fails this relay's own receive first
-                # (and aborts), so the next hop is not blamed for it.
-                if not self._cond.wait(1.5 * self.stall_timeout + 1.0):
-                    raise UpstreamFailed(f"relay: no new bytes from upstream for {1.5 * self.stall_timeout + 1.0} s "
-                                         f"(waiting for region offset {offset})")
-            if self.aborted is not None:
-                raise UpstreamFailed(f"relay: the upstream transfer failed ({self.aborted}); forwarding stopped")
+            self._wait(lambda: self._has(offset, end), offset)
+
+    def wait_prefix(self, after: int) -> int:
+        """Block until the bytes landed from offset 0 on reach past ``after``; return where they end.
+
+        ipc: a relay's receiver copies in pieces (several threads: they may land out of order), and the
+        next hop may copy only what is contiguous from 0 (its watermark).  Every piece that lands while
+        the caller forwards the last answer is covered by the next one (one message for several pieces).
+
+        Raises
+        ------
+        UpstreamFailed
+            As :meth:`wait_range`.
+        """
+        with self._cond:
+            self._wait(lambda: self._prefix() > after, after)
+            return self._prefix()
 
 
 @dataclass
@@ -247,9 +282,10 @@ class Onward:
     """What a :class:`~tensorxfer.session.Sender` send needs to start the rest of a chain (internal).
 
     ``chain``: the addresses after the receiver this send goes to; ``before_piece``: blocks until a
-    range is in the region (relays); ``checksums``: the done frame's checksums, called at done time
-    (relays pass on their upstream's, only once their own copy is complete); ``relayed``: filled from
-    the ack.
+    range is in the region (relays; the tcp hook); ``ready_after``: blocks until the landed prefix
+    reaches past an offset and returns its end (relays; the ipc hook); ``checksums``: the done frame's
+    checksums, called at done time (relays pass on their upstream's, only once their own copy is
+    complete); ``relayed``: filled from the ack.
     """
 
     chain: list[str]
@@ -258,6 +294,7 @@ class Onward:
     checksums: Callable[[], Any] | None = None
     ack_allowance: float = 0.0
     relayed: list[ReceiverResult] = field(default_factory=list)
+    ready_after: Callable[[int], int] | None = None
 
     def acked(self, ack: dict[str, Any]) -> None:
         value = ack.get("relayed", [])
@@ -319,7 +356,8 @@ class Chain:
         for i, address in enumerate(targets):
             rest = list(targets[i + 1:])
             onward = Onward(rest, version, landed.wait_range if landed is not None else None, checksums,
-                            chain_allowance(len(rest), region.nbytes, self.stall_timeout))
+                            chain_allowance(len(rest), region.nbytes, self.stall_timeout),
+                            ready_after=landed.wait_prefix if landed is not None else None)
             t0 = time.perf_counter()
             try:
                 sender = self._session(address)
@@ -429,6 +467,15 @@ class Relay:
             chain.close()
 
 
+def forward_piece_bytes(head: TransferStats | None, region: TensorRegion) -> int:
+    """The piece relays forwarded in over the transport the first hop used (0: no hop succeeded)."""
+    from tensorxfer.transport import TRANSPORTS
+
+    if head is None or head.transport not in TRANSPORTS:
+        return 0
+    return TRANSPORTS[head.transport][0].forward_piece_bytes(region)
+
+
 class FanoutSender:
     """Sends a region to several receivers at once, by chain pipelining (see the module docstring).
 
@@ -503,9 +550,8 @@ class FanoutSender:
             failed = {r.address for r in results if not r.ok}
             self.removed.extend(r for r in results if not r.ok)
             self.chain = [a for a in self.chain if a not in failed]
-            from tensorxfer.transport.tcp import FORWARD_PIECE_BYTES
-
-            return FanoutStats(region.nbytes, seconds, version, order, FORWARD_PIECE_BYTES, tuple(results), head)
+            return FanoutStats(region.nbytes, seconds, version, order, forward_piece_bytes(head, region),
+                               tuple(results), head)
 
     def close(self) -> None:
         chain, self._chain = self._chain, None

@@ -486,7 +486,7 @@ class Receiver:
             if chain:
                 assert self._relay is not None and version is not None
                 job = self._relay.start(region, chain, version, verify, name, streams, "{}:{}".format(*self.address))
-            if hasattr(transport, "on_piece"):      # tcp: a relay forwards ranges as they land
+            if hasattr(transport, "on_piece"):      # tcp, ipc: a relay forwards ranges as they land
                 transport.on_piece = job.landed.add if job is not None else None
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = transport.prepare(region, seq, fresh)
@@ -696,6 +696,26 @@ class Receiver:
         return f"<Receiver {where}>"
 
 
+def _attach_forward(transport: SenderTransport, onward: Onward | None, nbytes: int) -> str | None:
+    """A relay's send (``onward`` with hooks): give ``transport`` the hook that makes it forward bytes as they
+    land, and return the attribute's name (to clear after the send).
+
+    tcp waits for each piece (``before_piece``); ipc raises the receiver's watermark as the landed prefix
+    grows (``ready_after``).  A transport with neither (rdma) gets the region only once all of it landed:
+    that wait happens here (store and forward), and None is returned.
+    """
+    if onward is None or onward.before_piece is None:
+        return None
+    if hasattr(transport, "before_piece"):
+        transport.before_piece = onward.before_piece
+        return "before_piece"
+    if hasattr(transport, "ready_after") and onward.ready_after is not None:
+        transport.ready_after = onward.ready_after
+        return "ready_after"
+    onward.before_piece(0, nbytes)
+    return None
+
+
 class Sender:
     """One session to a receiver; sends regions, repeatedly.
 
@@ -851,17 +871,12 @@ class Sender:
         t1 = time.perf_counter()
         transport.connect(region, seq, descriptors)
         t2 = time.perf_counter()
-        before_piece = onward.before_piece if onward is not None else None
-        if before_piece is not None and not hasattr(transport, "before_piece"):
-            before_piece(0, region.nbytes)      # no per-piece hook: store and forward
-            before_piece = None
-        if before_piece is not None:
-            transport.before_piece = before_piece   # type: ignore[attr-defined]
+        hook = _attach_forward(transport, onward, region.nbytes)
         try:
             nbytes = transport.send(region, progress)
         finally:
-            if before_piece is not None:
-                transport.before_piece = None   # type: ignore[attr-defined]
+            if hook is not None:
+                setattr(transport, hook, None)
         wire = time.perf_counter() - t2
         if onward is not None and onward.checksums is not None:
             checksums = onward.checksums()

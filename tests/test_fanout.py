@@ -1,11 +1,13 @@
-"""Fan-out by chain pipelining (tensorxfer.fanout) between real processes over tcp."""
+"""Fan-out by chain pipelining (tensorxfer.fanout) between real processes, over tcp and ipc."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import pytest
 import tensorxfer as tx
 from tensorxfer.errors import ManifestError, ProtocolError, UpstreamFailed
 from tensorxfer.fanout import FanoutSender, Landed, ReceiverResult, Version, parse_chain
+from tensorxfer.transport import ipc, tcp
 
 from .helpers import ROOT, Background
 
@@ -27,9 +30,13 @@ PEER = os.path.join(ROOT, "tests", "fanout_peer.py")
 class Peer:
     """A fan-out receiver process; ``lines()`` are its JSON reports so far."""
 
-    def __init__(self, stall: float = 10.0, digest: bool = True) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0"],
+    def __init__(self, stall: float = 10.0, digest: bool = True, ipc_piece_delay: float | None = None,
+                 device: str = "cpu", env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        extra = ["--device", device]
+        if ipc_piece_delay is not None:
+            extra += ["--ipc-piece-delay", str(ipc_piece_delay)]
+        self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0", *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         self.address = json.loads(self.proc.stdout.readline())["address"]
@@ -99,7 +106,7 @@ def test_one_to_four_over_tcp_byte_identical_verified(peers):
         assert [r.address for r in stats.receivers] == [p.address for p in ps]
         assert [r.via for r in stats.receivers] == ["sender"] + [p.address for p in ps[:-1]]
         assert all(r.verified and r.transport == "tcp" and r.bytes == region.nbytes for r in stats.receivers)
-        assert stats.version.update == 1 and stats.piece_bytes > 0
+        assert stats.version.update == 1 and stats.piece_bytes == tcp.FORWARD_PIECE_BYTES
         assert json.loads(json.dumps(stats.as_dict()))["receivers"][3]["ok"]
         want = sha(region)
         for p in ps:
@@ -114,20 +121,24 @@ def test_one_to_four_over_tcp_byte_identical_verified(peers):
             assert p.wait_oks(2)[1]["sha256"] == sha(region)
 
 
-def _chain_with_fault(peers, action: str, stall: float):
-    ps = peers(4, stall=stall)
+def _chain_with_fault(peers, action: str, stall: float, transport: str = "tcp", warm: bool = False, **peer_kw):
+    """Send to four receivers and kill (or stop) the second one mid-update; ``warm``: after one update that set
+    every hop up (so the fault hits the data path, not a setup)."""
+    ps = peers(4, stall=stall, **peer_kw)
     fired = threading.Event()
     sent = [0]
     victim = ps[1]
 
-    def progress(n: int) -> None:
+    def progress(n: int) -> None:      # the first hop's progress: over ipc, how far its copy got
         sent[0] += n
         if sent[0] > (96 << 20) and not fired.is_set():
             fired.set()
             victim.proc.send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
     with model(256 << 20, seed=3) as region, \
-            FanoutSender([p.address for p in ps], token=TOKEN, transport="tcp", stall_timeout=stall) as fan:
+            FanoutSender([p.address for p in ps], token=TOKEN, transport=transport, stall_timeout=stall) as fan:
+        if warm:
+            assert fan.send(region).ok      # no progress callback: the fault fires in the next update
         t0 = time.perf_counter()
         stats = fan.send(region, verify=True, progress=progress)
         elapsed = time.perf_counter() - t0
@@ -136,25 +147,26 @@ def _chain_with_fault(peers, action: str, stall: float):
         assert bad.address == victim.address
         ok = [r for r in stats.receivers if r.ok]
         assert [r.address for r in ok] == [ps[0].address, ps[2].address, ps[3].address]
+        assert all(r.transport == transport for r in ok)
         assert ok[1].via == ps[0].address        # the hop before the failed one repaired the chain
         want = sha(region)
         for p in (ps[0], ps[2], ps[3]):
-            assert p.wait_oks(1)[-1]["sha256"] == want
+            assert p.wait_oks(1 + warm)[-1]["sha256"] == want
         assert fan.chain == [ps[0].address, ps[2].address, ps[3].address]
         # The next update goes around the dead receiver from the start.
         stats2 = fan.send(region, verify=True)
         assert stats2.ok and [r.address for r in stats2.receivers] == fan.chain
-        return bad, elapsed
+        return bad, elapsed, ps
 
 
 def test_receiver_killed_mid_chain_others_complete(peers):
-    bad, _ = _chain_with_fault(peers, "kill", stall=10.0)
+    bad, _, _ = _chain_with_fault(peers, "kill", stall=10.0)
     assert bad.error_type in ("PeerLost", "TransferTimeout", "ProtocolError"), bad
     assert bad.error
 
 
 def test_stalled_receiver_cut_out_after_stall_timeout(peers):
-    bad, elapsed = _chain_with_fault(peers, "stop", stall=2.0)
+    bad, elapsed, _ = _chain_with_fault(peers, "stop", stall=2.0)
     assert bad.error_type == "TransferTimeout", bad
     assert elapsed < 30
 
@@ -223,6 +235,25 @@ def test_landed_waits_for_ranges_and_aborts():
         bg.result(5)
 
 
+def test_landed_prefix_grows_only_with_contiguous_bytes():
+    landed = Landed(100, stall_timeout=0.2)
+    landed.add(20, 30)                      # out of order: nothing contiguous from 0 yet
+    bg = Background(landed.wait_prefix, 0)
+    time.sleep(0.05)
+    assert bg.thread.is_alive()
+    landed.add(0, 20)
+    assert bg.result(5) == 50               # both pieces, in one answer
+    with pytest.raises(UpstreamFailed, match="no new bytes"):
+        landed.wait_prefix(50)
+    landed.add_all()
+    assert landed.wait_prefix(50) == 100
+    aborted = Landed(10, 5.0)
+    bg = Background(aborted.wait_prefix, 0)
+    aborted.abort("upstream died")
+    with pytest.raises(UpstreamFailed, match="upstream died"):
+        bg.result(5)
+
+
 def test_cli_send_to_three_receivers_json(tmp_path):
     from .helpers import finish
     from .test_cli import cli, model_dir, start_recv
@@ -271,18 +302,120 @@ def test_versions_are_explicit_and_checked():
         assert rx.version is None
 
 
-def test_one_to_four_over_ipc_store_and_forward(peers):
-    # ipc has no per-piece hook yet: each relay forwards once its whole copy landed (correct, not pipelined).
-    ps = peers(4)
-    with model(16 << 20, seed=5) as region, \
+def test_one_to_four_over_ipc_pipelined_byte_identical_verified(peers):
+    # The peers sleep 200 ms in every ipc copy piece, so each hop's copy of 8 relay pieces takes ~0.8 s (two
+    # copy threads).  Pipelined, hop k+1 starts copying once hop k's first pieces landed (~0.2 s later);
+    # store and forward, only after hop k's whole copy finished.  The peers report when their first piece
+    # started and their last one finished.  Timing is checked on the warm updates: the first one also
+    # connects every hop and allocates every region, which on a small shared machine takes longer than a copy.
+    ps = peers(4, ipc_piece_delay=0.2)
+    with model(8 * ipc.RELAY_PIECE_BYTES, seed=5) as region, \
             FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
+        for update in (1, 2, 3):
+            if update > 1:
+                region.tensors()["layer2.w"][:] = update
+            stats = fan.send(region, verify=True)
+            assert stats.ok, stats.failed
+            assert [r.via for r in stats.receivers] == ["sender"] + [p.address for p in ps[:-1]]
+            assert all(r.transport == "ipc" and r.verified and r.bytes == region.nbytes for r in stats.receivers)
+            assert stats.piece_bytes == ipc.RELAY_PIECE_BYTES
+            reports = [p.wait_oks(update)[-1] for p in ps]
+            for got in reports:
+                assert got["sha256"] == sha(region) and got["update"] == update and got["verified"]
+            if update == 1:
+                continue
+            timing = [(round(r["copy_start"], 3), round(r["copy_end"], 3)) for r in reports]
+            for up, down in itertools.pairwise(reports):
+                # the next hop began copying well before this one finished its copy
+                assert down["copy_start"] < up["copy_end"] - 0.3, timing
+            # and so the whole chain took far less than four copies one after another
+            hop = statistics.median(r["copy_end"] - r["copy_start"] for r in reports)
+            assert reports[-1]["copy_end"] - reports[0]["copy_start"] < 2.5 * hop, timing
+
+
+def test_relay_killed_mid_update_over_ipc_others_complete(peers):
+    # On a warm chain the second receiver (a relay, copying from the first while the first still copies) is
+    # killed once the first hop has copied 96 of 256 MiB; the first hop forwards to the third instead.  The
+    # third was copying from the killed one: its session ends (the sender closed with its region ready up to
+    # some offset), and it gets the update again from the first.
+    bad, _, ps = _chain_with_fault(peers, "kill", stall=10.0, transport="ipc", warm=True, ipc_piece_delay=0.05)
+    assert bad.error_type in ("PeerLost", "TransferTimeout", "ProtocolError"), bad
+    assert bad.error
+    assert [r["error"] for r in ps[2].reports if "error" in r] == ["PeerLost"], ps[2].reports
+
+
+def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
+    # The second receiver stops mid-copy on a warm chain: the first hop's wait for its progress times out (it
+    # had not copied all the watermark allowed), and the third, copying from the stopped one, sees its
+    # watermark stand still for stall_timeout: TransferTimeout, not a hang.
+    bad, elapsed, ps = _chain_with_fault(peers, "stop", stall=2.0, transport="ipc", warm=True,
+                                         ipc_piece_delay=0.05)
+    assert bad.error_type == "TransferTimeout" and "no progress" in bad.error, bad
+    assert elapsed < 15
+    errors = [r for r in ps[2].reports if "error" in r]
+    assert [r["error"] for r in errors] == ["TransferTimeout"] and "did not advance" in errors[0]["message"], errors
+
+
+def test_repeated_ipc_updates_on_the_chain_keep_fds_and_rss_flat(peers):
+    ps = peers(3, digest=False)
+    with model(16 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
+        for _ in range(5):
+            assert fan.send(region).ok
+        before = fds()
+        for _ in range(40):
+            stats = fan.send(region)
+            assert stats.ok and all(r.transport == "ipc" for r in stats.receivers)
+        assert fds() == before
+    for p in ps:
+        reports = p.wait_oks(45)
+        assert {r["fds"] for r in reports[5:]} == {reports[5]["fds"]}, [r["fds"] for r in reports]
+        growth = reports[-1]["rss_kb"] - reports[5]["rss_kb"]
+        assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 40 updates"
+
+
+def _gpu_reason() -> str | None:
+    from tensorxfer import memory as mem
+
+    if mem.CudaRegion is None:
+        return mem.CUDA_UNAVAILABLE
+    from tensorxfer.memory import _cuda
+
+    try:
+        return None if _cuda.device_count() > 0 else "no CUDA device"
+    except tx.CudaError as e:
+        return str(e)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a CUDA GPU: {_gpu_reason()}")
+def test_one_to_three_over_ipc_between_gpu_regions_pipelined_byte_identical_verified(peers, monkeypatch):
+    # As the host test above, with every region on cuda:0: the relays' device-to-device copies report each
+    # piece once the stream finished it (stream marks), and the next hop copies it from the relay's memory.
+    # Relay pieces of 8 MiB (the environment, for the peers; this process only reports the size).
+    piece = 8 << 20
+    monkeypatch.setattr(ipc, "RELAY_CUDA_PIECE_BYTES", piece)
+    ps = peers(3, device="cuda:0", ipc_piece_delay=0.2, env={"TENSORXFER_IPC_CUDA_FORWARD_PIECE": str(piece)})
+    rng = np.random.default_rng(13)
+    tensors = {f"layer{i}.w": rng.integers(0, 255, 2 * piece, dtype=np.uint8) for i in range(4)}
+    with tx.TensorRegion.from_tensors(tensors, device="cuda:0") as region, \
+            FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
+        from tensorxfer.staging import read_into
+
+        host = np.empty(region.nbytes, dtype=np.uint8)
+        read_into(region, 0, host)
+        want = hashlib.sha256(host).hexdigest()
         for update in (1, 2):
             stats = fan.send(region, verify=True)
             assert stats.ok, stats.failed
             assert all(r.transport == "ipc" and r.verified for r in stats.receivers)
-            for p in ps:
-                got = p.wait_oks(update)[-1]
-                assert got["sha256"] == sha(region) and got["update"] == update
+            assert stats.piece_bytes == piece
+            reports = [p.wait_oks(update, timeout=60)[-1] for p in ps]
+            for got in reports:
+                assert got["sha256"] == want and got["update"] == update
+            if update == 2:
+                timing = [(round(r["copy_start"], 3), round(r["copy_end"], 3)) for r in reports]
+                for up, down in itertools.pairwise(reports):
+                    assert down["copy_start"] < up["copy_end"] - 0.3, timing
 
 
 def test_new_replica_pulls_from_a_warm_peer_keeping_the_version():

@@ -17,7 +17,9 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
+import numpy as np
 import pytest
 
 import tensorxfer as tx
@@ -25,7 +27,7 @@ from tensorxfer import HostRegion, Manifest, Receiver, Sender, TensorRegion
 from tensorxfer.transport import ipc
 from tensorxfer.transport.base import TransferContext
 
-from .helpers import ROOT, Background, child, finish, region_of
+from .helpers import ROOT, Background, child, finish, region_of, wait_until
 
 SENDER = r"""
 import hashlib, json, os, sys
@@ -223,13 +225,13 @@ def test_share_refuses_a_forced_tcp_sender():
 
 
 # ---------------------------------------------------------------- peer checks
-def _receiver_transport(key: bytes = b"k" * 32) -> ipc.IpcReceiver:
-    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=10.0)
+def _receiver_transport(key: bytes = b"k" * 32, stall: float = 10.0) -> ipc.IpcReceiver:
+    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=stall)
     return ipc.IpcReceiver(ctx)
 
 
-def _sender_transport(key: bytes = b"k" * 32) -> ipc.IpcSender:
-    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=10.0)
+def _sender_transport(key: bytes = b"k" * 32, stall: float = 10.0) -> ipc.IpcSender:
+    ctx = TransferContext(local_host="", peer_host="", session_key=key, stall_timeout=stall)
     return ipc.IpcSender(ctx)
 
 
@@ -410,6 +412,157 @@ def test_close_from_another_thread_aborts_a_waiting_receiver():
             job.result(timeout=5)
 
 
+# ---------------------------------------------------------------- relayed updates: the sender's watermark
+def _filled(nbytes: int, seed: int = 7) -> TensorRegion:
+    region = region_of(nbytes)
+    np.frombuffer(region.region, dtype=np.uint8, count=nbytes)[:] = \
+        np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return region
+
+
+def _bytes(region: TensorRegion) -> bytes:
+    with memoryview(region.region) as mv:
+        return bytes(mv[:region.nbytes])
+
+
+class _Relay:
+    """A sender transport relaying ``src`` (its ``ready_after`` is a :class:`Landed`) to a receiver transport
+    copying into ``dst``, each in a thread; ``copied`` lists the pieces the receiver reported as landed."""
+
+    def __init__(self, src: TensorRegion, dst: TensorRegion, stall: float = 10.0) -> None:
+        from tensorxfer.fanout import Landed
+
+        self.landed = Landed(src.nbytes, stall_timeout=60.0)
+        self.asked = threading.Event()          # the forwarder runs: header and handles went out
+        self.copied: list[tuple[int, int]] = []
+        self.rt = _receiver_transport(stall=stall)
+        self.st = _sender_transport(stall=stall)
+        self.rt.on_piece = lambda off, n: self.copied.append((off, n))
+        self.st.ready_after = self._ready_after
+        d = self.rt.prepare(dst, 1, True)
+        self.received = Background(self.rt.wait)
+        self.st.connect(src, 1, d)
+        assert d["watermark"] is True
+        self.sent = Background(self.st.send, src)
+
+    def _ready_after(self, offset: int) -> int:
+        self.asked.set()
+        return self.landed.wait_prefix(offset)
+
+    def close(self) -> None:
+        self.landed.abort("test over")          # releases a forwarder still waiting
+        self.st.close()
+        self.rt.close()
+
+
+def test_a_relayed_copy_takes_only_what_the_watermark_allows_and_lands_byte_exact():
+    piece = ipc.RELAY_PIECE_BYTES
+    with _filled(4 * piece + 4096) as src, region_of(src.nbytes) as dst:
+        relay = _Relay(src, dst)
+        try:
+            relay.landed.add(0, piece + 100)            # the relay's own copy is 1 piece (and a bit) in
+            wait_until(lambda: len(relay.copied) == 1, what="the first piece copied")
+            time.sleep(0.3)
+            assert relay.copied == [(0, piece)], "the receiver copied past the sender's watermark"
+            relay.landed.add(3 * piece, src.nbytes - 3 * piece)    # out of order: nothing new contiguous
+            time.sleep(0.3)
+            assert len(relay.copied) == 1
+            relay.landed.add(piece + 100, 2 * piece - 100)
+            assert relay.received.result() == src.nbytes and relay.sent.result() == src.nbytes
+            assert sorted(relay.copied) == [(k * piece, min(piece, src.nbytes - k * piece)) for k in range(5)]
+            assert _bytes(dst) == _bytes(src)
+        finally:
+            relay.close()
+
+
+def test_a_watermark_that_never_advances_times_out_the_receiver():
+    with _filled(1 << 20) as src, region_of(1 << 20) as dst:
+        relay = _Relay(src, dst, stall=1.0)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(tx.TransferTimeout, match=r"did not advance for 1\.0 s"):
+                relay.received.result(timeout=10)
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(tx.TransferError, match="did not advance"):
+                relay.sent.result(timeout=10)      # the receiver said why; the sender does not hang either
+            assert relay.copied == []
+        finally:
+            relay.close()
+
+
+@pytest.mark.parametrize("marks, why", [([(2 << 20) + 1], "up to the payload"),
+                                        ([1 << 20, 1 << 19], "must grow"),
+                                        ([1 << 20, 1 << 20], "must grow"),
+                                        ([b"X"], "unexpected message")],
+                         ids=["past-the-payload", "backwards", "standing-still", "not-a-watermark"])
+def test_a_hostile_watermark_is_a_protocol_error(marks, why):
+    with _filled(2 << 20) as src, region_of(2 << 20) as dst:
+        relay = _Relay(src, dst)
+        try:
+            assert relay.asked.wait(10)
+            assert relay.st._sock is not None
+            for mark in marks:
+                relay.st._sock.send(mark if isinstance(mark, bytes) else b"W" + struct.pack(">Q", mark))
+            with pytest.raises(tx.ProtocolError, match=why):
+                relay.received.result(timeout=10)
+            with pytest.raises(tx.TransferError, match=why):
+                relay.sent.result(timeout=10)
+        finally:
+            relay.close()
+
+
+def test_a_chunk_table_saying_more_is_ready_than_the_payload_is_a_protocol_error():
+    import msgpack
+
+    table = {"kind": "host", "device": 0, "nbytes": 100, "token": bytes(16), "count": 1, "cached": False,
+             "seq": 1}
+    assert ipc._parse_header(msgpack.packb(table))[-1] == 100        # no "ready": everything is
+    for ready in (101, -1):
+        with pytest.raises(tx.ProtocolError, match="ready"):
+            ipc._parse_header(msgpack.packb(dict(table, ready=ready)))
+
+
+def test_an_upstream_failure_stops_the_forward_and_tells_the_receiver():
+    piece = ipc.RELAY_PIECE_BYTES
+    with _filled(2 * piece) as src, region_of(2 * piece) as dst:
+        relay = _Relay(src, dst)
+        try:
+            relay.landed.add(0, piece)
+            wait_until(lambda: len(relay.copied) == 1, what="the first piece copied")
+            relay.landed.abort("the upstream sender died")
+            with pytest.raises(tx.TransferError, match=r"gave up on this update.*upstream sender died"):
+                relay.received.result(timeout=10)
+            with pytest.raises(tx.UpstreamFailed, match="upstream sender died"):
+                relay.sent.result(timeout=10)
+        finally:
+            relay.close()
+
+
+def test_device_pieces_are_reported_once_the_stream_finished_them():
+    """A relay's device copies: piece k is reported after its stream mark was waited for, which happens only
+    once piece k+1 was queued behind it (the copy engine never idles between pieces).  A fake copier stands
+    in for the GPU (the real one runs in tests/test_fanout.py's GPU test)."""
+    calls: list[tuple] = []
+
+    class FakeCopier:
+        def mark(self, i: int) -> None:
+            calls.append(("mark", i))
+
+        def wait_mark(self, i: int) -> None:
+            calls.append(("wait", i))
+
+    marks = ipc._LandedMarks(FakeCopier(), lambda off, n: calls.append(("landed", off, n)))
+    for k in range(3):
+        calls.append(("queued", k))
+        marks.queued(k * 10, 10)
+    marks.finish()
+    marks.finish()                          # nothing pending: nothing happens
+    assert calls == [("queued", 0), ("mark", 0),
+                     ("queued", 1), ("mark", 1), ("wait", 0), ("landed", 0, 10),
+                     ("queued", 2), ("mark", 0), ("wait", 1), ("landed", 10, 10),
+                     ("wait", 0), ("landed", 20, 10)]
+
+
 # ---------------------------------------------------------------- auto choice
 RECEIVER_CHILD = r"""
 import sys
@@ -586,6 +739,37 @@ def test_cuda_handles_are_released_after_copy():
     # sender exited and the receiver closed its region: nothing of either may stay mapped
     assert rx_region_gone >= free0 - (64 << 20), (free0, rx_region_gone)
     assert _cuda.device_count() > 0
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_copier_marks_wait_for_the_work_queued_before_them():
+    """The stream marks an ipc relay reports device pieces with (``Copier.mark`` / ``wait_mark``)."""
+    from tensorxfer.memory import CudaRegion
+    from tensorxfer.memory._cuda import Copier
+
+    assert CudaRegion is not None
+    n = 64 << 20
+    with CudaRegion.allocate(n) as a, CudaRegion.allocate(n) as b:
+        copier = Copier(0)
+        try:
+            with pytest.raises(ValueError, match="never recorded"):
+                copier.wait_mark(0)
+            with pytest.raises(ValueError, match="out of range"):
+                copier.mark(2)
+            for slot, value in enumerate((7, 9, 11)):
+                copier.memset(a.ptr, n, value)
+                copier.dtod(b.ptr, a.ptr, n)
+                copier.mark(slot & 1)           # both slots; slot 0 is recorded again in the third round
+                copier.wait_mark(slot & 1)
+                host = np.empty(n, dtype=np.uint8)
+                copier.dtoh(host, b.ptr)
+                assert (host == value).all()
+        finally:
+            copier.close()
+            copier.close()
+        with pytest.raises(ValueError, match="closed"):
+            copier.mark(0)
 
 
 def test_struct_sizes_match_the_protocol_doc():

@@ -779,6 +779,7 @@ cdef class Stager:
     cdef int _device
     cdef cydriver.CUstream _stream
     cdef cydriver.CUevent _events[2]
+    cdef cydriver.CUevent _marks[2]     # mark(): completion of queued work (made on first use)
     cdef void* _pinned[2]
     cdef size_t _size
     cdef bint _closed
@@ -793,6 +794,7 @@ cdef class Stager:
         self._views = []
         for i in range(2):
             self._events[i] = NULL
+            self._marks[i] = NULL
             self._pinned[i] = NULL
         if buffer_bytes == 0:
             raise ValueError("buffer_bytes must be positive")
@@ -870,6 +872,35 @@ cdef class Stager:
         with nogil:
             self._wait(i)
 
+    def mark(self, int i):
+        """Record mark ``i`` (0 or 1) on the stream, after everything queued so far.
+
+        :meth:`wait_mark` ``(i)`` then returns once that work finished, while later work keeps the
+        stream busy (an ipc relay reports piece k landed while piece k+1 copies).  Recording a mark
+        again moves it.
+        """
+        if i < 0 or i > 1:
+            raise ValueError(f"mark {i} out of range (0 or 1)")
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        bind_device(self._device)
+        if self._marks[i] == NULL:
+            check_cu(cydriver.cuEventCreate(&self._marks[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
+        with nogil:
+            check_cu(cydriver.cuEventRecord(self._marks[i], self._stream), b"cuEventRecord")
+
+    def wait_mark(self, int i):
+        """Block (without the GIL) until the work queued before :meth:`mark` ``(i)`` finished."""
+        if i < 0 or i > 1:
+            raise ValueError(f"mark {i} out of range (0 or 1)")
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        if self._marks[i] == NULL:
+            raise ValueError(f"mark {i} was never recorded")
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuEventSynchronize(self._marks[i]), b"cuEventSynchronize")
+
     def synchronize(self):
         """Block until everything queued on the stream finished."""
         if self._closed:
@@ -903,6 +934,9 @@ cdef class Stager:
             if self._events[i] != NULL:
                 cydriver.cuEventDestroy(self._events[i])
                 self._events[i] = NULL
+            if self._marks[i] != NULL:
+                cydriver.cuEventDestroy(self._marks[i])
+                self._marks[i] = NULL
             if self._pinned[i] != NULL:
                 cydriver.cuMemFreeHost(self._pinned[i])
                 self._pinned[i] = NULL

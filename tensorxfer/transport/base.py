@@ -161,6 +161,12 @@ class SenderTransport(_Half):
         """
         return None
 
+    @classmethod
+    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+        """The piece a fan-out relay forwarding ``region`` over this transport waits for before passing it on
+        (the chain's delay per hop): the whole region where the transport stores and forwards."""
+        return region.nbytes
+
     @abstractmethod
     def needs_setup(self, region: TensorRegion) -> bool:
         """Whether sending ``region`` needs a new setup (nothing set up yet, or set up for other memory)."""

@@ -50,14 +50,37 @@ receiver copies from the mapping it kept. ::
     receiver -> sender  "K"  |  "E" utf-8 reason       (then the receiver closes)
     every update:
     sender -> receiver  msgpack {kind: "host"|"cuda", device: int, nbytes: int, token: bin16, count: int,
-                                 cached: bool, seq: int}
+                                 cached: bool, seq: int, ready: int}
     sender -> receiver  "F" msgpack [[offset, size], ...] + as many fds (SCM_RIGHTS, at most 250),
                         in chunk order, until ``count`` chunks have arrived (none when cached)
+    sender -> receiver  "W" u64be(ready)  ... while ready < nbytes: the watermark grew ...
+                        |  "E" utf-8 reason  (the sender gives up: a relay whose upstream failed)
     receiver -> sender  "P" u64be(bytes)  ... progress while copying ...
     receiver -> sender  "D" u64be(nbytes)  |  "E" utf-8 reason
 
 ``send()`` returns only after ``D``: the receiver has finished copying (or,
 sharing, has mapped the memory), so the sender may reuse or free its region.
+
+Watermark (fan-out relays)
+--------------------------
+The receiver copies (pulls) from the sender's memory, so a fan-out relay
+(:mod:`tensorxfer.fanout`) that forwards an update while its own copy is
+still landing must say how far its region is ready: ``ready`` in the chunk
+table is the payload prefix the receiver may copy now, and each ``W`` raises
+it (strictly growing, at most ``nbytes``; anything else is a
+:class:`ProtocolError`).  The receiver copies a piece only once the
+watermark covers it; if it stands still for ``stall_timeout`` the update
+fails with :class:`TransferTimeout`.  A plain sender says ``ready = nbytes``
+in the chunk table: no extra message, no wait (an absent ``ready`` means the
+same).  A relay sends ``ready = 0`` and raises it as its own copy lands; a
+relay's receiver reports a piece as landed only once its bytes are there
+(device copies: once the stream finished them, seen through stream marks
+while the next piece copies).  Relayed copies use smaller pieces
+(``RELAY_PIECE_BYTES`` host, ``RELAY_CUDA_PIECE_BYTES`` device), the same
+on both ends of a hop: a piece is the chain's delay per hop.  The receiver
+advertises that it reads ``W`` (``watermark: true`` in its accept
+descriptors); to a receiver that does not, or to a share-mode one, a relay
+sends only complete regions.
 
 Share mode (``Receiver(share=True)``)
 -------------------------------------
@@ -84,13 +107,16 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import select
 import shutil
 import socket
 import struct
 import sys
 import tempfile
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
@@ -108,6 +134,7 @@ from tensorxfer.errors import (
     TransferError,
     TransferTimeout,
     TransportUnavailable,
+    UpstreamFailed,
 )
 from tensorxfer.memory import HostRegion
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
@@ -131,11 +158,19 @@ MAX_MESSAGE = 64 << 10         # every message is small: the chunk list travels 
 CHUNK_TAIL = 2 << 20           # a region's last handle ends at most here past its payload (VMM granularity)
 PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
 CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
+FORWARD_POLL_S = 0.2           # a relaying sender looks at its forwarder this often while the receiver is quiet
 
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() and int(value) > 0 else default
+
+
+# A relayed copy (the receiver is a fan-out relay, or its sender is one) goes in smaller pieces: each is
+# reported as landed when its bytes are there, and the next hop waits for it, so the piece is the chain's
+# delay per hop (tensorxfer.fanout).  Both ends of a hop use the same size, so the pieces line up.
+RELAY_PIECE_BYTES = _env_int("TENSORXFER_IPC_FORWARD_PIECE", 16 << 20)
+RELAY_CUDA_PIECE_BYTES = _env_int("TENSORXFER_IPC_CUDA_FORWARD_PIECE", 256 << 20)
 
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
@@ -250,7 +285,8 @@ def _unpack(data: bytes, what: str) -> Any:
         raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
 
 
-def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int]:
+def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int]:
+    """The update's chunk table header; the last item is ``ready`` (absent: ``nbytes``, everything ready)."""
     table = _unpack(data, "the chunk table header")
     if not isinstance(table, dict):
         raise ProtocolError("ipc: the chunk table header is not a map")
@@ -261,11 +297,15 @@ def _parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int]:
     count = field(table, "count", int)
     cached = field(table, "cached", bool)
     seq = field(table, "seq", int)
+    ready = field(table, "ready", int, optional=True)
+    ready = nbytes if ready is None else ready
+    if not 0 <= ready <= nbytes:
+        raise ProtocolError(f"ipc: the chunk table says {ready} of {nbytes} payload bytes are ready")
     if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
             or (count == 0) != (nbytes == 0 or cached) or (cached and nbytes == 0) or len(token) != 16:
         raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
                             f"{count} chunks, cached {cached}, {len(token)}-byte token")
-    return kind, device, nbytes, token, count, cached, seq
+    return kind, device, nbytes, token, count, cached, seq, ready
 
 
 def _add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
@@ -329,6 +369,123 @@ def _close_fds(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
+class _Watermark:
+    """How far the sender's region may be copied: the header's ``ready``, raised by ``W`` messages.
+
+    A plain sender says everything is ready in the header; then :meth:`wait` is one comparison per
+    piece.  A fan-out relay's region is still landing from its own upstream: the copy threads wait here
+    before each piece, one of them reading the sender's messages (each wait bounded by ``stall_timeout``)
+    while the others wait for it.  Between waits the messages already there are taken without blocking,
+    so a receiver busy copying never lets them fill the socket (the relay's sends would block).
+    """
+
+    def __init__(self, conn: socket.socket, nbytes: int, ready: int, stall_timeout: float) -> None:
+        self.nbytes = nbytes
+        self.ready = ready
+        self._conn = conn
+        self._timeout = stall_timeout
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._poller: Any = None
+        if ready < nbytes:
+            self._poller = select.poll()
+            self._poller.register(conn, select.POLLIN)
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= self.nbytes
+
+    def wait(self, end: int) -> None:
+        """Return once ``[0, end)`` is ready to copy.
+
+        Raises
+        ------
+        TransferTimeout
+            The watermark did not advance for ``stall_timeout`` seconds (the relay or its upstream stalled).
+        ProtocolError
+            A watermark that goes backwards or past the payload, or another message.
+        PeerLost, TransferError
+            The sender closed the connection, or gave up on the update (its upstream failed).
+        """
+        if self.ready >= end:
+            if self.ready < self.nbytes and self._lock.acquire(blocking=False):
+                try:
+                    self._read(blocking=False)
+                finally:
+                    self._lock.release()
+            return
+        with self._lock:
+            while self.ready < end:
+                self._read(blocking=True)
+
+    def _read(self, blocking: bool) -> None:
+        """Take the sender's messages: one at least when ``blocking``, else only those already here."""
+        if self._error is not None:
+            raise self._error
+        try:
+            while self.ready < self.nbytes:
+                if not self._poller.poll(self._timeout * 1000 if blocking else 0):
+                    if not blocking:
+                        return
+                    raise TransferTimeout(f"ipc: the sender's region was ready up to offset {self.ready} of "
+                                          f"{self.nbytes} and did not advance for {self._timeout} s (the relay or "
+                                          f"its upstream stalled)")
+                self._take(self._conn.recv(MAX_MESSAGE))
+                blocking = False
+        except BaseException as e:
+            if isinstance(e, OSError) and not isinstance(e, TensorXferError):
+                e = PeerLost(f"ipc: connection lost waiting for the sender's region to be ready past offset "
+                             f"{self.ready}: {e}")
+            self._error = e
+            raise e from None
+
+    def _take(self, msg: bytes) -> None:
+        if not msg:
+            raise PeerLost(f"ipc: the sender closed the connection with its region ready up to offset "
+                           f"{self.ready} of {self.nbytes}")
+        if msg[:1] == b"E":
+            raise TransferError(f"ipc: the sender gave up on this update: {msg[1:].decode(errors='replace')}")
+        if msg[:1] != b"W" or len(msg) != 1 + U64.size:
+            raise ProtocolError(f"ipc: unexpected message from the sender during the copy: {msg[:16]!r}")
+        value = U64.unpack(msg[1:])[0]
+        if not self.ready < value <= self.nbytes:
+            raise ProtocolError(f"ipc: watermark {value} after {self.ready}: it must grow, up to the payload's "
+                                f"{self.nbytes} bytes")
+        self.ready = value
+
+
+class _LandedMarks:
+    """Device copies queued back to back, each piece reported as landed once the GPU finished it.
+
+    A relay's next hop copies a piece as soon as it is reported, so a report must mean the bytes are
+    there, not that the copy was queued.  Waiting for each piece before queueing the next would leave
+    the copy engine idle in between, so piece k is waited for (and reported) after piece k+1 was queued:
+    two stream marks, alternating.
+    """
+
+    def __init__(self, copier: Any, landed: Callable[[int, int], None]) -> None:
+        self._copier = copier
+        self._landed = landed
+        self._pending: tuple[int, int, int] | None = None
+        self._count = 0
+
+    def queued(self, off: int, n: int) -> None:
+        """Piece ``[off, off+n)`` was just queued: mark it, report the one before it once that finished."""
+        slot = self._count & 1
+        self._count += 1
+        self._copier.mark(slot)
+        self.finish()
+        self._pending = (off, n, slot)
+
+    def finish(self) -> None:
+        """Wait for the last piece queued and report it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            off, n, slot = pending
+            self._copier.wait_mark(slot)
+            self._landed(off, n)
+
+
 # ---------------------------------------------------------------- receiver
 class IpcReceiver(ReceiverTransport):
     """Receives regions from a process on the same host: maps its handles once, copies (or shares) each update."""
@@ -353,6 +510,10 @@ class IpcReceiver(ReceiverTransport):
         self._closing = False
         self._peer_pid = 0
         self._lock = threading.Lock()
+        # Hook for relays (tensorxfer.fanout): called with (region offset, length) of every piece once its
+        # bytes are in the region (for device copies: finished on the stream, not queued), so the next hop
+        # can copy it before the whole update landed.
+        self.on_piece: Callable[[int, int], None] | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -386,8 +547,10 @@ class IpcReceiver(ReceiverTransport):
 
     def _begin(self, seq: int, fresh: bool, share: bool) -> dict[str, Any]:
         self._seq = seq
+        # "watermark": this receiver waits for the sender's "W" messages, so a relay may send before its
+        # own copy landed (a receiver without it gets only complete regions).
         if self._conn is not None and not fresh:
-            return {"setup": False, "share": share, "streams": 1}
+            return {"setup": False, "share": share, "streams": 1, "watermark": True}
         self._teardown()
         self._nonce = nonce()
         self._setup_seq = seq
@@ -396,7 +559,7 @@ class IpcReceiver(ReceiverTransport):
         self._gate = Gate(listen(path, socket.AF_UNIX, socket.SOCK_SEQPACKET), self._authenticate,
                           min(HEADER_TIMEOUT, self.ctx.stall_timeout), "ipc")
         return {"setup": True, "path": path, "nonce": self._nonce, "share": share, "identity": host_identity(),
-                "streams": 1}
+                "streams": 1, "watermark": True}
 
     def wait(self, progress: Progress | None = None) -> int:
         """(On setup: admit the authenticated sender.)  Map its handles or reuse the mapping, copy (or share);
@@ -480,7 +643,8 @@ class IpcReceiver(ReceiverTransport):
 
     def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
         timeout = self.ctx.stall_timeout
-        kind, device, nbytes, token, count, cached, seq = _parse_header(_recv(conn, "the chunk table", timeout))
+        kind, device, nbytes, token, count, cached, seq, ready = _parse_header(_recv(conn, "the chunk table",
+                                                                                   timeout))
         expected = self._manifest.nbytes if self._manifest is not None else self._region.nbytes \
             if self._region is not None else -1
         if seq != self._seq:
@@ -491,11 +655,14 @@ class IpcReceiver(ReceiverTransport):
         if not nbytes:
             return self._empty()
         fds: list[int] = []
+        watermark = _Watermark(conn, nbytes, ready, timeout)
         try:
             handles = [] if cached else self._receive_handles(conn, nbytes, count, fds)
+            if self._manifest is not None:
+                watermark.wait(nbytes)      # share mode: the sender's memory is the region, once all of it is
             if kind == "host":
-                return self._from_host(conn, handles, nbytes, progress, fds, token)
-            return self._from_cuda(conn, handles, device, nbytes, progress, fds, token)
+                return self._from_host(conn, handles, nbytes, progress, fds, token, watermark)
+            return self._from_cuda(conn, handles, device, nbytes, progress, fds, token, watermark)
         finally:
             _close_fds(fds)
 
@@ -547,7 +714,7 @@ class IpcReceiver(ReceiverTransport):
 
     # -- host handles
     def _from_host(self, conn: socket.socket, handles: list[tuple[int, int]], nbytes: int,
-                   progress: Progress | None, fds: list[int], token: bytes) -> int:
+                   progress: Progress | None, fds: list[int], token: bytes, watermark: _Watermark) -> int:
         key = ("host", self._peer_pid, token)
 
         def import_(hs: list[tuple[int, int]]) -> HostRegion:
@@ -562,10 +729,13 @@ class IpcReceiver(ReceiverTransport):
         try:
             assert self._region is not None
             dst = self._region
+            # Both copies below return once the bytes are there: each piece may be reported as landed.
+            pieces = self._pieces(watermark, RELAY_PIECE_BYTES, PIECE_BYTES)
             if dst.is_cuda:
                 with memoryview(src) as view:
                     self._copy_pieces(nbytes, progress, conn,
-                                      lambda off, n: self._host_to_cuda(dst, view, off, n), threads=1)
+                                      lambda off, n: self._host_to_cuda(dst, view, off, n), threads=1,
+                                      piece_bytes=pieces, watermark=watermark, landed=self.on_piece)
                     copier = dst._get_copier()
                     copier.synchronize()
             else:
@@ -573,7 +743,8 @@ class IpcReceiver(ReceiverTransport):
                 d = np.frombuffer(memoryview(dst.region), dtype=np.uint8, count=nbytes)
                 try:
                     self._copy_pieces(nbytes, progress, conn,
-                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS)
+                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS,
+                                      piece_bytes=pieces, watermark=watermark, landed=self.on_piece)
                 finally:
                     del s, d
             ok = True
@@ -587,7 +758,7 @@ class IpcReceiver(ReceiverTransport):
 
     # -- cuda handles
     def _from_cuda(self, conn: socket.socket, handles: list[tuple[int, int]], device: int, nbytes: int,
-                   progress: Progress | None, fds: list[int], token: bytes) -> int:
+                   progress: Progress | None, fds: list[int], token: bytes, watermark: _Watermark) -> int:
         from tensorxfer.memory import CUDA_UNAVAILABLE, CudaRegion
         from tensorxfer.region import parse_device
 
@@ -605,16 +776,27 @@ class IpcReceiver(ReceiverTransport):
             assert self._region is not None
             dst = self._region
             copier = self._copier(on)
+            landed = self.on_piece
             if dst.is_cuda:
+                # Device copies are only queued here: a relay reports each piece once the stream finished it.
+                marks = _LandedMarks(copier, landed) if landed is not None else None
+
                 def piece(off: int, n: int) -> None:
                     copier.dtod(dst.region.ptr + off, src.ptr + off, n)
+                    if marks is not None:
+                        marks.queued(off, n)
+                sync = marks.finish if marks is not None else copier.synchronize
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=sync,
+                                  piece_bytes=self._pieces(watermark, RELAY_CUDA_PIECE_BYTES, CUDA_PIECE_BYTES),
+                                  watermark=watermark)
             else:
                 d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
 
                 def piece(off: int, n: int) -> None:
-                    copier.dtoh(d[off:off + n], src.ptr + off)
-            self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
-                              piece_bytes=CUDA_PIECE_BYTES if dst.is_cuda else PIECE_BYTES)
+                    copier.dtoh(d[off:off + n], src.ptr + off)      # returns once the bytes are in d
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
+                                  piece_bytes=self._pieces(watermark, RELAY_PIECE_BYTES, PIECE_BYTES),
+                                  watermark=watermark, landed=landed)
             copier.synchronize()
             ok = True
         finally:
@@ -631,10 +813,18 @@ class IpcReceiver(ReceiverTransport):
         return copier
 
     # -- helpers
-    def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
-                     threads: int, sync: Any = None, piece_bytes: int = PIECE_BYTES) -> None:
-        """Run ``copy(offset, n)`` over ``[0, nbytes)`` in PIECE_BYTES pieces on ``threads`` threads.
+    def _pieces(self, watermark: _Watermark, relayed: int, plain: int) -> int:
+        """The copy's piece size: ``relayed`` when this receiver forwards pieces or its sender still fills its
+        region (fan-out), else the plain copy's (larger: fewer messages, nothing waits for a piece)."""
+        return relayed if self.on_piece is not None or not watermark.complete else plain
 
+    def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
+                     threads: int, sync: Any = None, piece_bytes: int = PIECE_BYTES,
+                     watermark: _Watermark | None = None, landed: Callable[[int, int], None] | None = None) -> None:
+        """Run ``copy(offset, n)`` over ``[0, nbytes)`` in ``piece_bytes`` pieces on ``threads`` threads.
+
+        Each piece is copied once the sender's ``watermark`` reached its end, and reported to ``landed``
+        once ``copy`` returned (``copy`` must return once the bytes are there when ``landed`` is given).
         Progress goes to the local callback and, as ``P`` messages, to the sender (so its stall timer
         measures a stall, not the length of a long copy).
         """
@@ -651,7 +841,11 @@ class IpcReceiver(ReceiverTransport):
                     state["next"] = i + 1
                 off, n = pieces[i]
                 try:
+                    if watermark is not None:
+                        watermark.wait(off + n)
                     copy(off, n)
+                    if landed is not None:
+                        landed(off, n)
                     if progress is not None:
                         progress(n)
                     with lock:
@@ -751,6 +945,53 @@ class IpcReceiver(ReceiverTransport):
 
 
 # ---------------------------------------------------------------- sender
+class _Forward:
+    """Raises the receiver's watermark as a relay's own copy lands (a thread per relayed update).
+
+    ``ready_after(offset)`` blocks until the relay's landed prefix reaches past ``offset`` and returns its
+    end; each new end goes out as a ``W`` message.  ``sent`` and ``since`` tell the sender waiting for the
+    copy what the receiver may copy and since when, so that a receiver that copied all it may (waiting
+    for the relay's upstream) is not taken for a stalled one.  When the relay's upstream fails,
+    ``ready_after`` raises :class:`UpstreamFailed`: the receiver is told with an ``E`` message, and the
+    waiting sender raises that error.
+    """
+
+    def __init__(self, sock: socket.socket, ready: int, nbytes: int, ready_after: Callable[[int], int]) -> None:
+        self.sent = ready
+        self.since = time.monotonic()
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(sock, nbytes, ready_after),
+                                        name="tensorxfer-ipc-forward", daemon=True)
+        self._thread.start()
+
+    def _run(self, sock: socket.socket, nbytes: int, ready_after: Callable[[int], int]) -> None:
+        try:
+            while self.sent < nbytes:
+                end = min(ready_after(self.sent), nbytes)
+                if self._stopped:
+                    return
+                _send(sock, b"W" + U64.pack(end), "the watermark")
+                self.since = time.monotonic()
+                self.sent = end
+        except BaseException as e:
+            self.error = e
+            if isinstance(e, UpstreamFailed) and not self._stopped:
+                try:
+                    sock.send(b"E" + str(e).encode()[:4000])
+                except OSError:
+                    pass    # the receiver is gone: the waiting sender finds that out itself
+
+    def join(self) -> None:
+        """After the receiver's ``D`` (it copied everything, so every watermark went out)."""
+        self._thread.join()
+
+    def stop(self) -> None:
+        """The update failed: send nothing more.  Not joined: the thread may wait in ``ready_after`` until
+        the relay's copy moves or aborts; it holds nothing of its own, and the socket's owner closes it."""
+        self._stopped = True
+
+
 class IpcSender(SenderTransport):
     """Passes a region's memory handles (once per session) to a receiver on the same host; waits for each copy."""
 
@@ -763,6 +1004,10 @@ class IpcSender(SenderTransport):
         self._passed: bytes | None = None       # token of the region whose handles the receiver holds
         self._seq = 0
         self.share = False
+        self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
+        # Hook for relays (tensorxfer.fanout): blocks until the region's landed prefix reaches past an
+        # offset and returns its end (raises UpstreamFailed); the receiver copies up to it meanwhile.
+        self.ready_after: Callable[[int], int] | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -775,6 +1020,12 @@ class IpcSender(SenderTransport):
     @classmethod
     def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
         return identity_mismatch((peer_caps or {}).get("identity"))
+
+    @classmethod
+    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+        """The piece a relay's copy reports as landed and its next hop waits for (receivers whose regions are
+        on the same kind of memory as ``region``)."""
+        return min(region.nbytes, RELAY_CUDA_PIECE_BYTES if region.is_cuda else RELAY_PIECE_BYTES)
 
     def needs_setup(self, region: TensorRegion) -> bool:
         return self._sock is None
@@ -793,6 +1044,7 @@ class IpcSender(SenderTransport):
         """
         self._seq = seq
         self.share = field(descriptors, "share", bool)
+        self._watermarks = descriptors.get("watermark") is True
         if not setup_flag(descriptors):
             if self._sock is None:
                 raise ProtocolError("ipc: the receiver reuses a connection this sender does not have")
@@ -836,6 +1088,8 @@ class IpcSender(SenderTransport):
             The receiver died or stopped answering.
         TransferError
             The receiver failed (its reason is in the message).
+        UpstreamFailed
+            Relaying (``ready_after`` set): this relay's own update failed; the receiver was told.
         """
         sock = self._sock
         if sock is None:
@@ -845,12 +1099,14 @@ class IpcSender(SenderTransport):
         token = _TOKENS.get(region)
         if token is None:
             token = _TOKENS[region] = os.urandom(16)
+        ready = self._ready_now(nbytes)
         cached = nbytes > 0 and token == self._passed
         chunks = [] if cached or not nbytes else self._export(region)
         owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
-                                   "count": len(chunks), "cached": cached, "seq": self._seq}, use_bin_type=True)
+                                   "count": len(chunks), "cached": cached, "seq": self._seq, "ready": ready},
+                                  use_bin_type=True)
             _send(sock, table, "the chunk table")
             for i in range(0, len(chunks), FD_BATCH):
                 batch = chunks[i:i + FD_BATCH]
@@ -861,19 +1117,70 @@ class IpcSender(SenderTransport):
         if chunks:
             self._passed = token
             self.counters.registrations += 1
+        forward = _Forward(sock, ready, nbytes, self.ready_after) if ready < nbytes and self.ready_after else None
+        try:
+            self._wait_copied(sock, nbytes, progress, forward)
+        except BaseException:
+            if forward is not None:
+                forward.stop()
+                if isinstance(forward.error, UpstreamFailed):
+                    raise forward.error from None     # the relay's upstream failed, not this receiver
+            raise
+        if forward is not None:
+            forward.join()
+        self.counters.updates += 1
+        return nbytes
+
+    def _ready_now(self, nbytes: int) -> int:
+        """How much of the region the receiver may copy at once: all of it, unless this is a relay whose own
+        copy is still landing (then 0, and a forwarder sends the rest as it lands)."""
+        ready_after = self.ready_after
+        if ready_after is None or nbytes == 0:
+            return nbytes
+        if self._watermarks and not self.share:
+            return 0
+        # A receiver that does not wait for watermarks, or one that maps the region instead of copying it
+        # (share mode: it needs all of it at once), gets the region once it is complete.
+        pos = 0
+        while pos < nbytes:
+            pos = ready_after(pos)
+        return nbytes
+
+    def _wait_copied(self, sock: socket.socket, nbytes: int, progress: Progress | None,
+                     forward: _Forward | None) -> None:
+        """Read the receiver's ``P`` messages until its ``D``.
+
+        Stall timing: no message for ``stall_timeout`` fails the update, except (relaying) while the
+        receiver has copied all the watermark allows: then it waits for this relay, not the other way round.
+        """
         reported = 0
+        poller = None
+        if forward is not None:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+        moved = time.monotonic()        # the receiver's last progress, or when it last had all it may copy
         while True:
+            if poller is not None and forward is not None and not poller.poll(FORWARD_POLL_S * 1000):
+                if forward.error is not None:
+                    raise forward.error
+                now = time.monotonic()
+                if reported >= forward.sent:
+                    moved = now
+                elif now - max(moved, forward.since) > self.ctx.stall_timeout:
+                    raise TransferTimeout(f"ipc: the receiver copied {reported} of the {forward.sent} bytes it "
+                                          f"may and made no progress for {self.ctx.stall_timeout} s")
+                continue
             msg = _recv(sock, "the receiver's copy to finish", self.ctx.stall_timeout)
             if msg[:1] == b"P" and len(msg) == 9:
                 done = U64.unpack(msg[1:])[0]
                 if progress is not None and done > reported:
                     progress(done - reported)
                 reported = max(reported, done)
+                moved = time.monotonic()
             elif msg[:1] == b"D" and len(msg) == 9 and U64.unpack(msg[1:])[0] == nbytes:
                 if progress is not None and nbytes > reported:
                     progress(nbytes - reported)
-                self.counters.updates += 1
-                return nbytes
+                return
             elif msg[:1] == b"E":
                 raise TransferError(f"ipc: the receiver failed: {msg[1:].decode(errors='replace')}")
             else:

@@ -343,6 +343,12 @@ class TcpSender(SenderTransport):
         # landing from an upstream sender) and raises to abort the update.
         self.before_piece: Callable[[int, int], None] | None = None
 
+    @classmethod
+    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+        """A host region is forwarded in FORWARD_PIECE_BYTES pieces; a GPU region's staged slices only once
+        they landed whole (see :meth:`_send_update`), so there the relay stores and forwards."""
+        return region.nbytes if region.is_cuda else min(region.nbytes, FORWARD_PIECE_BYTES)
+
     def needs_setup(self, region: TensorRegion) -> bool:
         return region is not self._region or not self._streams.socks
 
