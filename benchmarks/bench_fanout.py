@@ -30,6 +30,9 @@ command, machine facts, per-N medians and ratios, and every run.  Not a timed te
     .venv/bin/python benchmarks/bench_fanout.py --transport ipc --size 2e8 --receivers 1 2 4 --repeat 2 --rounds 1
     python3 benchmarks/bench_fanout.py --transport ipc --device cuda:0 --size 8e9 --receivers 1 2 3 \
         --repeat 3 --rounds 2 --out $OUT
+    # rdma, inside the Soft-RoCE VM (every hop's rxe work shares the VM's two emulated CPUs):
+    bash .ci/rxe-vm.sh run 'cd $PWD && PYTHONDONTWRITEBYTECODE=1 HOME=/tmp .venv/bin/python \
+        benchmarks/bench_fanout.py --transport rdma --size 8e6 --receivers 1 2 3 --repeat 2 --rounds 2 --out DIR'
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 import tensorxfer as tx  # noqa: E402
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
 from tensorxfer.fanout import FanoutSender  # noqa: E402
-from tensorxfer.transport import ipc, tcp  # noqa: E402
+from tensorxfer.transport import ipc, rdma, rdma_engine, tcp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-fanout"
@@ -132,6 +135,9 @@ def transport_facts(transport: str, region: tx.TensorRegion) -> dict[str, Any]:
     if transport == "tcp":
         return {"streams": tcp.DEFAULT_STREAMS, "piece_bytes": tcp.PIECE_BYTES,
                 "forward_piece_bytes": tcp.TcpSender.forward_piece_bytes(region)}
+    if transport == "rdma":
+        return {"qps": rdma.DEFAULT_QPS, "wr_size": rdma.DEFAULT_WR_SIZE,
+                "forward_piece_bytes": rdma_engine.RdmaSender.forward_piece_bytes(region)}
     return {"copy_threads": ipc.COPY_THREADS, "plain_piece_bytes": ipc.CUDA_PIECE_BYTES if region.is_cuda
             else ipc.PIECE_BYTES, "forward_piece_bytes": ipc.IpcSender.forward_piece_bytes(region)}
 
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="timed updates per N per round (after one warm-up)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--verify", action="store_true")
-    p.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    p.add_argument("--transport", choices=["tcp", "ipc", "rdma"], default="tcp")
     p.add_argument("--device", default="cpu",
                    help="where the sender's region and every receiver's region live: cpu (default) or cuda:N")
     p.add_argument("--link-gbps", type=float, default=0.0,
@@ -227,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     kind = f"link{args.link_gbps:g}g" if args.link_gbps else "loopback"
-    if args.transport == "ipc":
-        kind = f"ipc-{args.device.replace(':', '')}"
+    if args.transport != "tcp":
+        kind = f"{args.transport}-{args.device.replace(':', '')}"
     path = args.out / f"fanout-{kind}-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%dT%H%MZ')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
