@@ -303,11 +303,12 @@ def test_versions_are_explicit_and_checked():
 
 
 def test_one_to_four_over_ipc_pipelined_byte_identical_verified(peers):
-    # The peers sleep 200 ms in every ipc copy piece, and the region is 4 relay pieces per copy thread, so each
-    # hop's copy takes ~0.8 s whatever the machine's thread count.  Pipelined, hop k+1 starts copying once hop
-    # k's first pieces landed (~0.2 s later); store and forward, only after hop k's whole copy finished.  The peers report when their first piece
-    # started and their last one finished.  Timing is checked on the warm updates: the first one also
-    # connects every hop and allocates every region, which on a small shared machine takes longer than a copy.
+    # The peers sleep 200 ms in every ipc copy piece, and the region is 4 relay pieces per copy thread, so
+    # each hop's copy takes ~0.8 s whatever the machine's thread count.  Pipelined, hop k+1 starts copying
+    # once hop k's first pieces landed (~0.2 s later); store and forward, only after hop k's whole copy
+    # finished.  The peers report when their first piece started and their last one finished.  Timing is
+    # checked on the warm updates: the first one also connects every hop and allocates every region, which
+    # on a small shared machine takes longer than a copy.
     ps = peers(4, ipc_piece_delay=0.2)
     with model(4 * ipc.COPY_THREADS * ipc.RELAY_PIECE_BYTES, seed=5) as region, \
             FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
