@@ -11,12 +11,30 @@ import threading
 from typing import Any
 
 import msgpack
+import pytest
 
-from tensorxfer import Manifest, TensorRegion
+from tensorxfer import CudaError, Manifest, TensorRegion
+from tensorxfer import memory as mem
 from tensorxfer.protocol import HEADER
 from tensorxfer.transport.tcp import STREAM_HEADER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpu_reason() -> str | None:
+    if mem.CudaRegion is None:
+        return mem.CUDA_UNAVAILABLE
+    from tensorxfer.memory import _cuda
+
+    try:
+        return None if _cuda.device_count() > 0 else "no CUDA device"
+    except CudaError as e:
+        return str(e)
+
+
+GPU_REASON = _gpu_reason()
+"""Why the CUDA tests cannot run here (None: a GPU is usable)."""
+needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
 
 
 def region_of(nbytes: int, name: str = "w", fill: int | None = None) -> TensorRegion:

@@ -370,7 +370,7 @@ def test_side_files_arrive_and_are_listed(tmp_path):
 
 
 def test_gpu_device_without_a_gpu_fails_cleanly_at_start(tmp_path):
-    from tests.test_cuda import GPU_REASON
+    from tests.helpers import GPU_REASON
 
     if GPU_REASON is None:
         pytest.skip("a GPU is present: see tests/test_cli_cuda.py")

@@ -13,9 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import finish
+from tests.helpers import GPU_REASON, finish
 from tests.test_cli import cli, model_dir, sha, start_recv
-from tests.test_cuda import GPU_REASON
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 

@@ -22,20 +22,7 @@ from tensorxfer import CudaError, ExtentError, LayoutError, RegionClosed, Tensor
 from tensorxfer import memory as mem
 from tensorxfer.dtypes import DTYPES
 
-
-def _gpu_reason() -> str | None:
-    if mem.CudaRegion is None:
-        return mem.CUDA_UNAVAILABLE
-    from tensorxfer.memory import _cuda
-
-    try:
-        return None if _cuda.device_count() > 0 else "no CUDA device"
-    except CudaError as e:
-        return str(e)
-
-
-GPU_REASON = _gpu_reason()
-needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
+from .helpers import GPU_REASON, needs_gpu
 
 
 def test_without_a_driver_cuda_calls_raise_a_clear_cuda_error():

@@ -21,7 +21,7 @@ from tensorxfer.errors import ManifestError, ProtocolError, UpstreamFailed
 from tensorxfer.fanout import FanoutSender, Landed, ReceiverResult, Version, parse_chain
 from tensorxfer.transport import ipc, tcp
 
-from .helpers import ROOT, Background
+from .helpers import ROOT, Background, needs_gpu
 
 TOKEN = "fan-s3cret"
 PEER = os.path.join(ROOT, "tests", "fanout_peer.py")
@@ -175,14 +175,16 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_repeated_updates_keep_fds_and_rss_flat(peers):
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_repeated_updates_keep_fds_and_rss_flat(peers, transport):
     ps = peers(3, digest=False)
-    with model(16 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport="tcp") as fan:
+    with model(16 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport=transport) as fan:
         for _ in range(5):
             assert fan.send(region).ok
         before = fds()
         for _ in range(40):
-            assert fan.send(region).ok
+            stats = fan.send(region)
+            assert stats.ok and all(r.transport == transport for r in stats.receivers)
         assert fds() == before
     for p in ps:
         reports = p.wait_oks(45)
@@ -357,38 +359,8 @@ def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
     assert [r["error"] for r in errors] == ["TransferTimeout"] and "did not advance" in errors[0]["message"], errors
 
 
-def test_repeated_ipc_updates_on_the_chain_keep_fds_and_rss_flat(peers):
-    ps = peers(3, digest=False)
-    with model(16 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport="ipc") as fan:
-        for _ in range(5):
-            assert fan.send(region).ok
-        before = fds()
-        for _ in range(40):
-            stats = fan.send(region)
-            assert stats.ok and all(r.transport == "ipc" for r in stats.receivers)
-        assert fds() == before
-    for p in ps:
-        reports = p.wait_oks(45)
-        assert {r["fds"] for r in reports[5:]} == {reports[5]["fds"]}, [r["fds"] for r in reports]
-        growth = reports[-1]["rss_kb"] - reports[5]["rss_kb"]
-        assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 40 updates"
-
-
-def _gpu_reason() -> str | None:
-    from tensorxfer import memory as mem
-
-    if mem.CudaRegion is None:
-        return mem.CUDA_UNAVAILABLE
-    from tensorxfer.memory import _cuda
-
-    try:
-        return None if _cuda.device_count() > 0 else "no CUDA device"
-    except tx.CudaError as e:
-        return str(e)
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a CUDA GPU: {_gpu_reason()}")
+@needs_gpu
 def test_one_to_three_over_ipc_between_gpu_regions_pipelined_byte_identical_verified(peers, monkeypatch):
     # As the host test above, with every region on cuda:0: the relays' device-to-device copies report each
     # piece once the stream finished it (stream marks), and the next hop copies it from the relay's memory.

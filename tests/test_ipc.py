@@ -27,7 +27,7 @@ from tensorxfer import HostRegion, Manifest, Receiver, Sender, TensorRegion
 from tensorxfer.transport import ipc
 from tensorxfer.transport.base import TransferContext
 
-from .helpers import ROOT, Background, child, finish, region_of, wait_until
+from .helpers import GPU_REASON, ROOT, Background, child, finish, needs_gpu, region_of, wait_until
 
 SENDER = r"""
 import hashlib, json, os, sys
@@ -660,20 +660,6 @@ def test_identity_mismatch_names_what_differs():
 
 
 # ---------------------------------------------------------------- CUDA
-def _gpu_reason() -> str | None:
-    from tensorxfer import memory as mem
-
-    if mem.CudaRegion is None:
-        return mem.CUDA_UNAVAILABLE
-    from tensorxfer.memory import _cuda
-
-    try:
-        return None if _cuda.device_count() > 0 else "no CUDA device"
-    except tx.CudaError as e:
-        return str(e)
-
-
-needs_gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a CUDA GPU: {_gpu_reason()}")
 
 
 def _cuda_digest(region: TensorRegion) -> str:
@@ -801,7 +787,7 @@ def test_host_region_import_fds_maps_read_only_and_rolls_back_on_a_bad_fd():
 
 
 def _two_gpus_reason() -> str | None:
-    reason = _gpu_reason()
+    reason = GPU_REASON
     if reason is not None:
         return reason
     from tensorxfer.memory import _cuda
