@@ -170,7 +170,11 @@ def _env_int(name: str, default: int) -> int:
 # reported as landed when its bytes are there, and the next hop waits for it, so the piece is the chain's
 # delay per hop (tensorxfer.fanout).  Both ends of a hop use the same size, so the pieces line up.
 RELAY_PIECE_BYTES = _env_int("TENSORXFER_IPC_FORWARD_PIECE", 16 << 20)
-RELAY_CUDA_PIECE_BYTES = _env_int("TENSORXFER_IPC_CUDA_FORWARD_PIECE", 256 << 20)
+# Device pieces are large: measured on one H200 (8 GB, 3 relayed receivers on the same GPU), 256 MiB pieces
+# took 4.0x one receiver's time, 1 GiB 3.2x, the whole region at once 3.05x -- every hop there shares one
+# memory, so overlap gains nothing and each piece's mark and watermark message costs.  1 GiB keeps hops on
+# different GPUs pipelined (a 31 GB region is 30 pieces) at almost no cost where they share one.
+RELAY_CUDA_PIECE_BYTES = _env_int("TENSORXFER_IPC_CUDA_FORWARD_PIECE", 1 << 30)
 
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
