@@ -473,7 +473,7 @@ def forward_piece_bytes(head: TransferStats | None, region: TensorRegion) -> int
 
     if head is None or head.transport not in TRANSPORTS:
         return 0
-    return TRANSPORTS[head.transport][0].forward_piece_bytes(region)
+    return TRANSPORTS[head.transport][0].forward_piece_bytes(region, head.streams)
 
 
 class FanoutSender:
