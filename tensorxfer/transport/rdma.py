@@ -369,7 +369,8 @@ class RdmaReceiverEndpoint(_Endpoint):
 
         ``marks`` > 0 (the sender writes with the same ``marks`` and ``wr_size``): ``on_piece(offset,
         length)`` is called, in this thread, for each newly landed range of the contiguous prefix, as the
-        sender's piece marks arrive (and once more for the rest when the update completes).
+        sender's piece marks arrive (and once more for the rest when the update completes); ``timeout``
+        then counts from the last progress.
 
         ``peer_alive`` (e.g. a check of the control connection) is called
         every 50 ms; False raises :class:`PeerLost` at once.
@@ -402,7 +403,10 @@ class RdmaReceiverEndpoint(_Endpoint):
             while True:
                 done = self._waiter.poll(_POLL_SLICE)
                 if on_piece is not None:
-                    reported = self._report(reported, on_piece)
+                    landed = self._report(reported, on_piece)
+                    if landed > reported:       # marks show progress: the timeout counts from the last one
+                        deadline = max(deadline, time.perf_counter() + timeout)
+                    reported = landed
                 if done:
                     break
                 if peer_alive is not None and not peer_alive():
