@@ -30,6 +30,26 @@ closing is how either side notices the other died mid-write (polled every
 :class:`ProtocolError`, and a failed work completion is
 :class:`~tensorxfer.errors.CompletionError` naming the status, QP, offset
 and length (``IBV_WC_LOC_PROT_ERR`` is a short local MR, never "peer lost").
+
+Fan-out relays (``tensorxfer.fanout``) are pipelined, not store and forward:
+
+- a relay's receiver (``on_piece`` set by the session before ``prepare``)
+  asks in its accept descriptors for piece marks (``marks``: every K-th
+  request per QP is a WRITE_WITH_IMM carrying ``0x80000000 | its index on
+  the QP``; ``wr_size``: the request size to use, so the marks map to
+  bytes).  RC delivers in order per QP, so the marks prove a contiguous
+  prefix, passed to ``on_piece`` as it grows; a mark that is not the next
+  one expected is a :class:`TransferError`.  Final immediates carry the
+  update number mod 2^31, so they never look like marks;
+- a relay's sender (``ready_after`` set) runs a thread that raises a
+  one-uint64 gate from ``ready_after`` as its own copy lands; the nogil
+  write loop posts no request past it and sleeps while only the gate holds
+  it back (not counted as the receiver stalling).  When the relay's
+  upstream fails, ``ready_after`` raises :class:`UpstreamFailed` and the
+  write is aborted with it (the session then closes the hop, so the next
+  hop sees its sender gone).
+
+Without either hook nothing changes on the wire or in the write loop.
 """
 
 from __future__ import annotations
