@@ -828,7 +828,7 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
     stall of the receiver.
     """
     cdef int q, k, n, i
-    cdef uint64_t j, gi, off, room, nb, lim = 0, inflight
+    cdef uint64_t j, gi, off, room, nb, lim = 0
     cdef ibv_send_wr* bad
     cdef ibv_send_wr* w
     cdef double t_start = _now(), now
@@ -1310,16 +1310,19 @@ cdef class ImmWaiter:
             raise VerbsError(block_err or 5, f"waiting on the receive CQ's completion channel failed: "
                              f"{strerror(block_err or 5).decode()}")
         if kind == 6:
-            j = bad_imm & C_IMM_MASK
-            q = self.qpn_index(bad_qpn)
-            raise TransferError(f"QP {bad_qpn:#x} delivered piece mark {j} (immediate {bad_imm:#x}), but "
-                                f"{'no marks were asked for' if self.marks == 0 else f'the next mark expected there is request {self.prog[q] + self.marks - 1} of {self.total[q]} (every {self.marks}-th, not the last)'}: "
-                                f"the sender does not stripe as this receiver asked; end the session")
+            raise TransferError(f"QP {bad_qpn:#x} delivered piece mark {bad_imm & C_IMM_MASK} (immediate "
+                                f"{bad_imm:#x}), but {self._expected_mark(bad_qpn)}: the sender does not "
+                                f"stripe as this receiver asked; end the session")
         return self.ngot == self.nq
 
-    cdef int qpn_index(self, uint32_t qpn):
-        cdef int i
-        for i in range(self.nq):
-            if self.qpn[i] == qpn:
-                return i
-        return 0
+    cdef str _expected_mark(self, uint32_t qpn):
+        cdef int q
+        if self.marks == 0:
+            return "no marks were asked for"
+        for q in range(self.nq):
+            if self.qpn[q] == qpn:
+                if self.got[q] or self.prog[q] + self.marks >= self.total[q]:
+                    return f"no more marks are expected there (its last request is {self.total[q] - 1})"
+                return (f"the next mark expected there is request {self.prog[q] + self.marks - 1} of "
+                        f"{self.total[q]} (every {self.marks}-th)")
+        return "the QP is not one of this receiver's"
