@@ -13,13 +13,18 @@ pulls: ``R1``'s copy reports each piece once its bytes are in the region
 (``IpcReceiver.on_piece``; device pieces once the stream finished them),
 and ``R1``'s sender raises ``R2``'s *watermark* as the contiguous landed
 prefix grows (``IpcSender.ready_after`` over :meth:`Landed.wait_prefix`),
-so ``R2`` copies piece k-1 from ``R1`` while ``R1`` copies piece k.  The
-total time is about one transfer plus (N-1) pieces
-(:attr:`FanoutStats.piece_bytes`: ``tcp.FORWARD_PIECE_BYTES`` per stream,
-``ipc.RELAY_PIECE_BYTES`` / ``RELAY_CUDA_PIECE_BYTES``), not N transfers.
-Transports without a per-piece hook (rdma), and tcp for GPU regions,
-forward once the whole update landed (store and forward: correct, not
-pipelined).
+so ``R2`` copies piece k-1 from ``R1`` while ``R1`` copies piece k.  Over
+rdma one-sided writes tell ``R1`` nothing until the last immediate per QP,
+so ``R1``'s receiver asks its sender for *piece marks* (an immediate every
+few requests per QP: ``RdmaReceiver.on_piece`` reports the contiguous
+prefix they prove), and ``R1``'s sender posts no request past that prefix
+(``RdmaSender.ready_after`` over :meth:`Landed.wait_prefix`, feeding the
+nogil write loop's gate).  The total time is about one transfer plus (N-1)
+pieces (:attr:`FanoutStats.piece_bytes`: ``tcp.FORWARD_PIECE_BYTES`` per
+stream, ``ipc.RELAY_PIECE_BYTES`` / ``RELAY_CUDA_PIECE_BYTES``,
+``rdma_engine.RELAY_PIECE_BYTES`` rounded to whole requests per QP), not N
+transfers.  tcp for GPU regions forwards once the whole update landed
+(store and forward: correct, not pipelined).
 
 Trust: a receiver forwards only to the addresses the *authenticated* sender
 named in its offer, with the token it was itself authenticated with, so the
@@ -473,7 +478,7 @@ def forward_piece_bytes(head: TransferStats | None, region: TensorRegion) -> int
 
     if head is None or head.transport not in TRANSPORTS:
         return 0
-    return TRANSPORTS[head.transport][0].forward_piece_bytes(region)
+    return TRANSPORTS[head.transport][0].forward_piece_bytes(region, head.streams)
 
 
 class FanoutSender:

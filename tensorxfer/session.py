@@ -486,7 +486,7 @@ class Receiver:
             if chain:
                 assert self._relay is not None and version is not None
                 job = self._relay.start(region, chain, version, verify, name, streams, "{}:{}".format(*self.address))
-            if hasattr(transport, "on_piece"):      # tcp, ipc: a relay forwards ranges as they land
+            if hasattr(transport, "on_piece"):      # tcp, ipc, rdma: a relay forwards ranges as they land
                 transport.on_piece = job.landed.add if job is not None else None
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = transport.prepare(region, seq, fresh)
@@ -700,9 +700,9 @@ def _attach_forward(transport: SenderTransport, onward: Onward | None, nbytes: i
     """A relay's send (``onward`` with hooks): give ``transport`` the hook that makes it forward bytes as they
     land, and return the attribute's name (to clear after the send).
 
-    tcp waits for each piece (``before_piece``); ipc raises the receiver's watermark as the landed prefix
-    grows (``ready_after``).  A transport with neither (rdma) gets the region only once all of it landed:
-    that wait happens here (store and forward), and None is returned.
+    tcp waits for each piece (``before_piece``); ipc raises the receiver's watermark and rdma its write's
+    gate as the landed prefix grows (``ready_after``).  A transport with neither gets the region only once
+    all of it landed: that wait happens here (store and forward), and None is returned.
     """
     if onward is None or onward.before_piece is None:
         return None

@@ -1,8 +1,8 @@
 """Fan-out over rdma between real processes, on a real verbs device (Soft-RoCE in CI's VM).
 
 Every hop is an engine session over rdma (MR registered and QPs connected once per hop, kept across
-updates); an rdma relay forwards once its own copy landed (store and forward: one-sided writes tell the
-receiver nothing until the last immediate).
+updates); an rdma relay forwards as its own copy lands: its receiver asks its sender for piece marks
+(immediates every few requests per QP), and its sender posts no request past the landed prefix.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def test_one_to_three_over_rdma_byte_identical_verified_twice(peers):  # noqa: F
             assert [r.via for r in stats.receivers] == ["sender"] + [p.address for p in ps[:-1]]
             assert all(r.transport == "rdma" and r.verified and r.bytes == region.nbytes for r in stats.receivers)
             assert stats.version.update == update
+            assert 0 < stats.piece_bytes < region.nbytes      # pipelined, not store and forward
             want = sha(region)
             for p in ps:
                 got = p.wait_oks(update, timeout=120)[update - 1]

@@ -66,6 +66,14 @@ cdef enum:
     IDLE_MAX_NS = 1000000  # ... up to 1 ms
     POST_BATCH = 32        # work requests chained per ibv_post_send call
     QP_SHIFT = 40          # wr_id = (qp index << QP_SHIFT) | sequence number on that QP
+    GATE_SLEEP_NS = 200000 # a write gated by its relay's landed prefix, nothing in flight: sleep 0.2 ms
+
+# Immediates: a piece mark carries MARK_BIT | its request's index on its QP; the final one per QP carries
+# the update number & IMM_MASK, so the two can never be confused.
+cdef uint32_t C_MARK_BIT = 0x80000000U
+cdef uint32_t C_IMM_MASK = 0x7FFFFFFFU
+MARK_BIT = C_MARK_BIT
+IMM_MASK = C_IMM_MASK
 
 
 def wc_status_name(int status):
@@ -774,12 +782,35 @@ cdef struct WriteError:
     int post_rc
 
 
+cdef uint64_t _gated(uint64_t first, uint64_t nb, int q, int nq, uint64_t wr_size, uint64_t length,
+                     uint64_t lim) noexcept nogil:
+    """How many of QP ``q``'s requests ``first .. first+nb-1`` end within the first ``lim`` bytes."""
+    cdef uint64_t k, off, end
+    for k in range(nb):
+        off = ((first + k) * nq + q) * wr_size
+        if off >= length:
+            end = 0                  # a data-less final immediate: nothing to wait for
+        else:
+            end = off + wr_size if length - off > wr_size else length
+        if end > lim:
+            return k
+    return nb
+
+
+cdef bint _nothing_in_flight(QPState* qs, int nq) noexcept nogil:
+    cdef int q
+    for q in range(nq):
+        if qs[q].posted != qs[q].completed:
+            return False
+    return True
+
+
 cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint* armed,
                      uint64_t local_addr, uint32_t lkey,
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
                      uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
-                     LoopState* st, double slice_s) noexcept nogil:
+                     LoopState* st, double slice_s, uint64_t marks, const uint64_t* ready) noexcept nogil:
     """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python.
 
     Returns 0 when every QP's last request completed, -1 on an error (``err``
@@ -787,15 +818,28 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
     With a completion channel ``ch``, a CQ that stays empty (every QP has
     ``max_out`` requests in flight or nothing left to post) is waited on
     blocked, not spun on (:class:`CQ` says why).
+
+    ``marks`` > 0: every ``marks``-th request per QP (but the last) is a WRITE_WITH_IMM carrying
+    ``MARK_BIT | its index on the QP``, so a relaying receiver learns which prefix landed.  ``ready``
+    (not NULL): ``ready[0]`` is how many bytes from ``local_addr`` on may be sent (a relay's landed prefix,
+    raised by another thread); no request reaching past it is posted, and the last request before it
+    is signaled (its completion is what the loop waits for).  While every QP waits for it with nothing
+    in flight, no completion can come: the loop sleeps instead, and that wait is the upstream's, not a
+    stall of the receiver.
     """
     cdef int q, k, n, i
-    cdef uint64_t j, gi, off, room, nb
+    cdef uint64_t j, gi, off, room, nb, lim = 0
     cdef ibv_send_wr* bad
     cdef ibv_send_wr* w
     cdef double t_start = _now(), now
     cdef int rc
+    cdef timespec pause
+    pause.tv_sec = 0
+    pause.tv_nsec = GATE_SLEEP_NS
     while st.done < nq:
         for q in range(nq):
+            if ready != NULL:
+                lim = (<volatile uint64_t*>ready)[0]    # raised by another thread: read it afresh
             while qs[q].posted < qs[q].total and qs[q].posted - qs[q].completed < max_out:
                 room = max_out - (qs[q].posted - qs[q].completed)
                 nb = qs[q].total - qs[q].posted
@@ -803,6 +847,10 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
                     nb = room
                 if nb > post_batch:
                     nb = post_batch
+                if ready != NULL:
+                    nb = _gated(qs[q].posted, nb, q, nq, wr_size, length, lim)
+                    if nb == 0:
+                        break
                 for k in range(<int>nb):
                     j = qs[q].posted + k
                     gi = j * nq + q
@@ -827,8 +875,14 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
                         w.imm_data = imm_be
                         w.send_flags = IBV_SEND_SIGNALED
                     else:
-                        w.opcode = IBV_WR_RDMA_WRITE
+                        if marks != 0 and (j + 1) % marks == 0:
+                            w.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
+                            w.imm_data = htonl(C_MARK_BIT | <uint32_t>j)
+                        else:
+                            w.opcode = IBV_WR_RDMA_WRITE
                         w.send_flags = IBV_SEND_SIGNALED if (j + 1) % signal_every == 0 else 0
+                        if ready != NULL and k + 1 == <int>nb and _gated(j + 1, 1, q, nq, wr_size, length, lim) == 0:
+                            w.send_flags = IBV_SEND_SIGNALED    # the gate stops here: its completion must come
                 rc = ibv_post_send(qs[q].qp, wrs, &bad)
                 if rc != 0:
                     err.kind = 2
@@ -867,6 +921,15 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
             st.last = _now()
         else:
             st.empty += 1
+            if ready != NULL and _nothing_in_flight(qs, nq):
+                # Every QP waits for the relay's upstream and no completion can come: sleep, not block on
+                # the CQ.  The time is the upstream's (its relay notices a stall there), not this receiver's.
+                nanosleep(&pause, NULL)
+                now = _now()
+                st.last = now
+                if slice_s > 0 and now - t_start > slice_s:
+                    return 1
+                continue
             if ch != NULL and st.empty > IDLE_SPINS:
                 # nothing can be posted until a completion frees room: sleep until one comes
                 if _cq_block(cq, ch, armed, BLOCK_MS) != 0:
@@ -885,7 +948,8 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
 
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
-                  uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None):
+                  uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None,
+                  uint64_t marks=0, ready=None):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -914,15 +978,24 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     PeerLost
         ``peer_alive()`` returned False; requests may still be in flight, so
         the QPs must not be reused.
+
+    Relays (see :class:`ImmWaiter`): ``marks`` > 0 makes every ``marks``-th request per QP (but the last)
+    a WRITE_WITH_IMM carrying ``MARK_BIT | its index on the QP``; ``imm`` must then fit in ``IMM_MASK``.
+    ``ready`` (a buffer of one native uint64, e.g. ``array('Q', [0])``) gates the write: no request
+    reaching past ``ready[0]`` bytes from ``local_addr`` is posted until another thread raises it; the
+    loop then also comes back every 50 ms, so ``peer_alive`` may raise to abort (an upstream failure).
     """
     cdef int nq = len(qps), q
+    cdef Py_buffer view
+    cdef bint have_view = False
+    cdef const uint64_t* gate = NULL
     cdef QPState* qs = NULL
     cdef ibv_send_wr* wrs = NULL
     cdef ibv_sge* sges = NULL
     cdef ibv_wc* wcs = NULL
     cdef WriteError err
     cdef LoopState st
-    cdef double slice_s = 0.05 if peer_alive is not None else 0.0
+    cdef double slice_s = 0.05 if peer_alive is not None or ready is not None else 0.0
     cdef uint64_t nwr
     cdef int rc
     cdef QP qp
@@ -946,6 +1019,15 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             raise ValueError(f"max_outstanding {max_outstanding} exceeds the QP's send queue "
                              f"({qp.max_send_wr})")
     nwr = (length + wr_size - 1) // wr_size
+    if marks != 0 and ((nwr + nq - 1) // nq > C_IMM_MASK or imm > C_IMM_MASK):
+        raise ValueError(f"with marks, the update number ({imm}) and the requests per QP must fit in 31 bits")
+    if ready is not None:
+        PyObject_GetBuffer(ready, &view, PyBUF_SIMPLE)
+        have_view = True
+        if view.len < 8 or (<uintptr_t>view.buf) % 8 != 0:
+            PyBuffer_Release(&view)
+            raise ValueError("ready must be an aligned buffer of one uint64 (e.g. array('Q', [0]))")
+        gate = <const uint64_t*>view.buf
     memset(&err, 0, sizeof(err))
     memset(&st, 0, sizeof(st))
     try:
@@ -965,10 +1047,10 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             with nogil:
                 rc = _write_loop(qs, nq, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
                                  length, wr_size, max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
-                                 &err, &st, slice_s)
+                                 &err, &st, slice_s, marks, gate)
             if rc != 1:
                 break
-            if not peer_alive():
+            if peer_alive is not None and not peer_alive():
                 done = sum(min(qs[q].completed, qs[q].total) for q in range(nq))
                 raise PeerLost(f"receiver lost during the RDMA write ({done} of "
                                f"{sum(qs[q].total for q in range(nq))} requests completed)")
@@ -995,6 +1077,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                               f"({done} of {sum(qs[q].total for q in range(nq))} requests completed); "
                               f"the peer may be gone")
     finally:
+        if have_view:
+            PyBuffer_Release(&view)
         free(qs)
         free(wrs)
         free(sges)
@@ -1008,6 +1092,14 @@ cdef class ImmWaiter:
     is re-posted at once (without the GIL) so back-to-back updates never hit
     receiver-not-ready.  ``poll`` runs for at most ``slice`` seconds, so the
     caller can check deadlines and peer liveness between slices.
+
+    Piece marks (a relay, see :func:`write_striped`): after ``reset(imm, marks, wr_size, length)`` every
+    ``marks``-th request per QP also lands an immediate ``MARK_BIT | index``.  RC delivers in order per
+    QP, so a mark for request ``j`` on QP ``q`` means every request ``<= j`` on ``q`` landed; with request
+    ``i`` of the region on QP ``i % nq``, :meth:`prefix` is the contiguous landed prefix.  ``poll``
+    returns early when marks arrived.  A mark that is not the next one expected on its QP (out of range,
+    going backwards, skipping, after the QP's final immediate, or when none were asked for) is a
+    :class:`TransferError`.
     """
     cdef list _qps
     cdef CQ cq
@@ -1018,12 +1110,18 @@ cdef class ImmWaiter:
     cdef int ngot
     cdef uint32_t expect
     cdef ibv_wc* wcs
+    cdef uint64_t* total      # requests per QP this update (marks only)
+    cdef uint64_t* prog       # requests per QP known to have landed
+    cdef uint64_t marks, wr_size, length, nwr
+    cdef uint64_t pending     # immediates of this update not yet taken from the CQ
 
     def __cinit__(self):
         self.qpp = NULL
         self.qpn = NULL
         self.got = NULL
         self.wcs = NULL
+        self.total = NULL
+        self.prog = NULL
 
     def __init__(self, list qps, CQ cq):
         cdef int i
@@ -1035,7 +1133,10 @@ cdef class ImmWaiter:
         self.qpn = <uint32_t*>calloc(self.nq, sizeof(uint32_t))
         self.got = <uint8_t*>calloc(self.nq, 1)
         self.wcs = <ibv_wc*>calloc(WC_BATCH, sizeof(ibv_wc))
-        if self.qpp == NULL or self.qpn == NULL or self.got == NULL or self.wcs == NULL:
+        self.total = <uint64_t*>calloc(self.nq, sizeof(uint64_t))
+        self.prog = <uint64_t*>calloc(self.nq, sizeof(uint64_t))
+        if self.qpp == NULL or self.qpn == NULL or self.got == NULL or self.wcs == NULL or self.total == NULL \
+                or self.prog == NULL:
             raise MemoryError()
         for i in range(self.nq):
             qp = <QP?>qps[i]
@@ -1047,12 +1148,41 @@ cdef class ImmWaiter:
         free(self.qpn)
         free(self.got)
         free(self.wcs)
+        free(self.total)
+        free(self.prog)
 
-    def reset(self, uint32_t imm):
-        """Start waiting for the update whose immediate is ``imm``."""
+    def reset(self, uint32_t imm, uint64_t marks=0, uint64_t wr_size=0, uint64_t length=0):
+        """Start waiting for the update whose immediate is ``imm``; with ``marks`` > 0, also for a mark every
+        ``marks``-th request per QP of ``length`` bytes written in ``wr_size`` requests."""
+        cdef int q
+        if marks != 0 and wr_size == 0:
+            raise ValueError("marks need the sender's wr_size")
         memset(self.got, 0, self.nq)
+        memset(self.prog, 0, self.nq * sizeof(uint64_t))
         self.ngot = 0
         self.expect = imm
+        self.marks, self.wr_size, self.length = marks, wr_size, length
+        self.nwr = (length + wr_size - 1) // wr_size if marks != 0 else 0
+        self.pending = self.nq
+        for q in range(self.nq):
+            # as write_striped stripes: request i on QP i % nq, at least the final one per QP
+            self.total[q] = (self.nwr - q + self.nq - 1) // self.nq if <uint64_t>q < self.nwr else 0
+            if self.total[q] == 0:
+                self.total[q] = 1
+            if marks != 0:
+                self.pending += (self.total[q] - 1) // marks
+
+    def prefix(self):
+        """Bytes landed contiguously from offset 0 (the whole ``length`` once complete; 0 without marks)."""
+        cdef int q
+        cdef uint64_t reqs
+        if self.ngot == self.nq:
+            return self.length
+        reqs = self.nwr
+        for q in range(self.nq):
+            if self.prog[q] < self.total[q] and self.prog[q] * self.nq + q < reqs:
+                reqs = self.prog[q] * self.nq + q     # the first request not known to have landed
+        return min(reqs * self.wr_size, self.length)
 
     def missing(self):
         """QP numbers whose immediate has not arrived yet."""
@@ -1074,6 +1204,8 @@ cdef class ImmWaiter:
         cdef int kind = 0
         cdef int idle = 0
         cdef int block_ms, block_err = 0
+        cdef bint marked = False
+        cdef uint64_t j
         cdef double t0, left
         cdef timespec pause
         cdef ibv_recv_wr rwr
@@ -1090,7 +1222,7 @@ cdef class ImmWaiter:
                 # Take at most as many completions as immediates are missing: the
                 # sender may already be writing the next update, whose immediates
                 # follow ours in the CQ, and they must stay there for the next wait.
-                n = ibv_poll_cq(self.cq.cq, min(<int>WC_BATCH, self.nq - self.ngot), self.wcs)
+                n = ibv_poll_cq(self.cq.cq, <int>min(<uint64_t>WC_BATCH, self.pending), self.wcs)
                 if n < 0:
                     kind = 3
                     break
@@ -1110,6 +1242,20 @@ cdef class ImmWaiter:
                         kind = 4
                         bad_qpn = self.qpn[q]
                     imm = ntohl(self.wcs[i].imm_data)
+                    if (self.wcs[i].wc_flags & IBV_WC_WITH_IMM) and (imm & C_MARK_BIT):
+                        j = imm & C_IMM_MASK
+                        # RC delivers in order: the only valid mark is the next one on its QP
+                        if self.marks == 0 or self.got[q] or j + 1 >= self.total[q] \
+                                or j + 1 != self.prog[q] + self.marks:
+                            if kind == 0:
+                                kind = 6
+                                bad_qpn = self.qpn[q]
+                                bad_imm = imm
+                            continue
+                        self.prog[q] = j + 1
+                        self.pending -= 1
+                        marked = True
+                        continue
                     if not (self.wcs[i].wc_flags & IBV_WC_WITH_IMM) or imm != self.expect:
                         if kind == 0:
                             kind = 2
@@ -1119,8 +1265,10 @@ cdef class ImmWaiter:
                     if not self.got[q]:
                         self.got[q] = 1
                         self.ngot += 1
-                if kind != 0:
-                    break
+                        self.prog[q] = self.total[q]
+                        self.pending -= 1
+                if kind != 0 or marked:
+                    break           # marks: the caller reports the new prefix now
                 if n == 0:
                     left = slice - (_now() - t0)
                     if left <= 0:
@@ -1161,4 +1309,20 @@ cdef class ImmWaiter:
         if kind == 5:
             raise VerbsError(block_err or 5, f"waiting on the receive CQ's completion channel failed: "
                              f"{strerror(block_err or 5).decode()}")
+        if kind == 6:
+            raise TransferError(f"QP {bad_qpn:#x} delivered piece mark {bad_imm & C_IMM_MASK} (immediate "
+                                f"{bad_imm:#x}), but {self._expected_mark(bad_qpn)}: the sender does not "
+                                f"stripe as this receiver asked; end the session")
         return self.ngot == self.nq
+
+    cdef str _expected_mark(self, uint32_t qpn):
+        cdef int q
+        if self.marks == 0:
+            return "no marks were asked for"
+        for q in range(self.nq):
+            if self.qpn[q] == qpn:
+                if self.got[q] or self.prog[q] + self.marks >= self.total[q]:
+                    return f"no more marks are expected there (its last request is {self.total[q] - 1})"
+                return (f"the next mark expected there is request {self.prog[q] + self.marks - 1} of "
+                        f"{self.total[q]} (every {self.marks}-th)")
+        return "the QP is not one of this receiver's"

@@ -162,9 +162,10 @@ class SenderTransport(_Half):
         return None
 
     @classmethod
-    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+    def forward_piece_bytes(cls, region: TensorRegion, streams: int | None = None) -> int:
         """The piece a fan-out relay forwarding ``region`` over this transport waits for before passing it on
-        (the chain's delay per hop): the whole region where the transport stores and forwards."""
+        (the chain's delay per hop; ``streams``: the session's): the whole region where the transport stores and
+        forwards."""
         return region.nbytes
 
     @abstractmethod

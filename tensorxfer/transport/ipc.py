@@ -1026,7 +1026,7 @@ class IpcSender(SenderTransport):
         return identity_mismatch((peer_caps or {}).get("identity"))
 
     @classmethod
-    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+    def forward_piece_bytes(cls, region: TensorRegion, streams: int | None = None) -> int:
         """The piece a relay's copy reports as landed and its next hop waits for (receivers whose regions are
         on the same kind of memory as ``region``)."""
         return min(region.nbytes, RELAY_CUDA_PIECE_BYTES if region.is_cuda else RELAY_PIECE_BYTES)

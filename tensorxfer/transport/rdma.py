@@ -33,7 +33,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout, TransportUnavailable, VerbsError
+from tensorxfer.errors import (
+    PeerLost,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+    VerbsError,
+)
 
 log = logging.getLogger("tensorxfer.rdma")
 
@@ -52,7 +59,10 @@ PROTOCOL_VERSION = 1
 DEFAULT_QPS = 4
 DEFAULT_WR_SIZE = 1 << 20
 DEFAULT_MAX_OUTSTANDING = 32
-DEFAULT_RECV_DEPTH = 16
+#: Receives posted per QP.  Each WRITE_WITH_IMM consumes one, and a relay's sender marks up to every
+#: request (``max_outstanding`` in flight per QP) while the receiver may be off reporting a piece; a
+#: missing receive is not an error (RNR retries forever) but costs a retry timer each.
+DEFAULT_RECV_DEPTH = 2 * DEFAULT_MAX_OUTSTANDING
 #: Requests chained per ibv_post_send.  Measured on Soft-RoCE: chaining 1 MiB
 #: requests halves throughput (each post is a syscall that runs rxe's requester
 #: inline, so one post per request gives it more process-context time).  On
@@ -353,8 +363,14 @@ class RdmaReceiverEndpoint(_Endpoint):
         self._connect_qps(_check_peer(peer, "sender"))
 
     def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None,
-                      update: int | None = None) -> dict[str, Any]:
+                      update: int | None = None, *, marks: int = 0, wr_size: int = 0,
+                      on_piece: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Block until the next update fully landed (every QP's immediate arrived).
+
+        ``marks`` > 0 (the sender writes with the same ``marks`` and ``wr_size``): ``on_piece(offset,
+        length)`` is called, in this thread, for each newly landed range of the contiguous prefix, as the
+        sender's piece marks arrive (and once more for the rest when the update completes); ``timeout``
+        then counts from the last progress.
 
         ``peer_alive`` (e.g. a check of the control connection) is called
         every 50 ms; False raises :class:`PeerLost` at once.
@@ -370,29 +386,48 @@ class RdmaReceiverEndpoint(_Endpoint):
             ``peer_alive()`` returned False.
         VerbsError
             A receive completion failed.
+        TransferError
+            A piece mark the sender should not have sent (it stripes otherwise than asked).
         """
         self._check_open()
         if self._peer is None:
             raise ValueError("connect() first")
         if self._broken is not None:
             raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
-        seq = (self.updates + 1 if update is None else update) & 0xFFFFFFFF
-        self._waiter.reset(seq)
+        seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
+        self._waiter.reset(seq, marks, wr_size, self.nbytes)
         t0 = time.perf_counter()
         deadline = t0 + timeout
+        reported = 0
         try:
-            while not self._waiter.poll(_POLL_SLICE):
+            while True:
+                done = self._waiter.poll(_POLL_SLICE)
+                if on_piece is not None:
+                    landed = self._report(reported, on_piece)
+                    if landed > reported:       # marks show progress: the timeout counts from the last one
+                        deadline = max(deadline, time.perf_counter() + timeout)
+                    reported = landed
+                if done:
+                    break
                 if peer_alive is not None and not peer_alive():
                     raise PeerLost(f"sender lost during RDMA update {seq}; QPs still waiting: "
                                    f"{[hex(q) for q in self._waiter.missing()]}")
                 if time.perf_counter() > deadline:
                     raise TransferTimeout(f"RDMA update {seq} incomplete after {timeout:.1f} s: no immediate yet "
                                           f"on QPs {[hex(q) for q in self._waiter.missing()]}")
-        except VerbsError as exc:
-            self._broken = exc
+        except (VerbsError, TransferError) as exc:    # the QPs may hold this update's rest: not reusable
+            if not isinstance(exc, (PeerLost, TransferTimeout)):
+                self._broken = exc
             raise
         self.updates += 1
         return {"update": seq, "seconds": time.perf_counter() - t0, "bytes": self.nbytes}
+
+    def _report(self, reported: int, on_piece: Callable[[int, int], None]) -> int:
+        """Pass the newly landed part of the prefix to ``on_piece``; return the new reported end."""
+        prefix = int(self._waiter.prefix())
+        if prefix > reported:
+            on_piece(reported, prefix - reported)
+        return max(prefix, reported)
 
 
 class RdmaSenderEndpoint(_Endpoint):
@@ -445,8 +480,13 @@ class RdmaSenderEndpoint(_Endpoint):
     def write(self, timeout: float = 60.0, *, offset: int = 0, length: int | None = None,
               wr_size: int | None = None, max_outstanding: int | None = None,
               signal_every: int | None = None, post_batch: int | None = None,
-              peer_alive: Callable[[], bool] | None = None, update: int | None = None) -> dict[str, Any]:
+              peer_alive: Callable[[], bool] | None = None, update: int | None = None,
+              marks: int = 0, ready: Any = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        Relays: ``marks`` > 0 sends a piece mark every ``marks``-th request per QP (the receiver asked,
+        with the ``wr_size`` to use); ``ready`` (``array('Q', [n])``, raised by another thread) lets no
+        request reach past ``n`` bytes of the range until raised.  ``peer_alive`` may raise to abort.
 
         ``peer_alive`` (e.g. a check of the control connection) is called every
         50 ms while the write runs; False raises :class:`PeerLost` at once.
@@ -487,19 +527,19 @@ class RdmaSenderEndpoint(_Endpoint):
         pb = int(post_batch or self.post_batch or default_post_batch(wr))
         if wr > self._pa["max_msg_sz"]:
             raise ValueError(f"wr_size {wr} exceeds the port's max message size {self._pa['max_msg_sz']}")
-        seq = (self.updates + 1 if update is None else update) & 0xFFFFFFFF
+        seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
         t0 = time.perf_counter()
         try:
             st = _verbs.write_striped(self._qps, self._cq, self._local_ptr + offset, self._mr.lkey,
                                       self._peer["addr"] + offset, self._peer["rkey"], length, wr, mo, se, seq,
-                                      float(timeout), pb, peer_alive)
+                                      float(timeout), pb, peer_alive, marks, ready)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
                 exc.offset += offset
             raise
-        except (TransferTimeout, PeerLost) as exc:
-            self._broken = exc
+        except TransferError as exc:      # stall, peer lost, or aborted by peer_alive (upstream failed)
+            self._broken = exc              # requests may still be in flight: the QPs are not reusable
             raise
         dt = time.perf_counter() - t0
         self.updates += 1

@@ -30,6 +30,26 @@ closing is how either side notices the other died mid-write (polled every
 :class:`ProtocolError`, and a failed work completion is
 :class:`~tensorxfer.errors.CompletionError` naming the status, QP, offset
 and length (``IBV_WC_LOC_PROT_ERR`` is a short local MR, never "peer lost").
+
+Fan-out relays (``tensorxfer.fanout``) are pipelined, not store and forward:
+
+- a relay's receiver (``on_piece`` set by the session before ``prepare``)
+  asks in its accept descriptors for piece marks (``marks``: every K-th
+  request per QP is a WRITE_WITH_IMM carrying ``0x80000000 | its index on
+  the QP``; ``wr_size``: the request size to use, so the marks map to
+  bytes).  RC delivers in order per QP, so the marks prove a contiguous
+  prefix, passed to ``on_piece`` as it grows; a mark that is not the next
+  one expected is a :class:`TransferError`.  Final immediates carry the
+  update number mod 2^31, so they never look like marks;
+- a relay's sender (``ready_after`` set) runs a thread that raises a
+  one-uint64 gate from ``ready_after`` as its own copy lands; the nogil
+  write loop posts no request past it and sleeps while only the gate holds
+  it back (not counted as the receiver stalling).  When the relay's
+  upstream fails, ``ready_after`` raises :class:`UpstreamFailed` and the
+  write is aborted with it (the session then closes the hop, so the next
+  hop sees its sender gone).
+
+Without either hook nothing changes on the wire or in the write loop.
 """
 
 from __future__ import annotations
@@ -41,16 +61,19 @@ import select
 import socket
 import struct
 import threading
+from array import array
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
-from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout
+from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
 from tensorxfer.transport.rdma import (
     DEFAULT_QPS,
+    DEFAULT_WR_SIZE,
     RdmaReceiverEndpoint,
     RdmaSenderEndpoint,
     _check_peer,
@@ -73,6 +96,17 @@ _FIRST_CHUNK_ONLY = False                # test switch: register only the first 
 #: The receiver's wait has no per-byte progress (completion is one immediate per QP), so its
 #: timeout is ``stall_timeout`` plus the region at this floor rate (Soft-RoCE in a TCG VM: ~20 MB/s).
 RATE_FLOOR_BYTES_PER_S = 10e6
+#: A relay's piece: its receiver asks for a mark every ``RELAY_PIECE_BYTES // (wr_size * QPs)``-th request
+#: per QP (at least every one), so its next hop may be sent up to the landed prefix in steps this big.
+RELAY_PIECE_BYTES = 4 << 20
+RELAY_WR_SIZE = DEFAULT_WR_SIZE          # the request size a relay asks its sender for (marks count requests)
+MAX_MARK_EVERY = 1 << 20
+MIN_MARK_WR_SIZE = 4 << 10
+
+
+def relay_marks(qps: int) -> int:
+    """Every how many requests per QP a relay's receiver asks for a piece mark."""
+    return max(1, RELAY_PIECE_BYTES // (RELAY_WR_SIZE * qps))
 
 
 def _device() -> str | None:
@@ -166,6 +200,9 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         self._nbytes = 0
         self._seq = 0               # the update being received: every QP's immediate carries it
         self._setup_seq = 0
+        self._marks = 0             # this update's piece marks: every _marks-th request per QP (0: none)
+        # Hook for relays (tensorxfer.fanout): called with each newly landed range of the contiguous prefix.
+        self.on_piece: Callable[[int, int], None] | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -174,13 +211,13 @@ class RdmaReceiver(_Owned, ReceiverTransport):
     def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
         """Reuse the session's MR and QPs, or (first update, new region, ``fresh``) register the region
         (REMOTE_WRITE) and open the side listener.  Descriptors: ``setup``, ``streams``; on setup the
-        endpoint's and ``side_port``, ``nonce``."""
+        endpoint's and ``side_port``, ``nonce``; for a relay (``on_piece`` set) ``marks`` and ``wr_size``."""
         self._enter()
         try:
             self._seq = seq
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
-                return {"setup": False, "streams": len(endpoint.descriptors()["qps"])}
+                return {"setup": False, **self._ask_marks(len(endpoint.descriptors()["qps"]))}
             self._teardown()
             qps = min(max(self.ctx.streams or DEFAULT_QPS, 1), MAX_QPS)
             self._endpoint = RdmaReceiverEndpoint(region, _device(), qps=qps)
@@ -191,9 +228,17 @@ class RdmaReceiver(_Owned, ReceiverTransport):
             self._gate = Gate(listen(self.ctx.local_host), self._identify,
                               min(HEADER_TIMEOUT, self.ctx.stall_timeout), "rdma side")
             return {**self._endpoint.descriptors(), "setup": True, "side_port": self._gate.address[1],
-                    "nonce": self._nonce, "streams": qps}
+                    "nonce": self._nonce, **self._ask_marks(qps)}
         finally:
             self._exit()
+
+    def _ask_marks(self, qps: int) -> dict[str, Any]:
+        """``streams``, and for a relay the marks it asks the sender for: one-sided writes tell a receiver
+        nothing until the last immediate per QP, so without marks it could forward only once all landed."""
+        self._marks = relay_marks(qps) if self.on_piece is not None else 0
+        if not self._marks:
+            return {"streams": qps}
+        return {"streams": qps, "marks": self._marks, "wr_size": RELAY_WR_SIZE}
 
     def wait(self, progress: Progress | None = None) -> int:
         """(On setup: take the sender's descriptors, connect the QPs, say READY.)  Wait for the update.
@@ -220,7 +265,8 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 send_all(self._side, READY, self.ctx.stall_timeout, "READY")
                 self.counters.connects += 1
             timeout = self.ctx.stall_timeout + self._nbytes / RATE_FLOOR_BYTES_PER_S
-            endpoint.wait_complete(timeout, peer_alive=self._peer_alive, update=self._seq)
+            endpoint.wait_complete(timeout, peer_alive=self._peer_alive, update=self._seq, marks=self._marks,
+                                   wr_size=RELAY_WR_SIZE, on_piece=self.on_piece if self._marks else None)
         finally:
             self._exit()
         self.counters.updates += 1
@@ -291,10 +337,21 @@ class RdmaSender(_Owned, SenderTransport):
         self._endpoint: RdmaSenderEndpoint | None = None
         self._region: TensorRegion | None = None
         self._seq = 0               # the update being sent: the immediates carry it
+        self._marks = 0             # piece marks the receiver asked for (every _marks-th request per QP)
+        self._wr_size: int | None = None
+        # Hook for relays (tensorxfer.fanout): blocks until the region's landed prefix reaches past an
+        # offset and returns its end (raises UpstreamFailed); no request reaching past it is posted.
+        self.ready_after: Callable[[int], int] | None = None
 
     @classmethod
     def available(cls) -> str | None:
         return _available()
+
+    @classmethod
+    def forward_piece_bytes(cls, region: TensorRegion, streams: int | None = None) -> int:
+        """The piece a relay's receiver marks: ``marks`` requests on each of ``streams`` QPs."""
+        qps = min(max(streams or DEFAULT_QPS, 1), MAX_QPS)
+        return min(region.nbytes, relay_marks(qps) * RELAY_WR_SIZE * qps)
 
     def needs_setup(self, region: TensorRegion) -> bool:
         return region is not self._region or self._endpoint is None or self._side is None
@@ -313,6 +370,7 @@ class RdmaSender(_Owned, SenderTransport):
         self._enter()
         try:
             self._seq = seq
+            self._marks, self._wr_size = _marks_asked(descriptors)
             if not setup_flag(descriptors):
                 if self.needs_setup(region):
                     raise ProtocolError("rdma: the receiver reuses QPs this sender did not set up for this region")
@@ -371,13 +429,38 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint = self._endpoint
             if endpoint is None or region is not self._region:
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
-            endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq)
+            ready_after = self.ready_after
+            if ready_after is None:
+                endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
+                               wr_size=self._wr_size, marks=self._marks)
+            else:
+                self._relay(endpoint, region.nbytes, ready_after)
         finally:
             self._exit()
         self.counters.updates += 1
         if progress is not None:
             progress(region.nbytes)
         return region.nbytes
+
+    def _relay(self, endpoint: RdmaSenderEndpoint, nbytes: int, ready_after: Callable[[int], int]) -> None:
+        """Write while this relay's own copy lands: a thread raises the write's gate as the landed prefix
+        grows.  When this relay's upstream fails the write stops, and UpstreamFailed (not the next hop's
+        fault) is raised."""
+        gate = _Gate(nbytes, ready_after)
+
+        def alive() -> bool:
+            error = gate.error
+            if error is not None:       # aborts the write: the next hop is not to blame
+                if isinstance(error, UpstreamFailed):
+                    raise error
+                raise UpstreamFailed(f"relay: waiting for the landed prefix failed: {error!r}") from error
+            return self._peer_alive()
+
+        try:
+            endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=alive, update=self._seq,
+                           wr_size=self._wr_size, marks=self._marks, ready=gate.limit)
+        finally:
+            gate.stop()
 
     def _teardown(self) -> None:
         side, self._side = self._side, None
@@ -389,3 +472,44 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint.close()
 
     _release = _teardown
+
+
+def _marks_asked(descriptors: dict[str, Any]) -> tuple[int, int | None]:
+    """The piece marks (every how many requests per QP) and request size a relaying receiver asked for."""
+    marks = descriptors.get("marks", 0)
+    if marks == 0 or marks is None:
+        return 0, None
+    wr_size = descriptors.get("wr_size")
+    if (not isinstance(marks, int) or isinstance(marks, bool) or not 0 < marks <= MAX_MARK_EVERY
+            or not isinstance(wr_size, int) or isinstance(wr_size, bool)
+            or not MIN_MARK_WR_SIZE <= wr_size <= 1 << 30):
+        raise ProtocolError(f"rdma accept descriptors: 'marks' must be an int in [1, {MAX_MARK_EVERY}] with an "
+                            f"int 'wr_size' in [{MIN_MARK_WR_SIZE}, 1 GiB], got {marks!r}, {wr_size!r}")
+    return marks, wr_size
+
+
+class _Gate:
+    """A relay's write gate: ``limit[0]`` is the landed prefix, raised by a thread from ``ready_after``
+    and read by the nogil write loop before each request (one aligned uint64: no lock needed)."""
+
+    def __init__(self, nbytes: int, ready_after: Callable[[int], int]) -> None:
+        self.limit = array("Q", [0])
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(nbytes, ready_after),
+                                        name="tensorxfer-rdma-forward", daemon=True)
+        self._thread.start()
+
+    def _run(self, nbytes: int, ready_after: Callable[[int], int]) -> None:
+        pos = 0
+        try:
+            while pos < nbytes and not self._stopped:
+                pos = min(ready_after(pos), nbytes)
+                self.limit[0] = pos
+        except BaseException as e:
+            self.error = e
+
+    def stop(self) -> None:
+        """The write ended.  Not joined: the thread may wait in ``ready_after`` until the relay's copy moves
+        or aborts; it holds nothing of its own."""
+        self._stopped = True

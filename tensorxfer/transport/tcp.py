@@ -344,7 +344,7 @@ class TcpSender(SenderTransport):
         self.before_piece: Callable[[int, int], None] | None = None
 
     @classmethod
-    def forward_piece_bytes(cls, region: TensorRegion) -> int:
+    def forward_piece_bytes(cls, region: TensorRegion, streams: int | None = None) -> int:
         """A host region is forwarded in FORWARD_PIECE_BYTES pieces; a GPU region's staged slices only once
         they landed whole (see :meth:`_send_update`), so there the relay stores and forwards."""
         return region.nbytes if region.is_cuda else min(region.nbytes, FORWARD_PIECE_BYTES)
