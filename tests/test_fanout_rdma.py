@@ -15,7 +15,7 @@ import pytest
 from tensorxfer.fanout import FanoutSender
 from tensorxfer.transport.rdma import rdma_available
 
-from .test_fanout import TOKEN, model, peers, sha  # noqa: F401  (peers: the fixture)
+from .test_fanout import TOKEN, fds, model, peers, sha  # noqa: F401  (peers: the fixture)
 
 OK, REASON = rdma_available()
 pytestmark = [pytest.mark.rdma, pytest.mark.skipif(not OK, reason=f"no usable RDMA device: {REASON}")]
@@ -71,3 +71,24 @@ def test_a_killed_rdma_receiver_is_named_and_the_others_complete(peers):  # noqa
             assert p.wait_oks(2, timeout=120)[-1]["sha256"] == sha(region)
         assert fan.chain == [ps[0].address, ps[2].address]
         assert fan.send(region, verify=True).ok      # the next update goes around it from the start
+
+
+def test_repeated_rdma_chain_updates_keep_fds_and_rss_flat(peers):  # noqa: F811
+    # Every hop registers and connects once; 20 more updates must open nothing and grow no memory
+    # on the sender or on any receiver (relays included: their marks, gates and forward sessions).
+    ps = peers(3, stall=60.0, digest=False)
+    with model(4 * MIB) as region, \
+            FanoutSender([p.address for p in ps], token=TOKEN, transport="rdma", stall_timeout=60) as fan:
+        for _ in range(3):
+            assert fan.send(region).ok
+        before = fds()
+        for _ in range(20):
+            stats = fan.send(region)
+            assert stats.ok and all(r.transport == "rdma" for r in stats.receivers), stats.failed
+        assert fds() == before
+        assert stats.head is not None and stats.head.counters["registrations"] == 1
+    for p in ps:
+        reports = p.wait_oks(23, timeout=120)
+        assert {r["fds"] for r in reports[3:]} == {reports[3]["fds"]}, [r["fds"] for r in reports]
+        growth = reports[-1]["rss_kb"] - reports[3]["rss_kb"]
+        assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 20 updates"
