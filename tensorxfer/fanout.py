@@ -86,7 +86,12 @@ ORIGIN = "sender"       # ReceiverResult.via for the first hop
 
 def manifest_digest(manifest: Manifest) -> bytes:
     """SHA-256 of the packed manifest: the layout half of a :class:`Version`."""
-    return hashlib.sha256(manifest.pack()).digest()
+    return packed_digest(manifest.pack())
+
+
+def packed_digest(packed: bytes) -> bytes:
+    """:func:`manifest_digest` of the manifest whose ``pack()`` is ``packed`` (for a caller that has packed it)."""
+    return hashlib.sha256(packed).digest()
 
 
 @dataclass(frozen=True)

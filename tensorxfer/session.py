@@ -57,7 +57,17 @@ from tensorxfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
-from tensorxfer.fanout import FanoutSender, FanoutStats, Onward, Relay, RelayJob, Version, manifest_digest, parse_chain
+from tensorxfer.fanout import (
+    FanoutSender,
+    FanoutStats,
+    Onward,
+    Relay,
+    RelayJob,
+    Version,
+    manifest_digest,
+    packed_digest,
+    parse_chain,
+)
 from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
@@ -221,7 +231,7 @@ class Receiver:
         self._session_key = b""
         self._seq = 0
         self._transports: dict[str, ReceiverTransport] = {}     # this session's, by name
-        self._last_manifest: tuple[int, bytes, Manifest] | None = None   # (limit, packed, parsed)
+        self._last_manifest: tuple[int, bytes, Manifest, bytes] | None = None   # (limit, packed, parsed, digest)
         self._region: TensorRegion | None = None
         self.last_stats: TransferStats | None = None
         self._lock = threading.Lock()
@@ -446,8 +456,8 @@ class Receiver:
         verify = field(offer, "verify", bool)
         self._version = None            # the region is about to be written: no complete version in it
         try:
-            manifest = self._unpack_manifest(field(offer, "manifest", bytes))
-            version, chain = self._offered_version(offer, manifest)
+            manifest, digest = self._unpack_manifest(field(offer, "manifest", bytes))
+            version, chain = self._offered_version(offer, digest)
         except (ManifestError, ProtocolError) as e:
             ch.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
             raise
@@ -520,21 +530,23 @@ class Receiver:
         self._version = version
         return region
 
-    def _unpack_manifest(self, packed: bytes) -> Manifest:
-        """The offer's manifest, validated; an update with the same bytes as the last reuses its (immutable)
-        parse: checking an 820-tensor layout again on every warm update would cost more than a small one's data."""
+    def _unpack_manifest(self, packed: bytes) -> tuple[Manifest, bytes]:
+        """The offer's manifest, validated, and its digest; an update with the same bytes as the last reuses
+        both (the manifest is immutable): checking an 820-tensor layout and packing it again to hash it on
+        every warm update would cost more than a small one's data."""
         last, limit = self._last_manifest, self.max_region_bytes
         if last is not None and last[0] == limit and last[1] == packed:
-            return last[2]
+            return last[2], last[3]
         manifest = Manifest.unpack(packed, max_region_bytes=limit)
-        self._last_manifest = (limit, packed, manifest)
-        return manifest
+        digest = manifest_digest(manifest)
+        self._last_manifest = (limit, packed, manifest, digest)
+        return manifest, digest
 
-    def _offered_version(self, offer: dict[str, Any], manifest: Manifest) -> tuple[Version | None, list[str]]:
-        """The offer's version (its digest must be the manifest's) and the chain to forward to."""
+    def _offered_version(self, offer: dict[str, Any], digest: bytes) -> tuple[Version | None, list[str]]:
+        """The offer's version (its digest must be ``digest``, the manifest's) and the chain to forward to."""
         raw = offer.get("version")
         version = None if raw is None else Version.from_wire(raw)
-        if version is not None and version.digest != manifest_digest(manifest):
+        if version is not None and version.digest != digest:
             raise ProtocolError("offer: the version's digest is not the digest of the offered manifest")
         chain = parse_chain(offer.get("chain", []))
         if chain and version is None:
@@ -833,7 +845,7 @@ class Sender:
         last = self._last_manifest
         if last is None or last[0] is not manifest:
             packed = manifest.pack()
-            last = self._last_manifest = (manifest, packed, manifest_digest(manifest))
+            last = self._last_manifest = (manifest, packed, packed_digest(packed))
         return last[1], last[2]
 
     def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None,
