@@ -38,6 +38,8 @@ A transport registers itself in :data:`tensorxfer.transport.TRANSPORTS`;
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,3 +202,50 @@ def setup_flag(descriptors: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise ProtocolError("accept descriptors must say whether this update sets the data path up ('setup')")
     return value
+
+
+class PrefixFollower:
+    """A fan-out relay's forward: follows its own copy's landed prefix and passes each new end on.
+
+    A relay's sender may send only what already landed in the relay's region.  ``ready_after(offset)``
+    (:meth:`tensorxfer.fanout.Landed.wait_prefix`) blocks until the landed prefix reaches past ``offset``
+    and returns its end; a thread calls it from ``start`` on and gives each new end to ``publish``
+    (ipc: a watermark message to the receiver; rdma: the nogil write loop's gate).  ``sent`` is the last
+    end published and ``since`` when (a receiver that took all it may is waiting for the relay, not
+    stalled).  A failure -- :class:`~tensorxfer.errors.UpstreamFailed` when the relay's own update fails
+    -- ends the thread: it is kept in ``error`` and given to ``on_error`` unless the forward was stopped.
+    """
+
+    def __init__(self, start: int, nbytes: int, ready_after: Callable[[int], int], publish: Callable[[int], None],
+                 name: str, on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.sent = start
+        self.since = time.monotonic()
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(nbytes, ready_after, publish, on_error), name=name,
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, nbytes: int, ready_after: Callable[[int], int], publish: Callable[[int], None],
+             on_error: Callable[[BaseException], None] | None) -> None:
+        try:
+            while self.sent < nbytes and not self._stopped:
+                end = min(ready_after(self.sent), nbytes)
+                if self._stopped:
+                    return
+                publish(end)
+                self.since = time.monotonic()
+                self.sent = end
+        except BaseException as e:
+            self.error = e
+            if on_error is not None and not self._stopped:
+                on_error(e)
+
+    def join(self) -> None:
+        """Wait for the last end to be published (call once the receiver has all of it)."""
+        self._thread.join()
+
+    def stop(self) -> None:
+        """The forward ended (done or failed): publish nothing more.  Not joined: the thread may wait in
+        ``ready_after`` until the relay's copy moves or aborts; it holds nothing of its own."""
+        self._stopped = True

@@ -138,7 +138,14 @@ from tensorxfer.errors import (
 )
 from tensorxfer.memory import HostRegion
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
+from tensorxfer.transport.base import (
+    PrefixFollower,
+    Progress,
+    ReceiverTransport,
+    SenderTransport,
+    TransferContext,
+    setup_flag,
+)
 
 if TYPE_CHECKING:
     from tensorxfer.manifest import Manifest
@@ -448,7 +455,8 @@ class _Watermark:
             raise PeerLost(f"ipc: the sender closed the connection with its region ready up to offset "
                            f"{self.ready} of {self.nbytes}")
         if msg[:1] == b"E":
-            raise TransferError(f"ipc: the sender gave up on this update: {msg[1:].decode(errors='replace')}")
+            raise UpstreamFailed(f"ipc: the relay feeding this receiver gave up on this update: "
+                                 f"{msg[1:].decode(errors='replace')}")
         if msg[:1] != b"W" or len(msg) != 1 + U64.size:
             raise ProtocolError(f"ipc: unexpected message from the sender during the copy: {msg[:16]!r}")
         value = U64.unpack(msg[1:])[0]
@@ -949,53 +957,6 @@ class IpcReceiver(ReceiverTransport):
 
 
 # ---------------------------------------------------------------- sender
-class _Forward:
-    """Raises the receiver's watermark as a relay's own copy lands (a thread per relayed update).
-
-    ``ready_after(offset)`` blocks until the relay's landed prefix reaches past ``offset`` and returns its
-    end; each new end goes out as a ``W`` message.  ``sent`` and ``since`` tell the sender waiting for the
-    copy what the receiver may copy and since when, so that a receiver that copied all it may (waiting
-    for the relay's upstream) is not taken for a stalled one.  When the relay's upstream fails,
-    ``ready_after`` raises :class:`UpstreamFailed`: the receiver is told with an ``E`` message, and the
-    waiting sender raises that error.
-    """
-
-    def __init__(self, sock: socket.socket, ready: int, nbytes: int, ready_after: Callable[[int], int]) -> None:
-        self.sent = ready
-        self.since = time.monotonic()
-        self.error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(sock, nbytes, ready_after),
-                                        name="tensorxfer-ipc-forward", daemon=True)
-        self._thread.start()
-
-    def _run(self, sock: socket.socket, nbytes: int, ready_after: Callable[[int], int]) -> None:
-        try:
-            while self.sent < nbytes:
-                end = min(ready_after(self.sent), nbytes)
-                if self._stopped:
-                    return
-                _send(sock, b"W" + U64.pack(end), "the watermark")
-                self.since = time.monotonic()
-                self.sent = end
-        except BaseException as e:
-            self.error = e
-            if isinstance(e, UpstreamFailed) and not self._stopped:
-                try:
-                    sock.send(b"E" + str(e).encode()[:4000])
-                except OSError:
-                    pass    # the receiver is gone: the waiting sender finds that out itself
-
-    def join(self) -> None:
-        """After the receiver's ``D`` (it copied everything, so every watermark went out)."""
-        self._thread.join()
-
-    def stop(self) -> None:
-        """The update failed: send nothing more.  Not joined: the thread may wait in ``ready_after`` until
-        the relay's copy moves or aborts; it holds nothing of its own, and the socket's owner closes it."""
-        self._stopped = True
-
-
 class IpcSender(SenderTransport):
     """Passes a region's memory handles (once per session) to a receiver on the same host; waits for each copy."""
 
@@ -1121,7 +1082,19 @@ class IpcSender(SenderTransport):
         if chunks:
             self._passed = token
             self.counters.registrations += 1
-        forward = _Forward(sock, ready, nbytes, self.ready_after) if ready < nbytes and self.ready_after else None
+        forward = None
+        if ready < nbytes and self.ready_after is not None:
+            # Relaying: each new end of this relay's landed prefix goes out as a "W" watermark; when the
+            # relay's upstream fails, the receiver is told with an "E" message (and this send raises).
+            def tell_failed(e: BaseException) -> None:
+                if isinstance(e, UpstreamFailed):
+                    try:
+                        sock.send(b"E" + str(e).encode()[:4000])
+                    except OSError:
+                        pass    # the receiver is gone: _wait_copied finds that out itself
+            forward = PrefixFollower(ready, nbytes, self.ready_after,
+                                     lambda end: _send(sock, b"W" + U64.pack(end), "the watermark"),
+                                     "tensorxfer-ipc-forward", tell_failed)
         try:
             self._wait_copied(sock, nbytes, progress, forward)
         except BaseException:
@@ -1151,7 +1124,7 @@ class IpcSender(SenderTransport):
         return nbytes
 
     def _wait_copied(self, sock: socket.socket, nbytes: int, progress: Progress | None,
-                     forward: _Forward | None) -> None:
+                     forward: PrefixFollower | None) -> None:
         """Read the receiver's ``P`` messages until its ``D``.
 
         Stall timing: no message for ``stall_timeout`` fails the update, except (relaying) while the

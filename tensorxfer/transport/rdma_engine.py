@@ -70,7 +70,14 @@ import msgpack
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
+from tensorxfer.transport.base import (
+    PrefixFollower,
+    Progress,
+    ReceiverTransport,
+    SenderTransport,
+    TransferContext,
+    setup_flag,
+)
 from tensorxfer.transport.rdma import (
     DEFAULT_QPS,
     DEFAULT_WR_SIZE,
@@ -446,7 +453,8 @@ class RdmaSender(_Owned, SenderTransport):
         """Write while this relay's own copy lands: a thread raises the write's gate as the landed prefix
         grows.  When this relay's upstream fails the write stops, and UpstreamFailed (not the next hop's
         fault) is raised."""
-        gate = _Gate(nbytes, ready_after)
+        limit = array("Q", [0])     # the landed prefix: one aligned uint64 the nogil loop reads, no lock
+        gate = PrefixFollower(0, nbytes, ready_after, lambda end: limit.__setitem__(0, end), "tensorxfer-rdma-forward")
 
         def alive() -> bool:
             error = gate.error
@@ -458,7 +466,7 @@ class RdmaSender(_Owned, SenderTransport):
 
         try:
             endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=alive, update=self._seq,
-                           wr_size=self._wr_size, marks=self._marks, ready=gate.limit)
+                           wr_size=self._wr_size, marks=self._marks, ready=limit)
         finally:
             gate.stop()
 
@@ -486,30 +494,3 @@ def _marks_asked(descriptors: dict[str, Any]) -> tuple[int, int | None]:
         raise ProtocolError(f"rdma accept descriptors: 'marks' must be an int in [1, {MAX_MARK_EVERY}] with an "
                             f"int 'wr_size' in [{MIN_MARK_WR_SIZE}, 1 GiB], got {marks!r}, {wr_size!r}")
     return marks, wr_size
-
-
-class _Gate:
-    """A relay's write gate: ``limit[0]`` is the landed prefix, raised by a thread from ``ready_after``
-    and read by the nogil write loop before each request (one aligned uint64: no lock needed)."""
-
-    def __init__(self, nbytes: int, ready_after: Callable[[int], int]) -> None:
-        self.limit = array("Q", [0])
-        self.error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(nbytes, ready_after),
-                                        name="tensorxfer-rdma-forward", daemon=True)
-        self._thread.start()
-
-    def _run(self, nbytes: int, ready_after: Callable[[int], int]) -> None:
-        pos = 0
-        try:
-            while pos < nbytes and not self._stopped:
-                pos = min(ready_after(pos), nbytes)
-                self.limit[0] = pos
-        except BaseException as e:
-            self.error = e
-
-    def stop(self) -> None:
-        """The write ended.  Not joined: the thread may wait in ``ready_after`` until the relay's copy moves
-        or aborts; it holds nothing of its own."""
-        self._stopped = True
