@@ -14,7 +14,9 @@ machine's memory bandwidth -- host RAM, or with ``--device cuda:N`` the GPU's HB
 receiver's region on that GPU): N receivers each writing their own copy move N x the bytes through the same
 memory, so where one copy already runs near the memory's peak (a device-to-device copy on an H200) N > 1
 cannot come near 1.0x; the JSON records a plain copy of the same bytes on the same memory
-(``reference_copy``) so the ratios can be read against that bound.
+(``reference_copy``) so the ratios can be read against that bound.  On a machine with one GPU per
+receiver, ``--receiver-devices cuda:1 cuda:2 cuda:3`` puts each receiver on its own GPU (every hop then
+copies over NVLink into its own HBM: the regime "1 -> 3 within 1.25x of one" is about).
 
 Two regimes: plain loopback (every hop's kernel copies share this machine's CPUs, so on a 2-core box the
 hops compete for the same cores: a CPU bound, not what a chain of machines sees), and ``--link-gbps G``:
@@ -30,6 +32,8 @@ command, machine facts, per-N medians and ratios, and every run.  Not a timed te
     .venv/bin/python benchmarks/bench_fanout.py --transport ipc --size 2e8 --receivers 1 2 4 --repeat 2 --rounds 1
     python3 benchmarks/bench_fanout.py --transport ipc --device cuda:0 --size 8e9 --receivers 1 2 3 \
         --repeat 3 --rounds 2 --out $OUT
+    python3 benchmarks/bench_fanout.py --transport ipc --device cuda:0 --receiver-devices cuda:1 cuda:2 cuda:3 \
+        --size 8e9 --receivers 1 2 3 --repeat 3 --rounds 2 --out $OUT     # 4 GPUs
     # rdma, inside the Soft-RoCE VM (every hop's rxe work shares the VM's two emulated CPUs):
     bash .ci/rxe-vm.sh run 'cd $PWD && PYTHONDONTWRITEBYTECODE=1 HOME=/tmp .venv/bin/python \
         benchmarks/bench_fanout.py --transport rdma --size 8e6 --receivers 1 2 3 --repeat 2 --rounds 2 --out DIR'
@@ -63,10 +67,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-fanout"
 
 
-def start_peers(n: int, stall: float, pacing: int, device: str) -> list[tuple[subprocess.Popen, str]]:
+def start_peers(n: int, stall: float, pacing: int, devices: list[str]) -> list[tuple[subprocess.Popen, str]]:
+    """``n`` receiver processes; receiver i keeps its regions on ``devices[i % len(devices)]``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     peers = []
-    for _ in range(n):
+    for i in range(n):
+        device = devices[i % len(devices)]
         peer = [sys.executable, str(ROOT / "tests" / "fanout_peer.py"), TOKEN, str(stall), "0", str(pacing),
                 "--device", device]
         proc = subprocess.Popen(peer,
@@ -153,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=["tcp", "ipc", "rdma"], default="tcp")
     p.add_argument("--device", default="cpu",
                    help="where the sender's region and every receiver's region live: cpu (default) or cuda:N")
+    p.add_argument("--receiver-devices", nargs="+", default=None, metavar="DEVICE",
+                   help="where the receivers' regions live, receiver i on the i-th (cycled; default: --device): "
+                        "e.g. --device cuda:0 --receiver-devices cuda:1 cuda:2 cuda:3 on a 4-GPU machine")
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="emulate one link of this speed per hop: every tcp data socket's sending rate is capped "
                         "at link/streams (SO_MAX_PACING_RATE); 0 (default): loopback as fast as the CPUs go")
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference_copy(region, args.repeat)
         print(f"reference: one plain copy of {size / 1e9:.2f} GB on {args.device}: {reference['median_s']:.3f} s",
               flush=True)
-        peers = start_peers(max(args.receivers), stall=60.0, pacing=pacing, device=args.device)
+        receiver_devices = args.receiver_devices or [args.device]
+        peers = start_peers(max(args.receivers), stall=60.0, pacing=pacing, devices=receiver_devices)
         for rnd in range(args.rounds):
             for n in args.receivers:
                 with FanoutSender([a for _, a in peers[:n]], token=TOKEN, transport=args.transport,
@@ -225,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_facts(),
         "link_gbps": args.link_gbps, "pacing_bytes_per_s_per_stream": pacing,
         "bytes": size, "tensors": args.tensors, "verify": args.verify, "transport": args.transport,
-        "device": args.device, **facts,
+        "device": args.device, "receiver_devices": args.receiver_devices or [args.device], **facts,
         "reference_copy": reference,
         "goal": "N=4 within 1.25x of N=1" if args.transport == "tcp" else
                 "chain pipelined: N receivers well under N x the N=1 time, as far as the shared memory allows",

@@ -55,6 +55,16 @@ update again over the repaired chain on its next ``receive()``.  The
 :class:`FanoutSender` leaves failed receivers out of later updates
 (:attr:`FanoutSender.chain`).
 
+Slow receivers: every hop reports when its last byte went out or landed
+(``last_byte_seconds``); a receiver whose bytes came far later than its
+feeder's while the ones after it followed it closely is the one holding the
+chain back (:func:`slowest_hop`).  :class:`FanoutSender` names it
+(:attr:`FanoutStats.slow`, logged) and moves it to the tail from the next
+update on, where it delays no one else's bytes.  Every receiver's
+``receive()`` still returns with the ack, which carries the results of the
+hops after it; ``on_landed`` runs as soon as the receiver's own copy landed
+and checked out.
+
 Results: every hop's ``ack`` carries the results of the hops after it, so
 :class:`FanoutStats` has one :class:`ReceiverResult` per receiver (bytes,
 seconds, transport, verified, which hop fed it, or the error).
@@ -63,6 +73,7 @@ seconds, transport, verified, which hop fed it, or the error).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -82,6 +93,8 @@ log = logging.getLogger(__name__)
 
 MAX_CHAIN = 64
 ORIGIN = "sender"       # ReceiverResult.via for the first hop
+SLOW_LAG = 0.5          # a hop finishing this share of the first hop's time after its feeder is slow
+SLOW_MIN_LAG = 0.05     # seconds: a smaller lag is scheduling noise, not a slow receiver
 
 
 def manifest_digest(manifest: Manifest) -> bytes:
@@ -139,11 +152,12 @@ class ReceiverResult:
     via: str = ""               # the hop that fed it (ORIGIN for the first)
     error_type: str = ""        # e.g. "PeerLost", "TransferTimeout"
     error: str = ""
+    last_byte_seconds: float = 0.0  # from the start of the hop feeding it to its last byte (see slowest_hop)
 
     def as_dict(self) -> dict[str, Any]:
         return {"address": self.address, "ok": self.ok, "bytes": self.bytes, "seconds": self.seconds,
                 "transport": self.transport, "verified": self.verified, "via": self.via,
-                "error_type": self.error_type, "error": self.error}
+                "error_type": self.error_type, "error": self.error, "last_byte_seconds": self.last_byte_seconds}
 
     @classmethod
     def from_wire(cls, value: Any) -> ReceiverResult:
@@ -160,7 +174,31 @@ class ReceiverResult:
             return v
         return cls(value["address"], value["ok"], get("bytes", int, 0), get("seconds", float, 0.0),
                    get("transport", str, ""), get("verified", bool, False), get("via", str, ""),
-                   get("error_type", str, ""), get("error", str, ""))
+                   get("error_type", str, ""), get("error", str, ""), get("last_byte_seconds", float, 0.0))
+
+
+def slowest_hop(results: Sequence[ReceiverResult]) -> tuple[ReceiverResult, float] | None:
+    """The receiver that held a pipelined chain back and its lag in seconds, or None when no hop stands out.
+
+    In a chain every receiver gets its bytes as fast as the slowest receiver before it, so a slow one
+    shows as a *lag*: its last byte came long after the last byte of the receiver feeding it, while
+    the receivers after it follow it closely.  ``last_byte_seconds`` of consecutive hops start within
+    a control round trip of each other (a relay starts its hop as soon as it gets its offer), so the
+    lags are differences of those.  A hop is slow when its lag is more than :data:`SLOW_LAG` of the
+    first hop's time (and more than :data:`SLOW_MIN_LAG`) *and* more than twice every other hop's lag --
+    so a chain whose hops all contend for one memory bus (each lags about the same) has none.  The head
+    of the chain has no lag to judge (it is fed by the origin): a slow head is found only once it is not
+    first.
+    """
+    ok = [r for r in results if r.ok and r.last_byte_seconds > 0]
+    if len(ok) < 2:
+        return None
+    lags = [(b.last_byte_seconds - a.last_byte_seconds, b) for a, b in itertools.pairwise(ok)]
+    lag, worst = max(lags, key=lambda item: item[0])
+    others = [other for other, r in lags if r is not worst]
+    if lag > max(SLOW_MIN_LAG, SLOW_LAG * ok[0].last_byte_seconds) and all(lag > 2 * other for other in others):
+        return worst, lag
+    return None
 
 
 @dataclass(frozen=True)
@@ -179,6 +217,7 @@ class FanoutStats:
     piece_bytes: int
     receivers: tuple[ReceiverResult, ...]
     head: TransferStats | None = None          # the first successful hop's own stats
+    slow: str = ""          # the receiver that held the chain back: moved to the tail for the next update
 
     @property
     def ok(self) -> bool:
@@ -196,7 +235,7 @@ class FanoutStats:
         return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
                 "version": {"update": self.version.update, "digest": self.version.digest.hex()},
                 "chain": list(self.chain), "piece_bytes": self.piece_bytes, "ok": self.ok,
-                "receivers": [r.as_dict() for r in self.receivers],
+                "receivers": [r.as_dict() for r in self.receivers], "slow": self.slow,
                 "head": self.head.as_dict() if self.head is not None else None}
 
 
@@ -342,7 +381,12 @@ class Chain:
     def _session(self, address: str) -> Sender:
         from tensorxfer.session import Sender
 
+        for other in [a for a in self._sessions if a != address]:
+            self._drop(other)           # one session per hop: a hop no longer next is released first
         sender = self._sessions.get(address)
+        if sender is not None and sender.ended_by_peer():
+            self._drop(address)         # the receiver ended it while idle (the chain's order changed)
+            sender = None
         if sender is None or sender.closed:
             sender = Sender(address, token=self.token, transport=self.transport, streams=self.streams,
                             stall_timeout=self.stall_timeout, connect_timeout=self.connect_timeout)
@@ -382,10 +426,8 @@ class Chain:
                                               error_type=type(e).__name__, error=str(e)))
                 continue
             results.append(ReceiverResult(address, True, head.bytes, head.seconds, head.transport, head.verified,
-                                          via=self.origin))
+                                          via=self.origin, last_byte_seconds=head.last_byte_seconds))
             results.extend(onward.relayed)
-            for other in [a for a in self._sessions if a != address]:
-                self._drop(other)           # one session per hop: hops no longer next are closed
             return results, head
         return results, head
 
@@ -498,7 +540,8 @@ class FanoutSender:
         transport and streams its offer named, with its own token).
 
     A receiver that fails is taken out: it is named in that update's :class:`FanoutStats` and left
-    out of later updates (:attr:`chain`).  ``close()`` is idempotent.
+    out of later updates (:attr:`chain`).  A receiver that holds the chain back is named
+    (:attr:`FanoutStats.slow`) and moved to the tail for later updates.  ``close()`` is idempotent.
     """
 
     def __init__(self, to: Sequence[str], token: str | bytes | None = None, transport: str = "auto",
@@ -560,8 +603,15 @@ class FanoutSender:
             failed = {r.address for r in results if not r.ok}
             self.removed.extend(r for r in results if not r.ok)
             self.chain = [a for a in self.chain if a not in failed]
+            slow = slowest_hop(results)
+            if slow is not None and self.chain[-1] != slow[0].address:
+                # Everyone after it got its bytes at its pace: at the tail it holds back no one else.
+                self.chain.remove(slow[0].address)
+                self.chain.append(slow[0].address)
+                log.warning("fan-out: %s held the chain back (its last byte came %.3f s after its feeder's); "
+                            "it is last from the next update on", slow[0].address, slow[1])
             return FanoutStats(region.nbytes, seconds, version, order, forward_piece_bytes(head, region),
-                               tuple(results), head)
+                               tuple(results), head, slow[0].address if slow is not None else "")
 
     def close(self) -> None:
         chain, self._chain = self._chain, None

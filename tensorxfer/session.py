@@ -98,7 +98,9 @@ class TransferStats:
     update 100 can show it registered and connected nothing;
     ``registration`` is how the region was registered with the NIC
     (``"reg_dmabuf_mr"`` / ``"reg_mr"``; empty for transports that register
-    nothing).
+    nothing).  ``last_byte_seconds`` runs from the offer to the last byte
+    (sent, over tcp; landed, over ipc and rdma): in a fan-out chain it
+    shows which hop held the others back.
     """
 
     bytes: int
@@ -113,6 +115,7 @@ class TransferStats:
     wire_seconds: float = 0.0
     registration: str = ""
     counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    last_byte_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -127,7 +130,7 @@ class TransferStats:
                 "streams": self.streams, "verified": self.verified, "reallocated": self.reallocated,
                 "update": self.update, "setup": self.setup, "setup_seconds": self.setup_seconds,
                 "wire_seconds": self.wire_seconds, "wire_gbps": self.wire_gbps, "registration": self.registration,
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "last_byte_seconds": self.last_byte_seconds}
 
 
 KEEPALIVE_SECONDS = 2.0        # how often a busy receiver says "wait" (well under any ack timeout)
@@ -227,6 +230,7 @@ class Receiver:
         self._relay: Relay | None = (Relay(token, self.stall_timeout, self.handshake_timeout)
                                      if self._relay_allowed else None)
         self._version: Version | None = None
+        self._fed_by_relay = False
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
@@ -263,6 +267,14 @@ class Receiver:
         """The update :attr:`region` holds completely (landed, verified if asked); ``None`` while one is
         being written or after a failed one."""
         return self._version
+
+    @property
+    def fed_by_relay(self) -> bool:
+        """Whether the last offer came from a fan-out relay (a receiver forwarding the update) rather than
+        from its origin.  When such an update fails because the relay died or stalled, the hop before the
+        relay sends it again over the repaired chain: a caller waiting for one update should keep
+        receiving (``tensorxfer-recv --once`` does)."""
+        return self._fed_by_relay
 
     @property
     def region(self) -> TensorRegion | None:
@@ -402,7 +414,9 @@ class Receiver:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TransferTimeout("no offer within the timeout")
-            if gate.ready and now - self._idle_since > self.handshake_timeout:
+            # A fan-out relay's session yields at once: the chain's order is the origin's to change (a hop
+            # moved elsewhere in the chain leaves its old session to this receiver idle).
+            if gate.ready and (self._fed_by_relay or now - self._idle_since > self.handshake_timeout):
                 log.warning("session with %s idle for %.0f s while another sender waits: ending it", ch.peer,
                             now - self._idle_since)
                 return None
@@ -454,6 +468,7 @@ class Receiver:
         name = field(offer, "transport", str)
         streams = field(offer, "streams", int, optional=True)
         verify = field(offer, "verify", bool)
+        self._fed_by_relay = offer.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         try:
             manifest, digest = self._unpack_manifest(field(offer, "manifest", bytes))
@@ -480,6 +495,10 @@ class Receiver:
                    "this receiver does not relay (it has no token; Receiver(relay=True) allows it)")
             ch.send_error("refused", msg)
             raise ManifestError(msg)
+        if not chain and self._relay is not None:
+            # Not (or no longer) a relay: sessions it kept to hops after it would only hold those receivers
+            # (and, over rdma, their registrations).
+            self._relay.close()
         if self.share:
             self._version = None
             return self._serve_shared(ch, seq, manifest, verify, fresh, progress, t0, on_landed)
@@ -526,7 +545,8 @@ class Receiver:
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, name, descriptors.get("streams", 1),
                                         verified=verify, reallocated=reallocated, update=seq, setup=setup,
                                         setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
-                                        registration=transport.registration, counters=transport.counters.as_dict())
+                                        registration=transport.registration, counters=transport.counters.as_dict(),
+                                        last_byte_seconds=t1 + wire - t0)
         self._version = version
         return region
 
@@ -622,7 +642,7 @@ class Receiver:
         self.last_stats = TransferStats(nbytes, time.perf_counter() - t0, "ipc", 1, verified=verify,
                                         reallocated=old is not region, update=seq, setup=setup,
                                         setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
-                                        counters=transport.counters.as_dict())
+                                        counters=transport.counters.as_dict(), last_byte_seconds=t1 + wire - t0)
         return region
 
     def _region_for(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
@@ -800,6 +820,20 @@ class Sender:
     def closed(self) -> bool:
         return self._channel is None
 
+    def ended_by_peer(self) -> bool:
+        """Whether the receiver has ended this session between updates (it closed the connection, e.g. to
+        serve another sender): then the next :meth:`send` would fail, and a new Sender is needed.  Does not
+        block; a receiver says nothing between updates, so anything readable means the session is over."""
+        ch = self._channel
+        if ch is None:
+            return True
+        with self._lock:
+            try:
+                readable, _, _ = select.select([ch.sock], [], [], 0)
+            except (OSError, ValueError):
+                return True
+            return bool(readable)
+
     def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None,
              onward: Onward | None = None) -> TransferStats:
         """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
@@ -858,7 +892,9 @@ class Sender:
                      if verify and not relayed else None)
         packed, digest = self._wire_manifest(region.manifest)
         version = onward.version if onward is not None else Version(seq, digest)
-        chain = {"chain": onward.chain} if onward is not None and onward.chain else {}
+        extra: dict[str, Any] = {"chain": onward.chain} if onward is not None and onward.chain else {}
+        if relayed:
+            extra["relayed"] = True     # the receiver learns a repaired chain may send this update again
         transport = self._transports.get(self.transport)
         if transport is None:
             ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
@@ -867,7 +903,7 @@ class Sender:
             transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
         ch.send("offer", seq=seq, manifest=packed, transport=self.transport,
                 streams=self.streams, verify=verify, fresh=transport.needs_setup(region),
-                version=version.as_wire(), **chain)
+                version=version.as_wire(), **extra)
         # Control waits get at least CONTROL_TIMEOUT: a short data stall timeout must not make a busy
         # receiver's allocation (before accept) or verification (before ack) look like a stall.  The
         # receiver commits its region before accepting (MAP_POPULATE), which on fresh memory can run at
@@ -890,6 +926,7 @@ class Sender:
             if hook is not None:
                 setattr(transport, hook, None)
         wire = time.perf_counter() - t2
+        last_byte = t2 + wire - t0
         if onward is not None and onward.checksums is not None:
             checksums = onward.checksums()
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
@@ -921,7 +958,8 @@ class Sender:
                              field(descriptors, "streams", int, optional=True) or 0, verified=verify,
                              reallocated=bool(accept.get("reallocated")), update=seq, setup=setup,
                              setup_seconds=setup_seconds if setup else 0.0, wire_seconds=wire,
-                             registration=transport.registration, counters=transport.counters.as_dict())
+                             registration=transport.registration, counters=transport.counters.as_dict(),
+                             last_byte_seconds=last_byte)
 
     def close(self) -> None:
         """Say goodbye (best effort) and close the session and its transports; idempotent."""

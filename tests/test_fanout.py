@@ -18,7 +18,7 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer.errors import ManifestError, ProtocolError, UpstreamFailed
-from tensorxfer.fanout import FanoutSender, Landed, ReceiverResult, Version, parse_chain
+from tensorxfer.fanout import FanoutSender, Landed, ReceiverResult, Version, parse_chain, slowest_hop
 from tensorxfer.transport import ipc, tcp
 
 from .helpers import ROOT, Background, needs_gpu
@@ -31,12 +31,13 @@ class Peer:
     """A fan-out receiver process; ``lines()`` are its JSON reports so far."""
 
     def __init__(self, stall: float = 10.0, digest: bool = True, ipc_piece_delay: float | None = None,
-                 device: str = "cpu", env: dict[str, str] | None = None) -> None:
+                 device: str = "cpu", env: dict[str, str] | None = None, pacing: int = 0) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         extra = ["--device", device]
         if ipc_piece_delay is not None:
             extra += ["--ipc-piece-delay", str(ipc_piece_delay)]
-        self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0", *extra],
+        self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0", str(pacing),
+                                      *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         self.address = json.loads(self.proc.stdout.readline())["address"]
@@ -280,6 +281,39 @@ def test_cli_send_to_three_receivers_json(tmp_path):
             assert file_sha(p) == file_sha(tmp_path / f"out{i}" / p.name), p.name
 
 
+def test_cli_once_receiver_waits_for_the_repaired_chain_when_its_relay_dies(tmp_path, peers):
+    # Chain A -> B -> C where C is `tensorxfer-recv --once`.  A forwards at 10 MB/s (paced), so B is still
+    # forwarding to C when it is killed.  C's session ends with PeerLost; A takes B out and sends C the
+    # update again.  C must wait for that (not exit and fail too): it writes the files and exits 0, and
+    # only B is named failed.
+    from .helpers import finish
+    from .test_cli import cli, model_dir, start_recv
+    from .test_cli import sha as file_sha
+
+    src = model_dir(tmp_path / "src", rows=20000)      # ~61 MB: about 6 s through A's paced streams
+    env = {"TENSORXFER_TOKEN": TOKEN}
+    a, b = peers(1, pacing=10_000_000 // tcp.DEFAULT_STREAMS)[0], peers(1)[0]
+    c, c_addr = start_recv(tmp_path / "out", "--once", "--transport", "tcp", env=env)
+    send = cli("send", str(src), "--to", a.address, "--to", b.address, "--to", c_addr, "--transport", "tcp",
+               "--verify", "--json", env=env)
+    time.sleep(3.0)                 # B is receiving from A and forwarding to C
+    assert send.poll() is None and not b.reports, "the update ended before B could be killed mid-forward"
+    b.proc.kill()
+    rc_s, out_s, err_s = finish(send, timeout=120)
+    rc_c, out_c, err_c = finish(c, timeout=30)
+    sent = json.loads(out_s)
+    failed = [r for r in sent["receivers"] if not r["ok"]]
+    assert [r["address"] for r in failed] == [b.address], sent
+    assert rc_s == 1, err_s                             # one receiver failed: the exit code says so
+    assert rc_c == 0, err_c
+    events = [json.loads(line)["event"] for line in out_c.splitlines()]
+    assert events == ["upstream_failed", "received"], out_c
+    assert "waiting for the repaired chain" in err_c, err_c
+    for p in src.iterdir():
+        assert file_sha(p) == file_sha(tmp_path / "out" / p.name), p.name
+    assert a.wait_oks(1)[-1]["ok"]
+
+
 def test_versions_are_explicit_and_checked():
     from tensorxfer.fanout import Onward, manifest_digest
 
@@ -357,6 +391,45 @@ def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
     assert elapsed < 15
     errors = [r for r in ps[2].reports if "error" in r]
     assert [r["error"] for r in errors] == ["TransferTimeout"] and "did not advance" in errors[0]["message"], errors
+
+
+def test_slow_receiver_is_moved_to_the_tail_of_the_chain(peers):
+    # The second of four receivers copies slowly (400 ms per ipc piece, two pieces per copy thread: about
+    # 0.8 s a copy, the others a few tens of ms).  In the first update it holds back the two after it; the
+    # sender sees its lag, names it and puts it last, so in the second update the others get their bytes
+    # at their own pace and only the slow one is late.  Everyone still gets every update, verified.
+    fast1, slow, fast2, fast3 = peers(1) + peers(1, ipc_piece_delay=0.4) + peers(2)
+    order = [p.address for p in (fast1, slow, fast2, fast3)]
+    with model(2 * ipc.COPY_THREADS * ipc.RELAY_PIECE_BYTES, seed=21) as region, \
+            FanoutSender(order, token=TOKEN, transport="ipc") as fan:
+        first = fan.send(region, verify=True)
+        assert first.ok, first.failed
+        assert first.chain == tuple(order) and first.slow == slow.address, first.as_dict()
+        assert fan.chain == [fast1.address, fast2.address, fast3.address, slow.address]
+        region.tensors()["layer1.w"][:] = 3
+        second = fan.send(region, verify=True)
+        assert second.ok and second.chain == tuple(fan.chain), second.as_dict()
+        last_byte = {r.address: r.last_byte_seconds for r in second.receivers}
+        assert [r.via for r in second.receivers] == ["sender", fast1.address, fast2.address, fast3.address]
+        assert max(last_byte[p.address] for p in (fast1, fast2, fast3)) < last_byte[slow.address] - 0.3, last_byte
+        assert fan.chain[-1] == slow.address        # already last: it stays there
+        for p in (fast1, slow, fast2, fast3):
+            assert p.wait_oks(2)[-1]["sha256"] == sha(region)
+
+
+def test_slowest_hop_names_only_a_hop_that_stands_out():
+    def results(*last_bytes: float) -> list[ReceiverResult]:
+        return [ReceiverResult(f"127.0.0.1:{9000 + i}", True, last_byte_seconds=t) for i, t in enumerate(last_bytes)]
+    slow = slowest_hop(results(1.0, 1.1, 3.0, 3.1))
+    assert slow is not None and slow[0].address == "127.0.0.1:9002" and abs(slow[1] - 1.9) < 1e-9
+    assert slowest_hop(results(1.0, 2.0, 3.0, 4.0)) is None     # every hop lags alike (one memory bus)
+    assert slowest_hop(results(1.0, 1.05, 1.1)) is None         # pipelined: pieces apart
+    assert slowest_hop(results(5.0, 5.1, 5.2)) is None          # a slow head has no lag to judge
+    assert slowest_hop(results(1.0)) is None
+    failed = results(1.0, 1.1, 3.0)
+    failed[1] = ReceiverResult(failed[1].address, False, error_type="PeerLost")
+    slow = slowest_hop(failed)                                  # lag is measured from the hop that fed it
+    assert slow is not None and slow[0].address == "127.0.0.1:9002"
 
 
 @pytest.mark.cuda

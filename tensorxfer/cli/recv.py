@@ -20,7 +20,10 @@ session — port scans, idle or trickling strangers, peers that are not
 tensorxfer, wrong tokens — are dropped and counted by the Receiver (logged
 with the reason) and never end ``--once``; an authenticated sender that
 leaves without an offer is reported as ``dropped`` and does not end it
-either.  Exit codes are listed in :mod:`tensorxfer.cli.common`.
+either.  In a fan-out chain, an update lost because the relay feeding
+this receiver died or stalled does not end ``--once`` either: the hop
+before that relay sends the update again.  Exit codes are listed in
+:mod:`tensorxfer.cli.common`.
 """
 
 from __future__ import annotations
@@ -167,6 +170,14 @@ class _Transfer:
         self.written = self._write(region, self.args.out)   # before the ack: the sender learns if this fails
 
 
+def upstream_failed(rx: Any, e: BaseException) -> bool:
+    """Whether a failed transfer was lost by the fan-out relay feeding this receiver (it died, stalled or
+    gave up), not by this receiver: then the chain is repaired and the update comes again."""
+    from tensorxfer.errors import PeerLost, TransferTimeout, UpstreamFailed
+
+    return isinstance(e, UpstreamFailed) or (rx.fed_by_relay and isinstance(e, (PeerLost, TransferTimeout)))
+
+
 def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
     """Receive transfers until ``--once`` is satisfied or Ctrl-C; returns the exit code."""
     from tensorxfer import TensorXferError
@@ -193,6 +204,15 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
                 if not args.quiet:
                     print(f"{PROG}: dropped a connection that made no offer ({type(e).__name__}: {e})",
                           file=sys.stderr, flush=True)
+                continue
+            if args.once and upstream_failed(rx, e):
+                # The relay feeding this receiver died or stalled: the hop before it takes it out of the
+                # chain and sends the update here again.  Exiting would make this receiver fail too.
+                if args.json:
+                    emit_json({"event": "upstream_failed", "error": type(e).__name__, "message": str(e)})
+                if not args.quiet:
+                    print(f"{PROG}: the relay feeding this receiver failed ({type(e).__name__}: {e}); waiting for "
+                          f"the repaired chain to send the update again", file=sys.stderr, flush=True)
                 continue
             code = report_error(PROG, e, args.json)
             if args.once:
