@@ -55,12 +55,14 @@ update again over the repaired chain on its next ``receive()``.  The
 :class:`FanoutSender` leaves failed receivers out of later updates
 (:attr:`FanoutSender.chain`).
 
-Slow receivers: every hop reports when its last byte went out or landed
-(``last_byte_seconds``); a receiver whose bytes came far later than its
-feeder's while the ones after it followed it closely is the one holding the
-chain back (:func:`slowest_hop`).  :class:`FanoutSender` names it
-(:attr:`FanoutStats.slow`, logged) and moves it to the tail from the next
-update on, where it delays no one else's bytes.  Every receiver's
+Slow receivers: the hop feeding a receiver measures, on its own clock, how
+long after its own copy was complete that receiver's last byte went out or
+landed (``ReceiverResult.lag_seconds``; the origin's copy is complete from
+the start).  A receiver whose lag stands out while the ones after it follow
+it closely is the one holding the chain back (:func:`slowest_hop`).
+:class:`FanoutSender` names it (:attr:`FanoutStats.slow`, logged) and, once
+it held the chain back :data:`SLOW_STRIKES` updates in a row, moves it to
+the tail, where it delays no one else's bytes.  Every receiver's
 ``receive()`` still returns with the ack, which carries the results of the
 hops after it; ``on_landed`` runs as soon as the receiver's own copy landed
 and checked out.
@@ -73,7 +75,6 @@ seconds, transport, verified, which hop fed it, or the error).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import threading
 import time
@@ -95,6 +96,7 @@ MAX_CHAIN = 64
 ORIGIN = "sender"       # ReceiverResult.via for the first hop
 SLOW_LAG = 0.5          # a hop finishing this share of the first hop's time after its feeder is slow
 SLOW_MIN_LAG = 0.05     # seconds: a smaller lag is scheduling noise, not a slow receiver
+SLOW_STRIKES = 2        # updates in a row a receiver must hold the chain back before it is moved
 
 
 def manifest_digest(manifest: Manifest) -> bytes:
@@ -152,12 +154,12 @@ class ReceiverResult:
     via: str = ""               # the hop that fed it (ORIGIN for the first)
     error_type: str = ""        # e.g. "PeerLost", "TransferTimeout"
     error: str = ""
-    last_byte_seconds: float = 0.0  # from the start of the hop feeding it to its last byte (see slowest_hop)
+    lag_seconds: float = 0.0    # its last byte after its feeder had the whole update (see slowest_hop)
 
     def as_dict(self) -> dict[str, Any]:
         return {"address": self.address, "ok": self.ok, "bytes": self.bytes, "seconds": self.seconds,
                 "transport": self.transport, "verified": self.verified, "via": self.via,
-                "error_type": self.error_type, "error": self.error, "last_byte_seconds": self.last_byte_seconds}
+                "error_type": self.error_type, "error": self.error, "lag_seconds": self.lag_seconds}
 
     @classmethod
     def from_wire(cls, value: Any) -> ReceiverResult:
@@ -174,30 +176,30 @@ class ReceiverResult:
             return v
         return cls(value["address"], value["ok"], get("bytes", int, 0), get("seconds", float, 0.0),
                    get("transport", str, ""), get("verified", bool, False), get("via", str, ""),
-                   get("error_type", str, ""), get("error", str, ""), get("last_byte_seconds", float, 0.0))
+                   get("error_type", str, ""), get("error", str, ""), get("lag_seconds", float, 0.0))
 
 
 def slowest_hop(results: Sequence[ReceiverResult]) -> tuple[ReceiverResult, float] | None:
     """The receiver that held a pipelined chain back and its lag in seconds, or None when no hop stands out.
 
     In a chain every receiver gets its bytes as fast as the slowest receiver before it, so a slow one
-    shows as a *lag*: its last byte came long after the last byte of the receiver feeding it, while
-    the receivers after it follow it closely.  ``last_byte_seconds`` of consecutive hops start within
-    a control round trip of each other (a relay starts its hop as soon as it gets its offer), so the
-    lags are differences of those.  A hop is slow when its lag is more than :data:`SLOW_LAG` of the
-    first hop's time (and more than :data:`SLOW_MIN_LAG`) *and* more than twice every other hop's lag --
-    so a chain whose hops all contend for one memory bus (each lags about the same) has none.  The head
-    of the chain has no lag to judge (it is fed by the origin): a slow head is found only once it is not
-    first.
+    shows as a *lag*: its last byte came long after its feeder had the whole update, while the receivers
+    after it follow it closely.  Each lag is measured by the feeder on its own clock (``lag_seconds``);
+    the first receiver's is its whole transfer.  A receiver after the first is slow when its lag is more
+    than :data:`SLOW_LAG` of the first one's (and more than :data:`SLOW_MIN_LAG`) *and* more than twice
+    every other lag after the first -- so a chain whose hops all contend for one memory bus (each lags
+    about the same) has none.  The head of the chain has no lag to judge (the origin has the update
+    from the start): a slow head is found only once it is not first.
     """
-    ok = [r for r in results if r.ok and r.last_byte_seconds > 0]
+    ok = [r for r in results if r.ok]
     if len(ok) < 2:
         return None
-    lags = [(b.last_byte_seconds - a.last_byte_seconds, b) for a, b in itertools.pairwise(ok)]
-    lag, worst = max(lags, key=lambda item: item[0])
-    others = [other for other, r in lags if r is not worst]
-    if lag > max(SLOW_MIN_LAG, SLOW_LAG * ok[0].last_byte_seconds) and all(lag > 2 * other for other in others):
-        return worst, lag
+    head, rest = ok[0], ok[1:]
+    worst = max(rest, key=lambda r: r.lag_seconds)
+    others = [r.lag_seconds for r in rest if r is not worst]
+    if worst.lag_seconds > max(SLOW_MIN_LAG, SLOW_LAG * head.lag_seconds) \
+            and all(worst.lag_seconds > 2 * other for other in others):
+        return worst, worst.lag_seconds
     return None
 
 
@@ -217,7 +219,7 @@ class FanoutStats:
     piece_bytes: int
     receivers: tuple[ReceiverResult, ...]
     head: TransferStats | None = None          # the first successful hop's own stats
-    slow: str = ""          # the receiver that held the chain back: moved to the tail for the next update
+    slow: str = ""          # the receiver that held the chain back in this update (see FanoutSender)
 
     @property
     def ok(self) -> bool:
@@ -249,6 +251,7 @@ class Landed:
         self._by_start: dict[int, int] = {}     # disjoint landed intervals, merged as they touch
         self._by_end: dict[int, int] = {}
         self._all = False
+        self.completed_at: float | None = None     # perf_counter() when every byte had landed
         self.aborted: str | None = None
 
     def add(self, offset: int, length: int) -> None:
@@ -268,6 +271,8 @@ class Landed:
 
     def add_all(self) -> None:
         with self._cond:
+            if not self._all:
+                self.completed_at = time.perf_counter()
             self._all = True
             self._cond.notify_all()
 
@@ -415,6 +420,7 @@ class Chain:
             t0 = time.perf_counter()
             try:
                 sender = self._session(address)
+                started = time.perf_counter()
                 head = sender.send(region, verify=verify, progress=progress if i == 0 else None, onward=onward)
             except (TensorXferError, OSError) as e:
                 self._drop(address)
@@ -425,8 +431,12 @@ class Chain:
                 results.append(ReceiverResult(address, False, seconds=time.perf_counter() - t0, via=self.origin,
                                               error_type=type(e).__name__, error=str(e)))
                 continue
+            # The lag on this hop's clock: its last byte after this hop had the whole update (a relay: once its
+            # own copy landed; the origin: from the start).
+            last_byte = started + head.last_byte_seconds
+            lag = head.last_byte_seconds if landed is None else max(0.0, last_byte - (landed.completed_at or last_byte))
             results.append(ReceiverResult(address, True, head.bytes, head.seconds, head.transport, head.verified,
-                                          via=self.origin, last_byte_seconds=head.last_byte_seconds))
+                                          via=self.origin, lag_seconds=lag))
             results.extend(onward.relayed)
             return results, head
         return results, head
@@ -541,7 +551,8 @@ class FanoutSender:
 
     A receiver that fails is taken out: it is named in that update's :class:`FanoutStats` and left
     out of later updates (:attr:`chain`).  A receiver that holds the chain back is named
-    (:attr:`FanoutStats.slow`) and moved to the tail for later updates.  ``close()`` is idempotent.
+    (:attr:`FanoutStats.slow`) and, after :data:`SLOW_STRIKES` such updates in a row, moved to the tail
+    for later updates.  ``close()`` is idempotent.
     """
 
     def __init__(self, to: Sequence[str], token: str | bytes | None = None, transport: str = "auto",
@@ -557,6 +568,7 @@ class FanoutSender:
             parse_address(a)
         self.chain: list[str] = targets
         self.removed: list[ReceiverResult] = []
+        self._strikes: tuple[str, int] = ("", 0)    # the receiver that held the chain back, updates in a row
         self._update = 0
         self._lock = threading.Lock()
         self._chain: Chain | None = Chain(token, transport, streams, float(stall_timeout), float(connect_timeout),
@@ -604,12 +616,19 @@ class FanoutSender:
             self.removed.extend(r for r in results if not r.ok)
             self.chain = [a for a in self.chain if a not in failed]
             slow = slowest_hop(results)
+            self._strikes = ("", 0) if slow is None else \
+                (slow[0].address, self._strikes[1] + 1 if self._strikes[0] == slow[0].address else 1)
             if slow is not None and self.chain[-1] != slow[0].address:
-                # Everyone after it got its bytes at its pace: at the tail it holds back no one else.
-                self.chain.remove(slow[0].address)
-                self.chain.append(slow[0].address)
-                log.warning("fan-out: %s held the chain back (its last byte came %.3f s after its feeder's); "
-                            "it is last from the next update on", slow[0].address, slow[1])
+                # Everyone after it got its bytes at its pace: at the tail it holds back no one else.  Only
+                # when it does so again and again: moving a hop sets up sessions anew (rdma: registers).
+                moving = self._strikes[1] >= SLOW_STRIKES
+                log.warning("fan-out: %s held the chain back (its last byte came %.3f s after its feeder had the "
+                            "update; %d update(s) in a row)%s", slow[0].address, slow[1], self._strikes[1],
+                            "; it is last from the next update on" if moving else "")
+                if moving:
+                    self.chain.remove(slow[0].address)
+                    self.chain.append(slow[0].address)
+                    self._strikes = ("", 0)
             return FanoutStats(region.nbytes, seconds, version, order, forward_piece_bytes(head, region),
                                tuple(results), head, slow[0].address if slow is not None else "")
 
