@@ -7,6 +7,7 @@ updates); an rdma relay forwards as its own copy lands: its receiver asks its se
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -69,6 +70,43 @@ def test_a_killed_rdma_receiver_is_named_and_the_others_complete(peers):  # noqa
         assert all(r.verified for r in ok)
         for p in (ps[0], ps[2]):
             assert p.wait_oks(2, timeout=120)[-1]["sha256"] == sha(region)
+        assert fan.chain == [ps[0].address, ps[2].address]
+        assert fan.send(region, verify=True).ok      # the next update goes around it from the start
+
+
+def test_a_stalled_rdma_receiver_is_cut_out_after_the_stall_timeout(peers):  # noqa: F811
+    # The middle receiver is stopped (SIGSTOP) while the next update moves.  One-sided writes into its
+    # region still land (the device does them, not the process), so what times out is its silence: the
+    # relay before it waits for its accept or its ack, names it TransferTimeout and sends the update to
+    # the last receiver instead.  The stopped process never acknowledges a version it did not check.
+    ps = peers(3, stall=3.0)
+    victim = ps[1]
+    stopped = threading.Event()
+
+    def stop_victim(_: int) -> None:
+        # The origin's write to the first receiver just completed: the victim, fed by the first, has not
+        # acknowledged (it waits for the hop after it), so it stops mid-update, wherever its bytes are.
+        if not stopped.is_set():
+            stopped.set()
+            victim.proc.send_signal(signal.SIGSTOP)
+
+    with model(8 * MIB, seed=7) as region, \
+            FanoutSender([p.address for p in ps], token=TOKEN, transport="rdma", stall_timeout=3) as fan:
+        assert fan.send(region).ok                   # every hop set up: the stop hits a warm chain
+        region.tensors()["layer3.w"][:] = 11
+        t0 = time.perf_counter()
+        stats = fan.send(region, verify=True, progress=stop_victim)
+        elapsed = time.perf_counter() - t0
+        assert stopped.is_set()
+        [bad] = stats.failed
+        assert bad.address == victim.address and bad.error_type == "TransferTimeout", bad
+        assert elapsed < 60, elapsed                 # a control timeout (10 s) plus the resend, not a hang
+        ok = [r for r in stats.receivers if r.ok]
+        assert [r.address for r in ok] == [ps[0].address, ps[2].address] and all(r.verified for r in ok)
+        assert ok[1].via == ps[0].address            # the hop before the stalled one repaired the chain
+        for p in (ps[0], ps[2]):
+            assert p.wait_oks(2, timeout=120)[-1]["sha256"] == sha(region)
+        assert not [r for r in victim.oks() if r.get("update") == 2]
         assert fan.chain == [ps[0].address, ps[2].address]
         assert fan.send(region, verify=True).ok      # the next update goes around it from the start
 
