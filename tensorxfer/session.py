@@ -164,6 +164,35 @@ class _KeepAlive:
         self._thread.join()
 
 
+class _RelayAck:
+    """A relay's ack, sent from a thread once the rest of its chain finished.
+
+    A relay's own copy is complete (and checked) long before the hops after it are, and the ack carries
+    their results: so :meth:`Receiver.receive` returns at once and this thread waits for the forward
+    (sending ``wait`` frames meanwhile), then acknowledges.  Only this thread uses the session until it
+    ends; the receiver joins it before the session's next frame.
+    """
+
+    def __init__(self, ch: Channel, seq: int, nbytes: int, job: RelayJob) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(ch, seq, nbytes, job), name="tensorxfer-relay-ack",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, ch: Channel, seq: int, nbytes: int, job: RelayJob) -> None:
+        try:
+            with _KeepAlive(ch, seq):
+                relayed = job.finish()
+            ch.send("ack", seq=seq, bytes=nbytes, relayed=relayed)
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the ack to go out (or fail); False if still waiting after ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 def _remaining(deadline: float | None) -> float | None:
     # Never 0: a zero socket timeout means non-blocking (BlockingIOError), not "time is up".
     return None if deadline is None else max(1e-3, deadline - time.monotonic())
@@ -231,6 +260,7 @@ class Receiver:
                                      if self._relay_allowed else None)
         self._version: Version | None = None
         self._fed_by_relay = False
+        self._relay_ack: _RelayAck | None = None     # the last update's ack, waiting for the rest of its chain
         self._channel: Channel | None = None
         self._session_key = b""
         self._seq = 0
@@ -345,12 +375,19 @@ class Receiver:
 
         Notes
         -----
+        A fan-out relay returns as soon as its own copy is complete (and
+        checked): it goes on forwarding from the region to the rest of its
+        chain, and acknowledges its sender once they finished (the next
+        ``receive()``, :meth:`wait_relayed` or :meth:`close` waits for that).
+        Do not write into the region meanwhile.
+
         Every failure ends the current session (the next call accepts a new
         sender) but leaves the receiver usable.  Calling :meth:`close` from
         another thread ends a blocked ``receive`` with :class:`TransferError`.
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
+            self._settle_relay_ack(deadline)
             while True:
                 ch = self._channel
                 if ch is None:
@@ -422,6 +459,34 @@ class Receiver:
                 return None
             if events:
                 gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
+
+    def _settle_relay_ack(self, deadline: float | None) -> None:
+        """Let the last relayed update's ack go out before the session moves on (the sender reads nothing
+        else first).  If it could not be sent, the session is over."""
+        ack = self._relay_ack
+        if ack is None:
+            return
+        if not ack.join(_remaining(deadline)):
+            raise TransferTimeout("the previous update's relay ack is still waiting for the rest of its chain")
+        self._relay_ack = None
+        if ack.error is not None:
+            log.warning("relay: the previous update's ack could not be sent (%s: %s): ending that session",
+                        type(ack.error).__name__, ack.error)
+            self._end_session()
+
+    def wait_relayed(self, timeout: float | None = None) -> None:
+        """Wait until the last update this receiver relayed has been acknowledged to its sender (the rest
+        of its chain finished); a no-op when it relayed nothing.  :meth:`receive` returns as soon as this
+        receiver's own copy is complete, so a process that is about to exit after its last update calls
+        this (or :meth:`close`, which does) so that the hops after it are not left behind.
+
+        Raises
+        ------
+        TransferTimeout
+            The chain had not finished within ``timeout`` seconds.
+        """
+        with self._lock:
+            self._settle_relay_ack(None if timeout is None else time.monotonic() + timeout)
 
     def _check_open(self) -> None:
         if self._closing:
@@ -592,8 +657,7 @@ class Receiver:
         # receiver is alive and working, so its ack wait measures a stall, not the length of the work.
         bad: str | None = None
         failure: BaseException | None = None
-        relayed: list[dict[str, Any]] | None = None
-        busy = expected is not None or on_landed is not None or job is not None
+        busy = expected is not None or on_landed is not None
         with _KeepAlive(ch, seq) if busy else contextlib.nullcontext():    # no thread for a plain update
             if expected is not None:
                 bad = first_mismatch(region, expected)
@@ -602,8 +666,6 @@ class Receiver:
                     on_landed(region)
                 except BaseException as e:
                     failure = e
-            if bad is None and failure is None and job is not None:
-                relayed = job.finish()
         if bad is not None:
             msg = f"tensor {bad!r} arrived corrupted ({ALGORITHM} differs from the sender's)"
             ch.send_error("checksum", msg, tensor=bad)
@@ -612,7 +674,12 @@ class Receiver:
             ch.send_error("landed", f"the receiver failed after the data landed: {type(failure).__name__}: "
                                     f"{failure}")
             raise failure
-        ch.send("ack", seq=seq, bytes=nbytes, **({"relayed": relayed} if relayed is not None else {}))
+        if job is not None:
+            # This copy is complete and checked: receive() returns now; the ack, which carries the results
+            # of the hops after this one, goes out when they finished.
+            self._relay_ack = _RelayAck(ch, seq, nbytes, job)
+            return
+        ch.send("ack", seq=seq, bytes=nbytes)
 
     def _serve_shared(self, ch: Channel, seq: int, manifest: Manifest, verify: bool, fresh: bool,
                       progress: Progress | None, t0: float,
@@ -693,8 +760,12 @@ class Receiver:
     def close(self) -> None:
         """Close the session, the listener and the region; idempotent.
 
+        A relay first lets its last update's ack out (:meth:`wait_relayed`: the hops after it finish).
         From another thread it also ends a blocked :meth:`receive` with :class:`TransferError`.
         """
+        ack = self._relay_ack
+        if ack is not None and not self._closing:
+            ack.join()      # the hops after this one get their update (bounded by the chain's allowances)
         self._closing = True
         gate, self._gate = self._gate, None
         if gate is not None:

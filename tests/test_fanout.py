@@ -420,6 +420,10 @@ def test_slow_receiver_is_moved_to_the_tail_of_the_chain(peers):
         assert fan.chain[-1] == slow.address        # already last: it stays there
         for p in (fast1, slow, fast2, fast3):
             assert p.wait_oks(3)[-1]["sha256"] == sha(region)
+        # Each relay's receive() returned once its own copy was complete, not when the slow tail's was
+        # (their acks, carrying the tail's result, went out later).
+        done = {p.address: p.oks()[2]["t"] for p in (fast1, slow, fast2, fast3)}
+        assert max(done[p.address] for p in (fast1, fast2, fast3)) < done[slow.address] - 0.3, done
 
 
 def test_slowest_hop_names_only_a_hop_that_stands_out():
