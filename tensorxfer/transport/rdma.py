@@ -247,6 +247,10 @@ class _Endpoint:
     def mr_path(self) -> str:
         return str(self._mr.path)
 
+    @property
+    def qp_count(self) -> int:
+        return len(self._qps)
+
     def descriptors(self) -> dict[str, Any]:
         """What the peer needs to connect, as a msgpack-able dict."""
         self._check_open()

@@ -224,7 +224,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
             self._seq = seq
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
-                return {"setup": False, **self._ask_marks(len(endpoint.descriptors()["qps"]))}
+                return {"setup": False, **self._ask_marks(endpoint.qp_count)}
             self._teardown()
             qps = min(max(self.ctx.streams or DEFAULT_QPS, 1), MAX_QPS)
             self._endpoint = RdmaReceiverEndpoint(region, _device(), qps=qps)
