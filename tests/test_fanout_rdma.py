@@ -51,18 +51,19 @@ def test_a_killed_rdma_receiver_is_named_and_the_others_complete(peers):  # noqa
     victim = ps[1]
     with model(8 * MIB, seed=5) as region, \
             FanoutSender([p.address for p in ps], token=TOKEN, transport="rdma", stall_timeout=20) as fan:
-        t0 = time.perf_counter()
         assert fan.send(region).ok                   # every hop set up
-        first = time.perf_counter() - t0
         region.tensors()["layer0.w"][:] = 9
-        # Kill the middle receiver while the next update moves (before, during or after its own hop:
-        # each must end the same way -- it is named, the chain goes around it).
-        killer = threading.Timer(first * 0.4, victim.proc.kill)
-        killer.start()
-        try:
-            stats = fan.send(region, verify=True)
-        finally:
-            killer.join()
+        # Kill the middle receiver while the next update moves: once the origin's write to the first
+        # receiver completed, the middle one (fed by the first) is somewhere in its own hop and has not
+        # acknowledged (it waits for the hop after it).  It is named; the chain goes around it.
+        killed = threading.Event()
+
+        def kill_victim(_: int) -> None:
+            if not killed.is_set():
+                killed.set()
+                victim.proc.kill()
+        stats = fan.send(region, verify=True, progress=kill_victim)
+        assert killed.is_set()
         [bad] = stats.failed
         assert bad.address == victim.address and bad.error_type and bad.error
         ok = [r for r in stats.receivers if r.ok]
