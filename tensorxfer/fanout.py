@@ -62,10 +62,10 @@ the start).  A receiver whose lag stands out while the ones after it follow
 it closely is the one holding the chain back (:func:`slowest_hop`).
 :class:`FanoutSender` names it (:attr:`FanoutStats.slow`, logged) and, once
 it held the chain back :data:`SLOW_STRIKES` updates in a row, moves it to
-the tail, where it delays no one else's bytes.  Every receiver's
-``receive()`` still returns with the ack, which carries the results of the
-hops after it; ``on_landed`` runs as soon as the receiver's own copy landed
-and checked out.
+the tail, where it delays no one else's bytes.  A relay's ``receive()``
+returns as soon as its own copy is complete and checked; its ack, which
+carries the results of the hops after it, goes out once they finished
+(:meth:`~tensorxfer.session.Receiver.wait_relayed`).
 
 Results: every hop's ``ack`` carries the results of the hops after it, so
 :class:`FanoutStats` has one :class:`ReceiverResult` per receiver (bytes,
