@@ -19,7 +19,11 @@ software emulation only the *ratios* mean anything:
   (ib, engine, ib, ...: each engine run against the mean of the ib runs
   around it; the median of those per-round ratios is reported).
   ``ib_write_bw`` is read in MiB/s (two decimals), not ``--report_gbits``
-  (0.01 Gb/s steps: 4 % of Soft-RoCE's rate).
+  (0.01 Gb/s steps: 4 % of Soft-RoCE's rate).  It moves the bytes of one
+  update: ``-n`` is per QP, so ``-n size / (1 MiB x 4 QPs)`` (perftest's
+  floor is 5 per QP, i.e. 20 MiB).  Results before ``*-samebytes-*`` ran
+  ``-n size / 1 MiB`` per QP, 4x an update's bytes, which spreads its start
+  and drain over 4x the data (``--ib-iters`` repeats that).
 
 tensorxfer's sender and receiver endpoints run in this one process (the
 device loops the traffic back, as ib_write_bw's server and client do through
@@ -62,6 +66,7 @@ from tensorxfer.transport.rdma import (
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "tests" / "rdma_pyverbs_peer.py"
 MIB = 1 << 20
+IB_MIN_ITERS = 5        # perftest refuses fewer iterations per QP
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4 * MIB, help="region chunk (handle) size")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 3)")
     ap.add_argument("--engine-only", action="store_true", help="only the engine against ib_write_bw")
+    ap.add_argument("--ib-iters", type=int, default=None,
+                    help="ib_write_bw -n (per QP) for the engine's reference (default: an update's bytes)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/rdma-<date>.json)")
     args = ap.parse_args(argv)
 
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios resists the drift of an emulated machine better than a ratio of medians."""
         per = []
         for _ in range(rounds):
-            ib = note(ib_write_bw(wr, q, max(8, size // wr), device, gid_index, args.host))
+            ib = note(ib_write_bw(wr, q, max(IB_MIN_ITERS, size // (wr * q)), device, gid_index, args.host))
             tx = note(tensorxfer_run(size, q, wr, reps, args.chunk, args.device))
             if "gbps" in ib:
                 per.append(tx["gbps"] / ib["gbps"])
@@ -258,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     # ib, engine, ib, engine, ..., ib: each engine run is compared with the mean of the ib_write_bw runs
     # just before and just after it, which cancels the emulated machine's drift (it moves the rate by
     # up to +-20 % within minutes) to first order
+    ib_iters = args.ib_iters or max(IB_MIN_ITERS, size // (DEFAULT_WR_SIZE * DEFAULT_QPS))
+
     def reference() -> dict[str, Any]:
-        return note(ib_write_bw(DEFAULT_WR_SIZE, DEFAULT_QPS, max(8, size // DEFAULT_WR_SIZE), device, gid_index,
-                                args.host))
+        return note(ib_write_bw(DEFAULT_WR_SIZE, DEFAULT_QPS, ib_iters, device, gid_index, args.host))
     per = []
     before = reference()
     for _ in range(rounds):
