@@ -344,7 +344,8 @@ class Onward:
     range is in the region (relays; the tcp hook); ``ready_after``: blocks until the landed prefix
     reaches past an offset and returns its end (relays; the ipc hook); ``checksums``: the done frame's
     checksums, called at done time (relays pass on their upstream's, only once their own copy is
-    complete); ``relayed``: filled from the ack.
+    complete); ``relayed``: filled from the ack; ``transport``: how the next hops choose theirs (the
+    origin's request, ``auto`` or a name).
     """
 
     chain: list[str]
@@ -354,6 +355,7 @@ class Onward:
     ack_allowance: float = 0.0
     relayed: list[ReceiverResult] = field(default_factory=list)
     ready_after: Callable[[int], int] | None = None
+    transport: str = "auto"
 
     def acked(self, ack: dict[str, Any]) -> None:
         value = ack.get("relayed", [])
@@ -421,7 +423,7 @@ class Chain:
             rest = list(targets[i + 1:])
             onward = Onward(rest, version, landed.wait_range if landed is not None else None, checksums,
                             chain_allowance(len(rest), region.nbytes, self.stall_timeout),
-                            ready_after=landed.wait_prefix if landed is not None else None)
+                            ready_after=landed.wait_prefix if landed is not None else None, transport=self.transport)
             t0 = time.perf_counter()
             try:
                 sender = self._session(address)

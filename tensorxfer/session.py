@@ -72,7 +72,14 @@ from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, client_handshake, field, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
+from tensorxfer.transport.base import (
+    MAX_STREAMS,
+    Progress,
+    ReceiverTransport,
+    SenderTransport,
+    TransferContext,
+    setup_flag,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +198,29 @@ class _RelayAck:
         """Wait for the ack to go out (or fail); False if still waiting after ``timeout`` seconds."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def _chain_transport(offer: dict[str, Any], used: str) -> str:
+    """How a relay picks the transport to the next hop: as the origin asked (``auto``: each hop chooses what
+    it and its next hop share, e.g. ipc on one host and tcp to another), not what the hop before it used.
+    An offer without the field (older senders) keeps the old behaviour: the hop's own transport."""
+    wanted = field(offer, "chain_transport", str, optional=True)
+    if wanted is None:
+        return used
+    if wanted != "auto" and wanted not in TRANSPORTS:
+        raise ProtocolError(f"offer: chain_transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {wanted!r}")
+    return wanted
+
+
+def _context(ch: Channel, session_key: bytes, stall_timeout: float, streams: int | None) -> TransferContext:
+    """A session's transport context (its hosts: where data connections go).  Reading the addresses fails
+    when the peer reset the connection since its last frame: that is :class:`PeerLost`, not an OSError."""
+    try:
+        local, peer = ch.sock.getsockname()[0], ch.sock.getpeername()[0]
+    except OSError as e:
+        raise PeerLost(f"the {ch.peer_role or 'peer'} reset the control connection ({e.strerror or e})") from None
+    return TransferContext(local_host=local, peer_host=peer, session_key=session_key, stall_timeout=stall_timeout,
+                           streams=streams)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -517,8 +547,7 @@ class Receiver:
         """This session's transport ``name`` (made on its first use, reused by every later update)."""
         transport = self._transports.get(name)
         if transport is None:
-            ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
-                                  session_key=self._session_key, stall_timeout=self.stall_timeout, streams=streams)
+            ctx = _context(ch, self._session_key, self.stall_timeout, streams)
             transport = self._transports[name] = TRANSPORTS[name][1](ctx)
         return transport
 
@@ -536,8 +565,11 @@ class Receiver:
         self._fed_by_relay = offer.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         try:
+            if streams is not None and not 1 <= streams <= MAX_STREAMS:
+                raise ProtocolError(f"offer: streams must be between 1 and {MAX_STREAMS}, got {streams}")
             manifest, digest = self._unpack_manifest(field(offer, "manifest", bytes))
             version, chain = self._offered_version(offer, digest)
+            onward_transport = _chain_transport(offer, name) if chain else name
         except (ManifestError, ProtocolError) as e:
             ch.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
             raise
@@ -579,7 +611,8 @@ class Receiver:
             transport = self._transport(ch, name, streams)
             if chain:
                 assert self._relay is not None and version is not None
-                job = self._relay.start(region, chain, version, verify, name, streams, "{}:{}".format(*self.address))
+                job = self._relay.start(region, chain, version, verify, onward_transport, streams,
+                                        "{}:{}".format(*self.address))
             if hasattr(transport, "on_piece"):      # tcp, ipc, rdma: a relay forwards ranges as they land
                 transport.on_piece = job.landed.add if job is not None else None
             registered, used = transport.counters.registrations, transport.counters.updates
@@ -858,8 +891,8 @@ class Sender:
         connect_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
         check_requested(transport)
-        if streams is not None and not 1 <= streams <= 64:
-            raise ValueError(f"streams must be between 1 and 64, got {streams}")
+        if streams is not None and not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be between 1 and {MAX_STREAMS}, got {streams}")
         host, port = parse_address(connect)
         self.streams = streams
         self.stall_timeout = float(stall_timeout)
@@ -963,14 +996,13 @@ class Sender:
                      if verify and not relayed else None)
         packed, digest = self._wire_manifest(region.manifest)
         version = onward.version if onward is not None else Version(seq, digest)
-        extra: dict[str, Any] = {"chain": onward.chain} if onward is not None and onward.chain else {}
+        extra: dict[str, Any] = {"chain": onward.chain, "chain_transport": onward.transport} \
+            if onward is not None and onward.chain else {}
         if relayed:
             extra["relayed"] = True     # the receiver learns a repaired chain may send this update again
         transport = self._transports.get(self.transport)
         if transport is None:
-            ctx = TransferContext(local_host=ch.sock.getsockname()[0], peer_host=ch.sock.getpeername()[0],
-                                  session_key=self._session_key, stall_timeout=self.stall_timeout,
-                                  streams=self.streams)
+            ctx = _context(ch, self._session_key, self.stall_timeout, self.streams)
             transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
         ch.send("offer", seq=seq, manifest=packed, transport=self.transport,
                 streams=self.streams, verify=verify, fresh=transport.needs_setup(region),
@@ -1033,19 +1065,34 @@ class Sender:
                              last_byte_seconds=last_byte)
 
     def close(self) -> None:
-        """Say goodbye (best effort) and close the session and its transports; idempotent."""
-        transports, self._transports = self._transports, {}
-        for transport in transports.values():
-            transport.close()
-        ch, self._channel = self._channel, None
-        if ch is not None:
-            if self._broken is None:
+        """Say goodbye (best effort) and close the session and its transports; idempotent.
+
+        From another thread it ends a :meth:`send` in flight (with :class:`PeerLost` or
+        :class:`TransferError`): no goodbye then, the control connection is shut down, which wakes it.
+        """
+        idle = self._lock.acquire(blocking=False)   # False: a send() is in flight (in another thread, or failing)
+        try:
+            transports, self._transports = self._transports, {}
+            for transport in transports.values():
+                transport.close()
+            ch, self._channel = self._channel, None
+            if ch is None:
+                return
+            if idle and self._broken is None:
                 try:
                     ch.sock.settimeout(1.0)
                     ch.send("bye")
                 except TensorXferError:
                     pass   # the receiver is already gone; closing is all that is left
+            else:
+                try:
+                    ch.sock.shutdown(socket.SHUT_RDWR)  # closing alone does not wake a thread blocked on it
+                except (OSError, ProtocolError):
+                    pass    # already reset or closed: nothing to wake
             ch.close()
+        finally:
+            if idle:
+                self._lock.release()
 
     def __enter__(self) -> Sender:
         return self

@@ -8,6 +8,8 @@ loopback machine.  ``--device``: where the received regions live (``cuda:0``: be
 ``--ipc-piece-delay S`` (tests): every ipc copy piece sleeps S seconds first, and each update's line says
 when this receiver's first piece started copying and its last one finished (``copy_start``, ``copy_end``,
 ``time.time()``), so a test can see whether hops overlap (pipelined) or follow each other.
+``--ipc-wedge-after-copy`` (tests): once every ipc piece is copied, the receiving thread hangs before it
+reports done (as on a GPU whose final synchronize never returns).
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def trace_ipc_copies(delay: float) -> list[tuple[float, float]]:
     return spans
 
 
+def wedge_ipc_after_copy() -> None:
+    """Every ipc update copies all its pieces (and says so), then hangs instead of finishing."""
+    from tensorxfer.transport import ipc
+
+    copy_pieces = ipc.IpcReceiver._copy_pieces
+
+    def wedged(self, *args, **kw):  # type: ignore[no-untyped-def]
+        copy_pieces(self, *args, **kw)
+        threading.Event().wait()
+    ipc.IpcReceiver._copy_pieces = wedged  # type: ignore[method-assign]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("token")
@@ -92,7 +106,10 @@ def main() -> None:
     p.add_argument("pacing", nargs="?", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--ipc-piece-delay", type=float, default=None)
+    p.add_argument("--ipc-wedge-after-copy", action="store_true")
     args = p.parse_args()
+    if args.ipc_wedge_after_copy:
+        wedge_ipc_after_copy()
     digest = args.digest == "1"
     if args.pacing > 0:
         pace_tcp_streams(args.pacing)

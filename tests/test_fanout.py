@@ -32,13 +32,16 @@ class Peer:
     """A fan-out receiver process; ``lines()`` are its JSON reports so far."""
 
     def __init__(self, stall: float = 10.0, digest: bool = True, ipc_piece_delay: float | None = None,
-                 device: str = "cpu", env: dict[str, str] | None = None, pacing: int = 0) -> None:
+                 device: str = "cpu", env: dict[str, str] | None = None, pacing: int = 0,
+                 ipc_wedge: bool = False, launcher: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         extra = ["--device", device]
         if ipc_piece_delay is not None:
             extra += ["--ipc-piece-delay", str(ipc_piece_delay)]
-        self.proc = subprocess.Popen([sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0", str(pacing),
-                                      *extra],
+        if ipc_wedge:
+            extra.append("--ipc-wedge-after-copy")
+        self.proc = subprocess.Popen([*launcher, sys.executable, PEER, TOKEN, str(stall), "1" if digest else "0",
+                                      str(pacing), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         self.address = json.loads(self.proc.stdout.readline())["address"]
@@ -392,6 +395,55 @@ def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
     assert elapsed < 15
     errors = [r for r in ps[2].reports if "error" in r]
     assert [r["error"] for r in errors] == ["TransferTimeout"] and "did not advance" in errors[0]["message"], errors
+
+
+def test_relay_over_ipc_names_a_receiver_that_never_finishes_its_copy(peers):
+    # The second receiver copies every byte from the first (a relay) and then hangs before saying done.  The
+    # relay used to wait for it forever (every byte reported reset its stall clock), so the origin timed the
+    # healthy relay out after its whole ack allowance and named it.  Now the relay names the hung one after
+    # stall_timeout and acknowledges; the next update goes to the relay alone.
+    relay, = peers(1, stall=2.0)
+    hung, = peers(1, stall=2.0, ipc_wedge=True)
+    with model(8 << 20) as region, \
+            FanoutSender([relay.address, hung.address], token=TOKEN, transport="ipc", stall_timeout=2.0) as fan:
+        t0 = time.perf_counter()
+        stats = fan.send(region)
+        elapsed = time.perf_counter() - t0
+        [bad] = stats.failed
+        assert bad.address == hung.address and bad.error_type == "TransferTimeout", bad
+        assert "did not finish" in bad.error and bad.via == relay.address, bad
+        assert stats.receivers[0].ok and elapsed < 20, (stats.receivers[0], elapsed)
+        assert relay.wait_oks(1)[0]["sha256"] == sha(region)
+        assert fan.chain == [relay.address]
+        assert fan.send(region).ok
+        assert len(relay.wait_oks(2)) == 2
+
+
+def _unshare_mount() -> tuple[str, ...] | None:
+    """A launcher that runs a process in its own mount namespace (ipc then refuses it: not the same host as far
+    as memory handles go), or None where that is not allowed."""
+    try:
+        ok = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return ("unshare", "-m") if ok else None
+
+
+def test_auto_chain_lets_every_hop_choose_its_own_transport(peers):
+    # transport="auto": the origin reaches the first receiver over ipc, but the second shares no mount namespace
+    # with anyone (as a receiver on another machine would), so ipc cannot reach it.  The relay used to forward
+    # with the transport the origin chose for it (ipc, forced) and named the second receiver unreachable; now
+    # each hop chooses what it and its next hop share.
+    launcher = _unshare_mount()
+    if launcher is None:
+        pytest.skip("unshare -m is not permitted here (needs CAP_SYS_ADMIN)")
+    near, = peers(1)
+    far, = peers(1, launcher=launcher)
+    with model(8 << 20) as region, FanoutSender([near.address, far.address], token=TOKEN) as fan:
+        stats = fan.send(region, verify=True)
+        assert stats.ok, stats.failed
+        assert [r.transport for r in stats.receivers] == ["ipc", "tcp"], stats.receivers
+        assert far.wait_oks(1)[0]["sha256"] == sha(region)
 
 
 def test_slow_receiver_is_moved_to_the_tail_of_the_chain(peers):

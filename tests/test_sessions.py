@@ -224,6 +224,64 @@ def test_close_from_another_thread_during_a_session_ends_receive_with_a_typed_er
                 job.result(timeout=5)
 
 
+def test_close_from_another_thread_ends_a_send_in_flight() -> None:
+    """A Sender closed while its send() waits on the receiver (here: for the accept, while the receiver's
+    on_offer takes its time) wakes at once with a typed error; closing the socket alone left the waiting
+    thread blocked until the receiver answered."""
+    with region_of(1 << 20) as src, Receiver(stall_timeout=2) as rx:
+        offered = threading.Event()
+
+        def slow(manifest: Manifest) -> None:
+            offered.set()
+            time.sleep(8)
+        job = Background(rx.receive, timeout=20, on_offer=slow)
+        s = Sender(addr(rx), transport="tcp")
+        sending = Background(s.send, src)
+        assert offered.wait(10)
+        t0 = time.monotonic()
+        s.close()
+        with pytest.raises(tx.TensorXferError):
+            sending.result(timeout=3)
+        assert time.monotonic() - t0 < 3
+        s.close()
+        with pytest.raises(tx.TensorXferError):
+            job.result(timeout=20)      # the receiver finishes its on_offer and finds the sender gone
+
+
+def _offer_then(rx: Receiver, reset: bool, **offer: object) -> None:
+    """Speak as a sender: handshake, one offer of 16 bytes over tcp, then reset the connection (RST) or wait."""
+    from tensorxfer import protocol as P
+
+    packed = Manifest.layout([("w", "U8", (16,))]).pack()
+    sock = socket.create_connection(rx.address, timeout=10)
+    with P.Channel(sock) as ch:
+        P.client_handshake(ch, None, {"transports": ["tcp"]}, 10)
+        ch.send("offer", **{"seq": 1, "manifest": packed, "transport": "tcp", "streams": None, "verify": False,
+                            "fresh": True, **offer})
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            ch.recv("error", timeout=10)
+
+
+def test_a_connection_reset_right_after_the_offer_is_peer_lost() -> None:
+    """The sender's connection is reset while the receiver looks at its offer (before it sets up a transport):
+    receive() raised a bare OSError (ENOTCONN from getpeername), outside its documented errors."""
+    with Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_offer=lambda m: time.sleep(0.3))
+        _offer_then(rx, reset=True)
+        with pytest.raises(tx.PeerLost, match="reset"):
+            job.result(timeout=10)
+
+
+def test_an_offer_for_too_many_streams_is_refused() -> None:
+    with Receiver() as rx:
+        job = Background(rx.receive, timeout=10)
+        _offer_then(rx, reset=False, streams=1000)
+        with pytest.raises(tx.ProtocolError, match="streams"):
+            job.result(timeout=10)
+
+
 def test_memory_a_vanished_sender_left_behind_is_released() -> None:
     """An offer allocates; the sender dies before any data: the receiver keeps nothing of it."""
     big = 64 << 20

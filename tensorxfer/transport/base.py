@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 Progress = Callable[[int], None]
 """Called with a byte count each time that many more bytes moved (from any thread)."""
 
+MAX_STREAMS = 64
+"""The most parallel streams (tcp connections, rdma QPs) a session may ask for."""
+
 
 @dataclass(frozen=True)
 class TransferContext:

@@ -1128,7 +1128,10 @@ class IpcSender(SenderTransport):
         """Read the receiver's ``P`` messages until its ``D``.
 
         Stall timing: no message for ``stall_timeout`` fails the update, except (relaying) while the
-        receiver has copied all the watermark allows: then it waits for this relay, not the other way round.
+        receiver has copied all the watermark allows short of the whole region: then it waits for this
+        relay, not the other way round.  Once the whole region was allowed and copied, only its ``D`` is
+        missing, and that is the receiver's to send within ``stall_timeout`` (a receiver stuck finishing
+        its copy would otherwise hold this relay, and its ack to the origin, forever).
         """
         reported = 0
         poller = None
@@ -1141,9 +1144,12 @@ class IpcSender(SenderTransport):
                 if forward.error is not None:
                     raise forward.error
                 now = time.monotonic()
-                if reported >= forward.sent:
-                    moved = now
+                if reported >= forward.sent and forward.sent < nbytes:
+                    moved = now     # it copied all it may so far: it waits for this relay's own copy
                 elif now - max(moved, forward.since) > self.ctx.stall_timeout:
+                    if reported >= nbytes:
+                        raise TransferTimeout(f"ipc: the receiver copied all {nbytes} bytes but did not finish "
+                                              f"(no done) for {self.ctx.stall_timeout} s")
                     raise TransferTimeout(f"ipc: the receiver copied {reported} of the {forward.sent} bytes it "
                                           f"may and made no progress for {self.ctx.stall_timeout} s")
                 continue

@@ -59,7 +59,14 @@ from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
 from tensorxfer.staging import open_stager, read_pieces, write_pieces
-from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport, TransferContext, setup_flag
+from tensorxfer.transport.base import (
+    MAX_STREAMS,
+    Progress,
+    ReceiverTransport,
+    SenderTransport,
+    TransferContext,
+    setup_flag,
+)
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -73,7 +80,6 @@ def _env_int(name: str, default: int) -> int:
 
 # Tuning knobs, chosen by measurement (module docstring); the environment overrides them for other networks.
 DEFAULT_STREAMS = _env_int("TENSORXFER_TCP_STREAMS", 4)
-MAX_STREAMS = 64
 MIN_SLICE_BYTES = 4 << 20      # below this, another stream costs more than it brings
 SLICE_ALIGN = 64 << 10
 PIECE_BYTES = _env_int("TENSORXFER_TCP_PIECE", 8 << 20)            # one sendall: progress and stall granularity
