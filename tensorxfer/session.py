@@ -220,7 +220,19 @@ def _context(ch: Channel, session_key: bytes, stall_timeout: float, streams: int
     except OSError as e:
         raise PeerLost(f"the {ch.peer_role or 'peer'} reset the control connection ({e.strerror or e})") from None
     return TransferContext(local_host=local, peer_host=peer, session_key=session_key, stall_timeout=stall_timeout,
-                           streams=streams)
+                           streams=streams, control_lost=lambda: _control_lost(ch))
+
+
+def _control_lost(ch: Channel) -> bool:
+    """Whether the peer closed or reset the control connection (without reading a byte of a frame: only
+    EOF or an error counts; a frame already waiting, e.g. the sender's done, means it is alive)."""
+    try:
+        readable, _, _ = select.select([ch.sock], [], [], 0)
+        return bool(readable) and ch.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError, ProtocolError):
+        return True
 
 
 def _remaining(deadline: float | None) -> float | None:

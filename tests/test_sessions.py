@@ -248,8 +248,9 @@ def test_close_from_another_thread_ends_a_send_in_flight() -> None:
             job.result(timeout=20)      # the receiver finishes its on_offer and finds the sender gone
 
 
-def _offer_then(rx: Receiver, reset: bool, **offer: object) -> None:
-    """Speak as a sender: handshake, one offer of 16 bytes over tcp, then reset the connection (RST) or wait."""
+def _offer_then(rx: Receiver, then: str, **offer: object) -> None:
+    """Speak as a sender: handshake, one offer of 16 bytes over tcp, then ``reset`` the connection (RST), wait
+    for the ``error`` frame, or read the ``accept`` and leave without connecting any data stream."""
     from tensorxfer import protocol as P
 
     packed = Manifest.layout([("w", "U8", (16,))]).pack()
@@ -258,10 +259,10 @@ def _offer_then(rx: Receiver, reset: bool, **offer: object) -> None:
         P.client_handshake(ch, None, {"transports": ["tcp"]}, 10)
         ch.send("offer", **{"seq": 1, "manifest": packed, "transport": "tcp", "streams": None, "verify": False,
                             "fresh": True, **offer})
-        if reset:
+        if then == "reset":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
-            ch.recv("error", timeout=10)
+            ch.recv(then, timeout=10)
 
 
 def test_a_connection_reset_right_after_the_offer_is_peer_lost() -> None:
@@ -269,15 +270,27 @@ def test_a_connection_reset_right_after_the_offer_is_peer_lost() -> None:
     receive() raised a bare OSError (ENOTCONN from getpeername), outside its documented errors."""
     with Receiver() as rx:
         job = Background(rx.receive, timeout=10, on_offer=lambda m: time.sleep(0.3))
-        _offer_then(rx, reset=True)
+        _offer_then(rx, "reset")
         with pytest.raises(tx.PeerLost, match="reset"):
             job.result(timeout=10)
+
+
+def test_a_sender_gone_after_accept_frees_the_receiver_at_once() -> None:
+    """The sender's control connection closes after the accept, before any data stream connected: the receiver
+    used to wait stall_timeout for the streams (TransferTimeout); now it notices within its 50 ms poll."""
+    with Receiver(stall_timeout=20) as rx:
+        job = Background(rx.receive, timeout=10)
+        t0 = time.monotonic()
+        _offer_then(rx, "accept")
+        with pytest.raises(tx.PeerLost, match="control connection"):
+            job.result(timeout=15)
+        assert time.monotonic() - t0 < 3
 
 
 def test_an_offer_for_too_many_streams_is_refused() -> None:
     with Receiver() as rx:
         job = Background(rx.receive, timeout=10)
-        _offer_then(rx, reset=False, streams=1000)
+        _offer_then(rx, "error", streams=1000)
         with pytest.raises(tx.ProtocolError, match="streams"):
             job.result(timeout=10)
 

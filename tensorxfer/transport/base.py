@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from tensorxfer.errors import ProtocolError
+from tensorxfer.errors import PeerLost, ProtocolError
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -76,6 +76,9 @@ class TransferContext:
         :class:`~tensorxfer.errors.TransferTimeout`.
     streams : int or None
         The sender's requested parallelism (``None``: the transport's default).
+    control_lost : callable, optional
+        Whether the peer's control connection is gone (closed or reset); the
+        session provides it so a setup wait notices a dead peer at once.
     """
 
     local_host: str
@@ -83,6 +86,21 @@ class TransferContext:
     session_key: bytes
     stall_timeout: float
     streams: int | None = None
+    control_lost: Callable[[], bool] | None = None
+
+    def setup_abort(self, name: str, closing: Callable[[], bool]) -> Callable[[], str | None]:
+        """The ``abort`` of a receiver's wait for the sender's data connections
+        (:meth:`~tensorxfer.connections.Gate.admit`): the transport closing ends it with
+        :class:`~tensorxfer.errors.TransferError`, the sender's control connection gone with
+        :class:`~tensorxfer.errors.PeerLost` -- a sender that died after its offer is noticed within
+        50 ms, not after ``stall_timeout``, and the receiver is free for the next one."""
+        def check() -> str | None:
+            if closing():
+                return f"{name}: the transfer was aborted"
+            if self.control_lost is not None and self.control_lost():
+                raise PeerLost(f"{name}: the sender closed its control connection before its data path connected")
+            return None
+        return check
 
 
 @dataclass

@@ -608,7 +608,7 @@ class IpcReceiver(ReceiverTransport):
         assert gate is not None
         try:
             [(conn, pid)] = gate.admit(1, timeout=self.ctx.stall_timeout,
-                                       abort=lambda: "ipc: the transfer was aborted" if self._closing else None)
+                                       abort=self.ctx.setup_abort("ipc", lambda: self._closing))
         except TransferTimeout:
             raise TransferTimeout(f"ipc: no authenticated sender connected within {self.ctx.stall_timeout} s"
                                   f"{f' ({gate.dropped} refused: {gate.last_drop})' if gate.dropped else ''}") \

@@ -287,7 +287,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         assert gate is not None
         try:
             [(conn, body)] = gate.admit(1, timeout=self.ctx.stall_timeout + self._nbytes / RATE_FLOOR_BYTES_PER_S,
-                                        abort=lambda: "rdma: the transport was closed" if self._closing else None)
+                                        abort=self.ctx.setup_abort("rdma", lambda: self._closing))
         except TransferTimeout:
             raise TransferTimeout(f"rdma: the sender did not open its side connection within "
                                   f"{self.ctx.stall_timeout} s") from None

@@ -248,7 +248,7 @@ class TcpReceiver(ReceiverTransport):
             gate = self._gate
             try:
                 admitted = gate.admit(len(self._slices), timeout=self.ctx.stall_timeout,
-                                      abort=lambda: "tcp: the transfer was aborted" if self._closing else None)
+                                      abort=self.ctx.setup_abort("tcp", lambda: self._closing))
             finally:
                 gate.close()        # every stream is here (or the setup failed): strangers find no listener
                 self._gate = None
