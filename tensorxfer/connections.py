@@ -22,6 +22,7 @@ or reset connection :class:`~tensorxfer.errors.PeerLost`.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -83,6 +84,29 @@ def send_all(sock: socket.socket, data: bytes | memoryview, timeout: float | Non
         raise TransferTimeout(f"the peer did not take {what} within {timeout} s") from None
     except OSError as e:
         raise PeerLost(f"connection lost while sending {what}: {e}") from None
+
+
+def readable_now(sock: socket.socket) -> bool:
+    """Whether ``sock`` has data, EOF or an error waiting (never blocks).  poll, not select: a process holding
+    many memfd chunks has fds >= 1024, which select() cannot take."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True             # closed here: whatever comes next on it fails, as a closed peer would
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed or reset ``sock``; data waiting to be read does not count (never reads it)."""
+    if not readable_now(sock):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 def listen(host: str, family: int | None = None, kind: int = socket.SOCK_STREAM, port: int = 0) -> socket.socket:

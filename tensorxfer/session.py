@@ -227,11 +227,8 @@ def _control_lost(ch: Channel) -> bool:
     """Whether the peer closed or reset the control connection (without reading a byte of a frame: only
     EOF or an error counts; a frame already waiting, e.g. the sender's done, means it is alive)."""
     try:
-        readable, _, _ = select.select([ch.sock], [], [], 0)
-        return bool(readable) and ch.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except (OSError, ValueError, ProtocolError):
+        return connections.peer_closed(ch.sock)
+    except ProtocolError:       # the channel was closed here
         return True
 
 
@@ -945,10 +942,9 @@ class Sender:
             return True
         with self._lock:
             try:
-                readable, _, _ = select.select([ch.sock], [], [], 0)
-            except (OSError, ValueError):
+                return connections.readable_now(ch.sock)
+            except ProtocolError:       # closed here meanwhile
                 return True
-            return bool(readable)
 
     def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None,
              onward: Onward | None = None) -> TransferStats:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tensorxfer import HostRegion, TensorRegion, synthetic
-from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout, TransportUnavailable, VerbsError
+from tensorxfer.errors import CudaError, PeerLost, ProtocolError, TransferTimeout, TransportUnavailable, VerbsError
 from tensorxfer.transport import rdma
 from tensorxfer.transport.rdma import RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
 
@@ -439,6 +439,18 @@ def test_dmabuf_registration_fallback_is_logged(caplog: pytest.LogCaptureFixture
             mr = rdma.register_region(pd, DeviceLike(r), r.size, _verbs.ACCESS_LOCAL_WRITE)
         assert mr.path == "reg_mr" and mr.length == r.size
         assert "dmabuf registration failed" in caplog.text and "falling back to ibv_reg_mr" in caplog.text
+        mr.close()
+
+        # A driver that cannot export a dmabuf at all (cuMemGetHandleForAddressRange fails: CudaError) must
+        # fall back too -- on nvidia-peermem hosts that is the only path; the CudaError used to escape.
+        class NoDmabuf(DeviceLike):
+            def export_dmabuf(self) -> int:
+                raise CudaError("cuMemGetHandleForAddressRange: CUDA_ERROR_NOT_SUPPORTED")
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tensorxfer.rdma"):
+            mr = rdma.register_region(pd, NoDmabuf(r), r.size, _verbs.ACCESS_LOCAL_WRITE)
+        assert mr.path == "reg_mr" and "CUDA_ERROR_NOT_SUPPORTED" in caplog.text
         mr.close()
 
 

@@ -13,8 +13,11 @@ from tensorxfer.transport.rdma import RdmaReceiverEndpoint, RdmaSenderEndpoint, 
 
 
 def good(role: str = "receiver") -> dict[str, Any]:
-    return {"transport": "rdma", "version": 1, "role": role, "qps": [{"qp_num": 17, "psn": 5}], "lid": 0,
-            "gid": bytes(16), "mtu": 1024, "link_layer": "Ethernet"}
+    d = {"transport": "rdma", "version": 1, "role": role, "qps": [{"qp_num": 17, "psn": 5}], "lid": 0,
+         "gid": bytes(16), "mtu": 1024, "link_layer": "Ethernet"}
+    if role == "receiver":
+        d.update(addr=0x7F0000000000, rkey=0x1234, length=1 << 20)
+    return d
 
 
 def test_rdma_available_gives_a_reason() -> None:
@@ -50,6 +53,18 @@ def test_endpoints_raise_transport_unavailable_without_a_device() -> None:
     (lambda d: d.update(qps="nope"), "qps"),
     (lambda d: d.update(mtu=None), "mtu"),
     (lambda d: d.update(role="sender"), "expected receiver"),
+    # ranges: a value a verbs call would take as uint32/uint16/enum must be refused as a ProtocolError, not
+    # surface as OverflowError or ValueError from deep inside the connect or the first write
+    (lambda d: d.update(qps=[{"qp_num": 1 << 32, "psn": 0}]), "qp_num"),
+    (lambda d: d.update(qps=[{"qp_num": True, "psn": 0}]), "qp_num"),
+    (lambda d: d.update(qps=[{"qp_num": 17, "psn": -1}]), "psn"),
+    (lambda d: d.update(qps=[{"qp_num": 17, "psn": 1 << 24}]), "psn"),
+    (lambda d: d.update(lid=70000), "lid"),
+    (lambda d: d.update(mtu=5), "mtu"),
+    (lambda d: d.update(rkey=1 << 32), "rkey"),
+    (lambda d: d.update(addr=-1), "addr"),
+    (lambda d: d.pop("length"), "length"),
+    (lambda d: d.update(addr=(1 << 64) - 4096, length=1 << 20), "past the end"),
 ])
 def test_descriptor_validation(mutate: Any, match: str) -> None:
     d = good()

@@ -182,12 +182,19 @@ cdef class _Owned:
         self._children = [r for r in self._children if r() is not None]
         self._children.append(weakref.ref(child))
 
-    cdef _close_children(self):
+    cdef object _close_children(self):
+        """Close every child (a failing one must not leave the rest open); the first error, or None."""
+        first = None
         for ref in reversed(self._children):
             child = ref()
             if child is not None:
-                child.close()
+                try:
+                    child.close()
+                except Exception as e:
+                    if first is None:
+                        first = e
         self._children = []
+        return first
 
     cdef int _check_open(self) except -1:
         if self._closed:
@@ -253,10 +260,12 @@ cdef class Context(_Owned):
         cdef int rc
         if self._closed:
             return
-        self._close_children()
+        first = self._close_children()
         rc = ibv_close_device(self.ctx)
         self.ctx = NULL
         self._closed = True
+        if first is not None:
+            raise first
         check_rc(rc, b"ibv_close_device")
 
     def __dealloc__(self):
@@ -405,10 +414,12 @@ cdef class PD(_Owned):
         cdef int rc
         if self._closed:
             return
-        self._close_children()
+        first = self._close_children()
         rc = ibv_dealloc_pd(self.pd)
         self.pd = NULL
         self._closed = True
+        if first is not None:
+            raise first
         check_rc(rc, b"ibv_dealloc_pd")
 
     def __dealloc__(self):
@@ -538,10 +549,13 @@ cdef class MR(_Owned):
         if self._closed:
             return
         rc = ibv_dereg_mr(self.mr)
+        if rc != 0:
+            # Still registered: the memory must stay pinned (and the MR open), or freed pages would remain
+            # reachable by remote keys.
+            check_rc(rc, b"ibv_dereg_mr")
         self.mr = NULL
         self._closed = True
         self._unhold()
-        check_rc(rc, b"ibv_dereg_mr")
 
     def __dealloc__(self):
         if self.mr != NULL:
@@ -603,13 +617,15 @@ cdef class CQ(_Owned):
         cdef int rc, rc2 = 0
         if self._closed:
             return
-        self._close_children()
+        first = self._close_children()
         rc = ibv_destroy_cq(self.cq)
         self.cq = NULL
         if self.channel != NULL:
             rc2 = ibv_destroy_comp_channel(self.channel)
             self.channel = NULL
         self._closed = True
+        if first is not None:
+            raise first
         check_rc(rc, b"ibv_destroy_cq")
         check_rc(rc2, b"ibv_destroy_comp_channel")
 
@@ -1199,7 +1215,7 @@ cdef class ImmWaiter:
         TransferError
             An immediate carried another update's number (protocol confusion).
         """
-        cdef int n, i, q, bad_q = -1, rc = 0
+        cdef int n, i, q, bad_q = -1, rc = 0, post_rc = 0
         cdef uint32_t imm = 0, bad_status = 0, bad_qpn = 0, bad_imm = 0
         cdef int kind = 0
         cdef int idle = 0
@@ -1240,6 +1256,7 @@ cdef class ImmWaiter:
                     rc = ibv_post_recv(self.qpp[q], &rwr, &rbad)
                     if rc != 0 and kind == 0:
                         kind = 4
+                        post_rc = rc        # later posts in this batch may succeed and reset rc
                         bad_qpn = self.qpn[q]
                     imm = ntohl(self.wcs[i].imm_data)
                     if (self.wcs[i].wc_flags & IBV_WC_WITH_IMM) and (imm & C_MARK_BIT):
@@ -1262,13 +1279,23 @@ cdef class ImmWaiter:
                             bad_qpn = self.qpn[q]
                             bad_imm = imm
                         continue
-                    if not self.got[q]:
-                        self.got[q] = 1
-                        self.ngot += 1
-                        self.prog[q] = self.total[q]
-                        self.pending -= 1
+                    if self.got[q]:
+                        # A QP's final immediate comes once per update (the next update waits for our ack):
+                        # a second one is a sender flooding the CQ, which would keep this loop from ever
+                        # reaching its deadline checks.
+                        if kind == 0:
+                            kind = 7
+                            bad_qpn = self.qpn[q]
+                            bad_imm = imm
+                        continue
+                    self.got[q] = 1
+                    self.ngot += 1
+                    self.prog[q] = self.total[q]
+                    self.pending -= 1
                 if kind != 0 or marked:
                     break           # marks: the caller reports the new prefix now
+                if n > 0 and _now() - t0 > slice:
+                    break           # busy or not, the caller checks its deadline and the peer every slice
                 if n == 0:
                     left = slice - (_now() - t0)
                     if left <= 0:
@@ -1305,10 +1332,14 @@ cdef class ImmWaiter:
         if kind == 3:
             raise VerbsError(5, "ibv_poll_cq failed on the receive CQ")
         if kind == 4:
-            raise VerbsError(rc if rc > 0 else 5, f"ibv_post_recv failed on QP {bad_qpn:#x}", qp_num=bad_qpn)
+            raise VerbsError(post_rc if post_rc > 0 else 5, f"ibv_post_recv failed on QP {bad_qpn:#x}",
+                             qp_num=bad_qpn)
         if kind == 5:
             raise VerbsError(block_err or 5, f"waiting on the receive CQ's completion channel failed: "
                              f"{strerror(block_err or 5).decode()}")
+        if kind == 7:
+            raise TransferError(f"QP {bad_qpn:#x} delivered its final immediate ({bad_imm:#x}) twice in one "
+                                f"update: the sender does not follow the protocol; end the session")
         if kind == 6:
             raise TransferError(f"QP {bad_qpn:#x} delivered piece mark {bad_imm & C_IMM_MASK} (immediate "
                                 f"{bad_imm:#x}), but {self._expected_mark(bad_qpn)}: the sender does not "

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorxfer.errors import (
+    CudaError,
     PeerLost,
     ProtocolError,
     TransferError,
@@ -150,7 +151,7 @@ def register_region(pd: Any, region: Any, nbytes: int, access: int, *, _first_ch
         try:
             fd = int(export(0, length)) if _accepts_range(export) else int(export())
             mr = pd.reg_dmabuf_mr(fd, 0, length, ptr, access, owner=region)
-        except (VerbsError, OSError, ValueError) as exc:
+        except (VerbsError, CudaError, OSError, ValueError) as exc:   # CudaError: no dmabuf export here
             log.warning("dmabuf registration failed (%s); falling back to ibv_reg_mr on the device address "
                         "(needs nvidia-peermem)", exc)
         else:
@@ -188,11 +189,30 @@ def _check_peer(peer: Any, role: str) -> dict[str, Any]:
     if peer["role"] != role:
         raise ProtocolError(f"expected {role} descriptors, got {peer['role']!r}")
     for q in peer["qps"]:
-        if not (isinstance(q, dict) and isinstance(q.get("qp_num"), int) and isinstance(q.get("psn"), int)):
-            raise ProtocolError("RDMA descriptors: every QP needs int 'qp_num' and 'psn'")
+        if not (isinstance(q, dict) and _int_in(q.get("qp_num"), 1, 1 << 24) and _int_in(q.get("psn"), 0, 1 << 24)):
+            raise ProtocolError("RDMA descriptors: every QP needs 'qp_num' in [1, 2^24) and 'psn' in [0, 2^24)")
     if len(peer["gid"]) != 16:
         raise ProtocolError("RDMA descriptors: 'gid' must be 16 bytes")
+    if not _int_in(peer["lid"], 0, 1 << 16):
+        raise ProtocolError(f"RDMA descriptors: 'lid' must be in [0, 65536), got {peer['lid']}")
+    if peer["mtu"] not in MTU_BYTES:
+        raise ProtocolError(f"RDMA descriptors: 'mtu' must be one of {MTU_BYTES} (bytes), got {peer['mtu']}")
+    if role == "receiver":
+        for key, end in (("addr", 1 << 64), ("rkey", 1 << 32), ("length", 1 << 64)):
+            if not _int_in(peer.get(key), 0, end):
+                raise ProtocolError(f"RDMA receiver descriptors: {key!r} missing or not an int in [0, {end:#x})")
+        if peer["addr"] + peer["length"] > 1 << 64:
+            raise ProtocolError("RDMA receiver descriptors: 'addr' + 'length' is past the end of the address space")
     return peer
+
+
+#: Path MTUs a port can report (``ibv_mtu``), in bytes: what descriptors carry.
+MTU_BYTES = (256, 512, 1024, 2048, 4096)
+
+
+def _int_in(value: Any, low: int, end: int) -> bool:
+    """``value`` is an int (not a bool) with ``low <= value < end``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < end
 
 
 class _Endpoint:
@@ -250,6 +270,11 @@ class _Endpoint:
     @property
     def qp_count(self) -> int:
         return len(self._qps)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The port's largest message: no work request may be larger."""
+        return int(self._pa["max_msg_sz"])
 
     def descriptors(self) -> dict[str, Any]:
         """What the peer needs to connect, as a msgpack-able dict."""
@@ -474,9 +499,6 @@ class RdmaSenderEndpoint(_Endpoint):
         """
         self._check_open()
         peer = _check_peer(peer, "receiver")
-        for key in ("addr", "rkey", "length"):
-            if not isinstance(peer.get(key), int):
-                raise ProtocolError(f"RDMA receiver descriptors: {key!r} missing or not an int")
         if peer["length"] < self.nbytes:
             raise ProtocolError(f"receiver registered {peer['length']} bytes, sender needs {self.nbytes}")
         self._connect_qps(peer)

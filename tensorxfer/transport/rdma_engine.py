@@ -57,7 +57,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import select
 import socket
 import struct
 import threading
@@ -67,7 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
-from tensorxfer.connections import Gate, listen, recv_exact, send_all
+from tensorxfer.connections import Gate, listen, readable_now, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import (
@@ -129,23 +128,6 @@ def _proof(ctx: TransferContext, side_nonce: bytes, seq: int, body: bytes) -> by
     return mac(ctx.session_key, b"rdma-side", side_nonce, struct.pack(">Q", seq), body)
 
 
-def _alive(sock: socket.socket) -> bool:
-    """False once the peer closed or reset the side socket (pending data counts as alive)."""
-    try:
-        poller = select.poll()          # not select(): a process holding many memfd chunks has fds >= 1024
-        poller.register(sock, select.POLLIN)
-        events = poller.poll(0)
-        if not events:
-            return True
-        if events[0][1] & (select.POLLERR | select.POLLNVAL):
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except BlockingIOError:
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 class _Owned:
     """close() from any thread: it wakes the owner, who releases on its way out (one owner per resource)."""
 
@@ -170,7 +152,9 @@ class _Owned:
 
     def _peer_alive(self) -> bool:
         side = self._side
-        return not self._closing and side is not None and _alive(side)
+        # After the setup nothing more travels on the side socket: bytes there are as wrong as its closing
+        # (counting them as alive let a peer that wrote some and died hold us until the deadline).
+        return not self._closing and side is not None and not readable_now(side)
 
     def close(self) -> None:
         """Release the endpoint and sockets; idempotent, callable from another thread."""
@@ -381,6 +365,7 @@ class RdmaSender(_Owned, SenderTransport):
             if not setup_flag(descriptors):
                 if self.needs_setup(region):
                     raise ProtocolError("rdma: the receiver reuses QPs this sender did not set up for this region")
+                self._check_wr_size()
                 return
             side_port = field(descriptors, "side_port", int)
             side_nonce = field(descriptors, "nonce", bytes)
@@ -394,6 +379,7 @@ class RdmaSender(_Owned, SenderTransport):
             self.counters.registrations += 1
             self.registration = self._endpoint.mr_path
             self._endpoint.connect(peer)
+            self._check_wr_size()
             side = self._open_side(side_port)
             body = msgpack.packb(self._endpoint.descriptors())
             header = SIDE_HEADER.pack(SIDE_MAGIC, seq, len(body), _proof(self.ctx, side_nonce, seq, body))
@@ -405,6 +391,12 @@ class RdmaSender(_Owned, SenderTransport):
             self.counters.connects += 1
         finally:
             self._exit()
+
+    def _check_wr_size(self) -> None:
+        endpoint = self._endpoint
+        if self._wr_size is not None and endpoint is not None and self._wr_size > endpoint.max_message_bytes:
+            raise ProtocolError(f"rdma: the receiver asks for {self._wr_size}-byte requests; this port's largest "
+                                f"message is {endpoint.max_message_bytes} bytes")
 
     def _open_side(self, port: int) -> socket.socket:
         try:
