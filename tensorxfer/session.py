@@ -646,6 +646,9 @@ class Receiver:
             if job is not None:
                 job.abort(f"{type(e).__name__}: {e}")
             if region is not previous:      # memory allocated for this offer: a vanished sender leaves none behind
+                # The session's transports go first: an MR over GPU memory holds no reference to it, so the
+                # memory must not be freed while remote write to it is still granted.
+                self._end_session()
                 self._region = None
                 region.close(defer=True)
             raise

@@ -96,7 +96,7 @@ class TransferContext:
         50 ms, not after ``stall_timeout``, and the receiver is free for the next one."""
         def check() -> str | None:
             if closing():
-                return f"{name}: the transfer was aborted"
+                return f"{name}: the transport was closed (the transfer was aborted)"
             if self.control_lost is not None and self.control_lost():
                 raise PeerLost(f"{name}: the sender closed its control connection before its data path connected")
             return None
