@@ -23,7 +23,15 @@ import numpy as np
 import pytest
 
 from tensorxfer import HostRegion, TensorRegion, synthetic
-from tensorxfer.errors import CudaError, PeerLost, ProtocolError, TransferTimeout, TransportUnavailable, VerbsError
+from tensorxfer.errors import (
+    CudaError,
+    PeerLost,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+    VerbsError,
+)
 from tensorxfer.transport import rdma
 from tensorxfer.transport.rdma import RdmaReceiverEndpoint, RdmaSenderEndpoint, rdma_available
 
@@ -452,6 +460,31 @@ def test_dmabuf_registration_fallback_is_logged(caplog: pytest.LogCaptureFixture
             mr = rdma.register_region(pd, NoDmabuf(r), r.size, _verbs.ACCESS_LOCAL_WRITE)
         assert mr.path == "reg_mr" and "CUDA_ERROR_NOT_SUPPORTED" in caplog.text
         mr.close()
+
+
+def test_a_final_immediate_twice_on_one_qp_is_refused_at_once() -> None:
+    """A sender repeats QP 0's final immediate and never sends QP 1's.  The receive loop used to drop the repeat
+    silently (and a flood of them kept it inside its nogil loop, past its deadline); now the repeat is a
+    TransferError at once, not a timeout after the missing QP's wait."""
+    from tensorxfer.transport import _verbs
+
+    with HostRegion.allocate(64 * KIB) as src, HostRegion.allocate(64 * KIB) as dst:
+        rx = RdmaReceiverEndpoint(dst, qps=2)
+        tx = RdmaSenderEndpoint(src, qps=2)
+        try:
+            tx.connect(rx.descriptors())
+            rx.connect(tx.descriptors())
+            peer = rx.descriptors()
+            for _ in range(2):      # QP 0 only, twice, each time with update 1's final immediate
+                _verbs.write_striped(tx._qps[:1], tx._cq, tx._local_ptr, tx._mr.lkey, peer["addr"], peer["rkey"],
+                                     4096, 4096, 4, 1, 1, 10.0)
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="twice"):
+                rx.wait_complete(timeout=10, update=1)
+            assert time.monotonic() - t0 < 5
+        finally:
+            tx.close()
+            rx.close()
 
 
 # ----------------------------------------------------------------- resource hygiene
