@@ -551,8 +551,8 @@ class RdmaSenderEndpoint(_Endpoint):
         mo = int(max_outstanding or self.max_outstanding)
         se = int(signal_every or (self.signal_every if max_outstanding is None else max(1, mo // 4)))
         pb = int(post_batch or self.post_batch or default_post_batch(wr))
-        if wr > self._pa["max_msg_sz"]:
-            raise ValueError(f"wr_size {wr} exceeds the port's max message size {self._pa['max_msg_sz']}")
+        if wr > self.max_message_bytes:
+            raise ValueError(f"wr_size {wr} exceeds the port's max message size {self.max_message_bytes}")
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
         t0 = time.perf_counter()
         try:
