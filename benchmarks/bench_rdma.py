@@ -24,6 +24,11 @@ software emulation only the *ratios* mean anything:
   floor is 5 per QP, i.e. 20 MiB).  Results before ``*-samebytes-*`` ran
   ``-n size / 1 MiB`` per QP, 4x an update's bytes, which spreads its start
   and drain over 4x the data (``--ib-iters`` repeats that).
+  ``--ib-procs 2`` adds a second reference: two ib_write_bw pairs at once,
+  2 QPs each, rates summed.  Soft-RoCE does its protocol work in the thread
+  that posts, so perftest (one posting thread) is held to one CPU while the
+  engine posts from ``DEFAULT_POST_THREADS``; the two-process run is what
+  perftest reaches with the same number of CPUs posting.
 
 tensorxfer's sender and receiver endpoints run in this one process (the
 device loops the traffic back, as ib_write_bw's server and client do through
@@ -54,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from tensorxfer import HostRegion, Manifest, Sender, TensorRegion
-from tensorxfer.transport import _verbs
+from tensorxfer.transport import _verbs, rdma
 from tensorxfer.transport.rdma import (
     DEFAULT_QPS,
     DEFAULT_WR_SIZE,
@@ -141,36 +146,54 @@ def engine_run(size: int, qps: int, updates: int, chunk: int) -> dict[str, Any]:
             "cold_setup_seconds": stats[0].setup_seconds, "cold_gbps": gbps(size, stats[0].seconds),
             "seconds": warm, "gbps": gbps(size, med), "warm_setup_seconds": max(st.setup_seconds for st in stats[1:]),
             "warm_wire_gbps": gbps(size, statistics.median(st.wire_seconds for st in stats[1:])),
-            "registration": stats[0].registration, "sender_counters": dict(stats[-1].counters),
+            "registration": stats[0].registration, "post_threads": rdma.DEFAULT_POST_THREADS,
+            "sender_counters": dict(stats[-1].counters),
             "receiver_counters": received["counters"]}
 
 
-def ib_write_bw(size: int, qps: int, iters: int, device: str, gid_index: int, host: str) -> dict[str, Any]:
-    """perftest's ib_write_bw, server and client on this machine."""
+def ib_write_bw(size: int, qps: int, iters: int, device: str, gid_index: int, host: str,
+                procs: int = 1) -> dict[str, Any]:
+    """perftest's ib_write_bw, server and client on this machine.
+
+    ``procs`` > 1: that many client/server pairs at once (ports 18515, 18516, ...), each with
+    ``qps / procs`` QPs; their rates are summed.  perftest posts from one thread, and a software
+    provider does its protocol work in the posting thread, so this is the reference for a sender
+    that posts from several threads.
+    """
     exe = shutil.which("ib_write_bw")
+    impl = "ib_write_bw" if procs == 1 else f"ib_write_bw x{procs} processes"
     if exe is None:
-        return {"impl": "ib_write_bw", "error": "ib_write_bw not found (apt-get install perftest)"}
-    base = [exe, "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iters), "-q", str(qps),
-            "-F"]   # MB/sec (MiB/s) with two decimals: --report_gbits rounds to 0.01 Gb/s, 4 % of Soft-RoCE's rate
-    server = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return {"impl": impl, "error": "ib_write_bw not found (apt-get install perftest)"}
+    per_qps = max(1, qps // procs)
+    bases = [[exe, "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iters), "-q", str(per_qps),
+              "-p", str(18515 + i),
+              "-F"]   # MB/sec (MiB/s), two decimals: --report_gbits rounds to 0.01 Gb/s, 4 % of Soft-RoCE's rate
+             for i in range(procs)]
+    servers = [subprocess.Popen(b, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for b in bases]
+    cmds = [[*b, host] for b in bases]
     try:
-        time.sleep(2.0)   # the server must listen before the client connects
-        cmd = [*base, host]
-        client = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        sout, _ = server.communicate(timeout=120)
+        time.sleep(2.0)   # the servers must listen before the clients connect
+        clients = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+        couts = [c.communicate(timeout=600) for c in clients]
+        souts = [s.communicate(timeout=120)[0] for s in servers]
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-    # with several QPs perftest runs ``iters`` per QP and reports the iterations summed over them
-    m = re.search(rf"^\s*{size}\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", client.stdout + sout, re.M)
-    if client.returncode or not m:
-        return {"impl": "ib_write_bw", "error": f"rc={client.returncode}", "stdout": client.stdout[-2000:],
-                "stderr": client.stderr[-1000:], "server": sout[-1000:]}
-    mib_s = float(m.group(2))
-    return {"impl": "ib_write_bw", "bytes": size * iters * qps, "msg_size": size, "qps": qps, "iters": iters,
-            "gbps": mib_s * MIB * 8 / 1e9, "gbps_peak": float(m.group(1)) * MIB * 8 / 1e9, "MiBps": mib_s,
-            "command": shlex.join(cmd)}
+        for proc in servers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    rates, peaks = [], []
+    for client, (cout, cerr), sout in zip(clients, couts, souts):
+        # with several QPs perftest runs ``iters`` per QP and reports the iterations summed over them
+        m = re.search(rf"^\s*{size}\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", cout + sout, re.M)
+        if client.returncode or not m:
+            return {"impl": impl, "error": f"rc={client.returncode}", "stdout": cout[-2000:],
+                    "stderr": cerr[-1000:], "server": sout[-1000:]}
+        rates.append(float(m.group(2)))
+        peaks.append(float(m.group(1)))
+    mib_s = sum(rates)
+    return {"impl": impl, "bytes": size * iters * per_qps * procs, "msg_size": size, "qps": per_qps * procs,
+            "procs": procs, "iters": iters, "gbps": mib_s * MIB * 8 / 1e9, "gbps_peak": sum(peaks) * MIB * 8 / 1e9,
+            "MiBps": mib_s, "MiBps_each": rates, "command": " & ".join(shlex.join(c) for c in cmds)}
 
 
 def pyverbs_run(size: int, qps: int, wr_size: int, reps: int, device: str | None) -> dict[str, Any]:
@@ -219,8 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-only", action="store_true", help="only the engine against ib_write_bw")
     ap.add_argument("--ib-iters", type=int, default=None,
                     help="ib_write_bw -n (per QP) for the engine's reference (default: an update's bytes)")
+    ap.add_argument("--post-threads", type=int, default=None,
+                    help="the sender's posting threads (default: the library's, rdma.DEFAULT_POST_THREADS)")
+    ap.add_argument("--ib-procs", type=int, default=1,
+                    help="also set the engine against this many ib_write_bw processes at once (rates summed): "
+                         "the reference for a sender posting from several threads")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/rdma-<date>.json)")
     args = ap.parse_args(argv)
+    if args.post_threads is not None:
+        rdma.DEFAULT_POST_THREADS = args.post_threads    # read when an endpoint is built
 
     ok, why = rdma_available(args.device)
     if not ok:
@@ -267,19 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     # up to +-20 % within minutes) to first order
     ib_iters = args.ib_iters or max(IB_MIN_ITERS, size // (DEFAULT_WR_SIZE * DEFAULT_QPS))
 
-    def reference() -> dict[str, Any]:
-        return note(ib_write_bw(DEFAULT_WR_SIZE, DEFAULT_QPS, ib_iters, device, gid_index, args.host))
-    per = []
+    procs = [1] if args.ib_procs <= 1 else [1, args.ib_procs]
+
+    def reference() -> list[dict[str, Any]]:
+        # each process moves its share of an update: -n per QP is the same, with qps / procs QPs each
+        return [note(ib_write_bw(DEFAULT_WR_SIZE, DEFAULT_QPS, ib_iters, device, gid_index, args.host, n))
+                for n in procs]
+    per: list[list[float]] = [[] for _ in procs]
     before = reference()
     for _ in range(rounds):
         eng = note(engine_run(size, DEFAULT_QPS, reps + 1, args.chunk))
         after = reference()
-        if "gbps" in before and "gbps" in after:
-            per.append(eng["gbps"] / ((before["gbps"] + after["gbps"]) / 2))
+        for k in range(len(procs)):
+            if "gbps" in before[k] and "gbps" in after[k]:
+                per[k].append(eng["gbps"] / ((before[k]["gbps"] + after[k]["gbps"]) / 2))
         before = after
-    if per:
-        ratios[f"engine warm update/ib_write_bw wr={DEFAULT_WR_SIZE} qps={DEFAULT_QPS}"] = {
-            "median": statistics.median(per), "rounds": per}
+    for n, rs in zip(procs, per):
+        if rs:
+            name = "ib_write_bw" if n == 1 else f"ib_write_bw x{n} processes"
+            ratios[f"engine warm update/{name} wr={DEFAULT_WR_SIZE} qps={DEFAULT_QPS}"] = {
+                "median": statistics.median(rs), "rounds": rs}
     # the endpoints alone, same message size and QP count as ib_write_bw
     for q in sorted({1, DEFAULT_QPS}) if not args.engine_only else ():
         paired(ref_wr, q)

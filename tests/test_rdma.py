@@ -155,6 +155,67 @@ def test_fewer_requests_than_qps_still_completes_every_qp() -> None:
             rx.close()
 
 
+def post_threads_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tensorxfer-rdma-post")]
+
+
+@pytest.mark.parametrize(("qps", "threads"), [(4, 1), (4, 2), (4, 3), (2, 4), (5, 2)])
+def test_posting_threads_share_one_stripe(qps: int, threads: int) -> None:
+    """Posting from several threads (each its QP group and CQ) moves the same stripe as one thread:
+    request i on QP i % qps, every QP's final immediate, several updates in a row, odd sizes."""
+    with HostRegion._from_chunks([96 * KIB, 300 * KIB, 52 * KIB, 700 * KIB]) as src, \
+            HostRegion.allocate(1200 * KIB) as dst:
+        tx, rx = pair(src, dst, qps=qps, wr_size=100_003, post_threads=threads)
+        try:
+            assert len(tx._cqs) == min(threads, qps) and len(rx._cqs) == 1
+            for u in range(1, 4):
+                data = fill(src, 300 + u)
+                st = tx.write(timeout=30)
+                assert st["wrs"] == -(-src.size // 100_003) and st["post_threads"] == min(threads, qps)
+                assert rx.wait_complete(timeout=30)["update"] == u
+                assert head(dst, src.size) == data, f"update {u}"
+            fill(src, 9)                           # a partial update through the groups too
+            before = head(dst, dst.size)
+            tx.write(timeout=30, offset=123_457, length=654_321)
+            rx.wait_complete(timeout=30)
+            after, now = head(dst, dst.size), head(src, src.size)
+            assert after[123_457:777_778] == now[123_457:777_778]
+            assert after[:123_457] == before[:123_457] and after[777_778:] == before[777_778:]
+        finally:
+            tx.close()
+            rx.close()
+    assert post_threads_alive() == []
+
+
+def test_posting_threads_one_group_failing_fails_the_write_at_once() -> None:
+    """A completion error in one posting thread's group is the write's error (the other thread stops,
+    it does not wait out the timeout), and the endpoint is broken afterwards."""
+    chunk = 128 * KIB
+    with HostRegion._from_chunks([chunk] * 4) as src, HostRegion.allocate(4 * chunk) as dst:
+        tx, rx = pair(src, dst, qps=4, wr_size=40 * KIB, post_threads=2, _first_chunk_only=True)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(VerbsError) as ei:
+                tx.write(timeout=20)
+            assert time.monotonic() - t0 < 10
+            assert ei.value.status == "IBV_WC_LOC_PROT_ERR"
+            assert ei.value.offset is not None and ei.value.length is not None
+            assert ei.value.offset + ei.value.length > chunk
+            with pytest.raises(TransportUnavailable, match="broken"):
+                tx.write(timeout=10)
+        finally:
+            tx.close()
+            rx.close()
+    assert post_threads_alive() == []
+
+
+def test_posting_threads_argument_is_checked() -> None:
+    with HostRegion.allocate(64 * KIB) as src:
+        for bad in (0, -1, 1.5):
+            with pytest.raises(ValueError, match="post_threads"):
+                RdmaSenderEndpoint(src, post_threads=bad)  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------- the seed's bug, on purpose
 def test_first_chunk_only_registration_fails_with_loc_prot_err() -> None:
     """UCX's bug: an MR over the first handle only.  The write crossing into the second
@@ -530,12 +591,16 @@ def test_unclosed_objects_warn() -> None:
 def test_endpoint_close_releases_everything() -> None:
     with HostRegion.allocate(64 * KIB) as src, HostRegion.allocate(64 * KIB) as dst:
         tx, rx = pair(src, dst, qps=2)
-        objs = [tx._ctx, tx._pd, tx._mr, tx._cq, *tx._qps, rx._ctx, rx._pd, rx._mr, rx._cq, *rx._qps]
+        objs = [tx._ctx, tx._pd, tx._mr, *tx._cqs, *tx._qps, rx._ctx, rx._pd, rx._mr, rx._cq, *rx._qps]
+        tx.write(timeout=30)
+        rx.wait_complete(timeout=30)
+        assert len(tx._cqs) == 2 and post_threads_alive()   # two posting threads by default
         tx.close()
         rx.close()
         tx.close()
         rx.close()
         assert all(o.closed for o in objs)
+        assert post_threads_alive() == []
         with pytest.raises(ValueError, match="closed"):
             tx.write()
     # the regions closed cleanly: the MRs released their buffer exports

@@ -821,13 +821,16 @@ cdef bint _nothing_in_flight(QPState* qs, int nq) noexcept nogil:
     return True
 
 
-cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint* armed,
+cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp_channel* ch, bint* armed,
                      uint64_t local_addr, uint32_t lkey,
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
                      uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
                      LoopState* st, double slice_s, uint64_t marks, const uint64_t* ready) noexcept nogil:
     """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python.
+
+    ``qs`` are QPs ``q0 .. q0+nq-1`` of a stripe over ``ntot`` QPs (request ``i`` on QP ``i % ntot``):
+    several posting threads, each with its own group and CQ, write one update together.
 
     Returns 0 when every QP's last request completed, -1 on an error (``err``
     says which), 1 when ``slice_s`` (> 0) elapsed first: call again to go on.
@@ -864,12 +867,12 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
                 if nb > post_batch:
                     nb = post_batch
                 if ready != NULL:
-                    nb = _gated(qs[q].posted, nb, q, nq, wr_size, length, lim)
+                    nb = _gated(qs[q].posted, nb, q0 + q, ntot, wr_size, length, lim)
                     if nb == 0:
                         break
                 for k in range(<int>nb):
                     j = qs[q].posted + k
-                    gi = j * nq + q
+                    gi = j * ntot + q0 + q
                     off = gi * wr_size
                     w = &wrs[k]
                     w.wr_id = (<uint64_t>q << QP_SHIFT) | j
@@ -897,15 +900,15 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
                         else:
                             w.opcode = IBV_WR_RDMA_WRITE
                         w.send_flags = IBV_SEND_SIGNALED if (j + 1) % signal_every == 0 else 0
-                        if ready != NULL and k + 1 == <int>nb and _gated(j + 1, 1, q, nq, wr_size, length, lim) == 0:
+                        if ready != NULL and k + 1 == <int>nb and _gated(j + 1, 1, q0 + q, ntot, wr_size, length, lim) == 0:
                             w.send_flags = IBV_SEND_SIGNALED    # the gate stops here: its completion must come
                 rc = ibv_post_send(qs[q].qp, wrs, &bad)
                 if rc != 0:
                     err.kind = 2
                     err.post_rc = rc if rc > 0 else errno
                     err.qp_num = qs[q].qp.qp_num
-                    err.wr_index = (bad.wr_id & ((<uint64_t>1 << QP_SHIFT) - 1)) * nq + q if bad != NULL \
-                        else qs[q].posted * nq + q
+                    err.wr_index = (bad.wr_id & ((<uint64_t>1 << QP_SHIFT) - 1)) * ntot + q0 + q if bad != NULL \
+                        else qs[q].posted * ntot + q0 + q
                     return -1
                 qs[q].posted += nb
         n = ibv_poll_cq(cq, WC_BATCH, wcs)
@@ -924,7 +927,7 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
                     err.status = wcs[i].status
                     err.vendor_err = wcs[i].vendor_err
                     err.qp_num = wcs[i].qp_num
-                    err.wr_index = j * nq + q
+                    err.wr_index = j * ntot + q0 + q
                 continue
             if q < nq and j + 1 > qs[q].completed:
                 qs[q].completed = j + 1      # RC completes in order: everything before j is done
@@ -965,7 +968,7 @@ cdef int _write_loop(QPState* qs, int nq, ibv_cq* cq, ibv_comp_channel* ch, bint
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
                   uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None,
-                  uint64_t marks=0, ready=None):
+                  uint64_t marks=0, ready=None, int first_qp=0, int stripe_qps=0):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -1000,8 +1003,15 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     ``ready`` (a buffer of one native uint64, e.g. ``array('Q', [0])``) gates the write: no request
     reaching past ``ready[0]`` bytes from ``local_addr`` is posted until another thread raises it; the
     loop then also comes back every 50 ms, so ``peer_alive`` may raise to abort (an upstream failure).
+
+    Several posting threads: ``qps`` may be QPs ``first_qp ..`` of a stripe over ``stripe_qps`` QPs
+    (default: ``qps`` alone); this call then posts only their requests of the stripe (``wrs`` counts
+    those), and waits on ``cq``, which only they may use.  Each thread calls it with its own group
+    and CQ.
     """
     cdef int nq = len(qps), q
+    cdef int ntot = stripe_qps if stripe_qps != 0 else nq
+    cdef int g
     cdef Py_buffer view
     cdef bint have_view = False
     cdef const uint64_t* gate = NULL
@@ -1012,14 +1022,16 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     cdef WriteError err
     cdef LoopState st
     cdef double slice_s = 0.05 if peer_alive is not None or ready is not None else 0.0
-    cdef uint64_t nwr
+    cdef uint64_t nwr, mine = 0
     cdef int rc
     cdef QP qp
     cq._check_open()
     if nq == 0:
         raise ValueError("need at least one QP")
-    if nq >= 1 << 16:
-        raise ValueError(f"too many QPs ({nq})")
+    if ntot >= 1 << 16:
+        raise ValueError(f"too many QPs ({ntot})")
+    if first_qp < 0 or first_qp + nq > ntot:
+        raise ValueError(f"QPs {first_qp}..{first_qp + nq - 1} are not within a stripe of {ntot}")
     if wr_size == 0 or wr_size > 0x80000000:
         raise ValueError(f"wr_size must be in [1, 2 GiB], got {wr_size}")
     if post_batch == 0 or post_batch > POST_BATCH:
@@ -1035,7 +1047,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             raise ValueError(f"max_outstanding {max_outstanding} exceeds the QP's send queue "
                              f"({qp.max_send_wr})")
     nwr = (length + wr_size - 1) // wr_size
-    if marks != 0 and ((nwr + nq - 1) // nq > C_IMM_MASK or imm > C_IMM_MASK):
+    if marks != 0 and ((nwr + ntot - 1) // ntot > C_IMM_MASK or imm > C_IMM_MASK):
         raise ValueError(f"with marks, the update number ({imm}) and the requests per QP must fit in 31 bits")
     if ready is not None:
         PyObject_GetBuffer(ready, &view, PyBUF_SIMPLE)
@@ -1055,13 +1067,15 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             raise MemoryError()
         for q in range(nq):
             qs[q].qp = (<QP>qps[q]).qp
-            qs[q].total = (nwr - q + nq - 1) // nq if <uint64_t>q < nwr else 0
+            g = first_qp + q
+            qs[q].total = (nwr - g + ntot - 1) // ntot if <uint64_t>g < nwr else 0
+            mine += qs[q].total
             if qs[q].total == 0:
                 qs[q].total = 1
         st.last = _now()
         while True:
             with nogil:
-                rc = _write_loop(qs, nq, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
+                rc = _write_loop(qs, nq, first_qp, ntot, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
                                  length, wr_size, max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
                                  &err, &st, slice_s, marks, gate)
             if rc != 1:
@@ -1071,7 +1085,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                 raise PeerLost(f"receiver lost during the RDMA write ({done} of "
                                f"{sum(qs[q].total for q in range(nq))} requests completed)")
         if rc == 0:
-            return {"bytes": length, "wrs": nwr, "polls": st.polls}
+            return {"bytes": length, "wrs": mine, "polls": st.polls}
         off = err.wr_index * wr_size
         if off > length:
             off = length

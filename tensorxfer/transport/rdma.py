@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tensorxfer.errors import (
@@ -60,6 +62,12 @@ PROTOCOL_VERSION = 1
 DEFAULT_QPS = 4
 DEFAULT_WR_SIZE = 1 << 20
 DEFAULT_MAX_OUTSTANDING = 32
+#: Threads a sender posts from, each with its own group of QPs and its own CQ.  A software provider
+#: (Soft-RoCE's rdma_rxe, siw) does the protocol work (packets, copy, ICRC) inside the thread that rings
+#: the doorbell, so one posting thread caps it at one CPU: in the Soft-RoCE VM (2 vCPUs) two threads moved
+#: 1.76x what one did (benchmarks/results/README.md).  A hardware NIC does that work itself; the second
+#: thread then sleeps on its CQ's completion channel and costs nothing measurable.
+DEFAULT_POST_THREADS = 2
 #: Receives posted per QP.  Each WRITE_WITH_IMM consumes one, and a relay's sender marks up to every
 #: request (``max_outstanding`` in flight per QP) while the receiver may be off reporting a piece; a
 #: missing receive is not an error (RNR retries forever) but costs a retry timer each.
@@ -222,7 +230,7 @@ class _Endpoint:
     _access = 0
 
     def __init__(self, region: Any, device: str | None, port: int, gid_index: int | None, qps: int,
-                 max_send_wr: int, max_recv_wr: int, _first_chunk_only: bool = False) -> None:
+                 max_send_wr: int, max_recv_wr: int, _first_chunk_only: bool = False, cq_groups: int = 1) -> None:
         v = _require_verbs()
         if not isinstance(qps, int) or not 1 <= qps <= 256:
             raise ValueError(f"qps must be an int in [1, 256], got {qps!r}")
@@ -246,8 +254,14 @@ class _Endpoint:
             self._pd = self._ctx.alloc_pd()
             self._mr = register_region(self._pd, self._region, self.nbytes, self._access,
                                        _first_chunk_only=_first_chunk_only)
-            self._cq = self._ctx.create_cq(qps * (max(max_send_wr, max_recv_wr) + 1) + 16)
-            self._qps = [self._pd.create_qp(self._cq, self._cq, max_send_wr, max_recv_wr) for _ in range(qps)]
+            # QPs [first, first + count) share the CQ of their group (one group per posting thread)
+            self._groups = [(g * qps // cq_groups, (g + 1) * qps // cq_groups - g * qps // cq_groups)
+                            for g in range(cq_groups)]
+            self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
+                         for _, count in self._groups]
+            self._cq = self._cqs[0]
+            self._qps = [self._pd.create_qp(cq, cq, max_send_wr, max_recv_wr)
+                         for cq, (_, count) in zip(self._cqs, self._groups) for _ in range(count)]
             self._psns = [int.from_bytes(os.urandom(3), "little") for _ in range(qps)]
             for qp in self._qps:
                 qp.to_init(port, self._remote_access())
@@ -314,7 +328,7 @@ class _Endpoint:
             return
         self._closed = True
         first: VerbsError | None = None
-        for obj in (*self._qps, self._mr, self._cq, self._pd, self._ctx):
+        for obj in (*self._qps, self._mr, *self._cqs, self._pd, self._ctx):
             try:
                 obj.close()
             except VerbsError as exc:  # keep releasing the rest; report the first failure
@@ -466,8 +480,11 @@ class RdmaSenderEndpoint(_Endpoint):
     tuning (all per :meth:`write` too): ``wr_size`` bytes per work request,
     ``max_outstanding`` requests in flight per QP, ``signal_every``
     (default ``max_outstanding // 4``), ``post_batch`` requests chained per
-    ``ibv_post_send`` (default :func:`default_post_batch`).  ``_first_chunk_only`` is a test
-    switch reproducing the UCX bug (MR over the first handle only).
+    ``ibv_post_send`` (default :func:`default_post_batch`).  ``post_threads`` (default
+    :data:`DEFAULT_POST_THREADS`, at most ``qps``) threads post one update together, each its own
+    contiguous group of QPs with its own CQ; the stripe (request ``i`` on QP ``i % qps``) is the same
+    whatever the count, so the receiver cannot tell.  ``_first_chunk_only`` is a test switch
+    reproducing the UCX bug (MR over the first handle only).
     """
 
     _role = "sender"
@@ -475,17 +492,25 @@ class RdmaSenderEndpoint(_Endpoint):
     def __init__(self, region: Any, device: str | None = None, *, port: int = 1, gid_index: int | None = None,
                  qps: int = DEFAULT_QPS, wr_size: int = DEFAULT_WR_SIZE,
                  max_outstanding: int = DEFAULT_MAX_OUTSTANDING, signal_every: int | None = None,
-                 post_batch: int | None = None, _first_chunk_only: bool = False) -> None:
+                 post_batch: int | None = None, post_threads: int | None = None,
+                 _first_chunk_only: bool = False) -> None:
         v = _require_verbs()
         self._access = v.ACCESS_LOCAL_WRITE
         if not isinstance(max_outstanding, int) or max_outstanding < 1:
             raise ValueError(f"max_outstanding must be a positive int, got {max_outstanding!r}")
+        threads = DEFAULT_POST_THREADS if post_threads is None else post_threads
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"post_threads must be a positive int, got {post_threads!r}")
+        self._pool: ThreadPoolExecutor | None = None
         self.wr_size = wr_size
         self.max_outstanding = max_outstanding
         self.signal_every = signal_every or max(1, max_outstanding // 4)
         self.post_batch = post_batch
         super().__init__(region, device, port, gid_index, qps, max_send_wr=max_outstanding, max_recv_wr=1,
-                         _first_chunk_only=_first_chunk_only)
+                         _first_chunk_only=_first_chunk_only,
+                         cq_groups=min(threads, qps) if isinstance(qps, int) and qps >= 1 else 1)
+        if len(self._groups) > 1:
+            self._pool = ThreadPoolExecutor(len(self._groups) - 1, thread_name_prefix="tensorxfer-rdma-post")
         self.updates = 0
         self._local_ptr = int(self._region.resolve_extent(0, self.nbytes).ptr)
 
@@ -556,9 +581,7 @@ class RdmaSenderEndpoint(_Endpoint):
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
         t0 = time.perf_counter()
         try:
-            st = _verbs.write_striped(self._qps, self._cq, self._local_ptr + offset, self._mr.lkey,
-                                      self._peer["addr"] + offset, self._peer["rkey"], length, wr, mo, se, seq,
-                                      float(timeout), pb, peer_alive, marks, ready)
+            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
@@ -570,8 +593,64 @@ class RdmaSenderEndpoint(_Endpoint):
         dt = time.perf_counter() - t0
         self.updates += 1
         st.update(seconds=dt, gbps=length * 8 / dt / 1e9 if dt > 0 else 0.0, qps=len(self._qps), wr_size=wr,
-                  max_outstanding=mo, signal_every=se, post_batch=pb, update=seq)
+                  max_outstanding=mo, signal_every=se, post_batch=pb, update=seq, post_threads=len(self._groups))
         return dict(st)
+
+    def _post(self, offset: int, length: int, wr: int, mo: int, se: int, seq: int, timeout: float, pb: int,
+              peer_alive: Callable[[], bool] | None, marks: int, ready: Any) -> dict[str, Any]:
+        """Run the write loop, one group of QPs per posting thread (this one takes the first group)."""
+        peer = self._peer
+        assert peer is not None
+
+        def group(first: int, count: int, cq: Any, alive: Callable[[], bool] | None) -> dict[str, Any]:
+            return dict(_verbs.write_striped(self._qps[first:first + count], cq, self._local_ptr + offset,
+                                             self._mr.lkey, peer["addr"] + offset, peer["rkey"], length,
+                                             wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps)))
+
+        if self._pool is None:
+            return group(0, len(self._qps), self._cq, peer_alive)
+        failed = threading.Event()      # one group failed: the others stop within a slice (50 ms)
+
+        def alive() -> bool:
+            if failed.is_set():
+                raise _GroupAborted
+            return peer_alive is None or peer_alive()
+
+        def run(first: int, count: int, cq: Any) -> dict[str, Any]:
+            try:
+                return group(first, count, cq, alive)
+            except BaseException:
+                failed.set()
+                raise
+
+        (first, count), *rest = self._groups
+        futures = [self._pool.submit(run, f, c, cq) for (f, c), cq in zip(rest, self._cqs[1:])]
+        errors: list[BaseException] = []
+        results: list[dict[str, Any]] = []
+        try:
+            results.append(run(first, count, self._cq))
+        except BaseException as exc:
+            errors.append(exc)
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as exc:
+                errors.append(exc)
+        real = [e for e in errors if not isinstance(e, _GroupAborted)]
+        if real:
+            raise real[0]       # groups stopped because another failed report nothing of their own
+        return {"bytes": length, "wrs": sum(r["wrs"] for r in results), "polls": sum(r["polls"] for r in results)}
+
+    def close(self) -> None:
+        """As :meth:`_Endpoint.close`, and stop the posting threads."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        super().close()
+
+
+class _GroupAborted(Exception):
+    """Another posting thread's group failed: this one stops (its error is the one reported)."""
 
 
 __all__ = [
