@@ -64,9 +64,9 @@ DEFAULT_WR_SIZE = 1 << 20
 DEFAULT_MAX_OUTSTANDING = 32
 #: Threads a sender posts from, each with its own group of QPs and its own CQ.  A software provider
 #: (Soft-RoCE's rdma_rxe, siw) does the protocol work (packets, copy, ICRC) inside the thread that rings
-#: the doorbell, so one posting thread caps it at one CPU: in the Soft-RoCE VM (2 vCPUs) two threads moved
-#: 1.76x what one did (benchmarks/results/README.md).  A hardware NIC does that work itself; the second
-#: thread then sleeps on its CQ's completion channel and costs nothing measurable.
+#: the doorbell, so one posting thread caps it at one CPU: in the Soft-RoCE VM (2 vCPUs) a 64 MiB warm
+#: update reached 0.91x ib_write_bw from one thread, 1.91x from two, 1.67x from four (docs/rdma.md).  A
+#: hardware NIC does that work itself; the second thread then sleeps on its CQ's completion channel.
 DEFAULT_POST_THREADS = 2
 #: Receives posted per QP.  Each WRITE_WITH_IMM consumes one, and a relay's sender marks up to every
 #: request (``max_outstanding`` in flight per QP) while the receiver may be off reporting a piece; a
