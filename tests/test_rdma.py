@@ -54,6 +54,19 @@ def head(region: HostRegion, n: int) -> bytes:
     return bytes(memoryview(region)[:n])
 
 
+def check_partial_update(tx: RdmaSenderEndpoint, rx: RdmaReceiverEndpoint, src: HostRegion, dst: HostRegion,
+                         seed: int, offset: int, length: int) -> None:
+    """A partial update: only ``[offset, offset + length)`` of fresh source bytes moves; the rest stays."""
+    fill(src, seed)
+    before = head(dst, dst.size)
+    tx.write(timeout=30, offset=offset, length=length)
+    rx.wait_complete(timeout=30)
+    after, now = head(dst, dst.size), head(src, src.size)
+    end = offset + length
+    assert after[offset:end] == now[offset:end]
+    assert after[:offset] == before[:offset] and after[end:] == before[end:]
+
+
 def pair(src: Any, dst: Any, qps: int = 3, **kw: Any) -> tuple[RdmaSenderEndpoint, RdmaReceiverEndpoint]:
     rx = RdmaReceiverEndpoint(dst, qps=qps)
     tx = RdmaSenderEndpoint(src, qps=qps, **kw)
@@ -93,14 +106,7 @@ def test_repeated_updates_reuse_one_registration() -> None:
                 assert rx.wait_complete(timeout=30)["update"] == u
                 assert head(dst, src.size) == data, f"update {u}"
                 assert tx._mr is mr_tx and rx._mr is mr_rx and rx.descriptors()["rkey"] == rkey
-            # a partial update: only [offset, offset+length) moves
-            fill(src, 7)
-            before = head(dst, dst.size)
-            tx.write(timeout=30, offset=300_000, length=500_000)
-            rx.wait_complete(timeout=30)
-            after, now = head(dst, dst.size), head(src, src.size)
-            assert after[300_000:800_000] == now[300_000:800_000]
-            assert after[:300_000] == before[:300_000] and after[800_000:] == before[800_000:]
+            check_partial_update(tx, rx, src, dst, 7, 300_000, 500_000)
         finally:
             tx.close()
             rx.close()
@@ -174,13 +180,7 @@ def test_posting_threads_share_one_stripe(qps: int, threads: int) -> None:
                 assert st["wrs"] == -(-src.size // 100_003) and st["post_threads"] == min(threads, qps)
                 assert rx.wait_complete(timeout=30)["update"] == u
                 assert head(dst, src.size) == data, f"update {u}"
-            fill(src, 9)                           # a partial update through the groups too
-            before = head(dst, dst.size)
-            tx.write(timeout=30, offset=123_457, length=654_321)
-            rx.wait_complete(timeout=30)
-            after, now = head(dst, dst.size), head(src, src.size)
-            assert after[123_457:777_778] == now[123_457:777_778]
-            assert after[:123_457] == before[:123_457] and after[777_778:] == before[777_778:]
+            check_partial_update(tx, rx, src, dst, 9, 123_457, 654_321)    # through the groups too
         finally:
             tx.close()
             rx.close()
