@@ -84,6 +84,11 @@ def field(frame: Mapping[str, Any], name: str, kind: type[T] | tuple[type, ...],
     return value  # type: ignore[return-value]
 
 
+def int_in(value: Any, low: int, end: int) -> bool:
+    """``value`` is an int (not a bool: it subclasses int) with ``low <= value < end``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < end
+
+
 def nonce() -> bytes:
     """A fresh random nonce (challenges, stream proofs)."""
     return os.urandom(NONCE_BYTES)

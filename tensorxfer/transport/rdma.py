@@ -44,6 +44,7 @@ from tensorxfer.errors import (
     TransportUnavailable,
     VerbsError,
 )
+from tensorxfer.protocol import int_in
 
 log = logging.getLogger("tensorxfer.rdma")
 
@@ -197,17 +198,17 @@ def _check_peer(peer: Any, role: str) -> dict[str, Any]:
     if peer["role"] != role:
         raise ProtocolError(f"expected {role} descriptors, got {peer['role']!r}")
     for q in peer["qps"]:
-        if not (isinstance(q, dict) and _int_in(q.get("qp_num"), 1, 1 << 24) and _int_in(q.get("psn"), 0, 1 << 24)):
+        if not (isinstance(q, dict) and int_in(q.get("qp_num"), 1, 1 << 24) and int_in(q.get("psn"), 0, 1 << 24)):
             raise ProtocolError("RDMA descriptors: every QP needs 'qp_num' in [1, 2^24) and 'psn' in [0, 2^24)")
     if len(peer["gid"]) != 16:
         raise ProtocolError("RDMA descriptors: 'gid' must be 16 bytes")
-    if not _int_in(peer["lid"], 0, 1 << 16):
+    if not int_in(peer["lid"], 0, 1 << 16):
         raise ProtocolError(f"RDMA descriptors: 'lid' must be in [0, 65536), got {peer['lid']}")
     if peer["mtu"] not in MTU_BYTES:
         raise ProtocolError(f"RDMA descriptors: 'mtu' must be one of {MTU_BYTES} (bytes), got {peer['mtu']}")
     if role == "receiver":
         for key, end in (("addr", 1 << 64), ("rkey", 1 << 32), ("length", 1 << 64)):
-            if not _int_in(peer.get(key), 0, end):
+            if not int_in(peer.get(key), 0, end):
                 raise ProtocolError(f"RDMA receiver descriptors: {key!r} missing or not an int in [0, {end:#x})")
         if peer["addr"] + peer["length"] > 1 << 64:
             raise ProtocolError("RDMA receiver descriptors: 'addr' + 'length' is past the end of the address space")
@@ -216,11 +217,6 @@ def _check_peer(peer: Any, role: str) -> dict[str, Any]:
 
 #: Path MTUs a port can report (``ibv_mtu``), in bytes: what descriptors carry.
 MTU_BYTES = (256, 512, 1024, 2048, 4096)
-
-
-def _int_in(value: Any, low: int, end: int) -> bool:
-    """``value`` is an int (not a bool) with ``low <= value < end``."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < end
 
 
 class _Endpoint:

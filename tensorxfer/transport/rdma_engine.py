@@ -68,7 +68,7 @@ import msgpack
 
 from tensorxfer.connections import Gate, listen, readable_now, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
-from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, int_in, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import (
     PrefixFollower,
     Progress,
@@ -480,9 +480,7 @@ def _marks_asked(descriptors: dict[str, Any]) -> tuple[int, int | None]:
     if marks == 0 or marks is None:
         return 0, None
     wr_size = descriptors.get("wr_size")
-    if (not isinstance(marks, int) or isinstance(marks, bool) or not 0 < marks <= MAX_MARK_EVERY
-            or not isinstance(wr_size, int) or isinstance(wr_size, bool)
-            or not MIN_MARK_WR_SIZE <= wr_size <= 1 << 30):
+    if not int_in(marks, 1, MAX_MARK_EVERY + 1) or not int_in(wr_size, MIN_MARK_WR_SIZE, (1 << 30) + 1):
         raise ProtocolError(f"rdma accept descriptors: 'marks' must be an int in [1, {MAX_MARK_EVERY}] with an "
                             f"int 'wr_size' in [{MIN_MARK_WR_SIZE}, 1 GiB], got {marks!r}, {wr_size!r}")
     return marks, wr_size
