@@ -251,6 +251,7 @@ class _Endpoint:
             self._mr = register_region(self._pd, self._region, self.nbytes, self._access,
                                        _first_chunk_only=_first_chunk_only)
             # QPs [first, first + count) share the CQ of their group (one group per posting thread)
+            cq_groups = min(cq_groups, qps)
             self._groups = [(g * qps // cq_groups, (g + 1) * qps // cq_groups - g * qps // cq_groups)
                             for g in range(cq_groups)]
             self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
@@ -503,8 +504,7 @@ class RdmaSenderEndpoint(_Endpoint):
         self.signal_every = signal_every or max(1, max_outstanding // 4)
         self.post_batch = post_batch
         super().__init__(region, device, port, gid_index, qps, max_send_wr=max_outstanding, max_recv_wr=1,
-                         _first_chunk_only=_first_chunk_only,
-                         cq_groups=min(threads, qps) if isinstance(qps, int) and qps >= 1 else 1)
+                         _first_chunk_only=_first_chunk_only, cq_groups=threads)
         if len(self._groups) > 1:
             self._pool = ThreadPoolExecutor(len(self._groups) - 1, thread_name_prefix="tensorxfer-rdma-post")
         self.updates = 0
