@@ -4,7 +4,9 @@ Public API (everything else is private):
 
 - :class:`TensorRegion` — many tensors packed into one region, one manifest.
 - :class:`Manifest` / :class:`TensorSpec` — the validated msgpack layout.
-- :class:`Sender` / :class:`Receiver` — sessions moving regions (TCP today).
+- :class:`Sender` / :class:`Receiver` — sessions moving regions (ipc, rdma, tcp);
+  the Receiver is the session's with fan-out relaying plugged in
+  (:class:`tensorxfer.fanout.Receiver`).
 - :class:`FanoutSender` — one update to N receivers by chain pipelining
   (:class:`FanoutStats`, one :class:`ReceiverResult` each; :class:`Version`).
 - :class:`HostRegion` — one virtual range backed by many memfd chunks.
@@ -37,11 +39,12 @@ from tensorxfer.errors import (
     UpstreamFailed,
     VerbsError,
 )
-from tensorxfer.fanout import FanoutSender, FanoutStats, ReceiverResult, Version
+from tensorxfer.fanout import FanoutSender, FanoutStats, Receiver, ReceiverResult
 from tensorxfer.manifest import Manifest, TensorSpec
 from tensorxfer.memory import Extent, HostRegion
+from tensorxfer.protocol import Version
 from tensorxfer.region import TensorRegion
-from tensorxfer.session import Receiver, Sender, TransferStats
+from tensorxfer.session import Sender, TransferStats
 
 if TYPE_CHECKING:
     from tensorxfer.memory._cuda import CudaRegion

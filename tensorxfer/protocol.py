@@ -31,7 +31,8 @@ import socket
 import struct
 import time
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 
@@ -432,6 +433,61 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
         raise ValueError(f"address must be HOST:PORT, got {text!r}")
     host = host.strip("[]") or default_host
     return host, int(port)
+
+
+# ------------------------------------------------------------------ update versions and chains
+MAX_CHAIN = 64
+
+
+class _Packable(Protocol):
+    def pack(self) -> bytes: ...
+
+
+def packed_digest(packed: bytes) -> bytes:
+    """SHA-256 of a packed manifest: the layout half of a :class:`Version`."""
+    return hashlib.sha256(packed).digest()
+
+
+def manifest_digest(manifest: _Packable) -> bytes:
+    """:func:`packed_digest` of ``manifest.pack()``."""
+    return packed_digest(manifest.pack())
+
+
+@dataclass(frozen=True)
+class Version:
+    """Which update a region holds: the origin sender's update number and its manifest's digest.
+
+    Every offer carries one; a receiver checks the digest against the manifest it unpacked and holds
+    the version only once every byte landed (and verified, when asked).
+    """
+
+    update: int
+    digest: bytes
+
+    def as_wire(self) -> dict[str, Any]:
+        return {"update": self.update, "digest": self.digest}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Version:
+        if (not isinstance(value, dict) or not int_in(value.get("update"), 1, 1 << 63)
+                or not isinstance(value.get("digest"), bytes) or len(value["digest"]) != 32):
+            raise ProtocolError("offer: 'version' must be {update: int >= 1, digest: 32 bytes}")
+        return cls(value["update"], value["digest"])
+
+
+def parse_chain(value: Any) -> list[str]:
+    """The ``chain`` of an offer (the receivers a fan-out relay forwards to), checked: a list of at most
+    :data:`MAX_CHAIN` distinct ``HOST:PORT`` strings."""
+    if not isinstance(value, list) or len(value) > MAX_CHAIN or not all(isinstance(a, str) for a in value):
+        raise ProtocolError(f"offer: 'chain' must be a list of at most {MAX_CHAIN} HOST:PORT strings")
+    if len(set(value)) != len(value):
+        raise ProtocolError("offer: 'chain' names an address twice")
+    for address in value:
+        try:
+            parse_address(address)
+        except ValueError as e:
+            raise ProtocolError(f"offer: bad chain address {address!r}: {e}") from None
+    return list(value)
 
 
 # ------------------------------------------------------------------ handshake

@@ -319,7 +319,8 @@ def test_cli_once_receiver_waits_for_the_repaired_chain_when_its_relay_dies(tmp_
 
 
 def test_versions_are_explicit_and_checked():
-    from tensorxfer.fanout import Onward, manifest_digest
+    from tensorxfer.fanout import manifest_digest
+    from tensorxfer.session import ForwardHooks
 
     with tx.Receiver("127.0.0.1:0", token=TOKEN) as rx, model(1 << 20) as region:
         where = "{}:{}".format(*rx.address)
@@ -336,7 +337,7 @@ def test_versions_are_explicit_and_checked():
         got = Background(rx.receive, timeout=20)
         with tx.Sender(where, token=TOKEN, transport="tcp") as s:
             with pytest.raises(ProtocolError, match="digest"):
-                s.send(region, onward=Onward([], Version(3, b"\0" * 32)))
+                s.send(region, forward=ForwardHooks(Version(3, b"\0" * 32)))
         with pytest.raises(ProtocolError, match="digest"):
             got.result()
         assert rx.version is None
@@ -503,7 +504,7 @@ def test_one_to_three_over_ipc_between_gpu_regions_pipelined_byte_identical_veri
     # piece once the stream finished it (stream marks), and the next hop copies it from the relay's memory.
     # Relay pieces of 8 MiB (the environment, for the peers; this process only reports the size).
     piece = 8 << 20
-    monkeypatch.setattr(ipc, "RELAY_CUDA_PIECE_BYTES", piece)
+    monkeypatch.setattr(ipc.messages, "RELAY_CUDA_PIECE_BYTES", piece)
     ps = peers(3, device="cuda:0", ipc_piece_delay=0.2, env={"TENSORXFER_IPC_CUDA_FORWARD_PIECE": str(piece)})
     rng = np.random.default_rng(13)
     tensors = {f"layer{i}.w": rng.integers(0, 255, 2 * piece, dtype=np.uint8) for i in range(4)}

@@ -426,7 +426,7 @@ def _bytes(region: TensorRegion) -> bytes:
 
 
 class _Relay:
-    """A sender transport relaying ``src`` (its ``ready_after`` is a :class:`Landed`) to a receiver transport
+    """A sender transport relaying ``src`` (its ``landing`` follows a :class:`Landed`) to a receiver transport
     copying into ``dst``, each in a thread; ``copied`` lists the pieces the receiver reported as landed."""
 
     def __init__(self, src: TensorRegion, dst: TensorRegion, stall: float = 10.0) -> None:
@@ -438,16 +438,19 @@ class _Relay:
         self.rt = _receiver_transport(stall=stall)
         self.st = _sender_transport(stall=stall)
         self.rt.on_piece = lambda off, n: self.copied.append((off, n))
-        self.st.ready_after = self._ready_after
+        self.st.landing = self
         d = self.rt.prepare(dst, 1, True)
         self.received = Background(self.rt.wait)
         self.st.connect(src, 1, d)
         assert d["watermark"] is True
         self.sent = Background(self.st.send, src)
 
-    def _ready_after(self, offset: int) -> int:
+    def wait_prefix(self, offset: int) -> int:       # the sender's Landing (a relay's own copy)
         self.asked.set()
         return self.landed.wait_prefix(offset)
+
+    def wait_range(self, offset: int, length: int) -> None:
+        self.landed.wait_range(offset, length)
 
     def close(self) -> None:
         self.landed.abort("test over")          # releases a forwarder still waiting
@@ -516,10 +519,10 @@ def test_a_chunk_table_saying_more_is_ready_than_the_payload_is_a_protocol_error
 
     table = {"kind": "host", "device": 0, "nbytes": 100, "token": bytes(16), "count": 1, "cached": False,
              "seq": 1}
-    assert ipc._parse_header(msgpack.packb(table))[-1] == 100        # no "ready": everything is
+    assert ipc.messages.parse_header(msgpack.packb(table))[-1] == 100        # no "ready": everything is
     for ready in (101, -1):
         with pytest.raises(tx.ProtocolError, match="ready"):
-            ipc._parse_header(msgpack.packb(dict(table, ready=ready)))
+            ipc.messages.parse_header(msgpack.packb(dict(table, ready=ready)))
 
 
 def test_an_upstream_failure_stops_the_forward_and_tells_the_receiver():
@@ -551,7 +554,7 @@ def test_device_pieces_are_reported_once_the_stream_finished_them():
         def wait_mark(self, i: int) -> None:
             calls.append(("wait", i))
 
-    marks = ipc._LandedMarks(FakeCopier(), lambda off, n: calls.append(("landed", off, n)))
+    marks = ipc.copy.LandedMarks(FakeCopier(), lambda off, n: calls.append(("landed", off, n)))
     for k in range(3):
         calls.append(("queued", k))
         marks.queued(k * 10, 10)
@@ -568,7 +571,7 @@ RECEIVER_CHILD = r"""
 import sys
 import tensorxfer.transport.ipc as ipc
 if sys.argv[1] != "-":
-    ipc.BOOT_ID_PATH = sys.argv[1]     # pretend to be another machine
+    ipc.identity.BOOT_ID_PATH = sys.argv[1]     # pretend to be another machine
 from tensorxfer import Receiver
 with Receiver() as rx:
     print("{}:{}".format(*rx.address), flush=True)
@@ -759,7 +762,7 @@ def test_copier_marks_wait_for_the_work_queued_before_them():
 
 
 def test_struct_sizes_match_the_protocol_doc():
-    assert ipc.AUTH.size == 44 and struct.calcsize(">Q") == 8
+    assert ipc.messages.AUTH.size == 44 and struct.calcsize(">Q") == 8
 
 
 def test_host_region_import_fds_maps_read_only_and_rolls_back_on_a_bad_fd():

@@ -136,7 +136,7 @@ def test_a_gated_relay_sender_stops_at_the_landed_prefix_and_finishes_when_it_gr
         landed = Landed(NBYTES, 20.0)       # its own upstream is not what this test stalls
         landed.add(0, 3 * MIB + 100)        # the sender's own copy: 3 MiB and a bit
         job = hop(c, dst, src, rx, tx, 1, True)
-        tx.ready_after = landed.wait_prefix
+        tx.landing = landed
         send = Background(tx.send, src)
         pieces.wait_end(3 * MIB, timeout=60)
         # held there for longer than the stall timeout: waiting for upstream is not the receiver stalling
@@ -159,7 +159,7 @@ def test_an_upstream_failure_aborts_the_gated_write_as_upstream_failed() -> None
         landed = Landed(NBYTES, c.stall_timeout)
         landed.add(0, MIB)
         job = hop(c, dst, src, rx, tx, 1, True)
-        tx.ready_after = landed.wait_prefix
+        tx.landing = landed
         send = Background(tx.send, src)
         time.sleep(1.0)
         t0 = time.monotonic()

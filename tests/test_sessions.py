@@ -317,16 +317,16 @@ def test_memory_a_vanished_sender_left_behind_is_released() -> None:
 
 # ---------------------------------------------------------------- the receiver's own work
 def test_a_long_on_landed_keeps_the_sender_waiting_and_a_stalled_one_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tensorxfer import session
+    from tensorxfer.session import control
 
-    monkeypatch.setattr(session, "CONTROL_TIMEOUT", 1.0)
-    monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 0.1)
+    monkeypatch.setattr(control, "CONTROL_TIMEOUT", 1.0)
+    monkeypatch.setattr(control, "KEEPALIVE_SECONDS", 0.1)
     with region_of(1 << 20) as src, Receiver() as rx:
         job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(3.0))   # 3x the ack timeout
         with Sender(addr(rx), transport="tcp", stall_timeout=1.0) as s:
             assert s.send(src).bytes == src.nbytes
         job.result()
-        monkeypatch.setattr(session, "KEEPALIVE_SECONDS", 5.0)      # a receiver that goes quiet
+        monkeypatch.setattr(control, "KEEPALIVE_SECONDS", 5.0)      # a receiver that goes quiet
         job = Background(rx.receive, timeout=10, on_landed=lambda r: time.sleep(3.0))
         with Sender(addr(rx), transport="tcp", stall_timeout=1.0) as s, pytest.raises(tx.TransferTimeout):
             s.send(src)

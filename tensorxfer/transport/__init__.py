@@ -36,8 +36,13 @@ def __getattr__(name: str) -> ModuleType:
 
 
 # After the hook: rdma.py's import of _verbs, run by these imports, needs it.
-from tensorxfer.transport.base import ReceiverTransport, SenderTransport, TransferContext  # noqa: E402
-from tensorxfer.transport.ipc import IpcReceiver, IpcSender  # noqa: E402
+from tensorxfer.transport.base import (  # noqa: E402
+    ReceiverTransport,
+    SenderTransport,
+    ShareReceiverTransport,
+    TransferContext,
+)
+from tensorxfer.transport.ipc import IpcReceiver, IpcSender, IpcShareReceiver  # noqa: E402
 from tensorxfer.transport.rdma_engine import RdmaReceiver, RdmaSender  # noqa: E402
 from tensorxfer.transport.tcp import TcpReceiver, TcpSender  # noqa: E402
 
@@ -49,6 +54,9 @@ TRANSPORTS: dict[str, tuple[type[SenderTransport], type[ReceiverTransport]]] = {
     "tcp": (TcpSender, TcpReceiver),
 }
 """name -> (sender half, receiver half); ``available()`` says when one cannot run here (rdma: no device)."""
+
+SHARE_RECEIVERS: dict[str, type[ShareReceiverTransport]] = {"ipc": IpcShareReceiver}
+"""name -> the receiving half that maps the sender's memory instead of copying (``Receiver(share=True)``)."""
 
 AUTO_ORDER = ("ipc", "rdma", "tcp")
 """Preference of ``transport="auto"``: fastest first."""
@@ -142,5 +150,6 @@ def choose(requested: str, peer_supports: Iterable[str], peer_caps: Mapping[str,
     raise TransportUnavailable(f"no transport usable by both ends: {'; '.join(skipped)}")
 
 
-__all__ = ["AUTO_ORDER", "TRANSPORTS", "ReceiverTransport", "SenderTransport", "TransferContext", "choose",
+__all__ = ["AUTO_ORDER", "SHARE_RECEIVERS", "TRANSPORTS", "ReceiverTransport", "SenderTransport",
+           "ShareReceiverTransport", "TransferContext", "choose",
            "local_capabilities", "local_transports", "peer_reasons"]

@@ -30,6 +30,15 @@ transfer).  Errors are the engine's: :class:`~tensorxfer.errors.PeerLost`,
 ``stall_timeout`` seconds), :class:`~tensorxfer.errors.ProtocolError`.  A
 failed update ends the session, so a transport never resumes after an error.
 
+Hooks a fan-out relay fills (declared here, set by the session around one
+update, never discovered): a receiving half reports every range that landed
+to :attr:`ReceiverTransport.on_piece`; a sending half whose region is still
+landing from upstream gets a :class:`Landing` in
+:attr:`SenderTransport.landing` and sends only what it says has landed (tcp
+waits for each piece, ipc and rdma follow the landed prefix).  A transport
+that cannot (``follows_landing`` false) is given the region only once all
+of it landed.
+
 A transport registers itself in :data:`tensorxfer.transport.TRANSPORTS`;
 ``available()`` says why it cannot run here (``None`` when it can), so
 ``transport="auto"`` can explain its choice and a forced transport can raise
@@ -43,11 +52,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from tensorxfer.errors import PeerLost, ProtocolError
 
 if TYPE_CHECKING:
+    from tensorxfer.manifest import Manifest
     from tensorxfer.region import TensorRegion
 
 Progress = Callable[[int], None]
@@ -55,6 +65,21 @@ Progress = Callable[[int], None]
 
 MAX_STREAMS = 64
 """The most parallel streams (tcp connections, rdma QPs) a session may ask for."""
+
+
+class Landing(Protocol):
+    """A region that is still landing from upstream while it is sent on (a fan-out relay's own copy).
+
+    Both calls block until the bytes are there and raise
+    :class:`~tensorxfer.errors.UpstreamFailed` when the relay's own update failed (or nothing new
+    landed for longer than its stall timeout).
+    """
+
+    def wait_range(self, offset: int, length: int) -> None:
+        """Return once ``[offset, offset+length)`` landed."""
+
+    def wait_prefix(self, after: int) -> int:
+        """Return once the bytes landed from offset 0 reach past ``after``; return where they end."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +173,14 @@ _H = TypeVar("_H", bound=_Half)
 
 
 class ReceiverTransport(_Half):
-    """The receiving half of a data path (one per session and transport)."""
+    """The receiving half of a data path (one per session and transport).
+
+    ``on_piece`` (hook): when set, called with ``(region offset, length)`` of every range once its bytes
+    are in the region (device copies: finished, not queued), from the transport's threads, so a fan-out
+    relay can forward it before the whole update landed.  Set before :meth:`prepare`.
+    """
+
+    on_piece: Callable[[int, int], None] | None = None
 
     @abstractmethod
     def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
@@ -168,8 +200,41 @@ class ReceiverTransport(_Half):
         """
 
 
+class ShareReceiverTransport(_Half):
+    """A receiving half that maps the sender's memory instead of copying it (``Receiver(share=True)``).
+
+    :meth:`prepare_share` gets the offer's manifest (nothing is allocated), :meth:`wait` blocks until the
+    sender's memory is mapped, :meth:`take_shared` hands that memory over as a region.
+    """
+
+    on_piece: Callable[[int, int], None] | None = None     # never called: a shared update lands at once
+
+    @abstractmethod
+    def prepare_share(self, manifest: Manifest, device: str, seq: int, fresh: bool,
+                      previous: TensorRegion | None = None) -> dict[str, Any]:
+        """Get ready to map update ``seq`` (``previous``: the region the last shared update returned, reused
+        when the sender passes the same memory); return descriptors for ``accept``."""
+
+    @abstractmethod
+    def wait(self, progress: Progress | None = None) -> int:
+        """Block until the sender's memory for the prepared update is mapped; return the byte count."""
+
+    @abstractmethod
+    def take_shared(self) -> TensorRegion:
+        """The region backed by the sender's memory (now the caller's to close)."""
+
+
 class SenderTransport(_Half):
-    """The sending half of a data path (one per session and transport)."""
+    """The sending half of a data path (one per session and transport).
+
+    ``landing`` (hook): when set for one :meth:`send`, the region is still landing from upstream and
+    only what ``landing`` says has landed may be sent (see :class:`Landing`).  ``follows_landing`` says
+    whether this transport honours it; the session gives a transport that does not the region only
+    once all of it landed.
+    """
+
+    follows_landing: ClassVar[bool] = False
+    landing: Landing | None = None
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
@@ -229,7 +294,7 @@ class PrefixFollower:
     """A fan-out relay's forward: follows its own copy's landed prefix and passes each new end on.
 
     A relay's sender may send only what already landed in the relay's region.  ``ready_after(offset)``
-    (:meth:`tensorxfer.fanout.Landed.wait_prefix`) blocks until the landed prefix reaches past ``offset``
+    (:meth:`Landing.wait_prefix`) blocks until the landed prefix reaches past ``offset``
     and returns its end; a thread calls it from ``start`` on and gives each new end to ``publish``
     (ipc: a watermark message to the receiver; rdma: the nogil write loop's gate).  ``sent`` is the last
     end published and ``since`` when (a receiver that took all it may is waiting for the relay, not

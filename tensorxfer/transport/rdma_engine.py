@@ -41,11 +41,11 @@ Fan-out relays (``tensorxfer.fanout``) are pipelined, not store and forward:
   prefix, passed to ``on_piece`` as it grows; a mark that is not the next
   one expected is a :class:`TransferError`.  Final immediates carry the
   update number mod 2^31, so they never look like marks;
-- a relay's sender (``ready_after`` set) runs a thread that raises a
-  one-uint64 gate from ``ready_after`` as its own copy lands; the nogil
+- a relay's sender (``landing`` set) runs a thread that raises a
+  one-uint64 gate from ``landing.wait_prefix`` as its own copy lands; the nogil
   write loop posts no request past it and sleeps while only the gate holds
   it back (not counted as the receiver stalling).  When the relay's
-  upstream fails, ``ready_after`` raises :class:`UpstreamFailed` and the
+  upstream fails, ``wait_prefix`` raises :class:`UpstreamFailed` and the
   write is aborted with it (the session then closes the hop, so the next
   hop sees its sender gone).
 
@@ -192,8 +192,6 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         self._seq = 0               # the update being received: every QP's immediate carries it
         self._setup_seq = 0
         self._marks = 0             # this update's piece marks: every _marks-th request per QP (0: none)
-        # Hook for relays (tensorxfer.fanout): called with each newly landed range of the contiguous prefix.
-        self.on_piece: Callable[[int, int], None] | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -321,6 +319,7 @@ class RdmaSender(_Owned, SenderTransport):
     """RDMA-WRITEs the region into the receiver's registered memory; registered and connected once per session."""
 
     name: ClassVar[str] = "rdma"
+    follows_landing: ClassVar[bool] = True     # the write loop posts nothing past the landed prefix
 
     def __init__(self, ctx: TransferContext) -> None:
         SenderTransport.__init__(self, ctx)
@@ -330,9 +329,6 @@ class RdmaSender(_Owned, SenderTransport):
         self._seq = 0               # the update being sent: the immediates carry it
         self._marks = 0             # piece marks the receiver asked for (every _marks-th request per QP)
         self._wr_size: int | None = None
-        # Hook for relays (tensorxfer.fanout): blocks until the region's landed prefix reaches past an
-        # offset and returns its end (raises UpstreamFailed); no request reaching past it is posted.
-        self.ready_after: Callable[[int], int] | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -428,12 +424,12 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint = self._endpoint
             if endpoint is None or region is not self._region:
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
-            ready_after = self.ready_after
-            if ready_after is None:
+            landing = self.landing
+            if landing is None:
                 endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
                                wr_size=self._wr_size, marks=self._marks)
-            else:
-                self._relay(endpoint, region.nbytes, ready_after)
+            else:       # no request reaching past the landed prefix is posted
+                self._relay(endpoint, region.nbytes, landing.wait_prefix)
         finally:
             self._exit()
         self.counters.updates += 1

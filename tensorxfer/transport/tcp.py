@@ -52,7 +52,6 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
@@ -83,7 +82,7 @@ DEFAULT_STREAMS = _env_int("TENSORXFER_TCP_STREAMS", 4)
 MIN_SLICE_BYTES = 4 << 20      # below this, another stream costs more than it brings
 SLICE_ALIGN = 64 << 10
 PIECE_BYTES = _env_int("TENSORXFER_TCP_PIECE", 8 << 20)            # one sendall: progress and stall granularity
-# A forwarding sender (a fan-out relay, before_piece set) waits for each piece to land before sending it, so
+# A forwarding sender (a fan-out relay, landing set) waits for each piece to land before sending it, so
 # its piece is the chain's delay per hop: smaller than PIECE_BYTES (tensorxfer.fanout; bench_fanout.py).
 FORWARD_PIECE_BYTES = _env_int("TENSORXFER_TCP_FORWARD_PIECE", 1 << 20)
 SOCKET_BUFFER_BYTES = _env_int("TENSORXFER_TCP_SOCKBUF", 0)         # 0: the kernel's autotuning
@@ -206,9 +205,6 @@ class TcpReceiver(ReceiverTransport):
         self._nonce = b""
         self._seq = 0
         self._setup_seq = 0
-        # Hook for relays (tensorxfer.fanout): called from the stream threads with (region offset, length)
-        # of every host-region range as it lands, so the bytes can be forwarded before the whole update did.
-        self.on_piece: Callable[[int, int], None] | None = None
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
         """Reuse the session's streams, or (first update, new region, ``fresh``) open a listener for new ones.
@@ -335,6 +331,7 @@ class TcpSender(SenderTransport):
     """Sends a region over parallel TCP streams, straight from region memory; the streams live for the session."""
 
     name: ClassVar[str] = "tcp"
+    follows_landing: ClassVar[bool] = True     # each stream waits for every piece of its slice to land
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
@@ -344,10 +341,6 @@ class TcpSender(SenderTransport):
         self._slice_bytes = 0
         self._region: TensorRegion | None = None
         self._seq = 0
-        # Hook for relays (tensorxfer.fanout): called from the stream threads before each range
-        # (region offset, length) goes out; it blocks until those bytes are in the region (they may be
-        # landing from an upstream sender) and raises to abort the update.
-        self.before_piece: Callable[[int, int], None] | None = None
 
     @classmethod
     def forward_piece_bytes(cls, region: TensorRegion, streams: int | None = None) -> int:
@@ -436,7 +429,7 @@ class TcpSender(SenderTransport):
         pos = offset
         # A relay waits for each piece to land before sending it (in FORWARD_PIECE_BYTES pieces: the chain's
         # delay per hop).  Staged (GPU) reads run ahead of the loop, so there it waits for the whole slice.
-        wait = self.before_piece
+        wait = self.landing.wait_range if self.landing is not None else None
         piece_bytes = FORWARD_PIECE_BYTES if wait is not None and not region.is_cuda else PIECE_BYTES
         if wait is not None and region.is_cuda:
             wait(offset, length)

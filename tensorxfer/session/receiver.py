@@ -1,0 +1,364 @@
+"""The receiving end: :class:`Receiver` listens, admits senders one after another, and keeps the region.
+
+What outlives one sender lives here: the listener and its :class:`~tensorxfer.connections.Gate`
+(connections authenticated concurrently, strangers dropped and counted), the yield policy (an idle
+session gives way to a sender that waits), the :class:`~tensorxfer.session.targets.RegionSlot`, the
+version the region holds and the last stats.  What ends with a sender is its
+:class:`~tensorxfer.session.server.ServerSession`.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tensorxfer import connections
+from tensorxfer.connections import Gate
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.manifest import Manifest, default_max_region_bytes
+from tensorxfer.protocol import Channel, Version, parse_address, server_handshake, token_key
+from tensorxfer.region import TensorRegion, parse_device
+from tensorxfer.session import control
+from tensorxfer.session.hooks import Forwarder
+from tensorxfer.session.server import OnLanded, ServerSession, State
+from tensorxfer.session.stats import TransferStats
+from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
+from tensorxfer.transport import SHARE_RECEIVERS, TRANSPORTS, local_capabilities, local_transports
+from tensorxfer.transport.base import Progress, TransferContext
+
+log = logging.getLogger(__name__)
+
+
+class Receiver:
+    """Listens for senders and receives their regions.
+
+    Parameters
+    ----------
+    listen : str
+        ``HOST:PORT`` to bind (port 0 picks a free one; see :attr:`address`).
+    token : str or bytes, optional
+        Shared secret; senders must present the same one.  Without a token only token-less senders are
+        accepted.
+    device : str
+        Where received regions live (``"cpu"``, ``"cuda:N"``).
+    max_region_bytes : int, optional
+        Offers larger than this are refused before anything is allocated.  Default: half of the memory
+        the region would live in (:func:`~tensorxfer.manifest.default_max_region_bytes`).
+    stall_timeout : float
+        Seconds without progress before a transfer fails with :class:`TransferTimeout`.
+    share : bool
+        Same host only (transport ``ipc``): the received region *is* the sender's memory, mapped
+        read-only for host regions (:mod:`tensorxfer.transport.ipc`).  Other transports are refused.
+    forwarder : Forwarder, optional
+        Passes updates on to the receivers an offer's chain names (:mod:`tensorxfer.fanout` fills it;
+        without one, chains are refused with ``no_forward`` as the reason).
+
+    Raises
+    ------
+    ValueError
+        A malformed address or device.
+    OSError
+        The address cannot be bound.
+    """
+
+    def __init__(self, listen: str = "127.0.0.1:0", token: str | bytes | None = None, device: str = "cpu",
+                 max_region_bytes: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
+                 handshake_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
+                 forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay") -> None:
+        parse_device(device)
+        host, port = parse_address(listen)
+        self.share = bool(share)
+        self.device = device
+        self.max_region_bytes = default_max_region_bytes(device) if max_region_bytes is None else int(max_region_bytes)
+        self.stall_timeout = float(stall_timeout)
+        self.handshake_timeout = float(handshake_timeout)
+        self._key = token_key(token)
+        self._token = token
+        self._forwarder = None if self.share else forwarder
+        self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
+        self._slot = RegionSlot(device)
+        self._version: Version | None = None
+        self._fed_by_relay = False
+        self._session: ServerSession | None = None
+        self.last_stats: TransferStats | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+        self._dropped_at_close = 0
+        self._gate: Gate | None = Gate(connections.listen(host, port=port), self._handshake, self.handshake_timeout,
+                                       "control")
+
+    # ------------------------------------------------------------ what it holds
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` this receiver listens on."""
+        host, port = self._open_gate().address[:2]
+        return host, port
+
+    @property
+    def closed(self) -> bool:
+        return self._gate is None
+
+    @property
+    def token(self) -> str | bytes | None:
+        """The shared secret this receiver authenticates senders with (a warm peer sends on with it)."""
+        return self._token
+
+    @property
+    def dropped_connections(self) -> int:
+        """Connections dropped before they became a session (strangers, wrong tokens, port scans)."""
+        gate = self._gate
+        return gate.dropped if gate is not None else self._dropped_at_close
+
+    @property
+    def version(self) -> Version | None:
+        """The update :attr:`region` holds completely (landed, verified if asked); ``None`` while one is being
+        written or after a failed one."""
+        return self._version
+
+    @property
+    def fed_by_relay(self) -> bool:
+        """Whether the last offer came from a fan-out relay rather than from its origin.  When such an update
+        fails because the relay died or stalled, the hop before the relay sends it again over the repaired
+        chain: a caller waiting for one update should keep receiving (``tensorxfer-recv --once`` does)."""
+        return self._fed_by_relay
+
+    @property
+    def region(self) -> TensorRegion | None:
+        """The region the last transfer landed in (reused for the next same-layout offer)."""
+        return self._slot.region
+
+    @contextmanager
+    def lend(self) -> Iterator[tuple[TensorRegion, Version]]:
+        """The complete update held, with this receiver's lock held: no ``receive()`` writes the region until
+        the block is left (``with rx.lend() as (region, version): ...``; a warm peer sends it on).
+
+        Raises
+        ------
+        TransferError
+            No complete version is held (nothing received yet, or the last update failed or is in flight).
+        """
+        with self._lock:
+            region, version = self._slot.region, self._version
+            if region is None or region.closed or version is None:
+                raise TransferError("this receiver holds no complete update to lend (nothing received yet, or "
+                                    "the last update failed)")
+            yield region, version
+
+    # ------------------------------------------------------------ receiving
+    def receive(self, timeout: float | None = None, progress: Progress | None = None,
+                on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None) -> TensorRegion:
+        """Wait for the next offer (from the current sender, or the next one) and receive it.
+
+        ``timeout`` bounds the wait for an offer to *start* (``None``: forever; once data flows
+        ``stall_timeout`` applies); ``progress`` is called with byte counts as data lands; ``on_offer``
+        with the validated manifest before data moves; ``on_landed`` with the region once every byte
+        landed (and was verified), *before* the sender is acknowledged -- if it raises, the sender gets an
+        error naming it instead of the ack (the CLI writes the files there).
+
+        Returns the region, owned by the receiver: valid until the next ``receive`` or ``close``
+        (same-layout offers overwrite it in place).  A fan-out relay returns as soon as its own copy is
+        complete (and checked) and acknowledges its sender once the rest of its chain finished (the next
+        ``receive()``, :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region
+        meanwhile.
+
+        Every failure ends the current session (the next call accepts a new sender) but leaves the
+        receiver usable; :meth:`close` from another thread ends a blocked ``receive`` with
+        :class:`TransferError`.
+
+        Raises
+        ------
+        TransferTimeout
+            No offer within ``timeout``, or the sender stalled mid-transfer.
+        AuthError, ProtocolError
+            A sender presented the wrong token, or spoke something else.
+        ManifestError
+            The offer was malformed or over ``max_region_bytes`` (refused before allocating).
+        PeerLost
+            The sender died mid-transfer.
+        ChecksumMismatch
+            ``verify`` was requested and a tensor's data differs.
+        TransportUnavailable, CudaError
+            The offer asked for a transport, or a region, this receiver cannot have (the sender is told).
+        """
+        with self._lock:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._settle(deadline)
+            while True:
+                session = self._session or self._admit(deadline)
+                try:
+                    frame = self._next_frame(session, deadline)
+                except TransferTimeout:
+                    if session.channel.desynced:     # timed out mid-frame: the stream is unusable
+                        self._end_session()
+                    raise TransferTimeout(f"no offer within {timeout} s") from None
+                except PeerLost:
+                    self._end_session()
+                    self._check_open()          # close() from another thread wakes us this way
+                    log.info("sender %s ended its session", session.peer)
+                    continue
+                except TensorXferError:
+                    self._end_session()
+                    raise
+                if frame is None or frame["type"] == "bye":     # yielded to a waiting sender, or goodbye
+                    self._end_session()
+                    continue
+                try:
+                    return self._update(session, frame, progress, on_offer, on_landed)
+                except BaseException as e:
+                    # After a failed transfer the control stream's state is unknown: end the session.
+                    self._end_session()
+                    if self._closing and not isinstance(e, KeyboardInterrupt):
+                        raise TransferError(f"this Receiver was closed during the transfer ({e})") from e
+                    raise
+
+    def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
+                on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None) -> TensorRegion:
+        self._fed_by_relay = frame.get("relayed") is True
+        self._version = None            # the region is about to be written: no complete version in it
+        offer = session.offer(frame, self.max_region_bytes)
+        target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
+        region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
+                                                     on_offer, on_landed)
+        self._version = offer.version
+        return region
+
+    def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes]:
+        """Hello + authentication of a new connection (in the gate's thread for it; it bounds the time)."""
+        ch = Channel(sock)
+        names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
+        caps = {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
+        _, key = server_handshake(ch, self._key, caps, self.handshake_timeout)
+        return ch, key
+
+    def _admit(self, deadline: float | None) -> ServerSession:
+        gate = self._open_gate()
+        try:
+            [(_, (ch, key))] = gate.admit(1, timeout=control.remaining(deadline),
+                                          abort=lambda: "this Receiver was closed" if self._closing else None)
+        except TransferTimeout:
+            why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
+            raise TransferTimeout(f"no sender connected within the timeout{why}") from None
+        self._session = ServerSession(ch, key, self.stall_timeout, self._make_transport, self._unavailable,
+                                      self._forwarder, self._no_forward)
+        log.info("session with sender %s", ch.peer)
+        return self._session
+
+    def _make_transport(self, name: str, ctx: TransferContext) -> Any:
+        return SHARE_RECEIVERS[name](ctx) if self.share else TRANSPORTS[name][1](ctx)
+
+    def _unavailable(self, name: str) -> str | None:
+        if self.share and name not in SHARE_RECEIVERS:
+            return f"share=True needs {'/'.join(SHARE_RECEIVERS)}"
+        return None if name in local_transports() else f"it has {local_transports()}"
+
+    def _next_frame(self, session: ServerSession, deadline: float | None) -> dict[str, Any] | None:
+        """The session's next offer or bye; None when the session yields to a sender that waits.
+
+        One session is served at a time, so an idle one would lock every other sender out (a token-less
+        stranger needs only to say hello).  While waiting, the gate keeps proving new connections; once one
+        is waiting and this session has been idle for ``handshake_timeout`` (a relay's: at once -- the
+        chain's order is the origin's to change), it yields.  A single sender (a trainer between steps) is
+        never cut off.
+        """
+        gate = self._open_gate()
+        poller = select.poll()
+        poller.register(session.channel.sock, select.POLLIN)
+        poller.register(gate.fileno(), select.POLLIN)
+        channel = session.channel.sock.fileno()
+        while True:
+            # Wake for whichever comes first, the session's next frame or a new connection: an offer is
+            # noticed at once (a warm CUDA ipc update takes ~16 ms; a polling delay would show).
+            events = dict(poller.poll(50))
+            if events.get(channel):
+                # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
+                limit = control.CONTROL_TIMEOUT
+                if deadline is not None:
+                    limit = max(1e-3, min(limit, deadline - time.monotonic()))
+                return session.next_frame(limit)
+            self._check_open()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransferTimeout("no offer within the timeout")
+            if gate.ready and (self._fed_by_relay or session.idle_for() > self.handshake_timeout):
+                log.warning("session with %s idle for %.0f s while another sender waits: ending it", session.peer,
+                            session.idle_for())
+                return None
+            if events:
+                gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
+
+    def _settle(self, deadline: float | None) -> None:
+        session = self._session
+        if session is not None and session.state is State.ACKING:
+            session.settle_ack(deadline)
+            if session.state is State.CLOSED:
+                self._session = None
+
+    def wait_relayed(self, timeout: float | None = None) -> None:
+        """Wait until the last update this receiver relayed has been acknowledged to its sender (the rest of
+        its chain finished); a no-op when it relayed nothing.  A process about to exit after its last update
+        calls this (or :meth:`close`, which does) so that the hops after it are not left behind.
+
+        Raises
+        ------
+        TransferTimeout
+            The chain had not finished within ``timeout`` seconds.
+        """
+        with self._lock:
+            self._settle(None if timeout is None else time.monotonic() + timeout)
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise TransferError("this Receiver was closed (from another thread); receive() ended")
+
+    def _open_gate(self) -> Gate:
+        if self._gate is None:
+            raise TransferError("this Receiver is closed")
+        return self._gate
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close the session, the listener and the region; idempotent.
+
+        A relay first lets its last update's ack out (:meth:`wait_relayed`).  From another thread it also
+        ends a blocked :meth:`receive` with :class:`TransferError`.
+        """
+        session = self._session
+        if session is not None and session.state is State.ACKING and not self._closing:
+            session.join_ack()      # the hops after this one get their update (bounded by the chain's allowances)
+        self._closing = True
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            self._dropped_at_close = gate.dropped
+            gate.close()
+        if session is not None:
+            try:
+                session.channel.sock.shutdown(socket.SHUT_RDWR)     # wakes a receive() blocked on the channel
+            except (OSError, ProtocolError):
+                pass    # already closed: nothing to wake
+            session.close_transports()                          # wakes a receive() blocked in a transfer
+        with self._lock:                                        # the receive() in flight, if any, has ended
+            self._end_session()
+            self._slot.release()
+        forwarder, self._forwarder = self._forwarder, None
+        if forwarder is not None:
+            forwarder.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Receiver {'closed' if self.closed else '{}:{}'.format(*self.address)}>"
+

@@ -1,0 +1,284 @@
+"""The sending end: :class:`Sender`, one session to a receiver that sends regions, repeatedly.
+
+A Sender opens one control connection (hello, mutual HMAC authentication when a token is set) and keeps
+it for its lifetime; every :meth:`Sender.send` is one offer -> accept -> data -> done -> ack exchange
+(``docs/protocol.md``).  The transport is set up on the first update and reused by every later one, so
+a training step's update registers and connects nothing (:class:`TransferStats` shows it).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from tensorxfer import connections
+from tensorxfer.checksum import ALGORITHM, tensor_checksums
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.manifest import Manifest
+from tensorxfer.protocol import Channel, Version, client_handshake, field, packed_digest, parse_address, token_key
+from tensorxfer.region import TensorRegion
+from tensorxfer.session import control
+from tensorxfer.session.hooks import ForwardHooks
+from tensorxfer.session.stats import TransferStats, UpdateClock
+from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
+from tensorxfer.transport.base import MAX_STREAMS, Progress, SenderTransport, setup_flag
+
+
+class Sender:
+    """One session to a receiver; sends regions, repeatedly.
+
+    Parameters
+    ----------
+    connect : str
+        The receiver's ``HOST:PORT``.
+    token : str or bytes, optional
+        Shared secret (must match the receiver's).
+    transport : str
+        ``"auto"`` or a forced transport name (``"tcp"``).
+    streams : int, optional
+        Parallel data streams to ask for (default: the transport's measured default).
+    stall_timeout : float
+        Seconds without progress before :class:`TransferTimeout`.
+
+    Raises
+    ------
+    PeerLost
+        The receiver cannot be reached.
+    AuthError
+        Tokens differ (no data moves).
+    ProtocolError
+        The receiver speaks another protocol version.
+    TransportUnavailable
+        A forced transport cannot run here or on the receiver.
+    """
+
+    def __init__(self, connect: str, token: str | bytes | None = None, transport: str = "auto",
+                 streams: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
+                 connect_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT) -> None:
+        check_requested(transport)
+        if streams is not None and not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be between 1 and {MAX_STREAMS}, got {streams}")
+        host, port = parse_address(connect)
+        self.streams = streams
+        self.stall_timeout = float(stall_timeout)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._channel: Channel | None = None
+        self._broken: str | None = None
+        self._transports: dict[str, SenderTransport] = {}      # this session's, by name
+        self._last_manifest: tuple[Manifest, bytes, bytes] | None = None   # (manifest, packed, digest)
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as e:
+            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None
+        ch = Channel(sock)
+        try:
+            hello, self._session_key = client_handshake(
+                ch, token_key(token), {"transports": local_transports(), "transport_caps": local_capabilities()},
+                connect_timeout)
+            caps = field(hello, "capabilities", dict)
+            peer = field(caps, "transports", list)
+            self.transport = choose(transport, [t for t in peer if isinstance(t, str)],
+                                    field(caps, "transport_caps", dict, optional=True) or {})
+        except BaseException:
+            ch.close()
+            raise
+        self._channel = ch
+
+    @property
+    def closed(self) -> bool:
+        return self._channel is None
+
+    def ended_by_peer(self) -> bool:
+        """Whether the receiver has ended this session between updates (it closed the connection, e.g. to
+        serve another sender): then the next :meth:`send` would fail, and a new Sender is needed.  Does not
+        block; a receiver says nothing between updates, so anything readable means the session is over."""
+        ch = self._channel
+        if ch is None:
+            return True
+        with self._lock:
+            try:
+                return connections.readable_now(ch.sock)
+            except ProtocolError:       # closed here meanwhile
+                return True
+
+    def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None,
+             forward: ForwardHooks | None = None) -> TransferStats:
+        """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
+
+        Parameters
+        ----------
+        region : TensorRegion
+            The caller keeps it alive and unchanged until this returns.
+        verify : bool
+            Send per-tensor xxh3_64 checksums; the receiver checks them.
+        progress : callable, optional
+            Called with byte counts as data goes out (from stream threads).
+        forward : ForwardHooks, optional
+            Makes this send a hop of a fan-out (:mod:`tensorxfer.fanout` fills it).
+
+        Raises
+        ------
+        PeerLost
+            The receiver died or closed the session.
+        TransferTimeout
+            The receiver stopped reading for ``stall_timeout`` seconds.
+        ManifestError
+            The receiver refused the offer (e.g. over its size limit).
+        ChecksumMismatch
+            ``verify`` found a tensor that arrived corrupted (``.tensor``).
+        TransferError
+            The session is closed, or broken by an earlier failure.
+        """
+        with self._lock:
+            ch = self._channel
+            if ch is None:
+                raise TransferError(f"this Sender is closed{': ' + self._broken if self._broken else ''}; "
+                                    f"open a new one")
+            try:
+                return self._send(ch, region, verify, progress, forward or ForwardHooks())
+            except BaseException as e:
+                self._broken = f"an earlier transfer failed ({type(e).__name__})"
+                self.close()
+                raise
+
+    def _wire_manifest(self, manifest: Manifest) -> tuple[bytes, bytes]:
+        """The packed manifest and its digest, kept while the (immutable) manifest is the same object."""
+        last = self._last_manifest
+        if last is None or last[0] is not manifest:
+            packed = manifest.pack()
+            last = self._last_manifest = (manifest, packed, packed_digest(packed))
+        return last[1], last[2]
+
+    def _transport(self, ch: Channel) -> SenderTransport:
+        """This session's transport (made on its first use, reused by every later update)."""
+        transport = self._transports.get(self.transport)
+        if transport is None:
+            ctx = control.transfer_context(ch, self._session_key, self.stall_timeout, self.streams)
+            transport = self._transports[self.transport] = TRANSPORTS[self.transport][0](ctx)
+        return transport
+
+    def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None,
+              forward: ForwardHooks) -> TransferStats:
+        clock = UpdateClock()
+        self._seq += 1
+        seq = self._seq
+        relayed = forward.relayed     # the region may still be landing: checksums come from upstream
+        checksums = ([ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
+                     if verify and not relayed else None)
+        packed, digest = self._wire_manifest(region.manifest)
+        version = forward.version or Version(seq, digest)
+        extra: dict[str, Any] = {"chain": list(forward.chain), "chain_transport": forward.chain_transport} \
+            if forward.chain else {}
+        if relayed:
+            extra["relayed"] = True     # the receiver learns a repaired chain may send this update again
+        transport = self._transport(ch)
+        ch.send("offer", seq=seq, manifest=packed, transport=self.transport, streams=self.streams, verify=verify,
+                fresh=transport.needs_setup(region), version=version.as_wire(), **extra)
+        # The receiver commits its region before accepting (MAP_POPULATE), which on fresh memory can run at
+        # ~180 MB/s (measured on a 2-vCPU VM), so the accept wait also grows with the region.
+        accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout)
+                         + region.nbytes / control.ALLOCATION_FLOOR_BYTES_PER_S)
+        if field(accept, "seq", int) != seq or field(accept, "transport", str) != self.transport:
+            raise ProtocolError(f"accept does not match offer {seq} over {self.transport!r}: {accept.get('seq')}, "
+                                f"{accept.get('transport')!r}")
+        descriptors = field(accept, "descriptors", dict)
+        setup = setup_flag(descriptors)
+        registered = transport.counters.registrations
+        t1 = time.perf_counter()
+        transport.connect(region, seq, descriptors)
+        receiver_setup = accept.get("setup_seconds")
+        clock.setup_seconds = time.perf_counter() - t1 + (receiver_setup if isinstance(receiver_setup, float) else 0.0)
+        with clock.wire():
+            nbytes = self._send_payload(transport, region, progress, forward)
+        if relayed and forward.checksums is not None:
+            checksums = forward.checksums()
+        setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
+        ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
+        ack = self._wait_ack(ch, seq, nbytes, verify, forward)
+        if forward.on_ack is not None:
+            forward.on_ack(ack)
+        return clock.stats(nbytes, self.transport, field(descriptors, "streams", int, optional=True) or 0,
+                           transport.counters, transport.registration, verified=verify,
+                           reallocated=bool(accept.get("reallocated")), update=seq, setup=setup)
+
+    @staticmethod
+    def _send_payload(transport: SenderTransport, region: TensorRegion, progress: Progress | None,
+                      forward: ForwardHooks) -> int:
+        """Move the payload; a relay's region goes only as far as it landed (see ``SenderTransport.landing``)."""
+        landing = forward.landing
+        if landing is None:
+            return transport.send(region, progress)
+        if not transport.follows_landing:
+            landing.wait_range(0, region.nbytes)    # store and forward
+            return transport.send(region, progress)
+        transport.landing = landing
+        try:
+            return transport.send(region, progress)
+        finally:
+            transport.landing = None
+
+    def _wait_ack(self, ch: Channel, seq: int, nbytes: int, verify: bool, forward: ForwardHooks) -> dict[str, Any]:
+        """The receiver's ack.  While it verifies and runs its on_landed (the CLI writes the files) it sends
+        "wait" frames: each resets the stall wait, so only a receiver that stopped answering times out early.
+        The whole wait is still bounded (hashing at >= 1 GB/s, writing at >= 100 MB/s, plus a minute, plus,
+        for a fan-out, what the rest of the chain may take), so a hanging on_landed cannot hold this sender
+        forever."""
+        limit = control.control_timeout(self.stall_timeout)
+        waited_from = time.monotonic()
+        give_up = waited_from + limit + 60.0 + nbytes / control.ALLOCATION_FLOOR_BYTES_PER_S \
+            + (nbytes / 1e9 if verify else 0.0) + forward.ack_allowance
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"the receiver kept working on transfer {seq} past {give_up - waited_from:.0f} s "
+                                      f"without acknowledging it (its on_landed may hang)")
+            ack = ch.recv("ack", "wait", timeout=min(limit, left))
+            if ack["type"] == "ack":
+                break
+        if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
+            raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")
+        return ack
+
+    def close(self) -> None:
+        """Say goodbye (best effort) and close the session and its transports; idempotent.
+
+        From another thread it ends a :meth:`send` in flight (with :class:`PeerLost` or
+        :class:`TransferError`): no goodbye then, the control connection is shut down, which wakes it.
+        """
+        idle = self._lock.acquire(blocking=False)   # False: a send() is in flight (in another thread, or failing)
+        try:
+            transports, self._transports = self._transports, {}
+            for transport in transports.values():
+                transport.close()
+            ch, self._channel = self._channel, None
+            if ch is None:
+                return
+            if idle and self._broken is None:
+                try:
+                    ch.sock.settimeout(1.0)
+                    ch.send("bye")
+                except TensorXferError:
+                    pass   # the receiver is already gone; closing is all that is left
+            else:
+                try:
+                    ch.sock.shutdown(socket.SHUT_RDWR)  # closing alone does not wake a thread blocked on it
+                except (OSError, ProtocolError):
+                    pass    # already reset or closed: nothing to wake
+            ch.close()
+        finally:
+            if idle:
+                self._lock.release()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Sender {'closed' if self.closed else self._channel.peer if self._channel else ''}>"

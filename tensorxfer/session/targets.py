@@ -1,0 +1,148 @@
+"""Where a receiver's updates land: its region slot, and the two ways an update lands in it.
+
+The :class:`RegionSlot` holds the region a :class:`~tensorxfer.session.Receiver` lands updates in, across
+its senders.  A :class:`CopyTarget` lands an update by copy into the slot's region (allocated from the
+offer's manifest, reused while the layout stays the same); a :class:`ShareTarget` makes the sender's own
+memory the slot's region (same host, ``share=True``).  The server session runs one update sequence for
+both and calls the target at its three points: :meth:`begin` (before accept), :meth:`prepare` (the
+transport's descriptors), :meth:`landed` (every byte is there).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from tensorxfer.manifest import Manifest
+from tensorxfer.region import TensorRegion
+from tensorxfer.transport.base import ReceiverTransport, ShareReceiverTransport
+
+log = logging.getLogger(__name__)
+
+
+class RegionSlot:
+    """The region a receiver's updates land in (reused for a same-layout offer), or None."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.region: TensorRegion | None = None
+
+    def for_manifest(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
+        """The region ``manifest``'s update lands in, and whether it was re-allocated for a new layout.
+
+        Raises
+        ------
+        CudaError, RegionError, MemoryError
+            The device cannot hold the region (the slot is then empty).
+        """
+        old = self.region
+        if old is not None and not old.closed and old.manifest.same_layout(manifest):
+            old.manifest = manifest     # same layout; metadata and checksums may be new
+            return old, False
+        if old is not None:
+            log.info("offer changes the layout (%d -> %d tensors, %d -> %d bytes): re-allocating the region",
+                     len(old.manifest), len(manifest), old.nbytes, manifest.nbytes)
+            self.release()
+        self.region = TensorRegion.from_manifest(manifest, device=self.device)
+        return self.region, old is not None
+
+    def put(self, region: TensorRegion) -> bool:
+        """Make ``region`` the slot's; the previous one is released unless it is the same.  Whether it changed."""
+        old, self.region = self.region, region
+        if old is not None and old is not region:
+            old.close(defer=True)       # views the caller still holds keep the old memory alive
+        return old is not region
+
+    def release(self) -> None:
+        """Empty the slot; the region is closed once no view of it is alive."""
+        region, self.region = self.region, None
+        if region is not None:
+            region.close(defer=True)
+
+
+class Target(Protocol):
+    """How one update lands (see the module docstring)."""
+
+    device: str
+    region: TensorRegion | None     # where it lands, once known (a copy: after begin; shared: once landed)
+    reallocated: bool
+    verb: str                       # what happens to the bytes, for messages ("landed", "mapped")
+
+    def begin(self, manifest: Manifest) -> None: ...
+
+    def prepare(self, transport: Any, seq: int, fresh: bool) -> dict[str, Any]: ...
+
+    def landed(self, transport: Any) -> TensorRegion: ...
+
+    def failed(self) -> bool: ...
+
+    def discard(self) -> None: ...
+
+
+class CopyTarget:
+    """An update lands by copy into the slot's region."""
+
+    verb = "landed"
+
+    def __init__(self, slot: RegionSlot) -> None:
+        self._slot = slot
+        self.device = slot.device
+        self._previous: TensorRegion | None = None
+        self.region: TensorRegion | None = None
+        self.reallocated = False
+
+    def begin(self, manifest: Manifest) -> None:
+        """Allocate (or reuse) the region (raises as :meth:`RegionSlot.for_manifest`)."""
+        self._previous = self._slot.region
+        self.region, self.reallocated = self._slot.for_manifest(manifest)
+
+    def prepare(self, transport: ReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
+        assert self.region is not None
+        return transport.prepare(self.region, seq, fresh)
+
+    def landed(self, transport: ReceiverTransport) -> TensorRegion:
+        assert self.region is not None
+        return self.region
+
+    def failed(self) -> bool:
+        """The update failed: whether memory allocated for it must be freed (after the session's transports
+        are closed: an MR over GPU memory holds no reference to it, so remote write must end first)."""
+        return self.region is not None and self.region is not self._previous
+
+    def discard(self) -> None:
+        """Free the region allocated for the failed update (a vanished sender leaves none behind)."""
+        if self.region is not None and self._slot.region is self.region:
+            self._slot.release()
+
+
+class ShareTarget:
+    """The sender's memory becomes the slot's region (nothing is allocated or copied)."""
+
+    verb = "mapped"
+
+    def __init__(self, slot: RegionSlot) -> None:
+        self._slot = slot
+        self.device = slot.device
+        self._manifest: Manifest | None = None
+        self.region: TensorRegion | None = None
+        self.reallocated = True
+
+    def begin(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+
+    def prepare(self, transport: ShareReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
+        assert self._manifest is not None
+        return transport.prepare_share(self._manifest, self._slot.device, seq, fresh, previous=self._slot.region)
+
+    def landed(self, transport: ShareReceiverTransport) -> TensorRegion:
+        assert self._manifest is not None
+        region = self.region = transport.take_shared()
+        self.reallocated = self._slot.put(region)   # the same memory again: the region is reused as is
+        region.manifest = self._manifest            # same layout when reused; metadata and checksums may be new
+        return region
+
+    def failed(self) -> bool:
+        return False
+
+    def discard(self) -> None:
+        pass

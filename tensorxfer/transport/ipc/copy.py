@@ -1,0 +1,305 @@
+"""The copying ipc receiver: copies each update out of the sender's memory into the receiver's region.
+
+The sender's handles are mapped once per session and kept (:class:`SourceCache`); each update is one
+host memcpy (split over :data:`COPY_THREADS` threads) or one run of device copies on the session's
+stream, in pieces, each reported as progress to the sender (so its stall timer measures a stall, not a
+long copy) and, for a fan-out relay, to ``on_piece`` once its bytes are there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError
+from tensorxfer.transport.base import Progress, ReceiverTransport
+from tensorxfer.transport.ipc import messages
+from tensorxfer.transport.ipc.messages import (
+    U64,
+    Watermark,
+    env_int,
+)
+from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
+
+if TYPE_CHECKING:
+    from tensorxfer.region import TensorRegion
+    from tensorxfer.transport.base import TransferContext
+
+#: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
+COPY_THREADS = env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
+
+
+class SourceCache:
+    """The mapping of the sender's handles, kept for the session's next update (copy mode).
+
+    A training loop sends the same region every step: exporting, passing and
+    mapping 31 GB of memfd pages (or a hundred CUDA handles) each time would
+    cost as much as the copy.  So the sender passes a region's handles once
+    per session and then says ``cached``; the key proves it is the same
+    memory: the sender's pid (from ``SO_PEERCRED``), a random token the
+    sender keeps per region, and the device it is mapped on.  The transport
+    closes it when the session ends; until then it keeps at most one region
+    of the sender's memory alive after the sender freed it.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.region: Any = None
+
+    def get(self, key: tuple) -> Any:
+        return self.region if self.key == key else None
+
+    def put(self, key: tuple, region: Any) -> None:
+        if region is not self.region:
+            self.close()
+        self.key, self.region = key, region
+
+    def close(self) -> None:
+        region, self.region, self.key = self.region, None, None
+        if region is not None:
+            region.close(defer=True)    # a copy still running in another thread holds views: unmap after it
+
+
+class LandedMarks:
+    """Device copies queued back to back, each piece reported as landed once the GPU finished it.
+
+    A relay's next hop copies a piece as soon as it is reported, so a report must mean the bytes are
+    there, not that the copy was queued.  Waiting for each piece before queueing the next would leave
+    the copy engine idle in between, so piece k is waited for (and reported) after piece k+1 was queued:
+    two stream marks, alternating.
+    """
+
+    def __init__(self, copier: Any, landed: Callable[[int, int], None]) -> None:
+        self._copier = copier
+        self._landed = landed
+        self._pending: tuple[int, int, int] | None = None
+        self._count = 0
+
+    def queued(self, off: int, n: int) -> None:
+        """Piece ``[off, off+n)`` was just queued: mark it, report the one before it once that finished."""
+        slot = self._count & 1
+        self._count += 1
+        self._copier.mark(slot)
+        self.finish()
+        self._pending = (off, n, slot)
+
+    def finish(self) -> None:
+        """Wait for the last piece queued and report it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            off, n, slot = pending
+            self._copier.wait_mark(slot)
+            self._landed(off, n)
+
+
+class IpcReceiver(IpcReceiving, ReceiverTransport):
+    """Receives regions from a process on the same host: maps its handles once, copies each update."""
+
+    name: ClassVar[str] = "ipc"
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self._region: TensorRegion | None = None
+        self._cache = SourceCache()                     # the sender's memory, mapped
+        self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
+
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+        """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
+        ``streams``, ``watermark``; on setup ``path``, ``nonce``, ``identity`` of a Unix socket in a fresh
+        0700 directory."""
+        self._region = region
+        return self._begin(seq, fresh, share=False)
+
+    def _expected_nbytes(self) -> int:
+        return self._region.nbytes if self._region is not None else -1
+
+    def _empty(self) -> int:
+        return 0
+
+    def _land(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
+              watermark: Watermark, progress: Progress | None) -> int:
+        if incoming.kind == "host":
+            return self._from_host(conn, incoming, handles, fds, watermark, progress)
+        return self._from_cuda(conn, incoming, handles, fds, watermark, progress)
+
+    def _source(self, key: tuple, incoming: Incoming, handles: Handles, fds: list[int], on: int | None) -> Any:
+        """The sender's memory: the session's mapping when the sender said ``cached``, else ``handles`` mapped."""
+        if handles:
+            return self._import(incoming, handles, fds, on)
+        src = self._cache.get(key)
+        if src is None:
+            raise ProtocolError("ipc: the sender says this region's handles were passed before, but this "
+                                "session holds no mapping of them")
+        return src
+
+    def _release_source(self, key: tuple, src: Any, ok: bool) -> None:
+        if ok:
+            self._cache.put(key, src)
+        else:
+            if self._cache.region is src:
+                self._cache.key = self._cache.region = None
+            src.close()
+
+    # -- host handles
+    def _from_host(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
+                   watermark: Watermark, progress: Progress | None) -> int:
+        key, nbytes = incoming.key(), incoming.nbytes
+        src = self._source(key, incoming, handles, fds, None)
+        ok = False
+        try:
+            assert self._region is not None
+            dst = self._region
+            # Both copies below return once the bytes are there: each piece may be reported as landed.
+            pieces = self._pieces(watermark, messages.RELAY_PIECE_BYTES, messages.PIECE_BYTES)
+            if dst.is_cuda:
+                with memoryview(src) as view:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: self._host_to_cuda(dst, view, off, n), threads=1,
+                                      piece_bytes=pieces, watermark=watermark, landed=self.on_piece)
+                    copier = dst._get_copier()
+                    copier.synchronize()
+            else:
+                s = np.frombuffer(memoryview(src), dtype=np.uint8, count=nbytes)
+                d = np.frombuffer(memoryview(dst.region), dtype=np.uint8, count=nbytes)
+                try:
+                    self._copy_pieces(nbytes, progress, conn,
+                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS,
+                                      piece_bytes=pieces, watermark=watermark, landed=self.on_piece)
+                finally:
+                    del s, d
+            ok = True
+        finally:
+            self._release_source(key, src, ok)
+        return nbytes
+
+    @staticmethod
+    def _host_to_cuda(dst: TensorRegion, view: memoryview, off: int, n: int) -> None:
+        dst._get_copier().htod(dst.region.ptr + off, view[off:off + n])
+
+    # -- cuda handles
+    def _from_cuda(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
+                   watermark: Watermark, progress: Progress | None) -> int:
+        on = self._cuda_device(incoming, self._region.device if self._region is not None else "cpu")
+        key, nbytes = incoming.key(on), incoming.nbytes
+        src = self._source(key, incoming, handles, fds, on)
+        ok = False
+        try:
+            assert self._region is not None
+            dst = self._region
+            copier = self._copier(on)
+            landed = self.on_piece
+            if dst.is_cuda:
+                # Device copies are only queued here: a relay reports each piece once the stream finished it.
+                marks = LandedMarks(copier, landed) if landed is not None else None
+
+                def piece(off: int, n: int) -> None:
+                    copier.dtod(dst.region.ptr + off, src.ptr + off, n)
+                    if marks is not None:
+                        marks.queued(off, n)
+                sync = marks.finish if marks is not None else copier.synchronize
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=sync,
+                                  piece_bytes=self._pieces(watermark, messages.RELAY_CUDA_PIECE_BYTES,
+                                                           messages.CUDA_PIECE_BYTES),
+                                  watermark=watermark)
+            else:
+                d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
+
+                def piece(off: int, n: int) -> None:
+                    copier.dtoh(d[off:off + n], src.ptr + off)      # returns once the bytes are in d
+                self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
+                                  piece_bytes=self._pieces(watermark, messages.RELAY_PIECE_BYTES, messages.PIECE_BYTES),
+                                  watermark=watermark, landed=landed)
+            copier.synchronize()
+            ok = True
+        finally:
+            self._release_source(key, src, ok)
+        return nbytes
+
+    def _copier(self, device: int) -> Any:
+        """The session's copy stream on ``device`` (made once: a stream per update costs time on the GPU)."""
+        copier = self._copiers.get(device)
+        if copier is None:
+            from tensorxfer.memory._cuda import Copier
+
+            copier = self._copiers[device] = Copier(device)
+        return copier
+
+    # -- helpers
+    def _pieces(self, watermark: Watermark, relayed: int, plain: int) -> int:
+        """The copy's piece size: ``relayed`` when this receiver forwards pieces or its sender still fills its
+        region (fan-out), else the plain copy's (larger: fewer messages, nothing waits for a piece)."""
+        return relayed if self.on_piece is not None or not watermark.complete else plain
+
+    def _copy_pieces(self, nbytes: int, progress: Progress | None, conn: socket.socket, copy: Any,
+                     threads: int, sync: Any = None, piece_bytes: int = messages.PIECE_BYTES,
+                     watermark: Watermark | None = None, landed: Callable[[int, int], None] | None = None) -> None:
+        """Run ``copy(offset, n)`` over ``[0, nbytes)`` in ``piece_bytes`` pieces on ``threads`` threads.
+
+        Each piece is copied once the sender's ``watermark`` reached its end, and reported to ``landed``
+        once ``copy`` returned (``copy`` must return once the bytes are there when ``landed`` is given).
+        Progress goes to the local callback and, as ``P`` messages, to the sender (so its stall timer
+        measures a stall, not the length of a long copy).
+        """
+        pieces = [(off, min(piece_bytes, nbytes - off)) for off in range(0, nbytes, piece_bytes)]
+        lock = threading.Lock()
+        state: dict[str, Any] = {"next": 0, "done": 0, "error": None}
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= len(pieces) or state["error"] is not None or self._closing:
+                        return
+                    state["next"] = i + 1
+                off, n = pieces[i]
+                try:
+                    if watermark is not None:
+                        watermark.wait(off + n)
+                    copy(off, n)
+                    if landed is not None:
+                        landed(off, n)
+                    if progress is not None:
+                        progress(n)
+                    with lock:
+                        state["done"] += n
+                        conn.send(b"P" + U64.pack(state["done"]))
+                except BaseException as e:
+                    # close() from another thread tears the socket down under us: say so, not "lost"
+                    error = TransferError("ipc: the transfer was aborted during the copy") if self._closing else e
+                    with lock:
+                        state["error"] = state["error"] or error
+                    return
+
+        workers = [threading.Thread(target=worker, name=f"tensorxfer-ipc-copy-{k}", daemon=True)
+                   for k in range(max(1, min(threads, len(pieces))) - 1)]
+        for t in workers:
+            t.start()
+        worker()
+        for t in workers:
+            t.join()
+        error = state["error"]
+        if isinstance(error, OSError) and not isinstance(error, TensorXferError):
+            raise PeerLost(f"ipc: connection to the sender lost during the copy: {error}")
+        if error is not None:
+            raise error
+        if self._closing:
+            raise TransferError("ipc: the transfer was aborted during the copy")
+        if sync is not None:
+            sync()
+
+    def _teardown(self) -> None:
+        super()._teardown()
+        self._cache.close()         # a new connection is a new sender process: its old mapping is no use
+
+    def close(self) -> None:
+        """Close the socket, remove the private directory, release the session's mappings; idempotent."""
+        super().close()
+        self._region = None
+        copiers, self._copiers = self._copiers, {}
+        for copier in copiers.values():
+            copier.close()
