@@ -3,10 +3,12 @@
 Core modules always build.  Optional native parts build only where their
 headers are found, and can be forced off:
 
-- ``TENSORXFER_NO_CUDA=1``  skips ``tensorxfer.memory._cuda`` (needs cuda.h
-  and the cuda-bindings .pxd files; it does not link libcuda: cuda.bindings
-  loads the driver at run time, so the module imports on machines without
-  a GPU and reports that CUDA is unusable there).
+- ``TENSORXFER_NO_CUDA=1``  skips the CUDA modules, ``tensorxfer.memory._cuda``
+  (CudaRegion), ``._copy`` (Stager, Copier) and ``._driver`` (what both share);
+  they build together or not at all (need cuda.h and the cuda-bindings .pxd
+  files; they do not link libcuda: cuda.bindings loads the driver at run
+  time, so they import on machines without a GPU and report that CUDA is
+  unusable there).
 - ``TENSORXFER_NO_VERBS=1`` skips ``tensorxfer.transport._verbs`` (needs
   infiniband/verbs.h, from Debian's libibverbs-dev, and links libibverbs).
 
@@ -77,14 +79,16 @@ extensions = [
     ext("tensorxfer.memory._host"),
 ]
 
+# _cuda and _copy cimport _driver, so the three build (and ship) together.
+CUDA_MODULES = ("tensorxfer.memory._driver", "tensorxfer.memory._cuda", "tensorxfer.memory._copy")
 cuda_include = find_cuda_include()
-if Path("tensorxfer/memory/_cuda.pyx").exists() and optional("tensorxfer.memory._cuda",
+if Path("tensorxfer/memory/_cuda.pyx").exists() and optional(", ".join(CUDA_MODULES),
             "TENSORXFER_NO_CUDA is set" if env_on("TENSORXFER_NO_CUDA")
             else "cuda.h not found (set CUDA_HOME)" if cuda_include is None
             else "cuda-bindings is not installed" if not have_cuda_bindings_pxd()
             else None):
     # C++: cydriver.pxd names anonymous struct members through C++ type traits
-    extensions.append(ext("tensorxfer.memory._cuda", include_dirs=[cuda_include], language="c++"))
+    extensions += [ext(name, include_dirs=[cuda_include], language="c++") for name in CUDA_MODULES]
 
 if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.transport._verbs",
             "TENSORXFER_NO_VERBS is set" if env_on("TENSORXFER_NO_VERBS")

@@ -95,7 +95,7 @@ def tensorxfer_pack(src: dict, repeat: int, chunk_size: int | None, batch: bool)
 
 def probe_copy_paths(src: dict, nbytes: int, repeat: int) -> dict:
     """Where does a batched copy's time go: the copy API, or the destination memory?"""
-    from tensorxfer.memory._cuda import Copier
+    from tensorxfer.memory._copy import Copier
 
     out = {}
     names = list(src)

@@ -348,7 +348,7 @@ class TensorRegion:
 
     def _get_copier(self) -> Any:
         if self._copier is None:
-            from tensorxfer.memory._cuda import Copier
+            from tensorxfer.memory._copy import Copier
 
             self._copier = Copier(self.region.device_index)
         return self._copier

@@ -16,12 +16,13 @@ and never branch on the region kind::
         for offset, view in pieces:          # fill view completely, then ask for the next
             recv_exactly(sock, view)
 
-Why the pinned-buffer machinery (``Stager``) stays in ``memory/_cuda.pyx``:
-it shares that module's driver plumbing (the per-process primary-context
-cache, ``check_cu``), and a second CUDA extension would double the optional
-build surface for two small classes.  This module is the one place that
-*uses* it to stage region bytes; ``Copier.htod``/``Copier.dtoh`` are thin
-wrappers over :func:`write_from` / :func:`read_into`'s loop.
+The pinned-buffer machinery (``Stager``, and ``Copier`` on it) lives in
+``memory/_copy.pyx``, beside ``CudaRegion`` in ``memory/_cuda.pyx``: both
+reach the driver through ``memory/_driver.pyx`` (the per-process
+primary-context cache, ``check_cu``), and the three build together or not at
+all.  This module is the one place that *uses* it to stage region bytes;
+``Copier.htod``/``Copier.dtoh`` are thin wrappers over :func:`write_from` /
+:func:`read_into`'s loop.
 
 Lifetime: while pieces are being produced the region is pinned by a view
 (a buffer export, or a device view), so a concurrent ``close()`` releases
@@ -88,7 +89,7 @@ def open_stager(region: Any, buffer_bytes: int) -> Any:
         return None
     if _memory.CudaRegion is None or not isinstance(mem, _memory.CudaRegion):
         raise TypeError(f"cannot stage a {type(mem).__name__}")
-    from tensorxfer.memory._cuda import Stager
+    from tensorxfer.memory._copy import Stager
 
     return Stager(mem.device_index, int(buffer_bytes))
 
@@ -413,7 +414,7 @@ class _Staged:
         stager = self._stager
         piece = self._piece
         if stager is None:
-            from tensorxfer.memory._cuda import Stager
+            from tensorxfer.memory._copy import Stager
 
             piece = min(piece, self._length)
             stager = self._own_stager = Stager(mem.device_index, piece)

@@ -196,7 +196,7 @@ CHILD_IMPORT = """
 import hashlib, json, sys
 import numpy as np
 from tensorxfer.memory import CudaRegion
-from tensorxfer.memory._cuda import Copier
+from tensorxfer.memory._copy import Copier
 handles = json.loads(sys.argv[1])
 with CudaRegion.import_handles([(s, fd) for s, fd in handles], device=0) as r, Copier(0) as c:
     host = np.empty(r.size, np.uint8)
@@ -209,7 +209,7 @@ with CudaRegion.import_handles([(s, fd) for s, fd in handles], device=0) as r, C
 @cuda
 @needs_gpu
 def test_export_and_import_handles_between_two_processes(gran):
-    from tensorxfer.memory._cuda import Copier
+    from tensorxfer.memory._copy import Copier
 
     data = np.random.default_rng(3).integers(0, 256, 3 * gran, dtype=np.uint8)
     with mem.CudaRegion.allocate(3 * gran, chunk_size=gran) as r, Copier(0) as c:
@@ -233,7 +233,7 @@ def test_export_and_import_handles_between_two_processes(gran):
 @cuda
 @needs_gpu
 def test_staged_copies_round_trip_larger_than_the_staging_buffers():
-    from tensorxfer.memory._cuda import Copier
+    from tensorxfer.memory._copy import Copier
 
     n = (150 << 20) + 12345
     data = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
@@ -495,7 +495,7 @@ def test_staging_exception_mid_iteration_waits_cleans_up_and_leaks_nothing(torch
 @cuda
 @needs_gpu
 def test_staging_reuses_a_callers_stager_and_leaves_it_idle(torch, gran):
-    from tensorxfer.memory._cuda import Stager
+    from tensorxfer.memory._copy import Stager
     from tensorxfer.staging import open_stager, read_into, read_pieces, write_from, write_pieces
 
     data = np.random.default_rng(8).integers(0, 256, gran + 99, dtype=np.uint8)
@@ -522,7 +522,7 @@ def test_staging_reuses_a_callers_stager_and_leaves_it_idle(torch, gran):
 @cuda
 @needs_gpu
 def test_copier_htod_dtoh_use_the_staging_loop(torch, gran):
-    from tensorxfer.memory._cuda import Copier
+    from tensorxfer.memory._copy import Copier
 
     data = np.random.default_rng(9).integers(0, 256, 3 * (1 << 20) + 5, dtype=np.uint8)
     with mem.CudaRegion.allocate(4 * gran) as r, Copier(0, buffer_bytes=1 << 20) as c:

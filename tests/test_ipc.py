@@ -735,7 +735,7 @@ def test_cuda_handles_are_released_after_copy():
 def test_copier_marks_wait_for_the_work_queued_before_them():
     """The stream marks an ipc relay reports device pieces with (``Copier.mark`` / ``wait_mark``)."""
     from tensorxfer.memory import CudaRegion
-    from tensorxfer.memory._cuda import Copier
+    from tensorxfer.memory._copy import Copier
 
     assert CudaRegion is not None
     n = 64 << 20

@@ -109,7 +109,7 @@ def fill(region: Any, seed: int = 0) -> None:
     """Fill a region with a repeated random 1 MiB block (cheap, and not compressible to nothing)."""
     block = np.random.default_rng(seed).integers(0, 256, size=1 << 20, dtype=np.uint8)
     if region.is_cuda:
-        from tensorxfer.memory._cuda import Copier
+        from tensorxfer.memory._copy import Copier
 
         with Copier(region.region.device_index) as c:
             for off in range(0, region.region.size, block.size):

@@ -1,7 +1,7 @@
 """Memory: one virtual range, many physical handles.
 
 ``HostRegion`` (memfd chunks) is always available.  ``CudaRegion`` (CUDA
-VMM) exists where the CUDA extension was built and cuda-bindings imports;
+VMM) exists where the CUDA extensions were built and cuda-bindings imports;
 otherwise ``CudaRegion`` is None and ``CUDA_UNAVAILABLE`` says why (the
 top-level ``tensorxfer.CudaRegion`` is then :class:`UnavailableCudaRegion`,
 whose every use raises ``CudaError`` with that reason).  Where it exists but
@@ -35,7 +35,7 @@ class _Unavailable(type):
 
 
 class UnavailableCudaRegion(metaclass=_Unavailable):
-    """``tensorxfer.CudaRegion`` where the CUDA extension cannot be imported.
+    """``tensorxfer.CudaRegion`` where the CUDA extensions cannot be imported.
 
     The name exists so code and type annotations import everywhere; calling
     any factory (``CudaRegion.allocate(...)``) or constructing one raises

@@ -1,0 +1,283 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""Stager and Copier: one CUDA stream and two pinned host buffers, for copies in and out of device memory.
+
+Nothing here knows about regions: callers pass device addresses.
+``tensorxfer.staging`` drives a :class:`Stager` to move region bytes through
+the host (the one double-buffered staging loop); :class:`Copier` adds
+device-to-device copies and memset on the same stream.  The driver helpers
+(``check_cu``, the per-process primary-context cache) come from
+``_driver.pyx`` through ``_driver.pxd``, as for ``_cuda.pyx`` (CudaRegion),
+which this module never imports (``_cuda`` re-exports these classes).
+"""
+
+from cpython.buffer cimport PyBUF_WRITE
+from cpython.memoryview cimport PyMemoryView_FromMemory
+from cuda.bindings cimport cydriver
+from libc.stdint cimport uintptr_t
+from libc.string cimport memset
+
+from tensorxfer.memory._driver cimport bind_device, check_cu
+
+
+cdef class Stager:
+    """One non-blocking stream and two pinned host buffers, for moving bytes through the host.
+
+    A network data path uses one per connection: while the socket sends (or
+    receives) one buffer, the DMA engine fills (or drains) the other, so the
+    device copy overlaps the network.  :class:`Copier` builds on it.  The
+    pinned buffers are allocated on first use; ``view(i)`` is a writable
+    memoryview of buffer ``i``, valid until :meth:`close`.  One owner;
+    ``close()`` is idempotent.
+    """
+    cdef int _device
+    cdef cydriver.CUstream _stream
+    cdef cydriver.CUevent _events[2]
+    cdef cydriver.CUevent _marks[2]     # mark(): completion of queued work (made on first use)
+    cdef void* _pinned[2]
+    cdef size_t _size
+    cdef bint _closed
+    cdef list _views
+
+    def __cinit__(self, int device=0, size_t buffer_bytes=64 << 20):
+        cdef int i
+        self._stream = NULL
+        self._closed = False
+        self._device = device
+        self._size = buffer_bytes
+        self._views = []
+        for i in range(2):
+            self._events[i] = NULL
+            self._marks[i] = NULL
+            self._pinned[i] = NULL
+        if buffer_bytes == 0:
+            raise ValueError("buffer_bytes must be positive")
+        try:
+            bind_device(device)
+            check_cu(cydriver.cuStreamCreate(&self._stream, cydriver.CU_STREAM_NON_BLOCKING), b"cuStreamCreate")
+        except BaseException:
+            self.close()
+            raise
+
+    cdef int _ensure_pinned(self) except -1:
+        cdef int i
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        if self._pinned[1] != NULL:
+            return 0
+        for i in range(2):
+            if self._events[i] == NULL:
+                check_cu(cydriver.cuEventCreate(&self._events[i], cydriver.CU_EVENT_DISABLE_TIMING),
+                         b"cuEventCreate")
+            if self._pinned[i] == NULL:
+                check_cu(cydriver.cuMemHostAlloc(&self._pinned[i], self._size, 0), b"cuMemHostAlloc")
+                self._views.append(PyMemoryView_FromMemory(<char*>self._pinned[i], self._size, PyBUF_WRITE))
+        return 0
+
+    cdef int _check(self, int i, size_t n) except -1:
+        if i < 0 or i > 1 or n > self._size:
+            raise ValueError(f"buffer {i} / {n} bytes out of range (2 buffers of {self._size})")
+        bind_device(self._device)
+        self._ensure_pinned()
+        return 0
+
+    # nogil primitives (the caller has run _check / _ensure_pinned and bound the device)
+    cdef int _dtoh_async(self, int i, uintptr_t src, size_t n) except -1 nogil:
+        check_cu(cydriver.cuMemcpyDtoHAsync(self._pinned[i], <cydriver.CUdeviceptr>src, n, self._stream),
+                 b"cuMemcpyDtoHAsync")
+        check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+        return 0
+
+    cdef int _htod_async(self, int i, uintptr_t dst, size_t n) except -1 nogil:
+        check_cu(cydriver.cuMemcpyHtoDAsync(<cydriver.CUdeviceptr>dst, self._pinned[i], n, self._stream),
+                 b"cuMemcpyHtoDAsync")
+        check_cu(cydriver.cuEventRecord(self._events[i], self._stream), b"cuEventRecord")
+        return 0
+
+    cdef int _wait(self, int i) except -1 nogil:
+        check_cu(cydriver.cuEventSynchronize(self._events[i]), b"cuEventSynchronize")
+        return 0
+
+    @property
+    def buffer_bytes(self):
+        """Bytes per pinned buffer (the largest piece one copy can stage)."""
+        return self._size
+
+    def view(self, int i):
+        """Writable memoryview of pinned buffer ``i`` (0 or 1)."""
+        self._check(i, 0)
+        return self._views[i]
+
+    def start_dtoh(self, int i, uintptr_t src, size_t n):
+        """Queue device → buffer ``i`` (``n`` bytes); :meth:`wait` ``(i)`` before reading it."""
+        self._check(i, n)
+        with nogil:
+            self._dtoh_async(i, src, n)
+
+    def start_htod(self, int i, uintptr_t dst, size_t n):
+        """Queue buffer ``i`` → device (``n`` bytes); :meth:`wait` ``(i)`` before refilling it."""
+        self._check(i, n)
+        with nogil:
+            self._htod_async(i, dst, n)
+
+    def wait(self, int i):
+        """Block (without the GIL) until the last copy queued on buffer ``i`` finished."""
+        self._check(i, 0)
+        with nogil:
+            self._wait(i)
+
+    def mark(self, int i):
+        """Record mark ``i`` (0 or 1) on the stream, after everything queued so far.
+
+        :meth:`wait_mark` ``(i)`` then returns once that work finished, while later work keeps the
+        stream busy (an ipc relay reports piece k landed while piece k+1 copies).  Recording a mark
+        again moves it.
+        """
+        if i < 0 or i > 1:
+            raise ValueError(f"mark {i} out of range (0 or 1)")
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        bind_device(self._device)
+        if self._marks[i] == NULL:
+            check_cu(cydriver.cuEventCreate(&self._marks[i], cydriver.CU_EVENT_DISABLE_TIMING), b"cuEventCreate")
+        with nogil:
+            check_cu(cydriver.cuEventRecord(self._marks[i], self._stream), b"cuEventRecord")
+
+    def wait_mark(self, int i):
+        """Block (without the GIL) until the work queued before :meth:`mark` ``(i)`` finished."""
+        if i < 0 or i > 1:
+            raise ValueError(f"mark {i} out of range (0 or 1)")
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        if self._marks[i] == NULL:
+            raise ValueError(f"mark {i} was never recorded")
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuEventSynchronize(self._marks[i]), b"cuEventSynchronize")
+
+    def synchronize(self):
+        """Block until everything queued on the stream finished."""
+        if self._closed:
+            raise ValueError("operation on a closed Stager")
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuStreamSynchronize(self._stream), b"cuStreamSynchronize")
+
+    @property
+    def stream(self):
+        """The CUstream handle as an int (for torch.cuda.ExternalStream and the like)."""
+        return <uintptr_t>self._stream
+
+    def close(self):
+        cdef int i
+        if self._closed:
+            return
+        self._closed = True
+        for v in self._views or ():
+            v.release()
+        self._views = []
+        try:
+            bind_device(self._device)
+        except BaseException:
+            pass
+        if self._stream != NULL:
+            cydriver.cuStreamSynchronize(self._stream)
+            cydriver.cuStreamDestroy(self._stream)
+            self._stream = NULL
+        for i in range(2):
+            if self._events[i] != NULL:
+                cydriver.cuEventDestroy(self._events[i])
+                self._events[i] = NULL
+            if self._marks[i] != NULL:
+                cydriver.cuEventDestroy(self._marks[i])
+                self._marks[i] = NULL
+            if self._pinned[i] != NULL:
+                cydriver.cuMemFreeHost(self._pinned[i])
+                self._pinned[i] = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+cdef class Copier(Stager):
+    """Copies into and out of device memory on one non-blocking stream.
+
+    Host data moves through the two pinned staging buffers, double-buffered:
+    the CPU fills one while the DMA engine drains the other, so pageable
+    sources need no registration and the copy overlaps.  Device-to-device
+    copies are queued back to back.  Call :meth:`synchronize` before reading
+    what was written.
+    """
+
+    def __init__(self, int device=0, size_t buffer_bytes=64 << 20):
+        pass                      # Stager.__cinit__ took the arguments (staging buffer size)
+
+    def dtod(self, uintptr_t dst, uintptr_t src, size_t n):
+        """Queue a device-to-device copy of ``n`` bytes."""
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>dst, <cydriver.CUdeviceptr>src, n,
+                                                self._stream), b"cuMemcpyDtoDAsync")
+
+    def dtod_batch(self, dsts, srcs, sizes, bint batch_api=False):
+        """Queue many device-to-device copies in one call, without the GIL.
+
+        ``dsts``, ``srcs``, ``sizes``: equal-length C-contiguous uint64
+        buffers (numpy arrays).  ``batch_api`` uses ``cuMemcpyBatchAsync``
+        (one driver call for all) instead of one ``cuMemcpyDtoDAsync`` each.
+        """
+        cdef const unsigned long long[::1] d = dsts
+        cdef const unsigned long long[::1] s = srcs
+        cdef const unsigned long long[::1] n = sizes
+        cdef size_t i, count = d.shape[0]
+        cdef cydriver.CUmemcpyAttributes attr
+        cdef size_t attr_index = 0
+        if s.shape[0] != count or n.shape[0] != count:
+            raise ValueError("dsts, srcs and sizes must have the same length")
+        if count == 0:
+            return
+        bind_device(self._device)
+        if batch_api:
+            memset(&attr, 0, sizeof(attr))
+            attr.srcAccessOrder = cydriver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            with nogil:
+                check_cu(cydriver.cuMemcpyBatchAsync(<cydriver.CUdeviceptr*>&d[0], <cydriver.CUdeviceptr*>&s[0],
+                                                     <size_t*>&n[0], count, &attr, &attr_index, 1, self._stream),
+                         b"cuMemcpyBatchAsync")
+            return
+        with nogil:
+            for i in range(count):
+                check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
+                                                    self._stream), b"cuMemcpyDtoDAsync")
+
+    def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
+                     b"cuMemsetD8Async")
+
+    def htod(self, uintptr_t dst, src):
+        """Copy a C-contiguous host buffer to device address ``dst`` through the pinned buffers.
+
+        Returns when the bytes have landed.  The loop is
+        :func:`tensorxfer.staging.write_from`'s (one staging loop in the
+        package); new code should call that with a region.
+        """
+        from tensorxfer.staging import _stage_ptr
+
+        _stage_ptr(self, dst, src, True)
+
+    def dtoh(self, dst, uintptr_t src):
+        """Copy device bytes at ``src`` into a writable host buffer through the pinned buffers; returns when done.
+
+        The loop is :func:`tensorxfer.staging.read_into`'s.
+        """
+        from tensorxfer.staging import _stage_ptr
+
+        _stage_ptr(self, src, dst, False)
