@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 import tensorxfer as tx  # noqa: E402
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
 from tensorxfer.fanout import FanoutSender  # noqa: E402
+from tensorxfer.staging import htod  # noqa: E402
 from tensorxfer.transport import ipc, rdma, rdma_engine, tcp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,7 +96,7 @@ def make_region(size: int, tensors: int, device: str) -> tx.TensorRegion:
         copier = region._get_copier()
         for off in range(0, region.nbytes, block.size):
             n = min(block.size, region.nbytes - off)
-            copier.htod(region.region.ptr + off, block[:n])
+            htod(copier, region.region.ptr + off, block[:n])
         copier.synchronize()
     else:
         view = np.frombuffer(region.region, dtype=np.uint8, count=region.nbytes)

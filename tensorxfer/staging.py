@@ -20,9 +20,10 @@ The pinned-buffer machinery (``Stager``, and ``Copier`` on it) lives in
 ``memory/_copy.pyx``, beside ``CudaRegion`` in ``memory/_cuda.pyx``: both
 reach the driver through ``memory/_driver.pyx`` (the per-process
 primary-context cache, ``check_cu``), and the three build together or not at
-all.  This module is the one place that *uses* it to stage region bytes;
-``Copier.htod``/``Copier.dtoh`` are thin wrappers over :func:`write_from` /
-:func:`read_into`'s loop.
+all.  This module is the one place that *uses* it to stage bytes: regions
+(:func:`read_pieces`, :func:`write_pieces`, :func:`write_from`,
+:func:`read_into`) and raw device addresses (:func:`htod`, :func:`dtoh`) run
+the same loop.
 
 Lifetime: while pieces are being produced the region is pinned by a view
 (a buffer export, or a device view), so a concurrent ``close()`` releases
@@ -191,8 +192,21 @@ def read_into(region: Any, offset: int, dst: Any, *, piece_bytes: int = COPY_PIE
         _copy_through(pieces, data, offset, False)
 
 
+def htod(stager: Any, dptr: int, src: Any) -> None:
+    """Copy a C-contiguous host buffer to device address ``dptr`` through ``stager``'s pinned buffers (a
+    :class:`~tensorxfer.memory._copy.Stager` or ``Copier``); returns when the bytes have landed.  For raw
+    device addresses; with a region, :func:`write_from` does the same."""
+    _stage_ptr(stager, dptr, src, True)
+
+
+def dtoh(stager: Any, dst: Any, dptr: int) -> None:
+    """Copy ``len(dst)`` device bytes at ``dptr`` into a writable host buffer through ``stager``'s pinned
+    buffers; returns when done (:func:`read_into` for regions)."""
+    _stage_ptr(stager, dptr, dst, False)
+
+
 def _stage_ptr(stager: Any, dptr: int, buf: Any, write: bool) -> None:
-    """``Copier.htod`` / ``Copier.dtoh``: the same loop on a raw device address and the Copier's buffers."""
+    """The staging loop on a raw device address and a stager's buffers."""
     data = _as_bytes(buf)
     if not write and data.flags.writeable is False:
         raise ValueError("dtoh needs a writable destination buffer")

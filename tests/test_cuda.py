@@ -197,10 +197,11 @@ import hashlib, json, sys
 import numpy as np
 from tensorxfer.memory import CudaRegion
 from tensorxfer.memory._copy import Copier
+from tensorxfer.staging import dtoh
 handles = json.loads(sys.argv[1])
 with CudaRegion.import_handles([(s, fd) for s, fd in handles], device=0) as r, Copier(0) as c:
     host = np.empty(r.size, np.uint8)
-    c.dtoh(host, r.ptr)
+    dtoh(c, host, r.ptr)
     ext = r.resolve_extent(0, r.size)
     print(json.dumps({"sha": hashlib.sha256(host).hexdigest(), "segments": len(ext.segments)}))
 """
@@ -210,10 +211,11 @@ with CudaRegion.import_handles([(s, fd) for s, fd in handles], device=0) as r, C
 @needs_gpu
 def test_export_and_import_handles_between_two_processes(gran):
     from tensorxfer.memory._copy import Copier
+    from tensorxfer.staging import htod
 
     data = np.random.default_rng(3).integers(0, 256, 3 * gran, dtype=np.uint8)
     with mem.CudaRegion.allocate(3 * gran, chunk_size=gran) as r, Copier(0) as c:
-        c.htod(r.ptr, data)
+        htod(c, r.ptr, data)
         c.synchronize()
         exported = r.export_handles()
         try:
@@ -234,14 +236,15 @@ def test_export_and_import_handles_between_two_processes(gran):
 @needs_gpu
 def test_staged_copies_round_trip_larger_than_the_staging_buffers():
     from tensorxfer.memory._copy import Copier
+    from tensorxfer.staging import dtoh, htod
 
     n = (150 << 20) + 12345
     data = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
     with mem.CudaRegion.allocate(n) as r, Copier(0, buffer_bytes=16 << 20) as c:
-        c.htod(r.ptr, data)
+        htod(c, r.ptr, data)
         c.synchronize()
         back = np.empty_like(data)
-        c.dtoh(back, r.ptr)
+        dtoh(c, back, r.ptr)
         assert np.array_equal(back, data)
 
 
@@ -523,15 +526,16 @@ def test_staging_reuses_a_callers_stager_and_leaves_it_idle(torch, gran):
 @needs_gpu
 def test_copier_htod_dtoh_use_the_staging_loop(torch, gran):
     from tensorxfer.memory._copy import Copier
+    from tensorxfer.staging import dtoh, htod
 
     data = np.random.default_rng(9).integers(0, 256, 3 * (1 << 20) + 5, dtype=np.uint8)
     with mem.CudaRegion.allocate(4 * gran) as r, Copier(0, buffer_bytes=1 << 20) as c:
-        c.htod(r.ptr + 3, data)
+        htod(c, r.ptr + 3, data)
         back = np.empty_like(data)
-        c.dtoh(back, r.ptr + 3)
+        dtoh(c, back, r.ptr + 3)
         assert np.array_equal(back, data)
         with pytest.raises(ValueError, match="writable"):
-            c.dtoh(b"read-only", r.ptr)
+            dtoh(c, b"read-only", r.ptr)
 
 
 @cuda

@@ -736,6 +736,7 @@ def test_copier_marks_wait_for_the_work_queued_before_them():
     """The stream marks an ipc relay reports device pieces with (``Copier.mark`` / ``wait_mark``)."""
     from tensorxfer.memory import CudaRegion
     from tensorxfer.memory._copy import Copier
+    from tensorxfer.staging import dtoh
 
     assert CudaRegion is not None
     n = 64 << 20
@@ -752,7 +753,7 @@ def test_copier_marks_wait_for_the_work_queued_before_them():
                 copier.mark(slot & 1)           # both slots; slot 0 is recorded again in the third round
                 copier.wait_mark(slot & 1)
                 host = np.empty(n, dtype=np.uint8)
-                copier.dtoh(host, b.ptr)
+                dtoh(copier, host, b.ptr)
                 assert (host == value).all()
         finally:
             copier.close()

@@ -110,10 +110,11 @@ def fill(region: Any, seed: int = 0) -> None:
     block = np.random.default_rng(seed).integers(0, 256, size=1 << 20, dtype=np.uint8)
     if region.is_cuda:
         from tensorxfer.memory._copy import Copier
+        from tensorxfer.staging import htod
 
         with Copier(region.region.device_index) as c:
             for off in range(0, region.region.size, block.size):
-                c.htod(region.region.ptr + off, block[:min(block.size, region.region.size - off)])
+                htod(c, region.region.ptr + off, block[:min(block.size, region.region.size - off)])
             c.synchronize()
         return
     view = np.frombuffer(region.region, dtype=np.uint8)

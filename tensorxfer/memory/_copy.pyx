@@ -3,9 +3,10 @@
 """Stager and Copier: one CUDA stream and two pinned host buffers, for copies in and out of device memory.
 
 Nothing here knows about regions: callers pass device addresses.
-``tensorxfer.staging`` drives a :class:`Stager` to move region bytes through
-the host (the one double-buffered staging loop); :class:`Copier` adds
-device-to-device copies and memset on the same stream.  The driver helpers
+``tensorxfer.staging`` drives a :class:`Stager` to move bytes through the
+host (the one double-buffered staging loop: ``staging.htod`` / ``staging.dtoh``
+for raw device addresses); :class:`Copier` adds device-to-device copies and
+memset on the same stream.  The driver helpers
 (``check_cu``, the per-process primary-context cache) come from
 ``_driver.pyx`` through ``_driver.pxd``, as for ``_cuda.pyx`` (CudaRegion),
 which this module never imports (``_cuda`` re-exports these classes).
@@ -208,7 +209,8 @@ cdef class Stager:
 cdef class Copier(Stager):
     """Copies into and out of device memory on one non-blocking stream.
 
-    Host data moves through the two pinned staging buffers, double-buffered:
+    Host data moves through the two pinned staging buffers, double-buffered
+    (:func:`tensorxfer.staging.htod` / :func:`~tensorxfer.staging.dtoh`):
     the CPU fills one while the DMA engine drains the other, so pageable
     sources need no registration and the copy overlaps.  Device-to-device
     copies are queued back to back.  Call :meth:`synchronize` before reading
@@ -261,23 +263,3 @@ cdef class Copier(Stager):
         with nogil:
             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
                      b"cuMemsetD8Async")
-
-    def htod(self, uintptr_t dst, src):
-        """Copy a C-contiguous host buffer to device address ``dst`` through the pinned buffers.
-
-        Returns when the bytes have landed.  The loop is
-        :func:`tensorxfer.staging.write_from`'s (one staging loop in the
-        package); new code should call that with a region.
-        """
-        from tensorxfer.staging import _stage_ptr
-
-        _stage_ptr(self, dst, src, True)
-
-    def dtoh(self, dst, uintptr_t src):
-        """Copy device bytes at ``src`` into a writable host buffer through the pinned buffers; returns when done.
-
-        The loop is :func:`tensorxfer.staging.read_into`'s.
-        """
-        from tensorxfer.staging import _stage_ptr
-
-        _stage_ptr(self, src, dst, False)

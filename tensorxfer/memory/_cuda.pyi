@@ -1,8 +1,6 @@
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tensorxfer.memory._copy import Copier as Copier
-from tensorxfer.memory._copy import Stager as Stager
 from tensorxfer.memory._driver import device_count as device_count
 from tensorxfer.memory._driver import device_info as device_info
 from tensorxfer.memory._driver import driver_version as driver_version

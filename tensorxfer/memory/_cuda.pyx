@@ -32,10 +32,8 @@ from tensorxfer.memory._driver cimport _attr, _fill_prop, bind_device, check_cu
 from tensorxfer.memory._extent cimport AllocationMap
 
 from tensorxfer.errors import CudaError, ExtentError
-# This module stays the CUDA part's one import for callers: the driver queries
-# (doctor, tests, benchmarks) and, until transport/ipc.py imports them from
-# _copy, Stager and Copier.  Neither module imports this one, so no circle.
-from tensorxfer.memory._copy import Copier, Stager
+# The driver queries stay importable from here (doctor, tests, benchmarks); _driver does not import this
+# module, so no circle.
 from tensorxfer.memory._driver import device_count, device_info, driver_version, is_vmm, pointer_range
 
 cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)

@@ -78,7 +78,6 @@ class Receiver:
         self.max_region_bytes = default_max_region_bytes(device) if max_region_bytes is None else int(max_region_bytes)
         self.stall_timeout = float(stall_timeout)
         self.handshake_timeout = float(handshake_timeout)
-        self._key = token_key(token)
         self._token = token
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
@@ -90,19 +89,19 @@ class Receiver:
         self._lock = threading.Lock()
         self._closing = False
         self._dropped_at_close = 0
-        self._gate: Gate | None = Gate(connections.listen(host, port=port), self._handshake, self.handshake_timeout,
-                                       "control")
+        self._admission: Admission | None = Admission(host, port, token_key(token), self._capabilities,
+                                                      self.handshake_timeout)
 
     # ------------------------------------------------------------ what it holds
     @property
     def address(self) -> tuple[str, int]:
         """``(host, port)`` this receiver listens on."""
-        host, port = self._open_gate().address[:2]
+        host, port = self._door().gate.address[:2]
         return host, port
 
     @property
     def closed(self) -> bool:
-        return self._gate is None
+        return self._admission is None
 
     @property
     def token(self) -> str | bytes | None:
@@ -112,8 +111,8 @@ class Receiver:
     @property
     def dropped_connections(self) -> int:
         """Connections dropped before they became a session (strangers, wrong tokens, port scans)."""
-        gate = self._gate
-        return gate.dropped if gate is not None else self._dropped_at_close
+        door = self._admission
+        return door.gate.dropped if door is not None else self._dropped_at_close
 
     @property
     def version(self) -> Version | None:
@@ -192,7 +191,7 @@ class Receiver:
             while True:
                 session = self._session or self._admit(deadline)
                 try:
-                    frame = self._next_frame(session, deadline)
+                    frame = self._door().next_frame(session, deadline, self._fed_by_relay, self._check_open)
                 except TransferTimeout:
                     if session.channel.desynced:     # timed out mid-frame: the stream is unusable
                         self._end_session()
@@ -228,26 +227,17 @@ class Receiver:
         self._version = offer.version
         return region
 
-    def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes]:
-        """Hello + authentication of a new connection (in the gate's thread for it; it bounds the time)."""
-        ch = Channel(sock)
-        names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
-        caps = {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
-        _, key = server_handshake(ch, self._key, caps, self.handshake_timeout)
-        return ch, key
-
     def _admit(self, deadline: float | None) -> ServerSession:
-        gate = self._open_gate()
-        try:
-            [(_, (ch, key))] = gate.admit(1, timeout=control.remaining(deadline),
-                                          abort=lambda: "this Receiver was closed" if self._closing else None)
-        except TransferTimeout:
-            why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
-            raise TransferTimeout(f"no sender connected within the timeout{why}") from None
+        ch, key = self._door().admit(deadline, lambda: self._closing)
         self._session = ServerSession(ch, key, self.stall_timeout, self._make_transport, self._unavailable,
                                       self._forwarder, self._no_forward)
         log.info("session with sender %s", ch.peer)
         return self._session
+
+    def _capabilities(self) -> dict[str, Any]:
+        """What this receiver offers in its hello (asked anew for each connection)."""
+        names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
+        return {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
 
     def _make_transport(self, name: str, ctx: TransferContext) -> Any:
         return SHARE_RECEIVERS[name](ctx) if self.share else TRANSPORTS[name][1](ctx)
@@ -256,40 +246,6 @@ class Receiver:
         if self.share and name not in SHARE_RECEIVERS:
             return f"share=True needs {'/'.join(SHARE_RECEIVERS)}"
         return None if name in local_transports() else f"it has {local_transports()}"
-
-    def _next_frame(self, session: ServerSession, deadline: float | None) -> dict[str, Any] | None:
-        """The session's next offer or bye; None when the session yields to a sender that waits.
-
-        One session is served at a time, so an idle one would lock every other sender out (a token-less
-        stranger needs only to say hello).  While waiting, the gate keeps proving new connections; once one
-        is waiting and this session has been idle for ``handshake_timeout`` (a relay's: at once -- the
-        chain's order is the origin's to change), it yields.  A single sender (a trainer between steps) is
-        never cut off.
-        """
-        gate = self._open_gate()
-        poller = select.poll()
-        poller.register(session.channel.sock, select.POLLIN)
-        poller.register(gate.fileno(), select.POLLIN)
-        channel = session.channel.sock.fileno()
-        while True:
-            # Wake for whichever comes first, the session's next frame or a new connection: an offer is
-            # noticed at once (a warm CUDA ipc update takes ~16 ms; a polling delay would show).
-            events = dict(poller.poll(50))
-            if events.get(channel):
-                # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
-                limit = control.CONTROL_TIMEOUT
-                if deadline is not None:
-                    limit = max(1e-3, min(limit, deadline - time.monotonic()))
-                return session.next_frame(limit)
-            self._check_open()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TransferTimeout("no offer within the timeout")
-            if gate.ready and (self._fed_by_relay or session.idle_for() > self.handshake_timeout):
-                log.warning("session with %s idle for %.0f s while another sender waits: ending it", session.peer,
-                            session.idle_for())
-                return None
-            if events:
-                gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
 
     def _settle(self, deadline: float | None) -> None:
         session = self._session
@@ -315,10 +271,10 @@ class Receiver:
         if self._closing:
             raise TransferError("this Receiver was closed (from another thread); receive() ended")
 
-    def _open_gate(self) -> Gate:
-        if self._gate is None:
+    def _door(self) -> Admission:
+        if self._admission is None:
             raise TransferError("this Receiver is closed")
-        return self._gate
+        return self._admission
 
     def _end_session(self) -> None:
         session, self._session = self._session, None
@@ -336,10 +292,10 @@ class Receiver:
         if session is not None and session.state is State.ACKING and not self._closing:
             session.join_ack()      # the hops after this one get their update (bounded by the chain's allowances)
         self._closing = True
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            self._dropped_at_close = gate.dropped
-            gate.close()
+        door, self._admission = self._admission, None
+        if door is not None:
+            self._dropped_at_close = door.gate.dropped
+            door.gate.close()
         if session is not None:
             try:
                 session.channel.sock.shutdown(socket.SHUT_RDWR)     # wakes a receive() blocked on the channel
@@ -362,3 +318,73 @@ class Receiver:
     def __repr__(self) -> str:
         return f"<Receiver {'closed' if self.closed else '{}:{}'.format(*self.address)}>"
 
+
+class Admission:
+    """Admits senders: the listener, each connection's hello and authentication (concurrently, in the
+    :class:`~tensorxfer.connections.Gate`), and the policy by which an idle session yields to a sender that
+    waits."""
+
+    def __init__(self, host: str, port: int, key: bytes | None, capabilities: Callable[[], dict[str, Any]],
+                 handshake_timeout: float) -> None:
+        self._key = key
+        self._caps = capabilities
+        self.handshake_timeout = handshake_timeout
+        self.gate = Gate(connections.listen(host, port=port), self._handshake, handshake_timeout, "control")
+
+    def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes]:
+        """Hello + authentication of a new connection (in the gate's thread for it; it bounds the time)."""
+        ch = Channel(sock)
+        _, key = server_handshake(ch, self._key, self._caps(), self.handshake_timeout)
+        return ch, key
+
+    def admit(self, deadline: float | None, closing: Callable[[], bool]) -> tuple[Channel, bytes]:
+        """The next authenticated sender's channel and session key.
+
+        Raises
+        ------
+        TransferTimeout
+            None connected by ``deadline`` (the message counts the connections dropped meanwhile).
+        """
+        try:
+            [(_, (ch, key))] = self.gate.admit(1, timeout=control.remaining(deadline),
+                                               abort=lambda: "this Receiver was closed" if closing() else None)
+        except TransferTimeout:
+            gate = self.gate
+            why = f" ({gate.dropped} connection(s) dropped, last: {gate.last_drop})" if gate.dropped else ""
+            raise TransferTimeout(f"no sender connected within the timeout{why}") from None
+        return ch, key
+
+    def next_frame(self, session: ServerSession, deadline: float | None, from_relay: bool,
+                   check_open: Callable[[], None]) -> dict[str, Any] | None:
+        """The session's next offer or bye; None when the session yields to a sender that waits.
+
+        One session is served at a time, so an idle one would lock every other sender out (a token-less
+        stranger needs only to say hello).  While waiting, the gate keeps proving new connections; once one
+        is waiting and this session has been idle for ``handshake_timeout`` (fed by a relay: at once -- the
+        chain's order is the origin's to change), it yields.  A single sender (a trainer between steps) is
+        never cut off.
+        """
+        gate = self.gate
+        poller = select.poll()
+        poller.register(session.channel.sock, select.POLLIN)
+        poller.register(gate.fileno(), select.POLLIN)
+        channel = session.channel.sock.fileno()
+        while True:
+            # Wake for whichever comes first, the session's next frame or a new connection: an offer is
+            # noticed at once (a warm CUDA ipc update takes ~16 ms; a polling delay would show).
+            events = dict(poller.poll(50))
+            if events.get(channel):
+                # A frame has begun: all of it must arrive within CONTROL_TIMEOUT (or the caller's deadline).
+                limit = control.CONTROL_TIMEOUT
+                if deadline is not None:
+                    limit = max(1e-3, min(limit, deadline - time.monotonic()))
+                return session.next_frame(limit)
+            check_open()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransferTimeout("no offer within the timeout")
+            if gate.ready and (from_relay or session.idle_for() > self.handshake_timeout):
+                log.warning("session with %s idle for %.0f s while another sender waits: ending it", session.peer,
+                            session.idle_for())
+                return None
+            if events:
+                gate.pump(1e-3)         # a connection is waiting: accept it and start proving it

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError
+from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
 from tensorxfer.transport.ipc.messages import (
@@ -179,7 +180,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
 
     @staticmethod
     def _host_to_cuda(dst: TensorRegion, view: memoryview, off: int, n: int) -> None:
-        dst._get_copier().htod(dst.region.ptr + off, view[off:off + n])
+        htod(dst._get_copier(), dst.region.ptr + off, view[off:off + n])
 
     # -- cuda handles
     def _from_cuda(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
@@ -210,7 +211,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 d = np.frombuffer(dst.region, dtype=np.uint8, count=nbytes)
 
                 def piece(off: int, n: int) -> None:
-                    copier.dtoh(d[off:off + n], src.ptr + off)      # returns once the bytes are in d
+                    dtoh(copier, d[off:off + n], src.ptr + off)      # returns once the bytes are in d
                 self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=copier.synchronize,
                                   piece_bytes=self._pieces(watermark, messages.RELAY_PIECE_BYTES, messages.PIECE_BYTES),
                                   watermark=watermark, landed=landed)
@@ -224,7 +225,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         """The session's copy stream on ``device`` (made once: a stream per update costs time on the GPU)."""
         copier = self._copiers.get(device)
         if copier is None:
-            from tensorxfer.memory._cuda import Copier
+            from tensorxfer.memory._copy import Copier
 
             copier = self._copiers[device] = Copier(device)
         return copier
