@@ -75,7 +75,6 @@ class Offer:
         transport = field(frame, "transport", str)
         streams = field(frame, "streams", int, optional=True)
         verify = field(frame, "verify", bool)
-        fresh = field(frame, "fresh", bool)
         if streams is not None and not 1 <= streams <= MAX_STREAMS:
             raise ProtocolError(f"offer: streams must be between 1 and {MAX_STREAMS}, got {streams}")
         manifest, digest = manifests.unpack(field(frame, "manifest", bytes), max_region_bytes)
@@ -86,6 +85,7 @@ class Offer:
         chain = parse_chain(frame.get("chain", []))
         if chain and version is None:
             raise ProtocolError("offer: a chain needs a version")
+        fresh = field(frame, "fresh", bool)     # after the manifest: a refusal of the layout comes first
         return cls(seq, transport, streams, verify, fresh, manifest, version, chain,
                    _chain_transport(frame, transport) if chain else transport, frame.get("relayed") is True)
 
