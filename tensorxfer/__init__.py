@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tensorxfer import memory as _memory
 from tensorxfer.errors import (
     AuthError,
+    BindingError,
     ChecksumMismatch,
     CudaError,
     ExtentError,
@@ -55,6 +56,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthError",
+    "BindingError",
     "ChecksumMismatch",
     "CudaError",
     "CudaRegion",

@@ -96,6 +96,15 @@ class LayoutError(TensorXferError, ValueError):
     """Tensors do not match a region's layout (names, dtypes or shapes differ)."""
 
 
+class BindingError(TensorXferError, ValueError):
+    """A module tensor bound to a region (``TensorRegion.from_module``) was replaced, so the region no longer
+    holds it: ``tensor`` names it.  Raised before anything is sent."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class ProtocolError(TensorXferError):
     """A peer sent a frame that is malformed, oversized, truncated or out of order."""
 
@@ -149,6 +158,7 @@ class ChecksumMismatch(TransferError):
 
 __all__ = [
     "AuthError",
+    "BindingError",
     "ChecksumMismatch",
     "CompletionError",
     "CudaError",

@@ -10,8 +10,8 @@ values into the same memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -20,160 +20,21 @@ from tensorxfer import memory as _memory
 from tensorxfer.errors import CudaError, LayoutError, RegionClosed
 from tensorxfer.manifest import DEFAULT_ALIGNMENT, Manifest
 from tensorxfer.memory import HostRegion
+from tensorxfer.sources import (
+    DeviceSource,
+    Source,
+    TensorsLike,
+    aliases_of,
+    as_source,
+    host_bytes,
+    is_torch,
+    items_of,
+    parse_device,
+    torch_module,
+)
 from tensorxfer.staging import write_from
 
-TensorsLike = Mapping[str, Any] | Iterable[tuple[str, Any]]
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """``"cpu"`` → ("cpu", 0); ``"cuda"`` / ``"cuda:N"`` → ("cuda", N); ValueError otherwise."""
-    if device == "cpu":
-        return "cpu", 0
-    if device == "cuda":
-        return "cuda", 0
-    kind, _, index = device.partition(":")
-    if kind == "cuda" and index.isdigit():
-        return "cuda", int(index)
-    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-def _items(tensors: TensorsLike) -> list[tuple[str, Any]]:
-    items = list(tensors.items()) if isinstance(tensors, Mapping) else [tuple(t) for t in tensors]
-    for item in items:
-        if len(item) != 2 or not isinstance(item[0], str):
-            raise TypeError("tensors must be a mapping name -> array or a sequence of (name, array) pairs")
-    return items
-
-
-def _as_numpy(name: str, obj: Any) -> np.ndarray:
-    """A host numpy array with the tensor's own dtype (ml_dtypes for bf16/fp8).
-
-    Zero-copy where the source allows; device tensors are copied to the host.
-    """
-    if isinstance(obj, np.ndarray):
-        _dt.from_numpy(obj.dtype)
-        return obj
-    if _is_torch(obj):
-        d = _dt.from_torch(obj.dtype)
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        return t.reshape(-1).view(_torch().uint8).numpy().view(d.numpy).reshape(tuple(t.shape))
-    if hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "get"):
-        return _as_numpy(name, obj.get())          # CuPy: copy to the host
-    if hasattr(obj, "__dlpack__"):
-        try:
-            return np.from_dlpack(obj)
-        except (TypeError, BufferError, RuntimeError) as e:
-            raise TypeError(f"tensor {name!r}: cannot read it through DLPack on the host ({e})") from None
-    try:
-        arr = np.asarray(memoryview(obj))
-    except TypeError:
-        raise TypeError(f"tensor {name!r}: {type(obj).__name__} is not an array (numpy, torch, DLPack or "
-                        f"buffer protocol)") from None
-    _dt.from_numpy(arr.dtype)
-    return arr
-
-
-def _is_torch(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
-
-
-class _DeviceSource(NamedTuple):
-    """A tensor already in CUDA memory: copied device-to-device, never through the host."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    ptr: int
-    nbytes: int
-    keepalive: Any
-
-
-Source = np.ndarray | _DeviceSource
-
-
-def _as_source(name: str, obj: Any, to_device: bool) -> Source:
-    """Where a tensor's bytes are: on a device (for a CUDA region) or as a host array."""
-    if to_device and _is_torch(obj) and obj.is_cuda:
-        d = _dt.from_torch(obj.dtype)
-        t = obj if obj.is_contiguous() else obj.contiguous()     # data_ptr needs no detach
-        return _DeviceSource(d.numpy, tuple(t.shape), t.data_ptr(), t.numel() * d.itemsize, t)
-    if to_device and hasattr(obj, "__cuda_array_interface__"):
-        cai = obj.__cuda_array_interface__
-        dtype = np.dtype(cai["typestr"])
-        _dt.from_numpy(dtype)
-        shape = tuple(cai["shape"])
-        contiguous = cai.get("strides") is None or tuple(cai["strides"]) == tuple(
-            int(np.prod(shape[i + 1:])) * dtype.itemsize for i in range(len(shape)))
-        if contiguous:
-            return _DeviceSource(dtype, shape, cai["data"][0], int(np.prod(shape)) * dtype.itemsize, obj)
-        if hasattr(obj, "copy"):
-            return _as_source(name, obj.copy(), to_device)  # CuPy: a contiguous device copy
-    return _as_numpy(name, obj)
-
-
-def _host_bytes(a: np.ndarray) -> np.ndarray:
-    """A host array's bytes, flat and C-contiguous (copied only if the array is strided)."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def _storage_key(obj: Any) -> tuple | None:
-    """What makes two inputs the *same* tensor: memory space, data pointer, dtype, shape, byte strides.
-
-    Tied weights (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``)
-    are one tensor under two names; equal keys mean every element lives at
-    the same address, so the bytes are stored once.  Views that merely
-    overlap (a slice of another tensor) get different keys and are stored
-    separately.  ``None`` for empty tensors and for sources with no stable
-    address (DLPack / buffer-protocol objects other than the ones below).
-    """
-    if isinstance(obj, np.ndarray):
-        if obj.size == 0:
-            return None
-        return ("host", obj.__array_interface__["data"][0], obj.dtype, obj.shape, obj.strides)
-    if _is_torch(obj):
-        if obj.numel() == 0:
-            return None
-        try:
-            d = _dt.from_torch(obj.dtype)
-        except TypeError:
-            return None          # unsupported dtype: _as_source raises the real error
-        space = "host" if obj.device.type == "cpu" else obj.device.type   # CUDA pointers are unique (UVA)
-        return (space, obj.data_ptr(), np.dtype(d.numpy), tuple(obj.shape),
-                tuple(st * d.itemsize for st in obj.stride()))
-    if hasattr(obj, "__cuda_array_interface__"):
-        cai = obj.__cuda_array_interface__
-        dtype, shape = np.dtype(cai["typestr"]), tuple(cai["shape"])
-        if 0 in shape:
-            return None
-        strides = cai.get("strides") or tuple(int(np.prod(shape[i + 1:])) * dtype.itemsize
-                                              for i in range(len(shape)))
-        return ("cuda", cai["data"][0], dtype, shape, tuple(strides))
-    return None
-
-
-def _aliases(items: list[tuple[str, Any]]) -> dict[str, str]:
-    """alias name -> the first name holding the same tensor (see :func:`_storage_key`)."""
-    first: dict[tuple, str] = {}
-    out = {}
-    for name, obj in items:
-        key = _storage_key(obj)
-        if key is None:
-            continue
-        if key in first:
-            out[name] = first[key]
-        else:
-            first[key] = name
-    return out
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise ImportError("framework='torch' needs PyTorch installed") from None
-    return torch
+__all__ = ["TensorRegion", "TensorsLike", "parse_device"]
 
 
 class TensorRegion:
@@ -202,6 +63,9 @@ class TensorRegion:
         #: 820 tensors / 30.9 GB: update_from 19.5 ms vs 21.2 ms).
         self.batch_copies = True
         self._plan: tuple | None = None
+        #: A module whose tensors are this region's views (:meth:`from_module`, or a receiver's
+        #: ``receive(into=...)``): checked by :meth:`ensure_current` before the region is read.
+        self.binding: Any = None
 
     # ------------------------------------------------------------ factories
     @classmethod
@@ -250,11 +114,11 @@ class TensorRegion:
             A CUDA device was asked for and CUDA is not usable.
         """
         kind, _ = parse_device(device)
-        items = _items(tensors)
+        items = items_of(tensors)
         if not items:
             raise ValueError("from_tensors needs at least one tensor")
-        aliases = _aliases(items)
-        sources = [(name, _as_source(name, obj, kind == "cuda")) for name, obj in items if name not in aliases]
+        aliases = aliases_of(items)
+        sources = [(name, as_source(name, obj, kind == "cuda")) for name, obj in items if name not in aliases]
         entry = {name: (_dt.from_numpy(src.dtype).name, src.shape) for name, src in sources}
         manifest = Manifest.layout(
             ((name, *entry[aliases.get(name, name)]) for name, _ in items),
@@ -301,6 +165,57 @@ class TensorRegion:
             self.close()       # closes the copier first: its stream is drained before memory goes
             raise
         return self
+
+    @classmethod
+    def from_module(cls, module: Any, device: str | None = None, chunk_size: int | None = None,
+                    alignment: int | None = None, metadata: Mapping[str, str] | None = None) -> TensorRegion:
+        """Move a torch module's weights into one new region: its parameters and buffers *become* the region.
+
+        Every parameter and persistent buffer (``state_dict`` names; tied weights stored once) is copied into
+        the region one at a time and re-pointed at its region view (``tensor.data = view``: the Parameter
+        objects stay, so optimizers, hooks, ``forward``/``backward`` and ``state_dict()`` keep working), and
+        its old storage is freed as it goes: memory peaks at about the model plus its largest tensor, not
+        two models.  Afterwards sending the region sends the current weights -- no :meth:`update_from`.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+        device : str, optional
+            Where the region lives (default: where the module's first parameter is).  Tensors elsewhere
+            move there.
+        chunk_size, alignment, metadata
+            As for :meth:`from_tensors`.
+
+        A tensor that is later replaced (``module.to(...)``, ``load_state_dict(assign=True)``, a new
+        ``.data``) no longer lives in the region: :meth:`ensure_current` (every send calls it) raises
+        :class:`~tensorxfer.errors.BindingError` naming it, so stale bytes are never sent.  On a GPU region
+        sends also wait for the work queued on the device (the optimizer's step).
+
+        Raises
+        ------
+        TypeError
+            Not a module, or a tensor of an unsupported dtype (nothing was moved).
+        CudaError
+            A CUDA device was asked for and CUDA is not usable.
+
+        If moving fails part way, the module keeps working: tensors already moved stay in the (closed)
+        region's memory, which their views keep alive; the rest stay where they were.
+        """
+        from tensorxfer import binding
+
+        return binding.adopt(cls, module, device, chunk_size, alignment, metadata)
+
+    def ensure_current(self) -> None:
+        """Check, before reading the region (a send), that a bound module's tensors still live in it and
+        that work queued on them finished.  A no-op for a region no module is bound to.
+
+        Raises
+        ------
+        BindingError
+            A bound tensor was replaced (named in the error).
+        """
+        if self.binding is not None:
+            self.binding.check()
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, device: str = "cpu", chunk_size: int | None = None) -> TensorRegion:
@@ -379,14 +294,14 @@ class TensorRegion:
             raws = [buf[t.offset:t.offset + t.nbytes] for t in specs]
             if framework == "numpy":
                 return {t.name: r.view(_dt.DTYPES[t.dtype].numpy).reshape(t.shape) for t, r in zip(specs, raws)}
-            torch = _torch()
+            torch = torch_module()
             return {t.name: torch.from_dlpack(r).view(getattr(torch, _dt.DTYPES[t.dtype].torch_name)).reshape(t.shape)
                     for t, r in zip(specs, raws)}
         if framework == "numpy":
             raise ValueError(f"this region lives on {self.device}: use framework='torch' or 'cupy'")
         device_bytes = self.region.cuda_array(0, max(self.manifest.nbytes, 1))
         if framework == "torch":
-            torch = _torch()
+            torch = torch_module()
             base = torch.as_tensor(device_bytes, device=self.device)
             return {t.name: base[t.offset:t.offset + t.nbytes].view(getattr(torch, _dt.DTYPES[t.dtype].torch_name))
                     .reshape(t.shape) for t in specs}
@@ -410,10 +325,10 @@ class TensorRegion:
             Names are missing or extra, or a dtype or shape differs; nothing
             is copied in that case.
         """
-        items = _items(tensors)
+        items = items_of(tensors)
         if self.is_cuda and self._replay_plan(items):
             return
-        sources = [(name, _as_source(name, obj, self.is_cuda)) for name, obj in items]
+        sources = [(name, as_source(name, obj, self.is_cuda)) for name, obj in items]
         given = {name for name, _ in sources}
         missing = [n for n in self.manifest.names if n not in given]
         extra = [n for n in given if n not in self.manifest]
@@ -436,7 +351,7 @@ class TensorRegion:
     # with the same storage, shape and dtype as last time, the batched copy
     # is replayed from the remembered pointer arrays instead.
     def _remember_plan(self, items: list[tuple[str, Any]], sources: list[tuple[str, Source]]) -> None:
-        if not all(isinstance(s, _DeviceSource) and _is_torch(s.keepalive) and s.keepalive is obj
+        if not all(isinstance(s, DeviceSource) and is_torch(s.keepalive) and s.keepalive is obj
                    for (_, obj), (_, s) in zip(items, sources)):
             self._plan = None
             return
@@ -455,7 +370,7 @@ class TensorRegion:
             if (obj is not pobj or name != pname or obj.data_ptr() != ptr or obj.dtype is not dtype
                     or obj.shape != shape or not obj.is_contiguous()):
                 return False
-        _torch().cuda.synchronize()
+        torch_module().cuda.synchronize()
         copier = self._get_copier()
         copier.dtod_batch(plan[1], plan[2], plan[3], batch_api=self.batch_copies)
         copier.synchronize()
@@ -472,9 +387,9 @@ class TensorRegion:
 
     @staticmethod
     def _sync_producers(sources: list[tuple[str, Source]]) -> None:
-        if any(isinstance(s, _DeviceSource) and _is_torch(s.keepalive) for _, s in sources):
+        if any(isinstance(s, DeviceSource) and is_torch(s.keepalive) for _, s in sources):
             # Work queued on PyTorch's streams must land before our stream reads it.
-            _torch().cuda.synchronize()
+            torch_module().cuda.synchronize()
 
     def _issue_copies(self, sources: list[tuple[str, Source]]) -> None:
         """Copy sources in: device sources in one batched call (queued), host ones through staging.
@@ -487,11 +402,11 @@ class TensorRegion:
         if not self.is_cuda:
             for name, src in sources:
                 assert isinstance(src, np.ndarray)   # host regions get host sources only
-                write_from(self, manifest[name].offset, _host_bytes(src))
+                write_from(self, manifest[name].offset, host_bytes(src))
             return
         copier = self._get_copier()
         base = self.region.ptr
-        dev = [(manifest[name], src) for name, src in sources if isinstance(src, _DeviceSource)]
+        dev = [(manifest[name], src) for name, src in sources if isinstance(src, DeviceSource)]
         dev = [(t, src) for t, src in dev if t.nbytes]
         if dev:
             copier.dtod_batch(np.fromiter((base + t.offset for t, _ in dev), np.uint64, len(dev)),
@@ -499,8 +414,8 @@ class TensorRegion:
                               np.fromiter((t.nbytes for t, _ in dev), np.uint64, len(dev)),
                               batch_api=self.batch_copies)
         for name, src in sources:
-            if not isinstance(src, _DeviceSource) and src.nbytes:
-                write_from(self, manifest[name].offset, _host_bytes(src), stager=copier)
+            if not isinstance(src, DeviceSource) and src.nbytes:
+                write_from(self, manifest[name].offset, host_bytes(src), stager=copier)
 
     def resolve_extent(self, whole_alloc: bool = False) -> Any:
         """The registration extent of the whole payload (see ``AllocationMap.resolve_extent``)."""
@@ -525,6 +440,7 @@ class TensorRegion:
         (kept for compatibility: every close now waits for the last view).
         """
         self._plan = None          # it references the caller's tensors
+        self.binding = None
         if self._copier is not None:
             self._copier.close()   # drains its stream before the memory can go
             self._copier = None

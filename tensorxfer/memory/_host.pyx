@@ -146,7 +146,7 @@ cdef class HostRegion(AllocationMap):
 
     # ---------------------------------------------------------------- factories
     @staticmethod
-    def allocate(size, chunk_size=None):
+    def allocate(size, chunk_size=None, bint commit=True):
         """Reserve ``size`` bytes and back them with memfd chunks.
 
         Parameters
@@ -156,6 +156,12 @@ cdef class HostRegion(AllocationMap):
         chunk_size : int, optional
             Bytes per chunk (rounded up to the page size).  Defaults to
             64 MiB, grown so that no region has more than 512 chunks.
+        commit : bool
+            Commit every page now (default: a receiver learns at once that
+            the memory is there, and the copy into it does not fault page by
+            page).  ``False`` leaves pages to be committed as they are first
+            written: what adopting a model wants, so that memory grows only as
+            fast as the tensors moving in free theirs.
 
         Returns
         -------
@@ -183,10 +189,10 @@ cdef class HostRegion(AllocationMap):
         sizes = [chunk_size] * (size // chunk_size)
         if size % chunk_size:
             sizes.append(size % chunk_size)
-        return HostRegion._from_chunks(sizes)
+        return HostRegion._from_chunks(sizes, commit=commit)
 
     @staticmethod
-    def _from_chunks(sizes, size_t unmapped_tail=0, holes=()):
+    def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), bint commit=True):
         """Build a region from explicit chunk sizes (page multiples).
 
         ``unmapped_tail`` reserves that many extra bytes past the last chunk
@@ -209,7 +215,7 @@ cdef class HostRegion(AllocationMap):
         self._owner = True
         self._closed = False
         try:
-            self._map_all(sizes, total, unmapped_tail, hole_set)
+            self._map_all(sizes, total, unmapped_tail, hole_set, None, True, commit)
         except BaseException:
             self._release()
             raise
@@ -334,7 +340,7 @@ cdef class HostRegion(AllocationMap):
             if p == MAP_FAILED:
                 check_errno(-1, b"mmap(MAP_FIXED) of a chunk")
             c.mapped = True
-        if import_fds is None:
+        if import_fds is None and populate:
             self._populate()     # imported chunks are the other process's pages: map, never commit
 
     cdef _populate(self):

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tensorxfer import connections
+from tensorxfer.binding import Names
 from tensorxfer.connections import Gate
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
 from tensorxfer.manifest import Manifest, default_max_region_bytes
@@ -151,7 +152,8 @@ class Receiver:
 
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
-                on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None) -> TensorRegion:
+                on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
+                into: Any = None, names: Names = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; once data flows
@@ -165,6 +167,13 @@ class Receiver:
         complete (and checked) and acknowledges its sender once the rest of its chain finished (the next
         ``receive()``, :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region
         meanwhile.
+
+        ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors -- they become views
+        of the received region (no copy; later same-layout updates land there in place; with ``share=True``
+        they are views of the sender's memory).  The offer must fit the module exactly (``state_dict``
+        names, or ``names``: a mapping or callable from the sender's names to the module's), else it is
+        refused before any byte moves (:class:`~tensorxfer.errors.LayoutError` here, the sender told why).
+        A failed update leaves the module's weights partly written, like any in-place update.
 
         Every failure ends the current session (the next call accepts a new sender) but leaves the
         receiver usable; :meth:`close` from another thread ends a blocked ``receive`` with
@@ -184,9 +193,12 @@ class Receiver:
             ``verify`` was requested and a tensor's data differs.
         TransportUnavailable, CudaError
             The offer asked for a transport, or a region, this receiver cannot have (the sender is told).
+        LayoutError
+            The offer does not fit the module given as ``into`` (the sender is told).
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
+            self._slot.bind(into, names)
             self._settle(deadline)
             while True:
                 session = self._session or self._admit(deadline)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from tensorxfer import connections
 from tensorxfer.checksum import ALGORITHM, tensor_checksums
-from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.errors import LayoutError, PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import Channel, Version, client_handshake, field, packed_digest, parse_address, token_key
 from tensorxfer.region import TensorRegion
@@ -71,6 +72,7 @@ class Sender:
         self._broken: str | None = None
         self._transports: dict[str, SenderTransport] = {}      # this session's, by name
         self._last_manifest: tuple[Manifest, bytes, bytes] | None = None   # (manifest, packed, digest)
+        self._packed: TensorRegion | None = None     # where a mapping passed to send() is packed
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
@@ -106,14 +108,16 @@ class Sender:
             except ProtocolError:       # closed here meanwhile
                 return True
 
-    def send(self, region: TensorRegion, verify: bool = False, progress: Progress | None = None,
-             forward: ForwardHooks | None = None) -> TransferStats:
+    def send(self, region: TensorRegion | Mapping[str, Any], verify: bool = False,
+             progress: Progress | None = None, forward: ForwardHooks | None = None) -> TransferStats:
         """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
 
         Parameters
         ----------
-        region : TensorRegion
-            The caller keeps it alive and unchanged until this returns.
+        region : TensorRegion or mapping of str to tensor
+            The caller keeps it alive and unchanged until this returns.  A mapping (numpy, torch, ... as
+            for :meth:`TensorRegion.from_tensors`) is packed into a region this Sender keeps: one copy per
+            send (a region made once -- :meth:`TensorRegion.from_module` -- needs none).
         verify : bool
             Send per-tensor xxh3_64 checksums; the receiver checks them.
         progress : callable, optional
@@ -133,18 +137,51 @@ class Sender:
             ``verify`` found a tensor that arrived corrupted (``.tensor``).
         TransferError
             The session is closed, or broken by an earlier failure.
+        TypeError
+            ``region`` is neither a region nor a mapping of tensors (nothing is sent; the session stays).
+        BindingError
+            A tensor of the module the region was adopted from was replaced (nothing is sent).
         """
         with self._lock:
             ch = self._channel
             if ch is None:
                 raise TransferError(f"this Sender is closed{': ' + self._broken if self._broken else ''}; "
                                     f"open a new one")
+            # Argument errors come before anything is sent: they leave the session as it was.
+            region = self._region_of(region)
+            region.ensure_current()
             try:
                 return self._send(ch, region, verify, progress, forward or ForwardHooks())
             except BaseException as e:
                 self._broken = f"an earlier transfer failed ({type(e).__name__})"
                 self.close()
                 raise
+
+    def _region_of(self, obj: Any) -> TensorRegion:
+        """``obj`` if it is a region; a mapping of tensors packed into the region this Sender keeps for them
+        (the same layout as last time: copied in place).
+
+        Raises
+        ------
+        TypeError
+            Anything else (a module: adopt it with ``TensorRegion.from_module``).
+        """
+        if isinstance(obj, TensorRegion):
+            return obj
+        if isinstance(obj, Mapping):
+            packed = self._packed
+            if packed is not None and not packed.closed:
+                try:
+                    packed.update_from(obj)
+                    return packed
+                except LayoutError:
+                    packed.close()      # another layout: packed anew below
+            self._packed = TensorRegion.from_tensors(obj)
+            return self._packed
+        hint = (" (adopt it once with tensorxfer.TensorRegion.from_module(module); then send that region)"
+                if hasattr(obj, "named_parameters") else "")
+        raise TypeError(f"send() takes a TensorRegion or a mapping of name -> tensor, got {type(obj).__name__}"
+                        f"{hint}")
 
     def _wire_manifest(self, manifest: Manifest) -> tuple[bytes, bytes]:
         """The packed manifest and its digest, kept while the (immutable) manifest is the same object."""
@@ -252,6 +289,9 @@ class Sender:
         """
         idle = self._lock.acquire(blocking=False)   # False: a send() is in flight (in another thread, or failing)
         try:
+            packed, self._packed = self._packed, None
+            if packed is not None:
+                packed.close()
             transports, self._transports = self._transports, {}
             for transport in transports.values():
                 transport.close()

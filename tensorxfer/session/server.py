@@ -27,6 +27,7 @@ from tensorxfer.checksum import ALGORITHM, first_mismatch
 from tensorxfer.errors import (
     ChecksumMismatch,
     CudaError,
+    LayoutError,
     ManifestError,
     ProtocolError,
     RegionError,
@@ -188,6 +189,8 @@ class ServerSession:
             self._forwarder.close()
         try:
             target.begin(offer.manifest)
+        except LayoutError as e:        # the offer does not fit the module the caller bound
+            raise self.refuse("refused", e) from None
         except (CudaError, RegionError, MemoryError) as e:
             self.channel.send_error("transfer", f"the receiver cannot allocate {offer.nbytes} bytes on "
                                                 f"{target.device!r}: {e}")

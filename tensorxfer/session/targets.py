@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from tensorxfer.binding import ModuleBinding, Names
 from tensorxfer.manifest import Manifest
 from tensorxfer.region import TensorRegion
 from tensorxfer.transport.base import ReceiverTransport, ShareReceiverTransport
@@ -21,11 +22,30 @@ log = logging.getLogger(__name__)
 
 
 class RegionSlot:
-    """The region a receiver's updates land in (reused for a same-layout offer), or None."""
+    """The region a receiver's updates land in (reused for a same-layout offer), or None; and the module
+    bound to it, if the caller asked for its updates to land in a module's tensors (``receive(into=...)``)."""
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.region: TensorRegion | None = None
+        self.binding: ModuleBinding | None = None
+
+    def bind(self, module: Any, names: Names = None) -> None:
+        """Land the next update in ``module``'s tensors (None: in the region alone)."""
+        if module is None:
+            self.binding = None
+        elif self.binding is None or self.binding.module is not module or self.binding.names is not names:
+            self.binding = ModuleBinding(module, names)
+
+    def check_fit(self, manifest: Manifest) -> None:
+        """Raise :class:`~tensorxfer.errors.LayoutError` if ``manifest`` does not fit the bound module."""
+        if self.binding is not None:
+            self.binding.validate(manifest)
+
+    def attach(self, region: TensorRegion) -> None:
+        """Make the bound module's tensors views of ``region`` (again, if one was replaced meanwhile)."""
+        if self.binding is not None and not self.binding.attached_to(region):
+            self.binding.attach(region)
 
     def for_manifest(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
         """The region ``manifest``'s update lands in, and whether it was re-allocated for a new layout.
@@ -92,9 +112,12 @@ class CopyTarget:
         self.reallocated = False
 
     def begin(self, manifest: Manifest) -> None:
-        """Allocate (or reuse) the region (raises as :meth:`RegionSlot.for_manifest`)."""
+        """Allocate (or reuse) the region (raises as :meth:`RegionSlot.for_manifest`; LayoutError before
+        anything is allocated when the manifest does not fit a bound module)."""
         self._previous = self._slot.region
+        self._slot.check_fit(manifest)
         self.region, self.reallocated = self._slot.for_manifest(manifest)
+        self._slot.attach(self.region)
 
     def prepare(self, transport: ReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
         assert self.region is not None
@@ -128,6 +151,7 @@ class ShareTarget:
         self.reallocated = True
 
     def begin(self, manifest: Manifest) -> None:
+        self._slot.check_fit(manifest)
         self._manifest = manifest
 
     def prepare(self, transport: ShareReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
@@ -139,6 +163,7 @@ class ShareTarget:
         region = self.region = transport.take_shared()
         self.reallocated = self._slot.put(region)   # the same memory again: the region is reused as is
         region.manifest = self._manifest            # same layout when reused; metadata and checksums may be new
+        self._slot.attach(region)
         return region
 
     def failed(self) -> bool:

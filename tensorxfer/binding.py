@@ -1,0 +1,284 @@
+"""A torch module's weights as views of a region: the model's live parameters *are* the region.
+
+:func:`adopt` moves a module's parameters and persistent buffers into a new region one tensor at a time
+(each one's old storage freed as it goes, so memory peaks at the model plus about its largest tensor,
+not two models) and re-points every tensor at its region view (``tensor.data = view``: the Parameter
+objects stay, so optimizers, hooks and ``state_dict()`` keep working).  A :class:`ModuleBinding` records
+where each tensor must live and notices when one was replaced (``module.to(...)``,
+``load_state_dict(assign=True)``, a re-assigned ``.data``): :meth:`ModuleBinding.check` raises
+:class:`~tensorxfer.errors.BindingError` naming it, so stale bytes are never sent.  On a receiver,
+:meth:`ModuleBinding.attach` makes a module's tensors views of a received region (checked against the
+offer's manifest before any byte moves), so every later update lands in the live weights.
+
+Each view has a storage of its own (not one storage for the whole region): code that looks for shared
+storage (``safetensors``, ``save_pretrained``) sees exactly the sharing the module had (tied weights).
+This module imports no region: :meth:`TensorRegion.from_module` passes itself in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tensorxfer import dtypes as _dt
+from tensorxfer import memory as _memory
+from tensorxfer.errors import BindingError, CudaError, LayoutError
+from tensorxfer.manifest import DEFAULT_ALIGNMENT, Manifest, TensorSpec
+from tensorxfer.memory import HostRegion
+from tensorxfer.sources import aliases_of, parse_device, torch_module
+
+log = logging.getLogger(__name__)
+
+#: While adopting, freed GPU memory goes back to the driver (``torch.cuda.empty_cache``) every this many
+#: bytes: the caching allocator would otherwise keep the old copies, and the device would hold two models.
+RELEASE_EVERY_BYTES = 256 << 20
+
+Names = Mapping[str, str] | Callable[[str], str] | None
+"""How a received manifest's names map to a module's: a mapping (sender name -> module name; names it
+does not list stay as they are), a callable, or None (the same names)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a module keeps one tensor: ``owner._parameters[attr]`` or ``owner._buffers[attr]``."""
+
+    name: str
+    owner: Any
+    attr: str
+    parameter: bool
+
+    def get(self) -> Any:
+        return (self.owner._parameters if self.parameter else self.owner._buffers).get(self.attr)
+
+
+def module_slots(module: Any) -> list[_Slot]:
+    """The module's parameters and persistent buffers by ``state_dict`` name, in ``state_dict`` order; a
+    tensor shared by several modules (tied weights) appears under every name."""
+    out = []
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out += [_Slot(dot + n, mod, n, True) for n, p in mod._parameters.items() if p is not None]
+        out += [_Slot(dot + n, mod, n, False) for n, b in mod._buffers.items()
+                if b is not None and n not in mod._non_persistent_buffers_set]
+    return out
+
+
+def _device_of(slots: list[_Slot]) -> str:
+    t = slots[0].get()
+    return "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
+
+
+def tensor_view(region: Any, spec: TensorSpec) -> Any:
+    """A torch tensor over ``spec``'s bytes in ``region`` (a TensorRegion), with a storage of its own that
+    keeps the region's memory mapped."""
+    torch = torch_module()
+    dtype = getattr(torch, _dt.DTYPES[spec.dtype].torch_name)
+    mem = region.region
+    if region.is_cuda:
+        raw = torch.as_tensor(mem.cuda_array(spec.offset, max(spec.nbytes, 1)), device=region.device)
+    else:
+        import numpy as np
+
+        raw = torch.from_dlpack(np.frombuffer(mem, dtype=np.uint8, count=max(spec.nbytes, 1), offset=spec.offset))
+    return raw[:spec.nbytes].view(dtype).reshape(spec.shape)
+
+
+class ModuleBinding:
+    """Which tensor of a module lives where in a region, checked before every send (see the module).
+
+    ``names`` maps the region's (manifest's) names to the module's (see :data:`Names`).
+    """
+
+    def __init__(self, module: Any, names: Names = None) -> None:
+        self.module = module
+        self.names = names
+        self._slots = {s.name: s for s in module_slots(module)}
+        self._bound: list[tuple[_Slot, int]] = []       # (slot, the data pointer its tensor must have)
+        self.region: Any = None
+
+    def module_name(self, name: str) -> str:
+        names = self.names
+        if names is None:
+            return name
+        return names(name) if callable(names) else names.get(name, name)
+
+    # -------------------------------------------------------- receiving
+    def validate(self, manifest: Manifest) -> None:
+        """Check that ``manifest`` fits the module exactly, before any byte moves.
+
+        Raises
+        ------
+        LayoutError
+            A name the module does not have (or a tensor of the module the manifest lacks), or a shape or
+            dtype that differs; the message names them.
+        """
+        missing, wrong, seen = [], [], set()
+        for spec in manifest:
+            name = self.module_name(spec.name)
+            slot = self._slots.get(name)
+            if slot is None:
+                missing.append(spec.name if name == spec.name else f"{spec.name} (as {name})")
+                continue
+            seen.add(name)
+            t = slot.get()
+            dt = _dt.from_torch(t.dtype).name
+            if dt != spec.dtype or tuple(t.shape) != spec.shape:
+                wrong.append(f"{name}: the module has {dt}{list(t.shape)}, the offer {spec.dtype}{list(spec.shape)}")
+        extra = [n for n in self._slots if n not in seen]
+        if missing or wrong or extra:
+            parts = ([f"not in the module: {missing[:5]}"] if missing else []) + \
+                    ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]
+            raise LayoutError("the offer does not fit the module (give a rename map with names=...): "
+                              + "; ".join(parts))
+
+    def attach(self, region: Any) -> None:
+        """Make every bound tensor a view of its bytes in ``region`` (nothing is copied; the old storages are
+        freed once nothing else holds them)."""
+        bound = []
+        views: dict[str, Any] = {}
+        aliases = region.manifest.aliases
+        for spec in region.manifest:
+            target = aliases.get(spec.name, spec.name)
+            view = views.get(target)
+            if view is None:
+                view = views[target] = tensor_view(region, region.manifest[target])
+            slot = self._slots[self.module_name(spec.name)]
+            slot.get().data = view
+            bound.append((slot, view.data_ptr()))
+        self._bound, self.region = bound, region
+
+    def record(self, region: Any) -> None:
+        """The module's tensors are views of ``region`` already (they were moved in): remember where."""
+        self._bound = [(slot, slot.get().data_ptr()) for slot in self._slots.values()]
+        self.region = region
+
+    def attached_to(self, region: Any) -> bool:
+        """Whether every bound tensor still is its view of ``region``."""
+        return self.region is region and self._stale() is None
+
+    # -------------------------------------------------------- sending
+    def check(self) -> None:
+        """Before the region is read (sent): every bound tensor must still be its region view, and work queued
+        on a GPU region's tensors (an optimizer step) must have finished.
+
+        Raises
+        ------
+        BindingError
+            A tensor was replaced; it names the tensor and what to do.
+        """
+        stale = self._stale()
+        if stale is not None:
+            raise BindingError(f"module tensor {stale!r} no longer lives in the region it was adopted into (it was "
+                               f"replaced: module.to(), load_state_dict(assign=True) or a new .data): its region "
+                               f"bytes are stale, so nothing was sent; adopt the module again "
+                               f"(TensorRegion.from_module) or copy it in with update_from", tensor=stale)
+        if self.region is not None and self.region.is_cuda:
+            torch_module().cuda.synchronize(self.region.device)    # the optimizer's kernels landed
+
+    def _stale(self) -> str | None:
+        for slot, ptr in self._bound:
+            t = slot.get()
+            if t is None or t.data_ptr() != ptr:
+                return slot.name
+        return None
+
+
+def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | None = None,
+          alignment: int | None = None, metadata: Mapping[str, str] | None = None) -> Any:
+    """:meth:`TensorRegion.from_module` (see there); ``cls`` is the TensorRegion class."""
+    torch = torch_module()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"from_module needs a torch.nn.Module, got {type(module).__name__}")
+    slots = module_slots(module)
+    if not slots:
+        raise ValueError("from_module: the module has no parameters or persistent buffers to adopt")
+    kind, index = parse_device(device or _device_of(slots))
+    items = [(s.name, s.get()) for s in slots]
+    for name, t in items:
+        try:
+            _dt.from_torch(t.dtype)
+        except TypeError as e:
+            raise TypeError(f"module tensor {name!r}: {e}") from None
+    aliases = aliases_of(items)
+    manifest = Manifest.layout([(name, _dt.from_torch(t.dtype).name, tuple(t.shape)) for name, t in items],
+                               alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata, aliases=aliases)
+    if kind == "cuda":
+        if _memory.CudaRegion is None:
+            raise CudaError(f"device 'cuda:{index}': {_memory.CUDA_UNAVAILABLE}")
+        mem = _memory.CudaRegion.reserve(max(manifest.nbytes, 1), chunk_size, index)   # mapped as tensors move in
+        region = cls(mem, manifest, f"cuda:{index}")
+    else:
+        region = cls(HostRegion.allocate(max(manifest.nbytes, 1), chunk_size, commit=False), manifest, "cpu")
+    binding = ModuleBinding(module)
+    try:
+        _move_in(region, slots, aliases)
+        binding.record(region)
+    except BaseException:
+        # Tensors already moved keep working: their views hold the (closed) region's memory.
+        region.close()
+        raise
+    region.binding = binding
+    return region
+
+
+def _move_in(region: Any, slots: list[_Slot], aliases: dict[str, str]) -> None:
+    """Copy each tensor into its region view and re-point it there, freeing its old storage as it goes."""
+    torch = torch_module()
+    manifest = region.manifest
+    by_name = {s.name: s for s in slots}
+    holders: dict[str, list[_Slot]] = {}
+    for s in slots:
+        holders.setdefault(aliases.get(s.name, s.name), []).append(s)
+    order = sorted(holders, key=lambda n: manifest[n].offset)
+    freed = 0
+    for name in order:
+        spec = manifest[name]
+        if region.is_cuda:
+            need = min(spec.offset + spec.nbytes, region.region.size)
+            while region.region.mapped_size < need:
+                region.region.map_next()
+        view = tensor_view(region, spec)
+        with torch.no_grad():
+            view.copy_(by_name[name].get().detach())
+        for slot in holders[name]:
+            slot.get().data = view      # the old storage is freed here, once nothing else holds it
+        freed += spec.nbytes
+        if freed >= RELEASE_EVERY_BYTES:
+            _release(region)
+            freed = 0
+    if region.is_cuda:
+        while region.region.mapped_size < region.region.size:
+            region.region.map_next()
+    _release(region)
+
+
+def _release(region: Any) -> None:
+    """Give the memory of the storages freed so far back to the system (not to an allocator's cache)."""
+    if region.is_cuda:
+        torch_module().cuda.empty_cache()       # synchronizes first: no copy still reads a freed block
+    else:
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+            _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]

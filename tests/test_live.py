@@ -1,0 +1,96 @@
+"""Weights live in the region: a trainer's adopted model and a receiver's bound model, as real processes.
+
+The trainer's parameters *are* its region (``TensorRegion.from_module``); every step it sends the region
+with no ``update_from``; the receiver's model is bound to what it receives (``receive(into=model)``), so
+each update lands in its live weights.  After every step the receiver's logits must equal the trainer's
+bit for bit, and on both sides every parameter must still be its region view (no copy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import GPU_REASON, ROOT, finish
+
+torch = pytest.importorskip("torch", reason="live weights need PyTorch")
+pytest.importorskip("transformers", reason="the live-weights test uses a Hugging Face model (pip install "
+                                           "'tensorxfer[test]')")
+
+CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "tie_word_embeddings": True}
+
+
+def peer(role: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "tests.live_peers", role, json.dumps(CONFIG), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full, cwd=ROOT)
+
+
+def lines(proc: subprocess.Popen, n: int) -> list[dict]:
+    out = []
+    for _ in range(n):
+        line = proc.stdout.readline()
+        if not line:
+            rc, rest, err = finish(proc)
+            raise AssertionError(f"peer ended early (rc {rc}): {rest}\n{err}")
+        out.append(json.loads(line))
+    return out
+
+
+def train_and_receive(device: str, transport: str, optimizer: str, share: bool = False,
+                      trainer_env: dict[str, str] | None = None) -> tuple[list[dict], list[dict]]:
+    rx = peer("receiver", "--device", device, *(["--share"] if share else []))
+    try:
+        address = lines(rx, 1)[0]["address"]
+        tr = peer("trainer", "--device", device, "--to", address, "--transport", transport, "--optimizer",
+                  optimizer, env=trainer_env)
+        sent = lines(tr, 3)
+        got = lines(rx, 3)
+        rc, _, err = finish(tr, 60)
+        assert rc == 0, err
+        rc, _, err = finish(rx, 60)
+        assert rc == 0, err
+        return sent, got
+    finally:
+        rx.kill()
+        finish(rx)
+
+
+def check_steps(sent: list[dict], got: list[dict], transport: str) -> None:
+    assert [s["step"] for s in sent] == [1, 2, 3] and [g["version"] for g in got] == [1, 2, 3]
+    assert sent[0]["adopted"], "after from_module every parameter must be its region view"
+    losses = [s["loss"] for s in sent]
+    assert losses[2] < losses[0], f"the model did not train: {losses}"
+    for s, g in zip(sent, got):
+        assert s["views"], f"step {s['step']}: a trainer parameter is no longer its region view"
+        assert g["views"], f"step {g['version']}: a receiver parameter is not its view of the received region"
+        assert s["transport"] == g["transport"] == transport
+        assert g["logits"] == s["logits"], f"step {s['step']}: the receiver's logits differ from the trainer's"
+    assert [g["reallocated"] for g in got[1:]] == [False, False], "later steps must land in the same region"
+    assert got[0]["logits"] != got[2]["logits"], "the weights did not change between steps"
+
+
+@pytest.mark.parametrize("transport, optimizer", [("tcp", "foreach"), ("ipc", "fused"), ("tcp", "plain")])
+def test_an_adopted_trainer_pushes_each_step_into_a_bound_receiver(transport: str, optimizer: str) -> None:
+    sent, got = train_and_receive("cpu", transport, optimizer)
+    check_steps(sent, got, transport)
+
+
+def test_a_sharing_receiver_binds_its_model_to_the_trainers_memory() -> None:
+    sent, got = train_and_receive("cpu", "ipc", "foreach", share=True)
+    check_steps(sent, got, "ipc")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
+@pytest.mark.parametrize("transport, optimizer", [("ipc", "fused"), ("tcp", "foreach")])
+def test_on_the_gpu_with_expandable_segments(transport: str, optimizer: str) -> None:
+    sent, got = train_and_receive("cuda:0", transport, optimizer,
+                                  trainer_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    check_steps(sent, got, transport)
