@@ -66,6 +66,21 @@ def test_sending_snippet_runs_verbatim(capsys):
     gc.collect()
 
 
+def test_live_weights_snippet_runs_verbatim():
+    """The "Weights that live in the region" block: a trainer's adopted module pushed into a server's module."""
+    torch = pytest.importorskip("torch", reason="the live-weights snippet needs PyTorch")
+    code = next(b for b in python_blocks("Using it") if "from_module" in b)
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)
+    region, server = ns["region"], ns["server"]
+    views = region.tensors(framework="torch")
+    assert all(t.data_ptr() == views[n].data_ptr() for n, t in ns["trainer"].state_dict(keep_vars=True).items())
+    assert torch.equal(server(ns["x"]), ns["trainer"](ns["x"])) and ns["rx"].closed
+    region.close()
+    ns.clear()
+    gc.collect()
+
+
 @pytest.mark.cuda
 def test_gpu_snippet_runs_verbatim():
     """The "On the GPU" block with a small torch model on cuda:0 (skips without a GPU)."""
