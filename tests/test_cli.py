@@ -319,7 +319,7 @@ def test_port_scan_does_not_end_once(tmp_path):
 
 def test_hostile_file_layout_does_not_kill_a_long_running_receiver(tmp_path):
     from tensorxfer import Manifest, Sender, TensorRegion, TensorXferError
-    from tensorxfer.safetensors_io import FILES_KEY
+    from tensorxfer.files import FILES_KEY
 
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     out = tmp_path / "out"

@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorxfer import Manifest, TensorRegion
-from tensorxfer import safetensors_io as stio
-from tensorxfer.safetensors_io import (
+from tensorxfer.files import (
     FILES_KEY,
     FileFormatError,
     OutputError,
@@ -28,6 +27,9 @@ from tensorxfer.safetensors_io import (
     read_header,
     write_files,
 )
+from tensorxfer.files import layout as layout_mod
+from tensorxfer.files import sources as sources_mod
+from tensorxfer.files import write as write_mod
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -323,11 +325,11 @@ def test_received_bad_base64_is_refused(tmp_path):
 
 def test_side_file_caps_are_clear_errors(tmp_path, monkeypatch):
     src = hf_like_dir(tmp_path / "src")
-    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 700)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_FILE_BYTES", 700)
     with pytest.raises(FileFormatError, match=r"tokenizer.model: 768 bytes, over the 700-byte limit"):
         discover([src])
-    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 1000)
-    monkeypatch.setattr(stio, "MAX_SIDE_TOTAL_BYTES", 800)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_FILE_BYTES", 1000)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_TOTAL_BYTES", 800)
     with pytest.raises(FileFormatError, match="side files add up to"):
         discover([src])
 
@@ -390,7 +392,7 @@ def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OSError, match="No space"):
         write_files(region, out)
     monkeypatch.undo()
@@ -441,8 +443,8 @@ def test_aside_mode_rollback_without_hard_links(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "link", no_link)
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "link", no_link)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OSError, match="Input/output"):
         write_files(region, out)
     monkeypatch.undo()
@@ -461,7 +463,7 @@ def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch
             raise OSError(5, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OutputError, match=r"previous contents are kept in .*a.json <- "):
         write_files(region, out)
     monkeypatch.undo()
@@ -485,7 +487,7 @@ def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
 
 
 def test_side_files_that_overflow_the_metadata_are_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(stio, "CHUNK_BYTES", 100)
+    monkeypatch.setattr(layout_mod, "CHUNK_BYTES", 100)
     src = hf_like_dir(tmp_path / "src")
     (src / "big.txt").write_text("x" * 200_000)
     with pytest.raises(FileFormatError, match="send fewer files at once"):

@@ -91,7 +91,7 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
     ValueError
         Another tensorxfer-recv is writing into it.
     """
-    from tensorxfer.safetensors_io import check_output_dir, clean_leftovers
+    from tensorxfer.files import check_output_dir, clean_leftovers
 
     real = check_output_dir(out)
     fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
@@ -152,7 +152,7 @@ class _Transfer:
     """One receive: its progress bar, whether an offer came, and the files written."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tensorxfer.safetensors_io import plan_files, write_files
+        from tensorxfer.files import plan_files, write_files
 
         self.args = args
         self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)

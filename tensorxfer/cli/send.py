@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
     from tensorxfer import Sender, TensorXferError
     from tensorxfer.fanout import FanoutSender
-    from tensorxfer.safetensors_io import discover, load_files
+    from tensorxfer.files import discover, load_files
 
     try:
         token = read_token(args)

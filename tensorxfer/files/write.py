@@ -1,0 +1,244 @@
+"""A received region's files into a directory, all or nothing.
+
+:func:`write_files` validates every name and target first; writes every
+file under a temporary ``.tensorxfer-*.part`` name in the target directory
+and fsyncs it; only then renames them into place, and if a rename fails the
+ones already renamed are rolled back (files they replaced are restored).
+:func:`clean_leftovers` removes the temporary files a killed writer left
+behind.  GPU regions are drained through two pinned staging buffers
+(:mod:`tensorxfer.staging`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import tempfile
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
+from tensorxfer.files.layout import plan_files
+from tensorxfer.region import TensorRegion
+from tensorxfer.staging import open_stager, read_pieces
+
+STAGE_BYTES = 32 << 20              # each of the two pinned buffers for GPU regions
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)      # no /proc: read it by setting it (briefly process-wide)
+    os.umask(mask)
+    return mask
+
+
+def clean_leftovers(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+    """Remove the ``.tensorxfer-*.part`` files a killed writer left in ``out_dir``.
+
+    Only regular files with that name are removed (never symlinks or
+    directories).  ``.tensorxfer-*.bak`` files — what a file being replaced
+    held, left only if a writer died in the middle of its renames or a
+    rollback failed — are kept: they may be the only copy.  Returns
+    ``(removed, kept backups)``; a missing directory has nothing to clean.
+    """
+    removed: list[Path] = []
+    backups: list[Path] = []
+    try:
+        names = sorted(os.listdir(out_dir))
+    except FileNotFoundError:
+        return removed, backups
+    for n in names:
+        if not n.startswith(TEMP_PREFIX):
+            continue
+        p = Path(out_dir) / n
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            if n.endswith(".part"):
+                os.unlink(p)
+                removed.append(p)
+            elif n.endswith(".bak"):
+                backups.append(p)
+    return removed, backups
+
+
+def check_output_dir(out_dir: str | os.PathLike[str]) -> Path:
+    """Create ``out_dir`` if needed and return it resolved.
+
+    Raises
+    ------
+    OutputError
+        It exists and is not a directory, or it cannot be created.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output directory {out} exists and is not a directory; pick another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create output directory {out}: {e.strerror or e}") from None
+    return out.resolve()
+
+
+def _check_target(path: Path) -> bool:
+    """Whether a file already exists at ``path`` (to be replaced); raise if nothing may be put there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{path} is a directory; nothing was written (move it away and send again)")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise OutputError(f"{path} exists and is not a regular file; nothing was written")
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write the files a region carries into ``out_dir``, all or nothing; return their paths.
+
+    Every name and target is validated first (a directory or a special file
+    at a target name refuses the whole set).  Every file is then written
+    under a temporary name in ``out_dir``, given the sender's permission
+    bits (masked by this process's umask; never setuid/setgid/sticky), and
+    fsynced.  Only then are they renamed into place (a rename replaces a
+    symlink at the target name, it never follows it); if a rename fails,
+    the files already renamed are rolled back — a file they replaced is
+    restored.  On any error nothing new is left in ``out_dir``.
+
+    Raises
+    ------
+    FileFormatError
+        The layout is malformed or names a file outside ``out_dir``.
+    OutputError
+        A target cannot be written (a directory is in the way, ``out_dir``
+        is not a directory).
+    OSError
+        Writing failed (e.g. the disk is full).
+    """
+    plans = plan_files(region.manifest)
+    real = check_output_dir(out_dir)
+    targets = [real / fp.name for fp in plans]
+    for t in targets:
+        if t.parent != real:
+            raise FileFormatError(f"{t}: would land outside {real}")
+        _check_target(t)
+    umask = _umask()
+    temps: list[str] = []
+    # per target being committed: (target, backup of what it replaces, whether undoing must restore the backup
+    # — i.e. the target no longer holds the old file — or just drop the backup)
+    undo: list[tuple[Path, str | None, bool]] = []
+    try:
+        with _Drain(region) as drain:
+            for fp in plans:
+                fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
+                temps.append(tmp)
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), fp.mode & ~umask)
+                    if fp.header is None:
+                        assert fp.data is not None
+                        f.write(fp.data)
+                    else:
+                        head = fp.text.encode("utf-8")
+                        f.write(HEADER_LENGTH.pack(len(head)))
+                        f.write(head)
+                        specs = region.manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]
+                        pieces = drain.pieces([(s.offset, s.nbytes) for s in specs])
+                        with contextlib.closing(pieces):     # a failed write releases the view at once
+                            for piece in pieces:
+                                f.write(piece)
+                    f.flush()
+                    os.fsync(f.fileno())
+        for tmp, target in zip(temps, targets):
+            backup = None
+            if _check_target(target):
+                backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
+                try:
+                    os.link(target, backup, follow_symlinks=False)   # the old file stays in place meanwhile
+                    undo.append((target, backup, False))
+                except OSError:
+                    os.rename(target, backup)                       # no hard links here: move it aside
+                    undo.append((target, backup, True))
+            if backup is None:
+                undo.append((target, None, False))
+            os.replace(tmp, target)
+            undo[-1] = (target, backup, True)                       # renamed: undoing restores the backup
+        for _, backup, _ in undo:
+            if backup is not None:
+                os.unlink(backup)
+        _fsync_dir(real)
+    except BaseException as e:
+        lost = _roll_back(undo)
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            _fsync_dir(real)
+        if lost:
+            raise OutputError(f"writing the files failed ({type(e).__name__}: {e}) and rolling back failed too: "
+                              f"the previous contents are kept in {'; '.join(lost)}") from e
+        raise
+    return targets
+
+
+def _roll_back(undo: list[tuple[Path, str | None, bool]]) -> list[str]:
+    """Undo a partial commit, newest first; returns "target <- backup" for backups that could not be restored
+    (they are kept, never deleted)."""
+    lost = []
+    for target, backup, restore in reversed(undo):
+        try:
+            if backup is None:
+                if restore:
+                    os.unlink(target)        # a new file where there was none
+            elif restore:
+                os.replace(backup, target)
+            else:
+                os.unlink(backup)            # the target still holds the old file
+        except FileNotFoundError:
+            pass
+        except OSError:
+            if backup is not None and restore:
+                lost.append(f"{target} <- {backup}")
+    return lost
+
+
+class _Drain:
+    """Reads region bytes in order, for writing files: zero-copy slices of a host region, pinned
+    staging buffers (double-buffered device-to-host copies) for a GPU region — one
+    :func:`tensorxfer.staging.read_pieces` loop either way, one stager for all the files."""
+
+    def __init__(self, region: TensorRegion) -> None:
+        self.region = region
+        self._stager: Any = None
+
+    def __enter__(self) -> _Drain:
+        self._stager = open_stager(self.region, STAGE_BYTES)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+    def pieces(self, spans: list[tuple[int, int]]) -> Generator[memoryview, None, None]:
+        """Memoryviews of the bytes of ``(offset, n)`` spans, in order; each valid until the next."""
+        for off, n in spans:
+            with read_pieces(self.region, off, n, STAGE_BYTES, stager=self._stager) as pieces:
+                for _, view in pieces:
+                    yield view
