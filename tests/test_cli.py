@@ -146,6 +146,28 @@ def test_bad_source_is_usage_error(tmp_path):
     assert rc == 2
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "model.pth", "last.ckpt", "tf_model.h5",
+                                  "model.gguf", "model.onnx"])
+def test_a_weight_file_in_another_format_is_refused_like_a_directory_of_them(tmp_path, name):
+    """Named directly, it used to travel as a "side file": exit 0, "sent 0 bytes"."""
+    (tmp_path / name).write_bytes(b"\0" * 64)
+    rc, out, err = finish(cli("send", str(tmp_path / name), "--to", "127.0.0.1:1"))
+    assert rc == 2 and out == "", (rc, out, err)
+    assert f"{name}: " in err and "only safetensors files carry weights" in err and ".gguf" in err, err
+    d = tmp_path / "only-other-formats"
+    d.mkdir()
+    (d / name).write_bytes(b"\0" * 64)
+    (d / "config.json").write_text("{}")
+    rc, _, err_dir = finish(cli("send", str(d), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "only safetensors files carry weights" in err_dir and name in err_dir, err_dir
+
+
+def test_side_files_alone_are_not_a_model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    rc, _, err = finish(cli("send", str(tmp_path / "config.json"), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "no safetensors file" in err, err
+
+
 def test_unreachable_receiver_is_transfer_error(tmp_path):
     f = tmp_path / "one.safetensors"
     safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))

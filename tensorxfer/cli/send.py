@@ -6,7 +6,8 @@ sends its side files (config.json, generation_config.json, tokenizer files,
 the index: every other regular top-level file, 32 MiB each and 48 MiB in all
 at most), so a Hugging Face directory arrives loadable; hidden files,
 subdirectories and other weight formats (.bin, .pt, ...) are left out and
-listed.  Exits 0 only once the receiver has written and fsynced every file;
+listed; a weight file in another format named directly is refused (exit 2):
+only safetensors files carry weights.  Exits 0 only once the receiver has written and fsynced every file;
 if it cannot, the exit code is non-zero and the message is the receiver's.
 Exit codes are listed in :mod:`tensorxfer.cli.common`.
 """

@@ -26,6 +26,11 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Other serializations of the weights found beside safetensors files: not side files, never sent.
 OTHER_WEIGHT_SUFFIXES = frozenset((".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".ot",
                                    ".tflite", ".pkl", ".npz", ".nemo"))
+#: What every refusal of another weight format says: which formats are sent, and what to do.
+SENT_FORMATS = ("only safetensors files carry weights here (*.safetensors; a model directory also sends its "
+                "side files: config.json, tokenizer files, ...); other weight formats ("
+                + ", ".join(sorted(OTHER_WEIGHT_SUFFIXES)) + ") are not sent: save the model as safetensors "
+                "first, e.g. transformers' save_pretrained(DIR, safe_serialization=True)")
 
 
 @dataclass(frozen=True)
@@ -91,12 +96,15 @@ def discover(sources: Sequence[str | os.PathLike[str]]) -> Discovery:
     regular file.  A symlink is followed only when it stays inside the
     directory (for a Hugging Face hub snapshot: inside its repository
     folder).  A file given by name is a tensor file if it ends in
-    ``.safetensors``, else a side file.
+    ``.safetensors``, refused if it is another weight format
+    (:data:`OTHER_WEIGHT_SUFFIXES`), else a side file; at least one tensor
+    file must be among the sources.
 
     Raises
     ------
     FileFormatError
-        No files, duplicate output names, unsafe names, an unusable index,
+        No safetensors file, a file in another weight format named
+        directly, duplicate output names, unsafe names, an unusable index,
         a symlink pointing outside the directory, or side files over
         :data:`MAX_SIDE_FILE_BYTES` / :data:`MAX_SIDE_TOTAL_BYTES`.
     FileNotFoundError
@@ -109,6 +117,8 @@ def discover(sources: Sequence[str | os.PathLike[str]]) -> Discovery:
             _discover_dir(p, found)
         elif p.is_file():
             name = check_name(p.name)
+            if p.suffix.lower() in OTHER_WEIGHT_SUFFIXES:
+                raise FileFormatError(f"{p}: {p.suffix} is not safetensors; {SENT_FORMATS}")
             found.files.append(Source(name, p, "safetensors" if p.suffix == ".safetensors" else "side"))
         elif p.exists() or p.is_symlink():
             raise FileFormatError(f"{p}: not a regular file or directory")
@@ -118,8 +128,9 @@ def discover(sources: Sequence[str | os.PathLike[str]]) -> Discovery:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise FileFormatError(f"several sources would be written as {sorted(dup)}; send them separately")
-    if not found.files:
-        raise FileFormatError("nothing to send")
+    if not any(s.kind == "safetensors" for s in found.files):
+        given = ", ".join(s.name for s in found.files) or "nothing"
+        raise FileFormatError(f"no safetensors file to send (the sources hold {given}); {SENT_FORMATS}")
     side = [(s, s.path.stat().st_size) for s in found.files if s.kind == "side"]
     for s, size in side:
         if size > MAX_SIDE_FILE_BYTES:
@@ -141,7 +152,9 @@ def _discover_dir(d: Path, found: Discovery) -> None:
     if tensor_names is None:
         tensor_names = [q.name for q in entries if q.suffix == ".safetensors" and q.is_file()]
         if not tensor_names:
-            raise FileFormatError(f"{d}: no *.safetensors files in this directory")
+            others = [q.name for q in entries if q.suffix.lower() in OTHER_WEIGHT_SUFFIXES]
+            held = f" (it holds {', '.join(others)})" if others else ""
+            raise FileFormatError(f"{d}: no *.safetensors files in this directory{held}; {SENT_FORMATS}")
     wanted = set(tensor_names)
     for n in tensor_names:
         q = d / n
@@ -158,7 +171,7 @@ def _discover_dir(d: Path, found: Discovery) -> None:
             found.skipped.append((q.name + "/", "subdirectory; only top-level files are sent"))
         elif q.suffix == ".safetensors":
             found.skipped.append((q.name, f"not named by {INDEX_NAME}"))
-        elif q.suffix in OTHER_WEIGHT_SUFFIXES:
+        elif q.suffix.lower() in OTHER_WEIGHT_SUFFIXES:
             found.skipped.append((q.name, "another weight format; the safetensors files carry the weights"))
         elif q.is_symlink() and not q.exists():
             found.skipped.append((q.name, "dangling symlink"))
