@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -319,7 +320,40 @@ def test_port_in_use_is_exit_4_naming_the_address(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", f"127.0.0.1:{port}"))
-    assert rc == 4 and f"127.0.0.1:{port}" in err, err
+    assert rc == 4 and f"127.0.0.1:{port}" in err and "in use by another process" in err, err
+
+
+def test_listen_address_not_of_this_host_says_so(tmp_path):
+    """EADDRNOTAVAIL used to say "is another process using the port?"."""
+    rc, out, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", "192.0.2.1:7700", "--json"))
+    assert rc == 4 and "192.0.2.1:7700" in err and "not an address of this host" in err, err
+    assert "another process" not in err and json.loads(out)["exit_code"] == 4      # 192.0.2.1: TEST-NET-1
+    rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", "no-such-host.invalid:7700"))
+    assert rc == 4 and "no-such-host.invalid" in err and "cannot be resolved" in err, err
+    assert "another process" not in err
+
+
+def test_privileged_port_says_it_needs_privileges(tmp_path):
+    """EACCES (a port below 1024 without privileges) used to say "is another process using the port?"."""
+    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start") as f:
+        if int(f.read()) <= 80:
+            pytest.skip("this host lets anyone bind port 80 (net.ipv4.ip_unprivileged_port_start)")
+    drop = None
+    if os.geteuid() == 0:
+        # root binds port 80 through CAP_NET_BIND_SERVICE: take it out of the receiver's bounding set
+        # (prctl PR_CAPBSET_DROP), so the receiver runs as root without it, as an unprivileged user would
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_capbset_drop, cap_net_bind_service = 24, 10
+
+        def drop():
+            if libc.prctl(pr_capbset_drop, cap_net_bind_service, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_NET_BIND_SERVICE)")
+    proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.recv", "--out", str(tmp_path / "o"), "--listen",
+                           "127.0.0.1:80"], capture_output=True, text=True, timeout=60, preexec_fn=drop,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 4, proc.stderr
+    assert "127.0.0.1:80" in proc.stderr and "ports below 1024 need privileges" in proc.stderr, proc.stderr
+    assert "another process" not in proc.stderr
 
 
 def test_port_scan_does_not_end_once(tmp_path):

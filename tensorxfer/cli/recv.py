@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"cannot listen on {where}: {e.strerror or e}"
         if args.json:
             emit_json({"event": "error", "error": type(e).__name__, "message": msg, "exit_code": EXIT_UNAVAILABLE})
-        print(f"{PROG}: {type(e).__name__}: {msg} (is another process using the port? pick another --listen)",
-              file=sys.stderr)
+        print(f"{PROG}: {type(e).__name__}: {msg}", file=sys.stderr)      # strerror carries the errno's hint
         return EXIT_UNAVAILABLE
     except (TensorXferError, ValueError) as e:
         os.close(lock_fd)
