@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, Background, finish
+from tests.helpers import ROOT, Background, finish, small_filesystem
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -245,6 +245,24 @@ def test_sender_fails_when_the_receiver_cannot_write(tmp_path):
     assert rc_s == 1 and "is a directory" in err_s, err_s          # the receiver's error, at the sender
     assert rc_r == 1 and "OutputError" in err_r, err_r
     assert os.listdir(out) == ["model-00002-of-00002.safetensors"]  # nothing else landed
+
+
+def test_a_disk_too_small_is_refused_at_offer_time_with_the_numbers(tmp_path):
+    """Disk full used to be reported only after every byte moved, as a bare ENOSPC."""
+    src = model_dir(tmp_path / "src", shards=2, rows=2000)             # ~4 MB of files
+    total = sum(p.stat().st_size for p in src.iterdir())
+    with small_filesystem(tmp_path / "fs", 1 << 20) as fs:
+        out = fs / "out"
+        recv, where = start_recv(out, "--once")
+        rc_s, _, err_s = finish(cli("send", str(src), "--to", where))
+        rc_r, out_r, err_r = finish(recv)
+        left = os.listdir(out)
+    assert rc_s == 1 and "refused the offer" in err_s, err_s             # up front, not after the data moved
+    assert "not enough free space" in err_s and f"{total:,} bytes" in err_s and str(out) in err_s, err_s
+    assert rc_r == 1 and "not enough free space" in err_r, err_r
+    event = json.loads(out_r.splitlines()[-1])
+    assert event["event"] == "error" and event["exit_code"] == 1
+    assert left == []
 
 
 RECV_KILLED_WHILE_WRITING = """

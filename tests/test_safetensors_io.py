@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from tensorxfer.files import (
 from tensorxfer.files import layout as layout_mod
 from tensorxfer.files import sources as sources_mod
 from tensorxfer.files import write as write_mod
+from tests.helpers import small_filesystem
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -399,6 +401,21 @@ def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
     assert (out / "a.json").read_text() == "old a"        # restored, not the new one
     assert sorted(os.listdir(out)) == ["a.json"]          # no b.json, no temporary or backup files
     assert len(calls) >= 2
+
+
+def test_disk_full_while_writing_names_the_file_and_leaves_nothing(tmp_path):
+    """A late ENOSPC (the disk filled after the offer was accepted) names the file being written."""
+    files = [{"name": "a.json", "kind": "text", "tensors": 0, "chunks": 1},
+             {"name": "b.safetensors", "kind": "safetensors", "tensors": 1, "chunks": 1}]
+    header = '{"w":{"dtype":"U8","shape":[400000],"data_offsets":[0,400000]}}'
+    with small_filesystem(tmp_path / "fs", 256 << 10) as fs:
+        with received(files, {"tensorxfer.file.0.0": "{}", "tensorxfer.file.1.0": header},
+                      [("w", "U8", (400_000,))]) as region:
+            with pytest.raises(OutputError, match=r"b\.safetensors.*No space left") as info:
+                write_files(region, fs / "out")
+        left = os.listdir(fs / "out")
+    assert info.value.errno == errno.ENOSPC and str(fs / "out") in str(info.value)
+    assert left == []                                     # all or nothing: the temporary files are gone too
 
 
 def test_replacing_existing_files_leaves_no_backups(tmp_path):

@@ -151,18 +151,19 @@ class _Transfer:
     """One receive: its progress bar, whether an offer came, and the files written."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tensorxfer.files import plan_files, write_files
+        from tensorxfer.files import check_free_space, plan_files, write_files
 
         self.args = args
         self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
         self.offered = False
         self.written: list[Path] = []
-        self._plan, self._write = plan_files, write_files
+        self._plan, self._check_space, self._write = plan_files, check_free_space, write_files
 
     def on_offer(self, manifest: Any) -> None:
         self.offered = True
         self.bar.start(manifest)
-        self._plan(manifest)           # a hostile or unusable file layout is refused before allocating
+        plans = self._plan(manifest)     # a hostile or unusable file layout is refused before allocating
+        self._check_space(plans, self.args.out)     # so is a disk too small: before any data moves
 
     def on_landed(self, region: Any) -> None:
         self.bar.finish()

@@ -43,6 +43,8 @@ def split_chunks(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class FilePlan:
+    """One file to write: its name, how it travelled, and what it holds."""
+
     name: str
     kind: str
     text: str
@@ -50,6 +52,15 @@ class FilePlan:
     first_tensor: int
     mode: int = DEFAULT_MODE
     data: bytes | None = None      # the whole file, for "text" and "base64" files
+
+    @property
+    def size(self) -> int:
+        """The bytes of the file as written: a safetensors file's length prefix, header and data, or a side
+        file's contents."""
+        if self.header is None:
+            assert self.data is not None
+            return len(self.data)
+        return 8 + len(self.text.encode("utf-8")) + self.header.data_bytes
 
 
 def plan_files(manifest: Manifest) -> list[FilePlan]:

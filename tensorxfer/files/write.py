@@ -12,16 +12,18 @@ behind.  GPU regions are drained through two pinned staging buffers
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tensorxfer.errors import TensorXferError
 from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
-from tensorxfer.files.layout import plan_files
+from tensorxfer.files.layout import FilePlan, plan_files
 from tensorxfer.region import TensorRegion
 from tensorxfer.staging import open_stager, read_pieces
 
@@ -89,6 +91,45 @@ def check_output_dir(out_dir: str | os.PathLike[str]) -> Path:
     return out.resolve()
 
 
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes this process may still write on the file system holding ``path`` (root may use the blocks
+    reserved for it; others may not)."""
+    st = os.statvfs(path)
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def check_free_space(plans: Sequence[FilePlan], out_dir: str | os.PathLike[str]) -> int:
+    """Refuse, before any data moves, files that cannot fit in ``out_dir``; return the bytes they need there.
+
+    The need is every file rounded up to whole blocks; files being replaced count in full, since the old
+    ones stay until the new ones are in place (all or nothing).
+
+    Raises
+    ------
+    OutputError
+        (errno ENOSPC) Fewer bytes are free than the files need; the message has both numbers and the path.
+    """
+    st = os.statvfs(out_dir)
+    block = st.f_frsize or 4096
+    total = sum(fp.size for fp in plans)
+    need = sum(-(-fp.size // block) * block for fp in plans)
+    free = free_bytes(out_dir)
+    if need > free:
+        raise OutputError(errno.ENOSPC, f"not enough free space in {out_dir}: the {_files(len(plans))} hold "
+                                        f"{total:,} bytes ({_gb(total)}), {need:,} bytes on disk, and "
+                                        f"{free:,} bytes ({_gb(free)}) are free there; free {need - free:,} "
+                                        f"bytes or pick another --out; nothing was written")
+    return need
+
+
+def _files(n: int) -> str:
+    return "1 file" if n == 1 else f"{n} files"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def _check_target(path: Path) -> bool:
     """Whether a file already exists at ``path`` (to be replaced); raise if nothing may be put there."""
     try:
@@ -128,9 +169,11 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
         The layout is malformed or names a file outside ``out_dir``.
     OutputError
         A target cannot be written (a directory is in the way, ``out_dir``
-        is not a directory).
+        is not a directory), or writing a file failed (its ``errno`` kept,
+        e.g. ENOSPC; the message names the file).  Callers that can refuse
+        early check the space first (:func:`check_free_space`).
     OSError
-        Writing failed (e.g. the disk is full).
+        Renaming into place failed (the renames already done are rolled back).
     """
     plans = plan_files(region.manifest)
     real = check_output_dir(out_dir)
@@ -147,24 +190,17 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
     try:
         with _Drain(region) as drain:
             for fp in plans:
-                fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
-                temps.append(tmp)
-                with os.fdopen(fd, "wb") as f:
-                    os.fchmod(f.fileno(), fp.mode & ~umask)
-                    if fp.header is None:
-                        assert fp.data is not None
-                        f.write(fp.data)
-                    else:
-                        head = fp.text.encode("utf-8")
-                        f.write(HEADER_LENGTH.pack(len(head)))
-                        f.write(head)
-                        specs = region.manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]
-                        pieces = drain.pieces([(s.offset, s.nbytes) for s in specs])
-                        with contextlib.closing(pieces):     # a failed write releases the view at once
-                            for piece in pieces:
-                                f.write(piece)
-                    f.flush()
-                    os.fsync(f.fileno())
+                try:
+                    temps.append(_write_temp(region, drain, fp, real, umask))
+                except OSError as e:
+                    if isinstance(e, TensorXferError) or e.errno is None:
+                        raise
+                    # name the file (a bare "[Errno 28] No space left on device" names none) and the space
+                    free = ""
+                    with contextlib.suppress(OSError):
+                        free = f" ({free_bytes(real):,} bytes free there now)"
+                    raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {real} failed: "
+                                               f"{e.strerror}{free}; nothing was written") from e
         for tmp, target in zip(temps, targets):
             backup = None
             if _check_target(target):
@@ -195,6 +231,33 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
                               f"the previous contents are kept in {'; '.join(lost)}") from e
         raise
     return targets
+
+
+def _write_temp(region: TensorRegion, drain: _Drain, fp: FilePlan, real: Path, umask: int) -> str:
+    """Write one file under a temporary name in ``real``, fsynced; return that name (removed on failure)."""
+    fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), fp.mode & ~umask)
+            if fp.header is None:
+                assert fp.data is not None
+                f.write(fp.data)
+            else:
+                head = fp.text.encode("utf-8")
+                f.write(HEADER_LENGTH.pack(len(head)))
+                f.write(head)
+                specs = region.manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]
+                pieces = drain.pieces([(s.offset, s.nbytes) for s in specs])
+                with contextlib.closing(pieces):     # a failed write releases the view at once
+                    for piece in pieces:
+                        f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
 
 
 def _roll_back(undo: list[tuple[Path, str | None, bool]]) -> list[str]:
