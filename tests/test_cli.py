@@ -6,6 +6,7 @@ import ctypes
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -263,6 +264,34 @@ def test_a_disk_too_small_is_refused_at_offer_time_with_the_numbers(tmp_path):
     event = json.loads(out_r.splitlines()[-1])
     assert event["event"] == "error" and event["exit_code"] == 1
     assert left == []
+
+
+def test_out_holding_another_model_is_refused_unless_overwrite(tmp_path):
+    """Receiving into an --out of another model silently mixed them (config.json replaced, old shards and
+    index kept)."""
+    old = model_dir(tmp_path / "old", shards=3, rows=10)
+    new = model_dir(tmp_path / "new", shards=1, rows=20)
+    (new / "config.json").write_text('{"model_type": "new"}')
+    out = tmp_path / "out"
+    shutil.copytree(old, out)
+    (out / "NOTES.txt").write_text("mine")
+    before = {p.name: sha(p) for p in out.iterdir()}
+    recv, where = start_recv(out, "--once")
+    rc_s, _, err_s = finish(cli("send", str(new), "--to", where))
+    rc_r, _, err_r = finish(recv)
+    assert rc_s == 1 and "refused the offer" in err_s and "another model" in err_s and "--overwrite" in err_s
+    assert "model-00002-of-00003.safetensors" in err_s, err_s
+    assert rc_r == 1 and "another model" in err_r, err_r
+    assert {p.name: sha(p) for p in out.iterdir()} == before              # nothing mixed in
+    recv, where = start_recv(out, "--once", "--overwrite")
+    rc_s, _, err_s = finish(cli("send", str(new), "--to", where))
+    rc_r, out_r, err_r = finish(recv)
+    assert rc_s == 0 and rc_r == 0, err_s + err_r
+    assert sorted(os.listdir(out)) == sorted([*os.listdir(new), "NOTES.txt"])    # the user's file stays
+    for p in new.iterdir():
+        assert sha(p) == sha(out / p.name), p.name
+    got = json.loads(out_r.splitlines()[-1])
+    assert got["removed"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
 
 RECV_KILLED_WHILE_WRITING = """

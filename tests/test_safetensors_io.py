@@ -428,6 +428,91 @@ def test_replacing_existing_files_leaves_no_backups(tmp_path):
     assert (out / "a.json").read_text() == "new a"
 
 
+# ---------------------------------------------------------------- another model in --out
+def one_model(shard: str = "model.safetensors", config: str = '{"model_type": "new"}') -> TensorRegion:
+    """What the receiver gets for a directory with one shard and a config.json."""
+    files = [{"name": shard, "kind": "safetensors", "tensors": 1, "chunks": 1},
+             {"name": "config.json", "kind": "text", "tensors": 0, "chunks": 1}]
+    header = '{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}'
+    region = received(files, {"tensorxfer.file.0.0": header, "tensorxfer.file.1.0": config}, [("w", "U8", (4,))])
+    memoryview(region.region)[:4] = b"NEW!"
+    return region
+
+
+def old_model(out: Path) -> dict[str, bytes]:
+    """An earlier model in ``out`` (two shards, an index, a config, a tokenizer) plus a file of the user's;
+    returns every file's bytes."""
+    out.mkdir()
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        safetensors_numpy.save_file({n: np.ones(3, np.float32)}, str(out / n))
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "config.json").write_text('{"model_type": "old"}')
+    (out / "tokenizer.json").write_text("{}")
+    (out / "NOTES.txt").write_text("mine")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_out_holding_another_models_files_is_refused(tmp_path):
+    out = tmp_path / "out"
+    before = old_model(out)
+    with one_model() as region, pytest.raises(OutputError, match="another model") as info:
+        write_files(region, out)
+    for n in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"):
+        assert n in str(info.value)
+    assert "--overwrite" in str(info.value) and "NOTES.txt" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before       # untouched
+
+
+def test_the_same_models_files_are_replaced_without_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    (out / "config.json").write_text("{}")
+    with one_model() as region:
+        write_files(region, out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_overwrite_removes_what_the_new_model_does_not_have(tmp_path):
+    out = tmp_path / "out"
+    old_model(out)
+    with one_model() as region:
+        write_files(region, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["NOTES.txt", "config.json", "model.safetensors"]   # the user's file stays
+    assert (out / "config.json").read_text() == '{"model_type": "new"}'
+    assert (out / "model.safetensors").read_bytes().endswith(b"NEW!")
+
+
+@pytest.mark.parametrize("fail_at", ["removing", "renaming"])
+def test_overwrite_failing_midway_restores_everything(tmp_path, monkeypatch, fail_at):
+    """All or nothing with --overwrite too: a failure while removing the old model's second file, or while
+    renaming the new files in place, leaves the directory as it was: every removed or replaced file back,
+    no new file, no temporary or backup file."""
+    out = tmp_path / "out"
+    before = old_model(out)
+    real_rename, real_replace, seen = os.rename, os.replace, []
+
+    def rename(src, dst):
+        if fail_at == "removing" and str(dst).endswith(".bak") and not Path(src).name.startswith("config"):
+            seen.append(src)
+            if len(seen) == 2:
+                raise OSError(5, "Input/output error")
+        return real_rename(src, dst)
+
+    def replace(src, dst):
+        if fail_at == "renaming" and str(dst).endswith("config.json"):      # model.safetensors is in place
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(write_mod.os, "rename", rename)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
+    with one_model() as region, pytest.raises(OSError, match="Input/output"):
+        write_files(region, out, overwrite=True)
+    monkeypatch.undo()
+    assert fail_at == "renaming" or len(seen) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_out_that_is_a_file_is_an_output_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputError, match="not a directory"):

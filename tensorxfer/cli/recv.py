@@ -10,7 +10,10 @@ after that, so its exit code says whether the files were written.  File
 names from the peer are untrusted: anything but a plain, printable name
 inside ``DIR`` is refused.  ``DIR`` is created if missing and checked at
 start; one tensorxfer-recv at a time may write into it, and the
-``.tensorxfer-*.part`` files a killed one left behind are removed.  Binds
+``.tensorxfer-*.part`` files a killed one left behind are removed.  An
+offer is refused before any data moves when ``DIR`` has no room for its
+files, or holds another model's files (weights, index, config, tokenizer
+files) that the new model does not replace, unless ``--overwrite``.  Binds
 127.0.0.1 unless ``--listen`` names another address; listening beyond
 loopback without a token prints a warning.
 
@@ -60,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1 and a free port, printed at start)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the received files into")
     p.add_argument("--once", action="store_true", help="exit after one transfer (its exit code)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let a transfer replace another model in --out: its model files (weights, index, config, "
+                        "tokenizer files) that the new model does not have are removed once the new files are in "
+                        "place, all or nothing (without it such a transfer is refused)")
     p.add_argument("--no-relay", action="store_true",
                    help="refuse to forward fan-out updates to the next receivers a sender names (with a token, "
                         "forwarding is allowed by default; without one it is always refused)")
@@ -151,23 +158,29 @@ class _Transfer:
     """One receive: its progress bar, whether an offer came, and the files written."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tensorxfer.files import check_free_space, plan_files, write_files
-
         self.args = args
         self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
         self.offered = False
         self.written: list[Path] = []
-        self._plan, self._check_space, self._write = plan_files, check_free_space, write_files
+        self.removed: list[Path] = []
 
     def on_offer(self, manifest: Any) -> None:
+        from tensorxfer.files import check_free_space, check_other_model, plan_files
+
         self.offered = True
         self.bar.start(manifest)
-        plans = self._plan(manifest)     # a hostile or unusable file layout is refused before allocating
-        self._check_space(plans, self.args.out)     # so is a disk too small: before any data moves
+        # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
+        # files in --out (unless --overwrite), a disk without room for the files
+        plans = plan_files(manifest)
+        self.removed = check_other_model(plans, self.args.out, self.args.overwrite)
+        check_free_space(plans, self.args.out)
 
     def on_landed(self, region: Any) -> None:
+        from tensorxfer.files import write_files
+
         self.bar.finish()
-        self.written = self._write(region, self.args.out)   # before the ack: the sender learns if this fails
+        # before the ack: the sender learns if this fails
+        self.written = write_files(region, self.args.out, overwrite=self.args.overwrite)
 
 
 def upstream_failed(rx: Any, e: BaseException) -> bool:
@@ -221,9 +234,11 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
         assert rx.last_stats is not None
         stats = rx.last_stats.as_dict()
         if args.json:
-            emit_json({"event": "received", "files": [str(p) for p in t.written], **stats})
+            emit_json({"event": "received", "files": [str(p) for p in t.written],
+                       "removed": [p.name for p in t.removed], **stats})
         elif not args.quiet:
-            print(summary("received", stats, f"; wrote {len(t.written)} files to {args.out}"), flush=True)
+            gone = f"; removed the previous model's {', '.join(p.name for p in t.removed)}" if t.removed else ""
+            print(summary("received", stats, f"; wrote {len(t.written)} files to {args.out}{gone}"), flush=True)
         if args.once:
             return EXIT_OK
 

@@ -17,8 +17,14 @@ from tensorxfer.files.format import FileFormatError, OutputError, check_name, pa
 from tensorxfer.files.layout import FILES_KEY, FilePlan, plan_files
 from tensorxfer.files.load import load_files
 from tensorxfer.files.sources import Discovery, Source, discover
-from tensorxfer.files.write import check_free_space, check_output_dir, clean_leftovers, write_files
+from tensorxfer.files.write import (
+    check_free_space,
+    check_other_model,
+    check_output_dir,
+    clean_leftovers,
+    write_files,
+)
 
 __all__ = ["FILES_KEY", "Discovery", "FileFormatError", "FilePlan", "OutputError", "Source", "check_free_space",
-           "check_name", "check_output_dir", "clean_leftovers", "discover", "load_files", "parse_header", "plan_files",
-           "read_header", "write_files"]
+           "check_name", "check_other_model", "check_output_dir", "clean_leftovers", "discover", "load_files",
+           "parse_header", "plan_files", "read_header", "write_files"]

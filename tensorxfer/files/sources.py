@@ -26,6 +26,11 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Other serializations of the weights found beside safetensors files: not side files, never sent.
 OTHER_WEIGHT_SUFFIXES = frozenset((".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".ot",
                                    ".tflite", ".pkl", ".npz", ".nemo"))
+#: Side files that belong to a model (configs, tokenizers): in an output directory, another model's.
+MODEL_SIDE_FILES = frozenset(("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                              "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "vocab.json",
+                              "vocab.txt", "merges.txt", "preprocessor_config.json", "processor_config.json",
+                              "chat_template.json", "chat_template.jinja", "adapter_config.json"))
 #: What every refusal of another weight format says: which formats are sent, and what to do.
 SENT_FORMATS = ("only safetensors files carry weights here (*.safetensors; a model directory also sends its "
                 "side files: config.json, tokenizer files, ...); other weight formats ("
@@ -48,6 +53,14 @@ class Discovery:
 
     files: list[Source]
     skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file of this name is part of a model: weights in any format, an index, a config or
+    tokenizer file (:data:`MODEL_SIDE_FILES`).  A README or a file of the user's is not."""
+    suffix = Path(name).suffix.lower()
+    return (suffix == ".safetensors" or suffix in OTHER_WEIGHT_SUFFIXES or name.endswith(".index.json")
+            or name in MODEL_SIDE_FILES)
 
 
 def _allowed_root(directory: Path) -> Path:

@@ -24,6 +24,7 @@ from typing import Any
 from tensorxfer.errors import TensorXferError
 from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
 from tensorxfer.files.layout import FilePlan, plan_files
+from tensorxfer.files.sources import is_model_file
 from tensorxfer.region import TensorRegion
 from tensorxfer.staging import open_stager, read_pieces
 
@@ -130,6 +131,48 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
+def other_model_files(plans: Sequence[FilePlan], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """The files of a model already in ``out_dir`` that these files do not replace (weights, indexes,
+    configs, tokenizer files: :func:`~tensorxfer.files.sources.is_model_file`; hidden files, directories
+    and the user's other files are never counted)."""
+    names = {fp.name for fp in plans}
+    try:
+        present = sorted(os.listdir(out_dir))
+    except FileNotFoundError:
+        return []
+    found = []
+    for n in present:
+        if n in names or n.startswith(".") or not is_model_file(n):
+            continue
+        p = Path(out_dir) / n
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.lstat(p).st_mode
+            if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+                found.append(p)
+    return found
+
+
+def check_other_model(plans: Sequence[FilePlan], out_dir: str | os.PathLike[str],
+                      overwrite: bool = False) -> list[Path]:
+    """Refuse to mix these files with another model's in ``out_dir``, unless ``overwrite``; return the other
+    model's files (which ``overwrite`` removes once the new files are in place).
+
+    Raises
+    ------
+    OutputError
+        (errno EEXIST) ``out_dir`` holds model files these do not replace, and ``overwrite`` is false.
+    """
+    others = other_model_files(plans, out_dir)
+    if others and not overwrite:
+        shown = ", ".join(p.name for p in others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        raise OutputError(errno.EEXIST, f"{out_dir} holds another model's files that this transfer does not "
+                                        f"replace ({shown}); the two models would be mixed. Pick an empty "
+                                        f"--out, remove them, or receive with --overwrite (overwrite=True), "
+                                        f"which removes them once the new files are in place; nothing was "
+                                        f"written")
+    return others
+
+
 def _check_target(path: Path) -> bool:
     """Whether a file already exists at ``path`` (to be replaced); raise if nothing may be put there."""
     try:
@@ -151,11 +194,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(dfd)
 
 
-def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[Path]:
+def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite: bool = False) -> list[Path]:
     """Write the files a region carries into ``out_dir``, all or nothing; return their paths.
 
     Every name and target is validated first (a directory or a special file
-    at a target name refuses the whole set).  Every file is then written
+    at a target name refuses the whole set), and ``out_dir`` must not hold
+    another model's files that these do not replace (:func:`check_other_model`)
+    unless ``overwrite``, which removes them after the new files are in place
+    (restored, like every replaced file, if anything fails).  Every file is then written
     under a temporary name in ``out_dir``, given the sender's permission
     bits (masked by this process's umask; never setuid/setgid/sticky), and
     fsynced.  Only then are they renamed into place (a rename replaces a
@@ -169,7 +215,8 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
         The layout is malformed or names a file outside ``out_dir``.
     OutputError
         A target cannot be written (a directory is in the way, ``out_dir``
-        is not a directory), or writing a file failed (its ``errno`` kept,
+        is not a directory, another model's files are there and not
+        ``overwrite``), or writing a file failed (its ``errno`` kept,
         e.g. ENOSPC; the message names the file).  Callers that can refuse
         early check the space first (:func:`check_free_space`).
     OSError
@@ -182,6 +229,7 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
         if t.parent != real:
             raise FileFormatError(f"{t}: would land outside {real}")
         _check_target(t)
+    others = check_other_model(plans, real, overwrite)
     umask = _umask()
     temps: list[str] = []
     # per target being committed: (target, backup of what it replaces, whether undoing must restore the backup
@@ -215,6 +263,10 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str]) -> list[P
                 undo.append((target, None, False))
             os.replace(tmp, target)
             undo[-1] = (target, backup, True)                       # renamed: undoing restores the backup
+        for other in others:                                        # overwrite: the old model's other files go
+            backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
+            os.rename(other, backup)
+            undo.append((other, backup, True))
         for _, backup, _ in undo:
             if backup is not None:
                 os.unlink(backup)
