@@ -382,6 +382,29 @@ def test_a_directory_at_a_later_target_writes_nothing(tmp_path):
     assert os.listdir(out) == ["b.json"]
 
 
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_failed_rename_in_an_empty_out_removes_the_new_files(tmp_path, monkeypatch, exists):
+    """The first receive, the usual case: nothing to restore, but a.json, already renamed into place when
+    b.json's rename fails, is brand new and must go too."""
+    out = tmp_path / "out"
+    if exists:
+        out.mkdir()
+    real_replace, renamed = os.replace, []
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+        renamed.append(Path(dst).name)
+
+    monkeypatch.setattr(write_mod.os, "replace", replace)
+    with two_files() as region, pytest.raises(OSError, match="No space"):
+        write_files(region, out)
+    monkeypatch.undo()
+    assert renamed == ["a.json"]                          # a.json was in place when b.json failed
+    assert os.listdir(out) == []                          # and is gone, with every temporary file
+
+
 def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
