@@ -6,6 +6,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,6 +212,42 @@ def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
     assert rc == 130
     for p in src.iterdir():
         assert sha(p) == sha(out / p.name)
+
+
+@pytest.mark.parametrize("module", ["main", "send", "recv", "bench"])
+def test_help_is_plain_text_and_version_works(module):
+    """--help showed the module docstrings' RST (``x``, :mod:`...`); tensorxfer --version did not exist."""
+    import tensorxfer
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    helped = subprocess.run([sys.executable, "-m", f"tensorxfer.cli.{module}", "--help"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert helped.returncode == 0, helped.stderr
+    text = helped.stdout
+    assert "``" not in text and not re.search(r":[a-z]+:`", text), text
+    if module in ("send", "recv"):
+        codes = text[text.index("exit codes:"):]
+        for code, meaning in ((0, "success"), (1, "transfer failed"), (2, "bad usage"), (3, "authentication"),
+                              (4, "not available"), (5, "protocol error"), (130, "interrupted")):
+            assert re.search(rf"^ *{code} +.*{meaning}", codes, re.M), (code, codes)
+    if module == "send":
+        from tensorxfer.transport.tcp import DEFAULT_STREAMS
+
+        flat = " ".join(text.split())
+        assert re.search(rf"--streams N .*\(default: {DEFAULT_STREAMS} tcp streams", flat), flat
+    version = subprocess.run([sys.executable, "-m", f"tensorxfer.cli.{module}", "--version"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    prog = {"main": "tensorxfer", "send": "tensorxfer-send", "recv": "tensorxfer-recv", "bench": "tensorxfer-bench"}
+    assert version.returncode == 0 and version.stdout.strip() == f"{prog[module]} {tensorxfer.__version__}", \
+        version.stdout + version.stderr
+
+
+def test_the_version_is_the_packages():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    import tensorxfer
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == tensorxfer.__version__
 
 
 def test_demo_runs():

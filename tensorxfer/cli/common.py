@@ -1,18 +1,7 @@
-"""What ``tensorxfer-send`` and ``tensorxfer-recv`` share: flags, tokens, exit codes, progress, summaries.
+"""What tensorxfer-send and tensorxfer-recv share: flags, tokens, exit codes, progress, summaries.
 
-Exit codes (both commands):
-
-====  =====================================================================
-0     success
-1     the transfer failed (peer lost, stalled, checksum mismatch, refused)
-2     bad usage or bad input (arguments, malformed or unsafe files, token file,
-      ``--out`` that is not a directory or is used by another tensorxfer-recv)
-3     authentication failed (wrong or missing token)
-4     the requested transport or device is not available, or the ``--listen``
-      address cannot be bound (port in use, address not on this host)
-5     protocol error (the peer speaks another version, or garbage)
-130   interrupted (Ctrl-C)
-====  =====================================================================
+The exit codes are :data:`EXIT_CODES_HELP` (shown by --help; the README and docs/cli.md give the same
+table).  Help texts are plain text: they are read in a terminal, not rendered.
 """
 
 from __future__ import annotations
@@ -36,6 +25,31 @@ from tensorxfer.errors import (
 
 EXIT_OK, EXIT_TRANSFER, EXIT_USAGE, EXIT_AUTH, EXIT_UNAVAILABLE, EXIT_PROTOCOL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
 TOKEN_ENV = "TENSORXFER_TOKEN"
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success (send: the receiver wrote every file)
+  1    the transfer failed: peer lost, stalled, checksum mismatch, refused (e.g. --out holds
+       another model's files and no --overwrite, or has no room), or the receiver could not
+       write the files
+  2    bad usage or input: arguments, malformed or unsafe files or names, a weight format
+       other than safetensors, an --out that is not a usable directory or is in use
+  3    authentication failed (wrong or missing token)
+  4    the transport, device or listen address is not available (port in use, address not
+       of this host, port below 1024 without privileges, no GPU for --device cuda:N)
+  5    protocol error (the peer speaks another version, or garbage)
+  130  interrupted (Ctrl-C)
+"""
+
+
+def new_parser(prog: str, description: str, exit_codes: bool = True) -> argparse.ArgumentParser:
+    """An argument parser that shows ``description`` as written (plain text), the exit codes after the
+    options, and answers ``--version``."""
+    from tensorxfer import __version__
+
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=EXIT_CODES_HELP if exit_codes else None,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"{prog} {__version__}")
+    return p
 
 
 def exit_code(error: BaseException) -> int:
@@ -176,5 +190,5 @@ def report_error(prog: str, error: BaseException, as_json: bool, code: int | Non
     return code
 
 
-__all__ = ["EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "read_token", "report_error",
-           "summary"]
+__all__ = ["EXIT_CODES_HELP", "EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "new_parser",
+           "read_token", "report_error", "summary"]

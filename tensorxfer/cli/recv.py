@@ -1,32 +1,31 @@
-"""``tensorxfer-recv --listen HOST:PORT --out DIR``: receive files sent by ``tensorxfer-send``.
+"""tensorxfer-recv --listen HOST:PORT --out DIR: receive files sent by tensorxfer-send.
 
 Writes the same files, byte-identical and with the sender's permission bits
-(masked by the umask; never setuid/setgid/sticky), into ``DIR``, all or
+(masked by the umask; never setuid/setgid/sticky), into DIR, all or
 nothing: every name and target is checked first, each file is written under
 a temporary name, fsynced, and renamed only after the whole transfer arrived
-(and, with ``--verify`` on the sender, was checked); if a rename fails the
+(and, with --verify on the sender, was checked); if a rename fails the
 files already renamed are rolled back.  The sender is acknowledged only
 after that, so its exit code says whether the files were written.  File
 names from the peer are untrusted: anything but a plain, printable name
-inside ``DIR`` is refused.  ``DIR`` is created if missing and checked at
+inside DIR is refused.  DIR is created if missing and checked at
 start; one tensorxfer-recv at a time may write into it, and the
-``.tensorxfer-*.part`` files a killed one left behind are removed.  An
-offer is refused before any data moves when ``DIR`` has no room for its
+.tensorxfer-*.part files a killed one left behind are removed.  An
+offer is refused before any data moves when DIR has no room for its
 files, or holds another model's files (weights, index, config, tokenizer
-files) that the new model does not replace, unless ``--overwrite``.  Binds
-127.0.0.1 unless ``--listen`` names another address; listening beyond
+files) that the new model does not replace, unless --overwrite.  Binds
+127.0.0.1 unless --listen names another address; listening beyond
 loopback without a token prints a warning.
 
-Without ``--once`` it keeps serving senders one after another, reporting
+Without --once it keeps serving senders one after another, reporting
 failed transfers and carrying on.  Connections that never become a
 session — port scans, idle or trickling strangers, peers that are not
 tensorxfer, wrong tokens — are dropped and counted by the Receiver (logged
-with the reason) and never end ``--once``; an authenticated sender that
-leaves without an offer is reported as ``dropped`` and does not end it
+with the reason) and never end --once; an authenticated sender that
+leaves without an offer is reported as dropped and does not end it
 either.  In a fan-out chain, an update lost because the relay feeding
-this receiver died or stalled does not end ``--once`` either: the hop
-before that relay sends the update again.  Exit codes are listed in
-:mod:`tensorxfer.cli.common`.
+this receiver died or stalled does not end --once either: the hop
+before that relay sends the update again.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from tensorxfer.cli.common import (
     add_common,
     check_device,
     emit_json,
+    new_parser,
     read_token,
     report_error,
     summary,
@@ -58,7 +58,7 @@ PROG = "tensorxfer-recv"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(PROG, __doc__ or "")
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1 and a free port, printed at start)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the received files into")

@@ -1,15 +1,15 @@
-"""``tensorxfer-send SRC... --to HOST:PORT``: send safetensors files or model directories.
+"""tensorxfer-send SRC... --to HOST:PORT: send safetensors files or model directories.
 
-Every file goes in one region, one transfer; the receiver
-(``tensorxfer-recv``) writes byte-identical files.  A model directory also
-sends its side files (config.json, generation_config.json, tokenizer files,
-the index: every other regular top-level file, 32 MiB each and 48 MiB in all
-at most), so a Hugging Face directory arrives loadable; hidden files,
-subdirectories and other weight formats (.bin, .pt, ...) are left out and
-listed; a weight file in another format named directly is refused (exit 2):
-only safetensors files carry weights.  Exits 0 only once the receiver has written and fsynced every file;
-if it cannot, the exit code is non-zero and the message is the receiver's.
-Exit codes are listed in :mod:`tensorxfer.cli.common`.
+Every file goes in one region, one transfer; the receiver (tensorxfer-recv)
+writes byte-identical files.  A model directory also sends its side files
+(config.json, generation_config.json, tokenizer files, the index: every
+other regular top-level file, 32 MiB each and 48 MiB in all at most), so a
+Hugging Face directory arrives loadable; hidden files, subdirectories and
+other weight formats (.bin, .pt, ...) are left out and listed; a weight
+file in another format named directly is refused (exit 2): only
+safetensors files carry weights.  Exits 0 only once the receiver has
+written and fsynced every file; if it cannot, the exit code is non-zero and
+the message is the receiver's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tensorxfer.cli.common import (
     add_common,
     check_device,
     emit_json,
+    new_parser,
     read_token,
     report_error,
     summary,
@@ -37,12 +38,17 @@ log = logging.getLogger(PROG)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tensorxfer.transport.rdma import DEFAULT_QPS
+    from tensorxfer.transport.tcp import DEFAULT_STREAMS
+
+    p = new_parser(PROG, __doc__ or "")
     p.add_argument("sources", nargs="+", metavar="SRC", help="safetensors files or model directories")
     p.add_argument("--to", required=True, action="append", metavar="HOST:PORT",
                    help="the receiver's address; repeat it to fan out to several receivers, in chain order (each "
                         "receiver forwards to the next as the bytes land; every one must have the same token)")
-    p.add_argument("--streams", type=int, default=None, help="parallel data streams (default: measured default)")
+    p.add_argument("--streams", type=int, default=None, metavar="N",
+                   help=f"parallel data streams (default: {DEFAULT_STREAMS} tcp streams, $TENSORXFER_TCP_STREAMS "
+                        f"overrides; {DEFAULT_QPS} QPs for rdma; ipc copies with one)")
     add_common(p)
     return p
 
