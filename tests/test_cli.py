@@ -72,6 +72,12 @@ def test_send_recv_model_dir_byte_identical(tmp_path):
     assert sent["files"] == sorted(os.listdir(src)) and sent["side_files"] == ["model.safetensors.index.json"]
     got = json.loads(out_r.splitlines()[-1])
     assert got["event"] == "received" and got["bytes"] == sent["bytes"]
+    # one convention on both ends: names relative to the model directory, bytes = the payload (the tensors),
+    # file_bytes = the files' sizes
+    file_bytes = sum(p.stat().st_size for p in src.iterdir())
+    for key in ("files", "tensor_files", "side_files", "tensors", "bytes", "file_bytes"):
+        assert got[key] == sent[key], key
+    assert sent["file_bytes"] == file_bytes and got["out"] == str(out)
     for p in src.iterdir():
         assert sha(p) == sha(out / p.name), p.name
     assert sorted(os.listdir(out)) == sorted(os.listdir(src))

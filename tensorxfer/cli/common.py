@@ -177,6 +177,19 @@ def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
             f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{extra}")
 
 
+def files_record(manifest: Any) -> dict[str, Any]:
+    """What a transfer's files are, the same for the sender's and the receiver's ``--json`` record: names
+    relative to the model directory (``files``, ``tensor_files``, ``side_files``), ``tensors``, and
+    ``file_bytes`` (the files' sizes; ``bytes`` in the stats is the payload that moved)."""
+    from tensorxfer.files import plan_files
+
+    plans = plan_files(manifest)
+    return {"files": [fp.name for fp in plans],
+            "tensor_files": [fp.name for fp in plans if fp.kind == "safetensors"],
+            "side_files": [fp.name for fp in plans if fp.kind != "safetensors"],
+            "tensors": len(manifest), "file_bytes": sum(fp.size for fp in plans)}
+
+
 def emit_json(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
@@ -190,5 +203,5 @@ def report_error(prog: str, error: BaseException, as_json: bool, code: int | Non
     return code
 
 
-__all__ = ["EXIT_CODES_HELP", "EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "new_parser",
-           "read_token", "report_error", "summary"]
+__all__ = ["EXIT_CODES_HELP", "EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "files_record",
+           "new_parser", "read_token", "report_error", "summary"]

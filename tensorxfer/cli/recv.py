@@ -48,6 +48,7 @@ from tensorxfer.cli.common import (
     add_common,
     check_device,
     emit_json,
+    files_record,
     new_parser,
     read_token,
     report_error,
@@ -163,6 +164,7 @@ class _Transfer:
         self.offered = False
         self.written: list[Path] = []
         self.removed: list[Path] = []
+        self.files: dict[str, Any] = {}
 
     def on_offer(self, manifest: Any) -> None:
         from tensorxfer.files import check_free_space, check_other_model, plan_files
@@ -174,6 +176,7 @@ class _Transfer:
         plans = plan_files(manifest)
         self.removed = check_other_model(plans, self.args.out, self.args.overwrite)
         check_free_space(plans, self.args.out)
+        self.files = files_record(manifest)
 
     def on_landed(self, region: Any) -> None:
         from tensorxfer.files import write_files
@@ -234,7 +237,7 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
         assert rx.last_stats is not None
         stats = rx.last_stats.as_dict()
         if args.json:
-            emit_json({"event": "received", "files": [str(p) for p in t.written],
+            emit_json({"event": "received", "out": str(Path(args.out)), **t.files,
                        "removed": [p.name for p in t.removed], **stats})
         elif not args.quiet:
             gone = f"; removed the previous model's {', '.join(p.name for p in t.removed)}" if t.removed else ""

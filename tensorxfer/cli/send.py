@@ -27,6 +27,7 @@ from tensorxfer.cli.common import (
     add_common,
     check_device,
     emit_json,
+    files_record,
     new_parser,
     read_token,
     report_error,
@@ -83,20 +84,18 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         bar.finish()
                 stats = fanout_record(fanned)
-            tensors = len(region.manifest)
+            files = files_record(region.manifest)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except (TensorXferError, OSError, ValueError) as e:
         return report_error(PROG, e, args.json)
-    side = [s.name for s in found.files if s.kind == "side"]
-    tensor_files = [s.name for s in found.files if s.kind == "safetensors"]
     if args.json:
-        emit_json({"event": "sent", "files": [s.name for s in found.files], "tensor_files": tensor_files,
-                   "side_files": side, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
-                   "tensors": tensors, **stats})
+        emit_json({"event": "sent", **files, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
+                   **stats})
     elif not args.quiet:
-        print(summary("sent", stats, f"; {len(found.files)} files ({len(tensor_files)} safetensors, "
-                                     f"{tensors} tensors; side files: {', '.join(side) or 'none'})"))
+        print(summary("sent", stats, f"; {len(files['files'])} files ({len(files['tensor_files'])} safetensors, "
+                                     f"{files['tensors']} tensors; side files: "
+                                     f"{', '.join(files['side_files']) or 'none'})"))
         for r in stats.get("receivers", []):
             print(f"  {r['address']}: " + (f"ok, {r['bytes']:,} bytes in {r['seconds']:.3f} s over {r['transport']}"
                                            f"{', verified' if r['verified'] else ''} (from {r['via']})" if r["ok"]
