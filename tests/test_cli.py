@@ -256,6 +256,77 @@ def test_the_version_is_the_packages():
         assert tomllib.load(f)["project"]["version"] == tensorxfer.__version__
 
 
+def on_terminal(*args: str) -> tuple[subprocess.Popen, Background]:
+    """A CLI process whose stderr is a terminal (a pty), as a person runs it; the Background's result is
+    everything it drew there."""
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=slave, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    os.close(slave)
+
+    def read_all() -> str:
+        chunks = []
+        try:
+            while True:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:             # EIO: the process closed its end
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        finally:
+            os.close(master)
+        return b"".join(chunks).decode(errors="replace")
+    return proc, Background(read_all)
+
+
+def screen(drawn: str) -> list[str]:
+    """The lines left on a terminal: each carriage return redraws its line."""
+    return [line.rsplit("\r", 1)[-1] for line in drawn.replace("\x1b[K", "").replace("\r\n", "\n").split("\n")]
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
+    """The bar's rate counted setup time, it showed nothing while files loaded and sat at 100 % while the
+    receiver wrote: now each phase has a line of its own."""
+    src = model_dir(tmp_path / "src", shards=2, rows=20_000)        # 41 MB: several pieces over tcp
+    out = tmp_path / "out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recv, recv_drawn = on_terminal("tensorxfer.cli.recv", "--out", str(out), "--once", "--listen",
+                                   f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 20
+    while True:                                                     # listening? (no JSON line to read here)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert time.monotonic() < deadline and recv.poll() is None, "the receiver did not start listening"
+        time.sleep(0.05)
+    send, send_drawn = on_terminal("tensorxfer.cli.send", str(src), "--to", f"127.0.0.1:{port}", "--transport",
+                                   transport)
+    rc_s, out_s, _ = finish(send, timeout=60)
+    rc_r, _, _ = finish(recv, timeout=60)
+    sent, got = screen(send_drawn.result()), screen(recv_drawn.result())
+    assert rc_s == 0 and rc_r == 0, (sent, got)
+
+    def phases(lines: list[str], label: str) -> list[str]:
+        return [m.group(1) for m in (re.match(rf"{label}: (\S.*?)  +(\[.*|done in .*)$", x) for x in lines) if m]
+
+    assert phases(sent, "send") == ["reading files", "setting up (connecting, preparing)", "moving data",
+                                    "receiver writing the files"], sent
+    assert phases(got, "recv") == ["setting up (allocating, connecting)", "receiving data", "checking the data",
+                                   "writing files", "syncing, renaming into place"], got
+    data = next(x for x in sent if x.startswith("send: moving data"))
+    assert "100.0% 0.04 GB" in data, data
+    if transport == "tcp":                                          # 8 MiB pieces: a rate can be measured
+        assert re.search(r" GB at \d+\.\d Gbps$", data), data
+    written = next(x for x in got if x.startswith("recv: writing files"))
+    assert "100.0%" in written and f"{sum(p.stat().st_size for p in src.iterdir()) / 1e9:.2f} GB" in written
+    assert "on the wire" in out_s, out_s                            # the summary gives the data phase's rate
+
+
 def test_demo_runs():
     proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "demo", "--size", str(32 << 20)],
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)

@@ -10,8 +10,6 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
 from typing import Any
 
 from tensorxfer.errors import (
@@ -132,49 +130,13 @@ def read_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
-class Progress:
-    """A tiny progress bar on stderr, drawn only on a TTY; thread-safe ``__call__(nbytes)``."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total = total          # 0: unknown (a receiver learns it only from the offer)
-        self.label = label
-        self.enabled = enabled and sys.stderr.isatty()
-        self.done = 0
-        self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
-        self._last = 0.0
-
-    def start(self, manifest: Any) -> None:
-        """Learn the total from an offer's manifest (receivers know it only then)."""
-        self.total = int(manifest.nbytes)
-        self._t0 = time.perf_counter()
-
-    def __call__(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.perf_counter()
-            if self.enabled and (now - self._last > 0.1 or self.done == self.total):
-                self._last = now
-                rate = self.done * 8 / max(now - self._t0, 1e-9) / 1e9
-                if self.total:
-                    frac = min(self.done / self.total, 1.0)
-                    sys.stderr.write(f"\r{self.label} [{'#' * int(frac * 30):<30}] {frac:6.1%} "
-                                     f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {rate:.1f} Gbps")
-                else:
-                    sys.stderr.write(f"\r{self.label} {self.done / 1e9:.2f} GB {rate:.1f} Gbps")
-                sys.stderr.flush()
-
-    def finish(self) -> None:
-        """End the bar's line (once; later calls do nothing)."""
-        if self.enabled and self.done:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-        self.enabled = False
-
-
 def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
+    """One line for a person: offer to ack (everything), then the data phase's own rate when measured."""
+    wire = (f"; on the wire {stats['wire_seconds']:.3f} s = {stats['wire_gbps']:.2f} Gbps"
+            if stats.get("wire_seconds") else "")
     return (f"{verb} {stats['bytes']:,} bytes in {stats['seconds']:.3f} s = {stats['gbps']:.2f} Gbps over "
-            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{extra}")
+            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{wire}"
+            f"{extra}")
 
 
 def files_record(manifest: Any) -> dict[str, Any]:

@@ -44,7 +44,6 @@ from tensorxfer.cli.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    Progress,
     add_common,
     check_device,
     emit_json,
@@ -54,6 +53,7 @@ from tensorxfer.cli.common import (
     report_error,
     summary,
 )
+from tensorxfer.cli.progress import Phase, Progress, log_above
 
 PROG = "tensorxfer-recv"
 
@@ -119,7 +119,8 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
+    bar = Progress("recv", enabled=not args.quiet and not args.json)
+    log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
     from tensorxfer import Receiver, TensorXferError
     from tensorxfer.protocol import parse_address
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(PROG, e, args.json)
     with rx:
         try:
-            return serve(args, rx, token is not None, host)
+            return serve(args, rx, token is not None, host, bar)
         finally:
             os.close(lock_fd)
 
@@ -158,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 class _Transfer:
     """One receive: its progress bar, whether an offer came, and the files written."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, bar: Progress) -> None:
         self.args = args
-        self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
+        self.bar = bar
         self.offered = False
         self.written: list[Path] = []
         self.removed: list[Path] = []
@@ -181,9 +182,10 @@ class _Transfer:
     def on_landed(self, region: Any) -> None:
         from tensorxfer.files import write_files
 
-        self.bar.finish()
+        # the bytes written, then the last fsync, the renames and the directory's fsync
+        self.bar.plan([Phase("writing files", self.files["file_bytes"]), Phase("syncing, renaming into place")])
         # before the ack: the sender learns if this fails
-        self.written = write_files(region, self.args.out, overwrite=self.args.overwrite)
+        self.written = write_files(region, self.args.out, overwrite=self.args.overwrite, progress=self.bar)
 
 
 def upstream_failed(rx: Any, e: BaseException) -> bool:
@@ -194,7 +196,7 @@ def upstream_failed(rx: Any, e: BaseException) -> bool:
     return isinstance(e, UpstreamFailed) or (rx.fed_by_relay and isinstance(e, (PeerLost, TransferTimeout)))
 
 
-def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
+def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Progress) -> int:
     """Receive transfers until ``--once`` is satisfied or Ctrl-C; returns the exit code."""
     from tensorxfer import TensorXferError
 
@@ -206,13 +208,15 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
         emit_json({"event": "listening", "host": lhost, "port": lport})
     print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
     while True:
-        t = _Transfer(args)
+        t = _Transfer(args, bar)
         try:
-            rx.receive(progress=t.bar, on_offer=t.on_offer, on_landed=t.on_landed)
+            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed)
+            bar.finish()
         except KeyboardInterrupt:
+            bar.finish(ok=False)
             return EXIT_INTERRUPTED
         except (TensorXferError, OSError, ValueError) as e:
-            t.bar.finish()
+            bar.finish(ok=False)
             if not t.offered:
                 # An authenticated sender that made no offer.  Not a transfer; never ends --once.
                 if args.json:

@@ -23,7 +23,6 @@ from tensorxfer.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TRANSFER,
-    Progress,
     add_common,
     check_device,
     emit_json,
@@ -33,6 +32,7 @@ from tensorxfer.cli.common import (
     report_error,
     summary,
 )
+from tensorxfer.cli.progress import Phase, Progress, log_above
 
 PROG = "tensorxfer-send"
 log = logging.getLogger(PROG)
@@ -56,10 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
+    bar = Progress("send", enabled=not args.quiet and not args.json)
+    log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
     from tensorxfer import Sender, TensorXferError
     from tensorxfer.fanout import FanoutSender
     from tensorxfer.files import discover, load_files
+
+    def reading(manifest: Any) -> None:
+        bar.phase("reading files", sum(t.nbytes for t in manifest.tensors))
 
     try:
         token = read_token(args)
@@ -67,27 +71,27 @@ def main(argv: list[str] | None = None) -> int:
         found = discover(args.sources)
         for name, why in found.skipped:
             log.info("not sent: %s (%s)", name, why)
-        with load_files(found, device=args.device) as region:
-            bar = Progress(region.nbytes, "send", enabled=not args.quiet and not args.json)
+        with load_files(found, device=args.device, progress=bar, on_layout=reading) as region:
+            # setting up ends with the first bytes on the wire, the data phase with the last: its rate is the
+            # wire's; then the receiver checks and writes the files, and acknowledges
+            bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
+                      Phase("receiver writing the files")])
             if len(args.to) == 1:
                 with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
                             stall_timeout=args.stall_timeout) as sender:
-                    try:
-                        stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
-                    finally:
-                        bar.finish()
+                    stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
             else:
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
                                   stall_timeout=args.stall_timeout) as fan:
-                    try:
-                        fanned = fan.send(region, verify=args.verify, progress=bar)
-                    finally:
-                        bar.finish()
+                    fanned = fan.send(region, verify=args.verify, progress=bar)
                 stats = fanout_record(fanned)
+            bar.finish()
             files = files_record(region.manifest)
     except KeyboardInterrupt:
+        bar.finish(ok=False)
         return EXIT_INTERRUPTED
     except (TensorXferError, OSError, ValueError) as e:
+        bar.finish(ok=False)
         return report_error(PROG, e, args.json)
     if args.json:
         emit_json({"event": "sent", **files, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],

@@ -19,7 +19,7 @@ import base64
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,16 @@ def _read_side_file(path: Path) -> tuple[bytes, int]:
     return data, stat.S_IMODE(st.st_mode) & 0o777
 
 
-def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: str = "cpu") -> TensorRegion:
+def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: str = "cpu",
+               progress: Callable[[int], None] | None = None,
+               on_layout: Callable[[Manifest], None] | None = None) -> TensorRegion:
     """Read safetensors files (and side files) into one new region on ``device``.
 
     Returns a region the caller owns (close it).  On a GPU the tensors are
-    read through pinned staging buffers.
+    read through pinned staging buffers.  ``on_layout(manifest)`` is called
+    once the headers are read, before the tensors are (a progress display
+    learns the total there); ``progress(n)`` after each ``n`` bytes of
+    tensors read.
 
     Raises
     ------
@@ -109,14 +114,17 @@ def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: st
                 k += 1
                 items.append((data_at + entry.begin, spec.offset, spec.nbytes))
             jobs.append((path, items))
-        _fill(region, jobs)
+        if on_layout is not None:
+            on_layout(manifest)
+        _fill(region, jobs, progress)
     except BaseException:
         region.close(defer=True)
         raise
     return region
 
 
-def _fill(region: TensorRegion, jobs: list[tuple[Path, list[tuple[int, int, int]]]]) -> None:
+def _fill(region: TensorRegion, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
+          progress: Callable[[int], None] | None = None) -> None:
     """Copy ``(file offset, region offset, n)`` pieces of each file into the region.
 
     Host regions are read into directly; GPU regions through one pair of pinned buffers (the file read
@@ -131,6 +139,8 @@ def _fill(region: TensorRegion, jobs: list[tuple[Path, list[tuple[int, int, int]
                     with write_pieces(region, off, n, STAGE_BYTES, stager=stager) as pieces:
                         for _, dst in pieces:
                             _read_exact(f, dst, path)
+                            if progress is not None:
+                                progress(len(dst))
     finally:
         if stager is not None:
             stager.close()

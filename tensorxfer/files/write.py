@@ -17,7 +17,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +194,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(dfd)
 
 
-def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite: bool = False) -> list[Path]:
+def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite: bool = False,
+                progress: Callable[[int], None] | None = None) -> list[Path]:
     """Write the files a region carries into ``out_dir``, all or nothing; return their paths.
+
+    ``progress(n)`` is called after each ``n`` bytes written (the files' sizes add up to
+    ``sum(plan.size for plan in plan_files(region.manifest))``).
 
     Every name and target is validated first (a directory or a special file
     at a target name refuses the whole set), and ``out_dir`` must not hold
@@ -239,7 +243,7 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite
         with _Drain(region) as drain:
             for fp in plans:
                 try:
-                    temps.append(_write_temp(region, drain, fp, real, umask))
+                    temps.append(_write_temp(region, drain, fp, real, umask, progress or _no_progress))
                 except OSError as e:
                     if isinstance(e, TensorXferError) or e.errno is None:
                         raise
@@ -285,7 +289,12 @@ def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite
     return targets
 
 
-def _write_temp(region: TensorRegion, drain: _Drain, fp: FilePlan, real: Path, umask: int) -> str:
+def _no_progress(n: int) -> None:
+    pass
+
+
+def _write_temp(region: TensorRegion, drain: _Drain, fp: FilePlan, real: Path, umask: int,
+                progress: Callable[[int], None]) -> str:
     """Write one file under a temporary name in ``real``, fsynced; return that name (removed on failure)."""
     fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
     try:
@@ -294,15 +303,18 @@ def _write_temp(region: TensorRegion, drain: _Drain, fp: FilePlan, real: Path, u
             if fp.header is None:
                 assert fp.data is not None
                 f.write(fp.data)
+                progress(len(fp.data))
             else:
                 head = fp.text.encode("utf-8")
                 f.write(HEADER_LENGTH.pack(len(head)))
                 f.write(head)
+                progress(HEADER_LENGTH.size + len(head))
                 specs = region.manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]
                 pieces = drain.pieces([(s.offset, s.nbytes) for s in specs])
                 with contextlib.closing(pieces):     # a failed write releases the view at once
                     for piece in pieces:
                         f.write(piece)
+                        progress(len(piece))
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
