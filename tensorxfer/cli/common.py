@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.errors import (
@@ -139,17 +140,15 @@ def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
             f"{extra}")
 
 
-def files_record(manifest: Any) -> dict[str, Any]:
-    """What a transfer's files are, the same for the sender's and the receiver's ``--json`` record: names
-    relative to the model directory (``files``, ``tensor_files``, ``side_files``), ``tensors``, and
-    ``file_bytes`` (the files' sizes; ``bytes`` in the stats is the payload that moved)."""
-    from tensorxfer.files import plan_files
-
-    plans = plan_files(manifest)
+def files_record(plans: Sequence[Any], tensors: int) -> dict[str, Any]:
+    """What a transfer's files are (``plans``: :func:`tensorxfer.files.plan_files` of its manifest), the same
+    for the sender's and the receiver's ``--json`` record: names relative to the model directory (``files``,
+    ``tensor_files``, ``side_files``), ``tensors``, and ``file_bytes`` (the files' sizes; ``bytes`` in the
+    stats is the payload that moved)."""
     return {"files": [fp.name for fp in plans],
             "tensor_files": [fp.name for fp in plans if fp.kind == "safetensors"],
             "side_files": [fp.name for fp in plans if fp.kind != "safetensors"],
-            "tensors": len(manifest), "file_bytes": sum(fp.size for fp in plans)}
+            "tensors": tensors, "file_bytes": sum(fp.size for fp in plans)}
 
 
 def emit_json(record: dict[str, Any]) -> None:

@@ -27,7 +27,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from tensorxfer.manifest import Manifest
 
 NAME_WIDTH = 36     # the longest phase name, so the bars line up
 BAR_WIDTH = 24
@@ -78,7 +81,8 @@ class Progress:
     Notes
     -----
     Thread-safe: transports report bytes from their own threads.  :meth:`finish` ends the last phase and
-    stops the thread; call it once the transfer ended (it does nothing the second time).
+    stops the thread; call it once the transfer ended (a second call does nothing; a later :meth:`plan`
+    starts over, as a receiver serving one transfer after another does).
     """
 
     def __init__(self, label: str, enabled: bool, stream: TextIO | None = None,
@@ -117,11 +121,10 @@ class Progress:
                                             daemon=True)
             self._ticker.start()
 
-    def start(self, manifest: object) -> None:
+    def start(self, manifest: Manifest) -> None:
         """An offer arrived (receivers learn the size only then): setting up, then receiving its bytes, then
         the checks after the last byte."""
-        nbytes = int(getattr(manifest, "nbytes", 0))
-        self.plan([Phase("setting up (allocating, connecting)"), Phase("receiving data", nbytes, "Gbps"),
+        self.plan([Phase("setting up (allocating, connecting)"), Phase("receiving data", manifest.nbytes, "Gbps"),
                    Phase("checking the data")])
 
     # ---------------------------------------------------------------- bytes

@@ -177,7 +177,7 @@ class _Transfer:
         plans = plan_files(manifest)
         self.removed = check_other_model(plans, self.args.out, self.args.overwrite)
         check_free_space(plans, self.args.out)
-        self.files = files_record(manifest)
+        self.files = files_record(plans, len(manifest))
 
     def on_landed(self, region: Any) -> None:
         from tensorxfer.files import write_files

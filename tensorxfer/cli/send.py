@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
     from tensorxfer import Sender, TensorXferError
     from tensorxfer.fanout import FanoutSender
-    from tensorxfer.files import discover, load_files
+    from tensorxfer.files import discover, load_files, plan_files
 
     def reading(manifest: Any) -> None:
         bar.phase("reading files", sum(t.nbytes for t in manifest.tensors))
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     fanned = fan.send(region, verify=args.verify, progress=bar)
                 stats = fanout_record(fanned)
             bar.finish()
-            files = files_record(region.manifest)
+            files = files_record(plan_files(region.manifest), len(region.manifest))
     except KeyboardInterrupt:
         bar.finish(ok=False)
         return EXIT_INTERRUPTED
