@@ -21,6 +21,7 @@ or reset connection :class:`~tensorxfer.errors.PeerLost`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
 import socket
@@ -110,7 +111,15 @@ def peer_closed(sock: socket.socket) -> bool:
 
 
 def listen(host: str, family: int | None = None, kind: int = socket.SOCK_STREAM, port: int = 0) -> socket.socket:
-    """A listening socket on ``host:port`` with the gate's backlog (port 0: a free one)."""
+    """A listening socket on ``host:port`` with the gate's backlog (port 0: a free one).
+
+    Raises
+    ------
+    OSError
+        The address cannot be bound; for an IP address the error keeps its errno (and type:
+        ``PermissionError`` for EACCES, ``socket.gaierror`` for a name that does not resolve) and its
+        ``strerror`` says what the errno means here and what to do (:func:`bind_hint`).
+    """
     if family is None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, kind)
@@ -119,10 +128,38 @@ def listen(host: str, family: int | None = None, kind: int = socket.SOCK_STREAM,
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(host if family == socket.AF_UNIX else (host, port))
         s.listen(BACKLOG)
+    except OSError as e:
+        s.close()
+        hint = bind_hint(e, host, port) if family != socket.AF_UNIX else None
+        if hint is None:
+            raise
+        raise type(e)(e.errno, f"{e.strerror}: {hint}") from None
     except BaseException:
         s.close()
         raise
     return s
+
+
+def bind_hint(error: OSError, host: str, port: int) -> str | None:
+    """What a failed bind of ``host:port`` means and what to do, by errno (None: nothing to add).
+
+    Each errno has its own cause: one hint for all ("is another process using the port?") sent users
+    looking for a process that did not exist when the address was simply not this host's.
+    """
+    if isinstance(error, socket.gaierror):
+        return (f"{host!r} cannot be resolved to an address of this host; give one of its IP addresses "
+                f"(0.0.0.0: all of them, 127.0.0.1: this host only)")
+    if error.errno == errno.EADDRINUSE:
+        return "the port is in use by another process; stop it, or pick another port (port 0 picks a free one)"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"{host} is not an address of this host; listen on one of its own addresses (0.0.0.0: all of "
+                f"them, 127.0.0.1: this host only)")
+    if error.errno == errno.EACCES and 0 < port < 1024:
+        return (f"ports below 1024 need privileges (root or CAP_NET_BIND_SERVICE); pick a port of 1024 or "
+                f"above instead of {port}")
+    if error.errno == errno.EACCES:
+        return "the system refused it (a security policy); pick another address or port"
+    return None
 
 
 class Gate:

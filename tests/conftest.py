@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 
 import pytest
@@ -36,6 +37,27 @@ def no_leaks():
     leaked = {fd: t for fd, t in resource_fds().items() if before.get(fd) != t}
     assert not leaked, f"test leaked fds: {leaked}"
     assert len(tensorxfer_mappings()) <= maps_before, "test leaked memfd mappings"
+
+
+#: Set by .ci/run: the torch and Hugging Face tests must run there, so a missing or broken PyTorch (or
+#: transformers) fails the run instead of turning those tests into skips.
+REQUIRE_TORCH = "TENSORXFER_REQUIRE_TORCH"
+REQUIRED_WITH_TORCH = ("torch", "transformers", "tokenizers", "safetensors")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get(REQUIRE_TORCH) != "1":
+        return
+    broken = []
+    for name in REQUIRED_WITH_TORCH:
+        try:
+            importlib.import_module(name)
+        except Exception as e:       # ImportError, or whatever a broken install raises on import
+            broken.append(f"{name} ({type(e).__name__}: {e})")
+    if broken:
+        raise pytest.UsageError(f"{REQUIRE_TORCH}=1: the torch and Hugging Face tests must run here, but "
+                                f"{'; '.join(broken)} cannot be imported; install CPU PyTorch "
+                                f"(README, command 1) or unset {REQUIRE_TORCH}")
 
 
 def torch_or_skip():

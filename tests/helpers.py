@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -93,6 +96,21 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
         proc.kill()
         out, err = proc.communicate()
     return proc.returncode, out, err
+
+
+@contextlib.contextmanager
+def small_filesystem(where: Path, size: int) -> Iterator[Path]:
+    """A real ``size``-byte file system (tmpfs) mounted at ``where``, for disk-full tests; skips the test
+    where this process may not mount one (needs root / CAP_SYS_ADMIN)."""
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a real disk-full test: {r.stderr.strip() or r.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def _pump(src: socket.socket, dst: socket.socket, transform: Any = None) -> None:

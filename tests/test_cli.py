@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, Background, finish
+from tests.helpers import ROOT, Background, finish, small_filesystem
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -69,6 +72,12 @@ def test_send_recv_model_dir_byte_identical(tmp_path):
     assert sent["files"] == sorted(os.listdir(src)) and sent["side_files"] == ["model.safetensors.index.json"]
     got = json.loads(out_r.splitlines()[-1])
     assert got["event"] == "received" and got["bytes"] == sent["bytes"]
+    # one convention on both ends: names relative to the model directory, bytes = the payload (the tensors),
+    # file_bytes = the files' sizes
+    file_bytes = sum(p.stat().st_size for p in src.iterdir())
+    for key in ("files", "tensor_files", "side_files", "tensors", "bytes", "file_bytes"):
+        assert got[key] == sent[key], key
+    assert sent["file_bytes"] == file_bytes and got["out"] == str(out)
     for p in src.iterdir():
         assert sha(p) == sha(out / p.name), p.name
     assert sorted(os.listdir(out)) == sorted(os.listdir(src))
@@ -146,6 +155,28 @@ def test_bad_source_is_usage_error(tmp_path):
     assert rc == 2
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "model.pth", "last.ckpt", "tf_model.h5",
+                                  "model.gguf", "model.onnx"])
+def test_a_weight_file_in_another_format_is_refused_like_a_directory_of_them(tmp_path, name):
+    """Named directly, it used to travel as a "side file": exit 0, "sent 0 bytes"."""
+    (tmp_path / name).write_bytes(b"\0" * 64)
+    rc, out, err = finish(cli("send", str(tmp_path / name), "--to", "127.0.0.1:1"))
+    assert rc == 2 and out == "", (rc, out, err)
+    assert f"{name}: " in err and "only safetensors files carry weights" in err and ".gguf" in err, err
+    d = tmp_path / "only-other-formats"
+    d.mkdir()
+    (d / name).write_bytes(b"\0" * 64)
+    (d / "config.json").write_text("{}")
+    rc, _, err_dir = finish(cli("send", str(d), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "only safetensors files carry weights" in err_dir and name in err_dir, err_dir
+
+
+def test_side_files_alone_are_not_a_model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    rc, _, err = finish(cli("send", str(tmp_path / "config.json"), "--to", "127.0.0.1:1"))
+    assert rc == 2 and "no safetensors file" in err, err
+
+
 def test_unreachable_receiver_is_transfer_error(tmp_path):
     f = tmp_path / "one.safetensors"
     safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
@@ -189,6 +220,113 @@ def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
         assert sha(p) == sha(out / p.name)
 
 
+@pytest.mark.parametrize("module", ["main", "send", "recv", "bench"])
+def test_help_is_plain_text_and_version_works(module):
+    """--help showed the module docstrings' RST (``x``, :mod:`...`); tensorxfer --version did not exist."""
+    import tensorxfer
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    helped = subprocess.run([sys.executable, "-m", f"tensorxfer.cli.{module}", "--help"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert helped.returncode == 0, helped.stderr
+    text = helped.stdout
+    assert "``" not in text and not re.search(r":[a-z]+:`", text), text
+    if module in ("send", "recv"):
+        codes = text[text.index("exit codes:"):]
+        for code, meaning in ((0, "success"), (1, "transfer failed"), (2, "bad usage"), (3, "authentication"),
+                              (4, "not available"), (5, "protocol error"), (130, "interrupted")):
+            assert re.search(rf"^ *{code} +.*{meaning}", codes, re.M), (code, codes)
+    if module == "send":
+        from tensorxfer.transport.tcp import DEFAULT_STREAMS
+
+        flat = " ".join(text.split())
+        assert re.search(rf"--streams N .*\(default: {DEFAULT_STREAMS} tcp streams", flat), flat
+    version = subprocess.run([sys.executable, "-m", f"tensorxfer.cli.{module}", "--version"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    prog = {"main": "tensorxfer", "send": "tensorxfer-send", "recv": "tensorxfer-recv", "bench": "tensorxfer-bench"}
+    assert version.returncode == 0 and version.stdout.strip() == f"{prog[module]} {tensorxfer.__version__}", \
+        version.stdout + version.stderr
+
+
+def test_the_version_is_the_packages():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    import tensorxfer
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == tensorxfer.__version__
+
+
+def on_terminal(*args: str) -> tuple[subprocess.Popen, Background]:
+    """A CLI process whose stderr is a terminal (a pty), as a person runs it; the Background's result is
+    everything it drew there."""
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=slave, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    os.close(slave)
+
+    def read_all() -> str:
+        chunks = []
+        try:
+            while True:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:             # EIO: the process closed its end
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        finally:
+            os.close(master)
+        return b"".join(chunks).decode(errors="replace")
+    return proc, Background(read_all)
+
+
+def screen(drawn: str) -> list[str]:
+    """The lines left on a terminal: each carriage return redraws its line."""
+    return [line.rsplit("\r", 1)[-1] for line in drawn.replace("\x1b[K", "").replace("\r\n", "\n").split("\n")]
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
+    """The bar's rate counted setup time, it showed nothing while files loaded and sat at 100 % while the
+    receiver wrote: now each phase has a line of its own."""
+    src = model_dir(tmp_path / "src", shards=2, rows=20_000)        # 41 MB: several pieces over tcp
+    out = tmp_path / "out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recv, recv_drawn = on_terminal("tensorxfer.cli.recv", "--out", str(out), "--once", "--listen",
+                                   f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 20
+    while True:                                                     # listening? (no JSON line to read here)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert time.monotonic() < deadline and recv.poll() is None, "the receiver did not start listening"
+        time.sleep(0.05)
+    send, send_drawn = on_terminal("tensorxfer.cli.send", str(src), "--to", f"127.0.0.1:{port}", "--transport",
+                                   transport)
+    rc_s, out_s, _ = finish(send, timeout=60)
+    rc_r, _, _ = finish(recv, timeout=60)
+    sent, got = screen(send_drawn.result()), screen(recv_drawn.result())
+    assert rc_s == 0 and rc_r == 0, (sent, got)
+
+    def phases(lines: list[str], label: str) -> list[str]:
+        return [m.group(1) for m in (re.match(rf"{label}: (\S.*?)  +(\[.*|done in .*)$", x) for x in lines) if m]
+
+    assert phases(sent, "send") == ["reading files", "setting up (connecting, preparing)", "moving data",
+                                    "receiver writing the files"], sent
+    assert phases(got, "recv") == ["setting up (allocating, connecting)", "receiving data", "checking the data",
+                                   "writing files", "syncing, renaming into place"], got
+    data = next(x for x in sent if x.startswith("send: moving data"))
+    assert "100.0% 0.04 GB" in data, data
+    if transport == "tcp":                                          # 8 MiB pieces: a rate can be measured
+        assert re.search(r" GB at \d+\.\d Gbps$", data), data
+    written = next(x for x in got if x.startswith("recv: writing files"))
+    assert "100.0%" in written and f"{sum(p.stat().st_size for p in src.iterdir()) / 1e9:.2f} GB" in written
+    assert "on the wire" in out_s, out_s                            # the summary gives the data phase's rate
+
+
 def test_demo_runs():
     proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "demo", "--size", str(32 << 20)],
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
@@ -222,6 +360,52 @@ def test_sender_fails_when_the_receiver_cannot_write(tmp_path):
     assert rc_s == 1 and "is a directory" in err_s, err_s          # the receiver's error, at the sender
     assert rc_r == 1 and "OutputError" in err_r, err_r
     assert os.listdir(out) == ["model-00002-of-00002.safetensors"]  # nothing else landed
+
+
+def test_a_disk_too_small_is_refused_at_offer_time_with_the_numbers(tmp_path):
+    """Disk full used to be reported only after every byte moved, as a bare ENOSPC."""
+    src = model_dir(tmp_path / "src", shards=2, rows=2000)             # ~4 MB of files
+    total = sum(p.stat().st_size for p in src.iterdir())
+    with small_filesystem(tmp_path / "fs", 1 << 20) as fs:
+        out = fs / "out"
+        recv, where = start_recv(out, "--once")
+        rc_s, _, err_s = finish(cli("send", str(src), "--to", where))
+        rc_r, out_r, err_r = finish(recv)
+        left = os.listdir(out)
+    assert rc_s == 1 and "refused the offer" in err_s, err_s             # up front, not after the data moved
+    assert "not enough free space" in err_s and f"{total:,} bytes" in err_s and str(out) in err_s, err_s
+    assert rc_r == 1 and "not enough free space" in err_r, err_r
+    event = json.loads(out_r.splitlines()[-1])
+    assert event["event"] == "error" and event["exit_code"] == 1
+    assert left == []
+
+
+def test_out_holding_another_model_is_refused_unless_overwrite(tmp_path):
+    """Receiving into an --out of another model silently mixed them (config.json replaced, old shards and
+    index kept)."""
+    old = model_dir(tmp_path / "old", shards=3, rows=10)
+    new = model_dir(tmp_path / "new", shards=1, rows=20)
+    (new / "config.json").write_text('{"model_type": "new"}')
+    out = tmp_path / "out"
+    shutil.copytree(old, out)
+    (out / "NOTES.txt").write_text("mine")
+    before = {p.name: sha(p) for p in out.iterdir()}
+    recv, where = start_recv(out, "--once")
+    rc_s, _, err_s = finish(cli("send", str(new), "--to", where))
+    rc_r, _, err_r = finish(recv)
+    assert rc_s == 1 and "refused the offer" in err_s and "another model" in err_s and "--overwrite" in err_s
+    assert "model-00002-of-00003.safetensors" in err_s, err_s
+    assert rc_r == 1 and "another model" in err_r, err_r
+    assert {p.name: sha(p) for p in out.iterdir()} == before              # nothing mixed in
+    recv, where = start_recv(out, "--once", "--overwrite")
+    rc_s, _, err_s = finish(cli("send", str(new), "--to", where))
+    rc_r, out_r, err_r = finish(recv)
+    assert rc_s == 0 and rc_r == 0, err_s + err_r
+    assert sorted(os.listdir(out)) == sorted([*os.listdir(new), "NOTES.txt"])    # the user's file stays
+    for p in new.iterdir():
+        assert sha(p) == sha(out / p.name), p.name
+    got = json.loads(out_r.splitlines()[-1])
+    assert got["removed"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
 
 RECV_KILLED_WHILE_WRITING = """
@@ -297,7 +481,40 @@ def test_port_in_use_is_exit_4_naming_the_address(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", f"127.0.0.1:{port}"))
-    assert rc == 4 and f"127.0.0.1:{port}" in err, err
+    assert rc == 4 and f"127.0.0.1:{port}" in err and "in use by another process" in err, err
+
+
+def test_listen_address_not_of_this_host_says_so(tmp_path):
+    """EADDRNOTAVAIL used to say "is another process using the port?"."""
+    rc, out, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", "192.0.2.1:7700", "--json"))
+    assert rc == 4 and "192.0.2.1:7700" in err and "not an address of this host" in err, err
+    assert "another process" not in err and json.loads(out)["exit_code"] == 4      # 192.0.2.1: TEST-NET-1
+    rc, _, err = finish(cli("recv", "--out", str(tmp_path / "o"), "--listen", "no-such-host.invalid:7700"))
+    assert rc == 4 and "no-such-host.invalid" in err and "cannot be resolved" in err, err
+    assert "another process" not in err
+
+
+def test_privileged_port_says_it_needs_privileges(tmp_path):
+    """EACCES (a port below 1024 without privileges) used to say "is another process using the port?"."""
+    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start") as f:
+        if int(f.read()) <= 80:
+            pytest.skip("this host lets anyone bind port 80 (net.ipv4.ip_unprivileged_port_start)")
+    drop = None
+    if os.geteuid() == 0:
+        # root binds port 80 through CAP_NET_BIND_SERVICE: take it out of the receiver's bounding set
+        # (prctl PR_CAPBSET_DROP), so the receiver runs as root without it, as an unprivileged user would
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_capbset_drop, cap_net_bind_service = 24, 10
+
+        def drop():
+            if libc.prctl(pr_capbset_drop, cap_net_bind_service, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_NET_BIND_SERVICE)")
+    proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.recv", "--out", str(tmp_path / "o"), "--listen",
+                           "127.0.0.1:80"], capture_output=True, text=True, timeout=60, preexec_fn=drop,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 4, proc.stderr
+    assert "127.0.0.1:80" in proc.stderr and "ports below 1024 need privileges" in proc.stderr, proc.stderr
+    assert "another process" not in proc.stderr
 
 
 def test_port_scan_does_not_end_once(tmp_path):
@@ -319,7 +536,7 @@ def test_port_scan_does_not_end_once(tmp_path):
 
 def test_hostile_file_layout_does_not_kill_a_long_running_receiver(tmp_path):
     from tensorxfer import Manifest, Sender, TensorRegion, TensorXferError
-    from tensorxfer.safetensors_io import FILES_KEY
+    from tensorxfer.files import FILES_KEY
 
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""``--device cuda:N`` for tensorxfer-send / tensorxfer-recv and the GPU paths of safetensors_io.
+"""``--device cuda:N`` for tensorxfer-send / tensorxfer-recv and the GPU paths of tensorxfer.files.
 
 Marked ``cuda``: these run on the device machine (an H200); elsewhere they
 skip with the reason.  ``tests/test_cli.py::test_gpu_device_without_a_gpu_fails_cleanly_at_start``
@@ -41,10 +41,11 @@ def test_send_recv_model_dir_on_the_gpu_byte_identical(tmp_path, transport):
         assert sha(p) == sha(out / p.name), p.name
 
 
-def test_safetensors_io_gpu_roundtrip_through_small_staging_buffers(tmp_path, monkeypatch):
-    from tensorxfer import safetensors_io as stio
+def test_files_gpu_roundtrip_through_small_staging_buffers(tmp_path, monkeypatch):
+    from tensorxfer.files import load, load_files, write, write_files
 
-    monkeypatch.setattr(stio, "STAGE_BYTES", 1 << 20)    # tensors span several staging pieces, files share a stager
+    monkeypatch.setattr(load, "STAGE_BYTES", 1 << 20)    # tensors span several staging pieces, files share a stager
+    monkeypatch.setattr(write, "STAGE_BYTES", 1 << 20)
     src = tmp_path / "src"
     src.mkdir()
     rng = np.random.default_rng(3)
@@ -53,8 +54,8 @@ def test_safetensors_io_gpu_roundtrip_through_small_staging_buffers(tmp_path, mo
              f"f{f}.odd": rng.integers(0, 255, 12_345, dtype=np.uint8),
              f"f{f}.empty": np.zeros((0, 3), np.float16)}
         safetensors_numpy.save_file(t, str(src / f"m{f}.safetensors"))
-    with stio.load_files([src], device="cuda:0") as region:
+    with load_files([src], device="cuda:0") as region:
         assert region.is_cuda
-        stio.write_files(region, tmp_path / "out")      # files -> GPU -> files: every byte went through the device
+        write_files(region, tmp_path / "out")      # files -> GPU -> files: every byte went through the device
     for p in src.iterdir():
         assert sha(p) == sha(tmp_path / "out" / p.name), p.name

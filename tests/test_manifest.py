@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 
 import msgpack
@@ -155,6 +156,51 @@ def test_constructor_validates_too():
         Manifest.layout([("a", "Q7", (1,))])
 
 
+def test_one_byte_overlap_is_refused_and_touching_tensors_are_accepted():
+    """The overlap check's boundary: ``U8[257]@0`` ends at byte 257, so a tensor at 256 shares one byte."""
+    with pytest.raises(ManifestError, match="'a' and 'b' overlap at offset 256"):
+        Manifest([TensorSpec("a", "U8", (257,), 0, 257), TensorSpec("b", "U8", (4,), 256, 4)])
+    touching = Manifest([TensorSpec("a", "U8", (256,), 0, 256), TensorSpec("b", "U8", (4,), 256, 4)])
+    assert Manifest.unpack(touching.pack()).tensors == touching.tensors
+    obj = raw(touching)                                   # the same boundary, as hostile input off the wire
+    obj.update(dims=u64(257, 4), sizes=u64(257, 4))
+    with pytest.raises(ManifestError, match="overlap at offset 256"):
+        Manifest.unpack(repack(obj))
+
+
+def assert_disjoint(m: Manifest) -> None:
+    """No two stored (non-alias, non-empty) tensors of a manifest that passed validation share a byte."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in m if t.nbytes and t.name not in m.aliases)
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
+        assert begin >= end, f"{a!r} and {b!r} overlap: [{begin}, {end})"
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 600) | st.just(0), st.integers(-3, 3) | st.integers(-700, 700)),
+                min_size=2, max_size=6))
+def test_fuzz_placements_are_accepted_exactly_when_disjoint(placements):
+    """Tensors placed at, just before and just after the end of the one before them (alignment 1): the
+    manifest is accepted if and only if no two non-empty tensors share a byte (an off-by-one either way in
+    the overlap check fails this)."""
+    sizes, offsets, end = [], [], 0
+    for size, delta in placements:
+        offsets.append(max(0, end + delta))
+        sizes.append(size)
+        end = offsets[-1] + size
+    spans = [(o, o + n) for o, n in zip(offsets, sizes) if n]
+    disjoint = all(b1 <= a2 or b2 <= a1 for i, (a1, b1) in enumerate(spans) for a2, b2 in spans[i + 1:])
+    obj = raw(Manifest.layout([(f"t{i}", "U8", (n,)) for i, n in enumerate(sizes)], alignment=1))
+    obj.update(offsets=u64(*offsets), nbytes=max(o + n for o, n in zip(offsets, sizes)))
+    try:
+        m = Manifest.unpack(repack(obj))
+    except ManifestError as e:
+        assert not disjoint, f"disjoint tensors refused: {e}"
+        assert "overlap" in str(e)
+        return
+    assert disjoint, f"overlapping tensors accepted: {list(zip(offsets, sizes))}"
+    assert_disjoint(m)
+
+
 def test_hostile_array_header_allocates_nothing_large():
     # An array header claiming 2**32-1 elements in five bytes must not make
     # the decoder reserve memory for them.
@@ -194,6 +240,7 @@ def test_fuzz_mutated_valid_manifests(flips, cut):
         # whatever survives validation must be self-consistent
         assert m.nbytes == max((t.offset + t.nbytes for t in m), default=0)
         assert_viewable(m)
+        assert_disjoint(m)
 
 
 msgpack_values = st.recursive(
@@ -214,6 +261,7 @@ def test_fuzz_fields_replaced_by_arbitrary_values(key, value):
     except ManifestError:
         return
     assert_viewable(m)
+    assert_disjoint(m)
 
 
 def test_large_manifest_round_trips():

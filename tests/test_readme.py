@@ -1,15 +1,19 @@
-"""Every README snippet under "Using it" runs verbatim (the GPU one on the device machine)."""
+"""Every README snippet under "Using it" runs verbatim and on its own (the GPU one on the device machine)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from .conftest import tensorxfer_mappings
+from .helpers import GPU_REASON, ROOT
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -51,15 +55,11 @@ def test_staging_and_handles_snippet_runs_verbatim():
     assert len(tensorxfer_mappings()) == before
 
 
-def test_sending_snippet_runs_verbatim(capsys):
-    """The Sender/Receiver block, with `weights` from the first block (as a reader runs them in order)."""
-    import numpy as np
-
-    blocks = python_blocks("Using it")
-    code = next(b for b in blocks if "tx.Sender(" in b)
-    ns: dict = {"weights": {"embed": np.random.rand(1000, 64).astype(np.float32), "norm": np.ones(64, np.float32)}}
+def test_sending_snippet_runs_verbatim_on_its_own(capsys):
+    code = next(b for b in python_blocks("Using it") if "tx.Sender(" in b)
+    ns: dict = {}
     exec(compile(code, str(README), "exec"), ns)
-    assert ns["stats"].update == 2 and not ns["stats"].setup and ns["rx"].closed
+    assert ns["stats"].update == 2 and not ns["stats"].setup and ns["rx"].closed and not ns["t"].is_alive()
     out = capsys.readouterr().out
     assert out.count("dict_keys(['embed', 'norm'])") == 2
     ns.clear()
@@ -81,14 +81,49 @@ def test_live_weights_snippet_runs_verbatim():
     gc.collect()
 
 
+def test_fanout_snippet_runs_verbatim_on_its_own(capsys):
+    code = next(b for b in python_blocks("Using it") if "tx.FanoutSender(" in b)
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)
+    assert [r.ok for r in ns["stats"].receivers] == [True, True, True]
+    assert all(rx.closed for rx in ns["receivers"])
+    assert capsys.readouterr().out.count(" ok\n") == 3
+    ns.clear()
+    gc.collect()
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks("Using it"))))
+def test_every_snippet_runs_on_its_own_in_a_fresh_process(index):
+    """As a reader pastes it: nothing defined before, and the process ends when the snippet does."""
+    code = python_blocks("Using it")[index]
+    if "cuda:0" in code and GPU_REASON is not None:
+        pytest.skip(f"needs a CUDA GPU: {GPU_REASON}")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_mistake_in_the_sending_snippet_fails_at_once():
+    """A wrong token (or any error) in the sending snippet used to leave a receiver thread waiting 60 s in
+    receive() and keeping the process alive; now the process ends with the error."""
+    code = next(b for b in python_blocks("Using it") if "tx.Sender(" in b)
+    assert code.count('token="s3cret") as sender') == 1
+    code = code.replace('token="s3cret") as sender', 'token="wrong") as sender')
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert r.returncode != 0 and "AuthError" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 20, "the process outlived the mistake"
+
+
 @pytest.mark.cuda
 def test_gpu_snippet_runs_verbatim():
-    """The "On the GPU" block with a small torch model on cuda:0 (skips without a GPU)."""
+    """The "On the GPU" block, with its own small torch model on cuda:0 (skips without a GPU)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the device machine)")
     code = next(b for b in python_blocks("Using it") if 'device="cuda:0"' in b)
-    ns: dict = {"model": torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).cuda()}
+    ns: dict = {}
     exec(compile(code, str(README), "exec"), ns)
     assert set(ns["views"]) == {n for n, _ in ns["model"].named_parameters()}
     assert ns["ext"].length >= ns["region"].nbytes

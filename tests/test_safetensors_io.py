@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -14,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorxfer import Manifest, TensorRegion
-from tensorxfer import safetensors_io as stio
-from tensorxfer.safetensors_io import (
+from tensorxfer.files import (
     FILES_KEY,
     FileFormatError,
     OutputError,
@@ -28,6 +28,10 @@ from tensorxfer.safetensors_io import (
     read_header,
     write_files,
 )
+from tensorxfer.files import layout as layout_mod
+from tensorxfer.files import sources as sources_mod
+from tensorxfer.files import write as write_mod
+from tests.helpers import small_filesystem
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -323,11 +327,11 @@ def test_received_bad_base64_is_refused(tmp_path):
 
 def test_side_file_caps_are_clear_errors(tmp_path, monkeypatch):
     src = hf_like_dir(tmp_path / "src")
-    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 700)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_FILE_BYTES", 700)
     with pytest.raises(FileFormatError, match=r"tokenizer.model: 768 bytes, over the 700-byte limit"):
         discover([src])
-    monkeypatch.setattr(stio, "MAX_SIDE_FILE_BYTES", 1000)
-    monkeypatch.setattr(stio, "MAX_SIDE_TOTAL_BYTES", 800)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_FILE_BYTES", 1000)
+    monkeypatch.setattr(sources_mod, "MAX_SIDE_TOTAL_BYTES", 800)
     with pytest.raises(FileFormatError, match="side files add up to"):
         discover([src])
 
@@ -378,6 +382,29 @@ def test_a_directory_at_a_later_target_writes_nothing(tmp_path):
     assert os.listdir(out) == ["b.json"]
 
 
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_failed_rename_in_an_empty_out_removes_the_new_files(tmp_path, monkeypatch, exists):
+    """The first receive, the usual case: nothing to restore, but a.json, already renamed into place when
+    b.json's rename fails, is brand new and must go too."""
+    out = tmp_path / "out"
+    if exists:
+        out.mkdir()
+    real_replace, renamed = os.replace, []
+
+    def replace(src, dst):
+        if str(dst).endswith("b.json"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+        renamed.append(Path(dst).name)
+
+    monkeypatch.setattr(write_mod.os, "replace", replace)
+    with two_files() as region, pytest.raises(OSError, match="No space"):
+        write_files(region, out)
+    monkeypatch.undo()
+    assert renamed == ["a.json"]                          # a.json was in place when b.json failed
+    assert os.listdir(out) == []                          # and is gone, with every temporary file
+
+
 def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
@@ -390,13 +417,28 @@ def test_a_failed_rename_rolls_back_the_earlier_ones(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OSError, match="No space"):
         write_files(region, out)
     monkeypatch.undo()
     assert (out / "a.json").read_text() == "old a"        # restored, not the new one
     assert sorted(os.listdir(out)) == ["a.json"]          # no b.json, no temporary or backup files
     assert len(calls) >= 2
+
+
+def test_disk_full_while_writing_names_the_file_and_leaves_nothing(tmp_path):
+    """A late ENOSPC (the disk filled after the offer was accepted) names the file being written."""
+    files = [{"name": "a.json", "kind": "text", "tensors": 0, "chunks": 1},
+             {"name": "b.safetensors", "kind": "safetensors", "tensors": 1, "chunks": 1}]
+    header = '{"w":{"dtype":"U8","shape":[400000],"data_offsets":[0,400000]}}'
+    with small_filesystem(tmp_path / "fs", 256 << 10) as fs:
+        with received(files, {"tensorxfer.file.0.0": "{}", "tensorxfer.file.1.0": header},
+                      [("w", "U8", (400_000,))]) as region:
+            with pytest.raises(OutputError, match=r"b\.safetensors.*No space left") as info:
+                write_files(region, fs / "out")
+        left = os.listdir(fs / "out")
+    assert info.value.errno == errno.ENOSPC and str(fs / "out") in str(info.value)
+    assert left == []                                     # all or nothing: the temporary files are gone too
 
 
 def test_replacing_existing_files_leaves_no_backups(tmp_path):
@@ -407,6 +449,91 @@ def test_replacing_existing_files_leaves_no_backups(tmp_path):
         write_files(region, out)
     assert sorted(os.listdir(out)) == ["a.json", "b.json"]
     assert (out / "a.json").read_text() == "new a"
+
+
+# ---------------------------------------------------------------- another model in --out
+def one_model(shard: str = "model.safetensors", config: str = '{"model_type": "new"}') -> TensorRegion:
+    """What the receiver gets for a directory with one shard and a config.json."""
+    files = [{"name": shard, "kind": "safetensors", "tensors": 1, "chunks": 1},
+             {"name": "config.json", "kind": "text", "tensors": 0, "chunks": 1}]
+    header = '{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}'
+    region = received(files, {"tensorxfer.file.0.0": header, "tensorxfer.file.1.0": config}, [("w", "U8", (4,))])
+    memoryview(region.region)[:4] = b"NEW!"
+    return region
+
+
+def old_model(out: Path) -> dict[str, bytes]:
+    """An earlier model in ``out`` (two shards, an index, a config, a tokenizer) plus a file of the user's;
+    returns every file's bytes."""
+    out.mkdir()
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        safetensors_numpy.save_file({n: np.ones(3, np.float32)}, str(out / n))
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "config.json").write_text('{"model_type": "old"}')
+    (out / "tokenizer.json").write_text("{}")
+    (out / "NOTES.txt").write_text("mine")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_out_holding_another_models_files_is_refused(tmp_path):
+    out = tmp_path / "out"
+    before = old_model(out)
+    with one_model() as region, pytest.raises(OutputError, match="another model") as info:
+        write_files(region, out)
+    for n in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"):
+        assert n in str(info.value)
+    assert "--overwrite" in str(info.value) and "NOTES.txt" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before       # untouched
+
+
+def test_the_same_models_files_are_replaced_without_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    (out / "config.json").write_text("{}")
+    with one_model() as region:
+        write_files(region, out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_overwrite_removes_what_the_new_model_does_not_have(tmp_path):
+    out = tmp_path / "out"
+    old_model(out)
+    with one_model() as region:
+        write_files(region, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["NOTES.txt", "config.json", "model.safetensors"]   # the user's file stays
+    assert (out / "config.json").read_text() == '{"model_type": "new"}'
+    assert (out / "model.safetensors").read_bytes().endswith(b"NEW!")
+
+
+@pytest.mark.parametrize("fail_at", ["removing", "renaming"])
+def test_overwrite_failing_midway_restores_everything(tmp_path, monkeypatch, fail_at):
+    """All or nothing with --overwrite too: a failure while removing the old model's second file, or while
+    renaming the new files in place, leaves the directory as it was: every removed or replaced file back,
+    no new file, no temporary or backup file."""
+    out = tmp_path / "out"
+    before = old_model(out)
+    real_rename, real_replace, seen = os.rename, os.replace, []
+
+    def rename(src, dst):
+        if fail_at == "removing" and str(dst).endswith(".bak") and not Path(src).name.startswith("config"):
+            seen.append(src)
+            if len(seen) == 2:
+                raise OSError(5, "Input/output error")
+        return real_rename(src, dst)
+
+    def replace(src, dst):
+        if fail_at == "renaming" and str(dst).endswith("config.json"):      # model.safetensors is in place
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(write_mod.os, "rename", rename)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
+    with one_model() as region, pytest.raises(OSError, match="Input/output"):
+        write_files(region, out, overwrite=True)
+    monkeypatch.undo()
+    assert fail_at == "renaming" or len(seen) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_out_that_is_a_file_is_an_output_error(tmp_path):
@@ -441,8 +568,8 @@ def test_aside_mode_rollback_without_hard_links(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "link", no_link)
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "link", no_link)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OSError, match="Input/output"):
         write_files(region, out)
     monkeypatch.undo()
@@ -461,7 +588,7 @@ def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch
             raise OSError(5, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(stio.os, "replace", replace)
+    monkeypatch.setattr(write_mod.os, "replace", replace)
     with two_files() as region, pytest.raises(OutputError, match=r"previous contents are kept in .*a.json <- "):
         write_files(region, out)
     monkeypatch.undo()
@@ -485,7 +612,7 @@ def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
 
 
 def test_side_files_that_overflow_the_metadata_are_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(stio, "CHUNK_BYTES", 100)
+    monkeypatch.setattr(layout_mod, "CHUNK_BYTES", 100)
     src = hf_like_dir(tmp_path / "src")
     (src / "big.txt").write_text("x" * 200_000)
     with pytest.raises(FileFormatError, match="send fewer files at once"):

@@ -1,20 +1,19 @@
-"""``tensorxfer-bench``: a synthetic transfer shaped like the reference run.
+"""tensorxfer-bench: a synthetic transfer shaped like the reference run.
 
-Sends :func:`tensorxfer.synthetic.layout` (820 tensors, 31.2 GB by default,
-``--size`` to scale down) from this process to a receiver in a child process
+Sends tensorxfer.synthetic.layout() (820 tensors, 31.2 GB by default,
+--size to scale down) from this process to a receiver in a child process
 over loopback: one cold transfer (the receiver allocates and first-touches
-its region), then ``--repeat`` warm ones in a new session — the
-steady-state "training step update" that lands in the same region.  It prints Gbps against the reference run's 212.4
-Gbps and against the local limits it measured here: a single-threaded memory
-copy, and iperf3 over loopback with the same stream count (when iperf3 is
-installed).
+its region), then --repeat warm ones in a new session: the steady-state
+"training step update" that lands in the same region.  It prints Gbps
+against the reference run's 212.4 Gbps and against the local limits it
+measured here: a single-threaded memory copy, and iperf3 over loopback with
+the same stream count (when iperf3 is installed).
 
 Exit codes: 0 success, 1 transfer failed, 2 bad arguments or not enough memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shutil
@@ -174,12 +173,14 @@ def run_bench(size: int, streams: list[int | None], repeat: int, verify: bool, t
 
 def main(argv: list[str] | None = None) -> int:
     from tensorxfer import TensorXferError, synthetic
+    from tensorxfer.cli.common import new_parser
+    from tensorxfer.transport.tcp import DEFAULT_STREAMS
 
-    p = argparse.ArgumentParser(prog="tensorxfer-bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser("tensorxfer-bench", __doc__ or "", exit_codes=False)
     p.add_argument("--size", type=float, default=synthetic.REFERENCE_BYTES,
                    help="model bytes (default: the reference run's 31.2e9); e.g. 1e9")
-    p.add_argument("--streams", type=int, default=None, help="parallel TCP streams (default: measured default)")
+    p.add_argument("--streams", type=int, default=None, metavar="N",
+                   help=f"parallel TCP streams (default: {DEFAULT_STREAMS}, $TENSORXFER_TCP_STREAMS overrides)")
     p.add_argument("--transport", default="tcp",
                    help="tcp (default: the network path, compared with iperf3), ipc, rdma or auto")
     p.add_argument("--repeat", type=int, default=3, help="warm transfers after the first (cold) one")

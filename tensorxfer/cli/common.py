@@ -1,18 +1,7 @@
-"""What ``tensorxfer-send`` and ``tensorxfer-recv`` share: flags, tokens, exit codes, progress, summaries.
+"""What tensorxfer-send and tensorxfer-recv share: flags, tokens, exit codes, progress, summaries.
 
-Exit codes (both commands):
-
-====  =====================================================================
-0     success
-1     the transfer failed (peer lost, stalled, checksum mismatch, refused)
-2     bad usage or bad input (arguments, malformed or unsafe files, token file,
-      ``--out`` that is not a directory or is used by another tensorxfer-recv)
-3     authentication failed (wrong or missing token)
-4     the requested transport or device is not available, or the ``--listen``
-      address cannot be bound (port in use, address not on this host)
-5     protocol error (the peer speaks another version, or garbage)
-130   interrupted (Ctrl-C)
-====  =====================================================================
+The exit codes are :data:`EXIT_CODES_HELP` (shown by --help; the README and docs/cli.md give the same
+table).  Help texts are plain text: they are read in a terminal, not rendered.
 """
 
 from __future__ import annotations
@@ -21,8 +10,7 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
+from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.errors import (
@@ -36,6 +24,31 @@ from tensorxfer.errors import (
 
 EXIT_OK, EXIT_TRANSFER, EXIT_USAGE, EXIT_AUTH, EXIT_UNAVAILABLE, EXIT_PROTOCOL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
 TOKEN_ENV = "TENSORXFER_TOKEN"
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success (send: the receiver wrote every file)
+  1    the transfer failed: peer lost, stalled, checksum mismatch, refused (e.g. --out holds
+       another model's files and no --overwrite, or has no room), or the receiver could not
+       write the files
+  2    bad usage or input: arguments, malformed or unsafe files or names, a weight format
+       other than safetensors, an --out that is not a usable directory or is in use
+  3    authentication failed (wrong or missing token)
+  4    the transport, device or listen address is not available (port in use, address not
+       of this host, port below 1024 without privileges, no GPU for --device cuda:N)
+  5    protocol error (the peer speaks another version, or garbage)
+  130  interrupted (Ctrl-C)
+"""
+
+
+def new_parser(prog: str, description: str, exit_codes: bool = True) -> argparse.ArgumentParser:
+    """An argument parser that shows ``description`` as written (plain text), the exit codes after the
+    options, and answers ``--version``."""
+    from tensorxfer import __version__
+
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=EXIT_CODES_HELP if exit_codes else None,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"{prog} {__version__}")
+    return p
 
 
 def exit_code(error: BaseException) -> int:
@@ -118,49 +131,24 @@ def read_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
-class Progress:
-    """A tiny progress bar on stderr, drawn only on a TTY; thread-safe ``__call__(nbytes)``."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total = total          # 0: unknown (a receiver learns it only from the offer)
-        self.label = label
-        self.enabled = enabled and sys.stderr.isatty()
-        self.done = 0
-        self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
-        self._last = 0.0
-
-    def start(self, manifest: Any) -> None:
-        """Learn the total from an offer's manifest (receivers know it only then)."""
-        self.total = int(manifest.nbytes)
-        self._t0 = time.perf_counter()
-
-    def __call__(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.perf_counter()
-            if self.enabled and (now - self._last > 0.1 or self.done == self.total):
-                self._last = now
-                rate = self.done * 8 / max(now - self._t0, 1e-9) / 1e9
-                if self.total:
-                    frac = min(self.done / self.total, 1.0)
-                    sys.stderr.write(f"\r{self.label} [{'#' * int(frac * 30):<30}] {frac:6.1%} "
-                                     f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {rate:.1f} Gbps")
-                else:
-                    sys.stderr.write(f"\r{self.label} {self.done / 1e9:.2f} GB {rate:.1f} Gbps")
-                sys.stderr.flush()
-
-    def finish(self) -> None:
-        """End the bar's line (once; later calls do nothing)."""
-        if self.enabled and self.done:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-        self.enabled = False
-
-
 def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
+    """One line for a person: offer to ack (everything), then the data phase's own rate when measured."""
+    wire = (f"; on the wire {stats['wire_seconds']:.3f} s = {stats['wire_gbps']:.2f} Gbps"
+            if stats.get("wire_seconds") else "")
     return (f"{verb} {stats['bytes']:,} bytes in {stats['seconds']:.3f} s = {stats['gbps']:.2f} Gbps over "
-            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{extra}")
+            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{wire}"
+            f"{extra}")
+
+
+def files_record(plans: Sequence[Any], tensors: int) -> dict[str, Any]:
+    """What a transfer's files are (``plans``: :func:`tensorxfer.files.plan_files` of its manifest), the same
+    for the sender's and the receiver's ``--json`` record: names relative to the model directory (``files``,
+    ``tensor_files``, ``side_files``), ``tensors``, and ``file_bytes`` (the files' sizes; ``bytes`` in the
+    stats is the payload that moved)."""
+    return {"files": [fp.name for fp in plans],
+            "tensor_files": [fp.name for fp in plans if fp.kind == "safetensors"],
+            "side_files": [fp.name for fp in plans if fp.kind != "safetensors"],
+            "tensors": tensors, "file_bytes": sum(fp.size for fp in plans)}
 
 
 def emit_json(record: dict[str, Any]) -> None:
@@ -176,5 +164,5 @@ def report_error(prog: str, error: BaseException, as_json: bool, code: int | Non
     return code
 
 
-__all__ = ["EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "read_token", "report_error",
-           "summary"]
+__all__ = ["EXIT_CODES_HELP", "EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "files_record",
+           "new_parser", "read_token", "report_error", "summary"]

@@ -1,4 +1,4 @@
-"""``tensorxfer``: the umbrella command (``demo``, ``doctor``)."""
+"""tensorxfer: the umbrella command (demo, doctor); tensorxfer-send / -recv / -bench are commands of their own."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorxfer", description=__doc__)
+    from tensorxfer.cli.common import new_parser
+
+    parser = new_parser("tensorxfer", __doc__ or "", exit_codes=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="send a synthetic 820-tensor model to another process over loopback")
     p.add_argument("--size", default=256 << 20, type=int, help="model bytes (default 256 MiB)")

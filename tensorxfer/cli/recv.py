@@ -1,29 +1,31 @@
-"""``tensorxfer-recv --listen HOST:PORT --out DIR``: receive files sent by ``tensorxfer-send``.
+"""tensorxfer-recv --listen HOST:PORT --out DIR: receive files sent by tensorxfer-send.
 
 Writes the same files, byte-identical and with the sender's permission bits
-(masked by the umask; never setuid/setgid/sticky), into ``DIR``, all or
+(masked by the umask; never setuid/setgid/sticky), into DIR, all or
 nothing: every name and target is checked first, each file is written under
 a temporary name, fsynced, and renamed only after the whole transfer arrived
-(and, with ``--verify`` on the sender, was checked); if a rename fails the
+(and, with --verify on the sender, was checked); if a rename fails the
 files already renamed are rolled back.  The sender is acknowledged only
 after that, so its exit code says whether the files were written.  File
 names from the peer are untrusted: anything but a plain, printable name
-inside ``DIR`` is refused.  ``DIR`` is created if missing and checked at
+inside DIR is refused.  DIR is created if missing and checked at
 start; one tensorxfer-recv at a time may write into it, and the
-``.tensorxfer-*.part`` files a killed one left behind are removed.  Binds
-127.0.0.1 unless ``--listen`` names another address; listening beyond
+.tensorxfer-*.part files a killed one left behind are removed.  An
+offer is refused before any data moves when DIR has no room for its
+files, or holds another model's files (weights, index, config, tokenizer
+files) that the new model does not replace, unless --overwrite.  Binds
+127.0.0.1 unless --listen names another address; listening beyond
 loopback without a token prints a warning.
 
-Without ``--once`` it keeps serving senders one after another, reporting
+Without --once it keeps serving senders one after another, reporting
 failed transfers and carrying on.  Connections that never become a
 session — port scans, idle or trickling strangers, peers that are not
 tensorxfer, wrong tokens — are dropped and counted by the Receiver (logged
-with the reason) and never end ``--once``; an authenticated sender that
-leaves without an offer is reported as ``dropped`` and does not end it
+with the reason) and never end --once; an authenticated sender that
+leaves without an offer is reported as dropped and does not end it
 either.  In a fan-out chain, an update lost because the relay feeding
-this receiver died or stalled does not end ``--once`` either: the hop
-before that relay sends the update again.  Exit codes are listed in
-:mod:`tensorxfer.cli.common`.
+this receiver died or stalled does not end --once either: the hop
+before that relay sends the update again.
 """
 
 from __future__ import annotations
@@ -42,24 +44,30 @@ from tensorxfer.cli.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    Progress,
     add_common,
     check_device,
     emit_json,
+    files_record,
+    new_parser,
     read_token,
     report_error,
     summary,
 )
+from tensorxfer.cli.progress import Phase, Progress, log_above
 
 PROG = "tensorxfer-recv"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(PROG, __doc__ or "")
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1 and a free port, printed at start)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the received files into")
     p.add_argument("--once", action="store_true", help="exit after one transfer (its exit code)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let a transfer replace another model in --out: its model files (weights, index, config, "
+                        "tokenizer files) that the new model does not have are removed once the new files are in "
+                        "place, all or nothing (without it such a transfer is refused)")
     p.add_argument("--no-relay", action="store_true",
                    help="refuse to forward fan-out updates to the next receivers a sender names (with a token, "
                         "forwarding is allowed by default; without one it is always refused)")
@@ -91,7 +99,7 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
     ValueError
         Another tensorxfer-recv is writing into it.
     """
-    from tensorxfer.safetensors_io import check_output_dir, clean_leftovers
+    from tensorxfer.files import check_output_dir, clean_leftovers
 
     real = check_output_dir(out)
     fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
@@ -111,7 +119,8 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
+    bar = Progress("recv", enabled=not args.quiet and not args.json)
+    log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
     from tensorxfer import Receiver, TensorXferError
     from tensorxfer.protocol import parse_address
 
@@ -135,15 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"cannot listen on {where}: {e.strerror or e}"
         if args.json:
             emit_json({"event": "error", "error": type(e).__name__, "message": msg, "exit_code": EXIT_UNAVAILABLE})
-        print(f"{PROG}: {type(e).__name__}: {msg} (is another process using the port? pick another --listen)",
-              file=sys.stderr)
+        print(f"{PROG}: {type(e).__name__}: {msg}", file=sys.stderr)      # strerror carries the errno's hint
         return EXIT_UNAVAILABLE
     except (TensorXferError, ValueError) as e:
         os.close(lock_fd)
         return report_error(PROG, e, args.json)
     with rx:
         try:
-            return serve(args, rx, token is not None, host)
+            return serve(args, rx, token is not None, host, bar)
         finally:
             os.close(lock_fd)
 
@@ -151,23 +159,33 @@ def main(argv: list[str] | None = None) -> int:
 class _Transfer:
     """One receive: its progress bar, whether an offer came, and the files written."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        from tensorxfer.safetensors_io import plan_files, write_files
-
+    def __init__(self, args: argparse.Namespace, bar: Progress) -> None:
         self.args = args
-        self.bar = Progress(0, "recv", enabled=not args.quiet and not args.json)
+        self.bar = bar
         self.offered = False
         self.written: list[Path] = []
-        self._plan, self._write = plan_files, write_files
+        self.removed: list[Path] = []
+        self.files: dict[str, Any] = {}
 
     def on_offer(self, manifest: Any) -> None:
+        from tensorxfer.files import check_free_space, check_other_model, plan_files
+
         self.offered = True
         self.bar.start(manifest)
-        self._plan(manifest)           # a hostile or unusable file layout is refused before allocating
+        # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
+        # files in --out (unless --overwrite), a disk without room for the files
+        plans = plan_files(manifest)
+        self.removed = check_other_model(plans, self.args.out, self.args.overwrite)
+        check_free_space(plans, self.args.out)
+        self.files = files_record(plans, len(manifest))
 
     def on_landed(self, region: Any) -> None:
-        self.bar.finish()
-        self.written = self._write(region, self.args.out)   # before the ack: the sender learns if this fails
+        from tensorxfer.files import write_files
+
+        # the bytes written, then the last fsync, the renames and the directory's fsync
+        self.bar.plan([Phase("writing files", self.files["file_bytes"]), Phase("syncing, renaming into place")])
+        # before the ack: the sender learns if this fails
+        self.written = write_files(region, self.args.out, overwrite=self.args.overwrite, progress=self.bar)
 
 
 def upstream_failed(rx: Any, e: BaseException) -> bool:
@@ -178,7 +196,7 @@ def upstream_failed(rx: Any, e: BaseException) -> bool:
     return isinstance(e, UpstreamFailed) or (rx.fed_by_relay and isinstance(e, (PeerLost, TransferTimeout)))
 
 
-def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
+def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Progress) -> int:
     """Receive transfers until ``--once`` is satisfied or Ctrl-C; returns the exit code."""
     from tensorxfer import TensorXferError
 
@@ -190,13 +208,15 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
         emit_json({"event": "listening", "host": lhost, "port": lport})
     print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
     while True:
-        t = _Transfer(args)
+        t = _Transfer(args, bar)
         try:
-            rx.receive(progress=t.bar, on_offer=t.on_offer, on_landed=t.on_landed)
+            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed)
+            bar.finish()
         except KeyboardInterrupt:
+            bar.finish(ok=False)
             return EXIT_INTERRUPTED
         except (TensorXferError, OSError, ValueError) as e:
-            t.bar.finish()
+            bar.finish(ok=False)
             if not t.offered:
                 # An authenticated sender that made no offer.  Not a transfer; never ends --once.
                 if args.json:
@@ -221,9 +241,11 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str) -> int:
         assert rx.last_stats is not None
         stats = rx.last_stats.as_dict()
         if args.json:
-            emit_json({"event": "received", "files": [str(p) for p in t.written], **stats})
+            emit_json({"event": "received", "out": str(Path(args.out)), **t.files,
+                       "removed": [p.name for p in t.removed], **stats})
         elif not args.quiet:
-            print(summary("received", stats, f"; wrote {len(t.written)} files to {args.out}"), flush=True)
+            gone = f"; removed the previous model's {', '.join(p.name for p in t.removed)}" if t.removed else ""
+            print(summary("received", stats, f"; wrote {len(t.written)} files to {args.out}{gone}"), flush=True)
         if args.once:
             return EXIT_OK
 

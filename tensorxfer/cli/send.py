@@ -1,14 +1,15 @@
-"""``tensorxfer-send SRC... --to HOST:PORT``: send safetensors files or model directories.
+"""tensorxfer-send SRC... --to HOST:PORT: send safetensors files or model directories.
 
-Every file goes in one region, one transfer; the receiver
-(``tensorxfer-recv``) writes byte-identical files.  A model directory also
-sends its side files (config.json, generation_config.json, tokenizer files,
-the index: every other regular top-level file, 32 MiB each and 48 MiB in all
-at most), so a Hugging Face directory arrives loadable; hidden files,
-subdirectories and other weight formats (.bin, .pt, ...) are left out and
-listed.  Exits 0 only once the receiver has written and fsynced every file;
-if it cannot, the exit code is non-zero and the message is the receiver's.
-Exit codes are listed in :mod:`tensorxfer.cli.common`.
+Every file goes in one region, one transfer; the receiver (tensorxfer-recv)
+writes byte-identical files.  A model directory also sends its side files
+(config.json, generation_config.json, tokenizer files, the index: every
+other regular top-level file, 32 MiB each and 48 MiB in all at most), so a
+Hugging Face directory arrives loadable; hidden files, subdirectories and
+other weight formats (.bin, .pt, ...) are left out and listed; a weight
+file in another format named directly is refused (exit 2): only
+safetensors files carry weights.  Exits 0 only once the receiver has
+written and fsynced every file; if it cannot, the exit code is non-zero and
+the message is the receiver's.
 """
 
 from __future__ import annotations
@@ -22,36 +23,47 @@ from tensorxfer.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TRANSFER,
-    Progress,
     add_common,
     check_device,
     emit_json,
+    files_record,
+    new_parser,
     read_token,
     report_error,
     summary,
 )
+from tensorxfer.cli.progress import Phase, Progress, log_above
 
 PROG = "tensorxfer-send"
 log = logging.getLogger(PROG)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tensorxfer.transport.rdma import DEFAULT_QPS
+    from tensorxfer.transport.tcp import DEFAULT_STREAMS
+
+    p = new_parser(PROG, __doc__ or "")
     p.add_argument("sources", nargs="+", metavar="SRC", help="safetensors files or model directories")
     p.add_argument("--to", required=True, action="append", metavar="HOST:PORT",
                    help="the receiver's address; repeat it to fan out to several receivers, in chain order (each "
                         "receiver forwards to the next as the bytes land; every one must have the same token)")
-    p.add_argument("--streams", type=int, default=None, help="parallel data streams (default: measured default)")
+    p.add_argument("--streams", type=int, default=None, metavar="N",
+                   help=f"parallel data streams (default: {DEFAULT_STREAMS} tcp streams, $TENSORXFER_TCP_STREAMS "
+                        f"overrides; {DEFAULT_QPS} QPs for rdma; ipc copies with one)")
     add_common(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=f"{PROG}: %(message)s")
+    bar = Progress("send", enabled=not args.quiet and not args.json)
+    log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
     from tensorxfer import Sender, TensorXferError
     from tensorxfer.fanout import FanoutSender
-    from tensorxfer.safetensors_io import discover, load_files
+    from tensorxfer.files import discover, load_files, plan_files
+
+    def reading(manifest: Any) -> None:
+        bar.phase("reading files", sum(t.nbytes for t in manifest.tensors))
 
     try:
         token = read_token(args)
@@ -59,37 +71,35 @@ def main(argv: list[str] | None = None) -> int:
         found = discover(args.sources)
         for name, why in found.skipped:
             log.info("not sent: %s (%s)", name, why)
-        with load_files(found, device=args.device) as region:
-            bar = Progress(region.nbytes, "send", enabled=not args.quiet and not args.json)
+        with load_files(found, device=args.device, progress=bar, on_layout=reading) as region:
+            # setting up ends with the first bytes on the wire, the data phase with the last: its rate is the
+            # wire's; then the receiver checks and writes the files, and acknowledges
+            bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
+                      Phase("receiver writing the files")])
             if len(args.to) == 1:
                 with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
                             stall_timeout=args.stall_timeout) as sender:
-                    try:
-                        stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
-                    finally:
-                        bar.finish()
+                    stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
             else:
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
                                   stall_timeout=args.stall_timeout) as fan:
-                    try:
-                        fanned = fan.send(region, verify=args.verify, progress=bar)
-                    finally:
-                        bar.finish()
+                    fanned = fan.send(region, verify=args.verify, progress=bar)
                 stats = fanout_record(fanned)
-            tensors = len(region.manifest)
+            bar.finish()
+            files = files_record(plan_files(region.manifest), len(region.manifest))
     except KeyboardInterrupt:
+        bar.finish(ok=False)
         return EXIT_INTERRUPTED
     except (TensorXferError, OSError, ValueError) as e:
+        bar.finish(ok=False)
         return report_error(PROG, e, args.json)
-    side = [s.name for s in found.files if s.kind == "side"]
-    tensor_files = [s.name for s in found.files if s.kind == "safetensors"]
     if args.json:
-        emit_json({"event": "sent", "files": [s.name for s in found.files], "tensor_files": tensor_files,
-                   "side_files": side, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
-                   "tensors": tensors, **stats})
+        emit_json({"event": "sent", **files, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
+                   **stats})
     elif not args.quiet:
-        print(summary("sent", stats, f"; {len(found.files)} files ({len(tensor_files)} safetensors, "
-                                     f"{tensors} tensors; side files: {', '.join(side) or 'none'})"))
+        print(summary("sent", stats, f"; {len(files['files'])} files ({len(files['tensor_files'])} safetensors, "
+                                     f"{files['tensors']} tensors; side files: "
+                                     f"{', '.join(files['side_files']) or 'none'})"))
         for r in stats.get("receivers", []):
             print(f"  {r['address']}: " + (f"ok, {r['bytes']:,} bytes in {r['seconds']:.3f} s over {r['transport']}"
                                            f"{', verified' if r['verified'] else ''} (from {r['via']})" if r["ok"]
