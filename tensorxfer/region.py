@@ -205,6 +205,43 @@ class TensorRegion:
 
         return binding.adopt(cls, module, device, chunk_size, alignment, metadata)
 
+    @classmethod
+    def from_safetensors(cls, sources: Any, device: str = "cpu", progress: Any = None,
+                         on_layout: Any = None) -> TensorRegion:
+        """Read safetensors files straight into one new region on ``device``.
+
+        ``sources``: files, a model directory (its index, shards and side files -- config, tokenizer --
+        which travel in the manifest's metadata, so a receiver can write the directory back byte for byte)
+        or a :class:`~tensorxfer.files.Discovery`.  Headers are checked as hostile input (as the CLI does).
+        Host regions are read into directly (no intermediate buffer); GPU regions through pinned buffers,
+        the disk filling one while the copy engine drains the other.  ``on_layout(manifest)`` is called once
+        the headers are read, ``progress(n)`` after every ``n`` bytes of tensors read.
+
+        Raises
+        ------
+        FileFormatError
+            A file is malformed, or two files hold a tensor of the same name.
+        CudaError
+            ``device`` is a GPU this machine cannot use.
+        OSError
+            A file cannot be read.
+        """
+        from tensorxfer.files import load
+
+        plan = load.plan_load(sources)
+        if parse_device(device)[0] == "cuda":
+            self = cls.from_manifest(plan.manifest, device)         # zeroed: no stale device bytes between tensors
+        else:
+            self = cls._allocate(plan.manifest, device, None, commit=False)    # pages come as the reads fill them
+        try:
+            if on_layout is not None:
+                on_layout(plan.manifest)
+            load.fill(self, plan.jobs, progress)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     def ensure_current(self) -> None:
         """Check, before reading the region (a send), that a bound module's tensors still live in it and
         that work queued on them finished.  A no-op for a region no module is bound to.
@@ -232,7 +269,8 @@ class TensorRegion:
         return self
 
     @classmethod
-    def _allocate(cls, manifest: Manifest, device: str, chunk_size: int | None) -> TensorRegion:
+    def _allocate(cls, manifest: Manifest, device: str, chunk_size: int | None,
+                  commit: bool = True) -> TensorRegion:
         kind, index = parse_device(device)
         size = max(manifest.nbytes, 1)
         region: Any
@@ -242,7 +280,7 @@ class TensorRegion:
             region = _memory.CudaRegion.allocate(size, chunk_size, index)
             device = f"cuda:{index}"
         else:
-            region = HostRegion.allocate(size, chunk_size)
+            region = HostRegion.allocate(size, chunk_size, commit=commit)
         return cls(region, manifest, device)
 
     # ------------------------------------------------------------ access

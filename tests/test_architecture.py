@@ -12,9 +12,10 @@ Layers, lowest first (a module may import only from its own layer or below; with
     live/sync   live, sync/*
     cli         cli/*, the package's __init__
 
-Every import counts: module level, inside functions (a lazy import is still an edge), and under
-``TYPE_CHECKING`` (a type-only upward edge is how circles start).  ``sync/spec`` and ``sync/plan`` are
-the planner: they import neither session nor transport.
+Every import counts for the layers: module level, inside functions (a lazy import is still an edge), and
+under ``TYPE_CHECKING`` (a type-only upward reference is how circles start).  Circles are looked for among
+the imports that run (a type-only reference may point sideways within a layer: it imports nothing).
+``sync/spec`` and ``sync/plan`` are the planner: they import neither session nor transport.
 """
 
 from __future__ import annotations
@@ -74,8 +75,21 @@ _PYX_IMPORT = re.compile(r"^\s*(?:from\s+(tensorxfer[\w.]*)\s+c?import\s+([\w, (
                          re.M)
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The tensorxfer modules ``name`` imports (``from pkg import mod`` resolves to the module)."""
+def _type_only_lines(tree: ast.AST) -> set[int]:
+    """Line numbers of the statements under ``if TYPE_CHECKING:`` blocks."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            for stmt in node.body:
+                lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return lines
+
+
+def imports_of(name: str, path: Path, known: set[str], runtime_only: bool = False) -> set[str]:
+    """The tensorxfer modules ``name`` imports (``from pkg import mod`` resolves to the module); with
+    ``runtime_only``, not those imported for type checking alone."""
     found: set[str] = set()
 
     def add(target: str, names: list[str]) -> None:
@@ -95,7 +109,11 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 found.add(m.group(3))
         return found - {name}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(text)):
+    tree = ast.parse(text)
+    skip = _type_only_lines(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("tensorxfer") and alias.name in known:
@@ -110,10 +128,10 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found - {name}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(runtime_only: bool = False) -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
-    return {name: imports_of(name, path, known) for name, path in mods.items()}
+    return {name: imports_of(name, path, known, runtime_only) for name, path in mods.items()}
 
 
 def test_every_import_points_down_the_layers() -> None:
@@ -127,7 +145,7 @@ def test_every_import_points_down_the_layers() -> None:
 
 
 def test_no_import_circles() -> None:
-    g = graph()
+    g = graph(runtime_only=True)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -42,7 +42,8 @@ def test_send_recv_model_dir_on_the_gpu_byte_identical(tmp_path, transport):
 
 
 def test_files_gpu_roundtrip_through_small_staging_buffers(tmp_path, monkeypatch):
-    from tensorxfer.files import load, load_files, write, write_files
+    from tensorxfer import TensorRegion
+    from tensorxfer.files import load, write, write_files
 
     monkeypatch.setattr(load, "STAGE_BYTES", 1 << 20)    # tensors span several staging pieces, files share a stager
     monkeypatch.setattr(write, "STAGE_BYTES", 1 << 20)
@@ -54,7 +55,7 @@ def test_files_gpu_roundtrip_through_small_staging_buffers(tmp_path, monkeypatch
              f"f{f}.odd": rng.integers(0, 255, 12_345, dtype=np.uint8),
              f"f{f}.empty": np.zeros((0, 3), np.float16)}
         safetensors_numpy.save_file(t, str(src / f"m{f}.safetensors"))
-    with load_files([src], device="cuda:0") as region:
+    with TensorRegion.from_safetensors([src], device="cuda:0") as region:
         assert region.is_cuda
         write_files(region, tmp_path / "out")      # files -> GPU -> files: every byte went through the device
     for p in src.iterdir():

@@ -23,7 +23,6 @@ from tensorxfer.files import (
     check_output_dir,
     clean_leftovers,
     discover,
-    load_files,
     parse_header,
     read_header,
     write_files,
@@ -64,7 +63,7 @@ def test_roundtrip_is_byte_identical(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     make_model(src)
-    with load_files([src]) as region:
+    with TensorRegion.from_safetensors([src]) as region:
         files = json.loads(region.manifest.metadata[FILES_KEY])
         assert [f["name"] for f in files][-1] == "model.safetensors.index.json"
         written = write_files(region, out)
@@ -77,7 +76,7 @@ def test_roundtrip_is_byte_identical(tmp_path):
 def test_region_holds_the_real_tensors(tmp_path):
     paths = make_model(tmp_path, shards=1)
     ref = safetensors_numpy.load_file(str(paths[0]))
-    with load_files(paths) as region:
+    with TensorRegion.from_safetensors(paths) as region:
         views = region.tensors()
         for k, v in ref.items():
             assert np.array_equal(views[k], v)
@@ -88,7 +87,7 @@ def test_unknown_dtype_travels_as_raw_bytes(tmp_path):
     p = write_raw(tmp_path / "x.safetensors",
                   {"q": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]},
                    "__metadata__": {"a": "b"}}, b"\x12\x34")
-    with load_files([p]) as region:
+    with TensorRegion.from_safetensors([p]) as region:
         assert region.manifest["q"].dtype == "U8"
         write_files(region, tmp_path / "out")
     assert sha(p) == sha(tmp_path / "out" / "x.safetensors")
@@ -98,7 +97,7 @@ def test_header_with_padding_and_odd_order_is_kept_verbatim(tmp_path):
     head = b'{"b":{"dtype":"U8","shape":[2],"data_offsets":[3,5]},  "a":{"dtype":"U8","shape":[3],' \
            b'"data_offsets":[0,3]}}' + b"    "
     p = write_raw(tmp_path / "odd.safetensors", head, b"abcde")
-    with load_files([p]) as region:
+    with TensorRegion.from_safetensors([p]) as region:
         assert region.manifest.names == ("a", "b")
         write_files(region, tmp_path / "out")
     assert (tmp_path / "out" / "odd.safetensors").read_bytes() == p.read_bytes()
@@ -128,7 +127,7 @@ def test_hostile_headers_are_refused(tmp_path, case):
     else:
         write_raw(p, body, b"\0\0\0")
     with pytest.raises(FileFormatError):
-        load_files([p])
+        TensorRegion.from_safetensors([p])
 
 
 def test_duplicate_json_keys_are_refused(tmp_path):
@@ -199,7 +198,7 @@ def test_region_without_file_layout_writes_nothing(tmp_path):
 def test_large_headers_are_chunked(tmp_path):
     tensors = {f"t{i:05d}" + "x" * 40: np.full(2, i, np.int32) for i in range(1500)}
     safetensors_numpy.save_file(tensors, str(tmp_path / "big.safetensors"))
-    with load_files([tmp_path / "big.safetensors"]) as region:
+    with TensorRegion.from_safetensors([tmp_path / "big.safetensors"]) as region:
         assert json.loads(region.manifest.metadata[FILES_KEY])[0]["chunks"] > 1
         region2 = TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack()))
         memoryview(region2.region)[:region.nbytes] = memoryview(region.region)[:region.nbytes]
@@ -212,7 +211,7 @@ def test_duplicate_tensor_names_across_files_are_refused(tmp_path):
     for n in ("a", "b"):
         safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / f"{n}.safetensors"))
     with pytest.raises(FileFormatError, match="both"):
-        load_files([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+        TensorRegion.from_safetensors([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
 
 
 # ---------------------------------------------------------------- names, nesting
@@ -244,7 +243,7 @@ def test_sender_refuses_a_file_name_that_is_not_utf8(tmp_path):
     safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(d / "model.safetensors"))
     (d / os.fsdecode(b"bad\xff.json")).write_text("{}")
     with pytest.raises(FileFormatError, match="surrogate"):
-        load_files([d])
+        TensorRegion.from_safetensors([d])
 
 
 @pytest.mark.parametrize("layout", ["[" * 50000, '{"a":' * 50000, '"' + '\\"' * 200_000 + "[" * 40])
@@ -258,14 +257,14 @@ def test_deeply_nested_layout_is_a_typed_error(tmp_path, layout):
 def test_deeply_nested_header_is_a_typed_error(tmp_path):
     p = write_raw(tmp_path / "deep.safetensors", b"[" * 50000)
     with pytest.raises(FileFormatError, match="levels deep"):
-        load_files([p])
+        TensorRegion.from_safetensors([p])
 
 
 def test_deeply_nested_index_is_a_typed_error(tmp_path):
     safetensors_numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
     with pytest.raises(FileFormatError, match="levels deep"):
-        load_files([tmp_path])
+        TensorRegion.from_safetensors([tmp_path])
 
 
 # ---------------------------------------------------------------- side files
@@ -290,7 +289,7 @@ def test_side_files_travel_byte_identical_with_their_modes(tmp_path):
     assert sorted(s.name for s in found.files if s.kind == "side") == [
         "config.json", "model.safetensors.index.json", "run.sh", "tokenizer.json", "tokenizer.model"]
     assert {n for n, _ in found.skipped} == {"pytorch_model.bin", ".gitattributes", "sub/"}
-    with load_files(found) as region:
+    with TensorRegion.from_safetensors(found) as region:
         kinds = {f["name"]: f["kind"] for f in json.loads(region.manifest.metadata[FILES_KEY])}
         assert kinds["tokenizer.model"] == "base64" and kinds["config.json"] == "text"
         region2 = TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack()))   # as the receiver sees it
@@ -604,7 +603,8 @@ def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
     vocab = {f"tok{i}-é中😀": i for i in range(400_000)}
     (src / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}, ensure_ascii=False))
     (src / "blob.bin.model").write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8).tobytes())
-    with load_files([src]) as region, TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack())) as region2:
+    with TensorRegion.from_safetensors([src]) as region, \
+            TensorRegion.from_manifest(Manifest.unpack(region.manifest.pack())) as region2:
         memoryview(region2.region)[:region.nbytes] = memoryview(region.region)[:region.nbytes]
         write_files(region2, tmp_path / "out")
     for p in src.iterdir():
@@ -616,4 +616,4 @@ def test_side_files_that_overflow_the_metadata_are_a_clear_error(tmp_path, monke
     src = hf_like_dir(tmp_path / "src")
     (src / "big.txt").write_text("x" * 200_000)
     with pytest.raises(FileFormatError, match="send fewer files at once"):
-        load_files([src])
+        TensorRegion.from_safetensors([src])

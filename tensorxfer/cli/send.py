@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     bar = Progress("send", enabled=not args.quiet and not args.json)
     log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
-    from tensorxfer import Sender, TensorXferError
+    from tensorxfer import Sender, TensorRegion, TensorXferError
     from tensorxfer.fanout import FanoutSender
-    from tensorxfer.files import discover, load_files, plan_files
+    from tensorxfer.files import discover, plan_files
 
     def reading(manifest: Any) -> None:
         bar.phase("reading files", sum(t.nbytes for t in manifest.tensors))
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         found = discover(args.sources)
         for name, why in found.skipped:
             log.info("not sent: %s (%s)", name, why)
-        with load_files(found, device=args.device, progress=bar, on_layout=reading) as region:
+        with TensorRegion.from_safetensors(found, device=args.device, progress=bar, on_layout=reading) as region:
             # setting up ends with the first bytes on the wire, the data phase with the last: its rate is the
             # wire's; then the receiver checks and writes the files, and acknowledges
             bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),

@@ -1,9 +1,10 @@
 """Model files through one region: safetensors files (and a model directory's side files) in, the same
 files out, byte-identical.
 
-The sender's half: :func:`discover` (which files a directory sends) and :func:`load_files` (files into one
-region).  The receiver's half: :func:`plan_files` (the offer's file layout, checked as hostile input before
-anything is allocated), :func:`check_output_dir` / :func:`clean_leftovers` (at start) and
+The sender's half: :func:`discover` (which files a directory sends) and :func:`plan_load` / :func:`fill`
+(files into one region: ``TensorRegion.from_safetensors``).  The receiver's half: :func:`plan_files`
+(the offer's file layout, checked as hostile input before anything is allocated),
+:func:`check_output_dir` / :func:`clean_leftovers` (at start) and
 :func:`write_files` (all or nothing).  Modules:
 
 - :mod:`~tensorxfer.files.format`    the safetensors header format and safe file names
@@ -15,7 +16,7 @@ anything is allocated), :func:`check_output_dir` / :func:`clean_leftovers` (at s
 
 from tensorxfer.files.format import FileFormatError, OutputError, check_name, parse_header, read_header
 from tensorxfer.files.layout import FILES_KEY, FilePlan, plan_files
-from tensorxfer.files.load import load_files
+from tensorxfer.files.load import LoadPlan, fill, plan_load
 from tensorxfer.files.sources import Discovery, Source, discover
 from tensorxfer.files.write import (
     check_free_space,
@@ -25,6 +26,24 @@ from tensorxfer.files.write import (
     write_files,
 )
 
-__all__ = ["FILES_KEY", "Discovery", "FileFormatError", "FilePlan", "OutputError", "Source", "check_free_space",
-           "check_name", "check_other_model", "check_output_dir", "clean_leftovers", "discover", "load_files",
-           "parse_header", "plan_files", "read_header", "write_files"]
+__all__ = [
+    "FILES_KEY",
+    "Discovery",
+    "FileFormatError",
+    "FilePlan",
+    "LoadPlan",
+    "OutputError",
+    "Source",
+    "check_free_space",
+    "check_name",
+    "check_other_model",
+    "check_output_dir",
+    "clean_leftovers",
+    "discover",
+    "fill",
+    "parse_header",
+    "plan_files",
+    "plan_load",
+    "read_header",
+    "write_files",
+]

@@ -1,7 +1,8 @@
 """Files into one region: every tensor of every safetensors file, side files in the metadata.
 
-:func:`load_files` packs every tensor of every file into one region (one
-transfer) and records, in the manifest metadata (:mod:`tensorxfer.files.layout`),
+:func:`plan_load` reads the headers (and side files) and lays every tensor of every file out in one
+manifest; :func:`fill` reads the tensors into a region allocated from it (``TensorRegion.from_safetensors``
+does both).  The manifest records, in the manifest metadata (:mod:`tensorxfer.files.layout`),
 which tensors belong to which file, each file's original header text and mode
 bits, so the receiver can write back the exact bytes: the header verbatim,
 then the tensors in data-offset order.  Side files travel verbatim in the
@@ -20,6 +21,7 @@ import json
 import os
 import stat
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,6 @@ from tensorxfer.files.format import Entry, FileFormatError, Header, read_header
 from tensorxfer.files.layout import CHUNK_BYTES, FILES_KEY, split_chunks
 from tensorxfer.files.sources import MAX_SIDE_FILE_BYTES, Discovery, discover
 from tensorxfer.manifest import MAX_METADATA_ITEMS, MAX_METADATA_STR, Manifest
-from tensorxfer.region import TensorRegion
 from tensorxfer.staging import open_stager, write_pieces
 
 STAGE_BYTES = 32 << 20              # each of the two pinned buffers for GPU regions
@@ -46,24 +47,26 @@ def _read_side_file(path: Path) -> tuple[bytes, int]:
     return data, stat.S_IMODE(st.st_mode) & 0o777
 
 
-def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: str = "cpu",
-               progress: Callable[[int], None] | None = None,
-               on_layout: Callable[[Manifest], None] | None = None) -> TensorRegion:
-    """Read safetensors files (and side files) into one new region on ``device``.
+@dataclass(frozen=True)
+class LoadPlan:
+    """What :func:`plan_load` found: the manifest of every tensor, and where each lives in its file."""
 
-    Returns a region the caller owns (close it).  On a GPU the tensors are
-    read through pinned staging buffers.  ``on_layout(manifest)`` is called
-    once the headers are read, before the tensors are (a progress display
-    learns the total there); ``progress(n)`` after each ``n`` bytes of
-    tensors read.
+    manifest: Manifest
+    jobs: list[tuple[Path, list[tuple[int, int, int]]]]     # per file: (file offset, region offset, bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, items in self.jobs for _, _, n in items)
+
+
+def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan:
+    """Read the headers of safetensors files (and the side files) and lay their tensors out in one manifest.
 
     Raises
     ------
     FileFormatError
-        A file is malformed, two files hold a tensor of the same name, or
-        the headers and side files do not fit the manifest's metadata.
-    CudaError
-        ``device`` is a GPU this machine cannot use.
+        A file is malformed, two files hold a tensor of the same name, or the headers and side files do
+        not fit the manifest's metadata.
     OSError
         A file cannot be read.
     """
@@ -104,27 +107,19 @@ def load_files(sources: Sequence[str | os.PathLike[str]] | Discovery, device: st
                               f"strings (limit {MAX_METADATA_ITEMS} of {CHUNK_BYTES} bytes, and one file list "
                               f"under {MAX_METADATA_STR} bytes): send fewer files at once")
     manifest = Manifest.layout(layout, metadata=meta)
-    region = TensorRegion.from_manifest(manifest, device=device)
-    try:
-        jobs, k = [], 0
-        for path, data_at, header in plan:
-            items = []
-            for entry in header.entries:
-                spec = manifest.tensors[k]
-                k += 1
-                items.append((data_at + entry.begin, spec.offset, spec.nbytes))
-            jobs.append((path, items))
-        if on_layout is not None:
-            on_layout(manifest)
-        _fill(region, jobs, progress)
-    except BaseException:
-        region.close(defer=True)
-        raise
-    return region
+    jobs, k = [], 0
+    for path, data_at, header in plan:
+        items = []
+        for entry in header.entries:
+            spec = manifest.tensors[k]
+            k += 1
+            items.append((data_at + entry.begin, spec.offset, spec.nbytes))
+        jobs.append((path, items))
+    return LoadPlan(manifest, jobs)
 
 
-def _fill(region: TensorRegion, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
-          progress: Callable[[int], None] | None = None) -> None:
+def fill(region: Any, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
+         progress: Callable[[int], None] | None = None) -> None:
     """Copy ``(file offset, region offset, n)`` pieces of each file into the region.
 
     Host regions are read into directly; GPU regions through one pair of pinned buffers (the file read

@@ -25,7 +25,6 @@ from tensorxfer.errors import TensorXferError
 from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
 from tensorxfer.files.layout import FilePlan, plan_files
 from tensorxfer.files.sources import is_model_file
-from tensorxfer.region import TensorRegion
 from tensorxfer.staging import open_stager, read_pieces
 
 STAGE_BYTES = 32 << 20              # each of the two pinned buffers for GPU regions
@@ -194,7 +193,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(dfd)
 
 
-def write_files(region: TensorRegion, out_dir: str | os.PathLike[str], overwrite: bool = False,
+def write_files(region: Any, out_dir: str | os.PathLike[str], overwrite: bool = False,
                 progress: Callable[[int], None] | None = None) -> list[Path]:
     """Write the files a region carries into ``out_dir``, all or nothing; return their paths.
 
@@ -293,7 +292,7 @@ def _no_progress(n: int) -> None:
     pass
 
 
-def _write_temp(region: TensorRegion, drain: _Drain, fp: FilePlan, real: Path, umask: int,
+def _write_temp(region: Any, drain: _Drain, fp: FilePlan, real: Path, umask: int,
                 progress: Callable[[int], None]) -> str:
     """Write one file under a temporary name in ``real``, fsynced; return that name (removed on failure)."""
     fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
@@ -350,7 +349,7 @@ class _Drain:
     staging buffers (double-buffered device-to-host copies) for a GPU region — one
     :func:`tensorxfer.staging.read_pieces` loop either way, one stager for all the files."""
 
-    def __init__(self, region: TensorRegion) -> None:
+    def __init__(self, region: Any) -> None:
         self.region = region
         self._stager: Any = None
 
