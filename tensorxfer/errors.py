@@ -96,6 +96,14 @@ class LayoutError(TensorXferError, ValueError):
     """Tensors do not match a region's layout (names, dtypes or shapes differ)."""
 
 
+class PlanError(TensorXferError, ValueError):
+    """Shard descriptions for a weight sync are invalid or cannot be planned.
+
+    The message names the rank, the tensor and, where bytes are missing or
+    claimed twice, the box (offsets and sizes per dimension) at fault.
+    """
+
+
 class ProtocolError(TensorXferError):
     """A peer sent a frame that is malformed, oversized, truncated or out of order."""
 
@@ -157,6 +165,7 @@ __all__ = [
     "LayoutError",
     "ManifestError",
     "PeerLost",
+    "PlanError",
     "ProtocolError",
     "RegionClosed",
     "RegionError",

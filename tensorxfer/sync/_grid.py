@@ -1,0 +1,129 @@
+"""Who holds what: the source boxes of every tensor as disjoint cells, each with the ranks that hold it.
+
+Ranks holding the very same box of a tensor (Replicate, HSDP, expert
+replicas) form one cell with several holders.  Boxes of one tensor that
+overlap without being equal (two shardings of the same tensor, a full
+replica beside shards) are cut along every box boundary into a grid, and
+each grid cell is held by every rank whose box contains it -- so every
+source element belongs to exactly one cell, and the planner can pick one
+holder per cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorxfer.errors import PlanError
+from tensorxfer.sync._boxes import I64, numel, overlap_pairs
+
+MAX_GRID_CELLS = 1 << 22
+
+
+@dataclass
+class Cells:
+    """Disjoint boxes of source tensors; cell c is held by ``entries[ptr[c]:ptr[c+1]]`` (sorted by rank).
+
+    ``repr_size`` is, per dimension, the largest size among the holders'
+    boxes: where it equals the cell's size every holder's local tensor spans
+    the cell fully, so runs may merge across that dimension for any holder.
+    ``holder_set`` numbers the distinct sets of holder ranks (-1 for cells
+    with one holder).
+    """
+
+    tid: np.ndarray
+    off: np.ndarray
+    size: np.ndarray
+    repr_size: np.ndarray
+    ptr: np.ndarray
+    entries: np.ndarray
+    holder_set: np.ndarray
+
+
+def cells_of(src: Any) -> Cells:
+    """The cells of every source tensor (``src`` is the planner's table of source entries)."""
+    width = src.off.shape[1]
+    live = np.flatnonzero(numel(src.size) > 0)
+    keys = [src.rank[live]]
+    keys += [src.size[live, d] for d in range(width - 1, -1, -1)]
+    keys += [src.off[live, d] for d in range(width - 1, -1, -1)]
+    keys.append(src.tid[live])
+    order = live[np.lexsort(keys)]
+    tid, off, size = src.tid[order], src.off[order], src.size[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (tid[1:] != tid[:-1]) | np.any(off[1:] != off[:-1], axis=1) | np.any(size[1:] != size[:-1], axis=1)
+    starts = np.flatnonzero(new)
+    c_tid, c_off, c_size = tid[starts], off[starts], size[starts]
+    ptr = np.append(starts, len(order)).astype(I64)
+    ia, ib = overlap_pairs(c_tid, c_off, c_size, c_tid, c_off, c_size)
+    tangled = np.unique(c_tid[ia[ia != ib]])
+    cells = Cells(c_tid, c_off, c_size, c_size.copy(), ptr, order, np.zeros(0, dtype=I64))
+    if len(tangled):
+        cells = _untangle(cells, tangled, src)
+    cells.holder_set = _holder_sets(cells, src.rank)
+    return cells
+
+
+def _untangle(cells: Cells, tangled: np.ndarray, src: Any) -> Cells:
+    """Replace the classes of tensors whose boxes overlap by the grid cells of those boxes."""
+    keep = ~np.isin(cells.tid, tangled)
+    tids: list[int] = []
+    offs: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    reprs: list[np.ndarray] = []
+    holders: list[np.ndarray] = []
+    for c in np.flatnonzero(keep):
+        tids.append(int(cells.tid[c]))
+        offs.append(cells.off[c])
+        sizes.append(cells.size[c])
+        reprs.append(cells.size[c])
+        holders.append(cells.entries[cells.ptr[c]:cells.ptr[c + 1]])
+    for t in tangled.tolist():
+        mine = np.flatnonzero(cells.tid == t)
+        lo, hi = cells.off[mine], cells.off[mine] + cells.size[mine]
+        cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(lo.shape[1])]
+        total = int(np.prod([len(c) - 1 for c in cuts], dtype=np.float64))
+        if total > MAX_GRID_CELLS:
+            raise PlanError(f"the source boxes of tensor {src.names[t]!r} overlap in {total} distinct pieces, "
+                            f"more than {MAX_GRID_CELLS}; describe fewer overlapping shardings of it")
+        grids = np.meshgrid(*[np.arange(len(c) - 1) for c in cuts], indexing="ij")
+        index = np.stack([g.ravel() for g in grids], axis=1) if grids else np.zeros((1, 0), dtype=I64)
+        g_lo = np.stack([cuts[d][index[:, d]] for d in range(len(cuts))], axis=1).astype(I64)
+        g_hi = np.stack([cuts[d][index[:, d] + 1] for d in range(len(cuts))], axis=1).astype(I64)
+        inside = np.all((lo[None, :, :] <= g_lo[:, None, :]) & (g_hi[:, None, :] <= hi[None, :, :]), axis=2)
+        for g in np.flatnonzero(inside.any(axis=1)):
+            entries = np.concatenate([cells.entries[cells.ptr[c]:cells.ptr[c + 1]] for c in mine[inside[g]]])
+            entries = entries[np.argsort(src.rank[entries], kind="stable")]
+            tids.append(t)
+            offs.append(g_lo[g])
+            sizes.append(g_hi[g] - g_lo[g])
+            reprs.append(src.size[entries].max(axis=0))
+            holders.append(entries)
+    order = sorted(range(len(tids)), key=lambda i: (tids[i], tuple(offs[i])))
+    width = cells.off.shape[1]
+
+    def stack(rows: list[np.ndarray]) -> np.ndarray:
+        return np.array([rows[i] for i in order], dtype=I64).reshape(len(order), width)
+
+    counts = np.array([len(holders[i]) for i in order], dtype=I64)
+    return Cells(
+        np.array([tids[i] for i in order], dtype=I64), stack(offs), stack(sizes), stack(reprs),
+        np.concatenate(([0], np.cumsum(counts))).astype(I64),
+        np.concatenate([holders[i] for i in order]).astype(I64) if order else np.zeros(0, dtype=I64),
+        np.zeros(0, dtype=I64))
+
+
+def _holder_sets(cells: Cells, rank: np.ndarray) -> np.ndarray:
+    """Number the distinct holder-rank sets of the cells with two or more holders (-1 elsewhere)."""
+    k = np.diff(cells.ptr)
+    out = np.full(len(k), -1, dtype=I64)
+    next_id = 0
+    for n in np.unique(k[k > 1]).tolist():
+        which = np.flatnonzero(k == n)
+        ranks = rank[cells.entries[cells.ptr[which][:, None] + np.arange(n)[None, :]]]
+        _, inverse = np.unique(ranks, axis=0, return_inverse=True)
+        out[which] = next_id + inverse.reshape(-1)
+        next_id += int(inverse.max()) + 1
+    return out
