@@ -154,7 +154,7 @@ def scenarios(draw):
             target_plans.append(("stack", f"stack{g}", dtype, (names, shape), None))
     layouts = {n: (draw(st.sampled_from(SRC_KINDS)), draw(st.integers(0, 3)), draw(st.integers(1, n_src)))
                for n in sources}
-    return n_src, n_tgt, sources, layouts, target_plans, draw(st.integers(0, 2**32 - 1))
+    return n_src, n_tgt, sources, layouts, target_plans, draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
 
 
 def source_boxes(shape: tuple[int, ...], kind: str, d: int, k: int, n: int) -> dict[int, Box]:
@@ -191,7 +191,7 @@ def source_boxes(shape: tuple[int, ...], kind: str, d: int, k: int, n: int) -> d
 
 
 def build(scenario):
-    n_src, n_tgt, shapes, layouts, target_plans, seed = scenario
+    n_src, n_tgt, shapes, layouts, target_plans, seed, same_layout = scenario
     rng = random.Random(seed)
     per_source: dict[int, list] = {r: [] for r in range(n_src)}
     for name, (shape, dtype) in shapes.items():
@@ -230,7 +230,9 @@ def build(scenario):
                 per_target[t].append((name, math.prod(local) * item, lambda off, n=name, lo=local, dt=dtype,
                                       ps=pieces: TargetTensor(n, lo, dt, off, ps)))
     sources = [lay_out(r, "source", items, rng) for r, items in per_source.items()]
-    targets = [lay_out(r, "target", items, rng) for r, items in per_target.items()]
+    # same_layout: equal target descriptions (TP replicas) get equal regions, so the planner shares their work
+    targets = [lay_out(r, "target", items, random.Random(seed) if same_layout else rng)
+               for r, items in per_target.items()]
     return sources, targets, global_arrays(shapes, seed)
 
 
@@ -412,6 +414,25 @@ def test_replicated_sources_spread_over_many_targets():
     check_plan(pl, sources, targets, global_arrays({n: (s, "BF16") for n, s in shapes.items()}, 5))
 
 
+def test_target_replicas_are_planned_once_and_fed_by_different_sources():
+    """2 TP ranks x 3 identical replicas, fed by 3 full source replicas: each source feeds its own replica."""
+    shapes = {"q": (12, 8), "o": (8, 12)}
+    sources = []
+    for r in range(3):
+        off, tensors = 0, []
+        for name, shape in shapes.items():
+            tensors.append(SourceTensor(name, shape, "F16", replicate_box(shape), off))
+            off += math.prod(shape) * 2
+        sources.append(RankSpec("source", r, tensors))
+    tp = fsdp_like(2, {"q": (12, 8)}, "target", dtype="F16")
+    targets = [RankSpec.from_wire(dict(tp[r % 2].to_wire(), rank=r)) for r in range(6)]
+    assert len({t.content_digest for t in targets}) == 2
+    pl = plan(sources, targets)
+    check_plan(pl, sources, targets, global_arrays({n: (s, "F16") for n, s in shapes.items()}, 8))
+    assert sorted(pl.bytes_per_source.values()) == [12 * 8 * 2] * 3
+    assert [sorted(pl.send_order[s]) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+
+
 def test_send_order_rotates_by_rank():
     sources, targets = fsdp_like(4, {"w": (8, 8)}, "source", dim=0), fsdp_like(4, {"w": (8, 8)}, "target", dim=1)
     pl = plan(sources, targets)
@@ -443,6 +464,22 @@ def test_stacked_pieces_into_a_fused_moe_tensor_coalesce():
     pl = plan(sources, targets)
     assert pl.pairs[(0, 0)].num_runs == 1  # same order on both sides: the whole thing is one run
     check_plan(pl, sources, targets, global_arrays({n: ((i, h), "F32") for p in names for n in p}, 6))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_full_replica_beside_column_shards(n):
+    """Overlapping boxes: rank 0 holds all of w, ranks 1.. hold column shards; targets hold the same shards.
+
+    Cells are the column shards, each held by rank 0 (rows strided) and by its shard's rank (contiguous):
+    runs must follow whichever holder carries them.
+    """
+    shape = (6, 4 * n)
+    sources = [one(shape=shape)] + [
+        RankSpec("source", r, [SourceTensor("w", shape, "F32", chunk_box(shape, 1, r, n), 0)]) for r in range(1, n)]
+    targets = fsdp_like(n, {"w": shape}, "target", dim=1)
+    pl = plan(sources, targets)
+    assert pl.bytes_per_source[0] > 0 and all(pl.bytes_per_source[r] > 0 for r in range(1, n))
+    check_plan(pl, sources, targets, global_arrays({"w": (shape, "F32")}, 7))
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
@@ -518,7 +555,7 @@ def test_wire_round_trip_and_hostile_input():
     for cls, value in [(Box, Box((1, 2), (3, 4))), (SourceTensor, one().tensors[0]), (TargetTensor, spec.tensors[0]),
                        (Piece, spec.tensors[0].pieces[0])]:
         assert cls.from_wire(msgpack.unpackb(msgpack.packb(value.to_wire()))) == value
-    wire = spec.to_wire()
+    body = msgpack.unpackb(spec.body)
     for change, message in [
         (lambda o: o.update(v=9), "not a version 1"),
         (lambda o: o.update(role="boss"), "role 'boss'"),
@@ -528,13 +565,29 @@ def test_wire_round_trip_and_hostile_input():
         (lambda o: o["piece_at"].__setitem__(0, "<f8"), "packed 2-D integer array"),
         (lambda o: o.update(dtype=["<u1", [1], b"\x63"]), "unknown dtype code"),
         (lambda o: o.update(region_offset=["<i8", [1], np.array([-5], "<i8").tobytes()]), "outside"),
+        (lambda o: o.update(piece_tensor=["<u1", [2], b"\x00\x05"]), "name their tensors in order"),
     ]:
-        bad = msgpack.unpackb(msgpack.packb(wire))
+        bad = msgpack.unpackb(spec.body)
         change(bad)
         with pytest.raises(PlanError, match=message):
-            RankSpec.from_bytes(msgpack.packb(bad))
+            RankSpec.from_wire({"v": 1, "rank": 3, "body": msgpack.packb(bad)})
+    assert body == msgpack.unpackb(spec.body)
+    for wire, message in [({"v": 1, "rank": -1, "body": spec.body}, "rank must be"),
+                          ({"v": 1, "rank": 0, "body": "x"}, "body must be bytes"),
+                          ({"v": 2, "rank": 0, "body": spec.body}, "not a version 1"),
+                          ({"v": 1, "rank": 0, "body": b"\xc1"}, "not valid msgpack")]:
+        with pytest.raises(PlanError, match=message):
+            RankSpec.from_wire(wire)
     with pytest.raises(PlanError, match="not valid msgpack"):
         RankSpec.from_bytes(b"\xc1")
+    # equal bodies decode once and share read-only columns
+    memo: dict = {}
+    a = RankSpec.from_bytes(spec.to_bytes(), memo=memo)
+    b = RankSpec.from_wire(dict(spec.to_wire(), rank=4), memo=memo)
+    assert a.columns is b.columns and len(memo) == 1 and b.rank == 4 and a.digest != b.digest
+    assert a.content_digest == b.content_digest == spec.content_digest
+    with pytest.raises(ValueError, match="read-only"):
+        a.columns.piece_at[0, 0] = 1
     with pytest.raises(PlanError, match="over the limit"):
         RankSpec.from_bytes(b"\x00" * 100, max_bytes=10)
 
@@ -576,7 +629,7 @@ def _dtensor_worker(rank: int, world: int, store: str, out: str) -> None:
         tensors, blobs, off = [], [], 0
         for name, p in model.named_parameters():
             st_ = source_tensor_of_dtensor(name, p, off)
-            local = p.to_local()
+            local = p.to_local().detach()
             assert torch.equal(local, full[name][tuple(slice(o, o + s) for o, s in zip(st_.box.offsets,
                                                                                        st_.box.sizes))])
             assert st_.box == chunk_box(tuple(full[name].shape), 0, rank, world)

@@ -83,9 +83,11 @@ def overlap_pairs(
     present = bg[starts]
     primary = np.zeros(ngroups, dtype=I64)
     if dims:
+        # the dimension whose offsets span the most box lengths: the one the boxes are stacked along
         offs = b_off[by_group]
         spread = np.maximum.reduceat(offs, starts, axis=0) - np.minimum.reduceat(offs, starts, axis=0)
-        primary[present] = np.argmax(spread, axis=1)
+        longest_d = np.maximum.reduceat(b_size[by_group], starts, axis=0)
+        primary[present] = np.argmax(spread / np.maximum(longest_d, 1), axis=1)
         b_coord = b_off[np.arange(len(b_group)), primary[b_group]]
         b_len = b_size[np.arange(len(b_group)), primary[b_group]]
         a_coord = a_off[np.arange(len(a_group)), primary[a_group]]

@@ -14,9 +14,8 @@ holds it, so decoding ~10k tensors is a few ``np.frombuffer`` calls.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -91,7 +90,7 @@ def source_columns(
         region_offset=np.array([r[5] for r in rows], dtype=I64),
     )
     check_source(cols, rank)
-    return cols
+    return freeze(cols)
 
 
 PieceRow = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -116,11 +115,18 @@ def target_columns(rows: list[tuple[str, str, tuple[int, ...], int, list[PieceRo
         piece_at=_padded([p[3] for _, p in pieces], width, 0),
     )
     check_target(cols, rank)
-    return cols
+    return freeze(cols)
 
 
 def _fail(message: str) -> None:
     raise PlanError(message)
+
+
+def _check_strings(names: tuple[str, ...], what: str) -> None:
+    # map/set/min/max run in C: this is called for every name of every rank
+    if names and (set(map(type, names)) != {str} or min(map(len, names)) < 1 or max(map(len, names)) > MAX_NAME):
+        bad = next(n for n in names if not isinstance(n, str) or not 0 < len(n) <= MAX_NAME)
+        _fail(f"{what} must be non-empty strings of at most {MAX_NAME} characters, got {bad!r}")
 
 
 def _check_names(names: tuple[str, ...], what: str) -> None:
@@ -145,9 +151,7 @@ def _check_common(names: tuple[str, ...], dtype: np.ndarray, ndim: np.ndarray, s
     n = len(names)
     if n > MAX_ROWS:
         _fail(f"{what} describes {n} tensors, more than the limit of {MAX_ROWS}")
-    for name in names:
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-            _fail(f"{what}: tensor names must be non-empty strings of at most {MAX_NAME} characters, got {name!r}")
+    _check_strings(names, f"{what}: tensor names")
     if len(dtype) != n or len(ndim) != n or shape.shape[0] != n:
         _fail(f"{what}: column lengths disagree")
     if np.any(dtype >= len(DTYPE_NAMES)):
@@ -213,9 +217,7 @@ def check_target(cols: TargetColumns, rank: int) -> None:
         a.shape != (p, cols.shape.shape[1]) for a in (cols.piece_off, cols.piece_size, cols.piece_at)
     ):
         _fail(f"{what}: piece column lengths disagree")
-    for name in cols.piece_source:
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-            _fail(f"{what}: piece source names must be non-empty strings of at most {MAX_NAME} characters")
+    _check_strings(cols.piece_source, f"{what}: piece source names")
     if p and (np.any(cols.piece_tensor < 0) or np.any(cols.piece_tensor >= n)
               or np.any(np.diff(cols.piece_tensor) < 0)):
         _fail(f"{what}: pieces must name their tensors in order")
@@ -294,9 +296,9 @@ def _names(value: Any, field: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def to_wire(role: str, rank: int, cols: Columns) -> dict[str, Any]:
-    """A msgpack-ready dict of the columns (canonical: equal descriptions give equal bytes)."""
-    out: dict[str, Any] = {"v": WIRE_VERSION, "role": role, "rank": rank, "names": list(cols.names),
+def encode(role: str, cols: Columns) -> bytes:
+    """The columns as msgpack bytes (canonical: equal descriptions give equal bytes); no rank inside."""
+    out: dict[str, Any] = {"v": WIRE_VERSION, "role": role, "names": list(cols.names),
                            "dtype": _pack(cols.dtype), "ndim": _pack(cols.ndim), "shape": _pack(cols.shape),
                            "region_offset": _pack(cols.region_offset)}
     if isinstance(cols, SourceColumns):
@@ -305,17 +307,21 @@ def to_wire(role: str, rank: int, cols: Columns) -> dict[str, Any]:
         out.update(piece_tensor=_pack(cols.piece_tensor), piece_source=list(cols.piece_source),
                    piece_ndim=_pack(cols.piece_ndim), piece_off=_pack(cols.piece_off),
                    piece_size=_pack(cols.piece_size), piece_at=_pack(cols.piece_at))
-    return out
+    return msgpack.packb(out, use_bin_type=True)
 
 
-def from_wire(obj: Any) -> tuple[str, int, Columns]:
-    """(role, rank, columns) from :func:`to_wire` output, fully checked; PlanError on anything malformed."""
+def decode(body: bytes, rank: int) -> tuple[str, Columns]:
+    """(role, columns) from :func:`encode` output, fully checked; PlanError on anything malformed."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise PlanError(f"rank {rank} description is not valid msgpack: {exc}") from None
     if not isinstance(obj, dict) or obj.get("v") != WIRE_VERSION:
-        _fail(f"not a version {WIRE_VERSION} rank description (got {type(obj).__name__})")
-    role, rank = obj.get("role"), obj.get("rank")
-    if role not in ("source", "target") or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        _fail(f"rank description has role {role!r} and rank {rank!r}; want 'source' or 'target' and an int >= 0")
-    expected = {"v", "role", "rank", "names", "dtype", "ndim", "shape", "region_offset"}
+        _fail(f"rank {rank}: not a version {WIRE_VERSION} rank description")
+    role = obj.get("role")
+    if role not in ("source", "target"):
+        _fail(f"rank {rank} description has role {role!r}; want 'source' or 'target'")
+    expected = {"v", "role", "names", "dtype", "ndim", "shape", "region_offset"}
     expected |= {"box_off", "box_size"} if role == "source" else {
         "piece_tensor", "piece_source", "piece_ndim", "piece_off", "piece_size", "piece_at"}
     if set(obj) != expected:
@@ -325,32 +331,40 @@ def from_wire(obj: Any) -> tuple[str, int, Columns]:
     if np.any(dtype >= len(DTYPE_NAMES)):
         _fail(f"{role} rank {rank}: unknown dtype code; known dtypes: {', '.join(DTYPE_NAMES)}")
     common: dict[str, Any] = dict(names=names, dtype=dtype.astype(np.uint8),
-                  ndim=_unpack(obj["ndim"], 1, "ndim"), shape=_unpack(obj["shape"], 2, "shape"),
-                  region_offset=_unpack(obj["region_offset"], 1, "region_offset"))
+                                  ndim=_unpack(obj["ndim"], 1, "ndim"), shape=_unpack(obj["shape"], 2, "shape"),
+                                  region_offset=_unpack(obj["region_offset"], 1, "region_offset"))
     cols: Columns
     if role == "source":
-        cols = SourceColumns(**common, box_off=_unpack(obj["box_off"], 2, "box_off"),
-                             box_size=_unpack(obj["box_size"], 2, "box_size"))
+        source = SourceColumns(**common, box_off=_unpack(obj["box_off"], 2, "box_off"),
+                               box_size=_unpack(obj["box_size"], 2, "box_size"))
         _check_sorted(names, f"source rank {rank}")
-        check_source(cols, rank)
+        check_source(source, rank)
+        cols = freeze(source)
     else:
-        cols = TargetColumns(**common, piece_tensor=_unpack(obj["piece_tensor"], 1, "piece_tensor"),
-                             piece_source=_names(obj["piece_source"], "piece_source"),
-                             piece_ndim=_unpack(obj["piece_ndim"], 1, "piece_ndim"),
-                             piece_off=_unpack(obj["piece_off"], 2, "piece_off"),
-                             piece_size=_unpack(obj["piece_size"], 2, "piece_size"),
-                             piece_at=_unpack(obj["piece_at"], 2, "piece_at"))
+        target = TargetColumns(**common, piece_tensor=_unpack(obj["piece_tensor"], 1, "piece_tensor"),
+                               piece_source=_names(obj["piece_source"], "piece_source"),
+                               piece_ndim=_unpack(obj["piece_ndim"], 1, "piece_ndim"),
+                               piece_off=_unpack(obj["piece_off"], 2, "piece_off"),
+                               piece_size=_unpack(obj["piece_size"], 2, "piece_size"),
+                               piece_at=_unpack(obj["piece_at"], 2, "piece_at"))
         _check_sorted(names, f"target rank {rank}")
-        check_target(cols, rank)
-    return role, rank, cols
+        check_target(target, rank)
+        cols = freeze(target)
+    return role, cols
+
+
+ColumnsT = TypeVar("ColumnsT", SourceColumns, TargetColumns)
+
+
+def freeze(cols: ColumnsT) -> ColumnsT:
+    """Make the column arrays read-only: ranks with equal descriptions share one columns object."""
+    for value in vars(cols).values():
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+    return cols
 
 
 def _check_sorted(names: tuple[str, ...], what: str) -> None:
     # the wire form is canonical (sorted names); anything else was not written by to_wire
-    if any(not isinstance(n, str) for n in names) or any(names[i] > names[i + 1] for i in range(len(names) - 1)):
+    if set(map(type, names)) - {str} or list(names) != sorted(names):
         _fail(f"{what}: tensor names on the wire must be strings in sorted order")
-
-
-def digest(role: str, rank: int, cols: Columns) -> bytes:
-    """sha256 of the canonical wire encoding: equal descriptions, equal digests."""
-    return hashlib.sha256(msgpack.packb(to_wire(role, rank, cols), use_bin_type=True)).digest()

@@ -30,7 +30,9 @@ class Cells:
     boxes: where it equals the cell's size every holder's local tensor spans
     the cell fully, so runs may merge across that dimension for any holder.
     ``holder_set`` numbers the distinct sets of holder ranks (-1 for cells
-    with one holder).
+    with one holder).  ``uniform`` marks cells whose holders all hold the
+    same box (so a group's offset inside the local tensor is the same for
+    every holder).
     """
 
     tid: np.ndarray
@@ -40,35 +42,49 @@ class Cells:
     ptr: np.ndarray
     entries: np.ndarray
     holder_set: np.ndarray
+    uniform: np.ndarray
 
 
 def cells_of(src: Any) -> Cells:
     """The cells of every source tensor (``src`` is the planner's table of source entries)."""
-    width = src.off.shape[1]
     live = np.flatnonzero(numel(src.size) > 0)
-    keys = [src.rank[live]]
-    keys += [src.size[live, d] for d in range(width - 1, -1, -1)]
-    keys += [src.off[live, d] for d in range(width - 1, -1, -1)]
-    keys.append(src.tid[live])
-    order = live[np.lexsort(keys)]
+    # group equal (tensor, box) rows by a 64-bit mix of them: a stable sort keeps each group in rank order.
+    # Should two different boxes ever mix to the same value and interleave, one box shows up as two equal
+    # classes; equal classes overlap, so that tensor takes the grid path below, which merges their holders.
+    mixed = _mix(src.tid[live], src.off[live], src.size[live])
+    by_mix = np.argsort(mixed, kind="stable")
+    order, mixed = live[by_mix], mixed[by_mix]
     tid, off, size = src.tid[order], src.off[order], src.size[order]
     new = np.ones(len(order), dtype=bool)
-    new[1:] = (tid[1:] != tid[:-1]) | np.any(off[1:] != off[:-1], axis=1) | np.any(size[1:] != size[:-1], axis=1)
+    new[1:] = ((mixed[1:] != mixed[:-1]) | (tid[1:] != tid[:-1]) | np.any(off[1:] != off[:-1], axis=1)
+               | np.any(size[1:] != size[:-1], axis=1))
     starts = np.flatnonzero(new)
     c_tid, c_off, c_size = tid[starts], off[starts], size[starts]
     ptr = np.append(starts, len(order)).astype(I64)
     ia, ib = overlap_pairs(c_tid, c_off, c_size, c_tid, c_off, c_size)
     tangled = np.unique(c_tid[ia[ia != ib]])
-    cells = Cells(c_tid, c_off, c_size, c_size.copy(), ptr, order, np.zeros(0, dtype=I64))
+    cells = Cells(c_tid, c_off, c_size, c_size.copy(), ptr, order, np.zeros(0, dtype=I64),
+                  np.ones(len(c_tid), dtype=bool))
     if len(tangled):
         cells = _untangle(cells, tangled, src)
     cells.holder_set = _holder_sets(cells, src.rank)
     return cells
 
 
+def _mix(tid: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """A 64-bit mix of each (tensor, offsets, sizes) row (splitmix64 steps; uint64 arithmetic wraps)."""
+    h = tid.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for column in [off[:, d] for d in range(off.shape[1])] + [size[:, d] for d in range(size.shape[1])]:
+        h ^= column.astype(np.uint64)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(31)
+    return h
+
+
 def _untangle(cells: Cells, tangled: np.ndarray, src: Any) -> Cells:
     """Replace the classes of tensors whose boxes overlap by the grid cells of those boxes."""
     keep = ~np.isin(cells.tid, tangled)
+    tangled_set = set(tangled.tolist())
     tids: list[int] = []
     offs: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
@@ -112,7 +128,7 @@ def _untangle(cells: Cells, tangled: np.ndarray, src: Any) -> Cells:
         np.array([tids[i] for i in order], dtype=I64), stack(offs), stack(sizes), stack(reprs),
         np.concatenate(([0], np.cumsum(counts))).astype(I64),
         np.concatenate([holders[i] for i in order]).astype(I64) if order else np.zeros(0, dtype=I64),
-        np.zeros(0, dtype=I64))
+        np.zeros(0, dtype=I64), np.array([tids[i] not in tangled_set for i in order], dtype=bool))
 
 
 def _holder_sets(cells: Cells, rank: np.ndarray) -> np.ndarray:
@@ -123,7 +139,11 @@ def _holder_sets(cells: Cells, rank: np.ndarray) -> np.ndarray:
     for n in np.unique(k[k > 1]).tolist():
         which = np.flatnonzero(k == n)
         ranks = rank[cells.entries[cells.ptr[which][:, None] + np.arange(n)[None, :]]]
-        _, inverse = np.unique(ranks, axis=0, return_inverse=True)
+        # number the rank lists by a 64-bit mix of them; np.unique(axis=0) only if two lists mix alike
+        mixed = _mix(ranks[:, 0], ranks[:, 1:], ranks[:, :0])
+        _, first, inverse = np.unique(mixed, return_index=True, return_inverse=True)
+        if not np.array_equal(ranks[first][inverse.reshape(-1)], ranks):
+            _, inverse = np.unique(ranks, axis=0, return_inverse=True)
         out[which] = next_id + inverse.reshape(-1)
         next_id += int(inverse.max()) + 1
     return out

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorxfer.errors import PlanError
-from tensorxfer.sync import _columns
+from tensorxfer.sync import _columns, _runs
 from tensorxfer.sync._boxes import (
     I64,
     c_strides,
@@ -264,14 +264,23 @@ class _Sources:
 
 def _gather_sources(specs: list[RankSpec], width: int) -> _Sources:
     cols: list[SourceColumns] = [s.columns for s in specs]  # type: ignore[misc]
-    names = sorted(set().union(*(c.names for c in cols))) if cols else []
+    # tensors numbered in order of first appearance (ranks ascending, names sorted): deterministic, and
+    # dict/map/chain run in C -- this touches every (rank, tensor) name
+    names = list(dict.fromkeys(itertools.chain.from_iterable(c.names for c in cols)))
     index = {n: i for i, n in enumerate(names)}
-    tid = np.concatenate([np.array([index[n] for n in c.names], dtype=I64) for c in cols] or [np.zeros(0, I64)])
-    rank = np.concatenate([np.full(len(c.names), s.rank, dtype=I64) for s, c in zip(specs, cols)] or [tid])
+    counts = [len(c.names) for c in cols]
+    tid = np.fromiter(map(index.__getitem__, itertools.chain.from_iterable(c.names for c in cols)), dtype=I64,
+                      count=sum(counts))
+    rank = np.repeat(np.array([s.rank for s in specs], dtype=I64), counts)
+    bounds = np.concatenate(([0], np.cumsum(counts))).astype(I64)
 
     def cat(field: str, fill: int) -> np.ndarray:
-        parts = [_pad(getattr(c, field), width, fill) for c in cols]
-        return np.concatenate(parts) if parts else np.zeros((0, width), dtype=I64)
+        out = np.full((int(bounds[-1]), width), fill, dtype=I64)
+        for i, c in enumerate(cols):
+            block = getattr(c, field)
+            if block.shape[1]:
+                out[bounds[i]:bounds[i + 1], width - block.shape[1]:] = block
+        return out
 
     shape, off, size = cat("shape", 1), cat("box_off", 0), cat("box_size", 1)
     ndim = np.concatenate([c.ndim for c in cols] or [tid])
@@ -301,7 +310,7 @@ def _shape(row: np.ndarray, ndim: int) -> tuple[int, ...]:
 class _Pieces:
     """All target ranks' pieces (non-empty ones), with their target tensor's placement."""
 
-    rank: np.ndarray
+    template: np.ndarray           # index of the (first) target spec the piece belongs to
     tid: np.ndarray
     off: np.ndarray
     size: np.ndarray
@@ -312,7 +321,7 @@ class _Pieces:
     owner: np.ndarray              # per piece: index into specs, and its row there (for messages)
     row: np.ndarray
     specs: list[RankSpec]
-    total: dict[int, int]          # bytes per target rank
+    total: list[int]               # bytes per target spec
 
     def where(self, j: int) -> tuple[int, str]:
         """(target rank, target tensor name) of piece j."""
@@ -323,11 +332,10 @@ class _Pieces:
 
 def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces:
     ranks, tids, offs, sizes, ats, shapes, regions, items, owners, rows = [], [], [], [], [], [], [], [], [], []
-    total = {}
+    total = []
     for number, spec in enumerate(specs):
         c: TargetColumns = spec.columns  # type: ignore[assignment]
-        tsize = numel(c.shape) * ITEMSIZE[c.dtype]
-        total[spec.rank] = int(tsize.sum())
+        total.append(int((numel(c.shape) * ITEMSIZE[c.dtype]).sum()))
         get = src.index.get
         tid = np.array([get(n, -1) for n in c.piece_source], dtype=I64)
         pt = c.piece_tensor
@@ -362,7 +370,7 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
                 f"{format_box(*_unpadded(c.piece_off[j], c.piece_size[j], c.piece_ndim[j]))} of source tensor "
                 f"{c.piece_source[j]!r}, outside its global shape {_shape(src.shape[tid[j]], src.ndim[tid[j]])}")
         live = np.flatnonzero(numel(size) > 0)
-        ranks.append(np.full(len(live), spec.rank, dtype=I64))
+        ranks.append(np.full(len(live), number, dtype=I64))
         tids.append(tid[live])
         offs.append(off[live])
         sizes.append(size[live])
@@ -386,7 +394,7 @@ def _unpadded(off: np.ndarray, size: np.ndarray, ndim: int) -> tuple[tuple[int, 
 
 
 def _check_coverage(pc: _Pieces, src: _Sources, cells: Cells, unit_piece: np.ndarray, unit_numel: np.ndarray) -> None:
-    covered = np.zeros(len(pc.rank), dtype=I64)
+    covered = np.zeros(len(pc.template), dtype=I64)
     if len(unit_piece):
         starts = segment_starts(unit_piece)
         covered[unit_piece[starts]] = np.add.reduceat(unit_numel, starts)
@@ -404,147 +412,6 @@ def _check_coverage(pc: _Pieces, src: _Sources, cells: Cells, unit_piece: np.nda
     raise PlanError(
         f"target rank {rank} tensor {name!r} needs box {format_box(*hole)} of source tensor {src.names[t]!r}, "
         "which no source rank holds; add a source that holds it or fix the boxes")
-
-
-def _geometry(pc: _Pieces, cells: Cells, unit_piece: np.ndarray, unit_cell: np.ndarray,
-              i_off: np.ndarray, i_size: np.ndarray) -> dict[str, np.ndarray]:
-    """Strided groups of every intersection, in target coordinates; source side per holder comes later."""
-    width = i_off.shape[1]
-    n = len(unit_piece)
-    s_stride = c_strides(cells.repr_size[unit_cell])
-    t_stride = c_strides(pc.local_shape[unit_piece])
-    run = np.ones(n, dtype=I64)
-    going = np.ones(n, dtype=bool)
-    outer = np.zeros((n, width), dtype=bool)
-    for d in range(width - 1, -1, -1):
-        big = i_size[:, d] > 1
-        extend = going & big & (s_stride[:, d] == run) & (t_stride[:, d] == run)
-        run = np.where(extend, run * i_size[:, d], run)
-        outer[:, d] = big & ~extend
-        going &= ~outer[:, d]
-    # the innermost dimension left over is the strided one; any further ones become separate groups
-    has_outer = outer.any(axis=1)
-    sd = np.where(has_outer, width - 1 - np.argmax(outer[:, ::-1], axis=1), -1)
-    rows = np.arange(n)
-    count = np.where(has_outer, i_size[rows, np.maximum(sd, 0)], 1)
-    extra = outer.copy()
-    extra[rows[has_outer], sd[has_outer]] = False
-    per_unit = np.prod(np.where(extra, i_size, 1), axis=1, dtype=I64)
-    item = pc.itemsize[unit_piece]
-    dst_coord = pc.at[unit_piece] + (i_off - pc.off[unit_piece])
-    dst = pc.region[unit_piece] + item * np.sum(dst_coord * t_stride, axis=1)
-    coord = i_off
-    unit = rows
-    if np.any(per_unit > 1):  # 3+ dims with two or more partial ones: enumerate the outer ones
-        unit, k = expand_ranges(np.zeros(n, dtype=I64), per_unit)
-        coord = i_off[unit].copy()
-        dst = dst[unit].copy()
-        for d in range(width - 1, -1, -1):
-            on = extra[unit, d]
-            step = np.where(on, k % i_size[unit, d], 0)
-            k = np.where(on, k // i_size[unit, d], k)
-            coord[:, d] += step
-            dst += item[unit] * step * t_stride[unit, d]
-    sd_u = sd[unit]
-    return {
-        "unit": unit, "coord": coord, "dst": dst, "count": count[unit], "nbytes": run[unit] * item[unit],
-        "sd": sd_u, "dst_stride": np.where(sd_u >= 0, t_stride[unit, np.maximum(sd_u, 0)], 0) * item[unit],
-        "item": item[unit], "cell": unit_cell[unit], "dst_rank": pc.rank[unit_piece][unit],
-    }
-
-
-def _assign(g: dict[str, np.ndarray], cells: Cells, src: _Sources) -> dict[str, np.ndarray]:
-    """Pick the holder of every group (splitting groups of replicated bytes); see the module docstring."""
-    holders = cells.ptr[g["cell"] + 1] - cells.ptr[g["cell"]]
-    single = np.flatnonzero(holders == 1)
-    multi = np.flatnonzero(holders > 1)
-    nbytes_all = g["count"] * g["nbytes"]
-    part_group = [single]
-    part_entry = [cells.entries[cells.ptr[g["cell"][single]]]]
-    part_skip = [np.zeros(len(single), dtype=I64)]
-    part_len = [nbytes_all[single]]
-    if len(multi):
-        hs = cells.holder_set[g["cell"][multi]]
-        order = multi[np.lexsort((g["dst"][multi], g["dst_rank"][multi], hs))]
-        hs = cells.holder_set[g["cell"][order]]
-        length = nbytes_all[order]
-        start = np.cumsum(length) - length
-        end = start + length
-        set_starts = segment_starts(hs)
-        set_base = start[set_starts]
-        set_total = np.add.reduceat(length, set_starts)
-        set_k = holders[order][set_starts]
-        # cut j of a set of k holders lies at base + j*total//k, j = 1..k-1
-        cut_set, cut_j = expand_ranges(np.ones(len(set_starts), dtype=I64), set_k)
-        cuts = set_base[cut_set] + (cut_j * set_total[cut_set]) // set_k[cut_set]
-        cut_base = np.cumsum(set_k - 1) - (set_k - 1)
-        set_of = np.repeat(np.arange(len(set_starts)), np.diff(np.append(set_starts, len(order))))
-        first = np.searchsorted(cuts, start, side="right")
-        last = np.searchsorted(cuts, end, side="left")
-        inside = np.maximum(last - first, 0)
-        row, t = expand_ranges(np.zeros(len(order), dtype=I64), inside + 1)
-        grain = np.where(g["count"][order] > 1, g["nbytes"][order], g["item"][order])[row]
-        s, e = start[row], end[row]
-
-        def snapped(index: np.ndarray) -> np.ndarray:
-            q = cuts[np.minimum(index, len(cuts) - 1)] - s if len(cuts) else np.zeros(len(row), dtype=I64)
-            return np.clip((q + grain // 2) // grain * grain, 0, e - s)
-
-        lo = np.where(t == 0, 0, snapped(first[row] + t - 1))
-        hi = np.where(t == inside[row], e - s, snapped(first[row] + t))
-        keep = hi > lo
-        row, t, lo, hi = row[keep], t[keep], lo[keep], hi[keep]
-        which = first[row] - cut_base[set_of[row]] + t
-        group = order[row]
-        part_group.append(group)
-        part_entry.append(cells.entries[cells.ptr[g["cell"][group]] + which])
-        part_skip.append(lo)
-        part_len.append(hi - lo)
-    group = np.concatenate(part_group)
-    entry = np.concatenate(part_entry)
-    skip = np.concatenate(part_skip)
-    length = np.concatenate(part_len)
-    # source side from the chosen holder's own box
-    item, sd, nb = g["item"][group], g["sd"][group], g["nbytes"][group]
-    e_stride = c_strides(src.size[entry])
-    src_off = src.region[entry] + item * np.sum((g["coord"][group] - src.off[entry]) * e_stride, axis=1)
-    src_stride = np.where(sd >= 0, e_stride[np.arange(len(entry)), np.maximum(sd, 0)], 0) * item
-    strided = g["count"][group] > 1
-    rows_skip = np.where(strided, skip // np.maximum(nb, 1), 0)
-    dst_stride = g["dst_stride"][group]
-    count = np.where(strided, length // np.maximum(nb, 1), 1)
-    out = {
-        "src_rank": src.rank[entry],
-        "dst_rank": g["dst_rank"][group],
-        "src_off": src_off + np.where(strided, rows_skip * src_stride, skip),
-        "dst_off": g["dst"][group] + np.where(strided, rows_skip * dst_stride, skip),
-        "nbytes": np.where(strided, nb, length),
-        "count": count,
-        "src_stride": np.where(count > 1, src_stride, 0),
-        "dst_stride": np.where(count > 1, dst_stride, 0),
-    }
-    return out
-
-
-def _coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Sort by (source, target, target offset) and merge single runs contiguous in both regions."""
-    order = np.lexsort((p["dst_off"], p["dst_rank"], p["src_rank"]))
-    p = {k: v[order] for k, v in p.items()}
-    n = len(order)
-    if n == 0:
-        return p
-    single = p["count"] == 1
-    joins = np.zeros(n, dtype=bool)
-    joins[1:] = (
-        (p["src_rank"][1:] == p["src_rank"][:-1]) & (p["dst_rank"][1:] == p["dst_rank"][:-1])
-        & single[1:] & single[:-1]
-        & (p["src_off"][:-1] + p["nbytes"][:-1] == p["src_off"][1:])
-        & (p["dst_off"][:-1] + p["nbytes"][:-1] == p["dst_off"][1:])
-    )
-    starts = np.flatnonzero(~joins)
-    merged = {k: v[starts] for k, v in p.items()}
-    merged["nbytes"] = np.add.reduceat(p["nbytes"], starts)
-    return merged
 
 
 def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
@@ -571,16 +438,32 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
     width = max([1] + [s.columns.shape.shape[1] for s in src_specs + tgt_specs])
     src = _gather_sources(src_specs, width)
     cells = cells_of(src)
-    pc = _gather_targets(tgt_specs, width, src)
+    # target ranks with equal descriptions (replicas of one TP rank) are planned once, then copied
+    by_content: dict[bytes, list[RankSpec]] = {}
+    for spec in tgt_specs:
+        by_content.setdefault(spec.content_digest, []).append(spec)
+    templates = list(by_content.values())
+    pc = _gather_targets([m[0] for m in templates], width, src)
     ip, ic = overlap_pairs(pc.tid, pc.off, pc.size, cells.tid, cells.off, cells.size)
     i_off, i_size = intersect(pc.off[ip], pc.size[ip], cells.off[ic], cells.size[ic])
     _check_coverage(pc, src, cells, ip, numel(i_size))
-    groups = _geometry(pc, cells, ip, ic, i_off, i_size)
-    runs = _coalesce(_assign(groups, cells, src))
+    g = _runs.geometry(i_off, i_size, cells.repr_size[ic], pc.local_shape[ip],
+                       pc.at[ip] + (i_off - pc.off[ip]), pc.region[ip], pc.itemsize[ip])
+    g["cell"] = ic[g["row"]]
+    g["template"] = pc.template[ip[g.pop("row")]]
+    entry_stride = c_strides(src.size)
+    g["src_rel"], g["src_stride"] = _runs.source_offsets(g, cells, src.off, entry_stride,
+                                                         cells.entries[cells.ptr[g["cell"]]])
+    member_ranks = [[s.rank for s in m] for m in templates]
+    row, member, rank = _runs.members(g, member_ranks)
+    part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks)
+    runs = _runs.coalesce(_runs.finish(g, cells, row, rank, part, slot, skip, size, src.rank, src.off,
+                                       src.region, entry_stride))
     arrays = {k: (v.astype(I64) if k.endswith("rank") else v.astype(U64)) for k, v in runs.items()}
     h = hashlib.sha256(DIGEST_TAG)
     for spec in src_specs + tgt_specs:
         h.update(spec.digest)
     for key in ("src_rank", "dst_rank", "src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride"):
         h.update(arrays[key].astype("<u8").tobytes())
-    return Plan(tuple(s.rank for s in src_specs), tuple(s.rank for s in tgt_specs), arrays, pc.total, h.hexdigest())
+    total = {s.rank: t for m, t in zip(templates, pc.total) for s in m}
+    return Plan(tuple(s.rank for s in src_specs), tuple(s.rank for s in tgt_specs), arrays, total, h.hexdigest())

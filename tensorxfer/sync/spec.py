@@ -29,6 +29,7 @@ Invalid input raises :class:`~tensorxfer.errors.PlanError`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -282,10 +283,11 @@ class RankSpec:
 
     Immutable.  Checked when built: tensors of the role's kind, unique names;
     on targets, tensors that do not overlap in the region and pieces that
-    tile each tensor.  Internally the tensors are kept as numpy columns in
-    canonical order (what the planner and the wire use), so a description
-    decoded with :meth:`from_wire` builds its ``tensors`` objects only when
-    asked.  Two specs are equal when their canonical encodings are.
+    tile each tensor.  Internally the tensors are kept as read-only numpy
+    columns in canonical order (what the planner and the wire use), so a
+    description decoded with :meth:`from_wire` builds its ``tensors``
+    objects only when asked.  Two specs are equal when their canonical
+    encodings are.
 
     Raises
     ------
@@ -293,18 +295,19 @@ class RankSpec:
         Naming the rank and the tensor at fault.
     """
 
-    __slots__ = ("_cols", "_digest", "_rank", "_role", "_tensors")
+    __slots__ = ("_body", "_cols", "_content", "_digest", "_rank", "_role", "_tensors")
     _role: str
     _rank: int
     _cols: _columns.Columns
     _tensors: tuple[Any, ...] | None
+    _body: bytes | None
+    _content: bytes | None
     _digest: bytes | None
 
     def __init__(self, role: str, rank: int, tensors: Iterable[SourceTensor | TargetTensor]) -> None:
         if role not in ("source", "target"):
             raise PlanError(f"role must be 'source' or 'target', got {role!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise PlanError(f"rank must be an int >= 0, got {rank!r}")
+        _check_rank(rank)
         items = tuple(tensors)
         kind = SourceTensor if role == "source" else TargetTensor
         for t in items:
@@ -320,14 +323,13 @@ class RankSpec:
                 [(t.name, t.dtype, t.local_shape, t.region_offset,
                   [(p.source_name, p.source_box.offsets, p.source_box.sizes, p.at) for p in t.pieces])
                  for t in items if isinstance(t, TargetTensor)], rank)
-        self._set(role, rank, cols, items)
+        self._set(role, rank, cols, items, None, None)
 
-    def _set(self, role: str, rank: int, cols: _columns.Columns, items: tuple[Any, ...] | None) -> None:
-        object.__setattr__(self, "_role", role)
-        object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_cols", cols)
-        object.__setattr__(self, "_tensors", items)
-        object.__setattr__(self, "_digest", None)
+    def _set(self, role: str, rank: int, cols: _columns.Columns, items: tuple[Any, ...] | None,
+             body: bytes | None, content: bytes | None) -> None:
+        for name, value in (("_role", role), ("_rank", rank), ("_cols", cols), ("_tensors", items),
+                            ("_body", body), ("_content", content), ("_digest", None)):
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("RankSpec is immutable")
@@ -342,7 +344,7 @@ class RankSpec:
 
     @property
     def columns(self) -> _columns.Columns:
-        """The canonical columns (internal to tensorxfer.sync)."""
+        """The canonical columns (internal to tensorxfer.sync; read-only arrays)."""
         return self._cols
 
     @property
@@ -355,24 +357,59 @@ class RankSpec:
         return tensors
 
     @property
+    def body(self) -> bytes:
+        """The description without its rank, as canonical msgpack bytes."""
+        body = self._body
+        if body is None:
+            body = _columns.encode(self._role, self._cols)
+            object.__setattr__(self, "_body", body)
+        return body
+
+    @property
+    def content_digest(self) -> bytes:
+        """sha256 of :attr:`body`: equal for ranks that hold or need the same things at the same offsets."""
+        found = self._content
+        if found is None:
+            found = hashlib.sha256(self.body).digest()
+            object.__setattr__(self, "_content", found)
+        return found
+
+    @property
     def digest(self) -> bytes:
-        """sha256 of the canonical encoding (independent of the order the tensors were given in)."""
+        """sha256 of rank and content (independent of the order the tensors were given in)."""
         found = self._digest
         if found is None:
-            found = _columns.digest(self._role, self._rank, self._cols)
+            found = hashlib.sha256(b"tensorxfer.sync.rank/1\0%d\0" % self._rank + self.content_digest).digest()
             object.__setattr__(self, "_digest", found)
         return found
 
     def to_wire(self) -> dict[str, Any]:
-        """msgpack-ready dict (columns as packed integer arrays)."""
-        return _columns.to_wire(self._role, self._rank, self._cols)
+        """msgpack-ready dict: ``{"v": 1, "rank": rank, "body": canonical msgpack of the columns}``."""
+        return {"v": _columns.WIRE_VERSION, "rank": self._rank, "body": self.body}
 
     @classmethod
-    def from_wire(cls, obj: Any) -> RankSpec:
-        """The spec :meth:`to_wire` encoded, fully re-checked (wire input is not trusted)."""
-        role, rank, cols = _columns.from_wire(obj)
+    def from_wire(cls, obj: Any, memo: dict[bytes, Any] | None = None) -> RankSpec:
+        """The spec :meth:`to_wire` encoded, fully re-checked (wire input is not trusted).
+
+        Pass the same ``memo`` dict when decoding many ranks: ranks with
+        identical bodies (the replicas of an inference group) are decoded
+        and checked once and share one read-only columns object.
+        """
+        if not isinstance(obj, dict) or set(obj) != {"v", "rank", "body"} or obj["v"] != _columns.WIRE_VERSION:
+            raise PlanError(f"not a version {_columns.WIRE_VERSION} rank description "
+                            "({'v': 1, 'rank': int, 'body': bytes})")
+        rank, body = obj["rank"], obj["body"]
+        _check_rank(rank)
+        if not isinstance(body, bytes):
+            raise PlanError(f"rank {rank} description body must be bytes, got {type(body).__name__}")
+        found = memo.get(body) if memo is not None else None
+        if found is None:
+            role, cols = _columns.decode(body, rank)
+            found = (role, cols, hashlib.sha256(body).digest())
+            if memo is not None:
+                memo[body] = found
         spec = cls.__new__(cls)
-        spec._set(role, rank, cols, None)
+        spec._set(found[0], rank, found[1], None, body, found[2])
         return spec
 
     def to_bytes(self) -> bytes:
@@ -380,15 +417,15 @@ class RankSpec:
         return msgpack.packb(self.to_wire(), use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, data: bytes, max_bytes: int = 1 << 30) -> RankSpec:
-        """Unpack :meth:`to_bytes` output; PlanError for anything but a valid description."""
+    def from_bytes(cls, data: bytes, max_bytes: int = 1 << 30, memo: dict[bytes, Any] | None = None) -> RankSpec:
+        """Unpack :meth:`to_bytes` output; PlanError for anything but a valid description (``memo``: see from_wire)."""
         if len(data) > max_bytes:
             raise PlanError(f"rank description of {len(data)} bytes is over the limit of {max_bytes}")
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except (ValueError, msgpack.UnpackException) as exc:
             raise PlanError(f"rank description is not valid msgpack: {exc}") from None
-        return cls.from_wire(obj)
+        return cls.from_wire(obj, memo)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankSpec):
@@ -400,6 +437,11 @@ class RankSpec:
 
     def __repr__(self) -> str:
         return f"RankSpec(role={self._role!r}, rank={self._rank}, tensors={len(self._cols.names)})"
+
+
+def _check_rank(rank: Any) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 31:
+        raise PlanError(f"rank must be an int in [0, 2**31), got {rank!r}")
 
 
 def _unpad(row: Any, ndim: int) -> tuple[int, ...]:
