@@ -236,7 +236,7 @@ def build(scenario):
     return sources, targets, global_arrays(shapes, seed)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_matches_numpy_reference(scenario):
     sources, targets, data = build(scenario)
@@ -433,6 +433,20 @@ def test_target_replicas_are_planned_once_and_fed_by_different_sources():
     assert [sorted(pl.send_order[s]) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_digest_sees_every_input_and_plan_arrays_are_read_only():
+    sources, targets = fsdp_like(2, SHAPES, "source"), fsdp_like(3, SHAPES, "target")
+    base = plan(sources, targets)
+    shifted = [TargetTensor(t.name, t.local_shape, t.dtype, t.region_offset + 4, t.pieces) for t in targets[0].tensors]
+    moved = [RankSpec("target", 0, shifted), *targets[1:]]
+    assert plan(sources, moved).digest != base.digest
+    assert plan(sources, targets[:2]).digest != base.digest
+    assert plan(sources, targets).digest == base.digest
+    runs = base.runs(0, 0)
+    with pytest.raises(ValueError, match="read-only"):
+        runs.nbytes[0] = 1
+    assert base.runs(1, 7).num_runs == 0 and len(base.runs(1, 7)) == 0
+
+
 def test_send_order_rotates_by_rank():
     sources, targets = fsdp_like(4, {"w": (8, 8)}, "source", dim=0), fsdp_like(4, {"w": (8, 8)}, "target", dim=1)
     pl = plan(sources, targets)
@@ -615,7 +629,7 @@ def _dtensor_worker(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from tensorxfer.sync import box_of_dtensor, source_tensor_of_dtensor
 
@@ -641,6 +655,12 @@ def _dtensor_worker(rank: int, world: int, store: str, out: str) -> None:
         assert box_of_dtensor(rep) == replicate_box((6, 4))
         col = distribute_tensor(x, mesh, [Shard(1)])
         assert box_of_dtensor(col) == chunk_box((6, 4), 1, rank, world)
+        pending = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+        try:
+            box_of_dtensor(pending)
+            raise AssertionError("a Partial DTensor was accepted")
+        except PlanError as exc:
+            assert "reduce a Partial first" in str(exc)
         spec = RankSpec("source", rank, tensors)
         Path(out, f"{rank}.spec").write_bytes(spec.to_bytes())
         Path(out, f"{rank}.region").write_bytes(b"".join(blobs))

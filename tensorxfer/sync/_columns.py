@@ -7,9 +7,12 @@ once, in canonical order (tensors by name, pieces by tensor then position),
 as int64 arrays left-padded to the rank's widest tensor (offset 0, size 1 in
 the padding), and checks in one vectorized pass what concerns that rank
 alone: unique names, known dtypes, boxes inside shapes, regions that do not
-overlap, pieces that tile their target tensor.  The wire form is the same
-columns, each array as little-endian bytes of the narrowest width that
-holds it, so decoding ~10k tensors is a few ``np.frombuffer`` calls.
+overlap, pieces that tile their target tensor.  The wire form
+(:func:`encode`) is the same columns, each array as little-endian bytes of
+the narrowest width that holds it, so decoding ~10k tensors is a few
+``np.frombuffer`` calls; it holds no rank, so the replicas of one TP rank
+publish identical bytes, decoded once.  Decoded arrays are read-only and
+may be shared between ranks.
 """
 
 from __future__ import annotations

@@ -22,9 +22,17 @@ semantics: FSDP2's ``Shard(dim)``), :func:`even_box`, :func:`replicate_box`,
 :func:`fused_target` (vLLM-style fused, column-parallel tensors).
 
 Dtypes are tensorxfer's names (safetensors spelling: ``"F32"``, ``"BF16"``,
-see :mod:`tensorxfer.dtypes`).  Every description is validated when built
-and converts to msgpack-ready values with ``to_wire`` / ``from_wire``.
-Invalid input raises :class:`~tensorxfer.errors.PlanError`.
+see :mod:`tensorxfer.dtypes`); a target piece must have its source's dtype
+(the plan copies bytes; casting is not part of it yet).  Every description
+is validated when built and converts to msgpack-ready values with
+``to_wire`` / ``from_wire``.  Invalid input raises
+:class:`~tensorxfer.errors.PlanError`.
+
+Limits: at most 8 dimensions, each below 2**40 elements; region offsets
+and tensor sizes below 2**62 bytes.  A target tensor's pieces must tile
+it exactly, so padding that no source holds (vLLM pads a vocab-parallel
+embedding to a multiple of 64 rows per rank) cannot be described yet:
+describe the unpadded rows as their own tensor.
 """
 
 from __future__ import annotations
@@ -147,7 +155,7 @@ class Box:
     def from_wire(cls, obj: Any) -> Box:
         if not isinstance(obj, list | tuple) or len(obj) != 2:
             raise PlanError(f"a Box on the wire is [offsets, sizes], got {obj!r}")
-        return cls(tuple(obj[0]), tuple(obj[1]))
+        return cls(obj[0], obj[1])
 
 
 @dataclass(frozen=True)
@@ -187,8 +195,7 @@ class SourceTensor:
     def from_wire(cls, obj: Any) -> SourceTensor:
         if not isinstance(obj, dict) or set(obj) != {"name", "global_shape", "dtype", "box", "region_offset"}:
             raise PlanError(f"not a SourceTensor on the wire: {obj!r}")
-        return cls(obj["name"], tuple(obj["global_shape"]), obj["dtype"], Box.from_wire(obj["box"]),
-                   obj["region_offset"])
+        return cls(obj["name"], obj["global_shape"], obj["dtype"], Box.from_wire(obj["box"]), obj["region_offset"])
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,7 @@ class Piece:
     def from_wire(cls, obj: Any) -> Piece:
         if not isinstance(obj, dict) or set(obj) != {"source_name", "source_box", "at"}:
             raise PlanError(f"not a Piece on the wire: {obj!r}")
-        return cls(obj["source_name"], Box.from_wire(obj["source_box"]), tuple(obj["at"]))
+        return cls(obj["source_name"], Box.from_wire(obj["source_box"]), obj["at"])
 
 
 @dataclass(frozen=True)
@@ -274,7 +281,7 @@ class TargetTensor:
             raise PlanError(f"not a TargetTensor on the wire: {obj!r}")
         if not isinstance(obj["pieces"], list | tuple):
             raise PlanError("TargetTensor pieces on the wire must be a list")
-        return cls(obj["name"], tuple(obj["local_shape"]), obj["dtype"], obj["region_offset"],
+        return cls(obj["name"], obj["local_shape"], obj["dtype"], obj["region_offset"],
                    tuple(Piece.from_wire(p) for p in obj["pieces"]))
 
 
@@ -608,5 +615,8 @@ def box_of_dtensor(dt: Any) -> Box:
 
 def source_tensor_of_dtensor(name: str, dt: Any, region_offset: int) -> SourceTensor:
     """A :class:`SourceTensor` for this rank's shard of DTensor ``dt`` stored at ``region_offset``."""
-    return SourceTensor(name, tuple(int(s) for s in dt.shape), from_torch(dt.dtype).name, box_of_dtensor(dt),
-                        region_offset)
+    try:
+        dtype = from_torch(dt.dtype).name
+    except TypeError as exc:
+        raise PlanError(f"DTensor {name!r}: {exc}") from None
+    return SourceTensor(name, tuple(int(s) for s in dt.shape), dtype, box_of_dtensor(dt), region_offset)
