@@ -414,6 +414,26 @@ def test_replicated_sources_spread_over_many_targets():
     check_plan(pl, sources, targets, global_arrays({n: (s, "BF16") for n, s in shapes.items()}, 5))
 
 
+def test_a_full_replica_beside_shards_carries_only_its_fair_part():
+    """Rank 8 holds every tensor whole, ranks 0-7 a row shard each: rank 8 is in all eight holder sets.
+
+    Splitting each set evenly would load rank 8 with half of everything; water-filling gives it about a
+    ninth, like everyone else.
+    """
+    shapes = {f"w{i}": (64, 32) for i in range(6)}
+    sources = fsdp_like(8, shapes, "source", dtype="BF16")
+    off, full = 0, []
+    for name, shape in shapes.items():
+        full.append(SourceTensor(name, shape, "BF16", replicate_box(shape), off))
+        off += math.prod(shape) * 2
+    sources.append(RankSpec("source", 8, full))
+    targets = fsdp_like(4, shapes, "target", dtype="BF16", dim=1)
+    pl = plan(sources, targets)
+    total = sum(pl.bytes_per_target.values())
+    assert max(pl.bytes_per_source.values()) <= 1.05 * total / 9, pl.bytes_per_source
+    check_plan(pl, sources, targets, global_arrays({n: (s, "BF16") for n, s in shapes.items()}, 9))
+
+
 def test_target_replicas_are_planned_once_and_fed_by_different_sources():
     """2 TP ranks x 3 identical replicas, fed by 3 full source replicas: each source feeds its own replica."""
     shapes = {"q": (12, 8), "o": (8, 12)}

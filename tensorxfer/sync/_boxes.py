@@ -115,6 +115,38 @@ def overlap_pairs(
     return ia[keep], ib[keep]
 
 
+def crowded_groups(group: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Groups in which some non-empty box meets another on the group's most spread dimension (sorted).
+
+    Counting only (each box: boxes starting before it ends minus boxes
+    ending before it starts), so a group of n boxes costs O(n log n) even
+    when one box spans all the others.  A group not returned has pairwise
+    disjoint boxes; one returned may still have them (disjoint in another
+    dimension), which callers treat as overlapping to be safe.
+    """
+    if len(group) == 0:
+        return np.zeros(0, dtype=I64)
+    if off.shape[1] == 0:
+        counts = np.bincount(group)
+        return np.flatnonzero(counts > 1).astype(I64)
+    by_group = np.argsort(group, kind="stable")
+    starts = segment_starts(group[by_group])
+    present = group[by_group][starts]
+    spread = (np.maximum.reduceat(off[by_group], starts, axis=0)
+              - np.minimum.reduceat(off[by_group], starts, axis=0))
+    longest = np.maximum.reduceat(size[by_group], starts, axis=0)
+    primary = np.zeros(int(group.max()) + 1, dtype=I64)
+    primary[present] = np.argmax(spread / np.maximum(longest, 1), axis=1)
+    rows = np.arange(len(group))
+    lo = off[rows, primary[group]]
+    hi = lo + size[rows, primary[group]]
+    start_keys = np.sort((group << KEY_BITS) | lo)
+    end_keys = np.sort((group << KEY_BITS) | hi)
+    began = np.searchsorted(start_keys, (group << KEY_BITS) | hi, side="left")
+    ended = np.searchsorted(end_keys, (group << KEY_BITS) | lo, side="right")
+    return np.unique(group[began - ended > 1])
+
+
 def intersect(
     a_off: np.ndarray, a_size: np.ndarray, b_off: np.ndarray, b_size: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:

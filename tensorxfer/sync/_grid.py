@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensorxfer.errors import PlanError
-from tensorxfer.sync._boxes import I64, numel, overlap_pairs
+from tensorxfer.sync._boxes import I64, crowded_groups, expand_ranges, numel
 
 MAX_GRID_CELLS = 1 << 22
 
@@ -61,8 +61,7 @@ def cells_of(src: Any) -> Cells:
     starts = np.flatnonzero(new)
     c_tid, c_off, c_size = tid[starts], off[starts], size[starts]
     ptr = np.append(starts, len(order)).astype(I64)
-    ia, ib = overlap_pairs(c_tid, c_off, c_size, c_tid, c_off, c_size)
-    tangled = np.unique(c_tid[ia[ia != ib]])
+    tangled = crowded_groups(c_tid, c_off, c_size)
     cells = Cells(c_tid, c_off, c_size, c_size.copy(), ptr, order, np.zeros(0, dtype=I64),
                   np.ones(len(c_tid), dtype=bool))
     if len(tangled):
@@ -83,52 +82,48 @@ def _mix(tid: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 def _untangle(cells: Cells, tangled: np.ndarray, src: Any) -> Cells:
     """Replace the classes of tensors whose boxes overlap by the grid cells of those boxes."""
-    keep = ~np.isin(cells.tid, tangled)
-    tangled_set = set(tangled.tolist())
-    tids: list[int] = []
-    offs: list[np.ndarray] = []
-    sizes: list[np.ndarray] = []
-    reprs: list[np.ndarray] = []
-    holders: list[np.ndarray] = []
-    for c in np.flatnonzero(keep):
-        tids.append(int(cells.tid[c]))
-        offs.append(cells.off[c])
-        sizes.append(cells.size[c])
-        reprs.append(cells.size[c])
-        holders.append(cells.entries[cells.ptr[c]:cells.ptr[c + 1]])
-    for t in tangled.tolist():
-        mine = np.flatnonzero(cells.tid == t)
+    keep = np.flatnonzero(~np.isin(cells.tid, tangled))
+    counts = np.diff(cells.ptr)
+    tids, offs, sizes, reprs = [cells.tid[keep]], [cells.off[keep]], [cells.size[keep]], [cells.size[keep]]
+    _, taken = expand_ranges(cells.ptr[keep], cells.ptr[keep + 1])
+    holders, holder_counts = [cells.entries[taken]], [counts[keep]]
+    uniform = [np.ones(len(keep), dtype=bool)]
+    by_tid = np.flatnonzero(np.isin(cells.tid, tangled))
+    by_tid = by_tid[np.argsort(cells.tid[by_tid], kind="stable")]
+    bounds = np.searchsorted(cells.tid[by_tid], np.append(tangled, tangled[-1] + 1))
+    for i, t in enumerate(tangled.tolist()):
+        mine = by_tid[bounds[i]:bounds[i + 1]]
         lo, hi = cells.off[mine], cells.off[mine] + cells.size[mine]
         cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(lo.shape[1])]
-        total = int(np.prod([len(c) - 1 for c in cuts], dtype=np.float64))
+        total = int(np.prod([len(c) - 1 for c in cuts], dtype=np.float64)) * len(mine)
         if total > MAX_GRID_CELLS:
-            raise PlanError(f"the source boxes of tensor {src.names[t]!r} overlap in {total} distinct pieces, "
-                            f"more than {MAX_GRID_CELLS}; describe fewer overlapping shardings of it")
+            raise PlanError(f"the source boxes of tensor {src.names[t]!r} overlap in too many ways "
+                            f"({total} grid cell x box checks, limit {MAX_GRID_CELLS}); describe fewer "
+                            "overlapping shardings of it")
         grids = np.meshgrid(*[np.arange(len(c) - 1) for c in cuts], indexing="ij")
         index = np.stack([g.ravel() for g in grids], axis=1) if grids else np.zeros((1, 0), dtype=I64)
         g_lo = np.stack([cuts[d][index[:, d]] for d in range(len(cuts))], axis=1).astype(I64)
         g_hi = np.stack([cuts[d][index[:, d] + 1] for d in range(len(cuts))], axis=1).astype(I64)
         inside = np.all((lo[None, :, :] <= g_lo[:, None, :]) & (g_hi[:, None, :] <= hi[None, :, :]), axis=2)
-        for g in np.flatnonzero(inside.any(axis=1)):
-            entries = np.concatenate([cells.entries[cells.ptr[c]:cells.ptr[c + 1]] for c in mine[inside[g]]])
-            entries = entries[np.argsort(src.rank[entries], kind="stable")]
-            tids.append(t)
-            offs.append(g_lo[g])
-            sizes.append(g_hi[g] - g_lo[g])
-            reprs.append(src.size[entries].max(axis=0))
-            holders.append(entries)
-    order = sorted(range(len(tids)), key=lambda i: (tids[i], tuple(offs[i])))
-    width = cells.off.shape[1]
-
-    def stack(rows: list[np.ndarray]) -> np.ndarray:
-        return np.array([rows[i] for i in order], dtype=I64).reshape(len(order), width)
-
-    counts = np.array([len(holders[i]) for i in order], dtype=I64)
-    return Cells(
-        np.array([tids[i] for i in order], dtype=I64), stack(offs), stack(sizes), stack(reprs),
-        np.concatenate(([0], np.cumsum(counts))).astype(I64),
-        np.concatenate([holders[i] for i in order]).astype(I64) if order else np.zeros(0, dtype=I64),
-        np.zeros(0, dtype=I64), np.array([tids[i] not in tangled_set for i in order], dtype=bool))
+        grid, cls = np.nonzero(inside)                     # (grid cell, box containing it), by grid cell
+        which, entry_at = expand_ranges(cells.ptr[mine[cls]], cells.ptr[mine[cls] + 1])
+        grid, entry = grid[which], cells.entries[entry_at]
+        order = np.lexsort((src.rank[entry], grid))         # each cell's holders by rank
+        grid, entry = grid[order], entry[order]
+        starts = np.flatnonzero(np.append(True, grid[1:] != grid[:-1]))
+        cell_of = grid[starts]
+        boxes = np.bincount(np.nonzero(inside)[0], minlength=len(inside))[cell_of]
+        tids.append(np.full(len(starts), t, dtype=I64))
+        offs.append(g_lo[cell_of])
+        sizes.append(g_hi[cell_of] - g_lo[cell_of])
+        reprs.append(np.maximum.reduceat(src.size[entry], starts, axis=0))
+        holders.append(entry)
+        holder_counts.append(np.diff(np.append(starts, len(grid))))
+        uniform.append(boxes == 1)  # inside one box only: every holder holds that same box
+    tid = np.concatenate(tids)
+    return Cells(tid, np.concatenate(offs), np.concatenate(sizes), np.concatenate(reprs),
+                 np.concatenate(([0], np.cumsum(np.concatenate(holder_counts)))).astype(I64),
+                 np.concatenate(holders).astype(I64), np.zeros(0, dtype=I64), np.concatenate(uniform))
 
 
 def _holder_sets(cells: Cells, rank: np.ndarray) -> np.ndarray:

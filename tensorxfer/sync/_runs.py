@@ -7,6 +7,8 @@ them together and documents the rules.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tensorxfer.sync._boxes import I64, c_strides, expand_ranges, segment_starts
@@ -94,8 +96,8 @@ def members(g: Columns, ranks: list[list[int]]) -> tuple[np.ndarray, np.ndarray,
     return np.concatenate(pieces), np.concatenate(member), np.concatenate(rank)
 
 
-def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks: list[list[int]]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks: list[list[int]],
+           entry_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Choose a holder for every group of every target rank, cutting groups of replicated bytes into parts.
 
     ``g`` holds the template groups (one copy per distinct target
@@ -103,12 +105,12 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
     parts in row order as (row, holder slot in the cell, byte offset into
     the group, bytes).  Groups of cells with one holder go whole to it.
     Groups of cells with k holders are laid end to end per holder set, in
-    (target rank, target offset) order, and that line is cut into k equal
-    lengths at row boundaries (element boundaries for single runs); the
-    i-th length goes to the holder with the i-th lowest rank.  Positions
-    are computed per block -- the groups of one holder set in one target
-    rank -- so only rows of blocks that a cut falls into are looked at one
-    by one.
+    (target rank, target offset) order, and that line is cut into k
+    lengths at row boundaries (element boundaries for single runs), the
+    i-th going to the holder with the i-th lowest rank; the lengths are
+    the holders' shares from :func:`shares`.  Positions are computed per
+    block -- the groups of one holder set in one target rank -- so only
+    rows of blocks that a cut falls into are looked at one by one.
     """
     cell = g["cell"]
     k = cells.ptr[cell + 1] - cells.ptr[cell]
@@ -151,9 +153,17 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
     set_k = hs_k[set_hs]
     set_of_hs = np.zeros(len(hs_k), dtype=I64)
     set_of_hs[set_hs] = np.arange(len(sets))
-    # cut j of a set of k holders (j = 1..k-1) lies at base + j * total // k
-    cut_set, cut_j = expand_ranges(np.ones(len(sets), dtype=I64), set_k)
-    cuts = pos[line][sets][cut_set] + (cut_j * set_total[cut_set]) // set_k[cut_set]
+    # the holder ranks of each set, in slot order, and the bytes that only one rank holds
+    first_row = np.zeros(len(hs_k), dtype=I64)
+    first_row[hs[mt][::-1]] = mt[::-1]
+    set_cell = cell[first_row[set_hs]]
+    set_ranks = [entry_rank[cells.entries[cells.ptr[c]:cells.ptr[c + 1]]].tolist() for c in set_cell.tolist()]
+    one = np.flatnonzero(k == 1)
+    fixed = np.bincount(entry_rank[cells.entries[cells.ptr[cell[one]]]],
+                        weights=(length[one] * count[g["template"][one]]).astype(np.float64))
+    # cut j of a set (j = 1..k-1) lies at its base + the shares of its first j holders
+    within = [np.cumsum(x)[:-1] for x in shares(set_ranks, set_total.tolist(), fixed)]
+    cuts = np.repeat(pos[line][sets], set_k - 1) + np.concatenate([*within, np.zeros(0, dtype=I64)]).astype(I64)
     cut_base = (np.cumsum(set_k - 1) - (set_k - 1))[set_of_hs[bm_hs]]
     bm_first_cut = np.searchsorted(cuts, pos, side="right")
     bm_cut = np.searchsorted(cuts, pos + bm_total, side="left") > bm_first_cut
@@ -171,6 +181,50 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
         starts[r] = start
         return row_parts(row, slot, inside, length, g, cuts, starts)
     return row_parts(row, slot, inside, length, g, cuts, np.zeros(0, dtype=I64))
+
+
+def shares(holders: list[list[int]], totals: list[int], fixed: np.ndarray, passes: int = 64) -> list[list[int]]:
+    """Bytes each holder of each holder set carries: water-filling over the ranks' loads.
+
+    ``holders[s]`` are the ranks of set s, ``totals[s]`` its bytes,
+    ``fixed[r]`` what rank r sends anyway (bytes only it holds).  Sets are
+    taken most constrained first (fewest holders, then most bytes, then
+    ranks), each poured onto its least-loaded holders up to a common level;
+    later passes take each set's bytes back and pour them again (until no
+    share moves by a byte, at most ``passes`` times), so a rank that belongs
+    to many sets (a full replica beside shards) ends up with its fair part,
+    not 1/k of every set.  Sets of ranks that share no other set split
+    evenly after one pass.  Deterministic; integer shares sum to each total.
+    """
+    load = {r: float(fixed[r]) if r < len(fixed) else 0.0 for h in holders for r in h}
+    given: list[list[float]] = [[0.0] * len(h) for h in holders]
+    order = sorted(range(len(holders)), key=lambda s: (len(holders[s]), -totals[s], holders[s]))
+    for _ in range(passes):
+        moved = 0.0
+        for s in order:
+            for r, x in zip(holders[s], given[s]):
+                load[r] -= x
+            before = given[s]
+            level = [load[r] for r in holders[s]]
+            pool, below, wet = float(totals[s]), 0.0, 0
+            for height in sorted(level):  # raise the water over the lowest holders until it stops short
+                if wet and (pool + below) / wet <= height:
+                    break
+                below += height
+                wet += 1
+            water = (pool + below) / wet
+            given[s] = [max(0.0, water - h) for h in level]
+            moved = max(moved, max(abs(x - y) for x, y in zip(given[s], before)))
+            for r, x in zip(holders[s], given[s]):
+                load[r] += x
+        if moved < 1.0:
+            break
+    out = []
+    for s, part in enumerate(given):
+        marks = [0] + [min(totals[s], round(v)) for v in itertools.accumulate(part)]
+        marks[-1] = totals[s]
+        out.append([max(b - a, 0) for a, b in itertools.pairwise(marks)])
+    return out
 
 
 def row_parts(row: np.ndarray, slot: np.ndarray, inside: np.ndarray, length: np.ndarray, g: Columns,

@@ -476,7 +476,7 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
                                                          cells.entries[cells.ptr[g["cell"]]])
     member_ranks = [[s.rank for s in m] for m in templates]
     row, member, rank = _runs.members(g, member_ranks)
-    part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks)
+    part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks, src.rank)
     runs = _runs.coalesce(_runs.finish(g, cells, row, rank, part, slot, skip, size, src.rank, src.off,
                                        src.region, entry_stride))
     arrays = {k: (v.astype(I64) if k.endswith("rank") else v.astype(U64)) for k, v in runs.items()}
