@@ -34,15 +34,20 @@ numpy over all ranks at once; nothing loops over tensor x source x target):
    copy: ``cudaMemcpy2D``, a strided numpy view).  :meth:`Runs.flat`
    expands them into plain runs.
 4. **Balancing.**  Bytes held by one rank go from that rank.  Bytes held by
-   k ranks (Replicate, HSDP, overlapping shards) are balanced per *holder
-   set* (the ranks that hold them): all such pieces of every tensor with
-   the same holder set are laid end to end in (target rank, target offset)
-   order and that line is cut into k equal parts, the i-th going to the
-   holder with the i-th lowest rank.  Each holder carries 1/k of the bytes
-   (to within one row), in large contiguous parts, and each tends to feed
-   a few neighbouring targets rather than every target a little.  A cut
-   falls on a row boundary of a strided group, or on an element boundary
-   of a single run.
+   k ranks (Replicate, HSDP, expert replicas, overlapping shards) are
+   balanced per *holder set* (the ranks that hold them).  First the bytes
+   of each set are shared among its ranks by water-filling over all ranks'
+   loads (what each rank sends anyway is counted; a set pours onto its
+   least-loaded ranks up to a common level; repeated until nothing moves):
+   ranks of disjoint sets get 1/k each, and a rank in many sets (a full
+   replica beside shards) gets its fair part rather than 1/k of every set.
+   Then all pieces of every tensor with the same holder set are laid end
+   to end in (target rank, target offset) order and that line is cut into
+   consecutive lengths of those shares, the i-th going to the holder with
+   the i-th lowest rank: large contiguous parts, each holder feeding a few
+   neighbouring targets rather than every target a little.  A cut falls
+   on a row boundary of a strided group, or on an element boundary of a
+   single run.
 5. **Order and coalescing.**  Runs are sorted by (source, target, target
    offset); runs contiguous in both regions merge, across tensors too, so
    tensors laid out in the same order on both sides move as one run.
