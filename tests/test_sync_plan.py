@@ -83,7 +83,8 @@ def execute(pl, sources: list[RankSpec], targets: list[RankSpec], data) -> tuple
     return regions, {r: np.cumsum(c)[:-1] for r, c in counts.items()}
 
 
-def check_plan(pl, sources, targets, data) -> None:
+def check_plan(pl, sources, targets, data) -> dict:
+    """Every target tensor equals its pieces of the global tensors, every byte written once; the regions."""
     regions, counts = execute(pl, sources, targets, data)
     for t in targets:
         want_count = np.zeros_like(counts[t.rank])
@@ -102,6 +103,13 @@ def check_plan(pl, sources, targets, data) -> None:
     for d in pl.targets:
         assert pl.sources_of[d] == {a for (a, b) in pl.pairs if b == d}
     assert sum(pl.bytes_per_source.values()) == sum(pl.bytes_per_target.values())
+    return regions
+
+
+def torch_chunk(n: int, index: int, count: int) -> slice:
+    """Rows of torch.chunk(t, count)[index], written out independently of chunk_box."""
+    size = -(-n // count)
+    return slice(min(index * size, n), min((index + 1) * size, n))
 
 
 def lay_out(rank: int, role: str, items: list, rng: random.Random) -> RankSpec:
@@ -201,6 +209,7 @@ def build(scenario):
             per_source[r].append((name, nb, lambda off, n=name, s=shape, dt=dtype, b=box: SourceTensor(n, s, dt, b,
                                                                                                         off)))
     per_target: dict[int, list] = {r: [] for r in range(n_tgt)}
+    fused: dict[int, list] = {r: [] for r in range(n_tgt)}
     for kind, name, dtype, what, extra in target_plans:
         item = DTYPES[dtype].itemsize
         for t in range(n_tgt):
@@ -219,6 +228,7 @@ def build(scenario):
             elif kind == "fused":
                 fdim, k = extra
                 made = fused_target(name, what, fdim, t % k, k, dtype, 0)
+                fused[t].append((name, what, fdim, t % k, k))
                 per_target[t].append((name, made.nbytes, lambda off, m=made: TargetTensor(
                     m.name, m.local_shape, m.dtype, off, m.pieces)))
             else:
@@ -233,15 +243,22 @@ def build(scenario):
     # same_layout: equal target descriptions (TP replicas) get equal regions, so the planner shares their work
     targets = [lay_out(r, "target", items, random.Random(seed) if same_layout else rng)
                for r, items in per_target.items()]
-    return sources, targets, global_arrays(shapes, seed)
+    return sources, targets, global_arrays(shapes, seed), fused
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_matches_numpy_reference(scenario):
-    sources, targets, data = build(scenario)
+    sources, targets, data, fused = build(scenario)
     pl = plan(sources, targets)
-    check_plan(pl, sources, targets, data)
+    regions = check_plan(pl, sources, targets, data)
+    # fused targets once more, against np.concatenate of torch.chunk-style slices
+    for t in targets:
+        for name, parts, fdim, index, count in fused[t.rank]:
+            want = np.concatenate([data[part][(slice(None),) * fdim + (torch_chunk(shape[fdim], index, count),)]
+                                   for part, shape in parts], axis=fdim)
+            x = next(x for x in t.tensors if x.name == name)
+            assert np.array_equal(regions[t.rank][x.region_offset:x.region_offset + x.nbytes], want.reshape(-1))
     # any input order, and descriptions that went over the wire, give the same plan
     again = plan([RankSpec.from_bytes(s.to_bytes()) for s in reversed(sources)],
                  [RankSpec.from_bytes(t.to_bytes()) for t in targets[::-1]])

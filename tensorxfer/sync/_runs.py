@@ -68,7 +68,7 @@ def geometry(i_off: np.ndarray, i_size: np.ndarray, src_shape: np.ndarray, local
             "item": item[row]}
 
 
-def source_offsets(g: Columns, cells: Cells, entry_off: np.ndarray, entry_stride: np.ndarray,
+def source_offsets(g: Columns, entry_off: np.ndarray, entry_stride: np.ndarray,
                    entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Byte offset of each group's first element inside source ``entry``'s local tensor, and the row stride."""
     stride = entry_stride[entry]
@@ -277,7 +277,7 @@ def finish(g: Columns, cells: Cells, row: np.ndarray, rank: np.ndarray, part: np
     odd = np.flatnonzero(~cells.uniform[cell])
     if len(odd):  # holders whose boxes differ: offsets from each one's own box
         sub = {key: g[key][tr[odd]] for key in ("item", "coord", "sd")}
-        rel[odd], src_stride[odd] = source_offsets(sub, cells, entry_off, entry_stride, entry[odd])
+        rel[odd], src_stride[odd] = source_offsets(sub, entry_off, entry_stride, entry[odd])
     nb = g["nbytes"][tr]
     strided = g["count"][tr] > 1
     rows_skip = np.where(strided, skip // np.maximum(nb, 1), 0)

@@ -477,8 +477,7 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
     g["cell"] = ic[g["row"]]
     g["template"] = pc.template[ip[g.pop("row")]]
     entry_stride = c_strides(src.size)
-    g["src_rel"], g["src_stride"] = _runs.source_offsets(g, cells, src.off, entry_stride,
-                                                         cells.entries[cells.ptr[g["cell"]]])
+    g["src_rel"], g["src_stride"] = _runs.source_offsets(g, src.off, entry_stride, cells.entries[cells.ptr[g["cell"]]])
     member_ranks = [[s.rank for s in m] for m in templates]
     row, member, rank = _runs.members(g, member_ranks)
     part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks, src.rank)
