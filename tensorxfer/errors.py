@@ -105,6 +105,14 @@ class BindingError(TensorXferError, ValueError):
         self.tensor = tensor
 
 
+class PlanError(TensorXferError, ValueError):
+    """Shard descriptions for a weight sync are invalid or cannot be planned.
+
+    The message names the rank, the tensor and, where bytes are missing or
+    claimed twice, the box (offsets and sizes per dimension) at fault.
+    """
+
+
 class ProtocolError(TensorXferError):
     """A peer sent a frame that is malformed, oversized, truncated or out of order."""
 
@@ -167,6 +175,7 @@ __all__ = [
     "LayoutError",
     "ManifestError",
     "PeerLost",
+    "PlanError",
     "ProtocolError",
     "RegionClosed",
     "RegionError",

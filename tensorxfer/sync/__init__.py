@@ -1,0 +1,45 @@
+"""Resharded weight sync: N source ranks sharded one way, M target ranks sharded another.
+
+- :mod:`tensorxfer.sync.spec` describes which box of which tensor each rank
+  holds (sources) or needs (targets), with helpers for ``torch.chunk`` /
+  FSDP2 shards, Replicate, DTensors and fused (qkv, gate_up) targets.
+- :mod:`tensorxfer.sync.plan` turns all ranks' descriptions into a static
+  schedule: byte runs per (source, target) pair, every target byte written
+  once, balanced over replicas, with a digest every rank can compare.
+
+Both are pure (no I/O); execution and rendezvous build on them.
+"""
+
+from tensorxfer.sync.plan import Plan, Runs, SourceView, TargetView, plan
+from tensorxfer.sync.spec import (
+    Box,
+    Piece,
+    RankSpec,
+    SourceTensor,
+    TargetTensor,
+    box_of_dtensor,
+    chunk_box,
+    even_box,
+    fused_target,
+    replicate_box,
+    source_tensor_of_dtensor,
+)
+
+__all__ = [
+    "Box",
+    "Piece",
+    "Plan",
+    "RankSpec",
+    "Runs",
+    "SourceTensor",
+    "SourceView",
+    "TargetTensor",
+    "TargetView",
+    "box_of_dtensor",
+    "chunk_box",
+    "even_box",
+    "fused_target",
+    "plan",
+    "replicate_box",
+    "source_tensor_of_dtensor",
+]
