@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One phase of a device-machine session (the H200), everything into $OUT.  Run from the repo root:
+#   bash benchmarks/device_session.sh build      # build this tree (and .oldtree/, if present) in place
+#   bash benchmarks/device_session.sh tests      # the GPU-marked tests, then the whole suite, logs in $OUT
+#   bash benchmarks/device_session.sh bench-ipc  # CUDA ipc 31.2 GB: .oldtree/ and this tree, alternating
+#   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push, from_safetensors
+# .oldtree/ is `git archive <commit> tensorxfer setup.py pyproject.toml benchmarks/bench_ipc.py` of the tree
+# to compare against (carried, git-ignored).  cuda-bindings 13.0.x is carried as a wheel in .whl/.
+set -uo pipefail
+OUT=${OUT:-/tmp/tensorxfer-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cuda ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+SITE=/tmp/site
+new=$PWD
+case "${1:-}" in
+  build)
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      PYTHONPATH=$SITE python3 -c "import sys, torch, numpy, Cython, cuda.bindings as cb, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'Cython', Cython.__version__, 'cuda-bindings', cb.__version__, 'transformers', transformers.__version__)"; nproc; } 2>&1 | tee "$OUT/env.txt"
+    (PYTHONPATH=$SITE python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build-new.txt" 2>&1; echo "new rc=$?" >> "$OUT/build-new.txt") &
+    if [ -d .oldtree ]; then
+      (cd .oldtree && PYTHONPATH=$SITE python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build-old.txt" 2>&1; echo "old rc=$?" >> "$OUT/build-old.txt") &
+    fi
+    wait; tail -2 "$OUT"/build-*.txt ;;
+  tests)
+    export PYTHONPATH=$new:$SITE
+    python3 -m pytest -p no:cacheprovider -q -rs -m cuda --durations=15 2>&1 | tee "$OUT/gpu-tests-cuda-marked.txt" | tail -25
+    python3 -m pytest -p no:cacheprovider -q -rs -n 8 -m "not cuda and not rdma" 2>&1 | tail -6 | tee "$OUT/gpu-machine-rest.txt" ;;
+  bench-ipc)
+    for round in 1 2; do
+      for tree in .oldtree .; do
+        name=$([ "$tree" = . ] && echo new || echo old)
+        (cd "$tree" && PYTHONPATH=$PWD:$SITE python3 benchmarks/bench_ipc.py --device cuda:0 --size "${IPC_SIZE:-31.2e9}" \
+          --repeat 5 --no-share --out "$OUT/ipc-$name-$round" 2>&1 | tail -4 | tee "$OUT/ipc-$name-$round.txt")
+      done
+    done ;;
+  bench-live)
+    export PYTHONPATH=$new:$SITE PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    python3 benchmarks/bench_live.py --what memory --device cuda:0 --size "${MEM_SIZE:-16e9}" --out "$OUT" 2>&1 | tail -3
+    python3 benchmarks/bench_live.py --what step --device cuda:0 --size "${STEP_SIZE:-31.2e9}" --transport ipc \
+      --repeat 5 --out "$OUT" 2>&1 | tail -6
+    python3 benchmarks/bench_live.py --what load --device cuda:0 --size "${LOAD_SIZE:-16e9}" --files 8 --repeat 2 \
+      --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2
+    python3 benchmarks/bench_live.py --what load --device cpu --size "${LOAD_SIZE:-16e9}" --files 8 --repeat 2 \
+      --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2 ;;
+  *) echo "usage: $0 build|tests|bench-ipc|bench-live" >&2; exit 2 ;;
+esac
