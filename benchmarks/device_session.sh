@@ -3,7 +3,8 @@
 #   bash benchmarks/device_session.sh build      # build this tree (and .oldtree/, if present) in place
 #   bash benchmarks/device_session.sh tests      # the GPU-marked tests, then the whole suite, logs in $OUT
 #   bash benchmarks/device_session.sh bench-ipc  # CUDA ipc 31.2 GB: .oldtree/ and this tree, alternating
-#   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push, from_safetensors
+#   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
+#   bash benchmarks/device_session.sh bench-load # from_safetensors (GPU, host) against safetensors / a plain read
 # .oldtree/ is `git archive <commit> tensorxfer setup.py pyproject.toml benchmarks/bench_ipc.py` of the tree
 # to compare against (carried, git-ignored).  cuda-bindings 13.0.x is carried as a wheel in .whl/.
 set -uo pipefail
@@ -29,6 +30,10 @@ case "${1:-}" in
     python3 -m pytest -p no:cacheprovider -q -rs -m cuda --durations=15 2>&1 | tee "$OUT/gpu-tests-cuda-marked.txt" | tail -25
     python3 -m pytest -p no:cacheprovider -q -rs -n 8 -m "not cuda and not rdma" 2>&1 | tail -6 | tee "$OUT/gpu-machine-rest.txt" ;;
   bench-ipc)
+    if [ -d .oldtree ] && ! ls .oldtree/tensorxfer/memory/_extent*.so >/dev/null 2>&1; then
+      (cd .oldtree && PYTHONPATH=$SITE python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build-old.txt" 2>&1) ||
+        { tail -n 5 "$OUT/build-old.txt"; exit 1; }     # carried anew with each call: build it in this one
+    fi
     for round in 1 2; do
       for tree in .oldtree .; do
         name=$([ "$tree" = . ] && echo new || echo old)
@@ -40,10 +45,12 @@ case "${1:-}" in
     export PYTHONPATH=$new:$SITE PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     python3 benchmarks/bench_live.py --what memory --device cuda:0 --size "${MEM_SIZE:-16e9}" --out "$OUT" 2>&1 | tail -3
     python3 benchmarks/bench_live.py --what step --device cuda:0 --size "${STEP_SIZE:-31.2e9}" --transport ipc \
-      --repeat 5 --out "$OUT" 2>&1 | tail -6
+      --repeat 5 --out "$OUT" 2>&1 | tail -6 ;;
+  bench-load)
+    export PYTHONPATH=$new:$SITE
     python3 benchmarks/bench_live.py --what load --device cuda:0 --size "${LOAD_SIZE:-16e9}" --files 8 --repeat 2 \
       --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2
     python3 benchmarks/bench_live.py --what load --device cpu --size "${LOAD_SIZE:-16e9}" --files 8 --repeat 2 \
       --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2 ;;
-  *) echo "usage: $0 build|tests|bench-ipc|bench-live" >&2; exit 2 ;;
+  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load" >&2; exit 2 ;;
 esac

@@ -101,6 +101,7 @@ class ModuleBinding:
         self._slots = {s.name: s for s in module_slots(module)}
         self._bound: list[tuple[_Slot, int]] = []       # (slot, the data pointer its tensor must have)
         self.region: Any = None
+        self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
     def module_name(self, name: str) -> str:
         names = self.names
@@ -118,6 +119,8 @@ class ModuleBinding:
             A name the module does not have (or a tensor of the module the manifest lacks), or a shape or
             dtype that differs; the message names them.
         """
+        if manifest is self._fits:
+            return      # a warm update offers the very same manifest object: checking 820 tensors again costs ms
         missing, wrong, seen = [], [], set()
         for spec in manifest:
             name = self.module_name(spec.name)
@@ -136,6 +139,7 @@ class ModuleBinding:
                     ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]
             raise LayoutError("the offer does not fit the module (give a rename map with names=...): "
                               + "; ".join(parts))
+        self._fits = manifest
 
     def attach(self, region: Any) -> None:
         """Make every bound tensor a view of its bytes in ``region`` (nothing is copied; the old storages are

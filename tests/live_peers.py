@@ -85,6 +85,9 @@ def trainer(args: argparse.Namespace) -> int:
             stats = sender.send(region)                      # no update_from: the region is the weights
             say(step=step, loss=float(loss), adopted=adopted, views=views_hold(model, region),
                 logits=logits(model, args.device), transport=stats.transport, bytes=stats.bytes)
+            if args.lockstep:
+                # A sharing receiver reads this very memory: the next step must wait until it has looked.
+                sys.stdin.readline()
     return 0
 
 
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", default="")
     p.add_argument("--transport", default="auto")
     p.add_argument("--optimizer", default="foreach")
+    p.add_argument("--lockstep", action="store_true", help="trainer: wait for a line on stdin after each step")
     args = p.parse_args(argv)
     torch.set_num_threads(1)        # one thread on both sides: the same reductions, bit-identical logits
     torch.use_deterministic_algorithms(True, warn_only=True)

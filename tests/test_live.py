@@ -29,7 +29,8 @@ CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_h
 def peer(role: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     full = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "tests.live_peers", role, json.dumps(CONFIG), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full, cwd=ROOT)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full, cwd=ROOT)
 
 
 def lines(proc: subprocess.Popen, n: int) -> list[dict]:
@@ -49,9 +50,15 @@ def train_and_receive(device: str, transport: str, optimizer: str, share: bool =
     try:
         address = lines(rx, 1)[0]["address"]
         tr = peer("trainer", "--device", device, "--to", address, "--transport", transport, "--optimizer",
-                  optimizer, env=trainer_env)
-        sent = lines(tr, 3)
-        got = lines(rx, 3)
+                  optimizer, *(["--lockstep"] if share else []), env=trainer_env)
+        sent, got = [], []
+        for _ in range(3):
+            # one step at a time: a sharing receiver reads the trainer's own memory, which the next step changes
+            sent += lines(tr, 1)
+            got += lines(rx, 1)
+            if share:
+                tr.stdin.write("next\n")
+                tr.stdin.flush()
         rc, _, err = finish(tr, 60)
         assert rc == 0, err
         rc, _, err = finish(rx, 60)
