@@ -826,7 +826,8 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
                      uint64_t remote_addr, uint32_t rkey, uint64_t length, uint64_t wr_size,
                      uint64_t max_out, uint64_t signal_every, uint32_t imm_be, double timeout, uint64_t post_batch,
                      ibv_send_wr* wrs, ibv_sge* sges, ibv_wc* wcs, WriteError* err,
-                     LoopState* st, double slice_s, uint64_t marks, const uint64_t* ready) noexcept nogil:
+                     LoopState* st, double slice_s, uint64_t marks, const uint64_t* ready,
+                     const uint64_t* table, uint64_t nreq) noexcept nogil:
     """Stripe ``length`` bytes over the QPs and wait for all of them; no GIL, no Python.
 
     ``qs`` are QPs ``q0 .. q0+nq-1`` of a stripe over ``ntot`` QPs (request ``i`` on QP ``i % ntot``):
@@ -845,6 +846,10 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
     is signaled (its completion is what the loop waits for).  While every QP waits for it with nothing
     in flight, no completion can come: the loop sleeps instead, and that wait is the upstream's, not a
     stall of the receiver.
+
+    ``table`` (not NULL; then ``ready`` is NULL and ``marks`` 0): ``nreq`` requests given explicitly, request
+    ``i`` writing ``table[3i+2]`` bytes from ``local_addr + table[3i]`` to ``remote_addr + table[3i+1]`` (a
+    weight sync's runs, scattered over the receiver's region); the stripe over the QPs is the same.
     """
     cdef int q, k, n, i
     cdef uint64_t j, gi, off, room, nb, lim = 0
@@ -877,17 +882,29 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
                     w = &wrs[k]
                     w.wr_id = (<uint64_t>q << QP_SHIFT) | j
                     w.next = &wrs[k + 1] if k + 1 < <int>nb else NULL
-                    if off < length:
+                    if table != NULL:
+                        if gi < nreq:
+                            sges[k].addr = local_addr + table[3 * gi]
+                            sges[k].length = <uint32_t>table[3 * gi + 2]
+                            sges[k].lkey = lkey
+                            w.sg_list = &sges[k]
+                            w.num_sge = 1
+                            w.wr.rdma.remote_addr = remote_addr + table[3 * gi + 1]
+                        else:                  # a QP with no data still carries an immediate
+                            w.sg_list = NULL
+                            w.num_sge = 0
+                            w.wr.rdma.remote_addr = remote_addr
+                    elif off < length:
                         sges[k].addr = local_addr + off
                         sges[k].length = <uint32_t>(wr_size if length - off > wr_size else length - off)
                         sges[k].lkey = lkey
                         w.sg_list = &sges[k]
                         w.num_sge = 1
+                        w.wr.rdma.remote_addr = remote_addr + off
                     else:                      # a QP with no data still carries an immediate
                         w.sg_list = NULL
                         w.num_sge = 0
-                        off = length
-                    w.wr.rdma.remote_addr = remote_addr + off
+                        w.wr.rdma.remote_addr = remote_addr + length
                     w.wr.rdma.rkey = rkey
                     if j + 1 == qs[q].total:
                         w.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
@@ -968,7 +985,7 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
                   uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None,
-                  uint64_t marks=0, ready=None, int first_qp=0, int stripe_qps=0):
+                  uint64_t marks=0, ready=None, int first_qp=0, int stripe_qps=0, table=None):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -1004,6 +1021,11 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     reaching past ``ready[0]`` bytes from ``local_addr`` is posted until another thread raises it; the
     loop then also comes back every 50 ms, so ``peer_alive`` may raise to abort (an upstream failure).
 
+    Scatter (a weight sync): ``table`` (a C-contiguous uint64 buffer of 3 x N entries) lists N requests as
+    (local offset, remote offset, bytes) from ``local_addr`` / ``remote_addr``, each at most ``wr_size``;
+    they replace the cut of ``length`` (which is then only the byte count reported).  Not with ``marks`` or
+    ``ready``.
+
     Several posting threads: ``qps`` may be QPs ``first_qp ..`` of a stripe over ``stripe_qps`` QPs
     (default: ``qps`` alone); this call then posts only their requests of the stripe (``wrs`` counts
     those), and waits on ``cq``, which only they may use.  Each thread calls it with its own group
@@ -1013,8 +1035,12 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     cdef int ntot = stripe_qps if stripe_qps != 0 else nq
     cdef int g
     cdef Py_buffer view
+    cdef Py_buffer tview
     cdef bint have_view = False
+    cdef bint have_tview = False
     cdef const uint64_t* gate = NULL
+    cdef const uint64_t* tab = NULL
+    cdef uint64_t nreq = 0
     cdef QPState* qs = NULL
     cdef ibv_send_wr* wrs = NULL
     cdef ibv_sge* sges = NULL
@@ -1022,7 +1048,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     cdef WriteError err
     cdef LoopState st
     cdef double slice_s = 0.05 if peer_alive is not None or ready is not None else 0.0
-    cdef uint64_t nwr, mine = 0
+    cdef uint64_t nwr, mine = 0, gi
     cdef int rc
     cdef QP qp
     cq._check_open()
@@ -1047,6 +1073,21 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             raise ValueError(f"max_outstanding {max_outstanding} exceeds the QP's send queue "
                              f"({qp.max_send_wr})")
     nwr = (length + wr_size - 1) // wr_size
+    if table is not None:
+        if marks != 0 or ready is not None:
+            raise ValueError("a scatter table cannot be combined with marks or a ready gate")
+        PyObject_GetBuffer(table, &tview, PyBUF_SIMPLE)
+        have_tview = True
+        if tview.len % 24 != 0 or (<uintptr_t>tview.buf) % 8 != 0:
+            PyBuffer_Release(&tview)
+            raise ValueError("table must be an aligned uint64 buffer of (local offset, remote offset, bytes) triples")
+        tab = <const uint64_t*>tview.buf
+        nreq = <uint64_t>(tview.len // 24)
+        nwr = nreq
+        for gi in range(nreq):
+            if tab[3 * gi + 2] == 0 or tab[3 * gi + 2] > wr_size:
+                PyBuffer_Release(&tview)
+                raise ValueError(f"scatter request {gi} has {tab[3 * gi + 2]} bytes; each must be 1..{wr_size}")
     if marks != 0 and ((nwr + ntot - 1) // ntot > C_IMM_MASK or imm > C_IMM_MASK):
         raise ValueError(f"with marks, the update number ({imm}) and the requests per QP must fit in 31 bits")
     if ready is not None:
@@ -1077,7 +1118,7 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             with nogil:
                 rc = _write_loop(qs, nq, first_qp, ntot, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
                                  length, wr_size, max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
-                                 &err, &st, slice_s, marks, gate)
+                                 &err, &st, slice_s, marks, gate, tab, nreq)
             if rc != 1:
                 break
             if peer_alive is not None and not peer_alive():
@@ -1090,6 +1131,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         if off > length:
             off = length
         ln = min(wr_size, length - off)
+        if tab != NULL and err.wr_index < nreq:
+            off, ln = int(tab[3 * err.wr_index]), int(tab[3 * err.wr_index + 2])
         if err.kind == 1:
             name = wc_status_name(err.status)
             raise CompletionError(
@@ -1109,6 +1152,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     finally:
         if have_view:
             PyBuffer_Release(&view)
+        if have_tview:
+            PyBuffer_Release(&tview)
         free(qs)
         free(wrs)
         free(sges)

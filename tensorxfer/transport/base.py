@@ -59,6 +59,7 @@ from tensorxfer.errors import PeerLost, ProtocolError
 if TYPE_CHECKING:
     from tensorxfer.manifest import Manifest
     from tensorxfer.region import TensorRegion
+    from tensorxfer.transport.segments import Segments
 
 Progress = Callable[[int], None]
 """Called with a byte count each time that many more bytes moved (from any thread)."""
@@ -183,11 +184,13 @@ class ReceiverTransport(_Half):
     on_piece: Callable[[int, int], None] | None = None
 
     @abstractmethod
-    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to receive update ``seq`` into ``region``; return msgpack-able descriptors for ``accept``.
 
         Sets the data path up (``descriptors["setup"]`` true) when ``fresh`` (the sender asked for it), on the
         first update, or when ``region`` is not the region the current setup serves; else reuses it.
+        ``segments``: the update moves these runs (a weight sync's), not ``[0, nbytes)``; a transport that
+        cannot raises :class:`~tensorxfer.errors.TransportUnavailable`.
         """
 
     @abstractmethod
@@ -261,8 +264,10 @@ class SenderTransport(_Half):
         """Whether sending ``region`` needs a new setup (nothing set up yet, or set up for other memory)."""
 
     @abstractmethod
-    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
+                segments: Segments | None = None) -> None:
         """Set up the data path for ``region`` from the receiver's descriptors, or check the current one serves.
+        ``segments``: the update moves these runs (the receiver plans the same ones), not the whole region.
 
         Raises
         ------

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from tensorxfer.errors import (
     CudaError,
     PeerLost,
@@ -528,8 +530,12 @@ class RdmaSenderEndpoint(_Endpoint):
               wr_size: int | None = None, max_outstanding: int | None = None,
               signal_every: int | None = None, post_batch: int | None = None,
               peer_alive: Callable[[], bool] | None = None, update: int | None = None,
-              marks: int = 0, ready: Any = None) -> dict[str, Any]:
+              marks: int = 0, ready: Any = None, runs: Any = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        ``runs`` (a weight sync): ``(local offsets, remote offsets, bytes)``, three equal-length uint64 arrays:
+        those runs are written instead, each to its own place in the receiver's region (cut into requests
+        of at most ``wr_size``; the stripe over the QPs and the final immediates are the same).
 
         Relays: ``marks`` > 0 sends a piece mark every ``marks``-th request per QP (the receiver asked,
         with the ``wr_size`` to use); ``ready`` (``array('Q', [n])``, raised by another thread) lets no
@@ -575,9 +581,13 @@ class RdmaSenderEndpoint(_Endpoint):
         if wr > self.max_message_bytes:
             raise ValueError(f"wr_size {wr} exceeds the port's max message size {self.max_message_bytes}")
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
+        table = None
+        if runs is not None:
+            table, length = scatter_table(runs, wr, self.nbytes, int(self._peer["nbytes"]))
+            offset = 0
         t0 = time.perf_counter()
         try:
-            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready)
+            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
@@ -593,7 +603,7 @@ class RdmaSenderEndpoint(_Endpoint):
         return dict(st)
 
     def _post(self, offset: int, length: int, wr: int, mo: int, se: int, seq: int, timeout: float, pb: int,
-              peer_alive: Callable[[], bool] | None, marks: int, ready: Any) -> dict[str, Any]:
+              peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None) -> dict[str, Any]:
         """Run the write loop, one group of QPs per posting thread (this one takes the first group)."""
         peer = self._peer
         assert peer is not None
@@ -601,7 +611,8 @@ class RdmaSenderEndpoint(_Endpoint):
         def group(first: int, count: int, cq: Any, alive: Callable[[], bool] | None) -> dict[str, Any]:
             return dict(_verbs.write_striped(self._qps[first:first + count], cq, self._local_ptr + offset,
                                              self._mr.lkey, peer["addr"] + offset, peer["rkey"], length,
-                                             wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps)))
+                                             wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps),
+                                             table))
 
         if self._pool is None:
             return group(0, len(self._qps), self._cq, peer_alive)
@@ -643,6 +654,31 @@ class RdmaSenderEndpoint(_Endpoint):
         if pool is not None:
             pool.shutdown(wait=True)
         super().close()
+
+
+def scatter_table(runs: Any, wr_size: int, local_size: int, remote_size: int) -> tuple[np.ndarray, int]:
+    """The write loop's request table for ``runs`` = (local offsets, remote offsets, bytes): each run cut into
+    requests of at most ``wr_size``, as (local, remote, bytes) triples; and the byte count.
+
+    Raises
+    ------
+    ValueError
+        A run reaches past either region (the two ends planned different transfers).
+    """
+    src, dst, n = (np.asarray(a, dtype=np.uint64) for a in runs)
+    keep = n > 0
+    src, dst, n = src[keep], dst[keep], n[keep]
+    if len(n) and (int((src + n).max()) > local_size or int((dst + n).max()) > remote_size):
+        raise ValueError(f"a run reaches past the regions ({local_size} bytes here, {remote_size} there)")
+    pieces = ((n + np.uint64(wr_size - 1)) // np.uint64(wr_size)).astype(np.int64)
+    group = np.repeat(np.arange(len(n)), pieces)
+    k = (np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)).astype(np.uint64)
+    step = k * np.uint64(wr_size)
+    table = np.empty((len(group), 3), dtype=np.uint64)
+    table[:, 0] = src[group] + step
+    table[:, 1] = dst[group] + step
+    table[:, 2] = np.minimum(np.uint64(wr_size), n[group] - step)
+    return np.ascontiguousarray(table.reshape(-1)), int(n.sum())
 
 
 class _GroupAborted(Exception):

@@ -85,6 +85,7 @@ from tensorxfer.transport.rdma import (
     _check_peer,
     rdma_available,
 )
+from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -192,18 +193,24 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         self._seq = 0               # the update being received: every QP's immediate carries it
         self._setup_seq = 0
         self._marks = 0             # this update's piece marks: every _marks-th request per QP (0: none)
+        self._moving: int | None = None     # a weight sync's bytes (else the whole region)
 
     @classmethod
     def available(cls) -> str | None:
         return _available()
 
-    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Reuse the session's MR and QPs, or (first update, new region, ``fresh``) register the region
         (REMOTE_WRITE) and open the side listener.  Descriptors: ``setup``, ``streams``; on setup the
-        endpoint's and ``side_port``, ``nonce``; for a relay (``on_piece`` set) ``marks`` and ``wr_size``."""
+        endpoint's and ``side_port``, ``nonce``; for a relay (``on_piece`` set) ``marks`` and ``wr_size``.
+        With ``segments`` (a weight sync) the sender writes just those runs, wherever they go in ``region``:
+        nothing changes here but the byte count."""
         self._enter()
         try:
             self._seq = seq
+            if segments is not None:
+                segments.check_within(1 << 63, region.nbytes)
+            self._moving = segments.total_bytes if segments is not None else None
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
                 return {"setup": False, **self._ask_marks(endpoint.qp_count)}
@@ -259,9 +266,10 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         finally:
             self._exit()
         self.counters.updates += 1
+        moved = self._nbytes if self._moving is None else self._moving
         if progress is not None:
-            progress(self._nbytes)
-        return self._nbytes
+            progress(moved)
+        return moved
 
     def _admit(self) -> dict[str, Any]:
         """The first side connection that proves itself; its decoded descriptors."""
@@ -329,6 +337,7 @@ class RdmaSender(_Owned, SenderTransport):
         self._seq = 0               # the update being sent: the immediates carry it
         self._marks = 0             # piece marks the receiver asked for (every _marks-th request per QP)
         self._wr_size: int | None = None
+        self._runs: Any = None      # a weight sync's runs: (local offsets, remote offsets, bytes)
 
     @classmethod
     def available(cls) -> str | None:
@@ -343,9 +352,11 @@ class RdmaSender(_Owned, SenderTransport):
     def needs_setup(self, region: TensorRegion) -> bool:
         return region is not self._region or self._endpoint is None or self._side is None
 
-    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
+                segments: Segments | None = None) -> None:
         """On setup: register the region, connect QPs to the receiver's, send ours over the side connection,
-        wait for READY.  Else check the session's endpoint serves ``region``.
+        wait for READY.  Else check the session's endpoint serves ``region``.  With ``segments`` (a weight
+        sync) the update writes just those runs, each to its place in the receiver's region.
 
         Raises
         ------
@@ -357,7 +368,10 @@ class RdmaSender(_Owned, SenderTransport):
         self._enter()
         try:
             self._seq = seq
+            self._runs = segments.flat() if segments is not None else None
             self._marks, self._wr_size = _marks_asked(descriptors)
+            if self._runs is not None and self._marks:
+                raise ProtocolError("rdma: a weight sync's segments cannot be relayed with piece marks")
             if not setup_flag(descriptors):
                 if self.needs_setup(region):
                     raise ProtocolError("rdma: the receiver reuses QPs this sender did not set up for this region")
@@ -426,16 +440,18 @@ class RdmaSender(_Owned, SenderTransport):
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
             landing = self.landing
             if landing is None:
-                endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
-                               wr_size=self._wr_size, marks=self._marks)
+                st = endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
+                                    wr_size=self._wr_size, marks=self._marks, runs=self._runs)
+                moved = int(st["bytes"])
             else:       # no request reaching past the landed prefix is posted
                 self._relay(endpoint, region.nbytes, landing.wait_prefix)
+                moved = region.nbytes
         finally:
             self._exit()
         self.counters.updates += 1
         if progress is not None:
-            progress(region.nbytes)
-        return region.nbytes
+            progress(moved)
+        return moved
 
     def _relay(self, endpoint: RdmaSenderEndpoint, nbytes: int, ready_after: Callable[[int], int]) -> None:
         """Write while this relay's own copy lands: a thread raises the write's gate as the landed prefix

@@ -66,6 +66,7 @@ from tensorxfer.transport.base import (
     TransferContext,
     setup_flag,
 )
+from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -118,6 +119,69 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _stream_proof(ctx: TransferContext, stream_nonce: bytes, seq: int, index: int, count: int) -> bytes:
     return mac(ctx.session_key, b"tcp-stream", stream_nonce, struct.pack(">QII", seq, index, count))
+
+
+IOV_BATCH = 512               # buffers per sendmsg / recvmsg_into call (the kernel's IOV_MAX is 1024)
+
+
+def _move_part(sock: socket.socket, region: TensorRegion, part: Segments, index: int, stager: Any, timeout: float,
+               report: Progress, receive: bool) -> None:
+    """Send (gather) or receive (scatter) one stream's part of a weight sync's segments.
+
+    Host regions: the runs' region slices go straight to ``sendmsg`` / ``recvmsg_into``, hundreds per call,
+    so a row-parallel shard's thousands of rows cost a few system calls.  GPU regions: run by run through
+    the stream's pinned buffers (correct, not fast: a GPU weight sync belongs on ipc or rdma).
+    """
+    sock.settimeout(timeout)
+    what = "receive" if receive else "send"
+    try:
+        if region.is_cuda:
+            for src, dst, n in part.runs():
+                pieces = (write_pieces(region, dst, n, PIECE_BYTES, stager=stager) if receive else
+                          read_pieces(region, src, n, PIECE_BYTES, stager=stager))
+                with pieces as it:
+                    for _, piece in it:
+                        _scatter_gather(sock, [piece], receive, index, report)
+            return
+        with memoryview(region.region) as whole, whole.cast("B") as mem:
+            views: list[memoryview] = []
+            for src, dst, n in part.runs():
+                off = dst if receive else src
+                for p in range(off, off + n, PIECE_BYTES):
+                    views.append(mem[p:min(p + PIECE_BYTES, off + n)])
+                if len(views) >= IOV_BATCH:
+                    _scatter_gather(sock, views, receive, index, report)
+                    views = []
+            if views:
+                _scatter_gather(sock, views, receive, index, report)
+    except TimeoutError:
+        raise TransferTimeout(f"tcp stream {index}: no progress for {timeout} s during a segmented "
+                              f"{what}") from None
+    except ConnectionError as e:
+        if isinstance(e, PeerLost):
+            raise
+        raise PeerLost(f"tcp stream {index}: connection lost during a segmented {what}: {e}") from None
+
+
+def _scatter_gather(sock: socket.socket, views: list[memoryview], receive: bool, index: int,
+                    report: Progress) -> None:
+    """Fill (``receive``) or send every view, in order, with as few system calls as the kernel allows."""
+    i, skip = 0, 0
+    while i < len(views):
+        batch = [views[i][skip:], *views[i + 1:i + IOV_BATCH]]
+        k = sock.recvmsg_into(batch)[0] if receive else sock.sendmsg(batch)
+        if k == 0:
+            raise PeerLost(f"tcp stream {index}: the peer closed the connection; the transfer is incomplete")
+        report(k)
+        while k:
+            room = len(views[i]) - skip
+            if k >= room:
+                k -= room
+                i, skip = i + 1, 0
+            else:
+                skip, k = skip + k, 0
+    for v in views:
+        v.release()
 
 
 def _close_stagers(stagers: list[Any]) -> None:
@@ -200,33 +264,46 @@ class TcpReceiver(ReceiverTransport):
         self._gate: Gate | None = None         # open only while a setup waits for its streams
         self._streams = _Streams("recv")
         self._slices: list[tuple[int, int]] = []
+        self._parts: list[Segments] | None = None     # a weight sync's runs, one part per stream (else slices)
         self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
         self._region: TensorRegion | None = None
         self._nonce = b""
         self._seq = 0
         self._setup_seq = 0
 
-    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Reuse the session's streams, or (first update, new region, ``fresh``) open a listener for new ones.
 
-        Descriptors: ``setup``, ``streams``, ``slice_bytes``; on setup also ``port`` and ``nonce``.
+        Descriptors: ``setup``, ``streams``, ``slice_bytes``; on setup also ``port`` and ``nonce``.  With
+        ``segments`` (a weight sync's runs into this region) each stream receives one part of them
+        (:meth:`Segments.split`, cut the same way by the sender) and ``parts`` is true.
         """
         self._seq = seq
-        if not fresh and region is self._region and self._gate is None and self._streams.socks:
-            return {"setup": False, "streams": len(self._slices), "slice_bytes": self._slice_bytes()}
+        requested = min(max(self.ctx.streams or DEFAULT_STREAMS, 1), MAX_STREAMS)
+        parts = None
+        if segments is not None:
+            segments.check_within(1 << 63, region.nbytes)
+            parts = segments.split(max(1, min(requested, _ceil_div(segments.total_bytes, MIN_SLICE_BYTES))))
+        if not fresh and region is self._region and self._gate is None and self._streams.socks \
+                and (parts is None) == (self._parts is None) and (parts is None or len(parts) == len(self._slices)):
+            self._parts = parts
+            return self._descriptors(False)
         self._teardown()
-        requested = self.ctx.streams or DEFAULT_STREAMS
-        self._slices = plan_slices(region.nbytes, min(max(requested, 1), MAX_STREAMS))
+        if parts is not None:
+            self._parts, self._slices = parts, [(0, p.total_bytes) for p in parts]
+        else:
+            self._parts, self._slices = None, plan_slices(region.nbytes, requested)
         self._region = region
         self._nonce = nonce()
         self._setup_seq = seq
         self._gate = Gate(listen(self.ctx.local_host), self._identify, min(HEADER_TIMEOUT, self.ctx.stall_timeout),
                           "tcp data stream")
-        return {"setup": True, "port": self._gate.address[1], "nonce": self._nonce, "streams": len(self._slices),
-                "slice_bytes": self._slice_bytes()}
+        return dict(self._descriptors(True), port=self._gate.address[1], nonce=self._nonce)
 
-    def _slice_bytes(self) -> int:
-        return self._slices[0][1] if self._slices else 0
+    def _descriptors(self, setup: bool) -> dict[str, Any]:
+        if self._parts is not None:
+            return {"setup": setup, "streams": len(self._slices), "slice_bytes": 0, "parts": True}
+        return {"setup": setup, "streams": len(self._slices), "slice_bytes": self._slices[0][1] if self._slices else 0}
 
     def wait(self, progress: Progress | None = None) -> int:
         """(On setup: admit every proven stream.)  Receive every slice; return the byte count.
@@ -281,6 +358,11 @@ class TcpReceiver(ReceiverTransport):
                                                      f"tcp stream {index}'s update header"))
         if magic != UPDATE_MAGIC or seq != self._seq:
             raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
+        if self._parts is not None:
+            assert self._region is not None
+            _move_part(sock, self._region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
+                       self._streams.report, receive=True)
+            return
         self._recv_slice(sock, index)
 
     def _recv_slice(self, sock: socket.socket, index: int) -> None:
@@ -339,6 +421,7 @@ class TcpSender(SenderTransport):
         self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
         self._count = 0
         self._slice_bytes = 0
+        self._parts: list[Segments] | None = None     # a weight sync's runs, one part per stream
         self._region: TensorRegion | None = None
         self._seq = 0
 
@@ -351,8 +434,10 @@ class TcpSender(SenderTransport):
     def needs_setup(self, region: TensorRegion) -> bool:
         return region is not self._region or not self._streams.socks
 
-    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
+                segments: Segments | None = None) -> None:
         """On setup open and authenticate one connection per stream the receiver asked for; else reuse them.
+        With ``segments`` each stream sends one part of them (cut as the receiver cut them).
 
         Raises
         ------
@@ -364,7 +449,17 @@ class TcpSender(SenderTransport):
         self._seq = seq
         count = field(descriptors, "streams", int)
         slice_bytes = field(descriptors, "slice_bytes", int)
-        if not 0 <= count <= MAX_STREAMS or slice_bytes < 0 or (count > 0) != (slice_bytes > 0):
+        if (descriptors.get("parts") is True) != (segments is not None):
+            raise ProtocolError("tcp: the receiver and this sender disagree on whether this update moves segments")
+        self._parts = None
+        if segments is not None:
+            segments.check_within(region.nbytes, 1 << 63)
+            self._parts = segments.split(count)
+            if not 0 < count <= MAX_STREAMS or len(self._parts) != count:
+                raise ProtocolError(f"tcp: the receiver asked for {count} streams; these segments make "
+                                    f"{len(self._parts)} parts")
+            slice_bytes = 0
+        elif not 0 <= count <= MAX_STREAMS or slice_bytes < 0 or (count > 0) != (slice_bytes > 0):
             raise ProtocolError(f"tcp accept descriptors out of range: {count} streams of {slice_bytes} bytes")
         if not setup_flag(descriptors):
             if region is not self._region or (count, slice_bytes) != (self._count, self._slice_bytes):
@@ -403,6 +498,8 @@ class TcpSender(SenderTransport):
         TransferTimeout
             A stream made no progress for ``stall_timeout`` seconds.
         """
+        if self._parts is not None:
+            return self._send_parts(region, progress)
         slices = slices_of(region.nbytes, self._slice_bytes) if self._slice_bytes else []
         if len(slices) != self._count or region is not self._region:
             raise ProtocolError(f"receiver asked for {self._count} streams of {self._slice_bytes} bytes; "
@@ -419,6 +516,30 @@ class TcpSender(SenderTransport):
             raise
         self.counters.updates += 1
         return region.nbytes
+
+    def _send_parts(self, region: TensorRegion, progress: Progress | None) -> int:
+        """A weight sync's update: each stream sends its part of the segments, gathered from region memory."""
+        parts = self._parts
+        assert parts is not None
+        if region is not self._region or len(parts) != len(self._streams.socks):
+            raise ProtocolError("tcp: send() of segments before connect() for this region")
+        self._streams._progress = progress
+        update = UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq)
+
+        def one(sock: socket.socket, index: int) -> None:
+            send_all(sock, update, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
+            _move_part(sock, region, parts[index], index, self._stagers[index], self.ctx.stall_timeout,
+                       self._streams.report, receive=False)
+        try:
+            for index, sock in enumerate(self._streams.socks):
+                self._streams.start(sock, one, index)
+            self._streams.join()
+        except BaseException:
+            self._streams.close()
+            self._region = None
+            raise
+        self.counters.updates += 1
+        return sum(p.total_bytes for p in parts)
 
     def _send_update(self, sock: socket.socket, update: bytes, region: TensorRegion, index: int,
                      where: tuple[int, int]) -> None:

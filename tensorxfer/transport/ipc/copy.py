@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
@@ -26,6 +26,7 @@ from tensorxfer.transport.ipc.messages import (
     env_int,
 )
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
+from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -106,17 +107,29 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self._region: TensorRegion | None = None
+        self._segments: Segments | None = None          # a weight sync's runs (else the whole region)
         self._cache = SourceCache()                     # the sender's memory, mapped
         self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
 
-    def prepare(self, region: TensorRegion, seq: int, fresh: bool) -> dict[str, Any]:
+    def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
         ``streams``, ``watermark``; on setup ``path``, ``nonce``, ``identity`` of a Unix socket in a fresh
-        0700 directory."""
-        self._region = region
+        0700 directory.  With ``segments`` (a weight sync's runs) only those are copied, from wherever they
+        are in the sender's region to wherever they go in ``region``."""
+        if segments is not None:
+            segments.check_within(1 << 63, region.nbytes)
+        self._region, self._segments = region, segments
         return self._begin(seq, fresh, share=False)
 
+    def wait(self, progress: Progress | None = None) -> int:
+        """As :meth:`IpcReceiving.wait`; with segments, the bytes they moved (the sender's ``D`` names its
+        payload)."""
+        moved = super().wait(progress)
+        return moved if self._segments is None else self._segments.total_bytes
+
     def _expected_nbytes(self) -> int:
+        if self._segments is not None:
+            return -1
         return self._region.nbytes if self._region is not None else -1
 
     def _empty(self) -> int:
@@ -124,6 +137,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
 
     def _land(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
               watermark: Watermark, progress: Progress | None) -> int:
+        if self._segments is not None:
+            self._copy_segments(conn, incoming, handles, fds, self._segments, progress)
+            return incoming.nbytes      # "D" names the sender's payload, as for a whole region
         if incoming.kind == "host":
             return self._from_host(conn, incoming, handles, fds, watermark, progress)
         return self._from_cuda(conn, incoming, handles, fds, watermark, progress)
@@ -145,6 +161,41 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             if self._cache.region is src:
                 self._cache.key = self._cache.region = None
             src.close()
+
+    # -- a weight sync's segments
+    def _copy_segments(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
+                       segments: Segments, progress: Progress | None) -> None:
+        """Copy only ``segments`` out of the sender's memory: host, one strided numpy copy per group (spread
+        over the copy threads); GPU, every run in one batched driver call on the session's stream."""
+        assert self._region is not None
+        dst = self._region
+        if (incoming.kind == "cuda") != dst.is_cuda:
+            raise TransportUnavailable("ipc: a weight sync copies between regions of one kind (both on the host "
+                                       "or both on GPUs); this receiver's and its sender's differ")
+        segments.check_within(incoming.nbytes, dst.nbytes)
+        on = self._cuda_device(incoming, dst.device) if dst.is_cuda else None
+        key = incoming.key(on)
+        src = self._source(key, incoming, handles, fds, on)
+        ok = False
+        try:
+            if dst.is_cuda:
+                assert on is not None
+                s, d, n = segments.flat()
+                copier = self._copier(on)
+                copier.dtod_batch(d + np.uint64(dst.region.ptr), s + np.uint64(src.ptr), n, batch_api=True)
+                copier.synchronize()
+            else:
+                sv = np.frombuffer(memoryview(src), dtype=np.uint8)
+                dv = np.frombuffer(memoryview(dst.region), dtype=np.uint8)
+                groups = list(segments.host_views(sv, dv))
+                _run_threads([groups[k::COPY_THREADS] for k in range(COPY_THREADS)], _copy_groups)
+                del sv, dv, groups
+            if progress is not None:
+                progress(segments.total_bytes)
+            conn.send(b"P" + U64.pack(incoming.nbytes))
+            ok = True
+        finally:
+            self._release_source(key, src, ok)
 
     # -- host handles
     def _from_host(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
@@ -304,3 +355,30 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         copiers, self._copiers = self._copiers, {}
         for copier in copiers.values():
             copier.close()
+
+
+def _copy_groups(groups: list[tuple[Any, Any]]) -> None:
+    for src, dst in groups:
+        np.copyto(dst, src)
+
+
+def _run_threads(parts: list[Any], work: Callable[[Any], Any]) -> None:
+    """``work(part)`` for every non-empty part, each in its own thread (the first in this one); the first
+    error is raised once all ended."""
+    parts = [p for p in parts if p]
+    errors: list[BaseException] = []
+
+    def run(part: Any) -> None:
+        try:
+            work(part)
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(p,), name="tensorxfer-ipc-segments", daemon=True) for p in parts[1:]]
+    for t in threads:
+        t.start()
+    if parts:
+        run(parts[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

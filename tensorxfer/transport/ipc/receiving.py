@@ -196,7 +196,7 @@ class IpcReceiving(_Half):
         expected = self._expected_nbytes()
         if seq != self._seq:
             raise ProtocolError(f"ipc: the sender passes update {seq}, this is update {self._seq}")
-        if nbytes != expected:
+        if expected >= 0 and nbytes != expected:
             raise ProtocolError(f"ipc: the sender passes {nbytes} payload bytes, the offer's manifest has "
                                 f"{expected}")
         if not nbytes:
@@ -212,7 +212,8 @@ class IpcReceiving(_Half):
 
     @abstractmethod
     def _expected_nbytes(self) -> int:
-        """The payload size the offer's manifest has."""
+        """The payload size the offer's manifest has (-1: any; the segments of a weight sync are checked
+        against the sender's size instead)."""
 
     @abstractmethod
     def _empty(self) -> int:

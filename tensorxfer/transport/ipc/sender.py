@@ -38,6 +38,7 @@ from tensorxfer.transport.ipc.messages import (
     recv_message,
     send_message,
 )
+from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -59,6 +60,7 @@ class IpcSender(SenderTransport):
         self._seq = 0
         self.share = False
         self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
+        self._moving: int | None = None         # a weight sync's bytes (the receiver copies only its runs)
 
     @classmethod
     def available(cls) -> str | None:
@@ -81,7 +83,8 @@ class IpcSender(SenderTransport):
     def needs_setup(self, region: TensorRegion) -> bool:
         return self._sock is None
 
-    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any]) -> None:
+    def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
+                segments: Segments | None = None) -> None:
         """On setup connect to the receiver's socket, check its uid, authenticate; else reuse the connection.
 
         Raises
@@ -94,6 +97,8 @@ class IpcSender(SenderTransport):
             The receiver runs as another user, or refused our proof.
         """
         self._seq = seq
+        # A weight sync's receiver copies only these runs out of this region (it plans the same ones).
+        self._moving = segments.total_bytes if segments is not None else None
         self.share = field(descriptors, "share", bool)
         self._watermarks = descriptors.get("watermark") is True
         if not setup_flag(descriptors):
@@ -192,7 +197,7 @@ class IpcSender(SenderTransport):
         if forward is not None:
             forward.join()
         self.counters.updates += 1
-        return nbytes
+        return nbytes if self._moving is None else self._moving
 
     def _ready_now(self, nbytes: int) -> int:
         """How much of the region the receiver may copy at once: all of it, unless this is a relay whose own

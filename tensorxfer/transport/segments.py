@@ -1,0 +1,133 @@
+"""A transfer that is not a whole region: byte runs from the sender's region to other places in the receiver's.
+
+A resharded weight sync moves, from each source rank to each target rank, exactly the bytes the target
+needs, straight into its live weights: runs ``(src_off, dst_off, nbytes)``, often strided (a row-parallel
+shard is a block of rows, each a run).  :class:`Segments` holds them as strided groups -- group ``i`` is
+``count[i]`` runs of ``nbytes[i]`` bytes, run ``j`` at ``src_off[i] + j*src_stride[i]`` in the sender's
+region and ``dst_off[i] + j*dst_stride[i]`` in the receiver's -- in the order the bytes travel.  Both ends
+of a pair compute the same Segments (from the same plan), so no offsets cross the wire.
+
+Transports take ``segments`` where they otherwise move ``[0, nbytes)`` (``None``): tcp cuts them into one
+part per stream (:meth:`Segments.split`, the same cut on both ends) and moves each part with scatter /
+gather socket calls; ipc copies them out of the sender's mapped memory (host: one strided numpy copy per
+group; GPU: one batched driver call for all runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorxfer.errors import ProtocolError
+
+_FIELDS = ("src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride")
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """Strided groups of byte runs, in wire order (see the module docstring).  Arrays are uint64."""
+
+    src_off: np.ndarray
+    dst_off: np.ndarray
+    nbytes: np.ndarray
+    count: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+
+    @classmethod
+    def of(cls, src_off: object, dst_off: object, nbytes: object, count: object = None, src_stride: object = None,
+           dst_stride: object = None) -> Segments:
+        """From array-likes; ``count`` defaults to 1 (plain runs), strides to 0."""
+        cols = [np.ascontiguousarray(np.asarray(a, dtype=np.uint64).reshape(-1)) for a in (src_off, dst_off, nbytes)]
+        n = len(cols[0])
+        for extra, default in ((count, 1), (src_stride, 0), (dst_stride, 0)):
+            cols.append(np.full(n, default, np.uint64) if extra is None else
+                        np.ascontiguousarray(np.asarray(extra, dtype=np.uint64).reshape(-1)))
+        if any(len(c) != n for c in cols):
+            raise ValueError("segments: every column must have one entry per group")
+        return cls(*cols)
+
+    @classmethod
+    def whole(cls, nbytes: int) -> Segments:
+        """``[0, nbytes)`` to ``[0, nbytes)``: what a plain update moves."""
+        return cls.of([0], [0], [nbytes]) if nbytes else cls.of([], [], [])
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int((self.nbytes * self.count).sum())
+
+    def check_within(self, src_size: int, dst_size: int) -> None:
+        """Every run lies inside both regions.
+
+        Raises
+        ------
+        ProtocolError
+            A run reaches past ``src_size`` or ``dst_size`` (the two ends planned differently).
+        """
+        if not len(self):
+            return
+        last = self.count - np.minimum(self.count, 1)
+        src_end = self.src_off + last * self.src_stride + self.nbytes
+        dst_end = self.dst_off + last * self.dst_stride + self.nbytes
+        if int(src_end.max()) > src_size or int(dst_end.max()) > dst_size:
+            raise ProtocolError(f"segments reach past the regions ({int(src_end.max())} > {src_size} or "
+                                f"{int(dst_end.max())} > {dst_size}): the two ends did not plan the same transfer")
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """Every run ``(src_off, dst_off, nbytes)``, in wire order."""
+        for i in range(len(self)):
+            s, d, n = int(self.src_off[i]), int(self.dst_off[i]), int(self.nbytes[i])
+            ss, ds = int(self.src_stride[i]), int(self.dst_stride[i])
+            for j in range(int(self.count[i])):
+                yield s + j * ss, d + j * ds, n
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every run as three uint64 arrays ``(src_off, dst_off, nbytes)`` (vectorized :meth:`runs`)."""
+        counts = self.count.astype(np.int64)
+        if not len(self):
+            empty = np.zeros(0, np.uint64)
+            return empty, empty, empty
+        group = np.repeat(np.arange(len(self)), counts)
+        starts = np.cumsum(counts) - counts
+        j = (np.arange(int(counts.sum())) - np.repeat(starts, counts)).astype(np.uint64)
+        return (self.src_off[group] + j * self.src_stride[group], self.dst_off[group] + j * self.dst_stride[group],
+                self.nbytes[group].copy())
+
+    def split(self, parts: int) -> list[Segments]:
+        """Cut into at most ``parts`` consecutive pieces of about equal bytes (whole runs; a group may be cut
+        between its runs), in wire order: the same cut on both ends, one piece per stream."""
+        if parts <= 1 or len(self) == 0:
+            return [self]
+        src, dst, n = self.flat()
+        ends = np.cumsum(n.astype(np.int64))
+        total = int(ends[-1])
+        cuts = [0]
+        for k in range(1, parts):
+            i = int(np.searchsorted(ends, total * k // parts, side="left")) + 1
+            if cuts[-1] < i < len(n):
+                cuts.append(i)
+        cuts.append(len(n))
+        return [Segments.of(src[a:b], dst[a:b], n[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
+
+    def host_views(self, src: np.ndarray | None, dst: np.ndarray | None) -> Iterator[tuple[np.ndarray | None,
+                                                                                           np.ndarray | None]]:
+        """Each group as a 2-D byte view ``(count, nbytes)`` of ``src`` and of ``dst`` (flat uint8 arrays of the
+        two regions; either may be None), so a strided group is one numpy copy."""
+        for i in range(len(self)):
+            count, n = int(self.count[i]), int(self.nbytes[i])
+            yield (_strided(src, int(self.src_off[i]), count, n, int(self.src_stride[i])),
+                   _strided(dst, int(self.dst_off[i]), count, n, int(self.dst_stride[i])))
+
+
+def _strided(buf: np.ndarray | None, off: int, count: int, n: int, stride: int) -> np.ndarray | None:
+    if buf is None:
+        return None
+    if count == 1:
+        return buf[off:off + n].reshape(1, n)
+    return np.lib.stride_tricks.as_strided(buf[off:], shape=(count, n), strides=(stride, 1), writeable=True)
