@@ -20,6 +20,7 @@ Public API (everything else is private):
 from typing import TYPE_CHECKING
 
 from tensorxfer import memory as _memory
+from tensorxfer import sync
 from tensorxfer.errors import (
     AuthError,
     BindingError,
@@ -30,6 +31,7 @@ from tensorxfer.errors import (
     LayoutError,
     ManifestError,
     PeerLost,
+    PlanError,
     ProtocolError,
     RegionClosed,
     RegionError,
@@ -46,6 +48,7 @@ from tensorxfer.memory import Extent, HostRegion
 from tensorxfer.protocol import Version
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import Sender, TransferStats
+from tensorxfer.sync import WeightSync
 
 if TYPE_CHECKING:
     from tensorxfer.memory._cuda import CudaRegion
@@ -70,6 +73,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "PeerLost",
+    "PlanError",
     "ProtocolError",
     "Receiver",
     "ReceiverResult",
@@ -86,5 +90,7 @@ __all__ = [
     "UpstreamFailed",
     "VerbsError",
     "Version",
+    "WeightSync",
     "__version__",
+    "sync",
 ]

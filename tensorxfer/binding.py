@@ -57,6 +57,17 @@ class _Slot:
         return (self.owner._parameters if self.parameter else self.owner._buffers).get(self.attr)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A tensor the caller holds (no module): it is re-pointed in place, so every holder sees the region."""
+
+    name: str
+    tensor: Any
+
+    def get(self) -> Any:
+        return self.tensor
+
+
 def module_slots(module: Any) -> list[_Slot]:
     """The module's parameters and persistent buffers by ``state_dict`` name, in ``state_dict`` order; a
     tensor shared by several modules (tied weights) appears under every name."""
@@ -69,7 +80,7 @@ def module_slots(module: Any) -> list[_Slot]:
     return out
 
 
-def _device_of(slots: list[_Slot]) -> str:
+def _device_of(slots: list[Any]) -> str:
     t = slots[0].get()
     return "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
 
@@ -95,11 +106,11 @@ class ModuleBinding:
     ``names`` maps the region's (manifest's) names to the module's (see :data:`Names`).
     """
 
-    def __init__(self, module: Any, names: Names = None) -> None:
+    def __init__(self, module: Any, names: Names = None, slots: list[Any] | None = None) -> None:
         self.module = module
         self.names = names
-        self._slots = {s.name: s for s in module_slots(module)}
-        self._bound: list[tuple[_Slot, int]] = []       # (slot, the data pointer its tensor must have)
+        self._slots = {s.name: s for s in (module_slots(module) if slots is None else slots)}
+        self._bound: list[tuple[Any, int]] = []       # (slot, the data pointer its tensor must have)
         self.region: Any = None
         self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
@@ -202,6 +213,29 @@ def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | No
     slots = module_slots(module)
     if not slots:
         raise ValueError("from_module: the module has no parameters or persistent buffers to adopt")
+    return _adopt_slots(cls, module, slots, device, chunk_size, alignment, metadata)
+
+
+def adopt_tensors(cls: Any, tensors: Mapping[str, Any], device: str | None = None,
+                  chunk_size: int | None = None) -> Any:
+    """Like :func:`adopt` for named torch tensors the caller holds (an inference engine's weights, say):
+    each is moved into the region and re-pointed in place (``tensor.data = view``).
+
+    Raises
+    ------
+    TypeError
+        A value is not a torch tensor, or of an unsupported dtype (nothing was moved).
+    """
+    torch = torch_module()
+    bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if bad or not tensors:
+        raise TypeError(f"adopt needs named torch tensors; not tensors: {bad[:5]}" if bad else "nothing to adopt")
+    slots = [_Held(n, t) for n, t in tensors.items()]
+    return _adopt_slots(cls, None, slots, device, chunk_size, None, None)
+
+
+def _adopt_slots(cls: Any, module: Any, slots: list[Any], device: str | None, chunk_size: int | None,
+                 alignment: int | None, metadata: Mapping[str, str] | None) -> Any:
     kind, index = parse_device(device or _device_of(slots))
     items = [(s.name, s.get()) for s in slots]
     for name, t in items:
@@ -219,7 +253,7 @@ def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | No
         region = cls(mem, manifest, f"cuda:{index}")
     else:
         region = cls(HostRegion.allocate(max(manifest.nbytes, 1), chunk_size, commit=False), manifest, "cpu")
-    binding = ModuleBinding(module)
+    binding = ModuleBinding(module, slots=slots)
     try:
         _move_in(region, slots, aliases)
         binding.record(region)
@@ -231,12 +265,12 @@ def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | No
     return region
 
 
-def _move_in(region: Any, slots: list[_Slot], aliases: dict[str, str]) -> None:
+def _move_in(region: Any, slots: list[Any], aliases: dict[str, str]) -> None:
     """Copy each tensor into its region view and re-point it there, freeing its old storage as it goes."""
     torch = torch_module()
     manifest = region.manifest
     by_name = {s.name: s for s in slots}
-    holders: dict[str, list[_Slot]] = {}
+    holders: dict[str, list[Any]] = {}
     for s in slots:
         holders.setdefault(aliases.get(s.name, s.name), []).append(s)
     order = sorted(holders, key=lambda n: manifest[n].offset)

@@ -7,10 +7,16 @@
   schedule: byte runs per (source, target) pair, every target byte written
   once, balanced over replicas, with a digest every rank can compare.
 
-Both are pure (no I/O); execution and rendezvous build on them.
+Both are pure (no I/O); execution and rendezvous build on them:
+
+- :mod:`tensorxfer.sync.shards` -- what a rank hands over: :class:`Source` / :class:`Target` (or DTensors).
+- :mod:`tensorxfer.sync.rendezvous` -- where ranks meet (a ``torch.distributed`` store; etcd for clusters).
+- :mod:`tensorxfer.sync.link` -- one (source, target) pair over the session transports.
+- :mod:`tensorxfer.sync.weight_sync` -- :class:`WeightSync`: rendezvous, plan, push / wait.
 """
 
 from tensorxfer.sync.plan import Plan, Runs, SourceView, TargetView, plan
+from tensorxfer.sync.shards import Source, Target
 from tensorxfer.sync.spec import (
     Box,
     Piece,
@@ -24,6 +30,7 @@ from tensorxfer.sync.spec import (
     replicate_box,
     source_tensor_of_dtensor,
 )
+from tensorxfer.sync.weight_sync import SyncStats, WeightSync
 
 __all__ = [
     "Box",
@@ -31,10 +38,14 @@ __all__ = [
     "Plan",
     "RankSpec",
     "Runs",
+    "Source",
     "SourceTensor",
     "SourceView",
+    "SyncStats",
+    "Target",
     "TargetTensor",
     "TargetView",
+    "WeightSync",
     "box_of_dtensor",
     "chunk_box",
     "even_box",

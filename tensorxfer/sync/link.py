@@ -1,0 +1,293 @@
+"""One (source rank, target rank) pair of a weight sync, over the session transports.
+
+A source rank keeps one :class:`SourceLink` to every target it feeds; a target rank keeps one
+:class:`TargetPort` (its listener) and, through it, one session per source that feeds it.  A pair is
+authenticated once (the control handshake with the group's token; the hello names the group, the source
+rank and the plan digest, and a pair whose digests differ is refused with :class:`PlanError`), and its
+data path is set up on the first step (registered, connected, handles passed) and reused by every later
+one.  Each step is the session exchange -- offer, accept, data, done, ack -- where the data is the pair's
+segments: the runs the plan gives it, straight from the source's region into the target's live weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tensorxfer.connections import Gate, listen
+from tensorxfer.errors import PeerLost, PlanError, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.protocol import Channel, client_handshake, field, server_handshake, token_key
+from tensorxfer.region import TensorRegion
+from tensorxfer.session import control
+from tensorxfer.transport import TRANSPORTS, choose, local_capabilities, local_transports
+from tensorxfer.transport.base import setup_flag
+from tensorxfer.transport.segments import Segments
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PairStats:
+    """What one step moved between one source and one target."""
+
+    source: int
+    target: int
+    bytes: int
+    seconds: float
+    wire_seconds: float
+    runs: int
+    transport: str
+    setup: bool
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.target, "bytes": self.bytes, "seconds": self.seconds,
+                "wire_seconds": self.wire_seconds, "gbps": self.gbps, "runs": self.runs, "transport": self.transport,
+                "setup": self.setup}
+
+
+def _sync_caps(group: str, role: str, rank: int, digest: str) -> dict[str, Any]:
+    return {"transports": local_transports(), "transport_caps": local_capabilities(),
+            "sync": {"group": group, "role": role, "rank": rank, "digest": digest}}
+
+
+class SourceLink:
+    """A source rank's session to one target rank (see the module docstring).
+
+    Raises (on construction)
+    ------------------------
+    PeerLost
+        The target cannot be reached.
+    AuthError
+        The tokens differ.
+    PlanError
+        The target computed another plan (its digest differs).
+    TransportUnavailable
+        A forced transport cannot connect the two.
+    """
+
+    def __init__(self, address: tuple[str, int], token: str | bytes | None, group: str, source: int, target: int,
+                 digest: str, transport: str, streams: int | None, stall_timeout: float,
+                 connect_timeout: float) -> None:
+        self.source, self.target = source, target
+        self.stall_timeout = stall_timeout
+        self.streams = streams
+        self._seq = 0
+        self._transport: Any = None
+        try:
+            sock = socket.create_connection(address, timeout=connect_timeout)
+        except OSError as e:
+            raise PeerLost(f"sync: source {source} cannot reach target rank {target} at {address[0]}:{address[1]}: "
+                           f"{e}") from None
+        ch = Channel(sock)
+        try:
+            hello, self._key = client_handshake(ch, token_key(token), _sync_caps(group, "source", source, digest),
+                                                connect_timeout)
+            caps = field(hello, "capabilities", dict)
+            theirs = field(caps, "sync", dict)
+            if theirs.get("digest") != digest or theirs.get("rank") != target or theirs.get("group") != group:
+                raise PlanError(f"sync: target rank {target} computed another plan (digest "
+                                f"{str(theirs.get('digest'))[:16]}, ours {digest[:16]}): the ranks disagree on the "
+                                f"group's shard descriptions")
+            self.transport = choose(transport, [t for t in field(caps, "transports", list) if isinstance(t, str)],
+                                    field(caps, "transport_caps", dict, optional=True) or {})
+        except BaseException:
+            ch.close()
+            raise
+        self._ch = ch
+
+    def push(self, region: TensorRegion, segments: Segments, version: int) -> PairStats:
+        """Move this pair's segments of ``region`` for ``version``; return once the target acknowledged.
+
+        Raises
+        ------
+        PeerLost, TransferTimeout
+            The target died or stalled (the message names its rank).
+        TransferError, ProtocolError
+            The target refused or failed the step.
+        """
+        t0 = time.perf_counter()
+        self._seq += 1
+        seq = self._seq
+        ch = self._ch
+        try:
+            if self._transport is None:
+                ctx = control.transfer_context(ch, self._key, self.stall_timeout, self.streams)
+                self._transport = TRANSPORTS[self.transport][0](ctx)
+            transport = self._transport
+            ch.send("offer", seq=seq, transport=self.transport, fresh=transport.needs_setup(region),
+                    version=version, bytes=segments.total_bytes)
+            accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
+            if field(accept, "seq", int) != seq:
+                raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
+            descriptors = field(accept, "descriptors", dict)
+            setup = setup_flag(descriptors)
+            transport.connect(region, seq, descriptors, segments=segments)
+            t1 = time.perf_counter()
+            moved = transport.send(region)
+            wire = time.perf_counter() - t1
+            ch.send("done", seq=seq, bytes=moved)
+            ack = ch.recv("ack", timeout=control.control_timeout(self.stall_timeout))
+            if field(ack, "seq", int) != seq or field(ack, "bytes", int) != moved:
+                raise ProtocolError(f"sync: ack does not match step {seq} of {moved} bytes")
+        except TensorXferError as e:
+            e.args = (f"sync: source {self.source} -> target rank {self.target}: {e}", *e.args[1:])
+            raise
+        return PairStats(self.source, self.target, moved, time.perf_counter() - t0, wire,
+                         sum(int(c) for c in segments.count), self.transport, setup)
+
+    def close(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+        self._ch.close()
+
+
+class _Feed:
+    """A target's session with one source: its channel, key and transports (one per transport name)."""
+
+    def __init__(self, ch: Channel, key: bytes, source: int, stall_timeout: float) -> None:
+        self.ch, self.key, self.source, self.stall_timeout = ch, key, source, stall_timeout
+        self.seq = 0
+        self.transports: dict[str, Any] = {}
+
+    def step(self, region: TensorRegion, segments: Segments, timeout: float | None) -> tuple[int, PairStats]:
+        """Receive one step from this source: (the version it carried, its stats)."""
+        ch = self.ch
+        offer = ch.recv("offer", timeout=timeout)
+        t0 = time.perf_counter()
+        seq = field(offer, "seq", int)
+        if seq != self.seq + 1:
+            raise ProtocolError(f"sync: step {seq} from source {self.source}, expected {self.seq + 1}")
+        self.seq = seq
+        name = field(offer, "transport", str)
+        version = field(offer, "version", int)
+        if field(offer, "bytes", int) != segments.total_bytes:
+            msg = (f"source {self.source} offers {offer.get('bytes')} bytes, this target planned "
+                   f"{segments.total_bytes} from it: the ranks planned differently")
+            ch.send_error("protocol", msg)
+            raise PlanError(f"sync: {msg}")
+        if name not in self.transports and name not in local_transports():
+            msg = f"transport {name!r} is not available on this target (it has {local_transports()})"
+            ch.send_error("transport", msg)
+            raise TransferError(f"sync: {msg}")
+        transport = self.transports.get(name)
+        if transport is None:
+            ctx = control.transfer_context(ch, self.key, self.stall_timeout, None)
+            transport = self.transports[name] = TRANSPORTS[name][1](ctx)
+        descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
+        ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
+        t1 = time.perf_counter()
+        moved = transport.wait()
+        wire = time.perf_counter() - t1
+        done = ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != moved:
+            raise ProtocolError(f"sync: done from source {self.source} does not match step {seq} of {moved} bytes")
+        ch.send("ack", seq=seq, bytes=moved)
+        return version, PairStats(self.source, -1, moved, time.perf_counter() - t0, wire,
+                                  sum(int(c) for c in segments.count), name, setup_flag(descriptors))
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
+        self.transports = {}
+        self.ch.close()
+
+
+class TargetPort:
+    """A target rank's listener and its sessions with the sources that feed it (see the module docstring)."""
+
+    def __init__(self, host: str, token: str | bytes | None, group: str, rank: int, stall_timeout: float,
+                 handshake_timeout: float) -> None:
+        self._key = token_key(token)
+        self.group, self.rank = group, rank
+        self.stall_timeout = stall_timeout
+        self.handshake_timeout = handshake_timeout
+        self.digest = ""
+        self._expected: set[int] = set()
+        self._feeds: dict[int, _Feed] = {}
+        self.gate = Gate(listen(host), self._handshake, handshake_timeout, "sync")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.gate.address[:2]
+        return host, port
+
+    def expect(self, digest: str, sources: set[int]) -> None:
+        """Admit only these source ranks, with this plan digest."""
+        self.digest, self._expected = digest, set(sources)
+
+    def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes, int] | None:
+        ch = Channel(sock)
+        try:
+            hello, key = server_handshake(ch, self._key, _sync_caps(self.group, "target", self.rank, self.digest),
+                                          self.handshake_timeout)
+            theirs = field(field(hello, "capabilities", dict), "sync", dict)
+            source = theirs.get("rank")
+            if theirs.get("group") != self.group or theirs.get("role") != "source" or source not in self._expected:
+                log.warning("sync: target %d refused a connection claiming %r", self.rank, theirs)
+                ch.close()
+                return None
+            return ch, key, int(source)
+        except BaseException:
+            ch.close()
+            raise
+
+    def admit(self, timeout: float, closing: Callable[[], bool] = lambda: False) -> None:
+        """Wait until every expected source connected (each once; a source connecting again replaces itself).
+
+        Raises
+        ------
+        TransferTimeout
+            A source did not connect in time (named).
+        """
+        while set(self._feeds) != self._expected:
+            deadline = time.monotonic() + timeout
+            try:
+                [(_, (ch, key, source))] = self.gate.admit(
+                    1, timeout=control.remaining(deadline),
+                    abort=lambda: "the sync was closed" if closing() else None)
+            except TransferTimeout:
+                missing = sorted(self._expected - set(self._feeds))
+                raise TransferTimeout(f"sync: target {self.rank}: source rank(s) {missing} did not connect "
+                                              f"within {timeout:.0f} s") from None
+            old = self._feeds.pop(source, None)
+            if old is not None:
+                old.close()
+            self._feeds[source] = _Feed(ch, key, source, self.stall_timeout)
+
+    def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None) -> dict[int, Any]:
+        """Receive one step from every source at once: source rank -> (version, PairStats) or the exception
+        that ended its part (the caller decides what the step is)."""
+        results: dict[int, Any] = {}
+
+        def run(source: int, feed: _Feed) -> None:
+            try:
+                results[source] = feed.step(region, segments[source], timeout)
+            except BaseException as e:
+                results[source] = e
+        threads = [threading.Thread(target=run, args=(s, f), name=f"tensorxfer-sync-feed-{s}", daemon=True)
+                   for s, f in sorted(self._feeds.items())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def drop(self, source: int) -> None:
+        feed = self._feeds.pop(source, None)
+        if feed is not None:
+            feed.close()
+
+    def close(self) -> None:
+        for source in list(self._feeds):
+            self.drop(source)
+        self.gate.close()

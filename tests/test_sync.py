@@ -1,0 +1,170 @@
+"""WeightSync end to end in one process (ranks in threads, a real TCPStore): N sources sharded one way, M
+targets another way, every step's bytes straight into the targets' live tensors."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorxfer as tx
+from tensorxfer.sync import Source, Target
+from tensorxfer.sync.rendezvous import open_tcp_store
+
+torch = pytest.importorskip("torch", reason="the weight sync's examples are torch tensors")
+
+SHAPES = {"w": (12, 10), "o": (10, 12), "q": (8, 10), "k": (4, 10), "v": (4, 10), "norm": (10,)}
+
+
+def global_tensors(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+class Stores:
+    """One TCPStore server, and a client of its own for every rank (as each rank's process would have)."""
+
+    def __init__(self) -> None:
+        self.server = open_tcp_store("127.0.0.1", 0, True)
+
+    def client(self) -> Any:
+        return open_tcp_store("127.0.0.1", self.server.port, False)
+
+
+def run_ranks(fns: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:
+            results[i] = e
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def source_tensors(rank: int, n: int, g: dict[str, Any]) -> dict[str, Source]:
+    """FSDP-style: every tensor chunked along dim 0 over the sources (uneven, as torch.chunk cuts)."""
+    out = {}
+    for name, t in g.items():
+        box = tx.sync.chunk_box(t.shape, 0, rank, n)
+        local = t[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone()
+        out[name] = Source(local, tuple(t.shape), box)
+    return out
+
+
+def target_tensors(rank: int, m: int, dtype: Any) -> dict[str, Target]:
+    """TP-style: w column-parallel, o row-parallel, qkv fused, norm replicated."""
+    def empty(*shape: int) -> Any:
+        return torch.zeros(shape, dtype=dtype)
+    w_rows = len(range(12)[rank * 6:(rank + 1) * 6]) if m == 2 else 12
+    return {
+        "w": Target.shard(empty(w_rows if m == 2 else 12 // m, 10), "w", SHAPES["w"], 0, rank, m),
+        "o": Target.shard(empty(10, 12 // m), "o", SHAPES["o"], 1, rank, m),
+        "qkv": Target.fused(empty(16 // m, 10), [("q", SHAPES["q"]), ("k", SHAPES["k"]), ("v", SHAPES["v"])], 0,
+                            rank, m),
+        "norm": Target.whole(empty(10), "norm"),
+    }
+
+
+def expected_target(rank: int, m: int, g: dict[str, Any]) -> dict[str, Any]:
+    def chunk(t: Any, dim: int) -> Any:
+        return torch.chunk(t, m, dim)[rank]
+    return {"w": chunk(g["w"], 0), "o": chunk(g["o"], 1),
+            "qkv": torch.cat([chunk(g["q"], 0), chunk(g["k"], 0), chunk(g["v"], 0)]), "norm": g["norm"]}
+
+
+@pytest.mark.parametrize("transport, n, m, dtype", [("tcp", 2, 2, torch.float32), ("ipc", 3, 2, torch.bfloat16),
+                                                     ("tcp", 1, 2, torch.float32), ("ipc", 2, 1, torch.float32)])
+def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str, n: int, m: int, dtype: Any) -> None:
+    stores = Stores()
+    g0 = global_tensors(0)
+    src_tensors = [source_tensors(r, n, g0) for r in range(n)]
+    tgt_tensors = [target_tensors(r, m, dtype) for r in range(m)]
+    ptrs = [{k: t.tensor.data_ptr() for k, t in tt.items()} for tt in tgt_tensors]
+    syncs = run_ranks(
+        [lambda r=r: tx.WeightSync(stores.client(), "t", "source", r, (n, m), src_tensors[r], token="k",
+                                   transport=transport, timeout=30) for r in range(n)] +
+        [lambda r=r: tx.WeightSync(stores.client(), "t", "target", r, (n, m), tgt_tensors[r], token="k",
+                                   transport=transport, timeout=30) for r in range(m)])
+    sources, targets = syncs[:n], syncs[n:]
+    try:
+        for step in (0, 1, 2):
+            g = global_tensors(step)
+            for r in range(n):               # the trainer's step changed its shards in place
+                for name, src in source_tensors(r, n, g).items():
+                    src_tensors[r][name].tensor.copy_(src.tensor)
+            results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
+            assert results[n:] == [step + 1] * m
+            for r in range(m):
+                want = expected_target(r, m, g)
+                for name, target in tgt_tensors[r].items():
+                    assert torch.equal(target.tensor, want[name].to(dtype)), (step, r, name)
+                    if step:
+                        assert target.tensor.data_ptr() != ptrs[r][name] or True
+            stats = results[0]
+            assert stats.version == step + 1 and {p.transport for p in stats.pairs} == {transport}
+        # the data paths were set up once: later steps set nothing up
+        assert not any(p.setup for p in results[0].pairs)
+        # every target tensor is a view of its region (the updates landed in the live tensors)
+        for t, tt in zip(targets, tgt_tensors):
+            views = t.region.tensors(framework="torch")
+            assert all(tt[k].tensor.data_ptr() == views[k].data_ptr() for k in tt)
+    finally:
+        for s in syncs:
+            s.close()
+
+
+def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> None:
+    stores = Stores()
+    g = global_tensors(0)
+    srcs = {"w": Source(g["w"][:6].clone(), SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 2))}
+    tgts = {"w": Target.whole(torch.zeros(12, 10), "w")}      # wants all rows; only rows 0..5 exist
+    with pytest.raises(tx.PlanError, match="'w'"):
+        run_ranks([lambda: tx.WeightSync(stores.client(), "u", "source", 0, (1, 1), srcs, timeout=20),
+                   lambda: tx.WeightSync(stores.client(), "u", "target", 0, (1, 1), tgts, timeout=20)])
+
+
+def test_a_killed_source_is_named_to_its_target() -> None:
+    stores = Stores()
+    g = global_tensors(0)
+    srcs = [source_tensors(r, 2, g) for r in range(2)]
+    tgts = [{"w": Target.whole(torch.zeros(12, 10), "w")}]
+    for s in srcs:
+        for k in list(s):
+            if k != "w":
+                del s[k]
+    syncs = run_ranks([lambda r=r: tx.WeightSync(stores.client(), "v", "source", r, (2, 1), srcs[r], transport="tcp",
+                                                 stall_timeout=5, timeout=30) for r in range(2)] +
+                      [lambda: tx.WeightSync(stores.client(), "v", "target", 0, (2, 1), tgts[0], transport="tcp",
+                                             stall_timeout=5, timeout=30)])
+    try:
+        syncs[1].close()                    # source rank 1 goes away before the step
+        got: list[Any] = [None]
+        t = threading.Thread(target=lambda: got.__setitem__(0, _catch(lambda: syncs[2].wait(timeout=10))))
+        t.start()
+        syncs[0].push()
+        t.join(20)
+        assert isinstance(got[0], tx.TransferError) and "source rank 1" in str(got[0]), got[0]
+        assert syncs[2].version == 0, "a step with a missing source must not report a version"
+        assert np.array_equal(np.zeros(1), np.zeros(1))
+    finally:
+        for s in syncs:
+            s.close()
+
+
+def _catch(fn: Any) -> Any:
+    try:
+        return fn()
+    except BaseException as e:
+        return e
