@@ -79,7 +79,8 @@ class SourceLink:
                  connect_timeout: float) -> None:
         self.source, self.target = source, target
         self.stall_timeout = stall_timeout
-        self.streams = streams
+        # One stream per pair unless asked: a step runs every pair at once, which is parallel enough.
+        self.streams = streams or 1
         self._seq = 0
         self._transport: Any = None
         try:
@@ -124,7 +125,7 @@ class SourceLink:
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             transport = self._transport
             ch.send("offer", seq=seq, transport=self.transport, fresh=transport.needs_setup(region),
-                    version=version, bytes=segments.total_bytes)
+                    version=version, bytes=segments.total_bytes, streams=self.streams)
             accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
@@ -181,7 +182,9 @@ class _Feed:
             raise TransferError(f"sync: {msg}")
         transport = self.transports.get(name)
         if transport is None:
-            ctx = control.transfer_context(ch, self.key, self.stall_timeout, None)
+            streams = field(offer, "streams", int, optional=True)
+            ctx = control.transfer_context(ch, self.key, self.stall_timeout,
+                                           max(1, min(streams or 1, 64)))
             transport = self.transports[name] = TRANSPORTS[name][1](ctx)
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)

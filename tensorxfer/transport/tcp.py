@@ -54,6 +54,8 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
@@ -145,8 +147,7 @@ def _move_part(sock: socket.socket, region: TensorRegion, part: Segments, index:
             return
         with memoryview(region.region) as whole, whole.cast("B") as mem:
             views: list[memoryview] = []
-            for src, dst, n in part.runs():
-                off = dst if receive else src
+            for off, n in _extents(part, receive):
                 for p in range(off, off + n, PIECE_BYTES):
                     views.append(mem[p:min(p + PIECE_BYTES, off + n)])
                 if len(views) >= IOV_BATCH:
@@ -161,6 +162,20 @@ def _move_part(sock: socket.socket, region: TensorRegion, part: Segments, index:
         if isinstance(e, PeerLost):
             raise
         raise PeerLost(f"tcp stream {index}: connection lost during a segmented {what}: {e}") from None
+
+
+def _extents(part: Segments, receive: bool) -> list[tuple[int, int]]:
+    """This side's byte ranges of ``part``, in wire order, with ranges that touch merged into one: the rows of
+    a row-parallel shard are scattered on the source but one block on the target, which receives it with
+    one buffer instead of one per row."""
+    src, dst, n = part.flat()
+    off = dst if receive else src
+    if not len(n):
+        return []
+    starts = np.flatnonzero(np.concatenate(([True], off[1:] != off[:-1] + n[:-1])))
+    ends = np.concatenate((starts[1:], [len(n)]))
+    sizes = np.add.reduceat(n, starts)
+    return list(zip(off[starts].tolist(), sizes.tolist())) if len(ends) else []
 
 
 def _scatter_gather(sock: socket.socket, views: list[memoryview], receive: bool, index: int,

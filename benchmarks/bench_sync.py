@@ -1,0 +1,324 @@
+"""Resharded weight sync, N sources to M targets, against what users write today and against the bound.
+
+A Llama-shaped model of ``--size`` bytes (the synthetic reference layout: attention q/k/v/o, MLP
+gate/up/down, norms, embedding and head) is held by ``--sources`` source processes, each the
+``torch.chunk`` dim-0 shard of every tensor (FSDP2's layout), and needed by ``--targets`` target
+processes in a TP layout: q/k/v fused into ``qkv_proj`` and gate/up into ``gate_up_proj`` (column
+parallel), o_proj and down_proj row parallel, embedding and head vocab parallel, norms replicated.
+
+Measured in the same run, on the same machine and device:
+
+- ``sync``: :class:`tensorxfer.WeightSync` steps (every byte once, straight into the targets' tensors);
+  a step's time runs from the moment every rank is ready to the last target's ``wait()`` returning.
+- ``baseline`` (``--device cpu`` only): what RL frameworks do today -- gather every tensor to source rank 0
+  with torch.distributed (gloo), then rank 0 sends the whole model to each target (tensorxfer's own tcp
+  Sender, the fastest honest choice), and each target copies its shard out.
+- ``bound``: the most bytes any one target receives, at the 1-to-1 rate of the same transport measured in
+  the same run (one Sender to one Receiver of that many bytes).
+- ``torch_copy`` (GPU): one ``dst.copy_(src)`` of the bytes all targets receive together.
+
+Writes ``sync-<device>-<UTC>.json`` under ``--out``.  Run it by hand::
+
+    python3 benchmarks/bench_sync.py --size 2e9 --sources 4 --targets 2 --transport tcp --out benchmarks/results
+    python3 benchmarks/bench_sync.py --device cuda:0 --size 16e9 --sources 4 --targets 2 --transport ipc --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import tensorxfer as tx  # noqa: E402
+from tensorxfer import synthetic  # noqa: E402
+from tensorxfer.cli.bench import machine_facts  # noqa: E402
+from tensorxfer.sync import Source, Target, chunk_box  # noqa: E402
+from tensorxfer.sync.rendezvous import open_tcp_store  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def model_layout(size: float) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, shape) for name, _, shape in synthetic.layout(int(size), "BF16")]
+
+
+def global_value(name: str, shape: tuple[int, ...], step: int, device: str) -> Any:
+    """A tensor every rank can rebuild without the others: seeded by its name and the step."""
+    g = torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) & 0xFFFF) * 1000 + step)
+    return torch.rand(shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+def source_shards(layout: list[tuple[str, tuple[int, ...]]], rank: int, n: int, device: str) -> dict[str, Source]:
+    """This rank's dim-0 chunk of every tensor, filled with the global values (so targets can check them)."""
+    out = {}
+    for name, shape in layout:
+        box = chunk_box(shape, 0, rank, n)
+        local = global_value(name, shape, 0, device)[box.offsets[0]:box.offsets[0] + box.sizes[0]].contiguous()
+        out[name] = Source(local, shape, box)
+    return out
+
+
+def check_target(layout: list[tuple[str, tuple[int, ...]]], tensors: dict[str, Target], device: str) -> int:
+    """Every target tensor equals its pieces cut from the global values; the number of tensors checked."""
+    shapes = dict(layout)
+    for name, target in tensors.items():
+        for piece in target.pieces:
+            full = global_value(piece.source_name, shapes[piece.source_name], 0, device)
+            src = full[tuple(slice(o, o + k) for o, k in zip(piece.source_box.offsets, piece.source_box.sizes))]
+            dst = target.tensor[tuple(slice(a, a + k) for a, k in zip(piece.at, piece.source_box.sizes))]
+            if not torch.equal(src, dst):
+                raise AssertionError(f"target tensor {name!r}: piece of {piece.source_name!r} differs")
+    return len(tensors)
+
+
+def target_tensors(layout: list[tuple[str, tuple[int, ...]]], rank: int, m: int, device: str) -> dict[str, Target]:
+    shapes = dict(layout)
+    out: dict[str, Target] = {}
+
+    def empty(shape: tuple[int, ...]) -> Any:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    for name, shape in layout:
+        layer, _, leaf = name.rpartition(".self_attn.")
+        if leaf == "q_proj.weight":
+            parts = [(f"{layer}.self_attn.{p}_proj.weight", shapes[f"{layer}.self_attn.{p}_proj.weight"])
+                     for p in "qkv"]
+            rows = sum(chunk_box(s, 0, rank, m).sizes[0] for _, s in parts)
+            out[f"{layer}.self_attn.qkv_proj.weight"] = Target.fused(empty((rows, shape[1])), parts, 0, rank, m)
+        elif leaf in ("k_proj.weight", "v_proj.weight"):
+            continue
+        elif name.endswith("mlp.gate_proj.weight"):
+            up = name.replace("gate_proj", "up_proj")
+            parts = [(name, shape), (up, shapes[up])]
+            rows = sum(chunk_box(s, 0, rank, m).sizes[0] for _, s in parts)
+            out[name.replace("gate_proj", "gate_up_proj")] = Target.fused(empty((rows, shape[1])), parts, 0, rank, m)
+        elif name.endswith("mlp.up_proj.weight"):
+            continue
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            box = chunk_box(shape, 1, rank, m)
+            out[name] = Target.shard(empty(box.sizes), name, shape, 1, rank, m)
+        elif len(shape) == 1:
+            out[name] = Target.whole(empty(shape), name)
+        else:
+            box = chunk_box(shape, 0, rank, m)
+            out[name] = Target.shard(empty(box.sizes), name, shape, 0, rank, m)
+    return out
+
+
+# ---------------------------------------------------------------- ranks (child processes)
+def rank_main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)        # one intra-op thread per rank: N + M ranks share the machine's cores
+    n, m = args.sources, args.targets
+    layout = model_layout(args.size)
+    store = open_tcp_store("127.0.0.1", args.store_port, False, timeout=600)
+    role, rank = args.role, args.rank
+    tensors: Any = (source_shards(layout, rank, n, args.device) if role == "source" else
+                    target_tensors(layout, rank, m, args.device))
+    sync = tx.WeightSync(store, "bench", role, rank, (n, m), tensors, token="bench", transport=args.transport,
+                         timeout=600, stall_timeout=300)
+    store.set(f"ready/{role}/{rank}", b"1")
+    for step in range(args.repeat + 1):
+        store.wait([f"go/{step}"])
+        t0 = time.time()
+        if role == "source":
+            st = sync.push()
+            if os.environ.get("BENCH_DEBUG"):
+                print("source", rank, st.pack_seconds, [(p.target, p.seconds, p.wire_seconds) for p in st.pairs],
+                      file=sys.stderr)
+        else:
+            sync.wait(timeout=600)
+        store.set(f"done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+    if role == "target":
+        store.set(f"bytes/{rank}", str(sync.region.nbytes).encode())
+        checked = check_target(layout, tensors, args.device)
+        print(f"target {rank}: all {checked} tensors equal their pieces of the global values", flush=True)
+    sync.close()
+    return 0
+
+
+def baseline_main(args: argparse.Namespace) -> int:
+    """What users write today: gloo gather to source rank 0, whole model to every target, targets slice."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)        # as the sync's ranks
+    n, m = args.sources, args.targets
+    layout = model_layout(args.size)
+    store = open_tcp_store("127.0.0.1", args.store_port, False, timeout=600)
+    if args.role == "source":
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=args.rank, world_size=n)
+        shards = {name: global_value(name, shape, 0, "cpu")[chunk_box(shape, 0, args.rank, n).offsets[0]:][
+            :chunk_box(shape, 0, args.rank, n).sizes[0]].contiguous() for name, shape in layout}
+        full = None
+        if args.rank == 0:
+            full = tx.TensorRegion.from_manifest(tx.Manifest.layout([(nm, "BF16", s) for nm, s in layout]))
+            views = full.tensors(framework="torch")
+        addresses = [store.get(f"base/addr/{t}").decode() for t in range(m)] if args.rank == 0 else []
+        senders = [tx.Sender(a, transport="tcp", stall_timeout=300) for a in addresses]
+        store.set(f"ready/base/source/{args.rank}", b"1")
+        for step in range(args.repeat + 1):
+            store.wait([f"base/go/{step}"])
+            t0 = time.time()
+            for name, shape in layout:
+                local = shards[name]
+                sizes = [chunk_box(shape, 0, r, n).sizes[0] for r in range(n)]
+                gather = [torch.empty((s, *shape[1:]), dtype=local.dtype) for s in sizes] if args.rank == 0 else None
+                dist.gather(local, gather, dst=0)
+                if args.rank == 0:
+                    torch.cat(gather, out=views[name]) if len(shape) > 1 or n > 1 else views[name].copy_(gather[0])
+            for s in senders:
+                s.send(full)
+            store.set(f"base/done/{step}/source/{args.rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+        for s in senders:
+            s.close()
+        if full is not None:
+            del views
+            full.close()
+        dist.destroy_process_group()
+        return 0
+    tensors = target_tensors(layout, args.rank, m, "cpu")
+    with tx.Receiver("127.0.0.1:0", stall_timeout=300) as rx:
+        store.set(f"base/addr/{args.rank}", "{}:{}".format(*rx.address).encode())
+        store.set(f"ready/base/target/{args.rank}", b"1")
+        for step in range(args.repeat + 1):
+            region = rx.receive(timeout=600)
+            views = region.tensors(framework="torch")
+            for target in tensors.values():       # slice this rank's shard out of the whole model
+                for piece in target.pieces:
+                    src = views[piece.source_name]
+                    index = tuple(slice(o, o + s) for o, s in zip(piece.source_box.offsets, piece.source_box.sizes))
+                    dst = tuple(slice(a, a + s) for a, s in zip(piece.at, piece.source_box.sizes))
+                    target.tensor[dst].copy_(src[index])
+            del views
+            store.set(f"base/done/{step}/target/{args.rank}", json.dumps({"end": time.time()}).encode())
+    return 0
+
+
+# ---------------------------------------------------------------- driver
+def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
+           "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
+           str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat)]
+    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def run_steps(args: argparse.Namespace, store: Any, prefix: str, procs: list[subprocess.Popen],
+              ready: list[str]) -> list[float]:
+    store.wait(ready, dt.timedelta(seconds=900))
+    times = []
+    n, m = args.sources, args.targets
+    for step in range(args.repeat + 1):
+        go = time.time()
+        store.set(f"{prefix}go/{step}", b"1")
+        keys = [f"{prefix}done/{step}/target/{t}" for t in range(m)]
+        if prefix:
+            keys += [f"{prefix}done/{step}/source/{s}" for s in range(n)]
+        store.wait(keys, dt.timedelta(seconds=900))
+        ends = [json.loads(v)["end"] for v in store.multi_get(keys)]
+        times.append(max(ends) - go)
+    for p in procs:
+        if p.wait(timeout=600) != 0:
+            raise RuntimeError(f"a rank failed with {p.returncode}")
+    return times
+
+
+def one_to_one(nbytes: int, transport: str, device: str, repeat: int) -> float:
+    """Seconds for one warm transfer of ``nbytes`` from a Sender to a Receiver (here, one process each)."""
+    import threading
+
+    m = tx.Manifest.layout([("x", "U8", (nbytes,))])
+    with tx.TensorRegion.from_manifest(m, device=device) as region, tx.Receiver(device=device, stall_timeout=300) as rx:
+        got = threading.Thread(target=lambda: [rx.receive(timeout=300) for _ in range(repeat + 1)])
+        got.start()
+        with tx.Sender("{}:{}".format(*rx.address), transport=transport, stall_timeout=300) as s:
+            runs = [s.send(region).seconds for _ in range(repeat + 1)]
+        got.join()
+    return statistics.median(runs[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", choices=["bench", "sync", "baseline"], default="bench")
+    p.add_argument("--role", default="")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--store-port", type=int, default=0)
+    p.add_argument("--size", type=float, default=2e9)
+    p.add_argument("--sources", type=int, default=4)
+    p.add_argument("--targets", type=int, default=2)
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.what == "sync":
+        return rank_main(args)
+    if args.what == "baseline":
+        return baseline_main(args)
+    store = open_tcp_store("127.0.0.1", 0, True, timeout=900)
+    port = store.port
+    n, m = args.sources, args.targets
+    procs = [spawn(args, port, "target", t, "sync") for t in range(m)] + \
+        [spawn(args, port, "source", s, "sync") for s in range(n)]
+    sync_times = run_steps(args, store, "", procs, [f"ready/{r}/{i}" for r, c in (("source", n), ("target", m))
+                                                     for i in range(c)])
+    target_bytes = [int(store.get(f"bytes/{t}")) for t in range(m)]
+    result: dict[str, Any] = {"sync_runs_s": sync_times[1:], "sync_cold_s": sync_times[0],
+                              "sync_median_s": statistics.median(sync_times[1:]), "target_bytes": target_bytes,
+                              "total_target_bytes": sum(target_bytes)}
+    print("sync", f"{result['sync_median_s']:.3f} s", flush=True)
+    bound_one = one_to_one(max(target_bytes), args.transport, args.device, args.repeat)
+    result["bound_s"] = bound_one
+    result["sync_over_bound"] = result["sync_median_s"] / bound_one
+    print("bound", f"{bound_one:.3f} s", "sync/bound", f"{result['sync_over_bound']:.2f}", flush=True)
+    if args.device != "cpu":
+        src = torch.empty(sum(target_bytes), dtype=torch.uint8, device=args.device)
+        dst = torch.empty_like(src)
+        runs = []
+        for _ in range(args.repeat + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t)
+        del src, dst
+        result["torch_copy_s"] = statistics.median(runs[1:])
+        result["ratio_torch_copy_over_sync"] = result["torch_copy_s"] / result["sync_median_s"]
+        print("torch copy", f"{result['torch_copy_s']:.4f} s", "ratio", f"{result['ratio_torch_copy_over_sync']:.2f}",
+              flush=True)
+    elif not args.no_baseline:
+        procs = [spawn(args, port, "target", t, "baseline") for t in range(m)]
+        store.wait([f"ready/base/target/{t}" for t in range(m)], dt.timedelta(seconds=300))
+        procs += [spawn(args, port, "source", s, "baseline") for s in range(n)]
+        base = run_steps(args, store, "base/", procs, [f"ready/base/{r}/{i}" for r, c in (("source", n),
+                                                                                          ("target", m))
+                                                       for i in range(c)])
+        result.update(baseline_runs_s=base[1:], baseline_median_s=statistics.median(base[1:]),
+                      speedup_over_baseline=statistics.median(base[1:]) / result["sync_median_s"])
+        print("baseline", f"{result['baseline_median_s']:.3f} s", "speedup",
+              f"{result['speedup_over_baseline']:.2f}", flush=True)
+    out = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(), "machine": machine_facts(), "size": args.size,
+           "sources": n, "targets": m, "transport": args.transport, "device": args.device, "result": result}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"sync-{args.device.replace(':', '')}-{args.transport}-{n}to{m}-" \
+                      f"{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%MZ')}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
