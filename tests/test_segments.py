@@ -120,3 +120,24 @@ def test_ipc_copies_exactly_the_segments_out_of_the_senders_memory() -> None:
         assert hop(rt, st, src, dst, seg, 2) is False
         assert np.array_equal(payload(dst), expected(payload(src), before, seg))
         assert rt.counters.registrations == 1, "the sender's handles are mapped once"
+
+
+@pytest.mark.rdma
+def test_rdma_writes_exactly_the_segments_each_to_its_place() -> None:
+    from tensorxfer.transport.rdma import rdma_available
+    from tensorxfer.transport.rdma_engine import RdmaReceiver, RdmaSender
+
+    ok, reason = rdma_available()
+    if not ok:
+        pytest.skip(f"no usable RDMA device: {reason}")
+    seg = layout(4)
+    c = ctx(2)
+    with region(SRC, seed=5) as src, region(DST, seed=6) as dst, RdmaReceiver(c) as rt, RdmaSender(c) as st:
+        before = payload(dst)
+        assert hop(rt, st, src, dst, seg, 1) is True
+        assert np.array_equal(payload(dst), expected(payload(src), before, seg))
+        with memoryview(src.region) as mv:
+            mv[:SRC] = bytes([9]) * SRC
+        assert hop(rt, st, src, dst, seg, 2) is False, "a warm update must reuse the MR and the QPs"
+        assert np.array_equal(payload(dst), expected(payload(src), before, seg))
+        assert rt.counters.registrations == 1 and st.counters.registrations == 1

@@ -125,6 +125,16 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
             s.close()
 
 
+@pytest.mark.rdma
+def test_two_sources_to_two_targets_over_rdma() -> None:
+    from tensorxfer.transport.rdma import rdma_available
+
+    ok, reason = rdma_available()
+    if not ok:
+        pytest.skip(f"no usable RDMA device: {reason}")
+    test_sources_sharded_one_way_land_in_targets_sharded_another("rdma", 2, 2, torch.float32)
+
+
 def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> None:
     stores = Stores()
     g = global_tensors(0)
