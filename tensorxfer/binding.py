@@ -111,6 +111,7 @@ class ModuleBinding:
         self.names = names
         self._slots = {s.name: s for s in (module_slots(module) if slots is None else slots)}
         self._bound: list[tuple[Any, int]] = []       # (slot, the data pointer its tensor must have)
+        self._fast: list[tuple[Any, Any, int, str]] = []     # the same, as (holder, key, pointer, name)
         self.region: Any = None
         self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
@@ -166,11 +167,12 @@ class ModuleBinding:
             slot = self._slots[self.module_name(spec.name)]
             slot.get().data = view
             bound.append((slot, view.data_ptr()))
-        self._bound, self.region = bound, region
+        self._remember(bound)
+        self.region = region
 
     def record(self, region: Any) -> None:
         """The module's tensors are views of ``region`` already (they were moved in): remember where."""
-        self._bound = [(slot, slot.get().data_ptr()) for slot in self._slots.values()]
+        self._remember([(slot, slot.get().data_ptr()) for slot in self._slots.values()])
         self.region = region
 
     def attached_to(self, region: Any) -> bool:
@@ -197,11 +199,18 @@ class ModuleBinding:
             torch_module().cuda.synchronize(self.region.device)    # the optimizer's kernels landed
 
     def _stale(self) -> str | None:
-        for slot, ptr in self._bound:
-            t = slot.get()
+        # Every send (and every receive into a module) asks this of ~a thousand tensors: one tight pass over
+        # the dicts that hold them, not a method call per tensor (it cost ms per update).
+        for holder, key, ptr, name in self._fast:
+            t = holder.get(key) if key is not None else holder
             if t is None or t.data_ptr() != ptr:
-                return slot.name
+                return name
         return None
+
+    def _remember(self, bound: list[tuple[Any, int]]) -> None:
+        self._bound = bound
+        self._fast = [((s.owner._parameters if s.parameter else s.owner._buffers), s.attr, ptr, s.name)
+                      if isinstance(s, _Slot) else (s.tensor, None, ptr, s.name) for s, ptr in bound]
 
 
 def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | None = None,

@@ -226,9 +226,11 @@ class TensorRegion:
         OSError
             A file cannot be read.
         """
+        import os
+
         from tensorxfer.files import load
 
-        plan = load.plan_load(sources)
+        plan = load.plan_load([sources] if isinstance(sources, str | os.PathLike) else sources)
         if parse_device(device)[0] == "cuda":
             self = cls.from_manifest(plan.manifest, device)         # zeroed: no stale device bytes between tensors
         else:

@@ -258,6 +258,43 @@ cdef class Copier(Stager):
                 check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i], n[i],
                                                     self._stream), b"cuMemcpyDtoDAsync")
 
+    def dtod_groups(self, dsts, srcs, widths, heights, dpitches, spitches):
+        """Queue strided groups of device-to-device copies, without the GIL: group ``i`` copies ``heights[i]``
+        rows of ``widths[i]`` bytes from ``srcs[i] + j*spitches[i]`` to ``dsts[i] + j*dpitches[i]`` -- one
+        ``cuMemcpy2DAsync`` (a block of rows: a row-parallel shard), or one ``cuMemcpyDtoDAsync`` where the
+        rows are contiguous on both sides.  Six equal-length C-contiguous uint64 buffers."""
+        cdef const unsigned long long[::1] d = dsts
+        cdef const unsigned long long[::1] s = srcs
+        cdef const unsigned long long[::1] w = widths
+        cdef const unsigned long long[::1] h = heights
+        cdef const unsigned long long[::1] dp = dpitches
+        cdef const unsigned long long[::1] sp = spitches
+        cdef size_t i, count = d.shape[0]
+        cdef cydriver.CUDA_MEMCPY2D p
+        if not (s.shape[0] == w.shape[0] == h.shape[0] == dp.shape[0] == sp.shape[0] == <Py_ssize_t>count):
+            raise ValueError("dsts, srcs, widths, heights, dpitches and spitches must have the same length")
+        if count == 0:
+            return
+        bind_device(self._device)
+        memset(&p, 0, sizeof(p))
+        p.srcMemoryType = cydriver.CU_MEMORYTYPE_DEVICE
+        p.dstMemoryType = cydriver.CU_MEMORYTYPE_DEVICE
+        with nogil:
+            for i in range(count):
+                if h[i] == 0 or w[i] == 0:
+                    continue
+                if h[i] == 1 or (dp[i] == w[i] and sp[i] == w[i]):
+                    check_cu(cydriver.cuMemcpyDtoDAsync(<cydriver.CUdeviceptr>d[i], <cydriver.CUdeviceptr>s[i],
+                                                        w[i] * h[i], self._stream), b"cuMemcpyDtoDAsync")
+                    continue
+                p.srcDevice = <cydriver.CUdeviceptr>s[i]
+                p.srcPitch = sp[i]
+                p.dstDevice = <cydriver.CUdeviceptr>d[i]
+                p.dstPitch = dp[i]
+                p.WidthInBytes = w[i]
+                p.Height = h[i]
+                check_cu(cydriver.cuMemcpy2DAsync(&p, self._stream), b"cuMemcpy2DAsync")
+
     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
         bind_device(self._device)
         with nogil:

@@ -10,7 +10,7 @@ of a pair compute the same Segments (from the same plan), so no offsets cross th
 Transports take ``segments`` where they otherwise move ``[0, nbytes)`` (``None``): tcp cuts them into one
 part per stream (:meth:`Segments.split`, the same cut on both ends) and moves each part with scatter /
 gather socket calls; ipc copies them out of the sender's mapped memory (host: one strided numpy copy per
-group; GPU: one batched driver call for all runs).
+group; GPU: one 2-D copy per group); rdma writes each run to its place.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
     def _copy_segments(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
                        segments: Segments, progress: Progress | None) -> None:
         """Copy only ``segments`` out of the sender's memory: host, one strided numpy copy per group (spread
-        over the copy threads); GPU, every run in one batched driver call on the session's stream."""
+        over the copy threads); GPU, one 2-D copy per group on the session's stream."""
         assert self._region is not None
         dst = self._region
         if (incoming.kind == "cuda") != dst.is_cuda:
@@ -180,9 +180,10 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         try:
             if dst.is_cuda:
                 assert on is not None
-                s, d, n = segments.flat()
                 copier = self._copier(on)
-                copier.dtod_batch(d + np.uint64(dst.region.ptr), s + np.uint64(src.ptr), n, batch_api=True)
+                # one 2-D copy per strided group (a block of rows), not one copy per row
+                copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr), segments.src_off + np.uint64(src.ptr),
+                                   segments.nbytes, segments.count, segments.dst_stride, segments.src_stride)
                 copier.synchronize()
             else:
                 sv = np.frombuffer(memoryview(src), dtype=np.uint8)
