@@ -1276,6 +1276,8 @@ cdef class ImmWaiter:
         """
         cdef int n, i, q, bad_q = -1, rc = 0, post_rc = 0
         cdef uint32_t imm = 0, bad_status = 0, bad_qpn = 0, bad_imm = 0
+        cdef uint64_t bad_prog = 0
+        cdef int bad_got = 0
         cdef int kind = 0
         cdef int idle = 0
         cdef int block_ms, block_err = 0
@@ -1327,6 +1329,8 @@ cdef class ImmWaiter:
                                 kind = 6
                                 bad_qpn = self.qpn[q]
                                 bad_imm = imm
+                                # what was expected when it came: later completions of the batch move on
+                                bad_prog, bad_got = self.prog[q], self.got[q]
                             continue
                         self.prog[q] = j + 1
                         self.pending -= 1
@@ -1401,18 +1405,19 @@ cdef class ImmWaiter:
                                 f"update: the sender does not follow the protocol; end the session")
         if kind == 6:
             raise TransferError(f"QP {bad_qpn:#x} delivered piece mark {bad_imm & C_IMM_MASK} (immediate "
-                                f"{bad_imm:#x}), but {self._expected_mark(bad_qpn)}: the sender does not "
-                                f"stripe as this receiver asked; end the session")
+                                f"{bad_imm:#x}), but {self._expected_mark(bad_qpn, bad_prog, bad_got)}: the sender "
+                                f"does not stripe as this receiver asked; end the session")
         return self.ngot == self.nq
 
-    cdef str _expected_mark(self, uint32_t qpn):
+    cdef str _expected_mark(self, uint32_t qpn, uint64_t prog, int got):
+        """What the QP expected when the bad mark came (``prog``, ``got``: its state then)."""
         cdef int q
         if self.marks == 0:
             return "no marks were asked for"
         for q in range(self.nq):
             if self.qpn[q] == qpn:
-                if self.got[q] or self.prog[q] + self.marks >= self.total[q]:
+                if got or prog + self.marks >= self.total[q]:
                     return f"no more marks are expected there (its last request is {self.total[q] - 1})"
-                return (f"the next mark expected there is request {self.prog[q] + self.marks - 1} of "
+                return (f"the next mark expected there is request {prog + self.marks - 1} of "
                         f"{self.total[q]} (every {self.marks}-th)")
         return "the QP is not one of this receiver's"

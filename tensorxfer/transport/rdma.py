@@ -512,8 +512,11 @@ class RdmaSenderEndpoint(_Endpoint):
         self.updates = 0
         self._local_ptr = int(self._region.resolve_extent(0, self.nbytes).ptr)
 
-    def connect(self, peer: dict[str, Any]) -> None:
+    def connect(self, peer: dict[str, Any], scatter: bool = False) -> None:
         """Connect to the receiver's descriptors (its QPs plus ``addr``/``rkey``/``length``).
+
+        ``scatter``: this session writes runs to their own places (a weight sync), so the receiver's region
+        may be smaller than ours; every run is checked against its registration instead.
 
         Raises
         ------
@@ -522,7 +525,7 @@ class RdmaSenderEndpoint(_Endpoint):
         """
         self._check_open()
         peer = _check_peer(peer, "receiver")
-        if peer["length"] < self.nbytes:
+        if peer["length"] < self.nbytes and not scatter:
             raise ProtocolError(f"receiver registered {peer['length']} bytes, sender needs {self.nbytes}")
         self._connect_qps(peer)
 
@@ -583,7 +586,7 @@ class RdmaSenderEndpoint(_Endpoint):
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
         table = None
         if runs is not None:
-            table, length = scatter_table(runs, wr, self.nbytes, int(self._peer["nbytes"]))
+            table, length = scatter_table(runs, wr, self.nbytes, int(self._peer["length"]))
             offset = 0
         t0 = time.perf_counter()
         try:

@@ -388,7 +388,7 @@ class RdmaSender(_Owned, SenderTransport):
                                                 _first_chunk_only=_FIRST_CHUNK_ONLY)
             self.counters.registrations += 1
             self.registration = self._endpoint.mr_path
-            self._endpoint.connect(peer)
+            self._endpoint.connect(peer, scatter=self._runs is not None)
             self._check_wr_size()
             side = self._open_side(side_port)
             body = msgpack.packb(self._endpoint.descriptors())
