@@ -420,14 +420,22 @@ def _peername(sock: socket.socket) -> str:
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "local peer"
 
 
-def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """``"host:port"``, ``"[v6]:port"`` or ``":port"`` → (host, port).
+def parse_address(text: str | tuple[str, int], default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"``, ``":port"`` or a ``(host, port)`` pair (as ``Receiver.address``
+    gives it) → (host, port).
 
     Raises
     ------
     ValueError
         Not an address with a port in 0..65535.
     """
+    if isinstance(text, tuple | list):
+        if len(text) != 2 or not isinstance(text[0], str) or isinstance(text[1], bool) \
+                or not isinstance(text[1], int) or not 0 <= text[1] <= 65535:
+            raise ValueError(f"address must be (host, port) with a port in 0..65535, got {text!r}")
+        return text[0] or default_host, text[1]
+    if not isinstance(text, str):
+        raise ValueError(f"address must be 'HOST:PORT' or (host, port), got {type(text).__name__}")
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"address must be HOST:PORT, got {text!r}")

@@ -67,7 +67,7 @@ def test_100_updates_set_the_transport_up_once_and_stay_flat(transport: str) -> 
                     data = fill(src, k)
                 stats.append(s.send(src, verify=k in (0, 99)))
                 if k in (0, 42, 99):
-                    assert payload(rx.region) == data if k != 0 else True
+                    assert payload(rx.region) == data
             assert fds() <= fds0 and rss() < rss0 + (16 << 20)
         received = job.result(timeout=120)
         assert payload(rx.region) == data
@@ -240,11 +240,11 @@ def test_close_from_another_thread_ends_a_send_in_flight() -> None:
         assert offered.wait(10)
         t0 = time.monotonic()
         s.close()
-        with pytest.raises(tx.TensorXferError):
+        with pytest.raises(tx.TransferError):      # PeerLost or TransferError: the session ended here
             sending.result(timeout=3)
         assert time.monotonic() - t0 < 3
         s.close()
-        with pytest.raises(tx.TensorXferError):
+        with pytest.raises(tx.PeerLost):
             job.result(timeout=20)      # the receiver finishes its on_offer and finds the sender gone
 
 
@@ -331,6 +331,7 @@ def test_a_long_on_landed_keeps_the_sender_waiting_and_a_stalled_one_times_out(m
         with Sender(addr(rx), transport="tcp", stall_timeout=1.0) as s, pytest.raises(tx.TransferTimeout):
             s.send(src)
         job.thread.join(10)     # its ack may or may not reach the closed sender: either way it ends
+        assert not job.thread.is_alive(), "the receiver kept working after its sender gave up"
 
 
 def test_an_on_offer_refusal_reaches_the_sender() -> None:

@@ -27,7 +27,8 @@ TOKEN_ENV = "TENSORXFER_TOKEN"
 EXIT_CODES_HELP = """\
 exit codes:
   0    success (send: the receiver wrote every file)
-  1    the transfer failed: peer lost, stalled, checksum mismatch, refused (e.g. --out holds
+  1    the transfer failed: peer lost (or no receiver listening at --to within --connect-timeout),
+       stalled, checksum mismatch, refused (e.g. --out holds
        another model's files and no --overwrite, or has no room), or the receiver could not
        write the files
   2    bad usage or input: arguments, malformed or unsafe files or names, a weight format
@@ -76,7 +77,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="where the region lives: cpu (default) or cuda:N (files are staged through pinned memory)")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
                    help="fail when no data moves for S seconds (default 30)")
-    p.add_argument("--verify", action="store_true", help="per-tensor xxh3_64 checksums, checked by the receiver")
+    p.add_argument("--verify", action="store_true",
+                   help="send: per-tensor xxh3_64 checksums, checked by the receiver; recv: accept only senders "
+                        "that send them (others are refused before any byte moves)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON lines on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limit = None if args.max_bytes is None else int(args.max_bytes)
         rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=limit,
-                      stall_timeout=args.stall_timeout, relay=False if args.no_relay else None)
+                      stall_timeout=args.stall_timeout, relay=False if args.no_relay else None,
+                      require_verify=args.verify)
     except OSError as e:
         os.close(lock_fd)
         if isinstance(e, TensorXferError):

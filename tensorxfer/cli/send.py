@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, action="append", metavar="HOST:PORT",
                    help="the receiver's address; repeat it to fan out to several receivers, in chain order (each "
                         "receiver forwards to the next as the bytes land; every one must have the same token)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="keep trying to reach a receiver that is not listening yet for S seconds (default 10)")
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help=f"parallel data streams (default: {DEFAULT_STREAMS} tcp streams, $TENSORXFER_TCP_STREAMS "
                         f"overrides; {DEFAULT_QPS} QPs for rdma; ipc copies with one)")
@@ -78,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
                       Phase("receiver writing the files")])
             if len(args.to) == 1:
                 with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
-                            stall_timeout=args.stall_timeout) as sender:
+                            stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
                     stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
             else:
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
-                                  stall_timeout=args.stall_timeout) as fan:
+                                  stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as fan:
                     fanned = fan.send(region, verify=args.verify, progress=bar)
                 stats = fanout_record(fanned)
             bar.finish()

@@ -21,20 +21,21 @@ class Receiver(session.Receiver):
         Whether to forward to the receivers an authenticated sender names.  Default: only with a token
         (a relay authenticates to the next hop with its own token); ``True`` allows it without one,
         ``False`` refuses always.  A share-mode receiver never relays.
-    listen, token, device, max_region_bytes, stall_timeout, handshake_timeout, share
+    listen, token, device, max_region_bytes, stall_timeout, handshake_timeout, share, require_verify
         As for :class:`tensorxfer.session.Receiver`.
     """
 
-    def __init__(self, listen: str = "127.0.0.1:0", token: str | bytes | None = None, device: str = "cpu",
+    def __init__(self, listen: str | tuple[str, int] = "127.0.0.1:0", token: str | bytes | None = None,
+                 device: str = "cpu",
                  max_region_bytes: int | None = None, stall_timeout: float = session.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = session.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
-                 relay: bool | None = None) -> None:
+                 relay: bool | None = None, require_verify: bool = False) -> None:
         allowed = (relay if relay is not None else token is not None) and not share
         why = "this receiver does not relay " + ("(Receiver(relay=False))" if relay is False else
                                                  "(it has no token; Receiver(relay=True) allows it)")
         forwarder = Relay(token, float(stall_timeout), float(handshake_timeout)) if allowed else None
         super().__init__(listen, token, device, max_region_bytes, stall_timeout, handshake_timeout, share,
-                         forwarder=forwarder, no_forward=why)
+                         forwarder=forwarder, no_forward=why, require_verify=require_verify)
 
     def send_on(self, to: str | list[str], verify: bool = False, transport: str = "auto",
                 streams: int | None = None) -> FanoutStats:

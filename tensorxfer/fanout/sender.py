@@ -111,7 +111,7 @@ class FanoutSender:
 
     def __init__(self, to: Sequence[str], token: str | bytes | None = None, transport: str = "auto",
                  streams: int | None = None, stall_timeout: float = 30.0, connect_timeout: float = 10.0) -> None:
-        targets = list(to)
+        targets = ["{}:{}".format(*parse_address(a)) if isinstance(a, tuple | list) else a for a in to]
         if not targets:
             raise ValueError("fan-out needs at least one receiver")
         if len(targets) > MAX_CHAIN + 1:
@@ -214,7 +214,7 @@ def send_on(receiver: Receiver, to: str | list[str], verify: bool = False, trans
     TransferError
         No complete version is held (nothing received yet, or the last update failed or is in flight).
     """
-    targets = [to] if isinstance(to, str) else list(to)
+    targets = [to] if isinstance(to, str | tuple) else list(to)
     with receiver.lend() as (region, version), \
             FanoutSender(targets, token=receiver.token, transport=transport, streams=streams,
                          stall_timeout=receiver.stall_timeout, connect_timeout=receiver.handshake_timeout) as fan:

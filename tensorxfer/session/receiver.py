@@ -59,6 +59,8 @@ class Receiver:
     forwarder : Forwarder, optional
         Passes updates on to the receivers an offer's chain names (:mod:`tensorxfer.fanout` fills it;
         without one, chains are refused with ``no_forward`` as the reason).
+    require_verify : bool
+        Refuse offers sent without per-tensor checksums (``send(verify=True)``), before any byte moves.
 
     Raises
     ------
@@ -68,10 +70,12 @@ class Receiver:
         The address cannot be bound.
     """
 
-    def __init__(self, listen: str = "127.0.0.1:0", token: str | bytes | None = None, device: str = "cpu",
+    def __init__(self, listen: str | tuple[str, int] = "127.0.0.1:0", token: str | bytes | None = None,
+                 device: str = "cpu",
                  max_region_bytes: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
-                 forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay") -> None:
+                 forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay",
+                 require_verify: bool = False) -> None:
         parse_device(device)
         host, port = parse_address(listen)
         self.share = bool(share)
@@ -82,6 +86,7 @@ class Receiver:
         self._token = token
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
+        self.require_verify = bool(require_verify)
         self._slot = RegionSlot(device)
         self._version: Version | None = None
         self._fed_by_relay = False
@@ -242,7 +247,7 @@ class Receiver:
     def _admit(self, deadline: float | None) -> ServerSession:
         ch, key = self._door().admit(deadline, lambda: self._closing)
         self._session = ServerSession(ch, key, self.stall_timeout, self._make_transport, self._unavailable,
-                                      self._forwarder, self._no_forward)
+                                      self._forwarder, self._no_forward, self.require_verify)
         log.info("session with sender %s", ch.peer)
         return self._session
 
@@ -307,7 +312,7 @@ class Receiver:
         door, self._admission = self._admission, None
         if door is not None:
             self._dropped_at_close = door.gate.dropped
-            door.gate.close()
+            door.close()
         if session is not None:
             try:
                 session.channel.sock.shutdown(socket.SHUT_RDWR)     # wakes a receive() blocked on the channel
@@ -342,6 +347,26 @@ class Admission:
         self._caps = capabilities
         self.handshake_timeout = handshake_timeout
         self.gate = Gate(connections.listen(host, port=port), self._handshake, handshake_timeout, "control")
+        # A doorman answers hellos while no receive() runs (a Sender made before the first receive(), or
+        # between two), so a sender's handshake never waits on the application's loop.
+        self._stop = threading.Event()
+        self._doorman = threading.Thread(target=self._pump, name="tensorxfer-doorman", daemon=True)
+        self._doorman.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.gate.pump(0.05)
+            except (OSError, TransferError):
+                if self._stop.is_set():
+                    return
+                self._stop.wait(0.05)      # a transient accept error: the next turn tries again
+
+    def close(self) -> None:
+        """Stop answering and close the listener (proven connections not yet admitted are closed too)."""
+        self._stop.set()
+        self.gate.close()
+        self._doorman.join()
 
     def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes]:
         """Hello + authentication of a new connection (in the gate's thread for it; it bounds the time)."""

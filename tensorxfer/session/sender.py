@@ -34,8 +34,8 @@ class Sender:
 
     Parameters
     ----------
-    connect : str
-        The receiver's ``HOST:PORT``.
+    connect : str or (str, int)
+        The receiver's ``HOST:PORT`` (or ``(host, port)``, as :attr:`Receiver.address` gives it).
     token : str or bytes, optional
         Shared secret (must match the receiver's).
     transport : str
@@ -44,11 +44,14 @@ class Sender:
         Parallel data streams to ask for (default: the transport's measured default).
     stall_timeout : float
         Seconds without progress before :class:`TransferTimeout`.
+    connect_timeout : float
+        Seconds to keep trying to reach a receiver that is not listening yet (a receiver process still
+        starting), and to complete the handshake.
 
     Raises
     ------
     PeerLost
-        The receiver cannot be reached.
+        No receiver answered at the address within ``connect_timeout``.
     AuthError
         Tokens differ (no data moves).
     ProtocolError
@@ -57,7 +60,7 @@ class Sender:
         A forced transport cannot run here or on the receiver.
     """
 
-    def __init__(self, connect: str, token: str | bytes | None = None, transport: str = "auto",
+    def __init__(self, connect: str | tuple[str, int], token: str | bytes | None = None, transport: str = "auto",
                  streams: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
                  connect_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT) -> None:
         check_requested(transport)
@@ -73,10 +76,7 @@ class Sender:
         self._transports: dict[str, SenderTransport] = {}      # this session's, by name
         self._last_manifest: tuple[Manifest, bytes, bytes] | None = None   # (manifest, packed, digest)
         self._packed: TensorRegion | None = None     # where a mapping passed to send() is packed
-        try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout)
-        except OSError as e:
-            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None
+        sock = _connect(host, port, connect_timeout)
         ch = Channel(sock)
         try:
             hello, self._session_key = client_handshake(
@@ -322,3 +322,28 @@ class Sender:
 
     def __repr__(self) -> str:
         return f"<Sender {'closed' if self.closed else self._channel.peer if self._channel else ''}>"
+
+
+def _connect(host: str, port: int, timeout: float) -> socket.socket:
+    """A connection to ``host:port``, retried while nothing listens there yet (a receiver still starting), up
+    to ``timeout`` seconds -- as torch.distributed's store clients wait for their server.
+
+    Raises
+    ------
+    PeerLost
+        Still nothing listening (or the host unreachable) when the time is up; the message says which.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.05
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+        except (ConnectionRefusedError, ConnectionResetError) as e:
+            if time.monotonic() + pause >= deadline:
+                raise PeerLost(f"no receiver is listening at {host}:{port} (tried for {timeout:g} s: {e.strerror}); "
+                               f"start tensorxfer-recv (or the Receiver) there first, or give it longer "
+                               f"(connect_timeout / --connect-timeout)") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        except OSError as e:
+            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None

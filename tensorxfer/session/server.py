@@ -96,8 +96,9 @@ class ServerSession:
 
     def __init__(self, ch: Channel, session_key: bytes, stall_timeout: float,
                  make_transport: Callable[[str, TransferContext], Any], available: Callable[[str], str | None],
-                 forwarder: Forwarder | None = None, no_forward: str = "") -> None:
+                 forwarder: Forwarder | None = None, no_forward: str = "", require_verify: bool = False) -> None:
         self.channel = ch
+        self._require_verify = require_verify
         self._key = session_key
         self.stall_timeout = stall_timeout
         self._make_transport = make_transport
@@ -181,6 +182,9 @@ class ServerSession:
         if reason is not None:
             raise self.refuse("transport", TransportUnavailable(
                 f"transport {offer.transport!r} is not available on this receiver ({reason})"))
+        if self._require_verify and not offer.verify:
+            raise self.refuse("refused", ManifestError(
+                "this receiver accepts only verified transfers: send with verify=True (tensorxfer-send --verify)"))
         if offer.chain and self._forwarder is None:
             raise self.refuse("refused", ManifestError(self._no_forward))
         if not offer.chain and self._forwarder is not None:
