@@ -644,8 +644,12 @@ def test_wire_round_trip_and_hostile_input():
 
 
 def test_planner_modules_do_no_io_imports():
-    """spec and plan stay pure: no session, transport or other I/O layer, torch only inside a function."""
+    """spec and plan (and their private helpers) stay pure: no session, transport or other I/O layer, torch
+    only inside a function.  The execution modules beside them (link, weight_sync, rendezvous) do I/O."""
+    pure = {"spec.py", "plan.py", "shards.py"}
     for path in sorted((ROOT / "tensorxfer" / "sync").glob("*.py")):
+        if path.name not in pure and not path.name.startswith("_"):
+            continue
         tree = ast.parse(path.read_text())
         for node in tree.body:
             names = []
