@@ -110,8 +110,8 @@ class ModuleBinding:
         self.module = module
         self.names = names
         self._slots = {s.name: s for s in (module_slots(module) if slots is None else slots)}
-        self._bound: list[tuple[Any, int]] = []       # (slot, the data pointer its tensor must have)
-        self._fast: list[tuple[Any, Any, int, str]] = []     # the same, as (holder, key, pointer, name)
+        # (the dict holding the tensor or the tensor itself, its key, the data pointer it must have, its name)
+        self._fast: list[tuple[Any, Any, int, str]] = []
         self.region: Any = None
         self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
@@ -208,7 +208,6 @@ class ModuleBinding:
         return None
 
     def _remember(self, bound: list[tuple[Any, int]]) -> None:
-        self._bound = bound
         self._fast = [((s.owner._parameters if s.parameter else s.owner._buffers), s.attr, ptr, s.name)
                       if isinstance(s, _Slot) else (s.tensor, None, ptr, s.name) for s, ptr in bound]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numpy as np
 import pytest
 
 import tensorxfer as tx
@@ -91,7 +90,6 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
     g0 = global_tensors(0)
     src_tensors = [source_tensors(r, n, g0) for r in range(n)]
     tgt_tensors = [target_tensors(r, m, dtype) for r in range(m)]
-    ptrs = [{k: t.tensor.data_ptr() for k, t in tt.items()} for tt in tgt_tensors]
     syncs = run_ranks(
         [lambda r=r: tx.WeightSync(stores.client(), "t", "source", r, (n, m), src_tensors[r], token="k",
                                    transport=transport, timeout=30) for r in range(n)] +
@@ -110,8 +108,6 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
                 want = expected_target(r, m, g)
                 for name, target in tgt_tensors[r].items():
                     assert torch.equal(target.tensor, want[name].to(dtype)), (step, r, name)
-                    if step:
-                        assert target.tensor.data_ptr() != ptrs[r][name] or True
             stats = results[0]
             assert stats.version == step + 1 and {p.transport for p in stats.pairs} == {transport}
         # the data paths were set up once: later steps set nothing up
@@ -167,7 +163,6 @@ def test_a_killed_source_is_named_to_its_target() -> None:
         t.join(20)
         assert isinstance(got[0], tx.TransferError) and "source rank 1" in str(got[0]), got[0]
         assert syncs[2].version == 0, "a step with a missing source must not report a version"
-        assert np.array_equal(np.zeros(1), np.zeros(1))
     finally:
         for s in syncs:
             s.close()

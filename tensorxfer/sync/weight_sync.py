@@ -129,6 +129,8 @@ class WeightSync:
         self._links: dict[int, SourceLink] = {}
         self._segments: dict[int, Segments] = {}       # a source's runs to each target
         self._feeds: dict[int, Segments] = {}          # a target's runs from each source
+        self._targets: list[RankSpec] | None = None
+        self._target_addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
         self.region: TensorRegion | None = None
         try:
@@ -188,9 +190,13 @@ class WeightSync:
         return [msgpack.unpackb(v, raw=False) for v in raw]
 
     def _read_targets(self, timeout: float) -> list[RankSpec]:
-        records = self._records("target", self.world[1], timeout)
-        self._target_addresses = {i: (r["address"][0], int(r["address"][1])) for i, r in enumerate(records)}
-        return [RankSpec.from_bytes(r["spec"]) for r in records]
+        """The targets' descriptions and addresses (read from the store once: sources need them before they
+        lay out their region, and every rank again to plan)."""
+        if self._targets is None:
+            records = self._records("target", self.world[1], timeout)
+            self._target_addresses = {i: (r["address"][0], int(r["address"][1])) for i, r in enumerate(records)}
+            self._targets = [RankSpec.from_bytes(r["spec"]) for r in records]
+        return self._targets
 
     def _agree(self, timeout: float) -> Plan:
         """Every rank plans from the store's descriptions and checks that all computed the same plan."""
@@ -285,7 +291,6 @@ class WeightSync:
             for s in failed:
                 self._port.drop(s)      # its session's state is unknown: it reconnects
             if failed:
-                self.version_complete = False
                 first = failed[min(failed)]
                 if isinstance(first, TransferError):
                     first.args = (f"sync: target {self.rank}: source rank {min(failed)} failed: {first}",
