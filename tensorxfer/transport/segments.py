@@ -15,6 +15,7 @@ group; GPU: one 2-D copy per group); rdma writes each run to its place.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,7 +89,13 @@ class Segments:
                 yield s + j * ss, d + j * ds, n
 
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every run as three uint64 arrays ``(src_off, dst_off, nbytes)`` (vectorized :meth:`runs`)."""
+        """Every run as three read-only uint64 arrays ``(src_off, dst_off, nbytes)`` (vectorized :meth:`runs`).
+
+        Computed once: a weight sync moves the same segments every step, and both ends ask each step."""
+        return self._flat
+
+    @functools.cached_property
+    def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         counts = self.count.astype(np.int64)
         if not len(self):
             empty = np.zeros(0, np.uint64)
@@ -96,14 +103,28 @@ class Segments:
         group = np.repeat(np.arange(len(self)), counts)
         starts = np.cumsum(counts) - counts
         j = (np.arange(int(counts.sum())) - np.repeat(starts, counts)).astype(np.uint64)
-        return (self.src_off[group] + j * self.src_stride[group], self.dst_off[group] + j * self.dst_stride[group],
-                self.nbytes[group].copy())
+        out = (self.src_off[group] + j * self.src_stride[group], self.dst_off[group] + j * self.dst_stride[group],
+               self.nbytes[group].copy())
+        for a in out:
+            a.setflags(write=False)
+        return out
 
     def split(self, parts: int) -> list[Segments]:
         """Cut into at most ``parts`` consecutive pieces of about equal bytes (whole runs; a group may be cut
-        between its runs), in wire order: the same cut on both ends, one piece per stream."""
+        between its runs), in wire order: the same cut on both ends, one piece per stream (computed once per
+        ``parts``)."""
         if parts <= 1 or len(self) == 0:
             return [self]
+        cached = self._splits.get(parts)
+        if cached is None:
+            cached = self._splits[parts] = self._split(parts)
+        return cached
+
+    @functools.cached_property
+    def _splits(self) -> dict[int, list[Segments]]:
+        return {}
+
+    def _split(self, parts: int) -> list[Segments]:
         src, dst, n = self.flat()
         ends = np.cumsum(n.astype(np.int64))
         total = int(ends[-1])
