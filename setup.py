@@ -9,6 +9,10 @@ headers are found, and can be forced off:
   files; they do not link libcuda: cuda.bindings loads the driver at run
   time, so they import on machines without a GPU and report that CUDA is
   unusable there).
+  With them, ``nvcc`` (``$CUDA_HOME/bin``, ``/usr/local/cuda/bin`` or ``PATH``)
+  compiles ``tensorxfer/memory/strided_copy.cu`` into ``strided_copy.fatbin``
+  beside them (the weight sync's strided device copies); without it the
+  package falls back to the copy engines' pitched copies.
 - ``TENSORXFER_NO_VERBS=1`` skips ``tensorxfer.transport._verbs`` (needs
   infiniband/verbs.h, from Debian's libibverbs-dev, and links libibverbs).
 
@@ -19,11 +23,14 @@ part a build error instead of a silent skip.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 DIRECTIVES = {"language_level": "3", "embedsignature": True}
 
@@ -96,4 +103,36 @@ if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.tra
             else None):
     extensions.append(ext("tensorxfer.transport._verbs", libraries=["ibverbs"]))
 
-setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, nthreads=2))
+
+KERNEL_SOURCE = Path("tensorxfer/memory/strided_copy.cu")
+# SASS for Ampere and Hopper, PTX that newer drivers compile for newer GPUs
+KERNEL_TARGETS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+                  "-gencode", "arch=compute_90,code=compute_90"]
+
+
+def find_nvcc() -> str | None:
+    for root in (os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
+        if root and Path(root, "bin", "nvcc").exists():
+            return str(Path(root, "bin", "nvcc"))
+    return shutil.which("nvcc")
+
+
+class BuildWithKernels(build_ext):
+    """Cython extensions, then the device kernels beside the CUDA modules (where those were built)."""
+
+    def run(self) -> None:
+        super().run()
+        if not any(e.name == "tensorxfer.memory._copy" for e in self.extensions):
+            return
+        nvcc = find_nvcc()
+        if not optional("tensorxfer/memory/strided_copy.fatbin", None if nvcc else "nvcc not found (set CUDA_HOME)"):
+            return
+        out = Path(self.get_ext_fullpath("tensorxfer.memory._copy")).parent / "strided_copy.fatbin"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists() and out.stat().st_mtime >= KERNEL_SOURCE.stat().st_mtime:
+            return
+        subprocess.run([nvcc, "-fatbin", "-O3", *KERNEL_TARGETS, "-o", str(out), str(KERNEL_SOURCE)], check=True)
+
+
+setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, nthreads=2),
+      cmdclass={"build_ext": BuildWithKernels})

@@ -142,6 +142,8 @@ def receiver_main(args: argparse.Namespace) -> int:
         print("{}:{}".format(*rx.address), flush=True)
         for _ in range(args.count):
             rx.receive(timeout=600, into=model)
+        assert rx.last_stats is not None
+        print(json.dumps(rx.last_stats.as_dict()), flush=True)     # the last update as the receiver saw it
     return 0
 
 
@@ -194,6 +196,8 @@ def push(args: argparse.Namespace, adopted: bool) -> dict[str, Any]:
                 st = s.send(region)
                 steps.append(time.perf_counter() - t)
                 stats.append(st)
+        assert proc.stdout is not None
+        receiver_last = json.loads(proc.stdout.readline() or "null")
         if proc.wait(timeout=300) != 0:
             raise RuntimeError(f"receiver failed with {proc.returncode}")
     finally:
@@ -208,7 +212,8 @@ def push(args: argparse.Namespace, adopted: bool) -> dict[str, Any]:
     return {"adopted": adopted, "cold_s": steps[0], "runs_s": warm, "median_s": statistics.median(warm),
             "wire_median_s": statistics.median(st.wire_seconds for st in stats[1:]),
             "transport": stats[-1].transport, "bytes": stats[-1].bytes, "counters_after": dict(stats[-1].counters),
-            "warm_setup": [st.setup for st in stats[1:]]}
+            "warm_setup": [st.setup for st in stats[1:]], "last_sender_stats": stats[-1].as_dict(),
+            "last_receiver_stats": receiver_last}
 
 
 def measure_step(args: argparse.Namespace) -> dict[str, Any]:

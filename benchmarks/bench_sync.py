@@ -135,12 +135,12 @@ def rank_main(args: argparse.Namespace) -> int:
         t0 = time.time()
         if role == "source":
             st = sync.push()
-            if os.environ.get("BENCH_DEBUG"):
-                print("source", rank, st.pack_seconds, [(p.target, p.seconds, p.wire_seconds) for p in st.pairs],
-                      file=sys.stderr)
         else:
             sync.wait(timeout=600)
+            st = sync.last_stats
         store.set(f"done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+    # the last step as this rank saw it: pack time and bytes, and per pair its seconds and wire seconds
+    store.set(f"stats/{role}/{rank}", json.dumps({**st.as_dict(), "adopted": sync.adopted}).encode())
     if role == "target":
         store.set(f"bytes/{rank}", str(sync.region.nbytes).encode())
         checked = check_target(layout, tensors, args.device)
@@ -275,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     sync_times = run_steps(args, store, "", procs, [f"ready/{r}/{i}" for r, c in (("source", n), ("target", m))
                                                      for i in range(c)])
     target_bytes = [int(store.get(f"bytes/{t}")) for t in range(m)]
+    last_step = {f"{role}{r}": json.loads(store.get(f"stats/{role}/{r}"))
+                 for role, count in (("source", n), ("target", m)) for r in range(count)}
     result: dict[str, Any] = {"sync_runs_s": sync_times[1:], "sync_cold_s": sync_times[0],
                               "sync_median_s": statistics.median(sync_times[1:]), "target_bytes": target_bytes,
-                              "total_target_bytes": sum(target_bytes)}
+                              "total_target_bytes": sum(target_bytes), "last_step_by_rank": last_step}
     print("sync", f"{result['sync_median_s']:.3f} s", flush=True)
     bound_one = one_to_one(max(target_bytes), args.transport, args.device, args.repeat)
     result["bound_s"] = bound_one

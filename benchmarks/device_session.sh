@@ -5,6 +5,7 @@
 #   bash benchmarks/device_session.sh bench-ipc  # CUDA ipc 31.2 GB: .oldtree/ and this tree, alternating
 #   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
 #   bash benchmarks/device_session.sh bench-load # from_safetensors (GPU, host) against safetensors / a plain read
+#   bash benchmarks/device_session.sh bench-sync # resharded sync, 4 source to 2 target processes over ipc
 # .oldtree/ is `git archive <commit> tensorxfer setup.py pyproject.toml benchmarks/bench_ipc.py` of the tree
 # to compare against (carried, git-ignored).  cuda-bindings 13.0.x is carried as a wheel in .whl/.
 set -uo pipefail
@@ -52,5 +53,9 @@ case "${1:-}" in
       --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2
     python3 benchmarks/bench_live.py --what load --device cpu --size "${LOAD_SIZE:-16e9}" --files 8 --repeat 2 \
       --tmp "${LOAD_TMP:-/tmp}" --out "$OUT" 2>&1 | tail -2 ;;
-  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load" >&2; exit 2 ;;
+  bench-sync)
+    export PYTHONPATH=$new:$SITE
+    python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" --sources 4 --targets 2 \
+      --transport ipc --repeat "${SYNC_REPEAT:-5}" --out "$OUT" 2>&1 | tail -5 ;;
+  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync" >&2; exit 2 ;;
 esac

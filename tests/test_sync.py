@@ -52,20 +52,20 @@ def run_ranks(fns: list[Any]) -> list[Any]:
     return results
 
 
-def source_tensors(rank: int, n: int, g: dict[str, Any]) -> dict[str, Source]:
+def source_tensors(rank: int, n: int, g: dict[str, Any], device: str = "cpu") -> dict[str, Source]:
     """FSDP-style: every tensor chunked along dim 0 over the sources (uneven, as torch.chunk cuts)."""
     out = {}
     for name, t in g.items():
         box = tx.sync.chunk_box(t.shape, 0, rank, n)
-        local = t[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone()
+        local = t[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone().to(device)
         out[name] = Source(local, tuple(t.shape), box)
     return out
 
 
-def target_tensors(rank: int, m: int, dtype: Any) -> dict[str, Target]:
+def target_tensors(rank: int, m: int, dtype: Any, device: str = "cpu") -> dict[str, Target]:
     """TP-style: w column-parallel, o row-parallel, qkv fused, norm replicated."""
     def empty(*shape: int) -> Any:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
     w_rows = len(range(12)[rank * 6:(rank + 1) * 6]) if m == 2 else 12
     return {
         "w": Target.shard(empty(w_rows if m == 2 else 12 // m, 10), "w", SHAPES["w"], 0, rank, m),
@@ -85,11 +85,12 @@ def expected_target(rank: int, m: int, g: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("transport, n, m, dtype", [("tcp", 2, 2, torch.float32), ("ipc", 3, 2, torch.bfloat16),
                                                      ("tcp", 1, 2, torch.float32), ("ipc", 2, 1, torch.float32)])
-def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str, n: int, m: int, dtype: Any) -> None:
+def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str, n: int, m: int, dtype: Any,
+                                                                 device: str = "cpu") -> None:
     stores = Stores()
     g0 = global_tensors(0)
-    src_tensors = [source_tensors(r, n, g0) for r in range(n)]
-    tgt_tensors = [target_tensors(r, m, dtype) for r in range(m)]
+    src_tensors = [source_tensors(r, n, g0, device) for r in range(n)]
+    tgt_tensors = [target_tensors(r, m, dtype, device) for r in range(m)]
     syncs = run_ranks(
         [lambda r=r: tx.WeightSync(stores.client(), "t", "source", r, (n, m), src_tensors[r], token="k",
                                    transport=transport, timeout=30) for r in range(n)] +
@@ -100,18 +101,25 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
         for step in (0, 1, 2):
             g = global_tensors(step)
             for r in range(n):               # the trainer's step changed its shards in place
-                for name, src in source_tensors(r, n, g).items():
+                for name, src in source_tensors(r, n, g, device).items():
                     src_tensors[r][name].tensor.copy_(src.tensor)
             results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
             assert results[n:] == [step + 1] * m
             for r in range(m):
                 want = expected_target(r, m, g)
                 for name, target in tgt_tensors[r].items():
-                    assert torch.equal(target.tensor, want[name].to(dtype)), (step, r, name)
+                    assert torch.equal(target.tensor.cpu(), want[name].to(dtype)), (step, r, name)
             stats = results[0]
             assert stats.version == step + 1 and {p.transport for p in stats.pairs} == {transport}
+            # shards already in the targets' dtype were adopted (no copy at a push); the others are cast in
+            assert (stats.packed_bytes == 0) == (dtype == torch.float32), stats.packed_bytes
         # the data paths were set up once: later steps set nothing up
         assert not any(p.setup for p in results[0].pairs)
+        # adopted source shards are views of their rank's region
+        if dtype == torch.float32:
+            for s, st in zip(sources, src_tensors):
+                views = s.region.tensors(framework="torch")
+                assert s.adopted == len(st) and all(st[k].tensor.data_ptr() == views[k].data_ptr() for k in st)
         # every target tensor is a view of its region (the updates landed in the live tensors)
         for t, tt in zip(targets, tgt_tensors):
             views = t.region.tensors(framework="torch")
@@ -119,6 +127,17 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
     finally:
         for s in syncs:
             s.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_ranks_over_ipc_land_through_the_strided_copy_kernel(dtype: Any) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from tensorxfer.memory import strided
+
+    assert strided.kernel_image() is not None, "strided_copy.fatbin was not built"
+    test_sources_sharded_one_way_land_in_targets_sharded_another("ipc", 3, 2, dtype, "cuda:0")
 
 
 @pytest.mark.rdma
@@ -129,6 +148,30 @@ def test_two_sources_to_two_targets_over_rdma() -> None:
     if not ok:
         pytest.skip(f"no usable RDMA device: {reason}")
     test_sources_sharded_one_way_land_in_targets_sharded_another("rdma", 2, 2, torch.float32)
+
+
+def test_an_adopted_shard_the_trainer_re_points_is_copied_in_never_sent_stale() -> None:
+    stores = Stores()
+    g = global_tensors(0)
+    srcs = {"w": Source(g["w"].clone(), SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1)),
+            "o": Source(g["o"].clone(), SHAPES["o"], tx.sync.chunk_box(SHAPES["o"], 0, 0, 1), adopt=False)}
+    tgts = {"w": Target.whole(torch.zeros(12, 10), "w"), "o": Target.whole(torch.zeros(10, 12), "o")}
+    source, target = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "a", "source", 0, (1, 1), srcs, transport="tcp", timeout=20),
+        lambda: tx.WeightSync(stores.client(), "a", "target", 0, (1, 1), tgts, transport="tcp", timeout=20)])
+    try:
+        assert source.adopted == 1, "the plain shard is adopted, the one marked adopt=False is not"
+        w, o = srcs["w"].tensor, srcs["o"].tensor
+        stats, _ = run_ranks([source.push, lambda: target.wait(timeout=20)])
+        assert stats.packed_bytes == o.numel() * 4, "only the shard that is not adopted is copied in"
+        w.data = torch.full_like(w, 3.0)     # the trainer swaps the parameter's storage (not in place)
+        o.mul_(2)
+        stats, _ = run_ranks([source.push, lambda: target.wait(timeout=20)])
+        assert stats.packed_bytes == (w.numel() + o.numel()) * 4
+        assert torch.equal(tgts["w"].tensor, w) and torch.equal(tgts["o"].tensor, o)
+    finally:
+        source.close()
+        target.close()
 
 
 def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> None:

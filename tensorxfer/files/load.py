@@ -20,6 +20,7 @@ import base64
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,10 @@ from tensorxfer.files.sources import MAX_SIDE_FILE_BYTES, Discovery, discover
 from tensorxfer.manifest import MAX_METADATA_ITEMS, MAX_METADATA_STR, Manifest
 from tensorxfer.staging import open_stager, write_pieces
 
-STAGE_BYTES = 32 << 20              # each of the two pinned buffers for GPU regions
+STAGE_BYTES = 16 << 20              # each of a reader thread's two pinned buffers, for GPU regions
+UNIT_BYTES = 64 << 20               # what one reader thread takes at a time
+#: Reader threads (each read releases the GIL); measured in benchmarks/bench_live.py --what load.
+LOAD_THREADS = max(1, int(os.environ.get("TENSORXFER_LOAD_THREADS", "0")) or min(8, os.cpu_count() or 1))
 
 
 def _read_side_file(path: Path) -> tuple[bytes, int]:
@@ -119,26 +123,63 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
 
 
 def fill(region: Any, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
-         progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``(file offset, region offset, n)`` pieces of each file into the region.
+         progress: Callable[[int], None] | None = None, threads: int | None = None) -> None:
+    """Copy ``(file offset, region offset, n)`` pieces of each file into the region, on ``threads`` threads.
 
-    Host regions are read into directly; GPU regions through one pair of pinned buffers (the file read
-    into one while the other uploads) — :func:`tensorxfer.staging.write_pieces` either way.
+    The pieces are cut into units of :data:`UNIT_BYTES` that the threads take in file order.  Host regions
+    are read into directly; GPU regions through a pair of pinned buffers per thread (the file read into one
+    while the other uploads) -- :func:`tensorxfer.staging.write_pieces` either way.  One reader copies
+    page-cache bytes at a few GB/s; several keep the memory and the copy engine busy.  ``progress`` is
+    called from the threads, one call at a time.
     """
-    stager = open_stager(region, STAGE_BYTES)
-    try:
-        for path, items in jobs:
-            with open(path, "rb") as f:
-                for file_off, off, n in items:
-                    f.seek(file_off)
-                    with write_pieces(region, off, n, STAGE_BYTES, stager=stager) as pieces:
-                        for _, dst in pieces:
-                            _read_exact(f, dst, path)
-                            if progress is not None:
-                                progress(len(dst))
-    finally:
-        if stager is not None:
-            stager.close()
+    units = [(path, file_off + k, off + k, min(UNIT_BYTES, n - k))
+             for path, items in jobs for file_off, off, n in items for k in range(0, n, UNIT_BYTES)]
+    threads = max(1, min(threads or LOAD_THREADS, len(units)))
+    lock = threading.Lock()
+    state: dict[str, Any] = {"next": 0, "error": None}
+
+    def report(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n)
+
+    def worker() -> None:
+        files: dict[Path, Any] = {}
+        stager = None
+        try:
+            stager = open_stager(region, STAGE_BYTES)
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= len(units) or state["error"] is not None:
+                        return
+                    state["next"] = i + 1
+                path, file_off, off, n = units[i]
+                f = files.get(path)
+                if f is None:
+                    f = files[path] = open(path, "rb")
+                f.seek(file_off)
+                with write_pieces(region, off, n, STAGE_BYTES, stager=stager) as pieces:
+                    for _, dst in pieces:
+                        _read_exact(f, dst, path)
+                        report(len(dst))
+        except BaseException as e:
+            with lock:
+                state["error"] = state["error"] or e
+        finally:
+            for f in files.values():
+                f.close()
+            if stager is not None:
+                stager.close()
+
+    workers = [threading.Thread(target=worker, name=f"tensorxfer-load-{k}", daemon=True) for k in range(threads - 1)]
+    for t in workers:
+        t.start()
+    worker()
+    for t in workers:
+        t.join()
+    if state["error"] is not None:
+        raise state["error"]
 
 
 def _read_exact(f: Any, dst: memoryview, path: Path) -> None:

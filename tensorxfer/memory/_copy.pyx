@@ -300,3 +300,98 @@ cdef class Copier(Stager):
         with nogil:
             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
                      b"cuMemsetD8Async")
+
+
+# One loaded strided_copy module per device (per process): modules live as long as the primary context.
+cdef dict _kernels = {}
+
+
+cdef cydriver.CUfunction _strided_kernel(int device, bytes image) except NULL:
+    cdef cydriver.CUmodule module
+    cdef cydriver.CUfunction fn
+    cdef const char* data = image
+    if device in _kernels:
+        return <cydriver.CUfunction><uintptr_t>_kernels[device]
+    bind_device(device)
+    with nogil:
+        check_cu(cydriver.cuModuleLoadData(&module, data), b"cuModuleLoadData(strided_copy)")
+        check_cu(cydriver.cuModuleGetFunction(&fn, module, b"strided_copy"), b"cuModuleGetFunction(strided_copy)")
+    _kernels[device] = <uintptr_t>fn
+    return fn
+
+
+cdef class StridedCopy:
+    """A static list of strided copy tiles in device memory, run by one kernel launch on a Copier's stream.
+
+    ``tiles`` is a C-contiguous uint64 array of shape (n, 6): per tile (src offset, dst offset, width,
+    rows, src pitch, dst pitch), offsets relative to the bases given to :meth:`launch`
+    (:func:`tensorxfer.memory.strided.tiles` builds it).  ``image`` is the compiled kernel
+    (``strided_copy.fatbin``).  The table is uploaded once; a weight sync's schedule is static, so every
+    step is one launch.  One owner; ``close()`` is idempotent.
+    """
+    cdef int _device
+    cdef cydriver.CUdeviceptr _table
+    cdef size_t _count
+    cdef cydriver.CUfunction _fn
+    cdef bint _closed
+
+    def __cinit__(self, int device, tiles, bytes image):
+        cdef const unsigned long long[:, ::1] t = tiles
+        self._table = 0
+        self._closed = False
+        self._device = device
+        if t.shape[1] != 6:
+            raise ValueError(f"tiles must have shape (n, 6), got {tuple(tiles.shape)}")
+        if t.shape[0] > 0x7FFFFFFF:
+            raise ValueError(f"{t.shape[0]} tiles is more than one launch's grid holds")
+        self._count = t.shape[0]
+        self._fn = _strided_kernel(device, image)
+        if self._count == 0:
+            return
+        bind_device(device)
+        with nogil:
+            check_cu(cydriver.cuMemAlloc(&self._table, self._count * 48), b"cuMemAlloc(strided_copy tiles)")
+            check_cu(cydriver.cuMemcpyHtoD(self._table, &t[0, 0], self._count * 48), b"cuMemcpyHtoD(tiles)")
+
+    @property
+    def tiles(self):
+        return self._count
+
+    def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base):
+        """Queue the copy of every tile from ``src_base`` to ``dst_base`` on ``copier``'s stream."""
+        cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
+        cdef void* args[3]
+        if self._closed:
+            raise ValueError("operation on a closed StridedCopy")
+        if copier._device != self._device:
+            raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
+        if self._count == 0:
+            return
+        args[0] = &self._table
+        args[1] = &src
+        args[2] = &dst
+        bind_device(self._device)
+        with nogil:
+            check_cu(cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
+                                             copier._stream, args, NULL), b"cuLaunchKernel(strided_copy)")
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self._table != 0:
+            try:
+                bind_device(self._device)
+            except BaseException:
+                pass
+            cydriver.cuMemFree(self._table)
+            self._table = 0
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -19,11 +19,17 @@ from tensorxfer.sync.spec import Box, Piece, box_of_dtensor, chunk_box, fused_ta
 
 @dataclass(frozen=True)
 class Source:
-    """A source rank's local tensor: ``box`` of a global tensor of ``global_shape``."""
+    """A source rank's local tensor: ``box`` of a global tensor of ``global_shape``.
+
+    ``adopt`` (the default for plain tensors) lets the sync move the tensor into its region and re-point it
+    there (``tensor.data = view``), so a push sends it with no copy; where the wire dtype differs, or for a
+    DTensor's local shard (FSDP2 keeps its own storage behind it), the tensor is copied in at every push.
+    """
 
     tensor: Any
     global_shape: tuple[int, ...]
     box: Box
+    adopt: bool = True
 
     @classmethod
     def shard(cls, tensor: Any, global_shape: Sequence[int], dim: int, rank: int, count: int) -> Source:
@@ -73,5 +79,6 @@ def source_of(value: Any) -> Source:
     if isinstance(value, tuple):
         return Source(*value)
     if type(value).__name__ == "DTensor" or hasattr(value, "device_mesh"):
-        return Source(value.to_local(), tuple(int(s) for s in value.shape), box_of_dtensor(value))
+        # never re-pointed: FSDP2's all-gather reads its own padded storage behind the local shard
+        return Source(value.to_local(), tuple(int(s) for s in value.shape), box_of_dtensor(value), adopt=False)
     raise TypeError(f"a source tensor must be a DTensor or a tensorxfer.sync.Source, got {type(value).__name__}")

@@ -14,12 +14,14 @@ The shape trainers and engines already use (vLLM's init / update / finish, SGLan
 
 Construction is the rendezvous: targets move their tensors into one region (their live weights stay the
 same tensor objects, now views of it) and publish its layout and their address; sources read the targets'
-dtypes, lay their shards out in those dtypes (the pack casts: fp32 masters to bf16) and publish; every
+dtypes, lay their shards out in those dtypes and publish -- a plain shard already in that dtype is adopted
+the same way (moved in, re-pointed), the others (DTensors, fp32 masters cast to bf16) are packed; every
 rank computes the plan from what the store holds and checks that all digests agree; each source connects
 to the targets it feeds (one authenticated session per pair, its data path set up once).  A push packs
-the rank's shards into its region (one local copy of 1/N of the model) and sends each target its
-segments in parallel; a target reports a version only when every source that feeds it delivered that
-version.  A rank that dies is named in the error of the ranks paired with it within ``stall_timeout``.
+the shards that are not adopted into its region (at most one local copy of 1/N of the model) and sends
+each target its segments in parallel; a target reports a version only when every source that feeds it
+delivered that version.  A rank that dies is named in the error of the ranks paired with it within
+``stall_timeout``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class SyncStats:
     seconds: float
     pack_seconds: float
     pairs: tuple[PairStats, ...]
+    packed_bytes: int = 0       # sources: bytes copied into the region this push (0 when all are adopted)
 
     @property
     def gbps(self) -> float:
@@ -69,7 +72,7 @@ class SyncStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
-                "pack_seconds": self.pack_seconds, "transport": self.transport,
+                "pack_seconds": self.pack_seconds, "packed_bytes": self.packed_bytes, "transport": self.transport,
                 "pairs": [p.as_dict() for p in self.pairs]}
 
 
@@ -133,6 +136,7 @@ class WeightSync:
         self._target_addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
         self.region: TensorRegion | None = None
+        self.adopted = 0                                # sources: local shards moved into the region
         try:
             if role == "target":
                 self._init_target(tensors, token, listen_host, device, timeout)
@@ -180,6 +184,7 @@ class WeightSync:
                                 if s.tensor.device.type == "cuda"), "cpu")
         self.region = TensorRegion.from_manifest(manifest, device=where)
         self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in shards.items()]
+        self.adopted = self._adopt([s.adopt for s in shards.values()])
         spec = RankSpec("source", self.rank, [
             SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset) for n, s in shards.items()])
         self._rdv.publish(_key(self.group, "source", self.rank), msgpack.packb({"spec": spec.to_bytes()},
@@ -234,7 +239,7 @@ class WeightSync:
             raise TypeError("push() is for source ranks")
         with self._lock:
             t0 = time.perf_counter()
-            self._pack()
+            packed_bytes = self._pack()
             packed = time.perf_counter() - t0
             version = self.version + 1
             results: dict[int, Any] = {}
@@ -257,19 +262,39 @@ class WeightSync:
                     f"sync: the push to target rank(s) {sorted(failed)} failed: {first!r}") from first
             self.version = version
             pairs = tuple(results[t] for t in sorted(results))
-            return SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed, pairs)
+            return SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed, pairs,
+                             packed_bytes)
 
-    def _pack(self) -> None:
-        """Copy (and cast) the local shards into the region; one local copy of this rank's part of the model."""
+    def _adopt(self, allowed: list[bool]) -> int:
+        """Move the adoptable local shards into the region and re-point them there (their old storage is
+        freed with its last reference); the number adopted.  A push then copies only the others."""
+        import torch
+
+        adopted = 0
+        with torch.no_grad():
+            for (local, view), ok in zip(self._shards, allowed):
+                if (ok and local.dtype == view.dtype and local.device == view.device and local.is_contiguous()
+                        and tuple(local.shape) == tuple(view.shape)):
+                    view.copy_(local)
+                    local.data = view
+                    adopted += 1
+        return adopted
+
+    def _pack(self) -> int:
+        """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
+        may have re-pointed an adopted one); the bytes copied."""
         import torch
 
         assert self.region is not None
+        packed = 0
         with torch.no_grad():
             for local, view in self._shards:
                 if local.data_ptr() != view.data_ptr():
                     view.copy_(local.reshape(view.shape))
-        if self.region.is_cuda:
+                    packed += view.numel() * view.element_size()
+        if packed and self.region.is_cuda:
             torch.cuda.synchronize(self.region.device)
+        return packed
 
     def wait(self, timeout: float | None = None) -> int:
         """Targets: wait for the next update from every source that feeds this rank; return its version.

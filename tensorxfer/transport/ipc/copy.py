@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
+from tensorxfer.memory import strided
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
@@ -110,6 +111,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         self._segments: Segments | None = None          # a weight sync's runs (else the whole region)
         self._cache = SourceCache()                     # the sender's memory, mapped
         self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
+        self._strided: tuple[Segments, int, Any] | None = None  # a sync's tiles: (segments, device, StridedCopy)
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
@@ -166,7 +168,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
     def _copy_segments(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
                        segments: Segments, progress: Progress | None) -> None:
         """Copy only ``segments`` out of the sender's memory: host, one strided numpy copy per group (spread
-        over the copy threads); GPU, one 2-D copy per group on the session's stream."""
+        over the copy threads); GPU, one launch of the strided-copy kernel over the segments' tiles (uploaded
+        on the first step), or one 2-D copy per group where the kernel was not built."""
         assert self._region is not None
         dst = self._region
         if (incoming.kind == "cuda") != dst.is_cuda:
@@ -181,9 +184,13 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             if dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
-                # one 2-D copy per strided group (a block of rows), not one copy per row
-                copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr), segments.src_off + np.uint64(src.ptr),
-                                   segments.nbytes, segments.count, segments.dst_stride, segments.src_stride)
+                kernel = self._strided_copy(segments, on)
+                if kernel is not None:
+                    kernel.launch(copier, dst.region.ptr, src.ptr)
+                else:   # one 2-D copy per strided group (a block of rows), not one copy per row
+                    copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr),
+                                       segments.src_off + np.uint64(src.ptr), segments.nbytes, segments.count,
+                                       segments.dst_stride, segments.src_stride)
                 copier.synchronize()
             else:
                 sv = np.frombuffer(memoryview(src), dtype=np.uint8)
@@ -282,6 +289,24 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             copier = self._copiers[device] = Copier(device)
         return copier
 
+    def _strided_copy(self, segments: Segments, device: int) -> Any:
+        """The segments' tiles on ``device`` (built and uploaded once per session: the plan is static), or
+        None where the kernel was not built."""
+        if self._strided is not None and self._strided[0] is segments and self._strided[1] == device:
+            return self._strided[2]
+        image = strided.kernel_image()
+        if image is None:
+            return None
+        from tensorxfer.memory._copy import StridedCopy
+
+        old, self._strided = self._strided, None
+        if old is not None:
+            old[2].close()
+        tiles = strided.tiles(segments.src_off, segments.dst_off, segments.nbytes, segments.count,
+                              segments.src_stride, segments.dst_stride)
+        self._strided = (segments, device, StridedCopy(device, tiles, image))
+        return self._strided[2]
+
     # -- helpers
     def _pieces(self, watermark: Watermark, relayed: int, plain: int) -> int:
         """The copy's piece size: ``relayed`` when this receiver forwards pieces or its sender still fills its
@@ -353,6 +378,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         """Close the socket, remove the private directory, release the session's mappings; idempotent."""
         super().close()
         self._region = None
+        kernel, self._strided = self._strided, None
+        if kernel is not None:
+            kernel[2].close()
         copiers, self._copiers = self._copiers, {}
         for copier in copiers.values():
             copier.close()

@@ -1,0 +1,116 @@
+"""Strided device copies as one kernel launch: the tiles cover exactly the groups (pure, any machine), and
+the kernel copies them byte for byte on the GPU, aligned or not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorxfer.memory import strided
+from tensorxfer.transport.segments import Segments
+
+SRC, DST = 1 << 20, 1 << 20
+
+
+def random_groups(rng: np.random.Generator, groups: int = 30, max_rows: int = 200, max_width: int = 5000,
+                  aligned: bool = False) -> Segments:
+    """Disjoint destinations (a plan writes each target byte once); contiguous and strided groups mixed."""
+    out, dst = [], 0
+    for _ in range(groups):
+        count = int(rng.integers(1, max_rows))
+        n = int(rng.integers(1, max_width))
+        if aligned:
+            n = max(16, n // 16 * 16)
+        contiguous = rng.random() < 0.3
+        dst_stride = n if contiguous else n + int(rng.integers(0, 64)) * (16 if aligned else 1)
+        src_stride = n if contiguous else n + int(rng.integers(0, 4096)) * (16 if aligned else 1)
+        src = int(rng.integers(0, SRC - (count - 1) * src_stride - n)) if SRC > (count - 1) * src_stride + n else -1
+        if src < 0 or dst + (count - 1) * dst_stride + n > DST:
+            continue
+        if aligned:
+            src = src // 16 * 16
+        out.append((src, dst, n, count, src_stride if count > 1 else 0, dst_stride if count > 1 else 0))
+        dst += (count - 1) * dst_stride + n + int(rng.integers(0, 1000)) * (16 if aligned else 1)
+    return Segments.of(*zip(*out))
+
+
+def apply_groups(src: np.ndarray, dst: np.ndarray, seg: Segments) -> np.ndarray:
+    out = dst.copy()
+    for s, d in seg.host_views(src, out):
+        d[...] = s
+    return out
+
+
+def apply_tiles(src: np.ndarray, dst: np.ndarray, tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the kernel does, in numpy; also how many times each destination byte was written."""
+    out, writes = dst.copy(), np.zeros(len(dst), np.int32)
+    for so, do, w, rows, sp, dp in tiles.tolist():
+        for r in range(rows):
+            out[do + r * dp:do + r * dp + w] = src[so + r * sp:so + r * sp + w]
+            writes[do + r * dp:do + r * dp + w] += 1
+    return out, writes
+
+
+def columns(seg: Segments) -> tuple[np.ndarray, ...]:
+    return seg.src_off, seg.dst_off, seg.nbytes, seg.count, seg.src_stride, seg.dst_stride
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from([256, 4096, 1 << 20]),
+       row=st.sampled_from([64, 1000, 64 << 10]))
+def test_tiles_copy_exactly_the_groups_each_byte_once(seed: int, tile: int, row: int) -> None:
+    rng = np.random.default_rng(seed)
+    seg = random_groups(rng, groups=12, max_rows=60, max_width=3000)
+    src = rng.integers(0, 256, SRC, dtype=np.uint8)
+    dst = rng.integers(0, 256, DST, dtype=np.uint8)
+    t = strided.tiles(*columns(seg), tile_bytes=tile, row_bytes=row)
+    got, writes = apply_tiles(src, dst, t)
+    assert np.array_equal(got, apply_groups(src, dst, seg))
+    assert writes.max() <= 1, "a byte written twice"
+    assert int((t[:, 2] * t[:, 3]).sum()) == seg.total_bytes
+    # every tile is at most one row or tile_bytes, and no row is wider than row_bytes (a warp's share)
+    assert (t[:, 2] <= row).all()
+    assert ((t[:, 3] == 1) | (t[:, 2] * t[:, 3] <= tile)).all()
+
+
+def test_a_contiguous_run_becomes_even_rows_and_a_tail() -> None:
+    t = strided.tiles(np.array([5]), np.array([7]), np.array([10_000]), np.array([1]), np.array([0]), np.array([0]),
+                      tile_bytes=4096, row_bytes=1024)
+    assert t[t[:, 2] == 1024, 3].sum() == 9 and (t[:, 2] == 10_000 - 9 * 1024).sum() == 1
+    assert (t[:, 2] * t[:, 3] <= 4096).all()
+    assert int((t[:, 2] * t[:, 3]).sum()) == 10_000
+
+
+def test_empty_groups_make_no_tiles() -> None:
+    z = np.zeros(0, np.uint64)
+    assert strided.tiles(z, z, z, z, z, z).shape == (0, 6)
+    one = np.ones(1, np.uint64)
+    assert strided.tiles(one, one, np.zeros(1, np.uint64), one, one, one).shape == (0, 6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_kernel_copies_every_tile_on_the_gpu(aligned: bool) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from tensorxfer.memory._copy import Copier, StridedCopy
+
+    image = strided.kernel_image()
+    assert image is not None, "strided_copy.fatbin was not built (nvcc missing at build time)"
+    rng = np.random.default_rng(7 if aligned else 8)
+    seg = random_groups(rng, groups=60, max_rows=300, max_width=20_000, aligned=aligned)
+    src = rng.integers(0, 256, SRC, dtype=np.uint8)
+    dst = rng.integers(0, 256, DST, dtype=np.uint8)
+    d_src, d_dst = torch.from_numpy(src).cuda(), torch.from_numpy(dst).cuda()
+    with Copier(0) as copier, StridedCopy(0, strided.tiles(*columns(seg)), image) as kernel:
+        for _ in range(2):          # the uploaded table is reused
+            kernel.launch(copier, d_dst.data_ptr(), d_src.data_ptr())
+            copier.synchronize()
+            assert np.array_equal(d_dst.cpu().numpy(), apply_groups(src, dst, seg))
+        kernel.close()
+        kernel.close()              # idempotent
+        with pytest.raises(ValueError, match="closed"):
+            kernel.launch(copier, d_dst.data_ptr(), d_src.data_ptr())
