@@ -112,6 +112,9 @@ class ModuleBinding:
         self._slots = {s.name: s for s in (module_slots(module) if slots is None else slots)}
         # (the dict holding the tensor or the tensor itself, its key, the data pointer it must have, its name)
         self._fast: list[tuple[Any, Any, int, str]] = []
+        self._where: list[tuple[dict[str, Any], str]] = []     # the same, split for the one-pass check
+        self._held: list[Any] = []
+        self._ptrs: list[int] = []
         self.region: Any = None
         self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
@@ -199,8 +202,14 @@ class ModuleBinding:
             torch_module().cuda.synchronize(self.region.device)    # the optimizer's kernels landed
 
     def _stale(self) -> str | None:
-        # Every send (and every receive into a module) asks this of ~a thousand tensors: one tight pass over
-        # the dicts that hold them, not a method call per tensor (it cost ms per update).
+        # Every send (and every receive into a module) asks this of ~a thousand tensors: one comprehension
+        # compared with the remembered pointers in C, and a second pass only to name what changed.
+        try:
+            now = [d[k].data_ptr() for d, k in self._where] + [t.data_ptr() for t in self._held]
+        except (KeyError, AttributeError):      # removed from its module, or set to None
+            now = None
+        if now == self._ptrs:
+            return None
         for holder, key, ptr, name in self._fast:
             t = holder.get(key) if key is not None else holder
             if t is None or t.data_ptr() != ptr:
@@ -210,6 +219,10 @@ class ModuleBinding:
     def _remember(self, bound: list[tuple[Any, int]]) -> None:
         self._fast = [((s.owner._parameters if s.parameter else s.owner._buffers), s.attr, ptr, s.name)
                       if isinstance(s, _Slot) else (s.tensor, None, ptr, s.name) for s, ptr in bound]
+        self._where = [(holder, key) for holder, key, _, _ in self._fast if key is not None]
+        self._held = [holder for holder, key, _, _ in self._fast if key is None]
+        self._ptrs = [ptr for _, key, ptr, _ in self._fast if key is not None] + \
+                     [ptr for _, key, ptr, _ in self._fast if key is None]
 
 
 def adopt(cls: Any, module: Any, device: str | None = None, chunk_size: int | None = None,

@@ -3,6 +3,8 @@ the kernel copies them byte for byte on the GPU, aligned or not."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -90,12 +92,21 @@ def test_empty_groups_make_no_tiles() -> None:
     assert strided.tiles(one, one, np.zeros(1, np.uint64), one, one, one).shape == (0, 6)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("aligned", [True, False])
-def test_the_kernel_copies_every_tile_on_the_gpu(aligned: bool) -> None:
+@pytest.fixture(scope="module")
+def torch_gpu() -> object:
+    """torch with its CUDA context up, made before the leak check's window (the driver keeps a socket open
+    for the process once initialised)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    torch.zeros(1, device="cuda:0")
+    return torch
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_kernel_copies_every_tile_on_the_gpu(aligned: bool, torch_gpu: object) -> None:
+    torch: Any = torch_gpu
     from tensorxfer.memory._copy import Copier, StridedCopy
 
     image = strided.kernel_image()

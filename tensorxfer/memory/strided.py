@@ -18,7 +18,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-TILE_BYTES = 1 << 20        # one thread block's share: ~1000 blocks per GB, several per multiprocessor
+TILE_BYTES = 256 << 10      # one thread block's share (measured: 256 KiB 1.93 TB/s, 1 MiB 1.89, 4 MiB 1.78)
 ROW_BYTES = 64 << 10        # a contiguous run is cut into rows of this width (a warp per row)
 
 _U64 = np.uint64

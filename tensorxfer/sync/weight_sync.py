@@ -185,6 +185,7 @@ class WeightSync:
         self.region = TensorRegion.from_manifest(manifest, device=where)
         self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in shards.items()]
         self.adopted = self._adopt([s.adopt for s in shards.values()])
+        self._view_ptrs = [view.data_ptr() for _, view in self._shards]
         spec = RankSpec("source", self.rank, [
             SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset) for n, s in shards.items()])
         self._rdv.publish(_key(self.group, "source", self.rank), msgpack.packb({"spec": spec.to_bytes()},
@@ -287,13 +288,15 @@ class WeightSync:
 
         assert self.region is not None
         packed = 0
-        with torch.no_grad():
-            for local, view in self._shards:
-                if local.data_ptr() != view.data_ptr():
-                    view.copy_(local.reshape(view.shape))
-                    packed += view.numel() * view.element_size()
-        if packed and self.region.is_cuda:
-            torch.cuda.synchronize(self.region.device)
+        locals_ = [local for local, _ in self._shards]
+        if [t.data_ptr() for t in locals_] != self._view_ptrs:     # one pass; ~a thousand shards per push
+            with torch.no_grad():
+                for local, view in self._shards:
+                    if local.data_ptr() != view.data_ptr():
+                        view.copy_(local.reshape(view.shape))
+                        packed += view.numel() * view.element_size()
+        if self.region.is_cuda:
+            torch.cuda.synchronize(self.region.device)     # the pack, and the optimizer's step on adopted shards
         return packed
 
     def wait(self, timeout: float | None = None) -> int:
