@@ -10,6 +10,7 @@ values into the same memory.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -226,8 +227,21 @@ class TensorRegion:
         OSError
             A file cannot be read.
         """
-        import os
+        region, loader = cls.for_safetensors(sources, device, progress, on_layout)
+        try:
+            loader.run()
+        except BaseException:
+            region.close()
+            raise
+        return region
 
+    @classmethod
+    def for_safetensors(cls, sources: Any, device: str = "cpu", progress: Any = None,
+                        on_layout: Any = None) -> tuple[TensorRegion, Any]:
+        """The region for safetensors files (headers read and checked, memory allocated, nothing read yet)
+        and the :class:`~tensorxfer.files.Loader` that fills it: ``loader.run()`` here, or ``loader.start()``
+        to read in the background while a Sender sends what was read (``tensorxfer-send`` does).  The
+        caller joins the loader before closing the region.  Raises as :meth:`from_safetensors`."""
         from tensorxfer.files import load
 
         plan = load.plan_load([sources] if isinstance(sources, str | os.PathLike) else sources)
@@ -238,11 +252,10 @@ class TensorRegion:
         try:
             if on_layout is not None:
                 on_layout(plan.manifest)
-            load.fill(self, plan.jobs, progress)
         except BaseException:
             self.close()
             raise
-        return self
+        return self, load.Loader(self, plan.jobs, progress)
 
     def ensure_current(self) -> None:
         """Check, before reading the region (a send), that a bound module's tensors still live in it and

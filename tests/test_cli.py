@@ -125,12 +125,12 @@ def test_sender_killed_mid_transfer_writes_no_output(tmp_path):
         "import os, signal, sys\n"
         "import tensorxfer.session as s\n"
         "real = s.Sender.send\n"
-        "def send(self, region, verify=False, progress=None):\n"
+        "def send(self, region, verify=False, progress=None, **kw):\n"
         "    sent = [0]\n"
         "    def p(n):\n"
         "        sent[0] += n\n"
         "        if sent[0] > region.nbytes // 4: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(self, region, verify, p)\n"
+        "    return real(self, region, verify, p, **kw)\n"
         "s.Sender.send = send\n"
         "from tensorxfer.cli.send import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
@@ -314,11 +314,12 @@ def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
     def phases(lines: list[str], label: str) -> list[str]:
         return [m.group(1) for m in (re.match(rf"{label}: (\S.*?)  +(\[.*|done in .*)$", x) for x in lines) if m]
 
-    assert phases(sent, "send") == ["reading files", "setting up (connecting, preparing)", "moving data",
+    # one receiver: the files are read while the sender connects and sends (each byte once it was read)
+    assert phases(sent, "send") == ["setting up (connecting, reading)", "reading and moving data",
                                     "receiver writing the files"], sent
     assert phases(got, "recv") == ["setting up (allocating, connecting)", "receiving data", "checking the data",
                                    "writing files", "syncing, renaming into place"], got
-    data = next(x for x in sent if x.startswith("send: moving data"))
+    data = next(x for x in sent if x.startswith("send: reading and moving data"))
     assert "100.0% 0.04 GB" in data, data
     if transport == "tcp":                                          # 8 MiB pieces: a rate can be measured
         assert re.search(r" GB at \d+\.\d Gbps$", data), data

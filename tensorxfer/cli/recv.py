@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Transfer:
-    """One receive: its progress bar, whether an offer came, and the files written."""
+    """One receive: its progress bar, whether an offer came, and the files -- written while the bytes land
+    (host regions), finished and renamed into place once all landed."""
 
     def __init__(self, args: argparse.Namespace, bar: Progress) -> None:
         self.args = args
@@ -167,26 +168,37 @@ class _Transfer:
         self.written: list[Path] = []
         self.removed: list[Path] = []
         self.files: dict[str, Any] = {}
+        self.writer: Any = None
 
     def on_offer(self, manifest: Any) -> None:
-        from tensorxfer.files import check_free_space, check_other_model, plan_files
+        from tensorxfer.files import ModelWriter, plan_files
 
         self.offered = True
         self.bar.start(manifest)
+        self.abort()        # an earlier offer of this receive that failed after its offer
         # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
         # files in --out (unless --overwrite), a disk without room for the files
-        plans = plan_files(manifest)
-        self.removed = check_other_model(plans, self.args.out, self.args.overwrite)
-        check_free_space(plans, self.args.out)
-        self.files = files_record(plans, len(manifest))
+        self.writer = ModelWriter(manifest, self.args.out, overwrite=self.args.overwrite, progress=self.bar,
+                                  check_space=True)
+        self.removed = self.writer.others
+        self.files = files_record(plan_files(manifest), len(manifest))
+
+    def on_piece(self, region: Any, offset: int, length: int) -> None:
+        if self.writer is not None:
+            self.writer.land(region, offset, length)
 
     def on_landed(self, region: Any) -> None:
-        from tensorxfer.files import write_files
-
-        # the bytes written, then the last fsync, the renames and the directory's fsync
+        # what did not reach the disk while landing, then the last fsync, the renames and the directory's fsync
         self.bar.plan([Phase("writing files", self.files["file_bytes"]), Phase("syncing, renaming into place")])
+        writer, self.writer = self.writer, None
         # before the ack: the sender learns if this fails
-        self.written = write_files(region, self.args.out, overwrite=self.args.overwrite, progress=self.bar)
+        self.written = writer.finish(region)
+
+    def abort(self) -> None:
+        """The update failed: its temporary files go."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.abort()
 
 
 def upstream_failed(rx: Any, e: BaseException) -> bool:
@@ -211,12 +223,14 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Pr
     while True:
         t = _Transfer(args, bar)
         try:
-            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed)
+            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed, on_piece=t.on_piece)
             bar.finish()
         except KeyboardInterrupt:
+            t.abort()
             bar.finish(ok=False)
             return EXIT_INTERRUPTED
         except (TensorXferError, OSError, ValueError) as e:
+            t.abort()
             bar.finish(ok=False)
             if not t.offered:
                 # An authenticated sender that made no offer.  Not a transfer; never ends --once.

@@ -33,6 +33,7 @@ from tensorxfer.cli.common import (
     summary,
 )
 from tensorxfer.cli.progress import Phase, Progress, log_above
+from tensorxfer.errors import UpstreamFailed
 
 PROG = "tensorxfer-send"
 log = logging.getLogger(PROG)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     bar = Progress("send", enabled=not args.quiet and not args.json)
     log_above(bar, f"{PROG}: %(message)s", logging.WARNING if args.quiet else logging.INFO)
-    from tensorxfer import Sender, TensorRegion, TensorXferError
+    from tensorxfer import TensorRegion, TensorXferError
     from tensorxfer.fanout import FanoutSender
     from tensorxfer.files import discover, plan_files
 
@@ -73,22 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         found = discover(args.sources)
         for name, why in found.skipped:
             log.info("not sent: %s (%s)", name, why)
-        with TensorRegion.from_safetensors(found, device=args.device, progress=bar, on_layout=reading) as region:
-            # setting up ends with the first bytes on the wire, the data phase with the last: its rate is the
-            # wire's; then the receiver checks and writes the files, and acknowledges
-            bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
-                      Phase("receiver writing the files")])
-            if len(args.to) == 1:
-                with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
-                            stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
-                    stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
-            else:
+        if len(args.to) == 1:
+            stats, region_manifest = send_while_reading(args, token, found, bar)
+        else:
+            with TensorRegion.from_safetensors(found, device=args.device, progress=bar, on_layout=reading) as region:
+                bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
+                          Phase("receiver writing the files")])
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
                                   stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as fan:
                     fanned = fan.send(region, verify=args.verify, progress=bar)
                 stats = fanout_record(fanned)
-            bar.finish()
-            files = files_record(plan_files(region.manifest), len(region.manifest))
+                region_manifest = region.manifest
+        bar.finish()
+        files = files_record(plan_files(region_manifest), len(region_manifest))
     except KeyboardInterrupt:
         bar.finish(ok=False)
         return EXIT_INTERRUPTED
@@ -112,6 +110,35 @@ def main(argv: list[str] | None = None) -> int:
               + "; ".join(f"{r['address']} ({r['error_type']})" for r in failed), file=sys.stderr)
         return EXIT_TRANSFER
     return EXIT_OK
+
+
+def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Progress) -> tuple[dict[str, Any], Any]:
+    """One receiver: connect while the files are read, and send each byte as soon as it was read (the
+    loader is the send's ``landing``); return the stats and the manifest."""
+    from tensorxfer import Sender, TensorRegion
+    from tensorxfer.session.hooks import ForwardHooks
+
+    region, loader = TensorRegion.for_safetensors(found, device=args.device)
+    try:
+        # setting up ends with the first bytes on the wire, the data phase with the last (its rate is the
+        # slower of the disk and the wire, both at work); then the receiver finishes and syncs the files
+        bar.plan([Phase("setting up (connecting, reading)"),
+                  Phase("reading and moving data", region.nbytes, "Gbps"), Phase("receiver writing the files")])
+        loader.start()
+        try:
+            with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
+                        stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
+                stats = sender.send(region, verify=args.verify, progress=bar,
+                                    forward=ForwardHooks(landing=loader, loading=True)).as_dict()
+        except BaseException as e:
+            read_error = loader.abandon()       # the readers stop before the region is closed
+            if isinstance(e, UpstreamFailed) and read_error is not None:
+                raise read_error from None      # the files failed, not the receiver: say so
+            raise
+        loader.join()
+        return stats, region.manifest
+    finally:
+        region.close()
 
 
 def fanout_record(fanned: Any) -> dict[str, Any]:

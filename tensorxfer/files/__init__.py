@@ -2,10 +2,11 @@
 files out, byte-identical.
 
 The sender's half: :func:`discover` (which files a directory sends) and :func:`plan_load` / :func:`fill`
-(files into one region: ``TensorRegion.from_safetensors``).  The receiver's half: :func:`plan_files`
+(files into one region: ``TensorRegion.from_safetensors``; :class:`Loader` in the background, so a
+send starts while the files are read).  The receiver's half: :func:`plan_files`
 (the offer's file layout, checked as hostile input before anything is allocated),
 :func:`check_output_dir` / :func:`clean_leftovers` (at start) and
-:func:`write_files` (all or nothing).  Modules:
+:func:`write_files` / :class:`ModelWriter` (all or nothing; the writer starts while the bytes land).  Modules:
 
 - :mod:`~tensorxfer.files.format`    the safetensors header format and safe file names
 - :mod:`~tensorxfer.files.sources`   directories -> tensor files, side files, what is left out
@@ -16,9 +17,10 @@ The sender's half: :func:`discover` (which files a directory sends) and :func:`p
 
 from tensorxfer.files.format import FileFormatError, OutputError, check_name, parse_header, read_header
 from tensorxfer.files.layout import FILES_KEY, FilePlan, plan_files
-from tensorxfer.files.load import LoadPlan, fill, plan_load
+from tensorxfer.files.load import Loader, LoadPlan, fill, plan_load
 from tensorxfer.files.sources import Discovery, Source, discover
 from tensorxfer.files.write import (
+    ModelWriter,
     check_free_space,
     check_other_model,
     check_output_dir,
@@ -32,6 +34,8 @@ __all__ = [
     "FileFormatError",
     "FilePlan",
     "LoadPlan",
+    "Loader",
+    "ModelWriter",
     "OutputError",
     "Source",
     "check_free_space",

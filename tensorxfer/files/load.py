@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorxfer.dtypes import DTYPES
+from tensorxfer.errors import UpstreamFailed
 from tensorxfer.files.format import Entry, FileFormatError, Header, read_header
 from tensorxfer.files.layout import CHUNK_BYTES, FILES_KEY, split_chunks
 from tensorxfer.files.sources import MAX_SIDE_FILE_BYTES, Discovery, discover
@@ -124,62 +125,155 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
 
 def fill(region: Any, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
          progress: Callable[[int], None] | None = None, threads: int | None = None) -> None:
-    """Copy ``(file offset, region offset, n)`` pieces of each file into the region, on ``threads`` threads.
+    """Copy ``(file offset, region offset, n)`` pieces of each file into the region, on ``threads`` threads;
+    return once every byte is there (see :class:`Loader`, which does it in the background)."""
+    Loader(region, jobs, progress, threads).run()
 
-    The pieces are cut into units of :data:`UNIT_BYTES` that the threads take in file order.  Host regions
+
+class Loader:
+    """Reads the files' pieces into the region on ``threads`` threads, and says how far it got.
+
+    The pieces are cut into units of :data:`UNIT_BYTES` that the threads take in region order.  Host regions
     are read into directly; GPU regions through a pair of pinned buffers per thread (the file read into one
     while the other uploads) -- :func:`tensorxfer.staging.write_pieces` either way.  One reader copies
-    page-cache bytes at a few GB/s; several keep the memory and the copy engine busy.  ``progress`` is
-    called from the threads, one call at a time.
+    page-cache bytes at a few GB/s; several keep the memory and the copy engine busy.  ``progress`` is called
+    from the threads, one call at a time.
+
+    :meth:`start` runs it in the background: the object is then a
+    :class:`~tensorxfer.transport.base.Landing` (``wait_range`` / ``wait_prefix``), so a Sender can send the
+    region while it fills -- each byte goes out once the units before it were read (bytes between units are
+    alignment padding, zero from the allocation).  :meth:`join` waits and raises what a reader raised.
     """
-    units = [(path, file_off + k, off + k, min(UNIT_BYTES, n - k))
-             for path, items in jobs for file_off, off, n in items for k in range(0, n, UNIT_BYTES)]
-    threads = max(1, min(threads or LOAD_THREADS, len(units)))
-    lock = threading.Lock()
-    state: dict[str, Any] = {"next": 0, "error": None}
 
-    def report(n: int) -> None:
-        if progress is not None:
-            with lock:
-                progress(n)
+    def __init__(self, region: Any, jobs: list[tuple[Path, list[tuple[int, int, int]]]],
+                 progress: Callable[[int], None] | None = None, threads: int | None = None) -> None:
+        self.region = region
+        self._units = sorted(((path, file_off + k, off + k, min(UNIT_BYTES, n - k))
+                              for path, items in jobs for file_off, off, n in items for k in range(0, n, UNIT_BYTES)),
+                             key=lambda u: u[2])
+        self._threads = max(1, min(threads or LOAD_THREADS, len(self._units)))
+        self._progress = progress
+        self._cond = threading.Condition()
+        self._next = 0
+        self._finished = [False] * len(self._units)
+        self._landed = 0            # units 0..landed-1 are in the region
+        self.error: BaseException | None = None
+        self._workers: list[threading.Thread] = []
 
-    def worker() -> None:
+    # ---------------------------------------------------------------- running
+    def run(self) -> None:
+        """Fill the region in this thread (and ``threads - 1`` more); raise what a reader raised."""
+        workers = [threading.Thread(target=self._work, name=f"tensorxfer-load-{k}", daemon=True)
+                   for k in range(self._threads - 1)]
+        for t in workers:
+            t.start()
+        self._work()
+        for t in workers:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+    def start(self) -> Loader:
+        """Fill the region in the background; :meth:`join` for the outcome."""
+        self._workers = [threading.Thread(target=self._work, name=f"tensorxfer-load-{k}", daemon=True)
+                         for k in range(self._threads)]
+        for t in self._workers:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        """Wait for the readers; raise what one raised."""
+        for t in self._workers:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self) -> BaseException | None:
+        """Stop the readers after their current unit and wait for them (a failed send); return what a reader
+        raised on its own, if anything (then the files, not the receiver, failed the send)."""
+        self.stop()
+        for t in self._workers:
+            t.join()
+        return None if isinstance(self.error, _Stopped) else self.error
+
+    def stop(self) -> None:
+        """Make the readers stop after their current unit (a failed send); :meth:`join` then returns."""
+        with self._cond:
+            self.error = self.error or _Stopped("the load was stopped")
+            self._cond.notify_all()
+
+    def _work(self) -> None:
         files: dict[Path, Any] = {}
         stager = None
         try:
-            stager = open_stager(region, STAGE_BYTES)
+            stager = open_stager(self.region, STAGE_BYTES)
             while True:
-                with lock:
-                    i = state["next"]
-                    if i >= len(units) or state["error"] is not None:
+                with self._cond:
+                    i = self._next
+                    if i >= len(self._units) or self.error is not None:
                         return
-                    state["next"] = i + 1
-                path, file_off, off, n = units[i]
+                    self._next = i + 1
+                path, file_off, off, n = self._units[i]
                 f = files.get(path)
                 if f is None:
                     f = files[path] = open(path, "rb")
                 f.seek(file_off)
-                with write_pieces(region, off, n, STAGE_BYTES, stager=stager) as pieces:
+                with write_pieces(self.region, off, n, STAGE_BYTES, stager=stager) as pieces:
                     for _, dst in pieces:
                         _read_exact(f, dst, path)
-                        report(len(dst))
+                        if self._progress is not None:
+                            with self._cond:
+                                self._progress(len(dst))
+                with self._cond:
+                    self._finished[i] = True
+                    while self._landed < len(self._units) and self._finished[self._landed]:
+                        self._landed += 1
+                    self._cond.notify_all()
         except BaseException as e:
-            with lock:
-                state["error"] = state["error"] or e
+            with self._cond:
+                self.error = self.error or e
+                self._cond.notify_all()
         finally:
             for f in files.values():
                 f.close()
             if stager is not None:
                 stager.close()
 
-    workers = [threading.Thread(target=worker, name=f"tensorxfer-load-{k}", daemon=True) for k in range(threads - 1)]
-    for t in workers:
-        t.start()
-    worker()
-    for t in workers:
-        t.join()
-    if state["error"] is not None:
-        raise state["error"]
+    # ---------------------------------------------------------------- Landing
+    def _prefix(self) -> int:
+        """The end of the landed prefix (the caller holds the condition)."""
+        if self._landed >= len(self._units):
+            return int(self.region.nbytes)
+        return int(self._units[self._landed][2])
+
+    def wait_prefix(self, after: int) -> int:
+        """Return once the landed prefix reaches past ``after`` (or is the whole region); where it ends.
+
+        Raises
+        ------
+        UpstreamFailed
+            A reader failed (its error is the cause).
+        """
+        with self._cond:
+            while True:
+                end = self._prefix()
+                if end > after or end >= self.region.nbytes:
+                    return end
+                if self.error is not None:
+                    raise UpstreamFailed(f"reading the files failed: {type(self.error).__name__}: "
+                                         f"{self.error}") from self.error
+                self._cond.wait(1.0)
+
+    def wait_range(self, offset: int, length: int) -> None:
+        """Return once ``[offset, offset+length)`` was read."""
+        end = offset + length
+        pos = 0
+        while pos < end and pos < self.region.nbytes:
+            pos = self.wait_prefix(pos)
+
+
+class _Stopped(Exception):
+    """The load was stopped from outside (a failed send)."""
 
 
 def _read_exact(f: Any, dst: memoryview, path: Path) -> None:

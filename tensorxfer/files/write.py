@@ -1,6 +1,7 @@
 """A received region's files into a directory, all or nothing.
 
-:func:`write_files` validates every name and target first; writes every
+:func:`write_files` (or :class:`ModelWriter`, which starts while the bytes land) validates every
+name and target first; writes every
 file under a temporary ``.tensorxfer-*.part`` name in the target directory
 and fsyncs it; only then renames them into place, and if a rename fails the
 ones already renamed are rolled back (files they replaced are restored).
@@ -11,12 +12,15 @@ behind.  GPU regions are drained through two pinned staging buffers
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
+import queue
 import secrets
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -198,7 +202,8 @@ def write_files(region: Any, out_dir: str | os.PathLike[str], overwrite: bool = 
     """Write the files a region carries into ``out_dir``, all or nothing; return their paths.
 
     ``progress(n)`` is called after each ``n`` bytes written (the files' sizes add up to
-    ``sum(plan.size for plan in plan_files(region.manifest))``).
+    ``sum(plan.size for plan in plan_files(region.manifest))``).  :class:`ModelWriter` does it, and can
+    start while the region is still landing.
 
     Every name and target is validated first (a directory or a special file
     at a target name refuses the whole set), and ``out_dir`` must not hold
@@ -225,102 +230,232 @@ def write_files(region: Any, out_dir: str | os.PathLike[str], overwrite: bool = 
     OSError
         Renaming into place failed (the renames already done are rolled back).
     """
-    plans = plan_files(region.manifest)
-    real = check_output_dir(out_dir)
-    targets = [real / fp.name for fp in plans]
-    for t in targets:
-        if t.parent != real:
-            raise FileFormatError(f"{t}: would land outside {real}")
-        _check_target(t)
-    others = check_other_model(plans, real, overwrite)
-    umask = _umask()
-    temps: list[str] = []
-    # per target being committed: (target, backup of what it replaces, whether undoing must restore the backup
-    # — i.e. the target no longer holds the old file — or just drop the backup)
-    undo: list[tuple[Path, str | None, bool]] = []
-    try:
-        with _Drain(region) as drain:
-            for fp in plans:
-                try:
-                    temps.append(_write_temp(region, drain, fp, real, umask, progress or _no_progress))
-                except OSError as e:
-                    if isinstance(e, TensorXferError) or e.errno is None:
-                        raise
-                    # name the file (a bare "[Errno 28] No space left on device" names none) and the space
-                    free = ""
-                    with contextlib.suppress(OSError):
-                        free = f" ({free_bytes(real):,} bytes free there now)"
-                    raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {real} failed: "
-                                               f"{e.strerror}{free}; nothing was written") from e
-        for tmp, target in zip(temps, targets):
-            backup = None
-            if _check_target(target):
-                backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
-                try:
-                    os.link(target, backup, follow_symlinks=False)   # the old file stays in place meanwhile
-                    undo.append((target, backup, False))
-                except OSError:
-                    os.rename(target, backup)                       # no hard links here: move it aside
-                    undo.append((target, backup, True))
-            if backup is None:
-                undo.append((target, None, False))
-            os.replace(tmp, target)
-            undo[-1] = (target, backup, True)                       # renamed: undoing restores the backup
-        for other in others:                                        # overwrite: the old model's other files go
-            backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
-            os.rename(other, backup)
-            undo.append((other, backup, True))
-        for _, backup, _ in undo:
-            if backup is not None:
-                os.unlink(backup)
-        _fsync_dir(real)
-    except BaseException as e:
-        lost = _roll_back(undo)
-        for tmp in temps:
+    writer = ModelWriter(region.manifest, out_dir, overwrite, progress)
+    return writer.finish(region)
+
+
+class ModelWriter:
+    """A received model's files, written under temporary names while the region lands, then committed.
+
+    Made at offer time (every check of :func:`write_files` runs then: names, targets, another model's
+    files, and with ``check_space`` the free space); the temporary files are created and their headers
+    and side files written at once.
+    :meth:`land` takes ranges of a host region as they land (a transport's ``on_piece``: it only queues
+    them) and a writer thread copies their tensor bytes to their places in the files -- the disk works
+    while the network does.  :meth:`finish` writes whatever was not written yet (everything, for a GPU
+    region or a transport that reports no pieces), fsyncs, and renames all into place, all or nothing;
+    :meth:`abort` removes the temporary files.  One owner; after either, the writer is spent.
+    """
+
+    def __init__(self, manifest: Any, out_dir: str | os.PathLike[str], overwrite: bool = False,
+                 progress: Callable[[int], None] | None = None, check_space: bool = False) -> None:
+        self._plans = plan_files(manifest)
+        self._real = real = check_output_dir(out_dir)
+        self.targets = [real / fp.name for fp in self._plans]
+        for t in self.targets:
+            if t.parent != real:
+                raise FileFormatError(f"{t}: would land outside {real}")
+            _check_target(t)
+        self.others = check_other_model(self._plans, real, overwrite)    # removed at commit (overwrite)
+        if check_space:
+            check_free_space(self._plans, real)
+        self._progress = progress or _no_progress
+        self._temps: list[tuple[str, int]] = []     # (name, fd) per file
+        # every tensor's bytes: (region offset, n, file index, position in the file), by region offset
+        spans: list[tuple[int, int, int, int]] = []
+        self._queue: queue.SimpleQueue[tuple[Any, int, int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._done = False
+        self._meta_bytes = 0                    # headers and side files, written at once
+        umask = _umask()
+        try:
+            for i, fp in enumerate(self._plans):
+                fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
+                self._temps.append((tmp, fd))
+                self._guarded(i, os.fchmod, fd, fp.mode & ~umask)
+                if fp.header is None:
+                    assert fp.data is not None
+                    self._guarded(i, _pwrite_all, fd, fp.data, 0)
+                    self._meta_bytes += len(fp.data)
+                    continue
+                head = fp.text.encode("utf-8")
+                self._guarded(i, _pwrite_all, fd, HEADER_LENGTH.pack(len(head)) + head, 0)
+                self._meta_bytes += HEADER_LENGTH.size + len(head)
+                pos = HEADER_LENGTH.size + len(head)
+                for spec in manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]:
+                    spans.append((spec.offset, spec.nbytes, i, pos))
+                    pos += spec.nbytes
+        except BaseException:
+            self.abort()
+            raise
+        spans.sort()
+        self._spans = spans
+        self._starts = [s[0] for s in spans]
+        self._written = [0] * len(spans)        # bytes of each span written while landing
+
+    # ---------------------------------------------------------------- while landing
+    def land(self, region: Any, offset: int, length: int) -> None:
+        """``[offset, offset+length)`` of the host ``region`` landed: queue its bytes for the files (from
+        transport threads; never raises, never blocks)."""
+        with self._lock:
+            if self._thread is None and not self._done:
+                self._thread = threading.Thread(target=self._drain_queue, name="tensorxfer-write-landed",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((region, offset, length))
+
+    def _drain_queue(self) -> None:
+        view = None
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                region, offset, length = item
+                if self._error is not None:
+                    continue
+                if view is None:
+                    view = memoryview(region.region)
+                self._write_range(view, offset, offset + length)
+        except BaseException as e:
+            self._error = e
+        finally:
+            if view is not None:
+                view.release()
+
+    def _write_range(self, view: memoryview, a: int, b: int) -> None:
+        k = max(0, bisect.bisect_right(self._starts, a) - 1)
+        while k < len(self._spans) and self._spans[k][0] < b:
+            off, n, i, pos = self._spans[k]
+            lo, hi = max(a, off), min(b, off + n)
+            if lo < hi:
+                self._guarded(i, _pwrite_all, self._temps[i][1], view[lo:hi], pos + lo - off)
+                self._written[k] += hi - lo     # reported by finish(): the caller's bar is on the data meanwhile
+            k += 1
+
+    def _guarded(self, i: int, write: Callable[..., object], *args: Any) -> None:
+        """``write(*args)`` on file ``i``; an OSError becomes an OutputError naming the file and the space left."""
+        try:
+            write(*args)
+        except OSError as e:
+            if isinstance(e, TensorXferError) or e.errno is None:
+                raise
+            fp = self._plans[i]
+            free = ""
+            with contextlib.suppress(OSError):
+                free = f" ({free_bytes(self._real):,} bytes free there now)"
+            raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {self._real} failed: "
+                                       f"{e.strerror}{free}; nothing was written") from e
+
+    # ---------------------------------------------------------------- the end
+    def finish(self, region: Any) -> list[Path]:
+        """Every byte of ``region`` landed: write what is missing, fsync, rename into place (see
+        :func:`write_files`); return the paths.  On any error nothing new is left in the directory."""
+        try:
+            self._stop_thread()
+            if self._error is not None:
+                raise self._error
+            # what was written already, then spans not (wholly) written while landing, written whole
+            self._progress(self._meta_bytes + sum(self._written))
+            missing = [k for k, (_, n, _, _) in enumerate(self._spans) if self._written[k] != n]
+            with _Drain(region) as drain:
+                for k in missing:
+                    off, n, i, pos = self._spans[k]
+                    left = n - self._written[k]
+                    pieces = drain.pieces([(off, n)])
+                    with contextlib.closing(pieces):     # a failed write releases the view at once
+                        for piece in pieces:
+                            self._guarded(i, _pwrite_all, self._temps[i][1], piece, pos)
+                            pos += len(piece)
+                    self._progress(left)
+            for i, (_, fd) in enumerate(self._temps):
+                self._guarded(i, os.fsync, fd)
+        except BaseException:
+            self.abort()
+            raise
+        self._close_fds()
+        return self._commit()
+
+    def abort(self) -> None:
+        """Remove the temporary files (an update that failed); idempotent."""
+        self._stop_thread()
+        self._close_fds()
+        temps, self._temps = self._temps, []
+        for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        with contextlib.suppress(OSError):
+
+    def _stop_thread(self) -> None:
+        with self._lock:
+            self._done = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _close_fds(self) -> None:
+        for i, (tmp, fd) in enumerate(self._temps):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                self._temps[i] = (tmp, -1)
+
+    def _commit(self) -> list[Path]:
+        real = self._real
+        temps = [tmp for tmp, _ in self._temps]
+        # per target being committed: (target, backup of what it replaces, whether undoing must restore the
+        # backup -- i.e. the target no longer holds the old file -- or just drop the backup)
+        undo: list[tuple[Path, str | None, bool]] = []
+        try:
+            for tmp, target in zip(temps, self.targets):
+                backup = None
+                if _check_target(target):
+                    backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
+                    try:
+                        os.link(target, backup, follow_symlinks=False)   # the old file stays in place meanwhile
+                        undo.append((target, backup, False))
+                    except OSError:
+                        os.rename(target, backup)                       # no hard links here: move it aside
+                        undo.append((target, backup, True))
+                if backup is None:
+                    undo.append((target, None, False))
+                os.replace(tmp, target)
+                undo[-1] = (target, backup, True)                       # renamed: undoing restores the backup
+            for other in self.others:                                  # overwrite: the old model's other files go
+                backup = str(real / f"{TEMP_PREFIX}{secrets.token_hex(8)}.bak")
+                os.rename(other, backup)
+                undo.append((other, backup, True))
+            for _, backup, _ in undo:
+                if backup is not None:
+                    os.unlink(backup)
             _fsync_dir(real)
-        if lost:
-            raise OutputError(f"writing the files failed ({type(e).__name__}: {e}) and rolling back failed too: "
-                              f"the previous contents are kept in {'; '.join(lost)}") from e
-        raise
-    return targets
+        except BaseException as e:
+            lost = _roll_back(undo)
+            for tmp in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            self._temps = []
+            with contextlib.suppress(OSError):
+                _fsync_dir(real)
+            if lost:
+                raise OutputError(f"writing the files failed ({type(e).__name__}: {e}) and rolling back failed "
+                                  f"too: the previous contents are kept in {'; '.join(lost)}") from e
+            raise
+        self._temps = []
+        return self.targets
 
 
 def _no_progress(n: int) -> None:
     pass
 
 
-def _write_temp(region: Any, drain: _Drain, fp: FilePlan, real: Path, umask: int,
-                progress: Callable[[int], None]) -> str:
-    """Write one file under a temporary name in ``real``, fsynced; return that name (removed on failure)."""
-    fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), fp.mode & ~umask)
-            if fp.header is None:
-                assert fp.data is not None
-                f.write(fp.data)
-                progress(len(fp.data))
-            else:
-                head = fp.text.encode("utf-8")
-                f.write(HEADER_LENGTH.pack(len(head)))
-                f.write(head)
-                progress(HEADER_LENGTH.size + len(head))
-                specs = region.manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]
-                pieces = drain.pieces([(s.offset, s.nbytes) for s in specs])
-                with contextlib.closing(pieces):     # a failed write releases the view at once
-                    for piece in pieces:
-                        f.write(piece)
-                        progress(len(piece))
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return tmp
+def _pwrite_all(fd: int, data: Any, pos: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
 
 
 def _roll_back(undo: list[tuple[Path, str | None, bool]]) -> list[str]:

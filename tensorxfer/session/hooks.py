@@ -31,7 +31,10 @@ class ForwardHooks:
     landing : Landing, optional
         Set by a relay: the region is still landing from upstream; only what landed is sent.  The
         ``done`` frame then carries ``checksums()`` (the origin's, passed on) instead of checksums
-        computed here.
+        computed here.  Also set, with ``loading``, by a sender whose own region is still being read
+        from files (``tensorxfer-send``): the checksums are then computed once the payload went out.
+    loading : bool
+        ``landing`` is this process's own loader, not an upstream hop (the send is no relay).
     checksums : callable, optional
         Called at ``done`` time for a relayed send.
     ack_allowance : float
@@ -47,11 +50,12 @@ class ForwardHooks:
     checksums: Callable[[], Any] | None = None
     ack_allowance: float = 0.0
     on_ack: Callable[[dict[str, Any]], None] | None = None
+    loading: bool = False
 
     @property
     def relayed(self) -> bool:
-        """Whether this send passes on an update still landing here (a relay's), not one held whole."""
-        return self.landing is not None
+        """Whether this send passes on an update still landing here from upstream (a relay's)."""
+        return self.landing is not None and not self.loading
 
 
 class ForwardJob(Protocol):

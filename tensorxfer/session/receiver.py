@@ -158,7 +158,8 @@ class Receiver:
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
-                into: Any = None, names: Names = None) -> TensorRegion:
+                into: Any = None, names: Names = None,
+                on_piece: Callable[[TensorRegion, int, int], None] | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; once data flows
@@ -179,6 +180,11 @@ class Receiver:
         names, or ``names``: a mapping or callable from the sender's names to the module's), else it is
         refused before any byte moves (:class:`~tensorxfer.errors.LayoutError` here, the sender told why).
         A failed update leaves the module's weights partly written, like any in-place update.
+
+        ``on_piece(region, offset, length)`` is called, from transport threads, as ranges of a host region
+        land (tcp, ipc, rdma), so the caller can start on them before the update is complete
+        (``tensorxfer-recv`` writes the files as they arrive); it must return quickly and not write into the
+        region.  Device regions and shared updates report nothing: ``on_landed`` is the signal there.
 
         Every failure ends the current session (the next call accepts a new sender) but leaves the
         receiver usable; :meth:`close` from another thread ends a blocked ``receive`` with
@@ -225,7 +231,7 @@ class Receiver:
                     self._end_session()
                     continue
                 try:
-                    return self._update(session, frame, progress, on_offer, on_landed)
+                    return self._update(session, frame, progress, on_offer, on_landed, on_piece)
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -234,13 +240,14 @@ class Receiver:
                     raise
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
-                on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None) -> TensorRegion:
+                on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
+                on_piece: Callable[[TensorRegion, int, int], None] | None = None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
         target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
         region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
-                                                     on_offer, on_landed)
+                                                     on_offer, on_landed, on_piece)
         self._version = offer.version
         return region
 

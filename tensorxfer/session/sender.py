@@ -205,8 +205,9 @@ class Sender:
         self._seq += 1
         seq = self._seq
         relayed = forward.relayed     # the region may still be landing: checksums come from upstream
+        still_landing = forward.landing is not None       # relayed, or still being read from files here
         checksums = ([ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
-                     if verify and not relayed else None)
+                     if verify and not still_landing else None)
         packed, digest = self._wire_manifest(region.manifest)
         version = forward.version or Version(seq, digest)
         extra: dict[str, Any] = {"chain": list(forward.chain), "chain_transport": forward.chain_transport} \
@@ -234,6 +235,8 @@ class Sender:
             nbytes = self._send_payload(transport, region, progress, forward)
         if relayed and forward.checksums is not None:
             checksums = forward.checksums()
+        elif verify and still_landing:      # the payload went out as it was read: every byte is here now
+            checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
         ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         ack = self._wait_ack(ch, seq, nbytes, verify, forward)

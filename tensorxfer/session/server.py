@@ -48,6 +48,7 @@ from tensorxfer.transport.base import Progress, TransferContext, setup_flag
 log = logging.getLogger(__name__)
 
 OnLanded = Callable[[TensorRegion], None]
+OnPiece = Callable[[TensorRegion, int, int], None]     # (region, offset, length) of a landed host range
 
 
 class State(enum.Enum):
@@ -162,7 +163,8 @@ class ServerSession:
     # ------------------------------------------------------------ one update
     def run_update(self, offer: Offer, target: Target, me: str, progress: Progress | None = None,
                    on_offer: Callable[[Manifest], None] | None = None,
-                   on_landed: OnLanded | None = None) -> tuple[TensorRegion, TransferStats]:
+                   on_landed: OnLanded | None = None, on_piece: OnPiece | None = None,
+                   ) -> tuple[TensorRegion, TransferStats]:
         """Receive ``offer`` into ``target``: the update sequence of the module docstring.
 
         Raises whatever ended the update (the sender was told when it still listens); the caller ends
@@ -206,7 +208,7 @@ class ServerSession:
                 assert self._forwarder is not None and offer.version is not None and target.region is not None
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
-            transport.on_piece = job.on_piece if job is not None else None
+            transport.on_piece = _pieces_to(job, on_piece, target.region)
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = target.prepare(transport, offer.seq, offer.fresh)
             setup = setup_flag(descriptors)
@@ -338,3 +340,20 @@ def _expected_sums(region: TensorRegion, done: dict[str, Any]) -> list[int]:
             or len(sums[1]) != 8 * len(region.manifest):
         raise ProtocolError(f"done frame: checksums must be [{ALGORITHM!r}, 8 bytes per tensor]")
     return list(np.frombuffer(sums[1], dtype="<u8").tolist())
+
+
+def _pieces_to(job: ForwardJob | None, on_piece: OnPiece | None,
+               region: TensorRegion | None) -> Callable[[int, int], None] | None:
+    """The transport's ``on_piece`` hook: a relay's forwarding job and the caller's hook (host regions
+    only: a device piece is not readable from here), either, both or neither."""
+    mine = on_piece if region is not None and not region.is_cuda else None
+    if mine is None:
+        return job.on_piece if job is not None else None
+    assert region is not None
+    if job is None:
+        return lambda off, n: mine(region, off, n)
+
+    def both(off: int, n: int) -> None:
+        job.on_piece(off, n)
+        mine(region, off, n)
+    return both
