@@ -193,6 +193,7 @@ class _Transfer:
         writer, self.writer = self.writer, None
         # before the ack: the sender learns if this fails
         self.written = writer.finish(region)
+        self.files["written_while_landing"] = writer.written_while_landing
 
     def abort(self) -> None:
         """The update failed: its temporary files go."""

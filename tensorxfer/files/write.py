@@ -349,6 +349,12 @@ class ModelWriter:
             raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {self._real} failed: "
                                        f"{e.strerror}{free}; nothing was written") from e
 
+    @property
+    def written_while_landing(self) -> int:
+        """Tensor bytes already in the files before :meth:`finish` (read it after finish: the writer thread
+        has then stopped)."""
+        return sum(self._written)
+
     # ---------------------------------------------------------------- the end
     def finish(self, region: Any) -> list[Path]:
         """Every byte of ``region`` landed: write what is missing, fsync, rename into place (see
