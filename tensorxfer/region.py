@@ -270,9 +270,11 @@ class TensorRegion:
             self.binding.check()
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, device: str = "cpu", chunk_size: int | None = None) -> TensorRegion:
-        """Allocate a zeroed region with ``manifest``'s layout (to receive into)."""
-        self = cls._allocate(manifest, device, chunk_size)
+    def from_manifest(cls, manifest: Manifest, device: str = "cpu", chunk_size: int | None = None,
+                      commit: bool = True) -> TensorRegion:
+        """Allocate a zeroed region with ``manifest``'s layout (to receive into).  ``commit=False`` (host
+        regions) leaves the pages to be committed as they are first written, by whoever writes them."""
+        self = cls._allocate(manifest, device, chunk_size, commit=commit)
         if self.is_cuda:
             try:
                 copier = self._get_copier()

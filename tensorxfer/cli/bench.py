@@ -28,18 +28,6 @@ import numpy as np
 REFERENCE_GBPS = 212.4
 
 
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass   # not Linux: the caller skips the check
-    return 0
-
-
 def memcpy_gbps(nbytes: int = 256 << 20) -> float:
     """Single-threaded host memory copy bandwidth in Gbit/s (best of 3)."""
     a = np.ones(nbytes, dtype=np.uint8)
@@ -173,7 +161,7 @@ def run_bench(size: int, streams: list[int | None], repeat: int, verify: bool, t
 
 def main(argv: list[str] | None = None) -> int:
     from tensorxfer import TensorXferError, synthetic
-    from tensorxfer.cli.common import new_parser
+    from tensorxfer.cli.common import mem_available, new_parser
     from tensorxfer.transport.tcp import DEFAULT_STREAMS
 
     p = new_parser("tensorxfer-bench", __doc__ or "", exit_codes=False)

@@ -169,3 +169,15 @@ def report_error(prog: str, error: BaseException, as_json: bool, code: int | Non
 
 __all__ = ["EXIT_CODES_HELP", "EXIT_OK", "TensorXferError", "add_common", "check_device", "exit_code", "files_record",
            "new_parser", "read_token", "report_error", "summary"]
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass   # not Linux: the caller skips the check
+    return 0

@@ -31,6 +31,7 @@ before that relay sends the update again.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -48,12 +49,14 @@ from tensorxfer.cli.common import (
     check_device,
     emit_json,
     files_record,
+    mem_available,
     new_parser,
     read_token,
     report_error,
     summary,
 )
 from tensorxfer.cli.progress import Phase, Progress, log_above
+from tensorxfer.errors import RegionError
 
 PROG = "tensorxfer-recv"
 
@@ -134,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(PROG, e, args.json, EXIT_USAGE if isinstance(e, OSError) else None)
     try:
         limit = None if args.max_bytes is None else int(args.max_bytes)
+        # one-shot: the region's pages are committed by the receiving threads as the data lands (overlapped
+        # with the network), not all before accepting; on_offer checks the memory is there
         rx = Receiver(args.listen, token=token, device=args.device, max_region_bytes=limit,
                       stall_timeout=args.stall_timeout, relay=False if args.no_relay else None,
-                      require_verify=args.verify)
+                      require_verify=args.verify, prefault=False)
     except OSError as e:
         os.close(lock_fd)
         if isinstance(e, TensorXferError):
@@ -176,6 +181,10 @@ class _Transfer:
         self.offered = True
         self.bar.start(manifest)
         self.abort()        # an earlier offer of this receive that failed after its offer
+        available = mem_available()
+        if self.args.device == "cpu" and available and manifest.nbytes > available:
+            raise RegionError(errno.ENOMEM, f"the model needs {manifest.nbytes:,} bytes of host memory to "
+                                            f"arrive in; {available:,} are available here (MemAvailable)")
         # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
         # files in --out (unless --overwrite), a disk without room for the files
         self.writer = ModelWriter(manifest, self.args.out, overwrite=self.args.overwrite, progress=self.bar,

@@ -61,6 +61,12 @@ class Receiver:
         without one, chains are refused with ``no_forward`` as the reason).
     require_verify : bool
         Refuse offers sent without per-tensor checksums (``send(verify=True)``), before any byte moves.
+    prefault : bool
+        Commit a new host region's pages before accepting (default: a region too big for the host's memory
+        fails with ``MemoryError`` up front, and a training loop's later updates find their pages ready).
+        ``False`` leaves the pages to the receiving threads, which commit them as the data lands, in
+        parallel with the network: a one-shot receive (``tensorxfer-recv``, which checks the host's
+        available memory at offer time instead).
 
     Raises
     ------
@@ -75,7 +81,7 @@ class Receiver:
                  max_region_bytes: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
                  forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay",
-                 require_verify: bool = False) -> None:
+                 require_verify: bool = False, prefault: bool = True) -> None:
         parse_device(device)
         host, port = parse_address(listen)
         self.share = bool(share)
@@ -87,7 +93,7 @@ class Receiver:
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
         self.require_verify = bool(require_verify)
-        self._slot = RegionSlot(device)
+        self._slot = RegionSlot(device, prefault)
         self._version: Version | None = None
         self._fed_by_relay = False
         self._session: ServerSession | None = None

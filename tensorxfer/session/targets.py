@@ -25,8 +25,9 @@ class RegionSlot:
     """The region a receiver's updates land in (reused for a same-layout offer), or None; and the module
     bound to it, if the caller asked for its updates to land in a module's tensors (``receive(into=...)``)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, prefault: bool = True) -> None:
         self.device = device
+        self.prefault = prefault
         self.region: TensorRegion | None = None
         self.binding: ModuleBinding | None = None
 
@@ -63,7 +64,7 @@ class RegionSlot:
             log.info("offer changes the layout (%d -> %d tensors, %d -> %d bytes): re-allocating the region",
                      len(old.manifest), len(manifest), old.nbytes, manifest.nbytes)
             self.release()
-        self.region = TensorRegion.from_manifest(manifest, device=self.device)
+        self.region = TensorRegion.from_manifest(manifest, device=self.device, commit=self.prefault)
         return self.region, old is not None
 
     def put(self, region: TensorRegion) -> bool:
