@@ -27,7 +27,7 @@ from tensorxfer.protocol import Channel, Version, parse_address, server_handshak
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
-from tensorxfer.session.server import OnLanded, ServerSession, State
+from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
 from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
 from tensorxfer.transport import SHARE_RECEIVERS, TRANSPORTS, local_capabilities, local_transports
@@ -62,11 +62,8 @@ class Receiver:
     require_verify : bool
         Refuse offers sent without per-tensor checksums (``send(verify=True)``), before any byte moves.
     prefault : bool
-        Commit a new host region's pages before accepting (default: a region too big for the host's memory
-        fails with ``MemoryError`` up front, and a training loop's later updates find their pages ready).
-        ``False`` leaves the pages to the receiving threads, which commit them as the data lands, in
-        parallel with the network: a one-shot receive (``tensorxfer-recv``, which checks the host's
-        available memory at offer time instead).
+        Commit a new host region's pages before accepting (a clear ``MemoryError`` up front).  ``False``:
+        the receiving threads commit them as data lands (a one-shot receive: ``tensorxfer-recv``).
 
     Raises
     ------
@@ -164,37 +161,29 @@ class Receiver:
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
-                into: Any = None, names: Names = None,
-                on_piece: Callable[[TensorRegion, int, int], None] | None = None) -> TensorRegion:
+                into: Any = None, names: Names = None, on_piece: OnPiece | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
-        ``timeout`` bounds the wait for an offer to *start* (``None``: forever; once data flows
-        ``stall_timeout`` applies); ``progress`` is called with byte counts as data lands; ``on_offer``
-        with the validated manifest before data moves; ``on_landed`` with the region once every byte
-        landed (and was verified), *before* the sender is acknowledged -- if it raises, the sender gets an
-        error naming it instead of the ack (the CLI writes the files there).
+        ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
+        ``progress`` gets byte counts as data lands; ``on_offer`` the validated manifest before data moves;
+        ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
+        quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
+        once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
+        error naming it instead.
 
-        Returns the region, owned by the receiver: valid until the next ``receive`` or ``close``
-        (same-layout offers overwrite it in place).  A fan-out relay returns as soon as its own copy is
-        complete (and checked) and acknowledges its sender once the rest of its chain finished (the next
-        ``receive()``, :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region
-        meanwhile.
+        Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
+        offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
+        and acks its sender once the rest of its chain finished (the next ``receive()``,
+        :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region meanwhile.
 
-        ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors -- they become views
-        of the received region (no copy; later same-layout updates land there in place; with ``share=True``
-        they are views of the sender's memory).  The offer must fit the module exactly (``state_dict``
-        names, or ``names``: a mapping or callable from the sender's names to the module's), else it is
-        refused before any byte moves (:class:`~tensorxfer.errors.LayoutError` here, the sender told why).
-        A failed update leaves the module's weights partly written, like any in-place update.
+        ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
+        of the received region (no copy; later updates land in place; with ``share=True`` views of the
+        sender's memory).  The offer must fit the module exactly (``state_dict`` names, or ``names``: a
+        mapping or callable from the sender's names to the module's), else it is refused before any byte
+        moves (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
 
-        ``on_piece(region, offset, length)`` is called, from transport threads, as ranges of a host region
-        land (tcp, ipc, rdma), so the caller can start on them before the update is complete
-        (``tensorxfer-recv`` writes the files as they arrive); it must return quickly and not write into the
-        region.  Device regions and shared updates report nothing: ``on_landed`` is the signal there.
-
-        Every failure ends the current session (the next call accepts a new sender) but leaves the
-        receiver usable; :meth:`close` from another thread ends a blocked ``receive`` with
-        :class:`TransferError`.
+        Every failure ends the current session but leaves the receiver usable; :meth:`close` from another
+        thread ends a blocked ``receive`` with :class:`TransferError`.
 
         Raises
         ------
@@ -247,7 +236,7 @@ class Receiver:
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
                 on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
-                on_piece: Callable[[TensorRegion, int, int], None] | None = None) -> TensorRegion:
+                on_piece: OnPiece | None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
@@ -285,9 +274,8 @@ class Receiver:
                 self._session = None
 
     def wait_relayed(self, timeout: float | None = None) -> None:
-        """Wait until the last update this receiver relayed has been acknowledged to its sender (the rest of
-        its chain finished); a no-op when it relayed nothing.  A process about to exit after its last update
-        calls this (or :meth:`close`, which does) so that the hops after it are not left behind.
+        """Wait until the last update this receiver relayed was acked to its sender (its chain finished); a
+        no-op when it relayed nothing.  Call it (or :meth:`close`) before exiting after a last update.
 
         Raises
         ------
