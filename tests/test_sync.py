@@ -184,7 +184,8 @@ def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> 
                    lambda: tx.WeightSync(stores.client(), "u", "target", 0, (1, 1), tgts, timeout=20)])
 
 
-def test_a_killed_source_is_named_to_its_target() -> None:
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_source_that_goes_away_is_named_or_the_hole_it_leaves_is(elastic: bool) -> None:
     stores = Stores()
     g = global_tensors(0)
     srcs = [source_tensors(r, 2, g) for r in range(2)]
@@ -194,17 +195,25 @@ def test_a_killed_source_is_named_to_its_target() -> None:
             if k != "w":
                 del s[k]
     syncs = run_ranks([lambda r=r: tx.WeightSync(stores.client(), "v", "source", r, (2, 1), srcs[r], transport="tcp",
-                                                 stall_timeout=5, timeout=30) for r in range(2)] +
+                                                 stall_timeout=5, timeout=30, elastic=elastic) for r in range(2)] +
                       [lambda: tx.WeightSync(stores.client(), "v", "target", 0, (2, 1), tgts[0], transport="tcp",
-                                             stall_timeout=5, timeout=30)])
+                                             stall_timeout=5, timeout=30, elastic=elastic)])
     try:
         syncs[1].close()                    # source rank 1 goes away before the step
         got: list[Any] = [None]
         t = threading.Thread(target=lambda: got.__setitem__(0, _catch(lambda: syncs[2].wait(timeout=10))))
         t.start()
-        syncs[0].push()
-        t.join(20)
-        assert isinstance(got[0], tx.TransferError) and "source rank 1" in str(got[0]), got[0]
+        if elastic:     # it left the group: the step is planned without it, and rows 6..11 have no source
+            with pytest.raises(tx.PlanError, match=r"'w' needs box \[6:12, 0:10\]"):
+                syncs[0].push()
+            t.join(20)
+            assert not t.is_alive()
+            assert isinstance(got[0], tx.PlanError) and "[6:12, 0:10]" in str(got[0]), got[0]
+        else:           # a fixed group still plans it: its target names it
+            syncs[0].push()
+            t.join(20)
+            assert not t.is_alive()
+            assert isinstance(got[0], tx.TransferError) and "source rank 1" in str(got[0]), got[0]
         assert syncs[2].version == 0, "a step with a missing source must not report a version"
     finally:
         for s in syncs:

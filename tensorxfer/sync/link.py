@@ -2,11 +2,12 @@
 
 A source rank keeps one :class:`SourceLink` to every target it feeds; a target rank keeps one
 :class:`TargetPort` (its listener) and, through it, one session per source that feeds it.  A pair is
-authenticated once (the control handshake with the group's token; the hello names the group, the source
-rank and the plan digest, and a pair whose digests differ is refused with :class:`PlanError`), and its
-data path is set up on the first step (registered, connected, handles passed) and reused by every later
-one.  Each step is the session exchange -- offer, accept, data, done, ack -- where the data is the pair's
-segments: the runs the plan gives it, straight from the source's region into the target's live weights.
+authenticated once (the control handshake with the group's token; the hello names the group and the
+ranks), and its data path is set up on the first step (registered, connected, handles passed) and
+reused by every later one, across membership epochs too.  Each step is the session exchange -- offer,
+accept, data, done, ack -- where the data is the pair's segments: the runs the plan gives it, straight
+from the source's region into the target's live weights.  Every offer carries the plan digest and the
+step: a target that planned otherwise refuses it with :class:`PlanError`.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class PairStats:
                 "setup": self.setup}
 
 
-def _sync_caps(group: str, role: str, rank: int, digest: str) -> dict[str, Any]:
+def _sync_caps(group: str, role: str, rank: int) -> dict[str, Any]:
     return {"transports": local_transports(), "transport_caps": local_capabilities(),
-            "sync": {"group": group, "role": role, "rank": rank, "digest": digest}}
+            "sync": {"group": group, "role": role, "rank": rank}}
 
 
 class SourceLink:
@@ -68,14 +69,14 @@ class SourceLink:
         The target cannot be reached.
     AuthError
         The tokens differ.
-    PlanError
-        The target computed another plan (its digest differs).
+    ProtocolError
+        The listener is not that target rank of this group.
     TransportUnavailable
         A forced transport cannot connect the two.
     """
 
     def __init__(self, address: tuple[str, int], token: str | bytes | None, group: str, source: int, target: int,
-                 digest: str, transport: str, streams: int | None, stall_timeout: float,
+                 transport: str, streams: int | None, stall_timeout: float,
                  connect_timeout: float) -> None:
         self.source, self.target = source, target
         self.stall_timeout = stall_timeout
@@ -90,14 +91,13 @@ class SourceLink:
                            f"{e}") from None
         ch = Channel(sock)
         try:
-            hello, self._key = client_handshake(ch, token_key(token), _sync_caps(group, "source", source, digest),
+            hello, self._key = client_handshake(ch, token_key(token), _sync_caps(group, "source", source),
                                                 connect_timeout)
             caps = field(hello, "capabilities", dict)
             theirs = field(caps, "sync", dict)
-            if theirs.get("digest") != digest or theirs.get("rank") != target or theirs.get("group") != group:
-                raise PlanError(f"sync: target rank {target} computed another plan (digest "
-                                f"{str(theirs.get('digest'))[:16]}, ours {digest[:16]}): the ranks disagree on the "
-                                f"group's shard descriptions")
+            if theirs.get("rank") != target or theirs.get("group") != group or theirs.get("role") != "target":
+                raise ProtocolError(f"sync: {address[0]}:{address[1]} is {theirs!r}, not target rank {target} of "
+                                    f"group {group!r} (a stale address in the store?)")
             self.transport = choose(transport, [t for t in field(caps, "transports", list) if isinstance(t, str)],
                                     field(caps, "transport_caps", dict, optional=True) or {})
         except BaseException:
@@ -105,8 +105,9 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def push(self, region: TensorRegion, segments: Segments, version: int) -> PairStats:
-        """Move this pair's segments of ``region`` for ``version``; return once the target acknowledged.
+    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
+        """Move this pair's segments of ``region`` for ``version`` (planned as ``digest``); return once the
+        target acknowledged.
 
         Raises
         ------
@@ -125,7 +126,7 @@ class SourceLink:
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             transport = self._transport
             ch.send("offer", seq=seq, transport=self.transport, fresh=transport.needs_setup(region),
-                    version=version, bytes=segments.total_bytes, streams=self.streams)
+                    version=version, bytes=segments.total_bytes, streams=self.streams, digest=digest)
             accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
@@ -160,8 +161,10 @@ class _Feed:
         self.seq = 0
         self.transports: dict[str, Any] = {}
 
-    def step(self, region: TensorRegion, segments: Segments, timeout: float | None) -> tuple[int, PairStats]:
-        """Receive one step from this source: (the version it carried, its stats)."""
+    def step(self, region: TensorRegion, segments: Segments, timeout: float | None, digest: str,
+             step: int | None) -> tuple[int, PairStats]:
+        """Receive one step from this source (planned as ``digest``; ``step``: the version it must carry, if
+        known): (the version it carried, its stats)."""
         ch = self.ch
         offer = ch.recv("offer", timeout=timeout)
         t0 = time.perf_counter()
@@ -171,9 +174,17 @@ class _Feed:
         self.seq = seq
         name = field(offer, "transport", str)
         version = field(offer, "version", int)
-        if field(offer, "bytes", int) != segments.total_bytes:
+        theirs = field(offer, "digest", str)
+        msg = ""
+        if theirs != digest:
+            msg = (f"source {self.source} planned this step as {theirs[:16]}, this target as {digest[:16]}: the "
+                   f"ranks disagree on the group's members or shard descriptions")
+        elif step is not None and version != step:
+            msg = f"source {self.source} sends version {version} for step {step}: the sources are out of step"
+        elif field(offer, "bytes", int) != segments.total_bytes:
             msg = (f"source {self.source} offers {offer.get('bytes')} bytes, this target planned "
                    f"{segments.total_bytes} from it: the ranks planned differently")
+        if msg:
             ch.send_error("protocol", msg)
             raise PlanError(f"sync: {msg}")
         if name not in self.transports and name not in local_transports():
@@ -231,11 +242,12 @@ class TargetPort:
     def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes, int] | None:
         ch = Channel(sock)
         try:
-            hello, key = server_handshake(ch, self._key, _sync_caps(self.group, "target", self.rank, self.digest),
+            hello, key = server_handshake(ch, self._key, _sync_caps(self.group, "target", self.rank),
                                           self.handshake_timeout)
             theirs = field(field(hello, "capabilities", dict), "sync", dict)
             source = theirs.get("rank")
-            if theirs.get("group") != self.group or theirs.get("role") != "source" or source not in self._expected:
+            # any source of the group: the one a later epoch plans may connect before this rank planned it
+            if theirs.get("group") != self.group or theirs.get("role") != "source" or type(source) is not int:
                 log.warning("sync: target %d refused a connection claiming %r", self.rank, theirs)
                 ch.close()
                 return None
@@ -245,14 +257,15 @@ class TargetPort:
             raise
 
     def admit(self, timeout: float, closing: Callable[[], bool] = lambda: False) -> None:
-        """Wait until every expected source connected (each once; a source connecting again replaces itself).
+        """Wait until every expected source connected (each once; a source connecting again replaces itself;
+        one connecting early for a later epoch is kept).
 
         Raises
         ------
         TransferTimeout
             A source did not connect in time (named).
         """
-        while set(self._feeds) != self._expected:
+        while not self._expected <= set(self._feeds):
             deadline = time.monotonic() + timeout
             try:
                 [(_, (ch, key, source))] = self.gate.admit(
@@ -267,23 +280,32 @@ class TargetPort:
                 old.close()
             self._feeds[source] = _Feed(ch, key, source, self.stall_timeout)
 
-    def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None) -> dict[int, Any]:
-        """Receive one step from every source at once: source rank -> (version, PairStats) or the exception
-        that ended its part (the caller decides what the step is)."""
+    def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None, digest: str,
+             step: int | None) -> dict[int, Any]:
+        """Receive one step from every source in ``segments`` at once: source rank -> (version, PairStats) or
+        the exception that ended its part (the caller decides what the step is)."""
         results: dict[int, Any] = {}
 
         def run(source: int, feed: _Feed) -> None:
             try:
-                results[source] = feed.step(region, segments[source], timeout)
+                results[source] = feed.step(region, segments[source], timeout, digest, step)
             except BaseException as e:
                 results[source] = e
-        threads = [threading.Thread(target=run, args=(s, f), name=f"tensorxfer-sync-feed-{s}", daemon=True)
-                   for s, f in sorted(self._feeds.items())]
+        missing = sorted(set(segments) - set(self._feeds))
+        for s in missing:
+            results[s] = PeerLost(f"source rank {s} is not connected (its session failed and it did not come back)")
+        threads = [threading.Thread(target=run, args=(s, self._feeds[s]), name=f"tensorxfer-sync-feed-{s}",
+                                    daemon=True) for s in sorted(segments) if s in self._feeds]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return results
+
+    def retain(self, sources: set[int]) -> None:
+        """Close the sessions of sources not in ``sources`` (a new epoch no longer plans them here)."""
+        for source in [s for s in self._feeds if s not in sources]:
+            self.drop(source)
 
     def drop(self, source: int) -> None:
         feed = self._feeds.pop(source, None)

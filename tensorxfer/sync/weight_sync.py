@@ -13,15 +13,24 @@ The shape trainers and engines already use (vLLM's init / update / finish, SGLan
     version = sync.wait(timeout=60)        # the update that landed, whole
 
 Construction is the rendezvous: targets move their tensors into one region (their live weights stay the
-same tensor objects, now views of it) and publish its layout and their address; sources read the targets'
-dtypes, lay their shards out in those dtypes and publish -- a plain shard already in that dtype is adopted
-the same way (moved in, re-pointed), the others (DTensors, fp32 masters cast to bf16) are packed; every
-rank computes the plan from what the store holds and checks that all digests agree; each source connects
-to the targets it feeds (one authenticated session per pair, its data path set up once).  A push packs
-the shards that are not adopted into its region (at most one local copy of 1/N of the model) and sends
-each target its segments in parallel; a target reports a version only when every source that feeds it
-delivered that version.  A rank that dies is named in the error of the ranks paired with it within
-``stall_timeout``.
+same tensor objects, now views of it) and register its layout and their address; sources read the
+targets' dtypes, lay their shards out in those dtypes and register -- a plain shard already in that
+dtype is adopted the same way (moved in, re-pointed), the others (DTensors, fp32 masters cast to bf16)
+are packed; the group forms once the ``world`` ranks registered; every rank computes the plan from what
+the store holds and checks that all digests agree; each source connects to the targets it feeds (one
+authenticated session per pair, its data path set up once).  A push packs the shards that are not
+adopted into its region (at most one local copy of 1/N of the model) and sends each target its
+segments in parallel; a target reports a version only when every source that feeds it delivered that
+version.
+
+Membership is elastic (``elastic=True``, the default; :mod:`tensorxfer.sync.membership`): before each
+step the sources agree, through the store, on who is in it.  A target that starts later joins (the
+next push includes it, planned anew; nobody else reconnects or registers memory again), one that
+closes leaves, one that dies is named in the push's :attr:`SyncStats.failed` and left out of the next
+step.  A source that dies fails the step for the targets it fed (their ``wait`` names it); the next
+step runs with the remaining sources if their shards still cover every target byte, else every rank
+gets a :class:`~tensorxfer.errors.PlanError` naming the uncovered boxes.  ``elastic=False`` keeps the
+group as formed and skips the store between steps (a push is then only the data path).
 """
 
 from __future__ import annotations
@@ -30,10 +39,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 from tensorxfer import dtypes as _dt
 from tensorxfer.binding import adopt_tensors, tensor_view
@@ -42,18 +49,25 @@ from tensorxfer.manifest import Manifest
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.link import PairStats, SourceLink, TargetPort
+from tensorxfer.sync.membership import Membership, StepRecord
 from tensorxfer.sync.plan import Plan, plan
-from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous
+from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
 from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
 
+FOREVER = 1e9       # seconds: a wait without a timeout
+
 
 @dataclass(frozen=True)
 class SyncStats:
-    """One step of a weight sync as this rank saw it: its pairs, and the totals."""
+    """One step of a weight sync as this rank saw it: its pairs, and the totals.
+
+    ``failed`` names the peers whose part of the step failed (rank -> why): on a source, targets that
+    died or stalled (the step went on for the others); ``epoch`` is the group's membership epoch.
+    """
 
     version: int
     bytes: int
@@ -61,6 +75,8 @@ class SyncStats:
     pack_seconds: float
     pairs: tuple[PairStats, ...]
     packed_bytes: int = 0       # sources: bytes copied into the region this push (0 when all are adopted)
+    failed: dict[int, str] = field(default_factory=dict)
+    epoch: int = 1
 
     @property
     def gbps(self) -> float:
@@ -71,13 +87,9 @@ class SyncStats:
         return ",".join(sorted({p.transport for p in self.pairs}))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
-                "pack_seconds": self.pack_seconds, "packed_bytes": self.packed_bytes, "transport": self.transport,
-                "pairs": [p.as_dict() for p in self.pairs]}
-
-
-def _key(group: str, *parts: object) -> str:
-    return "/".join(["tensorxfer.sync", group, *map(str, parts)])
+        return {"version": self.version, "epoch": self.epoch, "bytes": self.bytes, "seconds": self.seconds,
+                "gbps": self.gbps, "pack_seconds": self.pack_seconds, "packed_bytes": self.packed_bytes,
+                "transport": self.transport, "failed": dict(self.failed), "pairs": [p.as_dict() for p in self.pairs]}
 
 
 def segments_of(p: Plan, source: int, target: int) -> Segments:
@@ -90,15 +102,19 @@ class WeightSync:
 
     Parameters
     ----------
-    store : torch.distributed.Store or Rendezvous
-        Where the group's ranks meet (a ``TCPStore``: :func:`tensorxfer.sync.rendezvous.open_tcp_store`).
+    store : torch.distributed.Store, Rendezvous or str
+        Where the group's ranks meet: a ``TCPStore`` (:func:`tensorxfer.sync.rendezvous.open_tcp_store`), an
+        :class:`~tensorxfer.sync.rendezvous.EtcdRendezvous`, or a URL (``etcd://host:2379``,
+        ``tcp://host:port``) opened here and closed with the sync.
     group : str
         The sync's name in the store.
     role : "source" or "target"
     rank : int
         This rank among the sources (or among the targets).
     world : (int, int)
-        How many sources and how many targets the group has.
+        How many sources and how many targets form the group (the first step waits for all of them).  A
+        target joining a group that has formed already may pass any rank not in use (``world`` is then
+        only read by the sources).
     tensors : mapping
         Sources: name -> a DTensor (its mesh and placements give the box), or :class:`~tensorxfer.sync.Source`
         (a plain tensor with its global shape and box).  Targets: local name -> :class:`~tensorxfer.sync.Target`
@@ -111,67 +127,77 @@ class WeightSync:
         Targets: where to listen for the sources (loopback unless told otherwise).
     device : str, optional
         Where this rank's region lives (default: where its tensors are).
+    elastic : bool
+        Agree on the members before every step (joins, leaves, deaths; see the module docstring).
     """
 
     def __init__(self, store: Any, group: str, role: str, rank: int, world: tuple[int, int],
                  tensors: Mapping[str, Any], token: str | bytes | None = None, transport: str = "auto",
                  streams: int | None = None, listen_host: str = "127.0.0.1", device: str | None = None,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, timeout: float = 120.0) -> None:
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, timeout: float = 120.0, elastic: bool = True) -> None:
         if role not in ("source", "target"):
             raise ValueError(f"role must be 'source' or 'target', got {role!r}")
         sources, targets = (int(x) for x in world)
-        if sources < 1 or targets < 1 or not 0 <= rank < (sources if role == "source" else targets):
+        if sources < 1 or targets < 1 or rank < 0 or (role == "source" and rank >= sources):
             raise ValueError(f"world=({sources}, {targets}) has no {role} rank {rank}")
         if not tensors:
             raise ValueError("a weight sync needs at least one tensor")
         self.group, self.role, self.rank, self.world = group, role, rank, (sources, targets)
         self.stall_timeout = float(stall_timeout)
+        self.elastic = elastic
         self.version = 0
-        self._rdv: Rendezvous = store if isinstance(store, Rendezvous) else TorchStoreRendezvous(store)
+        self._timeout = float(timeout)
+        self._token, self._transport, self._streams = token, transport, streams
+        self._own_store = isinstance(store, str)
+        self._rdv: Rendezvous = (connect(store) if isinstance(store, str) else
+                                 store if isinstance(store, Rendezvous) else TorchStoreRendezvous(store))
+        self.members = Membership(self._rdv, group, role, rank, self.stall_timeout)
         self._lock = threading.Lock()
         self._links: dict[int, SourceLink] = {}
         self._segments: dict[int, Segments] = {}       # a source's runs to each target
         self._feeds: dict[int, Segments] = {}          # a target's runs from each source
-        self._targets: list[RankSpec] | None = None
-        self._target_addresses: dict[int, tuple[str, int]] = {}
+        self._addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
+        self._record: StepRecord | None = None         # the members of the latest step this rank took part in
+        self._planned = 0                              # the epoch self.plan is for
+        self._next_step = 1                            # targets: the step wait() takes next
+        self.plan: Plan | None = None
         self.region: TensorRegion | None = None
         self.adopted = 0                                # sources: local shards moved into the region
+        self.last_stats: SyncStats | None = None
         try:
             if role == "target":
-                self._init_target(tensors, token, listen_host, device, timeout)
+                self._init_target(tensors, listen_host, device)
             else:
                 self._init_source(tensors, device, timeout)
-            self.plan = self._agree(timeout)
-            if role == "source":
-                self._connect(token, transport, streams, timeout)
-            else:
-                assert self._port is not None
-                self._feeds = {s: segments_of(self.plan, s, rank) for s in self.plan.sources_of.get(rank, ())}
-                self._port.expect(self.plan.digest, set(self._feeds))
-                self._port.admit(timeout)
+            record = self.members.form(self.world, timeout)
+            if record.holds(role, rank, self.members.uid):
+                self._enter(record, timeout, agree=True)
+            elif role == "source":
+                raise TransferError(f"sync {group!r}: source rank {rank} registered after the group formed: "
+                                    f"sources cannot join a running group (restart the group)")
+            else:       # joining a group that runs: the next step decided after now includes this rank
+                self._next_step = self.members.latest() + 1
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------ rendezvous
-    def _init_target(self, tensors: Mapping[str, Any], token: Any, host: str, device: str | None,
-                     timeout: float) -> None:
+    def _init_target(self, tensors: Mapping[str, Any], host: str, device: str | None) -> None:
         shards = {name: t if isinstance(t, Target) else Target(*t) for name, t in tensors.items()}
         self.region = adopt_tensors(TensorRegion, {n: t.tensor for n, t in shards.items()}, device)
         manifest = self.region.manifest
         spec = RankSpec("target", self.rank, [
             TargetTensor(n, tuple(t.tensor.shape), manifest[n].dtype, manifest[n].offset, tuple(t.pieces))
             for n, t in shards.items()])
-        self._port = TargetPort(host, token, self.group, self.rank, self.stall_timeout, DEFAULT_HANDSHAKE_TIMEOUT)
-        self._rdv.publish(_key(self.group, "target", self.rank), msgpack.packb(
-            {"spec": spec.to_bytes(), "address": list(self._port.address)}, use_bin_type=True))
+        self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
+                                DEFAULT_HANDSHAKE_TIMEOUT)
+        self.members.register(spec, self._port.address)
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
         shards = {name: source_of(t) for name, t in tensors.items()}
-        targets = self._read_targets(timeout)
         wire: dict[str, str] = {}
-        for spec in targets:
+        for spec in self.members.initial_targets(self.world[1], timeout):
             for t in spec.tensors:
                 for piece in t.pieces:
                     seen = wire.setdefault(piece.source_name, t.dtype)
@@ -186,85 +212,128 @@ class WeightSync:
         self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in shards.items()]
         self.adopted = self._adopt([s.adopt for s in shards.values()])
         self._view_ptrs = [view.data_ptr() for _, view in self._shards]
-        spec = RankSpec("source", self.rank, [
-            SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset) for n, s in shards.items()])
-        self._rdv.publish(_key(self.group, "source", self.rank), msgpack.packb({"spec": spec.to_bytes()},
-                                                                                use_bin_type=True))
+        self.members.register(RankSpec("source", self.rank, [
+            SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset)
+            for n, s in shards.items()]))
 
-    def _records(self, role: str, count: int, timeout: float) -> list[dict[str, Any]]:
-        raw = self._rdv.read([_key(self.group, role, r) for r in range(count)], timeout)
-        return [msgpack.unpackb(v, raw=False) for v in raw]
-
-    def _read_targets(self, timeout: float) -> list[RankSpec]:
-        """The targets' descriptions and addresses (read from the store once: sources need them before they
-        lay out their region, and every rank again to plan)."""
-        if self._targets is None:
-            records = self._records("target", self.world[1], timeout)
-            self._target_addresses = {i: (r["address"][0], int(r["address"][1])) for i, r in enumerate(records)}
-            self._targets = [RankSpec.from_bytes(r["spec"]) for r in records]
-        return self._targets
-
-    def _agree(self, timeout: float) -> Plan:
-        """Every rank plans from the store's descriptions and checks that all computed the same plan."""
-        targets = self._read_targets(timeout)
-        sources = [RankSpec.from_bytes(r["spec"]) for r in self._records("source", self.world[0], timeout)]
+    def _enter(self, record: StepRecord, timeout: float, agree: bool = False) -> None:
+        """Take part in ``record``'s step: plan its epoch if this rank has not yet (sources connect to new
+        targets and close links no longer planned; targets admit new sources), else just follow it."""
+        self._record = record
+        if record.epoch == self._planned:
+            return
+        sources, targets, self._addresses = self.members.specs(record, timeout)
         p = plan(sources, targets)
-        me = _key(self.group, "digest", self.role, self.rank)
-        self._rdv.publish(me, p.digest.encode())
-        keys = [_key(self.group, "digest", role, r) for role, n in (("source", self.world[0]),
-                                                                      ("target", self.world[1])) for r in range(n)]
+        self.members.publish_digest(record.epoch, p.digest)
+        if agree:
+            self._agree(record, p, timeout)
+        self.plan, self._planned = p, record.epoch
+        if self.role == "source":
+            order = p.send_order.get(self.rank, ())
+            for t in [t for t in self._links if t not in order]:
+                self._links.pop(t).close()
+            self._segments = {t: segments_of(p, self.rank, t) for t in order}
+            self._connect(order)
+        else:
+            assert self._port is not None
+            self._feeds = {s: segments_of(p, s, self.rank) for s in p.sources_of.get(self.rank, ())}
+            self._port.expect(p.digest, set(self._feeds))
+            self._port.retain(set(self._feeds))
+            self._port.admit(timeout)
+        log.info("sync %r: %s rank %d planned epoch %d (%d sources, %d targets, digest %s)", self.group, self.role,
+                 self.rank, record.epoch, len(record.sources), len(record.targets), p.digest[:12])
+
+    def _agree(self, record: StepRecord, p: Plan, timeout: float) -> None:
+        """Every member of ``record`` computed the same plan (the group's first epoch, when all are here)."""
+        keys = [self.members.key("digest", record.epoch, role, r)
+                for role, ranks in (("source", record.sources), ("target", record.targets)) for r in sorted(ranks)]
         differ = [k for k, d in zip(keys, self._rdv.read(keys, timeout)) if d != p.digest.encode()]
         if differ:
             raise PlanError(f"sync {self.group!r}: {len(differ)} rank(s) computed another plan ({differ[:4]}): their "
                             f"shard descriptions or planners differ")
-        return p
 
-    def _connect(self, token: Any, transport: str, streams: int | None, timeout: float) -> None:
-        for target in self.plan.send_order.get(self.rank, ()):
-            self._links[target] = SourceLink(self._target_addresses[target], token, self.group, self.rank, target,
-                                             self.plan.digest, transport, streams, self.stall_timeout,
-                                             min(timeout, DEFAULT_HANDSHAKE_TIMEOUT))
-        self._segments = {t: segments_of(self.plan, self.rank, t) for t in self._links}
+    def _connect(self, order: tuple[int, ...]) -> None:
+        for target in order:
+            if target not in self._links:
+                self._links[target] = SourceLink(self._addresses[target], self._token, self.group, self.rank,
+                                                 target, self._transport, self._streams, self.stall_timeout,
+                                                 min(self._timeout, DEFAULT_HANDSHAKE_TIMEOUT))
 
     # ------------------------------------------------------------ steps
     def push(self) -> SyncStats:
         """Sources: pack this rank's shards into its region and send every target its segments, in parallel.
 
+        Returns the step's stats; with ``elastic`` membership a target that failed is named in
+        :attr:`SyncStats.failed` (the others have the version) and left out of the next step.
+
         Raises
         ------
         TransferError (PeerLost, TransferTimeout)
-            A target failed; the message names it.  The others may have the update; they report the version
-            only if every source that feeds them delivered it.
+            Fixed membership: a target failed (named).  Elastic: this source was dropped from the group.
+        PlanError
+            The members' shards no longer cover every target byte (the message names the box).
         """
-        if self.role != "source" or self.region is None:
+        if self.role != "source" or self.region is None or self._record is None:
             raise TypeError("push() is for source ranks")
         with self._lock:
             t0 = time.perf_counter()
+            version = self.version + 1
+            if self.elastic:
+                record = self.members.decide(version, self._record)
+                if not record.holds("source", self.rank, self.members.uid):
+                    raise TransferError(f"sync {self.group!r}: source rank {self.rank} was dropped from the group "
+                                        f"at step {version} (it did not report step {version - 1} within "
+                                        f"{self.stall_timeout:.0f} s); a source cannot rejoin a running group")
+                try:
+                    self._enter(record, self._timeout)
+                except PlanError:
+                    self.version = version      # the step is spent: the next push decides members anew
+                    self.members.report(version, False, version - 1, {})
+                    raise
             packed_bytes = self._pack()
             packed = time.perf_counter() - t0
-            version = self.version + 1
-            results: dict[int, Any] = {}
-
-            def run(target: int, link: SourceLink) -> None:
-                try:
-                    results[target] = link.push(self.region, self._segments[target], version)  # type: ignore[arg-type]
-                except BaseException as e:
-                    results[target] = e
-            threads = [threading.Thread(target=run, args=(t, link), name=f"tensorxfer-sync-push-{t}", daemon=True)
-                       for t, link in self._links.items()]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            results = self._run_pairs(version)
             failed = {t: r for t, r in results.items() if isinstance(r, BaseException)}
-            if failed:
+            for t in failed:
+                self._links.pop(t).close()      # its session's state is unknown: reconnect if it stays
+            if failed and not self.elastic:
                 first = failed[min(failed)]
                 raise first if isinstance(first, TransferError) else TransferError(
                     f"sync: the push to target rank(s) {sorted(failed)} failed: {first!r}") from first
             self.version = version
-            pairs = tuple(results[t] for t in sorted(results))
-            return SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed, pairs,
-                             packed_bytes)
+            why = {t: f"{type(e).__name__}: {e}" for t, e in failed.items()}
+            if failed:
+                log.warning("sync %r: step %d failed for target rank(s) %s: %s", self.group, version, sorted(failed),
+                            why)
+            if self.elastic:
+                self.members.report(version, not failed, version, why)
+            pairs = tuple(r for _, r in sorted(results.items()) if not isinstance(r, BaseException))
+            self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed,
+                                        pairs, packed_bytes, why, self._planned)
+            return self.last_stats
+
+    def _run_pairs(self, version: int) -> dict[int, Any]:
+        """Every planned target's segments, in parallel: target -> PairStats or the exception that ended it."""
+        assert self.plan is not None and self.region is not None
+        results: dict[int, Any] = {}
+        digest, region = self.plan.digest, self.region
+
+        def run(target: int) -> None:
+            try:
+                link = self._links.get(target)
+                if link is None:     # its link failed last step and it is still planned: reconnect
+                    self._connect((target,))
+                    link = self._links[target]
+                results[target] = link.push(region, self._segments[target], version, digest)
+            except BaseException as e:
+                results[target] = e
+        threads = [threading.Thread(target=run, args=(t,), name=f"tensorxfer-sync-push-{t}", daemon=True)
+                   for t in self._segments]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
 
     def _adopt(self, allowed: list[bool]) -> int:
         """Move the adoptable local shards into the region and re-point them there (their old storage is
@@ -307,6 +376,8 @@ class WeightSync:
         TransferError (PeerLost, TransferTimeout)
             A source died, stalled or failed (named); the region may hold a mix of versions and none is
             reported complete.
+        PlanError
+            The sources' shards no longer cover this rank's tensors (the box is named).
         ProtocolError
             The sources sent different versions in one step.
         """
@@ -314,16 +385,32 @@ class WeightSync:
             raise TypeError("wait() is for target ranks")
         with self._lock:
             t0 = time.perf_counter()
-            results = self._port.step(self.region, self._feeds, timeout)
+            deadline = time.monotonic() + (FOREVER if timeout is None else timeout)
+            step = self._next_step
+            if self.elastic:
+                step = self._next_record(deadline)
+                self._next_step = step + 1
+                try:
+                    self._enter(self._record, self._left(deadline))      # type: ignore[arg-type]
+                except PlanError:
+                    self.members.report(step, False, self.version, {})
+                    raise
+            # a source whose session failed last step reconnects (one that died is named within the stall timeout)
+            self._port.admit(min(self._left(deadline), self.stall_timeout))
+            assert self.plan is not None
+            results = self._port.step(self.region, self._feeds, timeout, self.plan.digest,
+                                      step if self.elastic else None)
             failed = {s: r for s, r in results.items() if isinstance(r, BaseException)}
             for s in failed:
                 self._port.drop(s)      # its session's state is unknown: it reconnects
             if failed:
+                if self.elastic:
+                    self.members.report(step, False, self.version, {s: f"{type(e).__name__}: {e}"
+                                                                     for s, e in failed.items()})
                 first = failed[min(failed)]
                 if isinstance(first, TransferError):
                     first.args = (f"sync: target {self.rank}: source rank {min(failed)} failed: {first}",
                                   *first.args[1:])
-                    raise first
                 raise first
             versions = {v for v, _ in results.values()}
             if len(versions) != 1:
@@ -331,14 +418,46 @@ class WeightSync:
                                     f"sources are out of step")
             version = versions.pop()
             self.version = version
+            if self.elastic:
+                self.members.report(step, True, version, {})
             pairs = tuple(PairStats(s, self.rank, st.bytes, st.seconds, st.wire_seconds, st.runs, st.transport,
                                     st.setup) for s, (_, st) in sorted(results.items()))
-            self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, 0.0, pairs)
+            self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, 0.0, pairs,
+                                        epoch=self._planned)
             return version
 
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    def _next_record(self, deadline: float) -> int:
+        """Targets: the next step that includes this rank (steps decided before it joined are skipped; a
+        rank the group dropped while it lived joins again)."""
+        step = self._next_step
+        while True:
+            record = self.members.step_record(step, self._left(deadline))
+            if record.holds("target", self.rank, self.members.uid):
+                self._record = record
+                return step
+            if self._record is not None and self._record.holds("target", self.rank, self.members.uid):
+                log.warning("sync %r: target rank %d was left out of step %d while alive; joining again",
+                            self.group, self.rank, step)
+                self.members.rejoin()
+                self._record = None
+            step += 1
+
     # ------------------------------------------------------------ lifetime
+    def status(self) -> dict[str, Any]:
+        """The group as the store holds it (members, epoch, digests, last version per rank)."""
+        return self.members.status()
+
     def close(self) -> None:
-        """Close the pair sessions and the listener; the region's memory stays with the tensors viewing it."""
+        """Leave the group, close the pair sessions and the listener; the region's memory stays with the
+        tensors viewing it.  Idempotent."""
+        try:
+            self.members.leave()
+        except Exception as e:      # the store is gone: there is nothing to leave
+            log.debug("sync %r: leaving the group failed: %s", self.group, e)
         links, self._links = self._links, {}
         for link in links.values():
             link.close()
@@ -348,10 +467,12 @@ class WeightSync:
         region, self.region = self.region, None
         if region is not None:
             region.close()
+        if self._own_store:
+            self._own_store = False
+            self._rdv.close()
 
     def __enter__(self) -> WeightSync:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -1,9 +1,20 @@
-"""The rendezvous interface: what a weight sync needs of a store, and nothing more."""
+"""The rendezvous interface: what a weight sync needs of a store, and nothing more.
+
+Two kinds of keys: plain ones (published once or overwritten, read by everyone) and *membership* keys
+(``join`` / ``leave`` / ``members``): a rank's record that says it is alive.  On a store with leases
+(etcd) a membership key dies with its process; on one without (``torch.distributed`` stores) it stays
+until the rank leaves or another rank evicts it, and a dead rank is found by its session failing.
+"""
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+
+from tensorxfer.errors import TransferTimeout
+
+_POLL = (0.002, 0.05)       # first and longest pause between polls of a key that is not there yet
 
 
 class Rendezvous(ABC):
@@ -13,11 +24,32 @@ class Rendezvous(ABC):
     :class:`~tensorxfer.errors.TransferTimeout`, never a hang.
     """
 
+    has_leases = False      # True where a dead process's membership keys expire on their own
+
     @abstractmethod
     def publish(self, key: str, value: bytes) -> None:
         """Set ``key`` (overwriting)."""
 
     @abstractmethod
+    def peek(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` now (None where a key is not set), without waiting."""
+
+    @abstractmethod
+    def publish_once(self, key: str, value: bytes) -> bytes:
+        """Set ``key`` unless it is set already; return what it holds (the first writer's value wins)."""
+
+    @abstractmethod
+    def join(self, prefix: str, name: str, value: bytes) -> None:
+        """Make ``prefix/name`` a member record, alive while this rendezvous holds it (see the module doc)."""
+
+    @abstractmethod
+    def leave(self, prefix: str, name: str) -> None:
+        """Remove the member ``prefix/name`` (this rank leaving, or evicting a dead one); idempotent."""
+
+    @abstractmethod
+    def members(self, prefix: str) -> dict[str, bytes]:
+        """The live member records under ``prefix``: name -> value."""
+
     def read(self, keys: Sequence[str], timeout: float) -> list[bytes]:
         """The values of ``keys``, waiting up to ``timeout`` seconds for all of them.
 
@@ -26,6 +58,19 @@ class Rendezvous(ABC):
         TransferTimeout
             Some keys were still missing; the message names them.
         """
+        keys = list(keys)
+        deadline = time.monotonic() + timeout
+        pause = _POLL[0]
+        while True:
+            values = self.peek(keys)
+            missing = [k for k, v in zip(keys, values) if v is None]
+            if not missing:
+                return values       # type: ignore[return-value]
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, "
+                                      f"e.g. {missing[:4]} (the ranks that own them did not start, or died)")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, _POLL[1])
 
     def close(self) -> None:  # noqa: B027 -- a store that holds nothing of its own needs no close
         """Release the connection to the store (idempotent)."""

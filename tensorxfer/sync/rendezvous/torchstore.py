@@ -1,4 +1,11 @@
-"""The rendezvous on ``torch.distributed``'s stores: TCPStore (embedded, the default) or any ``Store``."""
+"""The rendezvous on ``torch.distributed``'s stores: TCPStore (embedded, the default) or any ``Store``.
+
+These stores have no leases and no listing, so membership is kept by hand: a member's record at
+``prefix/name`` and its name in a slot ``prefix#/<n>`` numbered by the store's atomic ``add``; leaving
+writes an empty record (a tombstone: a key is never deleted, so no reader can block on a key that went
+away between looking and reading).  A rank that dies keeps its record; the sync finds it by its session
+failing and by its missing step reports.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +35,19 @@ class TorchStoreRendezvous(Rendezvous):
     def publish(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
 
+    def peek(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = list(keys)
+        if not keys:
+            return []
+        if self.store.check(keys):      # the usual case, one round trip
+            return [bytes(v) for v in self.store.multi_get(keys)]
+        present = [k for k in keys if self.store.check([k])]
+        got = dict(zip(present, self.store.multi_get(present))) if present else {}
+        return [bytes(got[k]) if k in got else None for k in keys]
+
+    def publish_once(self, key: str, value: bytes) -> bytes:
+        return bytes(self.store.compare_set(key, b"", value))
+
     def read(self, keys: Sequence[str], timeout: float) -> list[bytes]:
         keys = list(keys)
         if not keys:
@@ -41,3 +61,21 @@ class TorchStoreRendezvous(Rendezvous):
             raise TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, e.g. "
                                   f"{missing[:4]} (the ranks that own them did not start, or died)") from e
         return [bytes(v) for v in self.store.multi_get(keys)]
+
+    def join(self, prefix: str, name: str, value: bytes) -> None:
+        if not value:
+            raise ValueError("a member record cannot be empty (empty marks a member that left)")
+        self.store.set(f"{prefix}/{name}", value)
+        slot = self.store.add(f"{prefix}#/count", 1)
+        self.store.set(f"{prefix}#/{slot}", name.encode())
+
+    def leave(self, prefix: str, name: str) -> None:
+        if self.store.check([f"{prefix}/{name}"]):
+            self.store.set(f"{prefix}/{name}", b"")
+
+    def members(self, prefix: str) -> dict[str, bytes]:
+        count = int(self.store.add(f"{prefix}#/count", 0))
+        slots = self.peek([f"{prefix}#/{i}" for i in range(1, count + 1)])
+        names = list(dict.fromkeys(s.decode() for s in slots if s is not None))
+        values = self.peek([f"{prefix}/{n}" for n in names])
+        return {n: v for n, v in zip(names, values) if v}

@@ -1,0 +1,280 @@
+"""Who is in a weight sync group at each step, agreed through the rendezvous store.
+
+A group is formed once (step 0: the ``world`` of sources and targets named at construction) and may
+change before any later step: a target joins (it registers; the next step includes it), leaves (it
+deregisters) or dies (it stops reporting; on etcd its lease also expires); a source dies.  The
+membership of step ``n`` is decided by the first source that proposes one (``publish_once``: every rank
+reads the same record, whoever wrote it), after the reports of step ``n - 1`` are in or the stall
+timeout passed for the ranks that never sent theirs.  A record whose members differ from the previous
+step's starts a new *epoch*; every rank plans an epoch from the shard descriptions the record names.
+
+Keys (under ``tensorxfer.sync/<group>/``), all msgpack:
+
+========================================  ==============================================================
+``member/<role>/<rank>``                   ``{uid, address}``: alive while the rank is (join / leave)
+``spec/<role>/<rank>/<uid>``               ``{spec, address}``: written once per incarnation, kept
+``step/<n>``                               ``{epoch, sources, targets}`` (rank -> uid): first writer wins
+``latest``                                 the newest step decided (where a joining target starts)
+``report/<n>/<role>/<rank>``               ``{ok, version, failed}`` after step ``n`` (failed: peer -> why)
+``status/<role>/<rank>``                   the rank's latest report (the operator's view)
+``digest/<epoch>/<role>/<rank>``           the plan digest the rank computed for that epoch
+========================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from tensorxfer.errors import TransferTimeout
+from tensorxfer.sync.rendezvous.base import Rendezvous
+from tensorxfer.sync.spec import RankSpec
+
+ROLES = ("source", "target")
+
+
+def group_key(group: str, *parts: object) -> str:
+    return "/".join(["tensorxfer.sync", group, *map(str, parts)])
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The members of one step: source and target ranks with the incarnation (uid) of each."""
+
+    step: int
+    epoch: int
+    sources: dict[int, str]
+    targets: dict[int, str]
+
+    def to_bytes(self) -> bytes:
+        return _pack({"epoch": self.epoch, "sources": sorted(self.sources.items()),
+                      "targets": sorted(self.targets.items())})
+
+    @classmethod
+    def from_bytes(cls, step: int, data: bytes) -> StepRecord:
+        d = _unpack(data)
+        return cls(step, int(d["epoch"]), {int(r): str(u) for r, u in d["sources"]},
+                   {int(r): str(u) for r, u in d["targets"]})
+
+    def same_members(self, other: StepRecord) -> bool:
+        return self.sources == other.sources and self.targets == other.targets
+
+    def holds(self, role: str, rank: int, uid: str) -> bool:
+        return (self.sources if role == "source" else self.targets).get(rank) == uid
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one rank says after a step: whether its part went through, the version it holds, who failed."""
+
+    ok: bool
+    version: int
+    failed: dict[int, str]
+
+    def to_bytes(self) -> bytes:
+        return _pack({"ok": self.ok, "version": self.version, "failed": sorted(self.failed.items())})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Report:
+        d = _unpack(data)
+        return cls(bool(d["ok"]), int(d["version"]), {int(r): str(w) for r, w in d["failed"]})
+
+
+class Membership:
+    """One rank's side of the group's membership protocol (see the module docstring)."""
+
+    def __init__(self, rdv: Rendezvous, group: str, role: str, rank: int, stall_timeout: float) -> None:
+        self.rdv, self.group, self.role, self.rank = rdv, group, role, rank
+        self.stall_timeout = stall_timeout
+        self.uid = secrets.token_hex(8)
+        self._joined = False
+
+    def key(self, *parts: object) -> str:
+        return group_key(self.group, *parts)
+
+    # ------------------------------------------------------------ this rank
+    def register(self, spec: RankSpec, address: tuple[str, int] | None = None) -> None:
+        """Publish this rank's shard description and join the group."""
+        self._spec, self._address = spec, address
+        where = list(address) if address is not None else None
+        self.rdv.publish(self.key("spec", self.role, self.rank, self.uid),
+                         _pack({"spec": spec.to_bytes(), "address": where}))
+        self.rdv.join(self.key("member", self.role), str(self.rank), _pack({"uid": self.uid, "address": where}))
+        self._joined = True
+
+    def rejoin(self) -> None:
+        """Join again as a new incarnation (a rank the group dropped while it was alive, e.g. one that did
+        not report a step in time: the next step takes it in as a newcomer)."""
+        self.leave()
+        self.uid = secrets.token_hex(8)
+        self.register(self._spec, self._address)
+
+    def leave(self) -> None:
+        """Deregister (a clean exit: the next step's membership leaves this rank out)."""
+        if self._joined:
+            self._joined = False
+            self.rdv.leave(self.key("member", self.role), str(self.rank))
+
+    def report(self, step: int, ok: bool, version: int, failed: dict[int, str]) -> None:
+        data = Report(ok, version, failed).to_bytes()
+        self.rdv.publish(self.key("report", step, self.role, self.rank), data)
+        self.rdv.publish(self.key("status", self.role, self.rank), data)
+
+    def publish_digest(self, epoch: int, digest: str) -> None:
+        self.rdv.publish(self.key("digest", epoch, self.role, self.rank), digest.encode())
+
+    # ------------------------------------------------------------ the group
+    def live(self, role: str) -> dict[int, str]:
+        """The ranks of ``role`` registered now: rank -> uid."""
+        return {int(name): str(_unpack(v)["uid"]) for name, v in
+                self.rdv.members(self.key("member", role)).items()}
+
+    def initial_targets(self, count: int, timeout: float) -> list[RankSpec]:
+        """Sources: the shard descriptions of target ranks ``0 .. count-1``, once registered (a source lays its
+        region out in the dtypes they want)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = self.live("target")
+            missing = [r for r in range(count) if r not in live]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"sync {self.group!r}: target rank(s) {missing} did not register within "
+                                      f"{timeout:.0f} s (they did not start, or use another store or group)")
+            time.sleep(0.01)
+        keys = [self.key("spec", "target", r, live[r]) for r in range(count)]
+        return [RankSpec.from_bytes(_unpack(v)["spec"]) for v in self.rdv.read(keys, timeout)]
+
+    def form(self, world: tuple[int, int], timeout: float) -> StepRecord:
+        """Step 0: the ``world`` ranks named at construction, once all registered (sources propose it)."""
+        existing = self.rdv.peek([self.key("step", 0)])[0]
+        if existing is None and self.role == "source":
+            deadline = time.monotonic() + timeout
+            want = {role: set(range(n)) for role, n in zip(ROLES, world)}
+            while True:
+                live = {role: self.live(role) for role in ROLES}
+                missing = {role: sorted(want[role] - set(live[role])) for role in ROLES}
+                if not any(missing.values()):
+                    break
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout(f"sync {self.group!r}: rank(s) {missing} did not register within "
+                                          f"{timeout:.0f} s (they did not start, or use another store or group)")
+                time.sleep(0.01)
+            first = StepRecord(0, 1, {r: live["source"][r] for r in want["source"]},
+                               {r: live["target"][r] for r in want["target"]})
+            self.rdv.publish_once(self.key("step", 0), first.to_bytes())
+        return self.step_record(0, timeout)
+
+    def step_record(self, step: int, timeout: float) -> StepRecord:
+        """The members of ``step``, waiting up to ``timeout`` for the sources to decide it."""
+        return StepRecord.from_bytes(step, self.rdv.read([self.key("step", step)], timeout)[0])
+
+    def latest(self) -> int:
+        """The newest step decided so far (0: the group has only formed, or not even that)."""
+        value = self.rdv.peek([self.key("latest")])[0]
+        return int(value) if value else 0
+
+    def specs(self, record: StepRecord, timeout: float) -> tuple[list[RankSpec], list[RankSpec],
+                                                                 dict[int, tuple[str, int]]]:
+        """The shard descriptions of a step's members, and the targets' addresses."""
+        keys = [self.key("spec", role, r, uid) for role, ranks in zip(ROLES, (record.sources, record.targets))
+                for r, uid in sorted(ranks.items())]
+        values = [_unpack(v) for v in self.rdv.read(keys, timeout)]
+        specs = [RankSpec.from_bytes(v["spec"]) for v in values]
+        n = len(record.sources)
+        addresses = {s.rank: (v["address"][0], int(v["address"][1])) for s, v in zip(specs[n:], values[n:])}
+        return specs[:n], specs[n:], addresses
+
+    def decide(self, step: int, prev: StepRecord) -> StepRecord:
+        """Sources: the members of ``step`` (the previous step's, less the dead, plus the targets that joined).
+
+        A member of ``prev`` is dead when it did not report ``prev`` within the stall timeout, or sooner
+        when a peer named it failed and it has not reported, or when its membership key is gone (it
+        left; on etcd also: its lease expired).
+        """
+        key = self.key("step", step)
+        existing = self.rdv.peek([key])[0]
+        if existing is None:
+            alive = self._reported(prev) if prev.step > 0 else (set(prev.sources), set(prev.targets))
+            live = {role: self.live(role) for role in ROLES}
+            sources = {r: u for r, u in prev.sources.items() if r in alive[0] and live["source"].get(r) == u}
+            targets = {r: u for r, u in prev.targets.items() if r in alive[1] and live["target"].get(r) == u}
+            for r, u in live["target"].items():
+                if r not in targets and prev.targets.get(r) != u:   # joined (a dropped incarnation stays out)
+                    targets[r] = u
+            proposal = StepRecord(step, prev.epoch, sources, targets)
+            if not proposal.same_members(prev):
+                proposal = StepRecord(step, prev.epoch + 1, sources, targets)
+            existing = self.rdv.publish_once(key, proposal.to_bytes())
+            self.rdv.publish(self.key("latest"), str(step).encode())
+        return StepRecord.from_bytes(step, existing)
+
+    def _reported(self, prev: StepRecord) -> tuple[set[int], set[int]]:
+        """The sources and targets of ``prev`` that reported it (waiting as the docstring of decide says)."""
+        ranks = [("source", r) for r in sorted(prev.sources)] + [("target", r) for r in sorted(prev.targets)]
+        keys = [self.key("report", prev.step, role, r) for role, r in ranks]
+        start = time.monotonic()
+        grace = min(1.0, self.stall_timeout)   # a rank named failed by a peer gets this long to report anyway
+        pause = 0.001
+        while True:
+            reports = {rr: Report.from_bytes(v) for rr, v in zip(ranks, self.rdv.peek(keys)) if v is not None}
+            named = {("target" if role == "source" else "source", peer)
+                     for (role, _), rep in reports.items() for peer in rep.failed}
+            waited = time.monotonic() - start
+            waiting = [rr for rr in ranks if rr not in reports and not (rr in named and waited >= grace)]
+            if not waiting or waited >= self.stall_timeout:
+                break
+            if pause >= 0.05:       # slow to report: perhaps gone; membership keys say so at once
+                live = {role: self.live(role) for role in ROLES}
+                members = {"source": prev.sources, "target": prev.targets}
+                if all(live[role].get(r) != members[role][r] for role, r in waiting):
+                    break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return ({r for role, r in reports if role == "source"}, {r for role, r in reports if role == "target"})
+
+    def status(self) -> dict[str, Any]:
+        """The operator's view: members, the newest step's epoch and members, digests and versions per rank."""
+        out: dict[str, Any] = {"group": self.group, "members": {}, "latest_step": self.latest()}
+        for role in ROLES:
+            out["members"][role] = {r: _unpack(v) for r, v in
+                                    ((int(n), v) for n, v in self.rdv.members(self.key("member", role)).items())}
+        step = out["latest_step"]
+        record_bytes = self.rdv.peek([self.key("step", step)])[0]
+        if record_bytes is None:
+            return out
+        record = StepRecord.from_bytes(step, record_bytes)
+        out["epoch"] = record.epoch
+        out["step_members"] = {"source": sorted(record.sources), "target": sorted(record.targets)}
+        ranks = [(role, r) for role, rs in zip(ROLES, (record.sources, record.targets)) for r in sorted(rs)]
+        known = {role: set(out["members"][role]) for role in ROLES}
+        ranks += [(role, r) for role in ROLES for r in sorted(known[role]) if (role, r) not in ranks]
+        digests = self.rdv.peek([self.key("digest", record.epoch, role, r) for role, r in ranks])
+        statuses = self.rdv.peek([self.key("status", role, r) for role, r in ranks])
+        out["ranks"] = [{"role": role, "rank": r, "in_step": r in (record.sources if role == "source"
+                                                                    else record.targets),
+                         "digest": d.decode() if d else None,
+                         "report": Report.from_bytes(s).__dict__ if s else None}
+                        for (role, r), d, s in zip(ranks, digests, statuses)]
+        return out
+
+
+def dead_members(prev: StepRecord, record: StepRecord) -> Iterable[tuple[str, int]]:
+    """The ranks of ``prev`` that ``record`` no longer holds."""
+    for role, a, b in (("source", prev.sources, record.sources), ("target", prev.targets, record.targets)):
+        for r, u in a.items():
+            if b.get(r) != u:
+                yield role, r
