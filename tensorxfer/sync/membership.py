@@ -101,6 +101,8 @@ class Membership:
         self.stall_timeout = stall_timeout
         self.uid = secrets.token_hex(8)
         self._joined = False
+        self._known: set[str] = set()      # every incarnation a record this rank read named (a dropped one
+                                           # never comes back: a rank dropped alive rejoins under a new uid)
 
     def key(self, *parts: object) -> str:
         return group_key(self.group, *parts)
@@ -180,7 +182,11 @@ class Membership:
 
     def step_record(self, step: int, timeout: float) -> StepRecord:
         """The members of ``step``, waiting up to ``timeout`` for the sources to decide it."""
-        return StepRecord.from_bytes(step, self.rdv.read([self.key("step", step)], timeout)[0])
+        return self._seen(StepRecord.from_bytes(step, self.rdv.read([self.key("step", step)], timeout)[0]))
+
+    def _seen(self, record: StepRecord) -> StepRecord:
+        self._known.update(record.sources.values(), record.targets.values())
+        return record
 
     def latest(self) -> int:
         """The newest step decided so far (0: the group has only formed, or not even that)."""
@@ -213,14 +219,14 @@ class Membership:
             sources = {r: u for r, u in prev.sources.items() if r in alive[0] and live["source"].get(r) == u}
             targets = {r: u for r, u in prev.targets.items() if r in alive[1] and live["target"].get(r) == u}
             for r, u in live["target"].items():
-                if r not in targets and prev.targets.get(r) != u:   # joined (a dropped incarnation stays out)
+                if r not in targets and u not in self._known:       # joined
                     targets[r] = u
             proposal = StepRecord(step, prev.epoch, sources, targets)
             if not proposal.same_members(prev):
                 proposal = StepRecord(step, prev.epoch + 1, sources, targets)
             existing = self.rdv.publish_once(key, proposal.to_bytes())
             self.rdv.publish(self.key("latest"), str(step).encode())
-        return StepRecord.from_bytes(step, existing)
+        return self._seen(StepRecord.from_bytes(step, existing))
 
     def _reported(self, prev: StepRecord) -> tuple[set[int], set[int]]:
         """The sources and targets of ``prev`` that reported it (waiting as the docstring of decide says)."""

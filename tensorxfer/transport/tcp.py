@@ -302,6 +302,8 @@ class TcpReceiver(ReceiverTransport):
         if not fresh and region is self._region and self._gate is None and self._streams.socks \
                 and (parts is None) == (self._parts is None) and (parts is None or len(parts) == len(self._slices)):
             self._parts = parts
+            if parts is not None:       # a sync's new epoch: same streams, other runs
+                self._slices = [(0, p.total_bytes) for p in parts]
             return self._descriptors(False)
         self._teardown()
         if parts is not None:

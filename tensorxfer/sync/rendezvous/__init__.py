@@ -9,7 +9,7 @@ own.  The planner and the execution never see the store.  :func:`connect` opens 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from tensorxfer.sync.rendezvous.base import Rendezvous
 from tensorxfer.sync.rendezvous.etcd import EtcdRendezvous
@@ -19,8 +19,9 @@ __all__ = ["EtcdRendezvous", "Rendezvous", "TorchStoreRendezvous", "connect", "o
 
 
 def connect(url: str, **options: Any) -> Rendezvous:
-    """A rendezvous from a URL: ``etcd://host:2379`` (etcd v3) or ``tcp://host:port`` (a client of a running
-    ``torch.distributed.TCPStore``).  ``options`` go to the store's constructor (etcd: ``ttl``, ``timeout``).
+    """A rendezvous from a URL: ``etcd://host:2379`` (etcd v3; ``?ttl=10`` sets the seconds a dead rank's
+    membership outlives it) or ``tcp://host:port`` (a client of a running ``torch.distributed.TCPStore``).
+    ``options`` (and the URL's query) go to the store's constructor (etcd: ``ttl``, ``timeout``).
 
     Raises
     ------
@@ -30,6 +31,12 @@ def connect(url: str, **options: Any) -> Rendezvous:
     parts = urlsplit(url)
     if parts.scheme not in ("etcd", "tcp") or not parts.hostname or parts.port is None:
         raise ValueError(f"rendezvous URL {url!r}: expected etcd://HOST:PORT or tcp://HOST:PORT (a TCPStore)")
+    for name, value in parse_qsl(parts.query):
+        if name not in ("ttl", "timeout"):
+            raise ValueError(f"rendezvous URL {url!r}: unknown option {name!r} (known: ttl, timeout)")
+        options.setdefault(name, float(value))
     if parts.scheme == "etcd":
+        if "ttl" in options:
+            options["ttl"] = int(options["ttl"])
         return EtcdRendezvous(parts.hostname, parts.port, **options)
     return TorchStoreRendezvous(open_tcp_store(parts.hostname, parts.port, False, **options))

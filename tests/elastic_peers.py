@@ -1,0 +1,109 @@
+"""The processes of the elastic weight-sync tests: sources driven step by step, targets that report.
+
+    python -m tests.elastic_peers source RANK STORE_URL LAYOUT     # reads "push V" / "exit" lines on stdin
+    python -m tests.elastic_peers target RANK STORE_URL            # waits for steps until SIGTERM
+
+Every line they print is JSON.  The model is two tensors whose values depend only on the version, so the
+test computes what a target must hold: ``a`` (8 x 6) and ``b`` (5,).  ``LAYOUT`` says what the two
+sources hold: ``sharded`` (``a`` chunked along dim 0 over the sources, ``b`` on both) or ``replicated``
+(both whole on both).  Every target holds the whole model (an inference replica).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+import tensorxfer as tx
+from tensorxfer.sync import Source, Target
+
+SOURCES, TARGETS = 2, 2
+SHAPES = {"a": (8, 6), "b": (5,)}
+STALL = 5.0
+
+
+def model(version: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + version)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def digests(tensors: dict[str, Any]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in sorted(tensors.items())}
+
+
+def say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def local_shards(rank: int, layout: str, version: int) -> dict[str, Any]:
+    m = model(version)
+    if layout == "replicated":
+        return dict(m)
+    box = tx.sync.chunk_box(SHAPES["a"], 0, rank, SOURCES)
+    return {"a": m["a"][box.offsets[0]:box.offsets[0] + box.sizes[0]].clone(), "b": m["b"]}
+
+
+def source(rank: int, url: str, layout: str) -> int:
+    shards = local_shards(rank, layout, 0)
+    tensors = {"a": Source.whole(shards["a"]) if layout == "replicated" else
+               Source.shard(shards["a"], SHAPES["a"], 0, rank, SOURCES), "b": Source.whole(shards["b"])}
+    sync = tx.WeightSync(url, "elastic", "source", rank, (SOURCES, TARGETS), tensors, token="el", transport="tcp",
+                         stall_timeout=STALL, timeout=60)
+    say(ready=True)
+    try:
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "exit":
+                break
+            version = int(cmd[1])
+            for name, value in local_shards(rank, layout, version).items():
+                tensors[name].tensor.copy_(value)        # the trainer's step, in place
+            try:
+                stats = sync.push()
+                say(version=stats.version, epoch=stats.epoch, failed=stats.failed, bytes=stats.bytes,
+                    targets=sorted(p.target for p in stats.pairs))
+            except tx.TensorXferError as e:
+                say(error=type(e).__name__, message=str(e))
+    finally:
+        sync.close()
+    return 0
+
+
+def target(rank: int, url: str) -> int:
+    tensors = {n: Target.whole(torch.zeros(s), n) for n, s in SHAPES.items()}
+    sync = tx.WeightSync(url, "elastic", "target", rank, (SOURCES, TARGETS), tensors, token="el", transport="tcp",
+                         stall_timeout=STALL, timeout=60)
+    say(ready=True)
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                version = sync.wait(timeout=120)
+            except tx.TensorXferError as e:
+                say(error=type(e).__name__, message=str(e), seconds=time.monotonic() - t0)
+                continue
+            views = sync.region.tensors(framework="torch")      # type: ignore[union-attr]
+            live = all(views[n].data_ptr() == t.tensor.data_ptr() for n, t in tensors.items())
+            say(version=version, epoch=sync.last_stats.epoch, live=live,       # type: ignore[union-attr]
+                sha=digests({n: t.tensor for n, t in tensors.items()}))
+    finally:
+        sync.close()
+
+
+def _stop(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _stop)
+    faulthandler.register(signal.SIGUSR1)       # a test that sees a peer stuck dumps its threads to stderr
+    role, rank, url = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    sys.exit(source(rank, url, sys.argv[4]) if role == "source" else target(rank, url))
