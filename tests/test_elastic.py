@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the sync's peers hold torch tensors")
 
-from tests import elastic_peers as peers  # noqa: E402
-from tests.etcd_server import etcd_binary, etcd_server  # noqa: E402
+from tests import elastic_peers as peers
+from tests.etcd_server import etcd_binary, etcd_server
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE = os.environ.get("TENSORXFER_REQUIRE_ETCD") == "1"     # set by .ci/run: etcd must be there
@@ -158,6 +158,16 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
         assert all(not s["failed"] and s["epoch"] == 3 for s in stats), stats
         assert sorted({t for s in stats for t in s["targets"]}) == [0, 2]
         expect_version([targets[0], joiner], 5)
+        # the operator's view, from the store alone
+        status = json.loads(subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "sync-status", store_url,
+                                            "elastic", "--json"], capture_output=True, text=True, check=True,
+                                           timeout=60).stdout)
+        assert status["latest_step"] == 5 and status["epoch"] == 3, status
+        assert status["step_members"] == {"source": [0, 1], "target": [0, 2]}, status
+        ranks = {(r["role"], r["rank"]): r for r in status["ranks"]}
+        assert set(ranks) == {("source", 0), ("source", 1), ("target", 0), ("target", 2)}, "the dead one was evicted"
+        assert len({r["digest"] for r in ranks.values()}) == 1 and all(r["alive"] for r in ranks.values())
+        assert all(r["report"]["version"] == 5 and r["report"]["ok"] for r in ranks.values()), ranks
 
         # source 1 is killed: the targets it fed name it within the stall timeout
         sources[1].kill()

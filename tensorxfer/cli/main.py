@@ -1,4 +1,4 @@
-"""tensorxfer: the umbrella command (demo, doctor); tensorxfer-send / -recv / -bench are commands of their own."""
+"""tensorxfer: the umbrella command (demo, doctor, sync-status); tensorxfer-send, -recv, -bench stand alone."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="send a synthetic 820-tensor model to another process over loopback")
     p.add_argument("--size", default=256 << 20, type=int, help="model bytes (default 256 MiB)")
     p.set_defaults(func=demo)
-    from tensorxfer.cli import doctor
+    from tensorxfer.cli import doctor, sync_status
 
     doctor.add_parser(sub)
+    sync_status.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +225,11 @@ class Membership:
                 proposal = StepRecord(step, prev.epoch + 1, sources, targets)
             existing = self.rdv.publish_once(key, proposal.to_bytes())
             self.rdv.publish(self.key("latest"), str(step).encode())
+            if existing == proposal.to_bytes():       # this rank decided: evict the dropped (a live one rejoins)
+                for role, dropped, kept in (("source", prev.sources, sources), ("target", prev.targets, targets)):
+                    for r, u in dropped.items():
+                        if r not in kept and live[role].get(r) == u:
+                            self.rdv.leave(self.key("member", role), str(r))
         return self._seen(StepRecord.from_bytes(step, existing))
 
     def _reported(self, prev: StepRecord) -> tuple[set[int], set[int]]:
@@ -252,35 +256,31 @@ class Membership:
             pause = min(pause * 2, 0.05)
         return ({r for role, r in reports if role == "source"}, {r for role, r in reports if role == "target"})
 
-    def status(self) -> dict[str, Any]:
-        """The operator's view: members, the newest step's epoch and members, digests and versions per rank."""
-        out: dict[str, Any] = {"group": self.group, "members": {}, "latest_step": self.latest()}
-        for role in ROLES:
-            out["members"][role] = {r: _unpack(v) for r, v in
-                                    ((int(n), v) for n, v in self.rdv.members(self.key("member", role)).items())}
-        step = out["latest_step"]
-        record_bytes = self.rdv.peek([self.key("step", step)])[0]
-        if record_bytes is None:
-            return out
-        record = StepRecord.from_bytes(step, record_bytes)
-        out["epoch"] = record.epoch
-        out["step_members"] = {"source": sorted(record.sources), "target": sorted(record.targets)}
-        ranks = [(role, r) for role, rs in zip(ROLES, (record.sources, record.targets)) for r in sorted(rs)]
-        known = {role: set(out["members"][role]) for role in ROLES}
-        ranks += [(role, r) for role in ROLES for r in sorted(known[role]) if (role, r) not in ranks]
-        digests = self.rdv.peek([self.key("digest", record.epoch, role, r) for role, r in ranks])
-        statuses = self.rdv.peek([self.key("status", role, r) for role, r in ranks])
-        out["ranks"] = [{"role": role, "rank": r, "in_step": r in (record.sources if role == "source"
-                                                                    else record.targets),
-                         "digest": d.decode() if d else None,
-                         "report": Report.from_bytes(s).__dict__ if s else None}
-                        for (role, r), d, s in zip(ranks, digests, statuses)]
+
+def group_status(rdv: Rendezvous, group: str) -> dict[str, Any]:
+    """The operator's view of a group, from the store alone: its live members, the newest step with its
+    epoch and members, and per rank the plan digest it computed for that epoch and its latest report."""
+    def key(*parts: object) -> str:
+        return group_key(group, *parts)
+
+    latest = rdv.peek([key("latest")])[0]
+    out: dict[str, Any] = {"group": group, "members": {}, "latest_step": int(latest) if latest else 0}
+    for role in ROLES:
+        out["members"][role] = {int(n): _unpack(v) for n, v in rdv.members(key("member", role)).items()}
+    step = out["latest_step"]
+    record_bytes = rdv.peek([key("step", step)])[0]
+    if record_bytes is None:
         return out
-
-
-def dead_members(prev: StepRecord, record: StepRecord) -> Iterable[tuple[str, int]]:
-    """The ranks of ``prev`` that ``record`` no longer holds."""
-    for role, a, b in (("source", prev.sources, record.sources), ("target", prev.targets, record.targets)):
-        for r, u in a.items():
-            if b.get(r) != u:
-                yield role, r
+    record = StepRecord.from_bytes(step, record_bytes)
+    out["epoch"] = record.epoch
+    out["step_members"] = {"source": sorted(record.sources), "target": sorted(record.targets)}
+    ranks = [(role, r) for role, rs in zip(ROLES, (record.sources, record.targets)) for r in sorted(rs)]
+    ranks += [(role, r) for role in ROLES for r in sorted(out["members"][role]) if (role, r) not in ranks]
+    digests = rdv.peek([key("digest", record.epoch, role, r) for role, r in ranks])
+    reports = rdv.peek([key("status", role, r) for role, r in ranks])
+    out["ranks"] = [{"role": role, "rank": r, "alive": r in out["members"][role],
+                     "in_step": r in (record.sources if role == "source" else record.targets),
+                     "digest": d.decode() if d else None,
+                     "report": vars(Report.from_bytes(rep)) if rep else None}
+                    for (role, r), d, rep in zip(ranks, digests, reports)]
+    return out

@@ -49,7 +49,7 @@ from tensorxfer.manifest import Manifest
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.link import PairStats, SourceLink, TargetPort
-from tensorxfer.sync.membership import Membership, StepRecord
+from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.plan import Plan, plan
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
@@ -449,7 +449,7 @@ class WeightSync:
     # ------------------------------------------------------------ lifetime
     def status(self) -> dict[str, Any]:
         """The group as the store holds it (members, epoch, digests, last version per rank)."""
-        return self.members.status()
+        return group_status(self._rdv, self.group)
 
     def close(self) -> None:
         """Leave the group, close the pair sessions and the listener; the region's memory stays with the
