@@ -128,7 +128,7 @@ def rank_main(args: argparse.Namespace) -> int:
     tensors: Any = (source_shards(layout, rank, n, args.device) if role == "source" else
                     target_tensors(layout, rank, m, args.device))
     sync = tx.WeightSync(store, "bench", role, rank, (n, m), tensors, token="bench", transport=args.transport,
-                         timeout=600, stall_timeout=300)
+                         timeout=600, stall_timeout=300, elastic=args.membership == "elastic")
     store.set(f"ready/{role}/{rank}", b"1")
     for step in range(args.repeat + 1):
         store.wait([f"go/{step}"])
@@ -210,7 +210,8 @@ def baseline_main(args: argparse.Namespace) -> int:
 def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
-           str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat)]
+           str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat),
+           "--membership", args.membership]
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", type=int, default=4)
     p.add_argument("--targets", type=int, default=2)
     p.add_argument("--transport", default="tcp")
+    p.add_argument("--membership", choices=["elastic", "fixed"], default="elastic",
+                   help="elastic: members agreed through the store before each step (WeightSync's default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")

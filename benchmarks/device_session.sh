@@ -6,6 +6,8 @@
 #   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
 #   bash benchmarks/device_session.sh bench-load # from_safetensors (GPU, host) against safetensors / a plain read
 #   bash benchmarks/device_session.sh bench-sync # resharded sync, 4 source to 2 target processes over ipc
+#   bash benchmarks/device_session.sh bench-membership  # the same with fixed and with elastic membership, and
+#                                                       # bench_elastic.py at full scale on a TCPStore
 # .oldtree/ is `git archive <commit> tensorxfer setup.py pyproject.toml benchmarks/bench_ipc.py` of the tree
 # to compare against (carried, git-ignored).  cuda-bindings 13.0.x is carried as a wheel in .whl/.
 set -uo pipefail
@@ -57,5 +59,15 @@ case "${1:-}" in
     export PYTHONPATH=$new:$SITE
     python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" --sources 4 --targets 2 \
       --transport ipc --repeat "${SYNC_REPEAT:-5}" --out "$OUT" 2>&1 | tail -5 ;;
-  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync" >&2; exit 2 ;;
+  bench-membership)
+    export PYTHONPATH=$new:$SITE
+    for membership in fixed elastic; do
+      mkdir -p "$OUT/sync-$membership"
+      python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" --sources 4 --targets 2 \
+        --transport ipc --repeat "${SYNC_REPEAT:-5}" --membership $membership --no-baseline \
+        --out "$OUT/sync-$membership" 2>&1 | tail -3
+    done
+    python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 4 > "$OUT/elastic-tcpstore.json" 2>&1
+    tail -c 1500 "$OUT/elastic-tcpstore.json" ;;
+  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership" >&2; exit 2 ;;
 esac

@@ -100,6 +100,8 @@ class Membership:
         self.stall_timeout = stall_timeout
         self.uid = secrets.token_hex(8)
         self._joined = False
+        self._specs: dict[tuple[str, int, str], tuple[RankSpec, tuple[str, int] | None]] = {}
+        self._memo: dict[bytes, Any] = {}
         self._known: set[str] = set()      # every incarnation a record this rank read named (a dropped one
                                            # never comes back: a rank dropped alive rejoins under a new uid)
 
@@ -194,14 +196,21 @@ class Membership:
 
     def specs(self, record: StepRecord, timeout: float) -> tuple[list[RankSpec], list[RankSpec],
                                                                  dict[int, tuple[str, int]]]:
-        """The shard descriptions of a step's members, and the targets' addresses."""
-        keys = [self.key("spec", role, r, uid) for role, ranks in zip(ROLES, (record.sources, record.targets))
-                for r, uid in sorted(ranks.items())]
-        values = [_unpack(v) for v in self.rdv.read(keys, timeout)]
-        specs = [RankSpec.from_bytes(v["spec"]) for v in values]
+        """The shard descriptions of a step's members, and the targets' addresses (each incarnation's read
+        and decoded once: a join or a leave reads just the newcomer's; equal descriptions -- the replicas of
+        a TP rank -- decode once)."""
+        wanted = [("source", r, u) for r, u in sorted(record.sources.items())] + \
+                 [("target", r, u) for r, u in sorted(record.targets.items())]
+        new = [w for w in wanted if w not in self._specs]
+        for w, v in zip(new, self.rdv.read([self.key("spec", *w) for w in new], timeout)):
+            d = _unpack(v)
+            where = d["address"]
+            self._specs[w] = (RankSpec.from_bytes(d["spec"], memo=self._memo),
+                              (where[0], int(where[1])) if where else None)
+        specs = [self._specs[w][0] for w in wanted]
         n = len(record.sources)
-        addresses = {s.rank: (v["address"][0], int(v["address"][1])) for s, v in zip(specs[n:], values[n:])}
-        return specs[:n], specs[n:], addresses
+        addresses = {w[1]: self._specs[w][1] for w in wanted[n:]}
+        return specs[:n], specs[n:], addresses      # type: ignore[return-value]
 
     def decide(self, step: int, prev: StepRecord) -> StepRecord:
         """Sources: the members of ``step`` (the previous step's, less the dead, plus the targets that joined).
