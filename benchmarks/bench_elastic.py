@@ -85,6 +85,18 @@ class Counting(Rendezvous):
         self._r(out)
         return out
 
+    def has(self, key: str) -> bool:
+        self.counts["requests"] += 1
+        return self.inner.has(key)
+
+    def publish_many(self, items: dict[str, bytes]) -> None:
+        self._w(len(items), sum(map(len, items.values())))
+        self.inner.publish_many(items)
+
+    def members_version(self, prefix: str) -> int | None:
+        self.counts["requests"] += 1
+        return self.inner.members_version(prefix)
+
     def publish_once(self, key: str, value: bytes) -> bytes:
         self._w(1, len(value))
         return self.inner.publish_once(key, value)

@@ -12,7 +12,9 @@ Keys (under ``tensorxfer.sync/<group>/``), all msgpack:
 
 ========================================  ==============================================================
 ``member/<role>/<rank>``                   ``{uid, address}``: alive while the rank is (join / leave)
-``spec/<role>/<rank>/<uid>``               ``{spec, address}``: written once per incarnation, kept
+``spec/<role>/<rank>/<uid>``               ``{content, address}``: written once per incarnation, kept
+``body/<content>``                         a description's body (no rank) under its sha256: the replicas
+                                           of a TP rank share one, so a rank reads each body once
 ``step/<n>``                               ``{epoch, sources, targets}`` (rank -> uid): first writer wins
 ``latest``                                 the newest step decided (where a joining target starts)
 ``report/<n>/<role>/<rank>``               ``{ok, version, failed}`` after step ``n`` (failed: peer -> why)
@@ -23,6 +25,7 @@ Keys (under ``tensorxfer.sync/<group>/``), all msgpack:
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass
@@ -30,11 +33,13 @@ from typing import Any
 
 import msgpack
 
-from tensorxfer.errors import TransferTimeout
+from tensorxfer.errors import PlanError, TransferTimeout
+from tensorxfer.sync._columns import WIRE_VERSION
 from tensorxfer.sync.rendezvous.base import Rendezvous
 from tensorxfer.sync.spec import RankSpec
 
 ROLES = ("source", "target")
+LEADER_WAIT = 1.0       # seconds a source waits for the lowest source's step record before deciding itself
 
 
 def group_key(group: str, *parts: object) -> str:
@@ -102,6 +107,8 @@ class Membership:
         self._joined = False
         self._specs: dict[tuple[str, int, str], tuple[RankSpec, tuple[str, int] | None]] = {}
         self._memo: dict[bytes, Any] = {}
+        self._bodies: dict[str, bytes] = {}     # content digest -> description body
+        self._live: dict[str, tuple[int, dict[int, str]]] = {}     # role -> (members version, members)
         self._known: set[str] = set()      # every incarnation a record this rank read named (a dropped one
                                            # never comes back: a rank dropped alive rejoins under a new uid)
 
@@ -113,8 +120,12 @@ class Membership:
         """Publish this rank's shard description and join the group."""
         self._spec, self._address = spec, address
         where = list(address) if address is not None else None
+        content = spec.content_digest.hex()
+        body_key = self.key("body", content)
+        if not self.rdv.has(body_key):                  # a replica may have put it already
+            self.rdv.publish(body_key, spec.body)
         self.rdv.publish(self.key("spec", self.role, self.rank, self.uid),
-                         _pack({"spec": spec.to_bytes(), "address": where}))
+                         _pack({"content": content, "address": where}))
         self.rdv.join(self.key("member", self.role), str(self.rank), _pack({"uid": self.uid, "address": where}))
         self._joined = True
 
@@ -133,17 +144,25 @@ class Membership:
 
     def report(self, step: int, ok: bool, version: int, failed: dict[int, str]) -> None:
         data = Report(ok, version, failed).to_bytes()
-        self.rdv.publish(self.key("report", step, self.role, self.rank), data)
-        self.rdv.publish(self.key("status", self.role, self.rank), data)
+        self.rdv.publish_many({self.key("report", step, self.role, self.rank): data,
+                               self.key("status", self.role, self.rank): data})
 
     def publish_digest(self, epoch: int, digest: str) -> None:
         self.rdv.publish(self.key("digest", epoch, self.role, self.rank), digest.encode())
 
     # ------------------------------------------------------------ the group
     def live(self, role: str) -> dict[int, str]:
-        """The ranks of ``role`` registered now: rank -> uid."""
-        return {int(name): str(_unpack(v)["uid"]) for name, v in
-                self.rdv.members(self.key("member", role)).items()}
+        """The ranks of ``role`` registered now: rank -> uid (listed again only when the store says the
+        membership changed, where it can say)."""
+        prefix = self.key("member", role)
+        version = self.rdv.members_version(prefix)
+        cached = self._live.get(role)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1]
+        live = {int(name): str(_unpack(v)["uid"]) for name, v in self.rdv.members(prefix).items()}
+        if version is not None:
+            self._live[role] = (version, live)
+        return live
 
     def initial_targets(self, count: int, timeout: float) -> list[RankSpec]:
         """Sources: the shard descriptions of target ranks ``0 .. count-1``, once registered (a source lays its
@@ -158,8 +177,8 @@ class Membership:
                 raise TransferTimeout(f"sync {self.group!r}: target rank(s) {missing} did not register within "
                                       f"{timeout:.0f} s (they did not start, or use another store or group)")
             time.sleep(0.01)
-        keys = [self.key("spec", "target", r, live[r]) for r in range(count)]
-        return [RankSpec.from_bytes(_unpack(v)["spec"]) for v in self.rdv.read(keys, timeout)]
+        specs, _ = self._read_specs([("target", r, live[r]) for r in range(count)], timeout)
+        return specs
 
     def form(self, world: tuple[int, int], timeout: float) -> StepRecord:
         """Step 0: the ``world`` ranks named at construction, once all registered (sources propose it)."""
@@ -201,16 +220,28 @@ class Membership:
         a TP rank -- decode once)."""
         wanted = [("source", r, u) for r, u in sorted(record.sources.items())] + \
                  [("target", r, u) for r, u in sorted(record.targets.items())]
-        new = [w for w in wanted if w not in self._specs]
-        for w, v in zip(new, self.rdv.read([self.key("spec", *w) for w in new], timeout)):
-            d = _unpack(v)
-            where = d["address"]
-            self._specs[w] = (RankSpec.from_bytes(d["spec"], memo=self._memo),
-                              (where[0], int(where[1])) if where else None)
-        specs = [self._specs[w][0] for w in wanted]
+        specs, addresses = self._read_specs(wanted, timeout)
         n = len(record.sources)
-        addresses = {w[1]: self._specs[w][1] for w in wanted[n:]}
-        return specs[:n], specs[n:], addresses      # type: ignore[return-value]
+        return specs[:n], specs[n:], {w[1]: a for w, a in zip(wanted[n:], addresses[n:])}   # type: ignore[misc]
+
+    def _read_specs(self, wanted: list[tuple[str, int, str]], timeout: float) -> tuple[list[RankSpec],
+                                                                                     list[tuple[str, int] | None]]:
+        new = [w for w in wanted if w not in self._specs]
+        records = [_unpack(v) for v in self.rdv.read([self.key("spec", *w) for w in new], timeout)]
+        contents = list(dict.fromkeys(r["content"] for r in records if r["content"] not in self._bodies))
+        for content, body in zip(contents, self.rdv.read([self.key("body", c) for c in contents], timeout)):
+            if hashlib.sha256(body).hexdigest() != content:
+                raise PlanError(f"sync {self.group!r}: the store's description body {content[:16]} does not hash "
+                                f"to its name (a corrupted or tampered store)")
+            self._bodies[content] = body
+        for w, r in zip(new, records):
+            where = r["address"]
+            spec = RankSpec.from_wire({"v": WIRE_VERSION, "rank": w[1], "body": self._bodies[r["content"]]},
+                                      memo=self._memo)
+            if spec.role != w[0]:
+                raise PlanError(f"sync {self.group!r}: {w[0]} rank {w[1]} registered a {spec.role}'s description")
+            self._specs[w] = (spec, (where[0], int(where[1])) if where else None)
+        return [self._specs[w][0] for w in wanted], [self._specs[w][1] for w in wanted]
 
     def decide(self, step: int, prev: StepRecord) -> StepRecord:
         """Sources: the members of ``step`` (the previous step's, less the dead, plus the targets that joined).
@@ -221,6 +252,11 @@ class Membership:
         """
         key = self.key("step", step)
         existing = self.rdv.peek([key])[0]
+        if existing is None and self.role == "source" and self.rank != min(prev.sources, default=self.rank):
+            try:    # the lowest source of the previous step decides; the others take its record
+                existing = self.rdv.read([key], min(LEADER_WAIT, self.stall_timeout))[0]
+            except TransferTimeout:
+                existing = None     # it died or stalls: decide here (first writer wins either way)
         if existing is None:
             alive = self._reported(prev) if prev.step > 0 else (set(prev.sources), set(prev.targets))
             live = {role: self.live(role) for role in ROLES}

@@ -34,6 +34,20 @@ class Rendezvous(ABC):
     def peek(self, keys: Sequence[str]) -> list[bytes | None]:
         """The values of ``keys`` now (None where a key is not set), without waiting."""
 
+    def publish_many(self, items: dict[str, bytes]) -> None:
+        """Set several keys (one request where the store allows)."""
+        for key, value in items.items():
+            self.publish(key, value)
+
+    def members_version(self, prefix: str) -> int | None:
+        """A number that changes whenever a member under ``prefix`` joins or leaves, if the store keeps one
+        (None: it does not, list the members to know); lets a caller skip listing an unchanged group."""
+        return None
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is set (without moving its value where the store allows)."""
+        return self.peek([key])[0] is not None
+
     @abstractmethod
     def publish_once(self, key: str, value: bytes) -> bytes:
         """Set ``key`` unless it is set already; return what it holds (the first writer's value wins)."""

@@ -98,6 +98,16 @@ class EtcdRendezvous(Rendezvous):
                 out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
         return out
 
+    def publish_many(self, items: dict[str, bytes]) -> None:
+        keys = list(items)
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            self._txn([{"request_put": {"key": _b64(k), "value": _b64(items[k])}} for k in keys[i:i + MAX_TXN_OPS]])
+
+    def has(self, key: str) -> bool:
+        reply = self._call(self._client.post, self._client.get_url("/kv/range"),
+                           json={"key": _b64(key), "count_only": True})
+        return int(reply.get("count", 0)) > 0
+
     def publish_once(self, key: str, value: bytes) -> bytes:
         k = _b64(key)
         reply = self._txn([{"request_put": {"key": k, "value": _b64(value)}}],

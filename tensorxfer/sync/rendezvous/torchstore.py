@@ -45,6 +45,15 @@ class TorchStoreRendezvous(Rendezvous):
         got = dict(zip(present, self.store.multi_get(present))) if present else {}
         return [bytes(got[k]) if k in got else None for k in keys]
 
+    def publish_many(self, items: dict[str, bytes]) -> None:
+        self.store.multi_set(list(items), list(items.values()))
+
+    def members_version(self, prefix: str) -> int | None:
+        return int(self.store.add(f"{prefix}#/version", 0))
+
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
     def publish_once(self, key: str, value: bytes) -> bytes:
         return bytes(self.store.compare_set(key, b"", value))
 
@@ -68,10 +77,12 @@ class TorchStoreRendezvous(Rendezvous):
         self.store.set(f"{prefix}/{name}", value)
         slot = self.store.add(f"{prefix}#/count", 1)
         self.store.set(f"{prefix}#/{slot}", name.encode())
+        self.store.add(f"{prefix}#/version", 1)
 
     def leave(self, prefix: str, name: str) -> None:
         if self.store.check([f"{prefix}/{name}"]):
             self.store.set(f"{prefix}/{name}", b"")
+            self.store.add(f"{prefix}#/version", 1)
 
     def members(self, prefix: str) -> dict[str, bytes]:
         count = int(self.store.add(f"{prefix}#/count", 0))
