@@ -1,0 +1,155 @@
+"""The rendezvous stores (a real TCPStore, a real etcd server) behind one interface, and the membership
+protocol's decisions on them: who joins, who is dropped and when, who decides."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tensorxfer as tx
+from tensorxfer.sync import Piece, RankSpec, SourceTensor, TargetTensor, replicate_box
+from tensorxfer.sync.membership import Membership, StepRecord
+from tensorxfer.sync.rendezvous import Rendezvous, connect
+from tests.etcd_server import etcd_binary, etcd_server
+
+pytest.importorskip("torch", reason="the TCPStore is torch.distributed's")
+
+
+def _etcd_ready() -> bool:
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        return False
+    return etcd_binary() is not None
+
+
+@pytest.fixture(params=["tcpstore", "etcd"])
+def url(request: Any, tmp_path: Path) -> Iterator[str]:
+    if request.param == "etcd":
+        if not _etcd_ready():
+            pytest.skip("etcd (apt-get install etcd-server) or etcd3gw (pip install 'tensorxfer[etcd]') is missing")
+        with etcd_server(tmp_path) as u:
+            yield u + "?ttl=2"
+    else:
+        from tensorxfer.sync.rendezvous import open_tcp_store
+
+        server = open_tcp_store("127.0.0.1", 0, True)
+        yield f"tcp://127.0.0.1:{server.port}"
+
+
+def test_every_store_keeps_the_same_promises(url: str) -> None:
+    a, b = connect(url), connect(url)
+    try:
+        assert isinstance(a, Rendezvous)
+        a.publish("k/x", b"1")
+        a.publish_many({"k/y": b"2", "k/z": b"3"})
+        assert b.peek(["k/x", "k/nope", "k/z"]) == [b"1", None, b"3"]
+        assert b.has("k/y") and not b.has("k/nope")
+        assert b.read(["k/x", "k/y"], 1) == [b"1", b"2"]
+        t = time.monotonic()
+        with pytest.raises(tx.TransferTimeout, match="k/never"):
+            b.read(["k/x", "k/never"], 0.3)
+        assert time.monotonic() - t < 5
+        assert a.publish_once("k/once", b"first") == b"first"
+        assert b.publish_once("k/once", b"second") == b"first", "the first writer wins"
+        a.join("m", "0", b"zero")
+        b.join("m", "3", b"three")
+        v = a.members_version("m")
+        assert a.members("m") == {"0": b"zero", "3": b"three"}
+        b.leave("m", "3")
+        b.leave("m", "3")       # idempotent
+        assert a.members("m") == {"0": b"zero"}
+        assert v is None or a.members_version("m") != v, "a leave must change the membership version"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_etcd_member_that_dies_is_gone_when_its_lease_expires(tmp_path: Path) -> None:
+    if not _etcd_ready():
+        pytest.skip("etcd or etcd3gw is missing")
+    with etcd_server(tmp_path) as u:
+        watcher, dying = connect(u), connect(u + "?ttl=2")
+        try:
+            dying.join("m", "7", b"alive")
+            assert watcher.members("m") == {"7": b"alive"}
+            dying._stop.set()       # type: ignore[attr-defined]   # its keep-alive stops, as in a killed process
+            deadline = time.monotonic() + 10
+            while watcher.members("m") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert watcher.members("m") == {}, "the lease should have expired within its TTL"
+        finally:
+            watcher.close()
+            dying.close()
+
+
+def test_a_store_url_that_is_not_one_is_refused() -> None:
+    for bad in ("redis://h:1", "etcd://host", "etcd://h:2379?color=red", "h:2379"):
+        with pytest.raises(ValueError, match="rendezvous URL"):
+            connect(bad)
+    with pytest.raises(tx.TransferError, match=r"127\.0\.0\.1:1"):
+        connect("etcd://127.0.0.1:1?timeout=2")
+
+
+def _spec(role: str, rank: int) -> RankSpec:
+    if role == "source":
+        return RankSpec("source", rank, [SourceTensor("w", (4,), "F32", replicate_box((4,)), 0)])
+    return RankSpec("target", rank, [TargetTensor("w", (4,), "F32", 0, (Piece("w", replicate_box((4,)), (0,)),))])
+
+
+def test_membership_decisions(url: str) -> None:
+    """Joiners come in at the next step, the dead go out (named ones after a short grace, silent ones after
+    the stall timeout, departed ones at once), a dropped incarnation never comes back, the lowest source
+    decides and the others take its record."""
+    rdvs: list[Rendezvous] = []
+
+    def member(role: str, rank: int) -> Membership:
+        rdv = connect(url)
+        rdvs.append(rdv)
+        m = Membership(rdv, "g", role, rank, stall_timeout=1.5)
+        m.register(_spec(role, rank), ("127.0.0.1", 1000 + rank) if role == "target" else None)
+        return m
+
+    try:
+        s0, s1, t0, t1 = member("source", 0), member("source", 1), member("target", 0), member("target", 1)
+        first = s0.form((2, 2), 10)
+        assert first == StepRecord(0, 1, {0: s0.uid, 1: s1.uid}, {0: t0.uid, 1: t1.uid})
+        assert t1.form((2, 2), 10) == first, "every rank reads the same formation"
+        t2 = member("target", 2)
+        one = s0.decide(1, first)
+        assert one.epoch == 2 and one.targets == {0: t0.uid, 1: t1.uid, 2: t2.uid}
+        assert s1.decide(1, first) == one, "the others take the decider's record"
+        # step 1: everyone reports, but target 1 says nothing and source 0 names target 2 failed
+        s0.report(1, False, 1, {2: "PeerLost: gone"})
+        s1.report(1, True, 1, {})
+        t0.report(1, True, 1, {})
+        t = time.monotonic()
+        two = s0.decide(2, one)
+        waited = time.monotonic() - t
+        assert two.targets == {0: t0.uid} and two.epoch == 3, two
+        assert 1.4 < waited < 5, f"a silent member is waited for the stall timeout, not more ({waited:.1f} s)"
+        # the decider evicted the dropped: they are no longer members, and t1 rejoins as a new incarnation
+        assert set(s0.live("target")) == {0}
+        old = t1.uid
+        t1.rejoin()
+        for m in (s0, s1, t0):
+            m.report(2, True, 2, {})
+        t = time.monotonic()
+        three = s0.decide(3, two)
+        assert time.monotonic() - t < 1.0, "everyone reported: no waiting"
+        assert three.targets == {0: t0.uid, 1: t1.uid} and t1.uid != old
+        # a source that leaves is out at once; a non-lowest source decides itself when the lowest is silent
+        s0.leave()
+        for m in (s1, t0, t1):
+            m.report(3, True, 3, {})
+        t = time.monotonic()
+        four = s1.decide(4, three)
+        assert four.sources == {1: s1.uid}, four
+        assert time.monotonic() - t < 1.5 + 1.0 + 1.0
+    finally:
+        for r in rdvs:
+            r.close()
