@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 import random
 from pathlib import Path
@@ -27,6 +28,8 @@ from tensorxfer.sync import (
     plan,
     replicate_box,
 )
+
+plan_module = importlib.import_module("tensorxfer.sync.plan")   # the module (tensorxfer.sync.plan is the function)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,7 +262,8 @@ def test_plan_matches_numpy_reference(scenario):
                                    for part, shape in parts], axis=fdim)
             x = next(x for x in t.tensors if x.name == name)
             assert np.array_equal(regions[t.rank][x.region_offset:x.region_offset + x.nbytes], want.reshape(-1))
-    # any input order, and descriptions that went over the wire, give the same plan
+    # any input order, and descriptions that went over the wire, give the same plan (computed afresh)
+    plan_module._STEPS.clear()
     again = plan([RankSpec.from_bytes(s.to_bytes()) for s in reversed(sources)],
                  [RankSpec.from_bytes(t.to_bytes()) for t in targets[::-1]])
     assert again.digest == pl.digest
@@ -468,6 +472,26 @@ def test_target_replicas_are_planned_once_and_fed_by_different_sources():
     check_plan(pl, sources, targets, global_arrays({n: (s, "F16") for n, s in shapes.items()}, 8))
     assert sorted(pl.bytes_per_source.values()) == [12 * 8 * 2] * 3
     assert [sorted(pl.send_order[s]) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_re_plan_after_a_join_or_a_leave_equals_a_plan_from_scratch():
+    """Membership changes reuse the planner's first steps (sources unchanged; templates unchanged when the
+    newcomer is a replica): the result must be exactly what a fresh plan gives."""
+    sources = fsdp_like(3, SHAPES, "source")
+    tp = fsdp_like(2, SHAPES, "target")
+    targets = [RankSpec.from_wire(dict(tp[r % 2].to_wire(), rank=r)) for r in range(4)]
+    newcomer = RankSpec.from_wire(dict(tp[0].to_wire(), rank=9))
+    other = fsdp_like(1, SHAPES, "target")[0]
+    for members in (targets, [*targets, newcomer], targets[:3], [*targets[:2], RankSpec.from_wire(
+            dict(other.to_wire(), rank=5))], targets):
+        reused = plan(sources, members)
+        plan_module._STEPS.clear()
+        fresh = plan(sources, members)
+        assert reused.digest == fresh.digest and reused.pairs.keys() == fresh.pairs.keys()
+        for key, runs in fresh.pairs.items():
+            assert all(np.array_equal(a, b) for a, b in zip(runs.flat(), reused.pairs[key].flat()))
+    check_plan(plan(sources, [*targets, newcomer]), sources, [*targets, newcomer],
+               global_arrays({n: (s, "F32") for n, s in SHAPES.items()}, 3))
 
 
 def test_digest_sees_every_input_and_plan_arrays_are_read_only():

@@ -72,8 +72,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -442,6 +444,71 @@ def _check_coverage(pc: _Pieces, src: _Sources, cells: Cells, unit_piece: np.nda
         "which no source rank holds; add a source that holds it or fix the boxes")
 
 
+class _LastSteps:
+    """The planner's first steps for the most recent inputs, by what they depend on.
+
+    A membership change re-plans with mostly the same inputs: a target that joins or leaves leaves the
+    sources' index (steps 1) as it was, and a replica of a TP rank that is already planned leaves the
+    templates' geometry (steps 2-3) as it was too.  Those results depend only on the descriptions'
+    digests in the key, so reusing them keeps :func:`plan` a pure function of its inputs.  Their arrays
+    are made read-only: a later step that wrote to one would fail loudly, not corrupt the next plan.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[Any, Any]] = {}    # kind -> (key, value): the last one of each kind
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        with self._lock:
+            kept = self._kept.get(key[0])
+            if kept is not None and kept[0] == key:
+                return kept[1]
+        value = build()
+        _freeze(value)
+        with self._lock:
+            self._kept[key[0]] = (key, value)
+        return value
+
+
+def _freeze(value: Any) -> None:
+    items = value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else \
+        vars(value).values() if hasattr(value, "__dict__") else ()
+    for item in items:
+        if isinstance(item, np.ndarray):
+            item.flags.writeable = False
+        elif isinstance(item, (tuple, list, dict)) or hasattr(item, "__dict__"):
+            _freeze(item)
+
+
+_STEPS = _LastSteps()
+
+
+def _index_sources(src_specs: list[RankSpec], width: int) -> tuple[_Sources, Cells]:
+    """Step 1: the sources' entries in one table, cut into cells."""
+    src = _gather_sources(src_specs, width)
+    return src, cells_of(src)
+
+
+def _template_geometry(templates: list[RankSpec], width: int, src: _Sources,
+                       cells: Cells) -> tuple[Any, dict[str, np.ndarray], np.ndarray]:
+    """Steps 2-3 for one description per template: intersections (coverage checked) and byte geometry."""
+    pc = _gather_targets(templates, width, src)
+    ip, ic = overlap_pairs(pc.tid, pc.off, pc.size, cells.tid, cells.off, cells.size)
+    i_off, i_size = intersect(pc.off[ip], pc.size[ip], cells.off[ic], cells.size[ic])
+    _check_coverage(pc, src, cells, ip, numel(i_size))
+    g = _runs.geometry(i_off, i_size, cells.repr_size[ic], pc.local_shape[ip],
+                       pc.at[ip] + (i_off - pc.off[ip]), pc.region[ip], pc.itemsize[ip])
+    g["cell"] = ic[g["row"]]
+    g["template"] = pc.template[ip[g.pop("row")]]
+    entry_stride = c_strides(src.size)
+    g["src_rel"], g["src_stride"] = _runs.source_offsets(g, src.off, entry_stride, cells.entries[cells.ptr[g["cell"]]])
+    return pc, g, entry_stride
+
+
 def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
     """The static schedule moving the sources' shards into the targets' tensors; see the module docstring.
 
@@ -464,23 +531,15 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
     src_specs = _ranks(sources, "source")
     tgt_specs = _ranks(targets, "target")
     width = max([1] + [s.columns.shape.shape[1] for s in src_specs + tgt_specs])
-    src = _gather_sources(src_specs, width)
-    cells = cells_of(src)
+    source_key = (width, tuple((s.rank, s.digest) for s in src_specs))
+    src, cells = _STEPS.get(("sources", source_key), lambda: _index_sources(src_specs, width))
     # target ranks with equal descriptions (replicas of one TP rank) are planned once, then copied
     by_content: dict[bytes, list[RankSpec]] = {}
     for spec in tgt_specs:
         by_content.setdefault(spec.content_digest, []).append(spec)
     templates = list(by_content.values())
-    pc = _gather_targets([m[0] for m in templates], width, src)
-    ip, ic = overlap_pairs(pc.tid, pc.off, pc.size, cells.tid, cells.off, cells.size)
-    i_off, i_size = intersect(pc.off[ip], pc.size[ip], cells.off[ic], cells.size[ic])
-    _check_coverage(pc, src, cells, ip, numel(i_size))
-    g = _runs.geometry(i_off, i_size, cells.repr_size[ic], pc.local_shape[ip],
-                       pc.at[ip] + (i_off - pc.off[ip]), pc.region[ip], pc.itemsize[ip])
-    g["cell"] = ic[g["row"]]
-    g["template"] = pc.template[ip[g.pop("row")]]
-    entry_stride = c_strides(src.size)
-    g["src_rel"], g["src_stride"] = _runs.source_offsets(g, src.off, entry_stride, cells.entries[cells.ptr[g["cell"]]])
+    pc, g, entry_stride = _STEPS.get(("templates", source_key, tuple(by_content)),
+                                     lambda: _template_geometry([m[0] for m in templates], width, src, cells))
     member_ranks = [[s.rank for s in m] for m in templates]
     row, member, rank = _runs.members(g, member_ranks)
     part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks, src.rank)
