@@ -225,3 +225,26 @@ def _catch(fn: Any) -> Any:
         return fn()
     except BaseException as e:
         return e
+
+
+def test_a_rank_given_twice_is_refused_and_a_fixed_group_takes_no_newcomers() -> None:
+    stores = Stores()
+    w = torch.randn(4, 4)
+
+    def target(rank: int, **kw: Any) -> Any:
+        return tx.WeightSync(stores.client(), "d", "target", rank, (1, 1), {"w": Target.whole(torch.zeros(4, 4), "w")},
+                             transport="tcp", **kw)
+    source, first = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "d", "source", 0, (1, 1), {"w": Source.whole(w)}, transport="tcp",
+                              timeout=20, elastic=False),
+        lambda: target(0, timeout=20, elastic=False)])
+    try:
+        with pytest.raises(tx.TransferError, match="target rank 0 is held by another live member"):
+            target(0, timeout=1)
+        with pytest.raises(tx.TransferError, match="takes no newcomers"):
+            target(1, timeout=5, elastic=False)
+        _, version = run_ranks([source.push, lambda: first.wait(timeout=20)])
+        assert version == 1 and torch.equal(first.region.tensors(framework="torch")["w"], w), "the group went on"
+    finally:
+        source.close()
+        first.close()

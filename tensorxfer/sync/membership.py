@@ -33,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-from tensorxfer.errors import PlanError, TransferTimeout
+from tensorxfer.errors import PlanError, TransferError, TransferTimeout
 from tensorxfer.sync._columns import WIRE_VERSION
 from tensorxfer.sync.rendezvous.base import Rendezvous
 from tensorxfer.sync.spec import RankSpec
@@ -116,8 +116,26 @@ class Membership:
         return group_key(self.group, *parts)
 
     # ------------------------------------------------------------ this rank
-    def register(self, spec: RankSpec, address: tuple[str, int] | None = None) -> None:
-        """Publish this rank's shard description and join the group."""
+    def register(self, spec: RankSpec, address: tuple[str, int] | None = None, timeout: float = 0.0) -> None:
+        """Publish this rank's shard description and join the group.
+
+        A rank another live process holds is waited for up to ``timeout`` seconds (a restarted rank whose
+        old incarnation the group has not dropped yet: its lease expires, or the next step drops it).
+
+        Raises
+        ------
+        TransferError
+            The rank is still held after ``timeout`` (two processes were given one rank?).
+        """
+        deadline = time.monotonic() + timeout
+        while (holder := self.live(self.role).get(self.rank)) not in (None, self.uid):
+            if time.monotonic() >= deadline:
+                raise TransferError(
+                    f"sync {self.group!r}: {self.role} rank {self.rank} is held by another live member (uid "
+                    f"{holder}) after {timeout:.0f} s: two processes were given this rank, or one that died "
+                    f"is not dropped yet (a lease expires after its TTL; a TCPStore group drops it at its next "
+                    f"step)")
+            time.sleep(0.05)
         self._spec, self._address = spec, address
         where = list(address) if address is not None else None
         content = spec.content_digest.hex()
@@ -134,7 +152,7 @@ class Membership:
         not report a step in time: the next step takes it in as a newcomer)."""
         self.leave()
         self.uid = secrets.token_hex(8)
-        self.register(self._spec, self._address)
+        self.register(self._spec, self._address)     # its own old incarnation just left
 
     def leave(self) -> None:
         """Deregister (a clean exit: the next step's membership leaves this rank out)."""

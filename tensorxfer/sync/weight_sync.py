@@ -176,6 +176,9 @@ class WeightSync:
             elif role == "source":
                 raise TransferError(f"sync {group!r}: source rank {rank} registered after the group formed: "
                                     f"sources cannot join a running group (restart the group)")
+            elif not elastic:
+                raise TransferError(f"sync {group!r}: the group formed without target rank {rank}, and a fixed "
+                                    f"group (elastic=False) takes no newcomers: construct it with elastic=True")
             else:       # joining a group that runs: the next step decided after now includes this rank
                 self._next_step = self.members.latest() + 1
         except BaseException:
@@ -192,7 +195,7 @@ class WeightSync:
             for n, t in shards.items()])
         self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
                                 DEFAULT_HANDSHAKE_TIMEOUT)
-        self.members.register(spec, self._port.address)
+        self.members.register(spec, self._port.address, self._timeout)
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
         shards = {name: source_of(t) for name, t in tensors.items()}
@@ -214,7 +217,7 @@ class WeightSync:
         self._view_ptrs = [view.data_ptr() for _, view in self._shards]
         self.members.register(RankSpec("source", self.rank, [
             SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset)
-            for n, s in shards.items()]))
+            for n, s in shards.items()]), timeout=timeout)
 
     def _enter(self, record: StepRecord, timeout: float, agree: bool = False) -> None:
         """Take part in ``record``'s step: plan its epoch if this rank has not yet (sources connect to new
