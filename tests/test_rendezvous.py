@@ -153,3 +153,40 @@ def test_membership_decisions(url: str) -> None:
     finally:
         for r in rdvs:
             r.close()
+
+
+def test_sync_status_prints_the_group_from_the_store_alone(url: str) -> None:
+    import subprocess
+    import sys
+
+    from tensorxfer.cli.sync_status import render
+    from tensorxfer.sync.membership import group_status
+
+    empty = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "sync-status", url, "nobody"],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 0 and "no step decided yet" in empty.stdout, empty
+    rdvs = [connect(url) for _ in range(2)]
+    try:
+        s0 = Membership(rdvs[0], "g", "source", 0, 1.0)
+        t0 = Membership(rdvs[1], "g", "target", 0, 1.0)
+        s0.register(_spec("source", 0))
+        t0.register(_spec("target", 0), ("127.0.0.1", 4242))
+        first = s0.form((1, 1), 10)
+        for m in (s0, t0):
+            m.publish_digest(first.epoch, "ab" * 32)
+        one = s0.decide(1, first)
+        s0.report(1, False, 1, {0: "PeerLost: gone"})
+        t0.report(1, True, 1, {})
+        out = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "sync-status", url, "g"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == f"group 'g': newest step 1, epoch {one.epoch}"
+        assert any(line.split()[:6] == ["source", "0", "yes", "yes", "abababababab", "1"] and
+                   "failed (0: PeerLost: gone)" in line for line in lines), out.stdout
+        assert any(line.split()[:7] == ["target", "0", "yes", "yes", "abababababab", "1", "ok"] and
+                   "at 127.0.0.1:4242" in line for line in lines), out.stdout
+        assert render(group_status(rdvs[0], "g")) == out.stdout.rstrip("\n")
+    finally:
+        for r in rdvs:
+            r.close()
