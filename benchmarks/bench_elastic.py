@@ -25,6 +25,7 @@ Store traffic is counted at the rendezvous interface (requests, keys, value byte
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -163,6 +164,9 @@ def main() -> int:
     ap.add_argument("--store", default=None,
                     help="a store URL, or 'tcpstore' to host a TCPStore here (default: start an etcd server here)")
     ap.add_argument("--plan-ranks", type=int, default=4, help="ranks that plan the first epoch, each in a process")
+    ap.add_argument("--every-rank", action="store_true",
+                    help="also plan on every rank of the group (each in a process, --jobs at a time)")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     ap.add_argument("--plan-one", nargs=3, metavar=("URL", "ROLE", "RANK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_one:
@@ -173,7 +177,8 @@ def main() -> int:
     srcs = bench_plan.sources(args.sources, args.shard, args.ep, args.layers, args.experts)
     tgts = [RankSpec.from_wire(dict(wires[r % args.tp], rank=r)) for r in range(args.targets)]
     out: dict[str, Any] = {"benchmark": "sync.elastic", "command": "python benchmarks/bench_elastic.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "plan_one"),
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if v not in (None, False) and k != "plan_one").replace(" True", ""),
         "host": platform.node(), "cpus": os.cpu_count(), "sources": args.sources, "targets": args.targets,
         "spec_bytes_total": sum(len(s.to_bytes()) for s in [*srcs, *tgts])}
     with store(args.store) as url:
@@ -202,6 +207,19 @@ def main() -> int:
         out["plan_per_rank"] = [{k: v for k, v in r.items() if k != "digest"} for r in per_rank]
         out["digests_agree"] = len({r["digest"] for r in per_rank}) == 1
         out["epoch1_digest"] = per_rank[0]["digest"]
+        if args.every_rank:     # then every rank of the group, --jobs processes at a time (times inflated)
+            everyone = [("source", r) for r in range(args.sources)] + [("target", r) for r in range(args.targets)]
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+                results = list(pool.map(lambda rr: json.loads(subprocess.run(
+                    [sys.executable, __file__, "--plan-one", url, rr[0], str(rr[1])], check=True,
+                    capture_output=True, text=True).stdout), everyone))
+            totals = sorted(r["total_s"] for r in results)
+            out["every_rank"] = {"ranks": len(results), "jobs": args.jobs, "wall_s": round(time.perf_counter() - t0, 1),
+                                 "distinct_digests": len({r["digest"] for r in results}),
+                                 "same_as_sampled": {r["digest"] for r in results} == {out["epoch1_digest"]},
+                                 "total_s_median_under_load": totals[len(totals) // 2],
+                                 "total_s_max_under_load": totals[-1]}
 
         # the leader plans too (it caches every description from now on)
         t0 = time.perf_counter()
