@@ -110,6 +110,10 @@ class Counting(Rendezvous):
         self._w(1, 0)
         self.inner.leave(prefix, name)
 
+    def evict(self, prefix: str, name: str, value: bytes) -> bool:
+        self._w(1, 0)
+        return self.inner.evict(prefix, name, value)
+
     def members(self, prefix: str) -> dict[str, bytes]:
         out = self.inner.members(prefix)
         self._r(list(out.values()))

@@ -64,6 +64,12 @@ def test_every_store_keeps_the_same_promises(url: str) -> None:
         b.leave("m", "3")       # idempotent
         assert a.members("m") == {"0": b"zero"}
         assert v is None or a.members_version("m") != v, "a leave must change the membership version"
+        # evicting a dead member removes only the record it saw: a new incarnation's stays
+        b.join("m", "5", b"old")
+        a.join("m", "5", b"new")
+        assert not b.evict("m", "5", b"old") and a.members("m")["5"] == b"new"
+        assert b.evict("m", "5", b"new") and "5" not in a.members("m")
+        assert not b.evict("m", "nobody", b"x")
     finally:
         a.close()
         b.close()

@@ -109,6 +109,7 @@ class Membership:
         self._memo: dict[bytes, Any] = {}
         self._bodies: dict[str, bytes] = {}     # content digest -> description body
         self._live: dict[str, tuple[int, dict[int, str]]] = {}     # role -> (members version, members)
+        self._records: dict[str, dict[int, bytes]] = {}            # role -> rank -> its member record
         self._known: set[str] = set()      # every incarnation a record this rank read named (a dropped one
                                            # never comes back: a rank dropped alive rejoins under a new uid)
 
@@ -177,7 +178,9 @@ class Membership:
         cached = self._live.get(role)
         if version is not None and cached is not None and cached[0] == version:
             return cached[1]
-        live = {int(name): str(_unpack(v)["uid"]) for name, v in self.rdv.members(prefix).items()}
+        raw = {int(name): v for name, v in self.rdv.members(prefix).items()}
+        live = {r: str(_unpack(v)["uid"]) for r, v in raw.items()}
+        self._records[role] = raw
         if version is not None:
             self._live[role] = (version, live)
         return live
@@ -291,8 +294,9 @@ class Membership:
             if existing == proposal.to_bytes():       # this rank decided: evict the dropped (a live one rejoins)
                 for role, dropped, kept in (("source", prev.sources, sources), ("target", prev.targets, targets)):
                     for r, u in dropped.items():
-                        if r not in kept and live[role].get(r) == u:
-                            self.rdv.leave(self.key("member", role), str(r))
+                        record = self._records.get(role, {}).get(r)
+                        if r not in kept and live[role].get(r) == u and record is not None:
+                            self.rdv.evict(self.key("member", role), str(r), record)
         return self._seen(StepRecord.from_bytes(step, existing))
 
     def _reported(self, prev: StepRecord) -> tuple[set[int], set[int]]:

@@ -61,6 +61,11 @@ class Rendezvous(ABC):
         """Remove the member ``prefix/name`` (this rank leaving, or evicting a dead one); idempotent."""
 
     @abstractmethod
+    def evict(self, prefix: str, name: str, value: bytes) -> bool:
+        """Remove the member ``prefix/name`` only if its record is still ``value`` (another rank dropping a
+        dead one must not remove the record a new incarnation just wrote); whether it was removed."""
+
+    @abstractmethod
     def members(self, prefix: str) -> dict[str, bytes]:
         """The live member records under ``prefix``: name -> value."""
 

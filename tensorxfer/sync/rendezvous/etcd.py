@@ -170,6 +170,12 @@ class EtcdRendezvous(Rendezvous):
             self._joined.pop(key, None)
         self._call(self._client.delete, key)
 
+    def evict(self, prefix: str, name: str, value: bytes) -> bool:
+        k = _b64(f"{prefix}/{name}")
+        reply = self._txn([{"request_delete_range": {"key": k}}],
+                          compare=[{"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(value)}])
+        return bool(reply.get("succeeded"))
+
     def members(self, prefix: str) -> dict[str, bytes]:
         start = f"{prefix}/"
         items = self._call(self._client.get_prefix, start)

@@ -84,6 +84,12 @@ class TorchStoreRendezvous(Rendezvous):
             self.store.set(f"{prefix}/{name}", b"")
             self.store.add(f"{prefix}#/version", 1)
 
+    def evict(self, prefix: str, name: str, value: bytes) -> bool:
+        if not value or bytes(self.store.compare_set(f"{prefix}/{name}", value, b"")) != b"":
+            return False
+        self.store.add(f"{prefix}#/version", 1)
+        return True
+
     def members(self, prefix: str) -> dict[str, bytes]:
         count = int(self.store.add(f"{prefix}#/count", 0))
         slots = self.peek([f"{prefix}#/{i}" for i in range(1, count + 1)])
