@@ -19,7 +19,7 @@ Store traffic is counted at the rendezvous interface (requests, keys, value byte
 
     python benchmarks/bench_elastic.py                       # full scale, etcd started here
     python benchmarks/bench_elastic.py --store tcpstore                # a TCPStore hosted by this process
-    python benchmarks/bench_elastic.py --layers 4 --experts 16 --sources 16 --targets 8 --plan-ranks 2
+    python benchmarks/bench_elastic.py --layers 4 --experts 16 --sources 16 --targets 8 --ep 8 --plan-ranks 2
 """
 
 from __future__ import annotations
@@ -158,13 +158,7 @@ def plan_one(url: str, role: str, rank: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--experts", type=int, default=384)
-    ap.add_argument("--sources", type=int, default=256)
-    ap.add_argument("--targets", type=int, default=128)
-    ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--shard", type=int, default=8)
-    ap.add_argument("--ep", type=int, default=128)
+    bench_plan.add_model_arguments(ap)
     ap.add_argument("--store", default=None,
                     help="a store URL, or 'tcpstore' to host a TCPStore here (default: start an etcd server here)")
     ap.add_argument("--plan-ranks", type=int, default=4, help="ranks that plan the first epoch, each in a process")
@@ -176,6 +170,7 @@ def main() -> int:
     if args.plan_one:
         print(json.dumps(plan_one(args.plan_one[0], args.plan_one[1], int(args.plan_one[2]))))
         return 0
+    bench_plan.check_model_arguments(ap, args)
 
     wires = [bench_plan.target_template(args.tp, r, args.layers, args.experts).to_wire() for r in range(args.tp)]
     srcs = bench_plan.sources(args.sources, args.shard, args.ep, args.layers, args.experts)

@@ -158,8 +158,8 @@ def target_template(tp: int, rank: int, layers: int, experts: int) -> RankSpec:
     return RankSpec("target", rank, tensors)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model and group shape flags (shared with bench_elastic.py)."""
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--sources", type=int, default=256)
@@ -167,10 +167,19 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--shard", type=int, default=8, help="HSDP shard group size of the non-expert tensors")
     ap.add_argument("--ep", type=int, default=128, help="expert-parallel size of the trainer (replicated above it)")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+
+
+def check_model_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.experts % args.tp or args.targets % args.tp or args.sources % args.ep or args.sources % args.shard:
         ap.error("experts and targets must be multiples of tp; sources a multiple of ep and of shard")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(ap)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    check_model_arguments(ap, args)
 
     t0 = time.perf_counter()
     templates = [target_template(args.tp, r, args.layers, args.experts) for r in range(args.tp)]
