@@ -188,16 +188,7 @@ class Membership:
     def initial_targets(self, count: int, timeout: float) -> list[RankSpec]:
         """Sources: the shard descriptions of target ranks ``0 .. count-1``, once registered (a source lays its
         region out in the dtypes they want)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            live = self.live("target")
-            missing = [r for r in range(count) if r not in live]
-            if not missing:
-                break
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"sync {self.group!r}: target rank(s) {missing} did not register within "
-                                      f"{timeout:.0f} s (they did not start, or use another store or group)")
-            time.sleep(0.01)
+        live = self._registered({"target": range(count)}, timeout)["target"]
         specs, _ = self._read_specs([("target", r, live[r]) for r in range(count)], timeout)
         return specs
 
@@ -205,21 +196,30 @@ class Membership:
         """Step 0: the ``world`` ranks named at construction, once all registered (sources propose it)."""
         existing = self.rdv.peek([self.key("step", 0)])[0]
         if existing is None and self.role == "source":
-            deadline = time.monotonic() + timeout
-            want = {role: set(range(n)) for role, n in zip(ROLES, world)}
-            while True:
-                live = {role: self.live(role) for role in ROLES}
-                missing = {role: sorted(want[role] - set(live[role])) for role in ROLES}
-                if not any(missing.values()):
-                    break
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(f"sync {self.group!r}: rank(s) {missing} did not register within "
-                                          f"{timeout:.0f} s (they did not start, or use another store or group)")
-                time.sleep(0.01)
-            first = StepRecord(0, 1, {r: live["source"][r] for r in want["source"]},
-                               {r: live["target"][r] for r in want["target"]})
+            live = self._registered({role: range(n) for role, n in zip(ROLES, world)}, timeout)
+            first = StepRecord(0, 1, *({r: live[role][r] for r in range(n)} for role, n in zip(ROLES, world)))
             self.rdv.publish_once(self.key("step", 0), first.to_bytes())
         return self.step_record(0, timeout)
+
+    def _registered(self, want: dict[str, range], timeout: float) -> dict[str, dict[int, str]]:
+        """The live members of each role in ``want`` (rank -> uid), once every wanted rank registered.
+
+        Raises
+        ------
+        TransferTimeout
+            Some wanted ranks did not register within ``timeout`` (named).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            live = {role: self.live(role) for role in want}
+            missing = {role: [r for r in ranks if r not in live[role]] for role, ranks in want.items()}
+            if not any(missing.values()):
+                return live
+            if time.monotonic() >= deadline:
+                named = {role: ranks for role, ranks in missing.items() if ranks}
+                raise TransferTimeout(f"sync {self.group!r}: rank(s) {named} did not register within "
+                                      f"{timeout:.0f} s (they did not start, or use another store or group)")
+            time.sleep(0.01)
 
     def step_record(self, step: int, timeout: float) -> StepRecord:
         """The members of ``step``, waiting up to ``timeout`` for the sources to decide it."""
