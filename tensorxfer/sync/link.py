@@ -225,7 +225,6 @@ class TargetPort:
         self.group, self.rank = group, rank
         self.stall_timeout = stall_timeout
         self.handshake_timeout = handshake_timeout
-        self.digest = ""
         self._expected: set[int] = set()
         self._feeds: dict[int, _Feed] = {}
         self.gate = Gate(listen(host), self._handshake, handshake_timeout, "sync")
@@ -235,9 +234,12 @@ class TargetPort:
         host, port = self.gate.address[:2]
         return host, port
 
-    def expect(self, digest: str, sources: set[int]) -> None:
-        """Admit only these source ranks, with this plan digest."""
-        self.digest, self._expected = digest, set(sources)
+    def expect(self, sources: set[int]) -> None:
+        """The source ranks this rank's plan feeds it from: :meth:`admit` waits for them, and the sessions
+        of the others are closed (a new epoch no longer plans them here)."""
+        self._expected = set(sources)
+        for source in [s for s in self._feeds if s not in self._expected]:
+            self.drop(source)
 
     def _handshake(self, sock: socket.socket) -> tuple[Channel, bytes, int] | None:
         ch = Channel(sock)
@@ -301,11 +303,6 @@ class TargetPort:
         for t in threads:
             t.join()
         return results
-
-    def retain(self, sources: set[int]) -> None:
-        """Close the sessions of sources not in ``sources`` (a new epoch no longer plans them here)."""
-        for source in [s for s in self._feeds if s not in sources]:
-            self.drop(source)
 
     def drop(self, source: int) -> None:
         feed = self._feeds.pop(source, None)

@@ -240,8 +240,7 @@ class WeightSync:
         else:
             assert self._port is not None
             self._feeds = {s: segments_of(p, s, self.rank) for s in p.sources_of.get(self.rank, ())}
-            self._port.expect(p.digest, set(self._feeds))
-            self._port.retain(set(self._feeds))
+            self._port.expect(set(self._feeds))
             self._port.admit(timeout)
         log.info("sync %r: %s rank %d planned epoch %d (%d sources, %d targets, digest %s)", self.group, self.role,
                  self.rank, record.epoch, len(record.sources), len(record.targets), p.digest[:12])
