@@ -196,3 +196,42 @@ def test_sync_status_prints_the_group_from_the_store_alone(url: str) -> None:
     finally:
         for r in rdvs:
             r.close()
+
+
+def test_the_default_read_waits_on_any_store_that_can_only_peek() -> None:
+    """A store with no wait of its own (a dict here: pure logic) still gets a bounded, named wait."""
+    import threading
+
+    class DictStore(Rendezvous):
+        def __init__(self) -> None:
+            self.kv: dict[str, bytes] = {}
+
+        def publish(self, key: str, value: bytes) -> None:
+            self.kv[key] = value
+
+        def peek(self, keys: Any) -> list[bytes | None]:
+            return [self.kv.get(k) for k in keys]
+
+        def publish_once(self, key: str, value: bytes) -> bytes:
+            return self.kv.setdefault(key, value)
+
+        def join(self, prefix: str, name: str, value: bytes) -> None:
+            self.kv[f"{prefix}/{name}"] = value
+
+        def leave(self, prefix: str, name: str) -> None:
+            self.kv.pop(f"{prefix}/{name}", None)
+
+        def evict(self, prefix: str, name: str, value: bytes) -> bool:
+            return self.kv.pop(f"{prefix}/{name}", None) is not None
+
+        def members(self, prefix: str) -> dict[str, bytes]:
+            return {k[len(prefix) + 1:]: v for k, v in self.kv.items() if k.startswith(prefix + "/")}
+
+    store = DictStore()
+    later = threading.Timer(0.2, store.publish, ("k/late", b"v"))
+    later.start()
+    t = time.monotonic()
+    assert store.read(["k/late"], 5) == [b"v"]
+    assert 0.15 < time.monotonic() - t < 1.0
+    with pytest.raises(tx.TransferTimeout, match="k/never"):
+        store.read(["k/late", "k/never"], 0.2)

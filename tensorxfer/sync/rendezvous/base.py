@@ -11,10 +11,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 from tensorxfer.errors import TransferTimeout
 
 _POLL = (0.002, 0.05)       # first and longest pause between polls of a key that is not there yet
+
+
+def not_published(missing: Sequence[str], timeout: float) -> TransferTimeout:
+    """The error of a read whose ``missing`` keys no rank published within ``timeout`` seconds."""
+    return TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, e.g. "
+                           f"{list(missing[:4])} (the ranks that own them did not start, or died)")
 
 
 class Rendezvous(ABC):
@@ -70,7 +77,8 @@ class Rendezvous(ABC):
         """The live member records under ``prefix``: name -> value."""
 
     def read(self, keys: Sequence[str], timeout: float) -> list[bytes]:
-        """The values of ``keys``, waiting up to ``timeout`` seconds for all of them.
+        """The values of ``keys``, waiting up to ``timeout`` seconds for all of them: read them, and while
+        some are missing, wait for the first missing one (:meth:`_await`) and read again.
 
         Raises
         ------
@@ -79,17 +87,27 @@ class Rendezvous(ABC):
         """
         keys = list(keys)
         deadline = time.monotonic() + timeout
-        pause = _POLL[0]
+        attempt = 0
         while True:
-            values = self.peek(keys)
+            values, cursor = self._peek_at(keys)
             missing = [k for k, v in zip(keys, values) if v is None]
             if not missing:
                 return values       # type: ignore[return-value]
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, "
-                                      f"e.g. {missing[:4]} (the ranks that own them did not start, or died)")
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, _POLL[1])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise not_published(missing, timeout)
+            self._await(missing[0], cursor, left, attempt)
+            attempt += 1
+
+    def _peek_at(self, keys: Sequence[str]) -> tuple[list[bytes | None], Any]:
+        """:meth:`peek`, and where the store can say so, the point in its history the values were read at
+        (handed to :meth:`_await`)."""
+        return self.peek(keys), None
+
+    def _await(self, key: str, cursor: Any, left: float, attempt: int) -> None:
+        """Wait, at most ``left`` seconds, for ``key`` to be set after ``cursor`` (here: a pause that
+        doubles with each ``attempt``; a store that can watch a key wakes when it is put)."""
+        time.sleep(min(left, _POLL[0] * 2 ** min(attempt, 16), _POLL[1]))
 
     def close(self) -> None:  # noqa: B027 -- a store that holds nothing of its own needs no close
         """Release the connection to the store (idempotent)."""

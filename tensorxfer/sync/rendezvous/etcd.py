@@ -16,11 +16,10 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from tensorxfer.errors import TransferError, TransferTimeout
+from tensorxfer.errors import TransferError
 from tensorxfer.sync.rendezvous.base import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -90,9 +89,9 @@ class EtcdRendezvous(Rendezvous):
         self._call(self._client.put, key, value)
 
     def peek(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._peek(keys)[0]
+        return self._peek_at(keys)[0]
 
-    def _peek(self, keys: Sequence[str]) -> tuple[list[bytes | None], int]:
+    def _peek_at(self, keys: Sequence[str]) -> tuple[list[bytes | None], int]:
         """The values of ``keys`` and the store revision they were read at (the earliest, over chunks)."""
         keys = list(keys)
         out: list[bytes | None] = []
@@ -107,30 +106,18 @@ class EtcdRendezvous(Rendezvous):
                 out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
         return out, revision
 
-    def read(self, keys: Sequence[str], timeout: float) -> list[bytes]:
-        """As :meth:`Rendezvous.read`, woken by an etcd watch on a missing key from the revision the keys
-        were read at (nothing put in between is missed), not by polling: a step record reaches every
-        waiting rank at once, and hundreds of waiting ranks do not poll the store."""
+    def _await(self, key: str, cursor: Any, left: float, attempt: int) -> None:
+        """An etcd watch on ``key`` from the revision the keys were read at (nothing put in between is
+        missed), not polling: a step record reaches every waiting rank at once, and hundreds of waiting
+        ranks do not poll the store.  A slice's timeout only makes :meth:`read` look at every key again."""
         from etcd3gw.exceptions import Etcd3Exception, WatchTimedOut
 
-        keys = list(keys)
-        deadline = time.monotonic() + timeout
-        while True:
-            values, revision = self._peek(keys)
-            missing = [k for k, v in zip(keys, values) if v is None]
-            if not missing:
-                return values       # type: ignore[return-value]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, "
-                                      f"e.g. {missing[:4]} (the ranks that own them did not start, or died)")
-            try:    # wakes when the first missing key is put; a second's timeout re-reads them all anyway
-                self._client.watch_once(missing[0], timeout=min(left, WATCH_SLICE),
-                                        start_revision=revision + 1 if revision else None)
-            except WatchTimedOut:
-                pass
-            except Etcd3Exception as e:
-                raise TransferError(f"etcd at {self.address}: watching {missing[0]!r} failed: {e}") from None
+        try:
+            self._client.watch_once(key, timeout=min(left, WATCH_SLICE), start_revision=cursor + 1 if cursor else None)
+        except WatchTimedOut:
+            pass
+        except Etcd3Exception as e:
+            raise TransferError(f"etcd at {self.address}: watching {key!r} failed: {e}") from None
 
     def publish_many(self, items: dict[str, bytes]) -> None:
         keys = list(items)

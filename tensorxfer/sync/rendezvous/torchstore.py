@@ -13,8 +13,7 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
-from tensorxfer.errors import TransferTimeout
-from tensorxfer.sync.rendezvous.base import Rendezvous
+from tensorxfer.sync.rendezvous.base import Rendezvous, not_published
 
 
 def open_tcp_store(host: str, port: int, is_master: bool, timeout: float = 60.0) -> Any:
@@ -67,8 +66,7 @@ class TorchStoreRendezvous(Rendezvous):
             missing = [k for k in keys if not self.store.check([k])]
             if not missing:
                 raise
-            raise TransferTimeout(f"rendezvous: {len(missing)} key(s) not published within {timeout:.0f} s, e.g. "
-                                  f"{missing[:4]} (the ranks that own them did not start, or died)") from e
+            raise not_published(missing, timeout) from e
         return [bytes(v) for v in self.store.multi_get(keys)]
 
     def join(self, prefix: str, name: str, value: bytes) -> None:
