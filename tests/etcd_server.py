@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -19,6 +21,20 @@ def free_port() -> int:
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd") or next((p for p in ("/usr/bin/etcd", "/usr/sbin/etcd") if Path(p).exists()), None)
+
+
+def need_etcd() -> None:
+    """Skip the calling test where etcd or its client is missing; fail it instead under
+    ``TENSORXFER_REQUIRE_ETCD=1`` (set by .ci/run, which installs both)."""
+    import pytest
+
+    missing = [what for what, ok in (("the etcd binary (apt-get install etcd-server)", etcd_binary()),
+                                     ("etcd3gw (pip install 'tensorxfer[etcd]')",
+                                      importlib.util.find_spec("etcd3gw"))) if not ok]
+    if missing:
+        if os.environ.get("TENSORXFER_REQUIRE_ETCD") == "1":
+            pytest.fail(f"TENSORXFER_REQUIRE_ETCD=1 but {' and '.join(missing)} is missing")
+        pytest.skip(f"{' and '.join(missing)} is missing")
 
 
 @contextlib.contextmanager

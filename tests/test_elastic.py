@@ -4,7 +4,6 @@ TCPStore.  Targets join, die and leave while two sources keep pushing; a dead so
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -20,29 +19,9 @@ import pytest
 pytest.importorskip("torch", reason="the sync's peers hold torch tensors")
 
 from tests import elastic_peers as peers
-from tests.etcd_server import etcd_binary, etcd_server
+from tests.etcd_server import etcd_server, need_etcd
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRE = os.environ.get("TENSORXFER_REQUIRE_ETCD") == "1"     # set by .ci/run: etcd must be there
-
-
-def _need_etcd() -> None:
-    missing = [what for what, ok in (("the etcd binary (apt-get install etcd-server)", etcd_binary()),
-                                     ("etcd3gw (pip install 'tensorxfer[etcd]')", _has_etcd3gw())) if not ok]
-    if missing:
-        if REQUIRE:
-            pytest.fail(f"TENSORXFER_REQUIRE_ETCD=1 but {' and '.join(missing)} is missing")
-        pytest.skip(f"{' and '.join(missing)} is missing")
-
-
-def _has_etcd3gw() -> bool:
-    try:
-        import etcd3gw  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 ALL: list[Any] = []
 
 
@@ -104,7 +83,7 @@ class Peer:
 @pytest.fixture(params=["etcd", "tcpstore"])
 def store_url(request: Any, tmp_path: Path) -> Iterator[str]:
     if request.param == "etcd":
-        _need_etcd()
+        need_etcd()
         with etcd_server(tmp_path) as url:
             yield url + "?ttl=3"
     else:
@@ -189,7 +168,7 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
 
 
 def test_a_dead_source_s_replica_carries_the_next_step(tmp_path: Path) -> None:
-    _need_etcd()
+    need_etcd()
     everyone: list[Peer] = []
     with etcd_server(tmp_path) as url:
         try:

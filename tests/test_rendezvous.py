@@ -14,24 +14,15 @@ import tensorxfer as tx
 from tensorxfer.sync import Piece, RankSpec, SourceTensor, TargetTensor, replicate_box
 from tensorxfer.sync.membership import Membership, StepRecord
 from tensorxfer.sync.rendezvous import Rendezvous, connect
-from tests.etcd_server import etcd_binary, etcd_server
+from tests.etcd_server import etcd_server, need_etcd
 
 pytest.importorskip("torch", reason="the TCPStore is torch.distributed's")
-
-
-def _etcd_ready() -> bool:
-    try:
-        import etcd3gw  # noqa: F401
-    except ImportError:
-        return False
-    return etcd_binary() is not None
 
 
 @pytest.fixture(params=["tcpstore", "etcd"])
 def url(request: Any, tmp_path: Path) -> Iterator[str]:
     if request.param == "etcd":
-        if not _etcd_ready():
-            pytest.skip("etcd (apt-get install etcd-server) or etcd3gw (pip install 'tensorxfer[etcd]') is missing")
+        need_etcd()
         with etcd_server(tmp_path) as u:
             yield u + "?ttl=2"
     else:
@@ -76,8 +67,7 @@ def test_every_store_keeps_the_same_promises(url: str) -> None:
 
 
 def test_an_etcd_member_that_dies_is_gone_when_its_lease_expires(tmp_path: Path) -> None:
-    if not _etcd_ready():
-        pytest.skip("etcd or etcd3gw is missing")
+    need_etcd()
     with etcd_server(tmp_path) as u:
         watcher, dying = connect(u), connect(u + "?ttl=2")
         try:
