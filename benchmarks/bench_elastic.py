@@ -8,12 +8,13 @@ exactly as ``WeightSync`` ranks do; then:
 - **form**: source 0 forms the group (step 0);
 - **plan per rank**: ``--plan-ranks`` ranks (sources and targets spread over the group), each in a
   fresh process, read the step record and every member's description from the store, decode, plan
-  and publish their digest; their times, and whether all digests agree;
+  their part (``plan(..., scope=(role, rank))``, as ``WeightSync`` does) and publish their digest;
+  their times, and whether all digests agree;
 - **steady step**: every rank reports a step and one source decides the next (the store traffic of
   one step when nobody joins or leaves);
 - **join / leave**: a 129th target registers (a replica of TP rank 0) and the next step plans it in;
-  then it leaves and the next step plans it out: time from the decision to the new plan on one rank
-  (descriptions already read are cached; only the newcomer's is read).
+  then it leaves and the next step plans it out: time from the decision to the new plan of source 0's
+  part (descriptions already read are cached; only the newcomer's is read).
 
 Store traffic is counted at the rendezvous interface (requests, keys, value bytes written and read).
 
@@ -148,7 +149,7 @@ def plan_one(url: str, role: str, rank: int) -> dict[str, Any]:
     record = m.step_record(0, 60)
     sources, targets, _ = m.specs(record, 60)
     t1 = time.perf_counter()
-    p = plan(sources, targets)
+    p = plan(sources, targets, scope=(role, rank))   # this rank's part, as WeightSync plans
     t2 = time.perf_counter()
     m.publish_digest(record.epoch, p.digest)
     rdv.close()
@@ -223,7 +224,7 @@ def main() -> int:
         # the leader plans too (it caches every description from now on)
         t0 = time.perf_counter()
         s_specs, t_specs, _ = leader.specs(first, 60)
-        plan(s_specs, t_specs)
+        plan(s_specs, t_specs, scope=("source", 0))
         out["leader_plan_s"] = round(time.perf_counter() - t0, 3)
         rdv.reset()
 
@@ -252,7 +253,7 @@ def main() -> int:
         def replan(record: StepRecord) -> float:
             t = time.perf_counter()
             s, tg, _ = leader.specs(record, 60)
-            plan(s, tg)
+            plan(s, tg, scope=("source", 0))
             return time.perf_counter() - t
 
         joiner = Membership(rdv, GROUP, "target", args.targets, 30.0)

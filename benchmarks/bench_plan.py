@@ -11,7 +11,11 @@ printed as JSON:
 - ``spec_digest_s``: the sha256 of every description (cached on the spec);
 - ``plan_s``: :func:`tensorxfer.sync.plan` from the decoded descriptions,
   including its digest over inputs and plan;
-- ``total_s``: the three together, on a cold start (fresh descriptions);
+- ``total_s``: the three together, on a cold start (fresh descriptions, and
+  the planner's cache of its last inputs emptied);
+- ``rank_plan_s`` / ``rank_total_s``: the same for one rank's part
+  (``plan(..., scope=(role, rank))``, what a weight-sync rank computes),
+  target 0 and source 0 in turn, with ``rank_groups`` its size;
 - ``*_cpu_s``: the same as process CPU time (the planner is single-threaded,
   so on a shared machine this is the number that does not count other
   processes' turns).
@@ -59,6 +63,7 @@ from tensorxfer.sync import (
     plan,
     replicate_box,
 )
+from tensorxfer.sync.plan import _STEPS  # the planner's cache of its last inputs (emptied per run)
 
 H, VOCAB, DENSE_I, MOE_I = 7168, 163840, 18432, 2048
 Q_A, KV_A, Q_B, KV_B, O_IN = 1536, 576, 12288, 16384, 8192
@@ -189,10 +194,16 @@ def main() -> int:
     build_s = time.perf_counter() - t0
 
     runs: dict[str, list[float]] = {k: [] for k in ("decode_s", "spec_digest_s", "plan_s", "total_s",
-                                                   "plan_cpu_s", "total_cpu_s")}
+                                                   "plan_cpu_s", "total_cpu_s", "rank_plan_s", "rank_total_s",
+                                                   "rank_plan_cpu_s")}
     result = None
-    for _ in range(args.repeat):
-        del result
+    rank_groups: dict[str, int] = {}
+    for i in range(args.repeat * 3):
+        scope = (None, ("target", 0), ("source", 0))[i % 3]
+        prefix = "rank_" if scope else ""
+        if scope is None:
+            del result
+        _STEPS.clear()      # a cold start: nothing kept from the last run's inputs
         gc.collect()
         t, c = time.perf_counter(), time.process_time()
         memo: dict[bytes, object] = {}  # replicas with equal descriptions decode once
@@ -201,15 +212,20 @@ def main() -> int:
         for s in specs:
             _ = s.digest
         t2, c2 = time.perf_counter(), time.process_time()
-        result = plan(specs[:args.sources], specs[args.sources:])
+        p = plan(specs[:args.sources], specs[args.sources:], scope=scope)
         t3, c3 = time.perf_counter(), time.process_time()
-        runs["decode_s"].append(t1 - t)
-        runs["spec_digest_s"].append(t2 - t1)
-        runs["plan_s"].append(t3 - t2)
-        runs["total_s"].append(t3 - t)
-        runs["plan_cpu_s"].append(c3 - c2)
-        runs["total_cpu_s"].append(c3 - c)
-        del specs, memo
+        if scope is None:
+            result = p
+            runs["decode_s"].append(t1 - t)
+            runs["spec_digest_s"].append(t2 - t1)
+            runs["total_cpu_s"].append(c3 - c)
+        else:
+            assert p.digest == result.digest, "a rank's part has another digest than the whole plan"
+            rank_groups[f"{scope[0]} {scope[1]}"] = p.num_groups
+        runs[prefix + "plan_s"].append(t3 - t2)
+        runs[prefix + "total_s"].append(t3 - t)
+        runs[prefix + "plan_cpu_s"].append(c3 - c2)
+        del specs, memo, p
     assert result is not None
     per_source = list(result.bytes_per_source.values())
     per_target = list(result.bytes_per_target.values())
@@ -225,7 +241,9 @@ def main() -> int:
         "spec_bytes_max": max(len(b) for b in blobs),
         "build_specs_s": round(build_s, 3),
         **{k: round(statistics.median(v), 3) for k, v in runs.items()},
-        **{k.replace("_s", "_min_s"): round(min(v), 3) for k, v in runs.items() if k in ("plan_s", "total_s")},
+        **{k.replace("_s", "_min_s"): round(min(v), 3) for k, v in runs.items()
+           if k in ("plan_s", "total_s", "rank_plan_s", "rank_total_s")},
+        "rank_groups": rank_groups,
         "pairs": sum(1 for _ in result), "groups": result.num_groups, "plain_runs": result.num_runs,
         "bytes_total": sum(per_target), "max_target_bytes": result.max_target_bytes,
         "source_bytes_min_max": [min(per_source), max(per_source)],

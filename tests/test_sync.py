@@ -248,3 +248,34 @@ def test_a_rank_given_twice_is_refused_and_a_fixed_group_takes_no_newcomers() ->
     finally:
         source.close()
         first.close()
+
+
+def test_a_target_whose_runs_differ_from_its_sources_refuses_the_step() -> None:
+    """Each end plans only its own part (plan(..., scope=)), so the offer carries the digest of the pair's
+    runs: the same bytes laid out differently (another planner) are refused before any byte moves."""
+    from tensorxfer.sync.link import SourceLink, TargetPort
+    from tensorxfer.transport.segments import Segments
+    from tests.helpers import region_of
+
+    theirs, mine = Segments.of([0, 8], [0, 8], [8, 8]), Segments.of([0, 8], [8, 0], [8, 8])
+    assert theirs.total_bytes == mine.total_bytes and theirs.digest != mine.digest
+    with region_of(16, fill=7) as src, region_of(16, fill=0) as dst:
+        port = TargetPort("127.0.0.1", "t", "g", 0, 5.0, 5.0)
+        try:
+            port.expect({3})
+            admitting = threading.Thread(target=port.admit, args=(5.0,))
+            admitting.start()
+            link = SourceLink(port.address, "t", "g", 3, 0, "tcp", 1, 5.0, 5.0)
+            admitting.join(10)
+            got: dict[int, Any] = {}
+            receiving = threading.Thread(target=lambda: got.update(port.step(dst, {3: mine}, 5.0, "d", 1)))
+            receiving.start()
+            with pytest.raises(tx.TensorXferError, match="other runs"):
+                link.push(src, theirs, 1, "d")
+            receiving.join(10)
+            assert not receiving.is_alive()
+            assert isinstance(got[3], tx.PlanError) and "source 3 computed other runs" in str(got[3]), got
+            assert bytes(memoryview(dst.region)[:16]) == bytes(16), "bytes moved despite the refusal"
+            link.close()
+        finally:
+            port.close()

@@ -272,6 +272,30 @@ def test_plan_matches_numpy_reference(scenario):
         assert all(np.array_equal(a, b) for a, b in zip(runs.flat(), again.pairs[key].flat()))
     shuffled = [RankSpec(s.role, s.rank, reversed(s.tensors)) for s in sources]
     assert plan(shuffled[::-1], targets).digest == pl.digest
+    check_scopes(pl, sources, targets)
+
+
+def check_scopes(pl, sources, targets) -> None:
+    """A plan made for one rank holds exactly the whole plan's runs of that rank's pairs, and its digest."""
+    for spec in [*sources, *targets]:
+        mine = plan(sources, targets, scope=(spec.role, spec.rank))
+        assert mine.digest == pl.digest and mine.scope == (spec.role, spec.rank)
+        at = 0 if spec.role == "source" else 1
+        assert set(mine.pairs) == {k for k in pl.pairs if k[at] == spec.rank}, spec
+        for key, runs in mine.pairs.items():
+            assert all(np.array_equal(a, b) for a, b in zip(vars(runs).values(), vars(pl.pairs[key]).values()))
+        if spec.role == "source":
+            assert mine.send_order == {spec.rank: pl.send_order[spec.rank]}
+            assert mine.bytes_per_source == {spec.rank: pl.bytes_per_source[spec.rank]}
+            assert mine.bytes_per_target == {} and mine.sources_of == {}
+        else:
+            assert mine.sources_of == {spec.rank: pl.sources_of[spec.rank]}
+            assert mine.bytes_per_target == {spec.rank: pl.bytes_per_target[spec.rank]}
+            assert mine.send_order == {} and mine.max_target_bytes == pl.max_target_bytes
+        other = next((r for r in (pl.sources if spec.role == "source" else pl.targets) if r != spec.rank), None)
+        if other is not None:
+            with pytest.raises(PlanError, match="only"):
+                (mine.for_source if spec.role == "source" else mine.for_target)(other)
 
 
 # ---- helpers vs torch ------------------------------------------------------------------------------------
@@ -497,6 +521,10 @@ def test_a_re_plan_after_a_join_or_a_leave_equals_a_plan_from_scratch():
 def test_digest_sees_every_input_and_plan_arrays_are_read_only():
     sources, targets = fsdp_like(2, SHAPES, "source"), fsdp_like(3, SHAPES, "target")
     base = plan(sources, targets)
+    with pytest.raises(PlanError, match="not a rank of this plan"):
+        plan(sources, targets, scope=("target", 3))
+    with pytest.raises(PlanError, match="not a rank of this plan"):
+        plan(sources, targets, scope=("source", 2))
     shifted = [TargetTensor(t.name, t.local_shape, t.dtype, t.region_offset + 4, t.pieces) for t in targets[0].tensors]
     moved = [RankSpec("target", 0, shifted), *targets[1:]]
     assert plan(sources, moved).digest != base.digest

@@ -8,6 +8,7 @@ them together and documents the rules.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,17 +78,18 @@ def source_offsets(g: Columns, entry_off: np.ndarray, entry_stride: np.ndarray,
     return rel, np.where(sd >= 0, stride[np.arange(len(sd)), np.maximum(sd, 0)], 0) * g["item"]
 
 
-def members(g: Columns, ranks: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def members(g: Columns, ranks: list[list[int]], only: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Template groups copied to every target rank sharing the template: (group, member index, rank) per row.
 
     Rows come in (target rank, target offset) order, so runs end up sorted
     by target offset without sorting anything the size of the plan.
+    ``only``: the rows of that target rank alone.
     """
     template = g["template"]
     order = np.lexsort((g["dst"], template))
     bounds = np.searchsorted(template[order], np.arange(len(ranks) + 1))
     pieces, member, rank = [], [], []
-    for r, t, j in sorted((r, t, j) for t, m in enumerate(ranks) for j, r in enumerate(m)):
+    for r, t, j in sorted((r, t, j) for t, m in enumerate(ranks) for j, r in enumerate(m) if only in (None, r)):
         pieces.append(order[bounds[t]:bounds[t + 1]])
         member.append(np.full(bounds[t + 1] - bounds[t], j, dtype=I64))
         rank.append(np.full(bounds[t + 1] - bounds[t], r, dtype=I64))
@@ -96,30 +98,52 @@ def members(g: Columns, ranks: list[list[int]]) -> tuple[np.ndarray, np.ndarray,
     return np.concatenate(pieces), np.concatenate(member), np.concatenate(rank)
 
 
-def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks: list[list[int]],
-           entry_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Choose a holder for every group of every target rank, cutting groups of replicated bytes into parts.
+@dataclass(frozen=True, eq=False)
+class Line:
+    """Where the bytes of every holder set are cut between its holders (see :func:`line`).
+
+    A *block* is the groups of one template with one holder set; a *bm* is a
+    block once per member rank of its template, laid on its set's line.
+    """
+
+    block_id: np.ndarray     # per template group: its block (-1: a cell with one holder)
+    inblock: np.ndarray      # per template group: its byte position inside its block
+    bm_first: np.ndarray     # per block: its first bm (the bm of member j is bm_first + j)
+    pos: np.ndarray          # per bm: where it starts on the line (all sets' lines end to end)
+    first_cut: np.ndarray    # per bm: the first cut after its start
+    last_cut: np.ndarray     # per bm: the first cut at or after its end
+    cut_base: np.ndarray     # per bm: its set's first cut
+    bm_set: np.ndarray       # per bm: its set
+    cuts: np.ndarray         # every set's k - 1 cut positions, set after set
+    set_ranks: list[list[int]]   # per set: its holder ranks, in slot order
+
+    def digest_parts(self) -> list[np.ndarray]:
+        """The decisions (cut positions, holders in slot order) as arrays, for the plan digest."""
+        flat = [r for ranks in self.set_ranks for r in ranks]
+        return [self.cuts, np.array([len(r) for r in self.set_ranks], dtype=I64), np.array(flat, dtype=I64)]
+
+
+def line(g: Columns, cells: Cells, ranks: list[list[int]], entry_rank: np.ndarray) -> Line:
+    """Balance the groups of cells with k holders: each holder set's line and where it is cut.
 
     ``g`` holds the template groups (one copy per distinct target
-    description); ``row``/``member`` expand them to target ranks.  Returns
-    parts in row order as (row, holder slot in the cell, byte offset into
-    the group, bytes).  Groups of cells with one holder go whole to it.
-    Groups of cells with k holders are laid end to end per holder set, in
-    (target rank, target offset) order, and that line is cut into k
-    lengths at row boundaries (element boundaries for single runs), the
-    i-th going to the holder with the i-th lowest rank; the lengths are
-    the holders' shares from :func:`shares`.  Positions are computed per
-    block -- the groups of one holder set in one target rank -- so only
-    rows of blocks that a cut falls into are looked at one by one.
+    description); ``ranks`` the member ranks of each template.  The groups of
+    each holder set are laid end to end, in (target rank, target offset)
+    order, and that line is cut into k lengths (the holders' shares from
+    :func:`shares`), the i-th going to the holder with the i-th lowest rank.
+    Everything here is per block, never per target rank's group, so it costs
+    the same for a plan of one rank as for the whole plan.
     """
     cell = g["cell"]
     k = cells.ptr[cell + 1] - cells.ptr[cell]
     length = g["count"] * g["nbytes"]
-    slot = np.zeros(len(row), dtype=I64)
-    inside = np.zeros(len(row), dtype=I64)
+    n = len(cell)
+    block_id = np.full(n, -1, dtype=I64)
+    inblock = np.zeros(n, dtype=I64)
     mt = np.flatnonzero(k > 1)
+    z = np.zeros(0, dtype=I64)
     if len(mt) == 0:
-        return row_parts(row, slot, inside, length, g, np.zeros(0, dtype=I64), np.zeros(0, dtype=I64))
+        return Line(block_id, inblock, z, z, z, z, z, z, z, [])
     hs = cells.holder_set[cell]
     count = np.array([len(m) for m in ranks], dtype=I64)
     flat = np.array([r for m in ranks for r in m], dtype=I64)
@@ -131,9 +155,7 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
     size = length[order]
     cum = np.cumsum(size)
     block_of = np.repeat(np.arange(len(bstarts)), np.diff(np.append(bstarts, len(order))))
-    inblock = np.zeros(len(cell), dtype=I64)
     inblock[order] = cum - size - (cum[bstarts] - size[bstarts])[block_of]
-    block_id = np.full(len(cell), -1, dtype=I64)
     block_id[order] = block_of
     b_total = np.add.reduceat(size, bstarts)
     b_hs, b_tpl = hs[order[bstarts]], g["template"][order[bstarts]]
@@ -142,12 +164,12 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
     bm_first = np.cumsum(count[b_tpl]) - count[b_tpl]
     bm_rank = flat[(np.cumsum(count) - count)[b_tpl[bm_b]] + bm_j]
     bm_total, bm_hs = b_total[bm_b], b_hs[bm_b]
-    line = np.lexsort((bm_rank, bm_hs))
+    on_line = np.lexsort((bm_rank, bm_hs))
     pos = np.zeros(len(bm_b), dtype=I64)
-    pos[line] = np.cumsum(bm_total[line]) - bm_total[line]
-    sets = segment_starts(bm_hs[line])
-    set_hs = bm_hs[line][sets]
-    set_total = np.add.reduceat(bm_total[line], sets)
+    pos[on_line] = np.cumsum(bm_total[on_line]) - bm_total[on_line]
+    sets = segment_starts(bm_hs[on_line])
+    set_hs = bm_hs[on_line][sets]
+    set_total = np.add.reduceat(bm_total[on_line], sets)
     hs_k = np.zeros(int(hs.max()) + 1, dtype=I64)
     hs_k[hs[mt]] = k[mt]
     set_k = hs_k[set_hs]
@@ -163,24 +185,66 @@ def assign(g: Columns, cells: Cells, row: np.ndarray, member: np.ndarray, ranks:
                         weights=(length[one] * count[g["template"][one]]).astype(np.float64))
     # cut j of a set (j = 1..k-1) lies at its base + the shares of its first j holders
     within = [np.cumsum(x)[:-1] for x in shares(set_ranks, set_total.tolist(), fixed)]
-    cuts = np.repeat(pos[line][sets], set_k - 1) + np.concatenate([*within, np.zeros(0, dtype=I64)]).astype(I64)
-    cut_base = (np.cumsum(set_k - 1) - (set_k - 1))[set_of_hs[bm_hs]]
-    bm_first_cut = np.searchsorted(cuts, pos, side="right")
-    bm_cut = np.searchsorted(cuts, pos + bm_total, side="left") > bm_first_cut
-    rows = np.flatnonzero(block_id[row] >= 0)
-    bm = bm_first[block_id[row[rows]]] + member[rows]
-    slot[rows] = bm_first_cut[bm] - cut_base[bm]
-    hit = np.flatnonzero(bm_cut[bm])
-    if len(hit):  # rows of blocks a cut falls into: where exactly
+    cuts = np.repeat(pos[on_line][sets], set_k - 1) + np.concatenate([*within, np.zeros(0, dtype=I64)]).astype(I64)
+    bm_set = set_of_hs[bm_hs]
+    cut_base = (np.cumsum(set_k - 1) - (set_k - 1))[bm_set]
+    first_cut = np.searchsorted(cuts, pos, side="right")
+    last_cut = np.searchsorted(cuts, pos + bm_total, side="left")
+    return Line(block_id, inblock, bm_first, pos, first_cut, last_cut, cut_base, bm_set, cuts, set_ranks)
+
+
+def source_rows(g: Columns, cells: Cells, ln: Line, row: np.ndarray, member: np.ndarray, entry_rank: np.ndarray,
+                source: int) -> np.ndarray:
+    """The rows (indices into ``row``) that source rank ``source`` may feed: a superset, cut to size later.
+
+    Groups of cells with one holder: those it holds.  Groups of cells with k
+    holders: those of the bms whose stretch of the line reaches its share.
+    """
+    cell = g["cell"]
+    single = np.zeros(len(cell), dtype=bool)
+    one = np.flatnonzero(ln.block_id < 0)
+    single[one] = entry_rank[cells.entries[cells.ptr[cell[one]]]] == source
+    slot = np.array([r.index(source) if source in r else -1 for r in ln.set_ranks], dtype=I64)
+    bm_slot = slot[ln.bm_set] if len(slot) else np.zeros(0, dtype=I64)
+    reach = (bm_slot >= 0) & (ln.first_cut - ln.cut_base <= bm_slot) & (bm_slot <= ln.last_cut - ln.cut_base)
+    block = ln.block_id[row]
+    shared = np.flatnonzero(block >= 0)
+    keep = single[row]
+    keep[shared] = reach[ln.bm_first[block[shared]] + member[shared]]
+    return np.flatnonzero(keep)
+
+
+def assign(g: Columns, ln: Line, row: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                               np.ndarray]:
+    """Choose a holder for every group of every target rank, cutting groups of replicated bytes into parts.
+
+    ``row``/``member`` expand the template groups to target ranks (all of
+    them, or the rows one rank needs).  Returns parts in row order as (row,
+    holder slot in the cell, byte offset into the group, bytes).  Groups of
+    cells with one holder go whole to it; the others to the holder whose
+    share of the line (``ln``) they lie on, cut at row boundaries (element
+    boundaries for single runs) where a cut falls inside them -- only rows of
+    bms a cut falls into are looked at one by one.
+    """
+    length = g["count"] * g["nbytes"]
+    slot = np.zeros(len(row), dtype=I64)
+    inside = np.zeros(len(row), dtype=I64)
+    rows = np.flatnonzero(ln.block_id[row] >= 0)
+    if len(rows) == 0:
+        return row_parts(row, slot, inside, length, g, ln.cuts, np.zeros(0, dtype=I64))
+    bm = ln.bm_first[ln.block_id[row[rows]]] + member[rows]
+    slot[rows] = ln.first_cut[bm] - ln.cut_base[bm]
+    hit = np.flatnonzero(ln.last_cut[bm] > ln.first_cut[bm])
+    if len(hit):  # rows of bms a cut falls into: where exactly
         r, b = rows[hit], bm[hit]
-        start = pos[b] + inblock[row[r]]
-        first = np.searchsorted(cuts, start, side="right")
-        slot[r] = first - cut_base[b]
-        inside[r] = np.maximum(np.searchsorted(cuts, start + length[row[r]], side="left") - first, 0)
+        start = ln.pos[b] + ln.inblock[row[r]]
+        first = np.searchsorted(ln.cuts, start, side="right")
+        slot[r] = first - ln.cut_base[b]
+        inside[r] = np.maximum(np.searchsorted(ln.cuts, start + length[row[r]], side="left") - first, 0)
         starts = np.zeros(len(row), dtype=I64)
         starts[r] = start
-        return row_parts(row, slot, inside, length, g, cuts, starts)
-    return row_parts(row, slot, inside, length, g, cuts, np.zeros(0, dtype=I64))
+        return row_parts(row, slot, inside, length, g, ln.cuts, starts)
+    return row_parts(row, slot, inside, length, g, ln.cuts, np.zeros(0, dtype=I64))
 
 
 def shares(holders: list[list[int]], totals: list[int], fixed: np.ndarray, passes: int = 64) -> list[list[int]]:
@@ -260,10 +324,16 @@ def row_parts(row: np.ndarray, slot: np.ndarray, inside: np.ndarray, length: np.
 
 def finish(g: Columns, cells: Cells, row: np.ndarray, rank: np.ndarray, part: np.ndarray, slot: np.ndarray,
            skip: np.ndarray, size: np.ndarray, entry_rank: np.ndarray, entry_off: np.ndarray,
-           entry_region: np.ndarray, entry_stride: np.ndarray) -> Columns:
-    """Final runs sorted by (source, target, target offset): each part read from its holder's own local tensor."""
+           entry_region: np.ndarray, entry_stride: np.ndarray, only: int | None = None) -> Columns:
+    """Final runs sorted by (source, target, target offset): each part read from its holder's own local tensor.
+
+    ``only``: the runs of that source rank alone.
+    """
     first = cells.ptr[g["cell"]]
     src_rank = entry_rank[cells.entries[first[row[part]] + slot]]
+    if only is not None:
+        mine = np.flatnonzero(src_rank == only)
+        part, slot, skip, size, src_rank = part[mine], slot[mine], skip[mine], size[mine], src_rank[mine]
     # parts come in (target, target offset) order: a stable sort by source finishes the job; then only the
     # part columns move, everything else is looked up again in the (small, cached) template columns
     top = int(src_rank.max()) if len(src_rank) else 0

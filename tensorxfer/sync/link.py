@@ -6,8 +6,9 @@ authenticated once (the control handshake with the group's token; the hello name
 ranks), and its data path is set up on the first step (registered, connected, handles passed) and
 reused by every later one, across membership epochs too.  Each step is the session exchange -- offer,
 accept, data, done, ack -- where the data is the pair's segments: the runs the plan gives it, straight
-from the source's region into the target's live weights.  Every offer carries the plan digest and the
-step: a target that planned otherwise refuses it with :class:`PlanError`.
+from the source's region into the target's live weights.  Every offer carries the plan digest, the
+digest of the pair's runs (each end computed them, from a plan of its own part) and the step: a target
+that planned otherwise refuses it with :class:`PlanError`.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class SourceLink:
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             transport = self._transport
             ch.send("offer", seq=seq, transport=self.transport, fresh=transport.needs_setup(region),
-                    version=version, bytes=segments.total_bytes, streams=self.streams, digest=digest)
+                    version=version, bytes=segments.total_bytes, streams=self.streams, digest=digest,
+                    runs=segments.digest)
             accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
@@ -184,6 +186,9 @@ class _Feed:
         elif field(offer, "bytes", int) != segments.total_bytes:
             msg = (f"source {self.source} offers {offer.get('bytes')} bytes, this target planned "
                    f"{segments.total_bytes} from it: the ranks planned differently")
+        elif field(offer, "runs", str) != segments.digest:
+            msg = (f"source {self.source} computed other runs for this pair ({str(offer.get('runs'))[:16]}) than "
+                   f"this target ({segments.digest[:16]}): their planners differ (versions?)")
         if msg:
             ch.send_error("protocol", msg)
             raise PlanError(f"sync: {msg}")

@@ -55,17 +55,26 @@ numpy over all ranks at once; nothing loops over tensor x source x target):
    ``n`` targets it feeds (in rank order, wrapping), so the sources feeding
    a target do not all start on the same one.
 6. **Digest.**  sha256 over a version tag, every rank's description digest
-   (rank + sha256 of its canonical encoding, sources then targets by rank)
-   and the plan's arrays in their canonical order, as little-endian
-   uint64.
+   (rank + sha256 of its canonical encoding, sources then targets by rank),
+   the template groups and source cells of steps 1-3, and the balancing
+   cuts with their holders in slot order, as little-endian 64-bit values:
+   every decision the runs follow from.
+
+**One rank's part.**  ``plan(..., scope=(role, rank))`` makes every
+decision above over the whole group (steps 1-4 are per template and per
+block, never per target rank) but writes out only the runs of that rank's
+pairs: the rows of its own target rank, or the rows on its stretch of each
+holder set's line.  Its runs equal the whole plan's for those pairs, and its
+digest is the same; the two ends of a pair compare the digest of the pair's
+runs when they move bytes.  This is what a rank of a weight sync computes.
 
 Scale (``benchmarks/bench_plan.py``): a Kimi-K2-shaped model (70k tensors)
 from 256 trainer ranks to 128 inference ranks (16 x TP 8) is 1.4M strided
-groups (113M plain runs) over 3k pairs; :func:`plan` takes about 1 s on
-one core of the shared 2-core development VM (best 0.99 s, median 1.13 s),
-decoding the 384 descriptions 0.26 s more.  The cost grows with the
-source entries (357k here) and the plan's own size, not with tensors x
-sources x targets.
+groups (113M plain runs) over 3k pairs.  The whole plan takes about 1 s on
+one core of the shared 2-core development VM; one rank's part about 0.5 s
+(one target's 11k groups, one source's 4k).  The cost grows with the source
+entries (357k here) and, for the whole plan, its own size, not with tensors
+x sources x targets.
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ import hashlib
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import numpy as np
@@ -98,7 +107,7 @@ from tensorxfer.sync.spec import RankSpec
 
 __all__ = ["Plan", "Runs", "SourceView", "TargetView", "plan"]
 
-DIGEST_TAG = b"tensorxfer.sync.plan/1\0"
+DIGEST_TAG = b"tensorxfer.sync.plan/2\0"
 U64 = np.uint64
 
 
@@ -174,15 +183,20 @@ class Plan:
     / ``bytes_per_target`` the bytes each sends / receives (a target's is
     the total size of its tensors: what completes it); ``max_target_bytes``
     the largest of those (the bound on a sync's time at one link's rate).
-    ``digest`` (hex sha256) covers the inputs and the whole plan: ranks
-    compare it to know they computed the same schedule.
+    ``digest`` (hex sha256) covers the inputs and every decision of the
+    plan: ranks compare it to know they computed the same schedule.
+
+    A plan made with ``scope=(role, rank)`` holds that rank's pairs only:
+    ``pairs``, ``pair_bytes`` and the per-rank maps cover that rank alone
+    (``max_target_bytes`` still covers every target).
     """
 
     def __init__(self, source_ranks: tuple[int, ...], target_ranks: tuple[int, ...], arrays: dict[str, np.ndarray],
-                 target_bytes: dict[int, int], digest: str) -> None:
+                 target_bytes: dict[int, int], digest: str, scope: tuple[str, int] | None = None) -> None:
         self.sources = source_ranks
         self.targets = target_ranks
         self.digest = digest
+        self.scope = scope
         for value in arrays.values():
             value.flags.writeable = False  # Runs hand out views of these
         self._a = arrays
@@ -193,20 +207,23 @@ class Plan:
         nbytes = arrays["count"] * arrays["nbytes"]
         per_pair = np.add.reduceat(nbytes, starts) if len(starts) else np.zeros(0, dtype=U64)
         self.pair_bytes = {k: int(b) for k, b in zip(self._index, per_pair)}
-        self.bytes_per_source = {r: 0 for r in source_ranks}
-        self.bytes_per_target = {r: 0 for r in target_ranks}
-        fed: dict[int, list[int]] = {r: [] for r in source_ranks}
-        feeding: dict[int, list[int]] = {r: [] for r in target_ranks}
+        self.bytes_per_source = {r: 0 for r in source_ranks if scope in (None, ("source", r))}
+        self.bytes_per_target = {r: 0 for r in target_ranks if scope in (None, ("target", r))}
+        fed: dict[int, list[int]] = {r: [] for r in self.bytes_per_source}
+        feeding: dict[int, list[int]] = {r: [] for r in self.bytes_per_target}
         for (s, t), b in self.pair_bytes.items():
-            self.bytes_per_source[s] += b
-            self.bytes_per_target[t] += b
-            fed[s].append(t)
-            feeding[t].append(s)
-        if self.bytes_per_target != target_bytes:  # guards the planner itself: a bug, not bad input
-            raise AssertionError(f"planner bug: bytes per target {self.bytes_per_target} != {target_bytes}")
+            if s in fed:
+                self.bytes_per_source[s] += b
+                fed[s].append(t)
+            if t in feeding:
+                self.bytes_per_target[t] += b
+                feeding[t].append(s)
+        want = {t: target_bytes[t] for t in self.bytes_per_target}
+        if self.bytes_per_target != want:  # guards the planner itself: a bug, not bad input
+            raise AssertionError(f"planner bug: bytes per target {self.bytes_per_target} != {want}")
         self.send_order = {s: tuple(ts[s % len(ts):] + ts[:s % len(ts)]) if ts else () for s, ts in fed.items()}
         self.sources_of = {t: frozenset(ss) for t, ss in feeding.items()}
-        self.max_target_bytes = max(self.bytes_per_target.values(), default=0)
+        self.max_target_bytes = max(target_bytes.values(), default=0)
         self._pairs: dict[tuple[int, int], Runs] | None = None
 
     @property
@@ -234,16 +251,23 @@ class Plan:
     def for_source(self, rank: int) -> SourceView:
         """The part of the plan source ``rank`` executes."""
         if rank not in self.bytes_per_source:
-            raise PlanError(f"rank {rank} is not a source of this plan (sources: {list(self.sources)})")
+            raise PlanError(self._absent("source", rank))
         order = self.send_order[rank]
         return SourceView(rank, order, {t: self.runs(rank, t) for t in order}, self.bytes_per_source[rank])
 
     def for_target(self, rank: int) -> TargetView:
         """The part of the plan target ``rank`` waits for."""
         if rank not in self.bytes_per_target:
-            raise PlanError(f"rank {rank} is not a target of this plan (targets: {list(self.targets)})")
+            raise PlanError(self._absent("target", rank))
         sources = tuple(sorted(self.sources_of[rank]))
         return TargetView(rank, sources, {s: self.runs(s, rank) for s in sources}, self.bytes_per_target[rank])
+
+    def _absent(self, role: str, rank: int) -> str:
+        ranks = list(self.sources if role == "source" else self.targets)
+        if rank in ranks and self.scope is not None:
+            return (f"this plan holds the runs of {self.scope[0]} rank {self.scope[1]} only (made with scope=); "
+                    f"plan without a scope for {role} rank {rank}'s")
+        return f"rank {rank} is not a {role} of this plan ({role}s: {ranks})"
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(self._index)
@@ -475,12 +499,18 @@ class _LastSteps:
 
 
 def _freeze(value: Any) -> None:
-    items = value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else \
-        vars(value).values() if hasattr(value, "__dict__") else ()
-    for item in items:
-        if isinstance(item, np.ndarray):
+    # arrays sit in tuples, dataclasses and dicts of arrays; lists and dicts of other values (names, specs, a
+    # name index) are not walked: that costs 0.1 s at 70k tensors
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    elif isinstance(value, tuple):
+        for item in value:
+            _freeze(item)
+    elif isinstance(value, dict):
+        for item in [v for v in value.values() if type(v) is np.ndarray]:
             item.flags.writeable = False
-        elif isinstance(item, (tuple, list, dict)) or hasattr(item, "__dict__"):
+    elif is_dataclass(value):
+        for item in vars(value).values():
             _freeze(item)
 
 
@@ -494,8 +524,9 @@ def _index_sources(src_specs: list[RankSpec], width: int) -> tuple[_Sources, Cel
 
 
 def _template_geometry(templates: list[RankSpec], width: int, src: _Sources,
-                       cells: Cells) -> tuple[Any, dict[str, np.ndarray], np.ndarray]:
-    """Steps 2-3 for one description per template: intersections (coverage checked) and byte geometry."""
+                       cells: Cells) -> tuple[Any, dict[str, np.ndarray], np.ndarray, bytes]:
+    """Steps 2-3 for one description per template: intersections (coverage checked), byte geometry, and the
+    digest of both (the template groups and the cells they read from)."""
     pc = _gather_targets(templates, width, src)
     ip, ic = overlap_pairs(pc.tid, pc.off, pc.size, cells.tid, cells.off, cells.size)
     i_off, i_size = intersect(pc.off[ip], pc.size[ip], cells.off[ic], cells.size[ic])
@@ -506,16 +537,30 @@ def _template_geometry(templates: list[RankSpec], width: int, src: _Sources,
     g["template"] = pc.template[ip[g.pop("row")]]
     entry_stride = c_strides(src.size)
     g["src_rel"], g["src_stride"] = _runs.source_offsets(g, src.off, entry_stride, cells.entries[cells.ptr[g["cell"]]])
-    return pc, g, entry_stride
+    h = hashlib.sha256()
+    _hash(h, [g[k] for k in ("template", "cell", "dst", "count", "nbytes", "dst_stride", "src_rel", "src_stride")])
+    _hash(h, [cells.tid, cells.off, cells.size, cells.ptr, cells.entries])
+    return pc, g, entry_stride, h.digest()
 
 
-def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
+def _hash(h: Any, arrays: Sequence[np.ndarray]) -> None:
+    """Feed integer arrays to ``h`` as little-endian 64-bit values (the same bytes on every machine)."""
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).astype("<u8" if a.dtype.kind == "u" else "<i8", copy=False).data)
+
+
+def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec], *, scope: tuple[str, int] | None = None) -> Plan:
     """The static schedule moving the sources' shards into the targets' tensors; see the module docstring.
 
     Parameters
     ----------
     sources, targets
         One :class:`~tensorxfer.sync.spec.RankSpec` per rank, in any order.
+    scope : ("source", rank) or ("target", rank), optional
+        Expand only the runs of that rank's pairs: what the rank executes.  Every decision (the index, the
+        template geometry, the balancing cuts) is still made over the whole group, so these runs are exactly
+        the whole plan's for those pairs and the digest is the same; what is skipped is writing out the
+        other ranks' runs, most of the work at scale.
 
     Raises
     ------
@@ -525,11 +570,15 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
         source tensor no rank holds, whose dtype differs from the target's,
         or whose box falls outside the global tensor; target bytes held by
         no source (the message names the target rank, tensor and an
-        uncovered box).  Rank-local faults (duplicate names, overlapping
-        pieces) are refused when each RankSpec is built.
+        uncovered box); a ``scope`` naming a rank that is not in the plan.
+        Rank-local faults (duplicate names, overlapping pieces) are refused
+        when each RankSpec is built.
     """
     src_specs = _ranks(sources, "source")
     tgt_specs = _ranks(targets, "target")
+    if scope is not None and scope not in {(s.role, s.rank) for s in src_specs + tgt_specs}:
+        raise PlanError(f"scope {scope!r} is not a rank of this plan: give ('source', rank) or ('target', rank) of "
+                        "one of the described ranks")
     width = max([1] + [s.columns.shape.shape[1] for s in src_specs + tgt_specs])
     source_key = (width, tuple((s.rank, s.digest) for s in src_specs))
     src, cells = _STEPS.get(("sources", source_key), lambda: _index_sources(src_specs, width))
@@ -538,18 +587,25 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec]) -> Plan:
     for spec in tgt_specs:
         by_content.setdefault(spec.content_digest, []).append(spec)
     templates = list(by_content.values())
-    pc, g, entry_stride = _STEPS.get(("templates", source_key, tuple(by_content)),
-                                     lambda: _template_geometry([m[0] for m in templates], width, src, cells))
+    pc, g, entry_stride, geometry_digest = _STEPS.get(
+        ("templates", source_key, tuple(by_content)),
+        lambda: _template_geometry([m[0] for m in templates], width, src, cells))
     member_ranks = [[s.rank for s in m] for m in templates]
-    row, member, rank = _runs.members(g, member_ranks)
-    part, slot, skip, size = _runs.assign(g, cells, row, member, member_ranks, src.rank)
-    runs = _runs.coalesce(_runs.finish(g, cells, row, rank, part, slot, skip, size, src.rank, src.off,
-                                       src.region, entry_stride))
-    arrays = {k: (v.astype(I64) if k.endswith("rank") else v.astype(U64)) for k, v in runs.items()}
+    ln = _runs.line(g, cells, member_ranks, src.rank)
     h = hashlib.sha256(DIGEST_TAG)
     for spec in src_specs + tgt_specs:
         h.update(spec.digest)
-    for key in ("src_rank", "dst_rank", "src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride"):
-        h.update(np.ascontiguousarray(arrays[key]).view(np.uint64).astype("<u8", copy=False).data)
+    h.update(geometry_digest)
+    _hash(h, ln.digest_parts())
+    row, member, rank = _runs.members(g, member_ranks, scope[1] if scope and scope[0] == "target" else None)
+    only_source = scope[1] if scope and scope[0] == "source" else None
+    if only_source is not None:
+        keep = _runs.source_rows(g, cells, ln, row, member, src.rank, only_source)
+        row, member, rank = row[keep], member[keep], rank[keep]
+    part, slot, skip, size = _runs.assign(g, ln, row, member)
+    runs = _runs.coalesce(_runs.finish(g, cells, row, rank, part, slot, skip, size, src.rank, src.off,
+                                       src.region, entry_stride, only_source))
+    arrays = {k: (v.astype(I64) if k.endswith("rank") else v.astype(U64)) for k, v in runs.items()}
     total = {s.rank: t for m, t in zip(templates, pc.total) for s in m}
-    return Plan(tuple(s.rank for s in src_specs), tuple(s.rank for s in tgt_specs), arrays, total, h.hexdigest())
+    return Plan(tuple(s.rank for s in src_specs), tuple(s.rank for s in tgt_specs), arrays, total, h.hexdigest(),
+                scope)

@@ -226,7 +226,7 @@ class WeightSync:
         if record.epoch == self._planned:
             return
         sources, targets, self._addresses = self.members.specs(record, timeout)
-        p = plan(sources, targets)
+        p = plan(sources, targets, scope=(self.role, self.rank))   # this rank's runs only
         self.members.publish_digest(record.epoch, p.digest)
         if agree:
             self._agree(record, p, timeout)

@@ -16,6 +16,7 @@ group; GPU: one 2-D copy per group); rdma writes each run to its place.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,14 @@ class Segments:
     @property
     def total_bytes(self) -> int:
         return int((self.nbytes * self.count).sum())
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Hex sha256 of the groups (little-endian uint64 columns): the two ends of a pair compare it."""
+        h = hashlib.sha256(b"tensorxfer.segments/1\0")
+        for name in _FIELDS:
+            h.update(np.ascontiguousarray(getattr(self, name)).astype("<u8", copy=False).data)
+        return h.hexdigest()
 
     def check_within(self, src_size: int, dst_size: int) -> None:
         """Every run lies inside both regions.
