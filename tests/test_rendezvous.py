@@ -225,3 +225,39 @@ def test_the_default_read_waits_on_any_store_that_can_only_peek() -> None:
     assert 0.15 < time.monotonic() - t < 1.0
     with pytest.raises(tx.TransferTimeout, match="k/never"):
         store.read(["k/late", "k/never"], 0.2)
+
+
+def test_descriptions_are_stored_compressed_and_a_bad_body_is_refused(url: str) -> None:
+    """Bodies go into the store zlib-compressed under the hash of the uncompressed body; a reader inflates
+    with a limit and checks the hash: a body that is not zlib, inflates too far or was altered is refused."""
+    import zlib
+
+    from tensorxfer.sync import membership
+
+    rdv = connect(url)
+    try:
+        names = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(8) for e in range(16)]
+        spec = RankSpec("source", 0, [SourceTensor(n, (4,), "F32", replicate_box((4,)), 16 * i)
+                                      for i, n in enumerate(names)])
+        writer = Membership(rdv, "z", "source", 0, 5.0)
+        writer.register(spec)
+        first = writer.form((1, 0), 10)
+        key = writer.key("body", spec.content_digest.hex())
+        stored = rdv.peek([key])[0]
+        assert stored is not None and zlib.decompress(stored) == spec.body and len(stored) < len(spec.body) / 4
+        assert Membership(rdv, "z", "target", 0, 5.0).specs(first, 5)[0] == [spec]
+        for bad, why in ((spec.body, "not zlib data"), (zlib.compress(spec.body + b"x"), "does not hash"),
+                         (zlib.compress(spec.body)[:-9], "truncated")):
+            rdv.publish(key, bad)
+            with pytest.raises(tx.PlanError, match=why):
+                Membership(rdv, "z", "target", 0, 5.0).specs(first, 5)
+        bomb = zlib.compress(b"\0" * (4 << 20))
+        rdv.publish(key, bomb)
+        old, membership.MAX_BODY = membership.MAX_BODY, 1 << 20
+        try:
+            with pytest.raises(tx.PlanError, match="inflates past"):
+                Membership(rdv, "z", "target", 0, 5.0).specs(first, 5)
+        finally:
+            membership.MAX_BODY = old
+    finally:
+        rdv.close()

@@ -9,6 +9,7 @@ Nothing here knows about ranks or names.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,36 @@ def c_strides(shape: np.ndarray) -> np.ndarray:
     return out
 
 
+def _across(op: np.ufunc, rows: np.ndarray, empty: object, dtype: Any) -> np.ndarray:
+    """``op`` reduced across each row of an (n, D) array, column by column: boxes have a handful of
+    dimensions, and numpy's ``axis=1`` reduction over rows that short is 7-10x slower than D vector ops."""
+    n, d = rows.shape
+    if d == 0:
+        return np.full(n, empty, dtype=dtype)
+    out = rows[:, 0].astype(dtype)
+    for j in range(1, d):
+        op(out, rows[:, j], out=out)
+    return out
+
+
+def row_any(rows: np.ndarray) -> np.ndarray:
+    """``rows.any(axis=1)`` for a boolean (n, D) array."""
+    return _across(np.logical_or, rows, False, bool)
+
+
+def row_all(rows: np.ndarray) -> np.ndarray:
+    """``rows.all(axis=1)`` for a boolean (n, D) array."""
+    return _across(np.logical_and, rows, True, bool)
+
+
+def row_sum(rows: np.ndarray) -> np.ndarray:
+    """``rows.sum(axis=1)`` for an integer (n, D) array."""
+    return _across(np.add, rows, 0, I64)
+
+
 def numel(sizes: np.ndarray) -> np.ndarray:
-    """Elements per box row (1 for zero-dimensional rows)."""
-    return np.prod(sizes, axis=1, dtype=I64) if sizes.shape[1] else np.ones(len(sizes), dtype=I64)
+    """Elements per box row (1 for zero-dimensional rows); float64 for float64 sizes (no wrapping)."""
+    return _across(np.multiply, sizes, 1, np.float64 if sizes.dtype == np.float64 else I64)
 
 
 def segment_starts(sorted_keys: np.ndarray) -> np.ndarray:
@@ -84,9 +112,9 @@ def overlap_pairs(
     primary = np.zeros(ngroups, dtype=I64)
     if dims:
         # the dimension whose offsets span the most box lengths: the one the boxes are stacked along
-        offs = b_off[by_group]
+        offs = np.take(b_off, by_group, axis=0)
         spread = np.maximum.reduceat(offs, starts, axis=0) - np.minimum.reduceat(offs, starts, axis=0)
-        longest_d = np.maximum.reduceat(b_size[by_group], starts, axis=0)
+        longest_d = np.maximum.reduceat(np.take(b_size, by_group, axis=0), starts, axis=0)
         primary[present] = np.argmax(spread / np.maximum(longest_d, 1), axis=1)
         b_coord = b_off[np.arange(len(b_group)), primary[b_group]]
         b_len = b_size[np.arange(len(b_group)), primary[b_group]]
@@ -109,9 +137,10 @@ def overlap_pairs(
     ib = order[pos]
     if len(ia) == 0:
         return empty
-    lo_all = np.maximum(a_off[ia], b_off[ib])
-    hi_all = np.minimum(a_off[ia] + a_size[ia], b_off[ib] + b_size[ib])
-    keep = np.all(lo_all < hi_all, axis=1)
+    a_lo, b_lo = np.take(a_off, ia, axis=0), np.take(b_off, ib, axis=0)   # np.take: rows, 4x faster than a[i]
+    lo_all = np.maximum(a_lo, b_lo)
+    hi_all = np.minimum(a_lo + np.take(a_size, ia, axis=0), b_lo + np.take(b_size, ib, axis=0))
+    keep = row_all(lo_all < hi_all)
     return ia[keep], ib[keep]
 
 
@@ -132,9 +161,9 @@ def crowded_groups(group: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.n
     by_group = np.argsort(group, kind="stable")
     starts = segment_starts(group[by_group])
     present = group[by_group][starts]
-    spread = (np.maximum.reduceat(off[by_group], starts, axis=0)
-              - np.minimum.reduceat(off[by_group], starts, axis=0))
-    longest = np.maximum.reduceat(size[by_group], starts, axis=0)
+    grouped = np.take(off, by_group, axis=0)
+    spread = np.maximum.reduceat(grouped, starts, axis=0) - np.minimum.reduceat(grouped, starts, axis=0)
+    longest = np.maximum.reduceat(np.take(size, by_group, axis=0), starts, axis=0)
     primary = np.zeros(int(group.max()) + 1, dtype=I64)
     primary[present] = np.argmax(spread / np.maximum(longest, 1), axis=1)
     rows = np.arange(len(group))

@@ -25,7 +25,7 @@ import numpy as np
 
 from tensorxfer.dtypes import DTYPES
 from tensorxfer.errors import PlanError
-from tensorxfer.sync._boxes import I64, MAX_DIM, format_box, numel, overlap_pairs, segment_starts
+from tensorxfer.sync._boxes import I64, MAX_DIM, format_box, numel, overlap_pairs, row_any, segment_starts
 
 DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
 ITEMSIZE = np.array([DTYPES[name].itemsize for name in DTYPE_NAMES], dtype=I64)
@@ -133,9 +133,10 @@ def _check_strings(names: tuple[str, ...], what: str) -> None:
 
 
 def _check_names(names: tuple[str, ...], what: str) -> None:
-    for i in range(1, len(names)):
-        if names[i] == names[i - 1]:
-            _fail(f"{what} holds tensor {names[i]!r} twice; every tensor name must appear once per rank")
+    if len(set(names)) != len(names):   # in C (and the hashes it computes are kept for the planner's dicts)
+        seen: set[str] = set()
+        twice = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        _fail(f"{what} holds tensor {twice!r} twice; every tensor name must appear once per rank")
 
 
 def _check_padding(ndim: np.ndarray, arrays: list[tuple[np.ndarray, int, str]], what: str) -> None:
@@ -145,7 +146,7 @@ def _check_padding(ndim: np.ndarray, arrays: list[tuple[np.ndarray, int, str]], 
     width = arrays[0][0].shape[1]
     pad = np.arange(width)[None, :] < (width - ndim)[:, None]
     for array, fill, field in arrays:
-        bad = np.flatnonzero(np.any(pad & (array != fill), axis=1))
+        bad = np.flatnonzero(row_any(pad & (array != fill)))
         if len(bad):
             _fail(f"{what}: row {int(bad[0])} of {field} has values in its padding dimensions")
 
@@ -166,7 +167,7 @@ def _check_common(names: tuple[str, ...], dtype: np.ndarray, ndim: np.ndarray, s
     if np.any(shape < 0) or np.any(shape > MAX_DIM):
         _fail(f"{what}: every dimension must be between 0 and {MAX_DIM}")
     # float product: an int64 one could wrap before the comparison
-    huge = np.flatnonzero(np.prod(shape.astype(np.float64), axis=1) * ITEMSIZE[dtype] >= MAX_OFFSET)
+    huge = np.flatnonzero(numel(shape.astype(np.float64)) * ITEMSIZE[dtype] >= MAX_OFFSET)
     if len(huge):
         _fail(f"{what}: tensor {names[int(huge[0])]!r} has 2**62 bytes or more")
     _check_names(names, what)
@@ -200,8 +201,8 @@ def check_source(cols: SourceColumns, rank: int) -> None:
         _fail(f"{what}: column lengths disagree")
     _check_padding(cols.ndim, [(cols.shape, 1, "shape"), (cols.box_off, 0, "box offsets"),
                                (cols.box_size, 1, "box sizes")], what)
-    outside = np.flatnonzero(np.any((cols.box_off < 0) | (cols.box_size < 0)
-                                    | (cols.box_off + cols.box_size > cols.shape), axis=1))
+    outside = np.flatnonzero(row_any((cols.box_off < 0) | (cols.box_size < 0)
+                                     | (cols.box_off + cols.box_size > cols.shape)))
     if len(outside):
         i = int(outside[0])
         _fail(f"{what}: tensor {cols.names[i]!r} holds box {format_box(cols.box_off[i], cols.box_size[i])}, "
@@ -232,9 +233,9 @@ def check_target(cols: TargetColumns, rank: int) -> None:
     _check_padding(cols.ndim, [(cols.shape, 1, "local shape")], what)
     _check_padding(cols.piece_ndim, [(cols.piece_off, 0, "piece offsets"), (cols.piece_size, 1, "piece sizes")], what)
     _check_padding(tensor_ndim, [(cols.piece_at, 0, "piece positions")], what)
-    local = cols.shape[cols.piece_tensor]
-    bad = np.any((cols.piece_off < 0) | (cols.piece_size < 0) | (cols.piece_off > MAX_DIM) | (cols.piece_at < 0)
-                 | (cols.piece_at + cols.piece_size > local), axis=1)
+    local = np.take(cols.shape, cols.piece_tensor, axis=0)
+    bad = row_any((cols.piece_off < 0) | (cols.piece_size < 0) | (cols.piece_off > MAX_DIM) | (cols.piece_at < 0)
+                  | (cols.piece_at + cols.piece_size > local))
     if np.any(bad):
         i = int(np.flatnonzero(bad)[0])
         t = int(cols.piece_tensor[i])

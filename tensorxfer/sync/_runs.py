@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensorxfer.sync._boxes import I64, c_strides, expand_ranges, segment_starts
+from tensorxfer.sync._boxes import I64, c_strides, expand_ranges, row_any, row_sum, segment_starts
 from tensorxfer.sync._grid import Cells
 
 Columns = dict[str, np.ndarray]
@@ -44,18 +44,18 @@ def geometry(i_off: np.ndarray, i_size: np.ndarray, src_shape: np.ndarray, local
         run = np.where(extend, run * i_size[:, d], run)
         outer[:, d] = big & ~extend
         going &= ~outer[:, d]
-    has_outer = outer.any(axis=1)
+    has_outer = row_any(outer)
     sd = np.where(has_outer, width - 1 - np.argmax(outer[:, ::-1], axis=1), -1)
     rows = np.arange(n)
     count = np.where(has_outer, i_size[rows, np.maximum(sd, 0)], 1)
     extra = outer.copy()
     extra[rows[has_outer], sd[has_outer]] = False
     per_row = np.prod(np.where(extra, i_size, 1), axis=1, dtype=I64) if width else np.ones(n, dtype=I64)
-    dst = dst_region + item * np.sum(dst_coord * t_stride, axis=1)
+    dst = dst_region + item * row_sum(dst_coord * t_stride)
     coord, row = i_off, rows
     if np.any(per_row > 1):
         row, k = expand_ranges(np.zeros(n, dtype=I64), per_row)
-        coord = i_off[row].copy()
+        coord = np.take(i_off, row, axis=0)
         dst = dst[row].copy()
         for d in range(width - 1, -1, -1):
             on = extra[row, d]
@@ -72,8 +72,8 @@ def geometry(i_off: np.ndarray, i_size: np.ndarray, src_shape: np.ndarray, local
 def source_offsets(g: Columns, entry_off: np.ndarray, entry_stride: np.ndarray,
                    entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Byte offset of each group's first element inside source ``entry``'s local tensor, and the row stride."""
-    stride = entry_stride[entry]
-    rel = g["item"] * np.sum((g["coord"] - entry_off[entry]) * stride, axis=1)
+    stride = np.take(entry_stride, entry, axis=0)
+    rel = g["item"] * row_sum((g["coord"] - np.take(entry_off, entry, axis=0)) * stride)
     sd = g["sd"]
     return rel, np.where(sd >= 0, stride[np.arange(len(sd)), np.maximum(sd, 0)], 0) * g["item"]
 

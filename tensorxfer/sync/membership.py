@@ -13,8 +13,9 @@ Keys (under ``tensorxfer.sync/<group>/``), all msgpack:
 ========================================  ==============================================================
 ``member/<role>/<rank>``                   ``{uid, address}``: alive while the rank is (join / leave)
 ``spec/<role>/<rank>/<uid>``               ``{content, address}``: written once per incarnation, kept
-``body/<content>``                         a description's body (no rank) under its sha256: the replicas
-                                           of a TP rank share one, so a rank reads each body once
+``body/<content>``                         a description's body (no rank), zlib-compressed (names repeat:
+                                           about 10x smaller), under the sha256 of the uncompressed body:
+                                           the replicas of a TP rank share one; a rank reads each once
 ``step/<n>``                               ``{epoch, sources, targets}`` (rank -> uid): first writer wins
 ``latest``                                 the newest step decided (where a joining target starts)
 ``report/<n>/<role>/<rank>``               ``{ok, version, failed}`` after step ``n`` (failed: peer -> why)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from tensorxfer.sync.spec import RankSpec
 
 ROLES = ("source", "target")
 LEADER_WAIT = 1.0       # seconds a source waits for the lowest source's step record before deciding itself
+MAX_BODY = 1 << 28      # bytes a description body may inflate to (a store's value is not trusted)
 
 
 def group_key(group: str, *parts: object) -> str:
@@ -142,7 +145,7 @@ class Membership:
         content = spec.content_digest.hex()
         body_key = self.key("body", content)
         if not self.rdv.has(body_key):                  # a replica may have put it already
-            self.rdv.publish(body_key, spec.body)
+            self.rdv.publish(body_key, zlib.compress(spec.body, 3))
         self.rdv.publish(self.key("spec", self.role, self.rank, self.uid),
                          _pack({"content": content, "address": where}))
         self.rdv.join(self.key("member", self.role), str(self.rank), _pack({"uid": self.uid, "address": where}))
@@ -250,7 +253,8 @@ class Membership:
         new = [w for w in wanted if w not in self._specs]
         records = [_unpack(v) for v in self.rdv.read([self.key("spec", *w) for w in new], timeout)]
         contents = list(dict.fromkeys(r["content"] for r in records if r["content"] not in self._bodies))
-        for content, body in zip(contents, self.rdv.read([self.key("body", c) for c in contents], timeout)):
+        for content, packed in zip(contents, self.rdv.read([self.key("body", c) for c in contents], timeout)):
+            body = self._inflate(content, packed)
             if hashlib.sha256(body).hexdigest() != content:
                 raise PlanError(f"sync {self.group!r}: the store's description body {content[:16]} does not hash "
                                 f"to its name (a corrupted or tampered store)")
@@ -263,6 +267,18 @@ class Membership:
                 raise PlanError(f"sync {self.group!r}: {w[0]} rank {w[1]} registered a {spec.role}'s description")
             self._specs[w] = (spec, (where[0], int(where[1])) if where else None)
         return [self._specs[w][0] for w in wanted], [self._specs[w][1] for w in wanted]
+
+    def _inflate(self, content: str, packed: bytes) -> bytes:
+        inflate = zlib.decompressobj()
+        try:
+            body = inflate.decompress(packed, MAX_BODY)
+        except zlib.error as e:
+            raise PlanError(f"sync {self.group!r}: the store's description body {content[:16]} is not zlib data "
+                            f"({e}): written by another tensorxfer version, or corrupted") from None
+        if not inflate.eof:
+            raise PlanError(f"sync {self.group!r}: the store's description body {content[:16]} is truncated or "
+                            f"inflates past {MAX_BODY} bytes")
+        return body
 
     def decide(self, step: int, prev: StepRecord) -> StepRecord:
         """Sources: the members of ``step`` (the previous step's, less the dead, plus the targets that joined).

@@ -99,6 +99,7 @@ from tensorxfer.sync._boxes import (
     intersect,
     numel,
     overlap_pairs,
+    row_any,
     segment_starts,
 )
 from tensorxfer.sync._columns import ITEMSIZE, SourceColumns, TargetColumns
@@ -318,13 +319,15 @@ class _Sources:
 
 def _gather_sources(specs: list[RankSpec], width: int) -> _Sources:
     cols: list[SourceColumns] = [s.columns for s in specs]  # type: ignore[misc]
-    # tensors numbered in order of first appearance (ranks ascending, names sorted): deterministic, and
-    # dict/map/chain run in C -- this touches every (rank, tensor) name
-    names = list(dict.fromkeys(itertools.chain.from_iterable(c.names for c in cols)))
-    index = {n: i for i, n in enumerate(names)}
+    # tensors numbered in order of first appearance (ranks ascending, names sorted): deterministic.  Ranks
+    # often hold the very same names (FSDP: all of them; replicas), so each distinct list is numbered once;
+    # dict/map/chain/zip run in C -- this touches every (rank, tensor) name
+    lists = list(dict.fromkeys(c.names for c in cols))
+    names = list(dict.fromkeys(itertools.chain.from_iterable(lists)))
+    index = dict(zip(names, range(len(names))))
+    numbered = {n: np.fromiter(map(index.__getitem__, n), dtype=I64, count=len(n)) for n in lists}
     counts = [len(c.names) for c in cols]
-    tid = np.fromiter(map(index.__getitem__, itertools.chain.from_iterable(c.names for c in cols)), dtype=I64,
-                      count=sum(counts))
+    tid = np.concatenate([numbered[c.names] for c in cols] or [np.zeros(0, dtype=I64)])
     rank = np.repeat(np.array([s.rank for s in specs], dtype=I64), counts)
     bounds = np.concatenate(([0], np.cumsum(counts))).astype(I64)
 
@@ -344,7 +347,8 @@ def _gather_sources(specs: list[RankSpec], width: int) -> _Sources:
     by_tid = np.argsort(tid, kind="stable")
     first = by_tid[segment_starts(tid[by_tid])]
     t_shape, t_ndim, t_dtype = shape[first], ndim[first], dtype[first]
-    bad = np.flatnonzero(np.any(shape != t_shape[tid], axis=1) | (ndim != t_ndim[tid]) | (dtype != t_dtype[tid]))
+    bad = np.flatnonzero(row_any(shape != np.take(t_shape, tid, axis=0)) | (ndim != t_ndim[tid])
+                         | (dtype != t_dtype[tid]))
     if len(bad):
         e = int(bad[0])
         f = int(first[tid[e]])
@@ -390,8 +394,8 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
     for number, spec in enumerate(specs):
         c: TargetColumns = spec.columns  # type: ignore[assignment]
         total.append(int((numel(c.shape) * ITEMSIZE[c.dtype]).sum()))
-        get = src.index.get
-        tid = np.array([get(n, -1) for n in c.piece_source], dtype=I64)
+        tid = np.fromiter(map(src.index.get, c.piece_source, itertools.repeat(-1)), dtype=I64,
+                          count=len(c.piece_source))
         pt = c.piece_tensor
         missing = np.flatnonzero(tid < 0)
         if len(missing):
@@ -416,7 +420,7 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
                 f"target rank {spec.rank} tensor {c.names[pt[j]]!r} takes a {int(c.piece_ndim[j])}-D box of source "
                 f"tensor {c.piece_source[j]!r}, which has {int(src.ndim[tid[j]])} dimensions")
         off, size = _pad(c.piece_off, width, 0), _pad(c.piece_size, width, 1)
-        bad = np.flatnonzero(np.any(off + size > src.shape[tid], axis=1))
+        bad = np.flatnonzero(row_any(off + size > np.take(src.shape, tid, axis=0)))
         if len(bad):
             j = int(bad[0])
             raise PlanError(
@@ -529,10 +533,12 @@ def _template_geometry(templates: list[RankSpec], width: int, src: _Sources,
     digest of both (the template groups and the cells they read from)."""
     pc = _gather_targets(templates, width, src)
     ip, ic = overlap_pairs(pc.tid, pc.off, pc.size, cells.tid, cells.off, cells.size)
-    i_off, i_size = intersect(pc.off[ip], pc.size[ip], cells.off[ic], cells.size[ic])
+    p_off = np.take(pc.off, ip, axis=0)     # np.take: rows of a 2-D array, 4x faster than pc.off[ip]
+    i_off, i_size = intersect(p_off, np.take(pc.size, ip, axis=0), np.take(cells.off, ic, axis=0),
+                              np.take(cells.size, ic, axis=0))
     _check_coverage(pc, src, cells, ip, numel(i_size))
-    g = _runs.geometry(i_off, i_size, cells.repr_size[ic], pc.local_shape[ip],
-                       pc.at[ip] + (i_off - pc.off[ip]), pc.region[ip], pc.itemsize[ip])
+    g = _runs.geometry(i_off, i_size, np.take(cells.repr_size, ic, axis=0), np.take(pc.local_shape, ip, axis=0),
+                       np.take(pc.at, ip, axis=0) + (i_off - p_off), pc.region[ip], pc.itemsize[ip])
     g["cell"] = ic[g["row"]]
     g["template"] = pc.template[ip[g.pop("row")]]
     entry_stride = c_strides(src.size)
