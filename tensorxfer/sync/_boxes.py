@@ -155,9 +155,14 @@ def crowded_groups(group: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.n
     """
     if len(group) == 0:
         return np.zeros(0, dtype=I64)
+    counts = np.bincount(group)
     if off.shape[1] == 0:
-        counts = np.bincount(group)
         return np.flatnonzero(counts > 1).astype(I64)
+    several = np.flatnonzero(counts[group] > 1)     # a group of one box is never crowded (most tensors)
+    if len(several) < len(group):
+        group, off, size = group[several], np.take(off, several, axis=0), np.take(size, several, axis=0)
+        if len(group) == 0:
+            return np.zeros(0, dtype=I64)
     by_group = np.argsort(group, kind="stable")
     starts = segment_starts(group[by_group])
     present = group[by_group][starts]

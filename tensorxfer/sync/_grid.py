@@ -52,8 +52,8 @@ def cells_of(src: Any) -> Cells:
     # Should two different boxes ever mix to the same value and interleave, one box shows up as two equal
     # classes; equal classes overlap, so that tensor takes the grid path below, which merges their holders.
     mixed = _mix(src.tid[live], np.take(src.off, live, axis=0), np.take(src.size, live, axis=0))
-    by_mix = np.argsort(mixed, kind="stable")
-    order, mixed = live[by_mix], mixed[by_mix]
+    by_mix, mixed = _stable_order(mixed)
+    order = live[by_mix]
     # (np.take: 4x faster than fancy indexing for rows of a 2-D array)
     tid, off, size = src.tid[order], np.take(src.off, order, axis=0), np.take(src.size, order, axis=0)
     new = np.ones(len(order), dtype=bool)
@@ -79,6 +79,24 @@ def _mix(tid: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
         h *= np.uint64(0xBF58476D1CE4E5B9)
         h ^= h >> np.uint64(31)
     return h
+
+
+def _stable_order(mixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(``np.argsort(mixed, kind="stable")``, the sorted values), where the values may lose low bits.
+
+    The low bits give way to the row index, so the keys are unique and a plain sort is stable (twice as
+    fast as a stable argsort of 64-bit keys); two boxes whose mixes agree in the bits left are told apart
+    by the comparisons that follow, as for a full collision.
+    """
+    n = len(mixed)
+    bits = max(n - 1, 1).bit_length()
+    if bits > 32:
+        order = np.argsort(mixed, kind="stable")
+        return order, mixed[order]
+    shift = np.uint64(bits)
+    key = ((mixed >> shift) << shift) | np.arange(n, dtype=np.uint64)
+    key.sort()
+    return (key & np.uint64((1 << bits) - 1)).astype(I64), key >> shift
 
 
 def _untangle(cells: Cells, tangled: np.ndarray, src: Any) -> Cells:

@@ -78,15 +78,19 @@ def source_offsets(g: Columns, entry_off: np.ndarray, entry_stride: np.ndarray,
     return rel, np.where(sd >= 0, stride[np.arange(len(sd)), np.maximum(sd, 0)], 0) * g["item"]
 
 
-def members(g: Columns, ranks: list[list[int]], only: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def members(g: Columns, ranks: list[list[int]], only: int | None = None,
+            rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Template groups copied to every target rank sharing the template: (group, member index, rank) per row.
 
     Rows come in (target rank, target offset) order, so runs end up sorted
     by target offset without sorting anything the size of the plan.
-    ``only``: the rows of that target rank alone.
+    ``only``: the rows of that target rank alone; ``rows``: a mask of the
+    template groups to copy (the others are left out).
     """
     template = g["template"]
     order = np.lexsort((g["dst"], template))
+    if rows is not None:
+        order = order[rows[order]]
     bounds = np.searchsorted(template[order], np.arange(len(ranks) + 1))
     pieces, member, rank = [], [], []
     for r, t, j in sorted((r, t, j) for t, m in enumerate(ranks) for j, r in enumerate(m) if only in (None, r)):
@@ -193,25 +197,29 @@ def line(g: Columns, cells: Cells, ranks: list[list[int]], entry_rank: np.ndarra
     return Line(block_id, inblock, bm_first, pos, first_cut, last_cut, cut_base, bm_set, cuts, set_ranks)
 
 
-def source_rows(g: Columns, cells: Cells, ln: Line, row: np.ndarray, member: np.ndarray, entry_rank: np.ndarray,
-                source: int) -> np.ndarray:
-    """The rows (indices into ``row``) that source rank ``source`` may feed: a superset, cut to size later.
+def source_members(g: Columns, cells: Cells, ln: Line, ranks: list[list[int]], entry_rank: np.ndarray,
+                   source: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`members` for the rows source rank ``source`` may feed (a superset: cut to size later).
 
     Groups of cells with one holder: those it holds.  Groups of cells with k
-    holders: those of the bms whose stretch of the line reaches its share.
+    holders: those of the bms whose stretch of its set's line reaches its
+    share.  Only template groups it holds at all are copied to the members.
     """
     cell = g["cell"]
-    single = np.zeros(len(cell), dtype=bool)
+    holds = np.zeros(len(cell), dtype=bool)
     one = np.flatnonzero(ln.block_id < 0)
-    single[one] = entry_rank[cells.entries[cells.ptr[cell[one]]]] == source
-    slot = np.array([r.index(source) if source in r else -1 for r in ln.set_ranks], dtype=I64)
-    bm_slot = slot[ln.bm_set] if len(slot) else np.zeros(0, dtype=I64)
+    holds[one] = entry_rank[cells.entries[cells.ptr[cell[one]]]] == source
+    slot = np.array([r.index(source) if source in r else -1 for r in ln.set_ranks] or [-1], dtype=I64)
+    shared = np.flatnonzero(ln.block_id >= 0)
+    holds[shared] = slot[ln.bm_set[ln.bm_first[ln.block_id[shared]]]] >= 0
+    row, member, rank = members(g, ranks, rows=holds)
+    bm_slot = slot[ln.bm_set] if len(ln.bm_set) else np.zeros(0, dtype=I64)
     reach = (bm_slot >= 0) & (ln.first_cut - ln.cut_base <= bm_slot) & (bm_slot <= ln.last_cut - ln.cut_base)
     block = ln.block_id[row]
-    shared = np.flatnonzero(block >= 0)
-    keep = single[row]
-    keep[shared] = reach[ln.bm_first[block[shared]] + member[shared]]
-    return np.flatnonzero(keep)
+    keep = np.ones(len(row), dtype=bool)
+    multi = np.flatnonzero(block >= 0)
+    keep[multi] = reach[ln.bm_first[block[multi]] + member[multi]]
+    return row[keep], member[keep], rank[keep]
 
 
 def assign(g: Columns, ln: Line, row: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,

@@ -603,11 +603,11 @@ def plan(sources: Sequence[RankSpec], targets: Sequence[RankSpec], *, scope: tup
         h.update(spec.digest)
     h.update(geometry_digest)
     _hash(h, ln.digest_parts())
-    row, member, rank = _runs.members(g, member_ranks, scope[1] if scope and scope[0] == "target" else None)
     only_source = scope[1] if scope and scope[0] == "source" else None
     if only_source is not None:
-        keep = _runs.source_rows(g, cells, ln, row, member, src.rank, only_source)
-        row, member, rank = row[keep], member[keep], rank[keep]
+        row, member, rank = _runs.source_members(g, cells, ln, member_ranks, src.rank, only_source)
+    else:
+        row, member, rank = _runs.members(g, member_ranks, scope[1] if scope else None)
     part, slot, skip, size = _runs.assign(g, ln, row, member)
     runs = _runs.coalesce(_runs.finish(g, cells, row, rank, part, slot, skip, size, src.rank, src.off,
                                        src.region, entry_stride, only_source))
