@@ -8,6 +8,7 @@
 #   bash benchmarks/device_session.sh bench-sync # resharded sync, 4 source to 2 target processes over ipc
 #   bash benchmarks/device_session.sh bench-membership  # the same with fixed and with elastic membership, and
 #                                                       # bench_elastic.py at full scale on a TCPStore
+#   bash benchmarks/device_session.sh bench-elastic     # bench_elastic.py alone: 6 sampled ranks, then all 384
 # .oldtree/ is `git archive <commit> tensorxfer setup.py pyproject.toml benchmarks/bench_ipc.py` of the tree
 # to compare against (carried, git-ignored).  cuda-bindings 13.0.x is carried as a wheel in .whl/.
 set -uo pipefail
@@ -69,5 +70,12 @@ case "${1:-}" in
     done
     python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 4 > "$OUT/elastic-tcpstore.json" 2>&1
     tail -c 1500 "$OUT/elastic-tcpstore.json" ;;
-  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership" >&2; exit 2 ;;
+  bench-elastic)   # the planner and store at Kimi-K2 scale, sampled ranks and then every rank (no GPU used)
+    export PYTHONPATH=$new:$SITE
+    python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 6 > "$OUT/elastic-tcpstore.json" 2>&1
+    python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 6 --every-rank --jobs 14 \
+      > "$OUT/elastic-tcpstore-every-rank.json" 2>&1
+    tail -c 700 "$OUT"/elastic-*.json ;;
+  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership|bench-elastic" >&2
+     exit 2 ;;
 esac
