@@ -27,9 +27,12 @@ Writes one JSON file under ``--out`` (command, machine facts, every run).  Not a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime as dt
 import json
 import os
+import pstats
 import shlex
 import statistics
 import subprocess
@@ -37,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,16 +144,39 @@ def receiver_main(args: argparse.Namespace) -> int:
     model = build_module(args.size, args.device, seed=1)
     with tx.Receiver(device=args.device, share=args.share, stall_timeout=300) as rx:
         print("{}:{}".format(*rx.address), flush=True)
-        for _ in range(args.count):
-            rx.receive(timeout=600, into=model)
+        for i in range(args.count):
+            with profiled(args.profile, "receiver", i > 0):
+                rx.receive(timeout=600, into=model)
         assert rx.last_stats is not None
         print(json.dumps(rx.last_stats.as_dict()), flush=True)     # the last update as the receiver saw it
     return 0
 
 
+@contextlib.contextmanager
+def profiled(where: Path | None, side: str, on: bool) -> Iterator[None]:
+    """cProfile the block into ``where``/profile-<side>.txt (accumulated over the blocks; timings inflate)."""
+    if where is None or not on:
+        yield
+        return
+    prof = PROFILES.setdefault(side, cProfile.Profile())
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        where.mkdir(parents=True, exist_ok=True)
+        with open(where / f"profile-{side}.txt", "w") as f:
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
+
+
+PROFILES: dict[str, cProfile.Profile] = {}
+
+
 def start_receiver(args: argparse.Namespace, count: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "receiver", "--device", args.device,
-           "--size", str(args.size), "--count", str(count)] + (["--share"] if args.share else [])
+           "--size", str(args.size), "--count", str(count)] + (["--share"] if args.share else []) + \
+        (["--profile", str(args.profile)] if args.profile else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
@@ -187,13 +214,14 @@ def push(args: argparse.Namespace, adopted: bool) -> dict[str, Any]:
     steps, stats = [], []
     try:
         with tx.Sender(where, transport=args.transport, stall_timeout=300) as s:
-            for _ in range(args.repeat + 1):
+            for i in range(args.repeat + 1):
                 if args.device != "cpu":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                if not adopted:
-                    region.update_from(params)
-                st = s.send(region)
+                with profiled(args.profile, "sender", adopted and i > 0):
+                    if not adopted:
+                        region.update_from(params)
+                    st = s.send(region)
                 steps.append(time.perf_counter() - t)
                 stats.append(st)
         assert proc.stdout is not None
@@ -294,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=8)
     p.add_argument("--tmp", default=None, help="where the load test writes its files (default: the temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile the warm adopted steps on both sides into this folder (times inflate)")
     args = p.parse_args(argv)
     args.size = int(args.size)
     if args.role == "receiver":
