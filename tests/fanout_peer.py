@@ -98,6 +98,19 @@ def wedge_ipc_after_copy() -> None:
     ipc.IpcReceiver._copy_pieces = wedged  # type: ignore[method-assign]
 
 
+def fd_kinds() -> dict[str, int]:
+    """Open fds by what they are (socket, memfd, anon_inode:[eventfd], ...): what a changed count was made of."""
+    kinds: dict[str, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        kind = target.split(":[")[0] if ":[" in target else target.split("/")[1] if target.startswith("/") else target
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("token")
@@ -127,7 +140,8 @@ def main() -> None:
             v = rx.version
             line = {"ok": True, "update": v.update if v else None, "digest": v.digest.hex() if v else None,
                     "verified": rx.last_stats.verified if rx.last_stats else False,
-                    "fds": len(os.listdir("/proc/self/fd")), "rss_kb": rss_kb(), "t": time.time()}
+                    "fds": len(os.listdir("/proc/self/fd")), "fd_kinds": fd_kinds(), "rss_kb": rss_kb(),
+                    "t": time.time()}
             if spans:
                 line["copy_start"] = min(a for a, _ in spans)
                 line["copy_end"] = max(b for _, b in spans)

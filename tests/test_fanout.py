@@ -180,6 +180,11 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_report(reports: list[dict]) -> list:
+    """Each report's fd count with what the fds were (sockets, memfds, ...): the message of a failed check."""
+    return [(r["fds"], r.get("fd_kinds")) for r in reports]
+
+
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_repeated_updates_keep_fds_and_rss_flat(peers, transport):
     ps = peers(3, digest=False)
@@ -193,7 +198,7 @@ def test_repeated_updates_keep_fds_and_rss_flat(peers, transport):
         assert fds() == before
     for p in ps:
         reports = p.wait_oks(45)
-        assert {r["fds"] for r in reports[5:]} == {reports[5]["fds"]}, [r["fds"] for r in reports]
+        assert {r["fds"] for r in reports[5:]} == {reports[5]["fds"]}, fd_report(reports)
         growth = reports[-1]["rss_kb"] - reports[5]["rss_kb"]
         assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 40 updates"
 

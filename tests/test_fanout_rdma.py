@@ -16,7 +16,8 @@ import pytest
 from tensorxfer.fanout import FanoutSender
 from tensorxfer.transport.rdma import rdma_available
 
-from .test_fanout import TOKEN, fds, model, peers, sha  # noqa: F401  (peers: the fixture)
+from .fanout_peer import fd_kinds
+from .test_fanout import TOKEN, fd_report, fds, model, peers, sha  # noqa: F401  (peers: the fixture)
 
 OK, REASON = rdma_available()
 pytestmark = [pytest.mark.rdma, pytest.mark.skipif(not OK, reason=f"no usable RDMA device: {REASON}")]
@@ -120,14 +121,14 @@ def test_repeated_rdma_chain_updates_keep_fds_and_rss_flat(peers):  # noqa: F811
             FanoutSender([p.address for p in ps], token=TOKEN, transport="rdma", stall_timeout=60) as fan:
         for _ in range(3):
             assert fan.send(region).ok
-        before = fds()
+        before, kinds = fds(), fd_kinds()
         for _ in range(20):
             stats = fan.send(region)
             assert stats.ok and all(r.transport == "rdma" for r in stats.receivers), stats.failed
-        assert fds() == before
+        assert fds() == before, (kinds, fd_kinds())
         assert stats.head is not None and stats.head.counters["registrations"] == 1
     for p in ps:
         reports = p.wait_oks(23, timeout=120)
-        assert {r["fds"] for r in reports[3:]} == {reports[3]["fds"]}, [r["fds"] for r in reports]
+        assert {r["fds"] for r in reports[3:]} == {reports[3]["fds"]}, fd_report(reports)
         growth = reports[-1]["rss_kb"] - reports[3]["rss_kb"]
         assert growth < 8 << 10, f"{p.address}: RSS grew {growth} KiB over 20 updates"
