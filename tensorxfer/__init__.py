@@ -17,10 +17,9 @@ Public API (everything else is private):
 - the exception tree in :mod:`tensorxfer.errors`.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensorxfer import memory as _memory
-from tensorxfer import sync
 from tensorxfer.errors import (
     AuthError,
     BindingError,
@@ -48,12 +47,29 @@ from tensorxfer.memory import Extent, HostRegion
 from tensorxfer.protocol import Version
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import Sender, TransferStats
-from tensorxfer.sync import WeightSync
 
 if TYPE_CHECKING:
+    from tensorxfer import sync
     from tensorxfer.memory._cuda import CudaRegion
+    from tensorxfer.sync import WeightSync
 else:
     CudaRegion = _memory.CudaRegion if _memory.CudaRegion is not None else _memory.UnavailableCudaRegion
+
+
+def __getattr__(name: str) -> Any:
+    # The weight sync (its planner, store clients) is loaded on first use: sending and receiving need none
+    # of it, and each tensorxfer-send / -recv process starts without it (~50 ms of imports on the dev VM).
+    if name in ("sync", "WeightSync"):
+        import importlib
+
+        sync = importlib.import_module("tensorxfer.sync")   # also binds tensorxfer.sync
+        globals()["WeightSync"] = sync.WeightSync
+        return globals()[name]
+    raise AttributeError(f"module 'tensorxfer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"sync", "WeightSync"})
 
 __version__ = "0.1.0"
 
