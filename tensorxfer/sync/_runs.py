@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensorxfer.sync._boxes import I64, c_strides, expand_ranges, row_any, row_sum, segment_starts
+from tensorxfer.sync._boxes import I64, c_strides, expand_ranges, numel, row_any, row_sum, segment_starts
 from tensorxfer.sync._grid import Cells
 
 Columns = dict[str, np.ndarray]
@@ -50,7 +50,7 @@ def geometry(i_off: np.ndarray, i_size: np.ndarray, src_shape: np.ndarray, local
     count = np.where(has_outer, i_size[rows, np.maximum(sd, 0)], 1)
     extra = outer.copy()
     extra[rows[has_outer], sd[has_outer]] = False
-    per_row = np.prod(np.where(extra, i_size, 1), axis=1, dtype=I64) if width else np.ones(n, dtype=I64)
+    per_row = numel(np.where(extra, i_size, 1))
     dst = dst_region + item * row_sum(dst_coord * t_stride)
     coord, row = i_off, rows
     if np.any(per_row > 1):
@@ -209,11 +209,11 @@ def source_members(g: Columns, cells: Cells, ln: Line, ranks: list[list[int]], e
     holds = np.zeros(len(cell), dtype=bool)
     one = np.flatnonzero(ln.block_id < 0)
     holds[one] = entry_rank[cells.entries[cells.ptr[cell[one]]]] == source
-    slot = np.array([r.index(source) if source in r else -1 for r in ln.set_ranks] or [-1], dtype=I64)
+    slot = np.array([r.index(source) if source in r else -1 for r in ln.set_ranks], dtype=I64)
     shared = np.flatnonzero(ln.block_id >= 0)
     holds[shared] = slot[ln.bm_set[ln.bm_first[ln.block_id[shared]]]] >= 0
     row, member, rank = members(g, ranks, rows=holds)
-    bm_slot = slot[ln.bm_set] if len(ln.bm_set) else np.zeros(0, dtype=I64)
+    bm_slot = slot[ln.bm_set]
     reach = (bm_slot >= 0) & (ln.first_cut - ln.cut_base <= bm_slot) & (bm_slot <= ln.last_cut - ln.cut_base)
     block = ln.block_id[row]
     keep = np.ones(len(row), dtype=bool)

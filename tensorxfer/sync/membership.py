@@ -262,7 +262,7 @@ class Membership:
         for w, r in zip(new, records):
             where = r["address"]
             spec = RankSpec.from_wire({"v": WIRE_VERSION, "rank": w[1], "body": self._bodies[r["content"]]},
-                                      memo=self._memo)
+                                      memo=self._memo, content_digest=bytes.fromhex(r["content"]))   # checked
             if spec.role != w[0]:
                 raise PlanError(f"sync {self.group!r}: {w[0]} rank {w[1]} registered a {spec.role}'s description")
             self._specs[w] = (spec, (where[0], int(where[1])) if where else None)

@@ -395,12 +395,15 @@ class RankSpec:
         return {"v": _columns.WIRE_VERSION, "rank": self._rank, "body": self.body}
 
     @classmethod
-    def from_wire(cls, obj: Any, memo: dict[bytes, Any] | None = None) -> RankSpec:
+    def from_wire(cls, obj: Any, memo: dict[bytes, Any] | None = None,
+                  content_digest: bytes | None = None) -> RankSpec:
         """The spec :meth:`to_wire` encoded, fully re-checked (wire input is not trusted).
 
         Pass the same ``memo`` dict when decoding many ranks: ranks with
         identical bodies (the replicas of an inference group) are decoded
         and checked once and share one read-only columns object.
+        ``content_digest``: the sha256 of the body where the caller checked
+        it already (a store names bodies by it), so it is not hashed again.
         """
         if not isinstance(obj, dict) or set(obj) != {"v", "rank", "body"} or obj["v"] != _columns.WIRE_VERSION:
             raise PlanError(f"not a version {_columns.WIRE_VERSION} rank description "
@@ -412,7 +415,7 @@ class RankSpec:
         found = memo.get(body) if memo is not None else None
         if found is None:
             role, cols = _columns.decode(body, rank)
-            found = (role, cols, hashlib.sha256(body).digest())
+            found = (role, cols, content_digest or hashlib.sha256(body).digest())
             if memo is not None:
                 memo[body] = found
         spec = cls.__new__(cls)
