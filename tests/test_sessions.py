@@ -21,6 +21,7 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer import Manifest, Receiver, Sender, TensorRegion
+from tensorxfer.connections import readable_now
 from tensorxfer.transport import ipc as ipc_mod
 from tensorxfer.transport import tcp as tcp_mod
 from tests.helpers import Background, region_of, wait_until
@@ -79,6 +80,50 @@ def test_100_updates_set_the_transport_up_once_and_stay_flat(transport: str) -> 
     registrations = 1 if transport == "ipc" else 0
     assert dict(last.counters) == {"registrations": registrations, "connects": 1, "updates": 100}
     assert dict(received[-1].counters) == {"registrations": registrations, "connects": 1, "updates": 100}
+
+
+def test_a_warm_ipc_update_sends_its_data_with_the_offer_and_a_refused_one_leaves_nothing_behind() -> None:
+    # A warm ipc update needs nothing from the accept: its chunk table and done frame go out right behind the
+    # offer (one control round trip a step).  So while the receiver still looks at the offer (on_offer, before
+    # it accepts), the done frame already waits on the control connection -- not on the first update, which
+    # sets the data path up from the accept.
+    done_waiting: list[bool] = []
+
+    def look(manifest: Manifest) -> None:
+        ch = rx._session.channel if rx._session is not None else None
+        assert ch is not None
+        if not done_waiting:
+            time.sleep(0.3)
+            done_waiting.append(readable_now(ch.sock))
+        else:
+            wait_until(lambda: readable_now(ch.sock), timeout=10, what="the done frame")
+            done_waiting.append(True)
+        if len(done_waiting) == 3:
+            raise ValueError("not this update")
+
+    fds0 = fds()
+    with region_of(3 << 20) as a, region_of(3 << 20) as b, Receiver() as rx:
+        job = Background(lambda: [payload(rx.receive(timeout=30, on_offer=look)) for _ in range(2)])
+        sent = []
+        with Sender(addr(rx), transport="ipc") as s:
+            for seed in (1, 2):
+                sent.append(fill(a, seed))
+                s.send(a)
+            assert job.result() == sent
+            assert done_waiting == [False, True]
+            # A refused warm update: its table went out with b's memory handles (a new region), unread.
+            job = Background(rx.receive, timeout=30, on_offer=look)
+            fill(b, 3)
+            with pytest.raises(tx.ManifestError, match="not this update"):
+                s.send(b)
+            with pytest.raises(ValueError, match="not this update"):
+                job.result()
+        # The receiver ended that session (and the handles queued on it); the next sender is served as usual.
+        job = Background(lambda: payload(rx.receive(timeout=30)))
+        with Sender(addr(rx), transport="ipc") as s:
+            st = s.send(b)
+        assert job.result() == payload(b) and st.update == 1
+    wait_until(lambda: fds() <= fds0, what=f"fds back to {fds0} (now {fds()})")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])

@@ -226,6 +226,7 @@ class ServerSession:
                          offer.seq, offer.transport, "the layout changed" if target.reallocated else
                          "the sender's region changed", transport.counters.registrations, transport.counters.connects)
             self._finish(offer, region, nbytes, target.verb, on_landed, job)
+            target.attach()     # after the ack: the sender need not wait for the check of every tensor
         except BaseException as e:
             if job is not None:
                 job.abort(f"{type(e).__name__}: {e}")

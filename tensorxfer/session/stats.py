@@ -81,9 +81,10 @@ class UpdateClock:
         return time.perf_counter() - self.start
 
     @contextmanager
-    def wire(self) -> Iterator[None]:
-        """Time the block as the bytes moving (sent, or waited for until landed)."""
-        t = time.perf_counter()
+    def wire(self, since: float | None = None) -> Iterator[None]:
+        """Time the block as the bytes moving (sent, or waited for until landed); ``since``: they began to
+        move earlier (a ``perf_counter`` time: data posted before the accept)."""
+        t = time.perf_counter() if since is None else since
         yield
         end = time.perf_counter()
         self.wire_seconds = end - t

@@ -126,19 +126,31 @@ class SourceLink:
                 ctx = control.transfer_context(ch, self._key, self.stall_timeout, self.streams)
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             transport = self._transport
-            ch.send("offer", seq=seq, transport=self.transport, fresh=transport.needs_setup(region),
-                    version=version, bytes=segments.total_bytes, streams=self.streams, digest=digest,
-                    runs=segments.digest)
+            fresh = transport.needs_setup(region)
+            early = transport.posts_early and not fresh     # as Sender: the data right behind the offer
+            ch.send("offer", seq=seq, transport=self.transport, fresh=fresh, version=version,
+                    bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
+            if early:
+                t1 = time.perf_counter()
+                moved = transport.post_early(region, seq, segments)
+                ch.send("done", seq=seq, bytes=moved)
             accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
             descriptors = field(accept, "descriptors", dict)
             setup = setup_flag(descriptors)
-            transport.connect(region, seq, descriptors, segments=segments)
-            t1 = time.perf_counter()
-            moved = transport.send(region)
-            wire = time.perf_counter() - t1
-            ch.send("done", seq=seq, bytes=moved)
+            if early:
+                if setup:
+                    raise ProtocolError(f"sync: the target set the {self.transport} data path up again (step {seq}), "
+                                        f"but this warm step's data was already on its way")
+                transport.collect()
+                wire = time.perf_counter() - t1
+            else:
+                transport.connect(region, seq, descriptors, segments=segments)
+                t1 = time.perf_counter()
+                moved = transport.send(region)
+                wire = time.perf_counter() - t1
+                ch.send("done", seq=seq, bytes=moved)
             ack = ch.recv("ack", timeout=control.control_timeout(self.stall_timeout))
             if field(ack, "seq", int) != seq or field(ack, "bytes", int) != moved:
                 raise ProtocolError(f"sync: ack does not match step {seq} of {moved} bytes")

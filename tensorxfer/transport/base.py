@@ -233,10 +233,12 @@ class SenderTransport(_Half):
     ``landing`` (hook): when set for one :meth:`send`, the region is still landing from upstream and
     only what ``landing`` says has landed may be sent (see :class:`Landing`).  ``follows_landing`` says
     whether this transport honours it; the session gives a transport that does not the region only
-    once all of it landed.
+    once all of it landed.  ``posts_early`` says whether a warm update's data may go out before the
+    receiver's accept (:meth:`post_early`).
     """
 
     follows_landing: ClassVar[bool] = False
+    posts_early: ClassVar[bool] = False
     landing: Landing | None = None
 
     @classmethod
@@ -285,6 +287,19 @@ class SenderTransport(_Half):
         ------
         PeerLost, TransferTimeout
         """
+
+    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
+        """Where ``posts_early``: start update ``seq`` of ``region`` (``segments``: only these runs, as for
+        :meth:`connect`) right behind its offer, before the accept (only when :meth:`needs_setup` is false and
+        the region is complete); return the bytes it will move.
+        The receiver takes the data once it accepted; a refusal ends the session, and the data with it.
+        :meth:`collect` finishes the update.  This saves a warm update the wait for the accept (ipc: the
+        chunk table needs nothing from it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not post early")
+
+    def collect(self, progress: Progress | None = None) -> int:
+        """Finish what :meth:`post_early` started; return the byte count (raises as :meth:`send`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not post early")
 
 
 def setup_flag(descriptors: dict[str, Any]) -> bool:

@@ -51,6 +51,7 @@ class IpcSender(SenderTransport):
 
     name: ClassVar[str] = "ipc"
     follows_landing: ClassVar[bool] = True     # the receiver copies up to the landed prefix (watermark)
+    posts_early: ClassVar[bool] = True         # a warm update's table needs nothing from the accept
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
@@ -61,6 +62,7 @@ class IpcSender(SenderTransport):
         self.share = False
         self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
         self._moving: int | None = None         # a weight sync's bytes (the receiver copies only its runs)
+        self._posted: tuple[int, PrefixFollower | None] | None = None    # sent, its copy not yet collected
 
     @classmethod
     def available(cls) -> str | None:
@@ -147,6 +149,19 @@ class IpcSender(SenderTransport):
         UpstreamFailed
             Relaying (``landing`` set): this relay's own update failed; the receiver was told.
         """
+        self._post(region)
+        return self.collect(progress)
+
+    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
+        """Pass update ``seq``'s chunk table now, before the receiver's accept (the session is warm: the
+        receiver reads it once it accepted); :meth:`collect` waits for the copy.  Returns the byte count."""
+        self._seq = seq
+        self._moving = segments.total_bytes if segments is not None else None
+        self._post(region)
+        return region.nbytes if self._moving is None else self._moving
+
+    def _post(self, region: TensorRegion) -> None:
+        """Send the chunk table (and the handles when the receiver lacks them); a relay's watermarks follow."""
         sock = self._sock
         if sock is None:
             raise ProtocolError("IpcSender.send() before connect()")
@@ -186,6 +201,16 @@ class IpcSender(SenderTransport):
             forward = PrefixFollower(ready, nbytes, self.landing.wait_prefix,
                                      lambda end: send_message(sock, b"W" + U64.pack(end), "the watermark"),
                                      "tensorxfer-ipc-forward", tell_failed)
+        self._posted = (nbytes, forward)
+
+    def collect(self, progress: Progress | None = None) -> int:
+        """Wait for the receiver to copy (or map) what was posted; return the byte count (raises as
+        :meth:`send`)."""
+        posted, self._posted = self._posted, None
+        sock = self._sock
+        if posted is None or sock is None:
+            raise ProtocolError("IpcSender.collect() without a posted update")
+        nbytes, forward = posted
         try:
             self._wait_copied(sock, nbytes, progress, forward)
         except BaseException:
@@ -281,6 +306,7 @@ class IpcSender(SenderTransport):
         with self._lock:
             sock, self._sock = self._sock, None
         self._passed = None
+        self._posted = None
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
