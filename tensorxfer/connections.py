@@ -162,6 +162,24 @@ def bind_hint(error: OSError, host: str, port: int) -> str | None:
     return None
 
 
+def is_this_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) may be this host: one of its addresses can be bound here.
+    True also when that cannot be told (a name that does not resolve now): callers use it to rule same-host
+    paths out, never in."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return True
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((addr[0], 0))        # only this host's own addresses can be bound
+            return True
+        except OSError:
+            continue
+    return False
+
+
 class Gate:
     """A listener whose connections prove themselves concurrently before use.
 

@@ -208,7 +208,7 @@ class TensorRegion:
 
     @classmethod
     def from_safetensors(cls, sources: Any, device: str = "cpu", progress: Any = None,
-                         on_layout: Any = None) -> TensorRegion:
+                         on_layout: Any = None, private: bool = False) -> TensorRegion:
         """Read safetensors files straight into one new region on ``device``.
 
         ``sources``: files, a model directory (its index, shards and side files -- config, tokenizer --
@@ -216,7 +216,8 @@ class TensorRegion:
         or a :class:`~tensorxfer.files.Discovery`.  Headers are checked as hostile input (as the CLI does).
         Host regions are read into directly (no intermediate buffer); GPU regions through pinned buffers,
         the disk filling one while the copy engine drains the other.  ``on_layout(manifest)`` is called once
-        the headers are read, ``progress(n)`` after every ``n`` bytes of tensors read.
+        the headers are read, ``progress(n)`` after every ``n`` bytes of tensors read.  ``private`` (host
+        regions): as for :meth:`from_manifest`.
 
         Raises
         ------
@@ -227,7 +228,7 @@ class TensorRegion:
         OSError
             A file cannot be read.
         """
-        region, loader = cls.for_safetensors(sources, device, progress, on_layout)
+        region, loader = cls.for_safetensors(sources, device, progress, on_layout, private)
         try:
             loader.run()
         except BaseException:
@@ -237,7 +238,7 @@ class TensorRegion:
 
     @classmethod
     def for_safetensors(cls, sources: Any, device: str = "cpu", progress: Any = None,
-                        on_layout: Any = None) -> tuple[TensorRegion, Any]:
+                        on_layout: Any = None, private: bool = False) -> tuple[TensorRegion, Any]:
         """The region for safetensors files (headers read and checked, memory allocated, nothing read yet)
         and the :class:`~tensorxfer.files.Loader` that fills it: ``loader.run()`` here, or ``loader.start()``
         to read in the background while a Sender sends what was read (``tensorxfer-send`` does).  The
@@ -248,7 +249,8 @@ class TensorRegion:
         if parse_device(device)[0] == "cuda":
             self = cls.from_manifest(plan.manifest, device)         # zeroed: no stale device bytes between tensors
         else:
-            self = cls._allocate(plan.manifest, device, None, commit=False)    # pages come as the reads fill them
+            # pages come as the reads fill them
+            self = cls._allocate(plan.manifest, device, None, commit=False, private=private)
         try:
             if on_layout is not None:
                 on_layout(plan.manifest)
@@ -271,10 +273,12 @@ class TensorRegion:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, device: str = "cpu", chunk_size: int | None = None,
-                      commit: bool = True) -> TensorRegion:
+                      commit: bool = True, private: bool = False) -> TensorRegion:
         """Allocate a zeroed region with ``manifest``'s layout (to receive into).  ``commit=False`` (host
-        regions) leaves the pages to be committed as they are first written, by whoever writes them."""
-        self = cls._allocate(manifest, device, chunk_size, commit=commit)
+        regions) leaves the pages to be committed as they are first written, by whoever writes them;
+        ``private=True`` (host regions) backs it with this process's own memory, on huge pages where allowed:
+        cheaper to fill and to free, but not sendable over ipc (:meth:`HostRegion.allocate`)."""
+        self = cls._allocate(manifest, device, chunk_size, commit=commit, private=private)
         if self.is_cuda:
             try:
                 copier = self._get_copier()
@@ -287,7 +291,7 @@ class TensorRegion:
 
     @classmethod
     def _allocate(cls, manifest: Manifest, device: str, chunk_size: int | None,
-                  commit: bool = True) -> TensorRegion:
+                  commit: bool = True, private: bool = False) -> TensorRegion:
         kind, index = parse_device(device)
         size = max(manifest.nbytes, 1)
         region: Any
@@ -297,7 +301,7 @@ class TensorRegion:
             region = _memory.CudaRegion.allocate(size, chunk_size, index)
             device = f"cuda:{index}"
         else:
-            region = HostRegion.allocate(size, chunk_size, commit=commit)
+            region = HostRegion.allocate(size, chunk_size, commit=commit, private=private)
         return cls(region, manifest, device)
 
     # ------------------------------------------------------------ access

@@ -600,3 +600,16 @@ def test_gpu_device_without_a_gpu_fails_cleanly_at_start(tmp_path):
     assert rc == 4 and "CudaError" in err and "Traceback" not in err, err
     rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1", "--device", "tpu"))
     assert rc == 2 and "device must be" in err, err
+
+
+def test_the_sender_reads_into_private_memory_unless_an_ipc_receiver_may_map_it():
+    import argparse
+
+    from tensorxfer.cli.send import may_use_ipc
+
+    def args(transport: str, to: str) -> argparse.Namespace:
+        return argparse.Namespace(transport=transport, to=[to])
+
+    assert may_use_ipc(args("auto", "127.0.0.1:5000")) and may_use_ipc(args("ipc", "192.0.2.1:5000"))
+    assert not may_use_ipc(args("auto", "192.0.2.1:5000"))
+    assert not may_use_ipc(args("tcp", "127.0.0.1:5000")) and not may_use_ipc(args("rdma", "127.0.0.1:5000"))

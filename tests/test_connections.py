@@ -36,3 +36,10 @@ def test_unix_socket_errors_pass_through(tmp_path):
     with pytest.raises(OSError) as info:
         listen(str(tmp_path / "missing-dir" / "sock"), socket.AF_UNIX)
     assert info.value.errno == errno.ENOENT and "not an address" not in str(info.value)
+
+
+def test_is_this_host_tells_this_hosts_addresses_from_others():
+    from tensorxfer.connections import is_this_host
+
+    assert is_this_host("127.0.0.1") and is_this_host("localhost") and is_this_host(socket.gethostname())
+    assert not is_this_host("192.0.2.1")        # TEST-NET-1: never an address of this host

@@ -548,3 +548,23 @@ def test_new_replica_pulls_from_a_warm_peer_keeping_the_version():
         stats = warm.send_on("{}:{}".format(*fresh.address), verify=True, transport="tcp")
         assert stats.ok and stats.version == warm.version
         assert sha(pulled.result()) == sha(region) and fresh.version == warm.version
+
+
+def test_a_private_memory_receiver_lands_in_its_own_memory_but_relays_from_shareable_memory():
+    # private_memory (tensorxfer-recv): a plain update lands in this process's own memory (huge pages, no
+    # handles); a relayed one in shareable memory, so the next hop on this host can still map it over ipc.
+    def at(rx: tx.Receiver) -> str:
+        return "{}:{}".format(*rx.address)
+
+    with fanout.Receiver("127.0.0.1:0", token=TOKEN, private_memory=True) as a, \
+            fanout.Receiver("127.0.0.1:0", token=TOKEN) as b, model(4 << 20) as region:
+        got = Background(a.receive, timeout=20)
+        with tx.Sender(at(a), token=TOKEN, transport="tcp") as s:
+            s.send(region)
+        assert got.result().region.private and sha(a.region) == sha(region)
+        got, last = Background(a.receive, timeout=20), Background(b.receive, timeout=20)
+        with FanoutSender([at(a), at(b)], token=TOKEN, transport="ipc") as fan:
+            stats = fan.send(region)
+        assert [r.ok for r in stats.receivers] == [True, True], stats.receivers
+        assert not got.result().region.private, "a relay's region must have handles for the next hop"
+        assert sha(last.result()) == sha(region)

@@ -344,3 +344,42 @@ def test_import_fds_is_an_alias_of_import_handles():
         finally:
             for _, _, fd in exported:
                 os.close(fd)
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_private_region_is_this_process_memory_on_a_huge_page_boundary_with_no_handles(commit):
+    # private=True: anonymous memory (transparent huge pages where allowed), no memfd per chunk, nothing to pass
+    fds = len(os.listdir("/proc/self/fd"))
+    r = HostRegion.allocate((5 << 20) - 1, chunk_size=2 << 20, commit=commit, private=True)
+    try:
+        assert r.private and "private" in repr(r)
+        assert r.chunks == [(0, 2 << 20, -1), (2 << 20, 2 << 20, -1), (4 << 20, 1 << 20, -1)]
+        assert len(os.listdir("/proc/self/fd")) == fds
+        view = np.frombuffer(r, dtype=np.uint8)
+        base = view.ctypes.data
+        assert base % (2 << 20) == 0, "huge pages back only 2 MiB-aligned stretches"
+        assert not view.any()
+        view[:] = np.arange(view.size, dtype=np.uint64).astype(np.uint8)
+        assert bytes(memoryview(r)[(3 << 20) - 2:(3 << 20) + 2]) == bytes(view[(3 << 20) - 2:(3 << 20) + 2])
+        with pytest.raises(RegionError, match="private to its process"):
+            r.export_handles()
+        assert len(os.listdir("/proc/self/fd")) == fds
+        del view
+    finally:
+        r.close()
+        r.close()
+    assert not _mapped(base) and not _mapped(base + (5 << 20) - 1)
+
+
+def test_a_shareable_region_is_not_private():
+    with HostRegion.allocate(PAGE) as r:
+        assert not r.private

@@ -29,13 +29,15 @@ class Receiver(session.Receiver):
                  device: str = "cpu",
                  max_region_bytes: int | None = None, stall_timeout: float = session.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = session.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
-                 relay: bool | None = None, require_verify: bool = False, prefault: bool = True) -> None:
+                 relay: bool | None = None, require_verify: bool = False, prefault: bool = True,
+                 private_memory: bool = False) -> None:
         allowed = (relay if relay is not None else token is not None) and not share
         why = "this receiver does not relay " + ("(Receiver(relay=False))" if relay is False else
                                                  "(it has no token; Receiver(relay=True) allows it)")
         forwarder = Relay(token, float(stall_timeout), float(handshake_timeout)) if allowed else None
         super().__init__(listen, token, device, max_region_bytes, stall_timeout, handshake_timeout, share,
-                         forwarder=forwarder, no_forward=why, require_verify=require_verify, prefault=prefault)
+                         forwarder=forwarder, no_forward=why, require_verify=require_verify, prefault=prefault,
+                         private_memory=private_memory)
 
     def send_on(self, to: str | list[str], verify: bool = False, transport: str = "auto",
                 streams: int | None = None) -> FanoutStats:

@@ -36,7 +36,9 @@ from tensorxfer.errors import ExtentError, HandleError, RegionError
 REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
 
 cdef size_t PAGE_SIZE = <size_t>sysconf(_SC_PAGESIZE)
+cdef size_t HUGE_PAGE = 2 << 20         # x86-64 / arm64 (4 KiB pages) transparent huge page
 cdef int MADV_POPULATE_WRITE = 23       # Linux 5.14+; older kernels answer EINVAL
+cdef int MADV_HUGEPAGE_ = 14
 cdef int EINVAL_ = 22
 
 #: Threads that commit a new region's pages.  Committing shmem pages is
@@ -136,6 +138,7 @@ cdef class HostRegion(AllocationMap):
     cdef Py_ssize_t _nchunks
     cdef bint _readonly
     cdef bint _has_view
+    cdef bint _private          # anonymous memory of this process: no fds to pass
     cdef Py_buffer _adopted     # export held on an adopted object until close()
 
     def __cinit__(self):
@@ -143,11 +146,12 @@ cdef class HostRegion(AllocationMap):
         self._chunks = NULL
         self._nchunks = 0
         self._has_view = False
+        self._private = False
 
     # ---------------------------------------------------------------- factories
     @staticmethod
-    def allocate(size, chunk_size=None, bint commit=True):
-        """Reserve ``size`` bytes and back them with memfd chunks.
+    def allocate(size, chunk_size=None, bint commit=True, bint private=False):
+        """Reserve ``size`` bytes and back them with memfd chunks (or, ``private``, this process's own memory).
 
         Parameters
         ----------
@@ -162,6 +166,12 @@ cdef class HostRegion(AllocationMap):
             page).  ``False`` leaves pages to be committed as they are first
             written: what adopting a model wants, so that memory grows only as
             fast as the tensors moving in free theirs.
+        private : bool
+            Back the chunks with anonymous memory of this process, on transparent huge pages where the
+            system allows them (``madvise`` mode), instead of memfds: filling and freeing gigabytes cost a
+            fraction (measured on the H200 machine, 2 GB: filled from the page cache 0.8 s vs 1.8 s, freed
+            in 5 ms vs 0.35 s).  Such a region has no handles to pass to another process
+            (:meth:`export_handles` refuses, so ipc cannot send it); tcp and rdma send it as any other.
 
         Returns
         -------
@@ -189,10 +199,10 @@ cdef class HostRegion(AllocationMap):
         sizes = [chunk_size] * (size // chunk_size)
         if size % chunk_size:
             sizes.append(size % chunk_size)
-        return HostRegion._from_chunks(sizes, commit=commit)
+        return HostRegion._from_chunks(sizes, commit=commit, private=private)
 
     @staticmethod
-    def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), bint commit=True):
+    def _from_chunks(sizes, size_t unmapped_tail=0, holes=(), bint commit=True, bint private=False):
         """Build a region from explicit chunk sizes (page multiples).
 
         ``unmapped_tail`` reserves that many extra bytes past the last chunk
@@ -214,6 +224,7 @@ cdef class HostRegion(AllocationMap):
         hole_set = frozenset(int(h) for h in holes)
         self._owner = True
         self._closed = False
+        self._private = private
         try:
             self._map_all(sizes, total, unmapped_tail, hole_set, None, True, commit)
         except BaseException:
@@ -308,9 +319,19 @@ cdef class HostRegion(AllocationMap):
             raise MemoryError()
         # MAP_NORESERVE: the reservation itself commits no memory, like
         # cuMemAddressReserve; only mapped chunks are backed.
-        p = mmap(NULL, total + tail, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        cdef size_t slack = HUGE_PAGE - PAGE_SIZE if self._private else 0
+        cdef size_t head
+        p = mmap(NULL, total + tail + slack, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         if p == MAP_FAILED:
             check_errno(-1, b"mmap(PROT_NONE) reserving the region")
+        if slack:
+            # huge pages back only 2 MiB-aligned stretches: start the region on one, give the rest back
+            head = _round_up(<size_t>p, HUGE_PAGE) - <size_t>p
+            if head:
+                munmap(p, head)
+            if slack - head:
+                munmap(<char*>p + head + total + tail, slack - head)
+            p = <char*>p + head
         self._base = <char*>p
         self._va_base = <uintptr_t>p
         self._va_size = total + tail
@@ -330,6 +351,14 @@ cdef class HostRegion(AllocationMap):
                 p = mmap(self._base + c.offset, c.size, prot, flags, <int>import_fds[i], 0)
                 if p == MAP_FAILED:
                     check_errno(-1, b"mmap(MAP_FIXED) of an imported chunk fd")
+                c.mapped = True
+                continue
+            if self._private:
+                p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+                if p == MAP_FAILED:
+                    check_errno(-1, b"mmap(MAP_FIXED) of a private chunk")
+                madvise(p, c.size, MADV_HUGEPAGE_)    # a hint: where the system allows no huge pages, 4 KiB ones
                 c.mapped = True
                 continue
             c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC | MFD_ALLOW_SEALING)
@@ -487,6 +516,11 @@ cdef class HostRegion(AllocationMap):
         return self._readonly
 
     @property
+    def private(self):
+        """Whether the memory is this process's own anonymous memory (no handles to pass; see :meth:`allocate`)."""
+        return self._private
+
+    @property
     def device(self):
         return "cpu"
 
@@ -531,6 +565,9 @@ cdef class HostRegion(AllocationMap):
         if not self._owner or self._nchunks == 0:
             raise RegionError("only regions tensorxfer allocated have handles to export (this one adopted its "
                               "memory); use HostRegion.allocate or TensorRegion.from_tensors")
+        if self._private:
+            raise RegionError("this region's memory is private to its process (allocated with private=True): it "
+                              "has no handles to pass; allocate it shareable (private=False) to send it over ipc")
         out = []
         try:
             for i in range(self._nchunks):
@@ -551,7 +588,7 @@ cdef class HostRegion(AllocationMap):
     def __repr__(self):
         if self._closed:
             return "<HostRegion closed>"
-        kind = "owned" if self._owner else "adopted"
+        kind = ("private" if self._private else "owned") if self._owner else "adopted"
         return (f"<HostRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x}, "
                 f"{self._nchunks} chunk(s)>")
 

@@ -64,6 +64,10 @@ class Receiver:
     prefault : bool
         Commit a new host region's pages before accepting (a clear ``MemoryError`` up front).  ``False``:
         the receiving threads commit them as data lands (a one-shot receive: ``tensorxfer-recv``).
+    private_memory : bool
+        Host regions in this process's own memory, on huge pages where the system allows them: cheaper to
+        fill and to free (``tensorxfer-recv``), but the region cannot be sent on over ipc (a fan-out relay's
+        region stays shareable).
 
     Raises
     ------
@@ -78,7 +82,7 @@ class Receiver:
                  max_region_bytes: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
                  forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay",
-                 require_verify: bool = False, prefault: bool = True) -> None:
+                 require_verify: bool = False, prefault: bool = True, private_memory: bool = False) -> None:
         parse_device(device)
         host, port = parse_address(listen)
         self.share = bool(share)
@@ -90,7 +94,7 @@ class Receiver:
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
         self.require_verify = bool(require_verify)
-        self._slot = RegionSlot(device, prefault)
+        self._slot = RegionSlot(device, prefault, private_memory)
         self._version: Version | None = None
         self._fed_by_relay = False
         self._session: ServerSession | None = None

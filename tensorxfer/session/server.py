@@ -194,7 +194,7 @@ class ServerSession:
             # (and, over rdma, their registrations).
             self._forwarder.close()
         try:
-            target.begin(offer.manifest)
+            target.begin(offer.manifest, shareable=bool(offer.chain))     # a relay passes its region on
         except LayoutError as e:        # the offer does not fit the module the caller bound
             raise self.refuse("refused", e) from None
         except (CudaError, RegionError, MemoryError) as e:

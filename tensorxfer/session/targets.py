@@ -26,9 +26,10 @@ class RegionSlot:
     """The region a receiver's updates land in (reused for a same-layout offer), or None; and the module
     bound to it, if the caller asked for its updates to land in a module's tensors (``receive(into=...)``)."""
 
-    def __init__(self, device: str, prefault: bool = True) -> None:
+    def __init__(self, device: str, prefault: bool = True, private: bool = False) -> None:
         self.device = device
         self.prefault = prefault
+        self.private = private      # host regions in this process's own memory (none to pass over ipc)
         self.region: TensorRegion | None = None
         self.binding: ModuleBinding | None = None
 
@@ -49,8 +50,9 @@ class RegionSlot:
         if self.binding is not None and not self.binding.attached_to(region):
             self.binding.attach(region)
 
-    def for_manifest(self, manifest: Manifest) -> tuple[TensorRegion, bool]:
+    def for_manifest(self, manifest: Manifest, shareable: bool = False) -> tuple[TensorRegion, bool]:
         """The region ``manifest``'s update lands in, and whether it was re-allocated for a new layout.
+        ``shareable``: its memory must have handles to pass on (a fan-out relay's), even in a private slot.
 
         Raises
         ------
@@ -58,14 +60,16 @@ class RegionSlot:
             The device cannot hold the region (the slot is then empty).
         """
         old = self.region
-        if old is not None and not old.closed and old.manifest.same_layout(manifest):
+        if old is not None and not old.closed and old.manifest.same_layout(manifest) \
+                and not (shareable and getattr(old.region, "private", False)):
             old.manifest = manifest     # same layout; metadata and checksums may be new
             return old, False
         if old is not None:
             log.info("offer changes the layout (%d -> %d tensors, %d -> %d bytes): re-allocating the region",
                      len(old.manifest), len(manifest), old.nbytes, manifest.nbytes)
             self.release()
-        self.region = TensorRegion.from_manifest(manifest, device=self.device, commit=self.prefault)
+        self.region = TensorRegion.from_manifest(manifest, device=self.device, commit=self.prefault,
+                                                 private=self.private and not shareable)
         return self.region, old is not None
 
     def put(self, region: TensorRegion) -> bool:
@@ -90,7 +94,7 @@ class Target(Protocol):
     reallocated: bool
     verb: str                       # what happens to the bytes, for messages ("landed", "mapped")
 
-    def begin(self, manifest: Manifest) -> None: ...
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None: ...
 
     def prepare(self, transport: Any, seq: int, fresh: bool) -> dict[str, Any]: ...
 
@@ -115,12 +119,12 @@ class CopyTarget:
         self.region: TensorRegion | None = None
         self.reallocated = False
 
-    def begin(self, manifest: Manifest) -> None:
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None:
         """Allocate (or reuse) the region (raises as :meth:`RegionSlot.for_manifest`; LayoutError before
         anything is allocated when the manifest does not fit a bound module)."""
         self._previous = self._slot.region
         self._slot.check_fit(manifest)
-        self.region, self.reallocated = self._slot.for_manifest(manifest)
+        self.region, self.reallocated = self._slot.for_manifest(manifest, shareable)
 
     def prepare(self, transport: ReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
         assert self.region is not None
@@ -162,7 +166,7 @@ class ShareTarget:
         self.region: TensorRegion | None = None
         self.reallocated = True
 
-    def begin(self, manifest: Manifest) -> None:
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None:
         self._slot.check_fit(manifest)
         self._manifest = manifest
 
