@@ -26,9 +26,11 @@ Writes ``sync-<device>-<UTC>.json`` under ``--out``.  Run it by hand::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime as dt
 import json
 import os
+import pstats
 import shlex
 import statistics
 import subprocess
@@ -130,15 +132,25 @@ def rank_main(args: argparse.Namespace) -> int:
     sync = tx.WeightSync(store, "bench", role, rank, (n, m), tensors, token="bench", transport=args.transport,
                          timeout=600, stall_timeout=300, elastic=args.membership == "elastic")
     store.set(f"ready/{role}/{rank}", b"1")
+    prof = cProfile.Profile() if args.profile and rank == 0 else None     # rank 0 of each role, warm steps
     for step in range(args.repeat + 1):
         store.wait([f"go/{step}"])
         t0 = time.time()
+        if prof is not None and step:
+            prof.enable()
         if role == "source":
             st = sync.push()
         else:
             sync.wait(timeout=600)
             st = sync.last_stats
+        if prof is not None:
+            prof.disable()
         store.set(f"done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+    if prof is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        with open(args.profile / f"profile-{role}{rank}.txt", "w") as f:
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(prof, stream=f).sort_stats(key).print_stats(50)
     # the last step as this rank saw it: pack time and bytes, and per pair its seconds and wire seconds
     store.set(f"stats/{role}/{rank}", json.dumps({**st.as_dict(), "adopted": sync.adopted}).encode())
     if role == "target":
@@ -211,7 +223,7 @@ def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
            str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat),
-           "--membership", args.membership]
+           "--membership", args.membership] + (["--profile", str(args.profile)] if args.profile else [])
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -269,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile the warm steps of source 0 and target 0 (their main threads) into this folder")
     args = p.parse_args(argv)
     if args.what == "sync":
         return rank_main(args)

@@ -44,18 +44,15 @@ class Receiver:
     listen : str
         ``HOST:PORT`` to bind (port 0 picks a free one; see :attr:`address`).
     token : str or bytes, optional
-        Shared secret; senders must present the same one.  Without a token only token-less senders are
-        accepted.
+        Shared secret; senders must present the same one (without one, only token-less senders get in).
     device : str
         Where received regions live (``"cpu"``, ``"cuda:N"``).
     max_region_bytes : int, optional
-        Offers larger than this are refused before anything is allocated.  Default: half of the memory
-        the region would live in (:func:`~tensorxfer.manifest.default_max_region_bytes`).
+        Larger offers are refused before anything is allocated (default: half the memory the region lives in).
     stall_timeout : float
         Seconds without progress before a transfer fails with :class:`TransferTimeout`.
     share : bool
-        Same host only (transport ``ipc``): the received region *is* the sender's memory, mapped
-        read-only for host regions (:mod:`tensorxfer.transport.ipc`).  Other transports are refused.
+        Same host only (``ipc``; others are refused): the received region *is* the sender's memory, read-only on hosts.
     forwarder : Forwarder, optional
         Passes updates on to the receivers an offer's chain names (:mod:`tensorxfer.fanout` fills it;
         without one, chains are refused with ``no_forward`` as the reason).
@@ -65,9 +62,8 @@ class Receiver:
         Commit a new host region's pages before accepting (a clear ``MemoryError`` up front).  ``False``:
         the receiving threads commit them as data lands (a one-shot receive: ``tensorxfer-recv``).
     private_memory : bool
-        Host regions in this process's own memory, on huge pages where the system allows them: cheaper to
-        fill and to free (``tensorxfer-recv``), but the region cannot be sent on over ipc (a fan-out relay's
-        region stays shareable).
+        Host regions in this process's own memory (:meth:`HostRegion.allocate` ``private``): cheaper to fill
+        and free, not sendable over ipc (a relay's stays shareable).
 
     Raises
     ------

@@ -13,9 +13,9 @@ that planned otherwise refuses it with :class:`PlanError`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from tensorxfer.errors import PeerLost, PlanError, ProtocolError, TensorXferErro
 from tensorxfer.protocol import Channel, client_handshake, field, server_handshake, token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import control
+from tensorxfer.sync.workers import Workers
 from tensorxfer.transport import TRANSPORTS, choose, local_capabilities, local_transports
 from tensorxfer.transport.base import setup_flag
 from tensorxfer.transport.segments import Segments
@@ -158,7 +159,7 @@ class SourceLink:
             e.args = (f"sync: source {self.source} -> target rank {self.target}: {e}", *e.args[1:])
             raise
         return PairStats(self.source, self.target, moved, time.perf_counter() - t0, wire,
-                         sum(int(c) for c in segments.count), self.transport, setup)
+                         segments.run_count, self.transport, setup)
 
     def close(self) -> None:
         transport, self._transport = self._transport, None
@@ -224,7 +225,7 @@ class _Feed:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {seq} of {moved} bytes")
         ch.send("ack", seq=seq, bytes=moved)
         return version, PairStats(self.source, -1, moved, time.perf_counter() - t0, wire,
-                                  sum(int(c) for c in segments.count), name, setup_flag(descriptors))
+                                  segments.run_count, name, setup_flag(descriptors))
 
     def close(self) -> None:
         for transport in self.transports.values():
@@ -244,6 +245,7 @@ class TargetPort:
         self.handshake_timeout = handshake_timeout
         self._expected: set[int] = set()
         self._feeds: dict[int, _Feed] = {}
+        self._workers = Workers(f"tensorxfer-sync-feed-{rank}")     # one step's feeds at once
         self.gate = Gate(listen(host), self._handshake, handshake_timeout, "sync")
 
     @property
@@ -313,12 +315,7 @@ class TargetPort:
         missing = sorted(set(segments) - set(self._feeds))
         for s in missing:
             results[s] = PeerLost(f"source rank {s} is not connected (its session failed and it did not come back)")
-        threads = [threading.Thread(target=run, args=(s, self._feeds[s]), name=f"tensorxfer-sync-feed-{s}",
-                                    daemon=True) for s in sorted(segments) if s in self._feeds]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self._workers.run([functools.partial(run, s, self._feeds[s]) for s in sorted(segments) if s in self._feeds])
         return results
 
     def drop(self, source: int) -> None:
@@ -330,3 +327,4 @@ class TargetPort:
         for source in list(self._feeds):
             self.drop(source)
         self.gate.close()
+        self._workers.close()

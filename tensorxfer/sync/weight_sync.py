@@ -35,6 +35,7 @@ group as formed and skips the store between steps (a push is then only the data 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ from tensorxfer.sync.plan import Plan, plan
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
 from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor
+from tensorxfer.sync.workers import Workers
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,7 @@ class WeightSync:
         self.members = Membership(self._rdv, group, role, rank, self.stall_timeout)
         self._lock = threading.Lock()
         self._links: dict[int, SourceLink] = {}
+        self._workers = Workers(f"tensorxfer-sync-push-{rank}")     # one step's pairs at once
         self._segments: dict[int, Segments] = {}       # a source's runs to each target
         self._feeds: dict[int, Segments] = {}          # a target's runs from each source
         self._addresses: dict[int, tuple[str, int]] = {}
@@ -329,12 +332,7 @@ class WeightSync:
                 results[target] = link.push(region, self._segments[target], version, digest)
             except BaseException as e:
                 results[target] = e
-        threads = [threading.Thread(target=run, args=(t,), name=f"tensorxfer-sync-push-{t}", daemon=True)
-                   for t in self._segments]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self._workers.run([functools.partial(run, t) for t in self._segments])
         return results
 
     def _adopt(self, allowed: list[bool]) -> int:
@@ -463,6 +461,7 @@ class WeightSync:
         links, self._links = self._links, {}
         for link in links.values():
             link.close()
+        self._workers.close()
         port, self._port = self._port, None
         if port is not None:
             port.close()

@@ -60,9 +60,25 @@ class Segments:
     def __len__(self) -> int:
         return len(self.nbytes)
 
-    @property
+    # A weight sync moves the same segments every step, and both ends ask these of ~a thousand groups each
+    # step: computed once (the columns are never written after construction).
+    @functools.cached_property
     def total_bytes(self) -> int:
         return int((self.nbytes * self.count).sum())
+
+    @functools.cached_property
+    def run_count(self) -> int:
+        """How many runs (rows) the groups hold."""
+        return int(self.count.sum())
+
+    @functools.cached_property
+    def _ends(self) -> tuple[int, int]:
+        """The furthest byte the runs reach in the source and in the destination."""
+        if not len(self):
+            return 0, 0
+        last = self.count - np.minimum(self.count, 1)
+        return (int((self.src_off + last * self.src_stride + self.nbytes).max()),
+                int((self.dst_off + last * self.dst_stride + self.nbytes).max()))
 
     @functools.cached_property
     def digest(self) -> str:
@@ -80,14 +96,10 @@ class Segments:
         ProtocolError
             A run reaches past ``src_size`` or ``dst_size`` (the two ends planned differently).
         """
-        if not len(self):
-            return
-        last = self.count - np.minimum(self.count, 1)
-        src_end = self.src_off + last * self.src_stride + self.nbytes
-        dst_end = self.dst_off + last * self.dst_stride + self.nbytes
-        if int(src_end.max()) > src_size or int(dst_end.max()) > dst_size:
-            raise ProtocolError(f"segments reach past the regions ({int(src_end.max())} > {src_size} or "
-                                f"{int(dst_end.max())} > {dst_size}): the two ends did not plan the same transfer")
+        src_end, dst_end = self._ends
+        if src_end > src_size or dst_end > dst_size:
+            raise ProtocolError(f"segments reach past the regions ({src_end} > {src_size} or "
+                                f"{dst_end} > {dst_size}): the two ends did not plan the same transfer")
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """Every run ``(src_off, dst_off, nbytes)``, in wire order."""
