@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 Job = Callable[[], None]
@@ -20,6 +21,7 @@ class Workers:
     def __init__(self, name: str) -> None:
         self._name = name
         self._inboxes: list[queue.SimpleQueue[tuple[Job, threading.Event] | None]] = []
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def run(self, jobs: list[Job]) -> None:
@@ -30,9 +32,11 @@ class Workers:
         with self._lock:
             while len(self._inboxes) < len(jobs) - 1:
                 inbox: queue.SimpleQueue[tuple[Job, threading.Event] | None] = queue.SimpleQueue()
-                threading.Thread(target=_serve, args=(inbox,), name=f"{self._name}-{len(self._inboxes)}",
-                                 daemon=True).start()
+                thread = threading.Thread(target=_serve, args=(inbox,), name=f"{self._name}-{len(self._inboxes)}",
+                                          daemon=True)
+                thread.start()
                 self._inboxes.append(inbox)
+                self._threads.append(thread)
             inboxes = self._inboxes[:len(jobs) - 1]
         ended = [threading.Event() for _ in jobs[1:]]
         for inbox, job, done in zip(inboxes, jobs[1:], ended):
@@ -43,12 +47,19 @@ class Workers:
             for done in ended:
                 done.wait()
 
-    def close(self) -> None:
-        """Let the threads end once their jobs did; idempotent."""
+    def close(self, timeout: float = 30.0) -> None:
+        """End the threads once their jobs did (close what a job waits on first), waiting up to ``timeout``
+        seconds for them: a thread still running while the interpreter exits would meet its objects' (CUDA's)
+        teardown.  Idempotent."""
         with self._lock:
             inboxes, self._inboxes = self._inboxes, []
+            threads, self._threads = self._threads, []
         for inbox in inboxes:
             inbox.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _serve(inbox: queue.SimpleQueue[tuple[Job, threading.Event] | None]) -> None:
@@ -62,4 +73,5 @@ def _serve(inbox: queue.SimpleQueue[tuple[Job, threading.Event] | None]) -> None
         except BaseException:   # a job keeps its own errors; this thread must serve the next step
             pass
         finally:
+            item = job = None   # type: ignore[assignment]  # hold nothing of a finished step (its sessions)
             done.set()
