@@ -16,7 +16,7 @@ def test_jobs_run_at_once_on_threads_kept_between_steps_and_close_ends_them() ->
         names: set[str] = set()
         barrier = threading.Barrier(4, timeout=10)     # passes only if all four jobs run at the same time
 
-        def job() -> None:
+        def job(barrier: threading.Barrier = barrier, names: set[str] = names) -> None:
             barrier.wait()
             names.add(threading.current_thread().name)
         workers.run([job] * 4)
