@@ -101,3 +101,41 @@ def test_on_the_gpu_with_expandable_segments(transport: str, optimizer: str) -> 
     sent, got = train_and_receive("cuda:0", transport, optimizer,
                                   trainer_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     check_steps(sent, got, transport)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_the_ack_comes_once_the_update_is_in_the_receivers_module(transport: str, monkeypatch) -> None:
+    # A trainer that got the ack may use the server's model at once (the README's loop does): the module is
+    # re-pointed at the region before the ack, however long that takes (here made slow on purpose).
+    import threading
+    import time
+
+    import torch
+
+    import tensorxfer as tx
+    from tensorxfer.session.targets import CopyTarget
+
+    slow_attach = CopyTarget.attach
+
+    def attach(self: CopyTarget) -> None:
+        time.sleep(0.5)
+        slow_attach(self)
+    monkeypatch.setattr(CopyTarget, "attach", attach)
+    torch.manual_seed(0)
+    trainer, server = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+    region = tx.TensorRegion.from_module(trainer)
+    x = torch.randn(3, 16)
+    try:
+        with tx.Receiver() as rx:
+            serving = threading.Thread(target=lambda: [rx.receive(timeout=20, into=server) for _ in range(2)])
+            serving.start()
+            with tx.Sender(rx.address, transport=transport) as sender:
+                for _ in range(2):
+                    with torch.no_grad():
+                        trainer.weight.add_(1.0)
+                    sender.send(region)
+                    assert torch.equal(server(x), trainer(x))
+            serving.join(timeout=20)
+            assert not serving.is_alive()
+    finally:
+        region.close()

@@ -5,8 +5,8 @@ its senders.  A :class:`CopyTarget` lands an update by copy into the slot's regi
 offer's manifest, reused while the layout stays the same); a :class:`ShareTarget` makes the sender's own
 memory the slot's region (same host, ``share=True``).  The server session runs one update sequence for
 both and calls the target at its four points: :meth:`begin` (before accept), :meth:`prepare` (the
-transport's descriptors), :meth:`landed` (every byte is there), :meth:`attach` (the update is complete:
-a bound module's tensors become views of the region).
+transport's descriptors), :meth:`landed` (every byte is there), :meth:`attach` (before the ack: a bound
+module's tensors become views of the region).
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ class CopyTarget:
         """Make the bound module's tensors views of the region (again, if one was replaced meanwhile).
 
         Not in :meth:`begin`: the update lands in the region either way, and the check of ~a thousand
-        tensors would delay every update's data; it runs once the update was acked."""
+        tensors would delay every update's data.  Before the ack, though: a sender that got it may rely on
+        the receiver's module holding the update."""
         assert self.region is not None
         self._slot.attach(self.region)
 
