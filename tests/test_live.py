@@ -113,14 +113,14 @@ def test_the_ack_comes_once_the_update_is_in_the_receivers_module(transport: str
     import torch
 
     import tensorxfer as tx
-    from tensorxfer.session.targets import CopyTarget
+    from tensorxfer.session.targets import RegionSlot
 
-    slow_attach = CopyTarget.attach
+    slow_attach = RegionSlot.attach
 
-    def attach(self: CopyTarget) -> None:
+    def attach(self: RegionSlot, region: tx.TensorRegion) -> None:
         time.sleep(0.5)
-        slow_attach(self)
-    monkeypatch.setattr(CopyTarget, "attach", attach)
+        slow_attach(self, region)
+    monkeypatch.setattr(RegionSlot, "attach", attach)
     torch.manual_seed(0)
     trainer, server = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
     region = tx.TensorRegion.from_module(trainer)

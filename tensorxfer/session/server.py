@@ -225,7 +225,6 @@ class ServerSession:
                 log.info("update %d: the %s transport was set up again (%s): %d registrations, %d connects so far",
                          offer.seq, offer.transport, "the layout changed" if target.reallocated else
                          "the sender's region changed", transport.counters.registrations, transport.counters.connects)
-            target.attach()     # before the ack: once the sender has it, the update is in the module's tensors
             self._finish(offer, region, nbytes, target.verb, on_landed, job)
         except BaseException as e:
             if job is not None:

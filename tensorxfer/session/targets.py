@@ -4,9 +4,8 @@ The :class:`RegionSlot` holds the region a :class:`~tensorxfer.session.Receiver`
 its senders.  A :class:`CopyTarget` lands an update by copy into the slot's region (allocated from the
 offer's manifest, reused while the layout stays the same); a :class:`ShareTarget` makes the sender's own
 memory the slot's region (same host, ``share=True``).  The server session runs one update sequence for
-both and calls the target at its four points: :meth:`begin` (before accept), :meth:`prepare` (the
-transport's descriptors), :meth:`landed` (every byte is there), :meth:`attach` (before the ack: a bound
-module's tensors become views of the region).
+both and calls the target at its three points: :meth:`begin` (before accept), :meth:`prepare` (the
+transport's descriptors), :meth:`landed` (every byte is there; before the ack).
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ class Target(Protocol):
 
     def landed(self, transport: Any) -> TensorRegion: ...
 
-    def attach(self) -> None: ...
-
     def failed(self) -> bool: ...
 
     def discard(self) -> None: ...
@@ -131,18 +128,14 @@ class CopyTarget:
         return transport.prepare(self.region, seq, fresh)
 
     def landed(self, transport: ReceiverTransport) -> TensorRegion:
-        """The region the update landed in."""
-        assert self.region is not None
-        return self.region
+        """The region the update landed in, the bound module's tensors its views.
 
-    def attach(self) -> None:
-        """Make the bound module's tensors views of the region (again, if one was replaced meanwhile).
-
-        Not in :meth:`begin`: the update lands in the region either way, and the check of ~a thousand
-        tensors would delay every update's data.  Before the ack, though: a sender that got it may rely on
-        the receiver's module holding the update."""
+        The module is (re)attached here, not in :meth:`begin`: the update lands in the region either way,
+        and the check of ~a thousand tensors would delay every update's data there.  Not after the ack
+        either: a sender that got it may rely on the receiver's module holding the update."""
         assert self.region is not None
         self._slot.attach(self.region)
+        return self.region
 
     def failed(self) -> bool:
         """The update failed: whether memory allocated for it must be freed (after the session's transports
@@ -180,11 +173,8 @@ class ShareTarget:
         region = self.region = transport.take_shared()
         self.reallocated = self._slot.put(region)   # the same memory again: the region is reused as is
         region.manifest = self._manifest            # same layout when reused; metadata and checksums may be new
+        self._slot.attach(region)
         return region
-
-    def attach(self) -> None:
-        assert self.region is not None
-        self._slot.attach(self.region)
 
     def failed(self) -> bool:
         return False
