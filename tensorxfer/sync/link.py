@@ -159,7 +159,7 @@ class SourceLink:
             e.args = (f"sync: source {self.source} -> target rank {self.target}: {e}", *e.args[1:])
             raise
         return PairStats(self.source, self.target, moved, time.perf_counter() - t0, wire,
-                         segments.run_count, self.transport, setup)
+                         segments.num_runs, self.transport, setup)
 
     def close(self) -> None:
         transport, self._transport = self._transport, None
@@ -225,7 +225,7 @@ class _Feed:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {seq} of {moved} bytes")
         ch.send("ack", seq=seq, bytes=moved)
         return version, PairStats(self.source, -1, moved, time.perf_counter() - t0, wire,
-                                  segments.run_count, name, setup_flag(descriptors))
+                                  segments.num_runs, name, setup_flag(descriptors))
 
     def close(self) -> None:
         for transport in self.transports.values():

@@ -67,8 +67,8 @@ class Segments:
         return int((self.nbytes * self.count).sum())
 
     @functools.cached_property
-    def run_count(self) -> int:
-        """How many runs (rows) the groups hold."""
+    def num_runs(self) -> int:
+        """Plain runs once the groups are expanded (as the planner's ``Runs.num_runs``)."""
         return int(self.count.sum())
 
     @functools.cached_property
