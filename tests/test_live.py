@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -139,3 +140,70 @@ def test_the_ack_comes_once_the_update_is_in_the_receivers_module(transport: str
             assert not serving.is_alive()
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")])])
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_receivers_check_of_its_module_runs_while_the_data_lands(transport: str, device: str,
+                                                                   monkeypatch) -> None:
+    # The check that the bound module still is the region's views (~a thousand tensors in a real model)
+    # runs inside the transport's wait, while the data moves, not after it; a module re-pointed by its
+    # owner between updates is still found and attached again before the ack.
+    import threading
+
+    import torch
+
+    import tensorxfer as tx
+    from tensorxfer.session.targets import RegionSlot
+    from tensorxfer.transport.ipc.copy import IpcReceiver
+    from tensorxfer.transport.tcp import TcpReceiver
+
+    waiting = threading.local()
+    checks: list[bool] = []
+    attaches: list[bool] = []
+    for cls in (TcpReceiver, IpcReceiver):
+        def wait(self: Any, progress: Any = None, _wait: Any = cls.wait) -> int:
+            waiting.now = True
+            try:
+                return _wait(self, progress)
+            finally:
+                waiting.now = False
+        monkeypatch.setattr(cls, "wait", wait)
+    attached, attach = RegionSlot.attached, RegionSlot.attach
+    monkeypatch.setattr(RegionSlot, "attached", lambda self, r: checks.append(getattr(waiting, "now", False))
+                        or attached(self, r))
+    monkeypatch.setattr(RegionSlot, "attach", lambda self, r: attaches.append(getattr(waiting, "now", False))
+                        or attach(self, r))
+    torch.manual_seed(0)
+    trainer, server = torch.nn.Linear(64, 32).to(device), torch.nn.Linear(64, 32).to(device)
+    region = tx.TensorRegion.from_module(trainer)
+    x = torch.randn(3, 64, device=device)
+    got: list[Any] = []
+    try:
+        with tx.Receiver(device=device) as rx:
+            def serve() -> None:
+                for _ in range(4):
+                    rx.receive(timeout=20, into=server)
+                    got.append(server.weight.data_ptr())
+            serving = threading.Thread(target=serve)
+            serving.start()
+            with tx.Sender(rx.address, transport=transport) as sender:
+                for step in range(4):
+                    with torch.no_grad():
+                        trainer.weight.add_(1.0)
+                        trainer.bias.add_(1.0)
+                    st = sender.send(region)
+                    assert st.transport == transport
+                    assert torch.equal(server(x), trainer(x))
+                    if step == 1:       # the owner re-points a tensor: the next update must find it
+                        server.bias.data = torch.zeros_like(server.bias)
+            serving.join(timeout=20)
+            assert not serving.is_alive()
+    finally:
+        region.close()
+    assert checks == [True] * 4             # every update's check ran inside wait(), while the data landed
+    # attached (re-pointed) after the data landed, never during it: on the first update, and on the one
+    # after the owner re-pointed a tensor
+    assert attaches == [False, False]
+    assert len(set(got)) == 1

@@ -209,6 +209,7 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
+            transport.meanwhile = target.while_landing
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = target.prepare(transport, offer.seq, offer.fresh)
             setup = setup_flag(descriptors)

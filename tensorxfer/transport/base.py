@@ -179,9 +179,15 @@ class ReceiverTransport(_Half):
     ``on_piece`` (hook): when set, called with ``(region offset, length)`` of every range once its bytes
     are in the region (device copies: finished, not queued), from the transport's threads, so a fan-out
     relay can forward it before the whole update landed.  Set before :meth:`prepare`.
+
+    ``meanwhile`` (hook): when set, :meth:`wait` calls it once, in its own thread, when the data is on its
+    way and this end has nothing left to do but wait for it (ipc: the device copies queued; tcp: the
+    streams receiving), so the receiver's own per-update work overlaps with the data.  A transport that
+    never waits like that does not call it.
     """
 
     on_piece: Callable[[int, int], None] | None = None
+    meanwhile: Callable[[], None] | None = None
 
     @abstractmethod
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:

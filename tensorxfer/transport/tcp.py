@@ -356,6 +356,8 @@ class TcpReceiver(ReceiverTransport):
         self._streams._progress = progress
         for index, sock in enumerate(self._streams.socks):
             self._streams.start(sock, self._recv_update, index)
+        if self.meanwhile is not None:
+            self.meanwhile()        # the streams receive in their threads meanwhile
         self._streams.join()
         self.counters.updates += 1
         return sum(length for _, length in self._slices)

@@ -367,6 +367,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             raise error
         if self._closing:
             raise TransferError("ipc: the transfer was aborted during the copy")
+        if self.meanwhile is not None:
+            self.meanwhile()        # device copies may still run: the receiver's own work overlaps them
         if sync is not None:
             sync()
 
