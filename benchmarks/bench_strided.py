@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import shlex
 import statistics
@@ -74,16 +75,18 @@ def timed(fn: Any, streams: list[Any], repeat: int) -> float:
 
 
 def measure_target(t: int, segs: dict[int, Any], src: list[Any], nbytes: int, tile_sizes: list[int], repeat: int,
-                   image: bytes) -> dict[str, Any]:
+                   images: dict[str, bytes], row_sizes: list[int]) -> dict[str, Any]:
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     moved = sum(sg.total_bytes for sg in segs.values())
     copiers = {s: Copier(0) for s in segs}
     ext = [torch.cuda.ExternalStream(c.stream) for c in copiers.values()]
     one = copiers[next(iter(segs))]
     row: dict[str, Any] = {"target": t, "bytes": moved, "groups": {s: len(sg) for s, sg in segs.items()}}
-    for tile in tile_sizes:
+    for (label, image), tile, rows in itertools.product(images.items(), tile_sizes, row_sizes):
+        at = f"{tile}" if len(images) == 1 and len(row_sizes) == 1 else f"{label}@{tile}@rows{rows}"
         kernels = {s: StridedCopy(0, strided.tiles(sg.src_off, sg.dst_off, sg.nbytes, sg.count, sg.src_stride,
-                                                   sg.dst_stride, tile_bytes=tile), image) for s, sg in segs.items()}
+                                                   sg.dst_stride, tile_bytes=tile, row_bytes=rows), image)
+                   for s, sg in segs.items()}
 
         def serial(kernels: dict[int, Any] = kernels) -> None:
             for s, k in kernels.items():
@@ -92,9 +95,15 @@ def measure_target(t: int, segs: dict[int, Any], src: list[Any], nbytes: int, ti
         def parallel(kernels: dict[int, Any] = kernels) -> None:
             for s, k in kernels.items():
                 k.launch(copiers[s], dst.data_ptr(), src[s].data_ptr())
-        row[f"kernel_one_stream_s@{tile}"] = timed(serial, [ext[0]], repeat)
-        row[f"kernel_stream_per_source_s@{tile}"] = timed(parallel, ext, repeat)
-        row[f"tiles@{tile}"] = {s: k.tiles for s, k in kernels.items()}
+        row[f"kernel_one_stream_s@{at}"] = timed(serial, [ext[0]], repeat)
+        row[f"kernel_stream_per_source_s@{at}"] = timed(parallel, ext, repeat)
+        row[f"tiles@{at}"] = {s: k.tiles for s, k in kernels.items()}
+        if len(images) > 1 or len(row_sizes) > 1:     # the variants must copy the same bytes: digests agree
+            dst.zero_()
+            torch.cuda.synchronize()        # the zeroing (torch's stream) ends before the copy (the copier's)
+            serial()
+            torch.cuda.current_stream().wait_stream(ext[0])
+            row[f"digest@{at}"] = int(dst.view(torch.int64).sum().item()) if nbytes % 8 == 0 else None
         for k in kernels.values():
             k.close()
 
@@ -121,18 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--tile-bytes", type=int, nargs="*", default=[strided.TILE_BYTES])
+    p.add_argument("--row-bytes", type=int, nargs="*", default=[strided.ROW_BYTES])
+    p.add_argument("--images", type=Path, nargs="*", default=[],
+                   help="kernel variants (fatbin files) to compare; default: the package's strided_copy.fatbin")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     n, m = args.sources, args.targets
     image = strided.kernel_image()
-    assert image is not None, "strided_copy.fatbin was not built"
+    images = {f.stem: f.read_bytes() for f in args.images} if args.images else {"package": image}
+    assert all(images.values()), "strided_copy.fatbin was not built"
     sources, targets, src_bytes, tgt_bytes = specs(args.size, n, m)
     pl = plan(sources, targets)
-    src = [torch.empty(b, dtype=torch.uint8, device="cuda:0") for b in src_bytes]
+    src = [torch.randint(0, 256, (b,), dtype=torch.uint8, device="cuda:0") for b in src_bytes]
     result: dict[str, Any] = {"targets": []}
     for t in range(m):
         segs = {s: segments_of(pl, s, t) for s in range(n) if s in pl.sources_of.get(t, ())}
-        row = measure_target(t, segs, src, tgt_bytes[t], args.tile_bytes, args.repeat, image)
+        row = measure_target(t, segs, src, tgt_bytes[t], args.tile_bytes, args.repeat, images,
+                             args.row_bytes)
         print(json.dumps(row), flush=True)
         result["targets"].append(row)
     out = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
