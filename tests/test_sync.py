@@ -279,3 +279,79 @@ def test_a_target_whose_runs_differ_from_its_sources_refuses_the_step() -> None:
             link.close()
         finally:
             port.close()
+
+
+def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_the_group(monkeypatch) -> None:
+    # A push sends its offers first and packs while the targets take them in; a pack that raises is the
+    # push's error, the targets name the source at once (no stall timeout), and the next push works.
+    import time
+
+    from tensorxfer.sync import link as link_mod
+    from tensorxfer.sync.weight_sync import WeightSync
+
+    stores = Stores()
+    g = global_tensors(0)
+    srcs = source_tensors(0, 1, g)
+    tgts = [target_tensors(r, 2, torch.float32) for r in range(2)]
+    events: list[tuple[str, float]] = []
+    real_recv = link_mod.Channel.recv
+
+    def recv(self: Any, kind: str, *a: Any, **k: Any) -> Any:
+        frame = real_recv(self, kind, *a, **k)
+        if kind == "offer":
+            events.append(("offer", time.monotonic()))
+        return frame
+    monkeypatch.setattr(link_mod.Channel, "recv", recv)
+    real_pack = WeightSync._pack
+    fail = [False]
+
+    def pack(self: Any) -> int:
+        time.sleep(0.2)     # long enough that an offer sent after the pack would come after its end
+        if fail[0]:
+            raise RuntimeError("the shard's shape changed")
+        out = real_pack(self)
+        events.append(("packed", time.monotonic()))
+        return out
+    monkeypatch.setattr(WeightSync, "_pack", pack)
+    ranks = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "p", "source", 0, (1, 2), srcs, transport="tcp", timeout=20,
+                              stall_timeout=30),
+        *[lambda r=r: tx.WeightSync(stores.client(), "p", "target", r, (1, 2), tgts[r], transport="tcp",
+                                    timeout=20, stall_timeout=30) for r in range(2)]])
+    source, targets = ranks[0], ranks[1:]
+    try:
+        run_ranks([source.push, *[lambda t=t: t.wait(timeout=20) for t in targets]])
+        offers = [at for what, at in events if what == "offer"]
+        packed = [at for what, at in events if what == "packed"]
+        assert len(offers) == 2 and len(packed) == 1 and max(offers) < packed[0], events
+        fail[0] = True
+        started = time.monotonic()
+        results: list[Any] = [None] * 3
+
+        def attempt(i: int, fn: Any) -> None:
+            try:
+                results[i] = fn()
+            except BaseException as e:
+                results[i] = e
+        threads = [threading.Thread(target=attempt, args=(0, source.push))] + [
+            threading.Thread(target=attempt, args=(1 + i, lambda t=t: t.wait(timeout=20)))
+            for i, t in enumerate(targets)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert isinstance(results[0], RuntimeError) and "shape changed" in str(results[0])
+        for r in results[1:]:
+            assert isinstance(r, tx.TransferError) and "source rank 0" in str(r), r
+        assert time.monotonic() - started < 10, "the targets waited for a stall timeout"
+        fail[0] = False
+        run_ranks([source.push, *[lambda t=t: t.wait(timeout=20) for t in targets]])
+        want = [expected_target(r, 2, g) for r in range(2)]
+        for r in range(2):
+            for name, x in tgts[r].items():
+                assert torch.equal(x.tensor, want[r][name]), name
+    finally:
+        source.close()
+        for t in targets:
+            t.close()

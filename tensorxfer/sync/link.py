@@ -107,9 +107,14 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
+    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str,
+             offered: Callable[[], None] | None = None, before_data: Callable[[], None] | None = None) -> PairStats:
         """Move this pair's segments of ``region`` for ``version`` (planned as ``digest``); return once the
         target acknowledged.
+
+        ``offered`` is called once the offer is sent, ``before_data`` after that and before any byte of
+        ``region`` is read (the source packs its region meanwhile, while the target takes the offer in).
+        If ``before_data`` raises, the offer stays unanswered: the caller must close this link.
 
         Raises
         ------
@@ -131,6 +136,10 @@ class SourceLink:
             early = transport.posts_early and not fresh     # as Sender: the data right behind the offer
             ch.send("offer", seq=seq, transport=self.transport, fresh=fresh, version=version,
                     bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
+            if offered is not None:
+                offered()
+            if before_data is not None:
+                before_data()
             if early:
                 t1 = time.perf_counter()
                 moved = transport.post_early(region, seq, segments)

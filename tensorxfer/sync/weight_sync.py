@@ -63,6 +63,53 @@ log = logging.getLogger(__name__)
 FOREVER = 1e9       # seconds: a wait without a timeout
 
 
+class _PackAfterOffers:
+    """One push's order across its threads: every pair sends its offer, then the pack runs (on the pushing
+    thread) while the targets take the offers in, then the pairs post their data.
+
+    The pack checks ~a thousand local shards for re-pointed storage before every push (0.35-0.40 ms on the
+    H200 machine's CPU): before the offers, it and the targets' handling of them took turns."""
+
+    def __init__(self, pairs: int) -> None:
+        self._cond = threading.Condition()
+        self._offering = pairs
+        self._packed = False
+        self._error: BaseException | None = None
+
+    def offer_counter(self) -> Any:
+        """A pair's "my offer is out (or will never be)": counts once however often it is called."""
+        told = [False]
+
+        def offered() -> None:
+            if not told[0]:
+                told[0] = True
+                with self._cond:
+                    self._offering -= 1
+                    self._cond.notify_all()
+        return offered
+
+    def pack(self, pack: Any) -> int:
+        """Run ``pack()`` once every pair's offer is out; the pairs then go on, or fail if it raised."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._offering <= 0)
+        try:
+            return int(pack())
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            with self._cond:
+                self._packed = True
+                self._cond.notify_all()
+
+    def wait_packed(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._packed)
+        if self._error is not None:
+            raise TransferError(f"the source's pack failed before its data was posted: "
+                                f"{type(self._error).__name__}: {self._error}")
+
+
 @dataclass(frozen=True)
 class SyncStats:
     """One step of a weight sync as this rank saw it: its pairs, and the totals.
@@ -74,7 +121,7 @@ class SyncStats:
     version: int
     bytes: int
     seconds: float
-    pack_seconds: float
+    pack_seconds: float         # sources: from push() until the pack ended (it runs once the offers are out)
     pairs: tuple[PairStats, ...]
     packed_bytes: int = 0       # sources: bytes copied into the region this push (0 when all are adopted)
     failed: dict[int, str] = field(default_factory=dict)
@@ -295,12 +342,20 @@ class WeightSync:
                     self.version = version      # the step is spent: the next push decides members anew
                     self.members.report(version, False, version - 1, {})
                     raise
-            packed_bytes = self._pack()
-            packed = time.perf_counter() - t0
-            results = self._run_pairs(version)
+            try:
+                results, packed_bytes, packed = self._run_pairs(version, t0)
+            except BaseException:
+                # The pack failed (its offers went out unanswered, their links are closed): the step is spent,
+                # and the targets, which saw it fail, go on to the next one.
+                self.version = version
+                if self.elastic:
+                    self.members.report(version, False, version - 1, {})
+                raise
             failed = {t: r for t, r in results.items() if isinstance(r, BaseException)}
             for t in failed:
-                self._links.pop(t).close()      # its session's state is unknown: reconnect if it stays
+                link = self._links.pop(t, None)     # (None: its reconnect failed)
+                if link is not None:
+                    link.close()        # its session's state is unknown: reconnect if it stays
             if failed and not self.elastic:
                 first = failed[min(failed)]
                 raise first if isinstance(first, TransferError) else TransferError(
@@ -317,23 +372,44 @@ class WeightSync:
                                         pairs, packed_bytes, why, self._planned)
             return self.last_stats
 
-    def _run_pairs(self, version: int) -> dict[int, Any]:
-        """Every planned target's segments, in parallel: target -> PairStats or the exception that ended it."""
+    def _run_pairs(self, version: int, t0: float) -> tuple[dict[int, Any], int, float]:
+        """Pack the region and send every planned target its segments, in parallel: (target -> PairStats or
+        the exception that ended it, the bytes packed, seconds from ``t0`` until the pack ended).
+
+        The offers go out first and the pack runs while the targets take them in (:class:`_PackAfterOffers`).
+        A pack that fails leaves every offer unanswered: those links are closed and its error raised."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         digest, region = self.plan.digest, self.region
+        order = _PackAfterOffers(len(self._segments))
+        packed: list[Any] = [0, 0.0]
+
+        def pack() -> None:
+            try:
+                packed[0] = order.pack(self._pack)
+            finally:
+                packed[1] = time.perf_counter() - t0
 
         def run(target: int) -> None:
+            offered = order.offer_counter()
             try:
                 link = self._links.get(target)
                 if link is None:     # its link failed last step and it is still planned: reconnect
                     self._connect((target,))
                     link = self._links[target]
-                results[target] = link.push(region, self._segments[target], version, digest)
+                results[target] = link.push(region, self._segments[target], version, digest, offered=offered,
+                                            before_data=order.wait_packed)
             except BaseException as e:
                 results[target] = e
-        self._workers.run([functools.partial(run, t) for t in self._segments])
-        return results
+            finally:
+                offered()       # a pair that failed before its offer must not hold the pack back
+        try:
+            self._workers.run([pack, *(functools.partial(run, t) for t in self._segments)])
+        except BaseException:
+            for t in [t for t, r in results.items() if isinstance(r, BaseException) and t in self._links]:
+                self._links.pop(t).close()
+            raise
+        return results, packed[0], packed[1]
 
     def _adopt(self, allowed: list[bool]) -> int:
         """Move the adoptable local shards into the region and re-point them there (their old storage is
