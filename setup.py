@@ -84,6 +84,7 @@ def optional(name: str, reason: str | None) -> bool:
 extensions = [
     ext("tensorxfer.memory._extent"),
     ext("tensorxfer.memory._host"),
+    ext("tensorxfer.memory._hostcopy"),
 ]
 
 # _cuda and _copy cimport _driver, so the three build (and ship) together.

@@ -16,6 +16,8 @@ Measured in the same run, on the same machine and device:
 - ``bound``: the most bytes any one target receives, at the 1-to-1 rate of the same transport measured in
   the same run (one Sender to one Receiver of that many bytes).
 - ``torch_copy`` (GPU): one ``dst.copy_(src)`` of the bytes all targets receive together.
+- ``parallel_copy_floor`` (host): every target's bytes copied at once, one thread each, between warm
+  buffers: on a machine whose targets share one memory bus, no sync can beat it, whatever the bound says.
 
 Writes ``sync-<device>-<UTC>.json`` under ``--out``.  Run it by hand::
 
@@ -265,6 +267,27 @@ def one_to_one(nbytes: int, transport: str, device: str, repeat: int) -> float:
     return statistics.median(runs[1:])
 
 
+def copy_floor(sizes: list[int], repeat: int) -> float:
+    """Host memory alone: seconds for one thread per target to copy that target's bytes between warm
+    buffers, all at once (numpy's copy; the GIL is released).  What the machine's memory allows M targets
+    that each write their bytes once: below the 1-to-1 bound when they share one memory bus."""
+    import threading
+
+    import numpy as np
+
+    bufs = [(np.ones(n, dtype=np.uint8), np.ones(n, dtype=np.uint8)) for n in sizes]
+    runs = []
+    for _ in range(repeat + 1):
+        threads = [threading.Thread(target=np.copyto, args=(dst, src)) for src, dst in bufs]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=["bench", "sync", "baseline"], default="bench")
@@ -310,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     result["bound_s"] = bound_one
     result["sync_over_bound"] = result["sync_median_s"] / bound_one
     print("bound", f"{bound_one:.3f} s", "sync/bound", f"{result['sync_over_bound']:.2f}", flush=True)
+    if args.device == "cpu":
+        floor = copy_floor(target_bytes, args.repeat)
+        result["parallel_copy_floor_s"] = floor
+        result["sync_over_parallel_copy_floor"] = result["sync_median_s"] / floor
+        result["parallel_copy_floor_over_bound"] = floor / bound_one
+        print("parallel copy floor", f"{floor:.3f} s ({floor / bound_one:.2f}x the bound)", "sync/floor",
+              f"{result['sync_over_parallel_copy_floor']:.2f}", flush=True)
     if args.device != "cpu":
         src = torch.empty(sum(target_bytes), dtype=torch.uint8, device=args.device)
         dst = torch.empty_like(src)

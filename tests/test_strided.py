@@ -1,5 +1,6 @@
-"""Strided device copies as one kernel launch: the tiles cover exactly the groups (pure, any machine), and
-the kernel copies them byte for byte on the GPU, aligned or not."""
+"""Strided copies of a sync's groups: the tiles cover exactly the groups (pure, any machine), the kernel
+copies them byte for byte on the GPU, aligned or not, and the host copy (``copy_groups``, a memcpy per row
+without the GIL) does on the host, split over threads or not, refusing a group that reaches past a buffer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorxfer.memory import strided
+from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.transport.segments import Segments
 
 SRC, DST = 1 << 20, 1 << 20
@@ -39,9 +41,11 @@ def random_groups(rng: np.random.Generator, groups: int = 30, max_rows: int = 20
 
 
 def apply_groups(src: np.ndarray, dst: np.ndarray, seg: Segments) -> np.ndarray:
+    """The reference: every row of every group, one slice assignment each."""
     out = dst.copy()
-    for s, d in seg.host_views(src, out):
-        d[...] = s
+    for so, do, n, count, ss, ds in zip(*(c.tolist() for c in columns(seg))):
+        for r in range(count):
+            out[do + r * ds:do + r * ds + n] = src[so + r * ss:so + r * ss + n]
     return out
 
 
@@ -125,3 +129,39 @@ def test_the_kernel_copies_every_tile_on_the_gpu(aligned: bool, torch_gpu: objec
         kernel.close()              # idempotent
         with pytest.raises(ValueError, match="closed"):
             kernel.launch(copier, d_dst.data_ptr(), d_src.data_ptr())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_host_copy_copies_exactly_the_groups_split_or_not(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    seg = random_groups(rng, aligned=bool(seed % 2))
+    src = rng.integers(0, 256, SRC, dtype=np.uint8)
+    dst = rng.integers(0, 256, DST, dtype=np.uint8)
+    want = apply_groups(src, dst, seg)
+    whole = dst.copy()
+    assert copy_groups(src, whole, *columns(seg)) == seg.total_bytes
+    assert np.array_equal(whole, want)
+    split = dst.copy()
+    assert sum(copy_groups(src, split, *columns(seg), k, 3) for k in range(3)) == seg.total_bytes
+    assert np.array_equal(split, want)
+
+
+def test_the_host_copy_refuses_a_group_past_either_buffer_and_copies_from_read_only_memory() -> None:
+    src = np.arange(256, dtype=np.uint8)
+    src.flags.writeable = False         # an imported mapping of the sender's memory is read-only
+    dst = np.zeros(256, dtype=np.uint8)
+    ok = Segments.of([0], [128], [16], [4], [32], [16])     # 4 rows of 16 bytes, every 32nd source byte
+    assert copy_groups(src, dst, *columns(ok)) == 64
+    assert np.array_equal(dst[128:192].reshape(4, 16), src[:128].reshape(4, 32)[:, :16])
+    for bad in (Segments.of([250], [0], [16]),                      # past the source's end
+                Segments.of([0], [0], [16], [2], [1 << 62], [16]),  # the second row's stride wraps
+                Segments.of([0], [250], [16]),                      # past the destination's end
+                Segments.of([0], [0], [16], [17], [0], [16])):      # 17 rows of 16 fill 272 > 256 bytes
+        before = dst.copy()
+        with pytest.raises(ValueError, match="reaches past"):
+            copy_groups(src, dst, *columns(bad))
+        assert np.array_equal(dst, before)
+    with pytest.raises(ValueError):
+        copy_groups(src, dst, *columns(ok), 0, 0)
+    with pytest.raises(ValueError):
+        copy_groups(src, dst, ok.src_off, ok.dst_off[:0], ok.nbytes, ok.count, ok.src_stride, ok.dst_stride)

@@ -156,20 +156,3 @@ class Segments:
                 cuts.append(i)
         cuts.append(len(n))
         return [Segments.of(src[a:b], dst[a:b], n[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
-
-    def host_views(self, src: np.ndarray | None, dst: np.ndarray | None) -> Iterator[tuple[np.ndarray | None,
-                                                                                           np.ndarray | None]]:
-        """Each group as a 2-D byte view ``(count, nbytes)`` of ``src`` and of ``dst`` (flat uint8 arrays of the
-        two regions; either may be None), so a strided group is one numpy copy."""
-        for i in range(len(self)):
-            count, n = int(self.count[i]), int(self.nbytes[i])
-            yield (_strided(src, int(self.src_off[i]), count, n, int(self.src_stride[i])),
-                   _strided(dst, int(self.dst_off[i]), count, n, int(self.dst_stride[i])))
-
-
-def _strided(buf: np.ndarray | None, off: int, count: int, n: int, stride: int) -> np.ndarray | None:
-    if buf is None:
-        return None
-    if count == 1:
-        return buf[off:off + n].reshape(1, n)
-    return np.lib.stride_tricks.as_strided(buf[off:], shape=(count, n), strides=(stride, 1), writeable=True)

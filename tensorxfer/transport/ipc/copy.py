@@ -18,6 +18,7 @@ import numpy as np
 
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
 from tensorxfer.memory import strided
+from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
@@ -192,12 +193,12 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                                        segments.src_off + np.uint64(src.ptr), segments.nbytes, segments.count,
                                        segments.dst_stride, segments.src_stride)
                 copier.synchronize()
-            else:
-                sv = np.frombuffer(memoryview(src), dtype=np.uint8)
-                dv = np.frombuffer(memoryview(dst.region), dtype=np.uint8)
-                groups = list(segments.host_views(sv, dv))
-                _run_threads([groups[k::COPY_THREADS] for k in range(COPY_THREADS)], _copy_groups)
-                del sv, dv, groups
+            else:   # every copy thread takes every COPY_THREADS-th group, a memcpy per row, without the GIL
+                with memoryview(src) as sv, memoryview(dst.region) as dv:
+                    cols = (segments.src_off, segments.dst_off, segments.nbytes, segments.count,
+                            segments.src_stride, segments.dst_stride)
+                    threads = max(1, min(COPY_THREADS, len(segments)))
+                    _run_threads(threads, lambda k: copy_groups(sv, dv, *cols, k, threads))
             if progress is not None:
                 progress(segments.total_bytes)
             conn.send(b"P" + U64.pack(incoming.nbytes))
@@ -388,27 +389,21 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             copier.close()
 
 
-def _copy_groups(groups: list[tuple[Any, Any]]) -> None:
-    for src, dst in groups:
-        np.copyto(dst, src)
-
-
-def _run_threads(parts: list[Any], work: Callable[[Any], Any]) -> None:
-    """``work(part)`` for every non-empty part, each in its own thread (the first in this one); the first
-    error is raised once all ended."""
-    parts = [p for p in parts if p]
+def _run_threads(count: int, work: Callable[[int], Any]) -> None:
+    """``work(k)`` for k < ``count``, each in its own thread (k = 0 in this one); the first error is raised
+    once all ended."""
     errors: list[BaseException] = []
 
-    def run(part: Any) -> None:
+    def run(k: int) -> None:
         try:
-            work(part)
+            work(k)
         except BaseException as e:
             errors.append(e)
-    threads = [threading.Thread(target=run, args=(p,), name="tensorxfer-ipc-segments", daemon=True) for p in parts[1:]]
+    threads = [threading.Thread(target=run, args=(k,), name="tensorxfer-ipc-segments", daemon=True)
+               for k in range(1, count)]
     for t in threads:
         t.start()
-    if parts:
-        run(parts[0])
+    run(0)
     for t in threads:
         t.join()
     if errors:
