@@ -209,15 +209,18 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
-            transport.meanwhile = target.while_landing
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = target.prepare(transport, offer.seq, offer.fresh)
             setup = setup_flag(descriptors)
             clock.setup_seconds = clock.elapsed()
             self.channel.send("accept", seq=offer.seq, transport=offer.transport, descriptors=descriptors,
                               reallocated=target.reallocated, setup_seconds=clock.setup_seconds)
-            with clock.wire():
-                nbytes = transport.wait(progress)
+            transport.meanwhile = target.while_landing
+            try:
+                with clock.wire():
+                    nbytes = transport.wait(progress)
+            finally:
+                transport.meanwhile = None      # the target (and its region) is this update's only
             if job is not None:
                 job.all_landed()
             region = target.landed(transport)
