@@ -207,3 +207,49 @@ def test_a_receivers_check_of_its_module_runs_while_the_data_lands(transport: st
     # after the owner re-pointed a tensor
     assert attaches == [False, False]
     assert len(set(got)) == 1
+
+
+def test_a_failing_module_check_while_landing_waits_for_the_data_and_fails_the_update_after_it(monkeypatch) -> None:
+    # The landing-time check runs while copies may still be in flight: an error there must not cut the
+    # update short; landed() meets it again once every byte is in, and the update fails cleanly (the
+    # sender is told, the receiver serves the next sender).
+    import threading
+
+    import torch
+
+    import tensorxfer as tx
+    from tensorxfer.binding import ModuleBinding
+
+    calls = []
+    real = ModuleBinding.attached_to
+
+    def broken(self: ModuleBinding, region: Any) -> bool:
+        calls.append(1)
+        if len(calls) <= 2:         # the landing check and landed()'s own, on the first update
+            raise RuntimeError("a module that cannot be inspected")
+        return real(self, region)
+    monkeypatch.setattr(ModuleBinding, "attached_to", broken)
+    torch.manual_seed(0)
+    trainer, server = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    region = tx.TensorRegion.from_module(trainer)
+    errors: list[BaseException] = []
+    try:
+        with tx.Receiver() as rx:
+            def serve() -> None:
+                try:
+                    rx.receive(timeout=20, into=server)
+                except BaseException as e:
+                    errors.append(e)
+                rx.receive(timeout=20, into=server)
+            serving = threading.Thread(target=serve)
+            serving.start()
+            with tx.Sender(rx.address, transport="ipc") as sender, pytest.raises(tx.TransferError):
+                sender.send(region)
+            with tx.Sender(rx.address, transport="ipc") as sender:
+                sender.send(region)
+            serving.join(timeout=20)
+            assert not serving.is_alive()
+    finally:
+        region.close()
+    assert len(errors) == 1 and "cannot be inspected" in str(errors[0])
+    assert torch.equal(server.weight, trainer.weight)

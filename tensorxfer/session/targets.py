@@ -142,7 +142,10 @@ class CopyTarget:
         31.2 GB update's ack by ~0.7 ms when it ran after the copy).  Nothing is re-pointed here: a module
         that is not attached (the first update) must not show a half-landed region."""
         if self.region is not None:
-            self._attached = self._slot.attached(self.region)
+            try:
+                self._attached = self._slot.attached(self.region)
+            except Exception:       # device copies may still run: any error is landed()'s to raise, after them
+                self._attached = False
 
     def landed(self, transport: ReceiverTransport) -> TensorRegion:
         """The region the update landed in, the bound module's tensors its views.
