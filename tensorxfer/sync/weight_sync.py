@@ -39,7 +39,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,7 @@ class _PackAfterOffers:
         self._packed = False
         self._error: BaseException | None = None
 
-    def offer_counter(self) -> Any:
+    def offer_counter(self) -> Callable[[], None]:
         """A pair's "my offer is out (or will never be)": counts once however often it is called."""
         told = [False]
 
@@ -88,7 +88,7 @@ class _PackAfterOffers:
                     self._cond.notify_all()
         return offered
 
-    def pack(self, pack: Any) -> int:
+    def pack(self, pack: Callable[[], int]) -> int:
         """Run ``pack()`` once every pair's offer is out; the pairs then go on, or fail if it raised."""
         with self._cond:
             self._cond.wait_for(lambda: self._offering <= 0)
