@@ -74,7 +74,7 @@ class _PackAfterOffers:
         self._cond = threading.Condition()
         self._offering = pairs
         self._packed = False
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None        # the pack's, once it ended
 
     def offer_counter(self) -> Callable[[], None]:
         """A pair's "my offer is out (or will never be)": counts once however often it is called."""
@@ -95,7 +95,7 @@ class _PackAfterOffers:
         try:
             return int(pack())
         except BaseException as e:
-            self._error = e
+            self.error = e
             raise
         finally:
             with self._cond:
@@ -105,9 +105,9 @@ class _PackAfterOffers:
     def wait_packed(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._packed)
-        if self._error is not None:
+        if self.error is not None:
             raise TransferError(f"the source's pack failed before its data was posted: "
-                                f"{type(self._error).__name__}: {self._error}")
+                                f"{type(self.error).__name__}: {self.error}")
 
 
 @dataclass(frozen=True)
@@ -342,20 +342,19 @@ class WeightSync:
                     self.version = version      # the step is spent: the next push decides members anew
                     self.members.report(version, False, version - 1, {})
                     raise
-            try:
-                results, packed_bytes, packed = self._run_pairs(version, t0)
-            except BaseException:
-                # The pack failed (its offers went out unanswered, their links are closed): the step is spent,
-                # and the targets, which saw it fail, go on to the next one.
-                self.version = version
-                if self.elastic:
-                    self.members.report(version, False, version - 1, {})
-                raise
+            results, packed_bytes, packed, pack_error = self._run_pairs(version, t0)
             failed = {t: r for t, r in results.items() if isinstance(r, BaseException)}
             for t in failed:
                 link = self._links.pop(t, None)     # (None: its reconnect failed)
                 if link is not None:
                     link.close()        # its session's state is unknown: reconnect if it stays
+            if pack_error is not None:
+                # Every offer went out unanswered (those links are closed above): the step is spent, and the
+                # targets, which saw it fail, go on to the next one.
+                self.version = version
+                if self.elastic:
+                    self.members.report(version, False, version - 1, {})
+                raise pack_error
             if failed and not self.elastic:
                 first = failed[min(failed)]
                 raise first if isinstance(first, TransferError) else TransferError(
@@ -372,12 +371,13 @@ class WeightSync:
                                         pairs, packed_bytes, why, self._planned)
             return self.last_stats
 
-    def _run_pairs(self, version: int, t0: float) -> tuple[dict[int, Any], int, float]:
+    def _run_pairs(self, version: int, t0: float) -> tuple[dict[int, Any], int, float, BaseException | None]:
         """Pack the region and send every planned target its segments, in parallel: (target -> PairStats or
-        the exception that ended it, the bytes packed, seconds from ``t0`` until the pack ended).
+        the exception that ended it, the bytes packed, seconds from ``t0`` until the pack ended, the pack's
+        error or None).
 
         The offers go out first and the pack runs while the targets take them in (:class:`_PackAfterOffers`).
-        A pack that fails leaves every offer unanswered: those links are closed and its error raised."""
+        A pack that fails leaves every offer unanswered: every pair then ends with an error too."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         digest, region = self.plan.digest, self.region
@@ -387,6 +387,8 @@ class WeightSync:
         def pack() -> None:
             try:
                 packed[0] = order.pack(self._pack)
+            except BaseException:
+                pass        # the order keeps it: returned once the pairs ended
             finally:
                 packed[1] = time.perf_counter() - t0
 
@@ -403,13 +405,8 @@ class WeightSync:
                 results[target] = e
             finally:
                 offered()       # a pair that failed before its offer must not hold the pack back
-        try:
-            self._workers.run([pack, *(functools.partial(run, t) for t in self._segments)])
-        except BaseException:
-            for t in [t for t, r in results.items() if isinstance(r, BaseException) and t in self._links]:
-                self._links.pop(t).close()
-            raise
-        return results, packed[0], packed[1]
+        self._workers.run([pack, *(functools.partial(run, t) for t in self._segments)])
+        return results, packed[0], packed[1], order.error
 
     def _adopt(self, allowed: list[bool]) -> int:
         """Move the adoptable local shards into the region and re-point them there (their old storage is
