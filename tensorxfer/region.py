@@ -242,10 +242,12 @@ class TensorRegion:
         """The region for safetensors files (headers read and checked, memory allocated, nothing read yet)
         and the :class:`~tensorxfer.files.Loader` that fills it: ``loader.run()`` here, or ``loader.start()``
         to read in the background while a Sender sends what was read (``tensorxfer-send`` does).  The
-        caller joins the loader before closing the region.  Raises as :meth:`from_safetensors`."""
+        caller joins the loader before closing the region.  ``sources`` may also be the
+        :class:`~tensorxfer.files.LoadPlan` of headers read already.  Raises as :meth:`from_safetensors`."""
         from tensorxfer.files import load
 
-        plan = load.plan_load([sources] if isinstance(sources, str | os.PathLike) else sources)
+        plan = sources if isinstance(sources, load.LoadPlan) else \
+            load.plan_load([sources] if isinstance(sources, str | os.PathLike) else sources)
         if parse_device(device)[0] == "cuda":
             self = cls.from_manifest(plan.manifest, device)         # zeroed: no stale device bytes between tensors
         else:

@@ -383,3 +383,85 @@ def test_a_private_region_is_this_process_memory_on_a_huge_page_boundary_with_no
 def test_a_shareable_region_is_not_private():
     with HostRegion.allocate(PAGE) as r:
         assert not r.private
+
+
+def _file(path, data: bytes, flags: int = os.O_RDONLY) -> int:
+    path.write_bytes(data)
+    return os.open(path, flags)
+
+
+def test_map_files_maps_each_file_at_its_offset_with_zero_pages_between(tmp_path):
+    # the region is the files themselves: no memory of its own but zero pages between them
+    fds = len(os.listdir("/proc/self/fd"))
+    a = _file(tmp_path / "a", b"A" * (PAGE + 10))
+    b = _file(tmp_path / "b", b"B" * 10)
+    try:
+        r = HostRegion.map_files([(0, PAGE + 10, a), (4 * PAGE, 10, b)], 5 * PAGE + 3, populate=True)
+    finally:
+        os.close(a)
+        os.close(b)
+    try:
+        assert len(os.listdir("/proc/self/fd")) == fds                     # the mappings need no fd
+        assert r.size == 6 * PAGE and r.readonly and "files" in repr(r)
+        assert r.chunks == [(0, 2 * PAGE, -1), (2 * PAGE, 2 * PAGE, -1), (4 * PAGE, PAGE, -1), (5 * PAGE, PAGE, -1)]
+        view = np.frombuffer(r, dtype=np.uint8)
+        assert view[:PAGE + 10].tobytes() == b"A" * (PAGE + 10) and not view[PAGE + 10:4 * PAGE].any()
+        assert view[4 * PAGE:4 * PAGE + 10].tobytes() == b"B" * 10 and not view[4 * PAGE + 10:].any()
+        assert not view.flags.writeable
+        (tmp_path / "b").write_bytes(b"C" * 10)          # the page cache of the file, not a copy of it
+        assert view[4 * PAGE:4 * PAGE + 10].tobytes() == b"C" * 10
+        with pytest.raises(RegionError, match="files mapped into it"):
+            r.export_handles()
+        r.resolve_extent(0, r.size)                     # every page mapped: one extent, no hole
+        base = view.ctypes.data
+        del view
+    finally:
+        r.close()
+        r.close()
+    assert not _mapped(base) and not _mapped(base + 5 * PAGE)
+
+
+def test_map_files_writable_writes_reach_the_files(tmp_path):
+    fd = _file(tmp_path / "out", bytes(2 * PAGE + 1), os.O_RDWR)
+    try:
+        with HostRegion.map_files([(PAGE, 2 * PAGE + 1, fd)], 4 * PAGE, writable=True) as r:
+            view = np.frombuffer(r, dtype=np.uint8)
+            assert not r.readonly and view.flags.writeable
+            view[:] = 7                                # the zero pages before and the file's pages alike
+            del view
+        data = (tmp_path / "out").read_bytes()
+        assert data == bytes([7]) * (2 * PAGE + 1)       # the rest of its last page reached no file
+    finally:
+        os.close(fd)
+
+
+def test_map_files_refuses_what_could_fault_or_overlap_before_mapping_anything(tmp_path):
+    fd = _file(tmp_path / "f", b"x" * PAGE)
+    rfd, wfd = os.pipe()
+    def mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return len(f.readlines())
+
+    maps = mappings()
+    try:
+        for files, size, match in [
+            ([], PAGE, "at least one"),
+            ([(1, PAGE, fd)], 2 * PAGE, "multiple of"),
+            ([(0, PAGE, fd), (0, PAGE, fd)], 2 * PAGE, "past the previous"),
+            ([(PAGE, PAGE, fd)], PAGE, "past the region"),
+            ([(0, 0, fd)], PAGE, "must be positive"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                HostRegion.map_files(files, size)
+        with pytest.raises(HandleError, match="less than the") as e:   # a short file: its last pages would fault
+            HostRegion.map_files([(0, PAGE, fd), (2 * PAGE, PAGE + 1, fd)], 4 * PAGE)
+        assert e.value.index == 1
+        with pytest.raises(HandleError, match="not a regular file"):
+            HostRegion.map_files([(0, 10, rfd)], PAGE)
+        with pytest.raises(RegionError) as err:                        # writable, but the fd is read-only
+            HostRegion.map_files([(0, PAGE, fd)], PAGE, writable=True)
+        assert err.value.errno == errno.EACCES
+        assert mappings() == maps                                      # nothing stayed mapped
+    finally:
+        for x in (fd, rfd, wfd):
+            os.close(x)

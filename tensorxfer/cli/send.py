@@ -34,6 +34,7 @@ from tensorxfer.cli.common import (
 )
 from tensorxfer.cli.progress import Phase, Progress, log_above
 from tensorxfer.errors import UpstreamFailed
+from tensorxfer.files.format import FileFormatError
 
 PROG = "tensorxfer-send"
 log = logging.getLogger(PROG)
@@ -113,45 +114,60 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Progress) -> tuple[dict[str, Any], Any]:
-    """One receiver: connect while the files are read, and send each byte as soon as it was read (the
-    loader is the send's ``landing``); return the stats and the manifest."""
+    """One receiver: send the files.  Over tcp from a host, the region *is* the files (mapped read-only: the
+    transport sends from the page cache, nothing is read into memory of this process); otherwise each byte
+    goes as soon as it was read (the loader is the send's ``landing``).  Returns the stats and the manifest."""
     from tensorxfer import Sender, TensorRegion
+    from tensorxfer.files import plan_load
+    from tensorxfer.files.mapped import changed_files, map_sources, mirror
     from tensorxfer.session.hooks import ForwardHooks
 
-    # A region that no ipc receiver will map can live in this process's own memory, on huge pages: reading
-    # into it and freeing it at exit cost a fraction of memfd pages (0.35 s to free 2 GB otherwise).
-    region, loader = TensorRegion.for_safetensors(found, device=args.device, private=not may_use_ipc(args))
-    try:
-        # setting up ends with the first bytes on the wire, the data phase with the last (its rate is the
-        # slower of the disk and the wire, both at work); then the receiver finishes and syncs the files
-        bar.plan([Phase("setting up (connecting, reading)"),
-                  Phase("reading and moving data", region.nbytes, "Gbps"), Phase("receiver writing the files")])
-        loader.start()
+    plan = plan_load(found)
+    # Laid out as the files are, the receiver can land the bytes straight in its output files (from a host)
+    mirrored = mirror(plan) if args.device == "cpu" else None
+    if mirrored is not None:
+        plan, bases = mirrored
+    # setting up ends with the first bytes on the wire, the data phase with the last (its rate, when the files
+    # are read meanwhile, is the slower of the disk and the wire); then the receiver syncs the files
+    data = Phase("moving data", plan.manifest.nbytes, "Gbps")
+    bar.plan([Phase("setting up (connecting, preparing)"), data, Phase("receiver writing the files")])
+    with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
+                stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
+        # Mapped only where the kernel reads it (tcp): a file cut short meanwhile then fails the send, where a
+        # read of the mapping here (checksums for --verify, a copy for ipc) would die of SIGBUS.
+        mapped = mirrored is not None and sender.transport == "tcp" and not args.verify
+        region = map_sources(plan, bases) if mapped else None
+        if region is None:
+            data.name = "reading and moving data"       # not drawn yet: it starts with the first bytes sent
+        if region is not None:
+            try:
+                stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
+            except BaseException:
+                changed = changed_files(plan)
+                if changed:
+                    raise FileFormatError(f"{changed[0]} changed while it was being sent; send it again once it "
+                                          f"is written") from None
+                raise
+            finally:
+                region.close()
+            return {**stats, "read": "mapped"}, region.manifest
+        # A region no ipc receiver maps lives in this process's own memory, on huge pages: reading into it and
+        # freeing it at exit cost a fraction of memfd pages (0.35 s to free 2 GB otherwise).
+        region, loader = TensorRegion.for_safetensors(plan, device=args.device, private=sender.transport != "ipc")
         try:
-            with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
-                        stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
+            loader.start()
+            try:
                 stats = sender.send(region, verify=args.verify, progress=bar,
                                     forward=ForwardHooks(landing=loader, loading=True)).as_dict()
-        except BaseException as e:
-            read_error = loader.abandon()       # the readers stop before the region is closed
-            if isinstance(e, UpstreamFailed) and read_error is not None:
-                raise read_error from None      # the files failed, not the receiver: say so
-            raise
-        loader.join()
-        return stats, region.manifest
-    finally:
-        region.close()
-
-
-def may_use_ipc(args: argparse.Namespace) -> bool:
-    """Whether this send may go over ipc (whose receiver maps the region's memory): forced, or ``auto`` to
-    an address of this host."""
-    from tensorxfer.connections import is_this_host
-    from tensorxfer.protocol import parse_address
-
-    if args.transport not in ("auto", "ipc"):
-        return False
-    return args.transport == "ipc" or is_this_host(parse_address(args.to[0])[0])
+            except BaseException as e:
+                read_error = loader.abandon()       # the readers stop before the region is closed
+                if isinstance(e, UpstreamFailed) and read_error is not None:
+                    raise read_error from None      # the files failed, not the receiver: say so
+                raise
+            loader.join()
+            return {**stats, "read": "while sending"}, region.manifest
+        finally:
+            region.close()
 
 
 def fanout_record(fanned: Any) -> dict[str, Any]:

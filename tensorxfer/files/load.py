@@ -58,6 +58,7 @@ class LoadPlan:
 
     manifest: Manifest
     jobs: list[tuple[Path, list[tuple[int, int, int]]]]     # per file: (file offset, region offset, bytes)
+    sizes: tuple[int, ...] = ()                             # per file of jobs: its length in bytes
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +114,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
                               f"under {MAX_METADATA_STR} bytes): send fewer files at once")
     manifest = Manifest.layout(layout, metadata=meta)
     jobs, k = [], 0
+    sizes = tuple(data_at + header.data_bytes for _, data_at, header in plan)
     for path, data_at, header in plan:
         items = []
         for entry in header.entries:
@@ -120,7 +122,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
             k += 1
             items.append((data_at + entry.begin, spec.offset, spec.nbytes))
         jobs.append((path, items))
-    return LoadPlan(manifest, jobs)
+    return LoadPlan(manifest, jobs, sizes)
 
 
 def fill(region: Any, jobs: list[tuple[Path, list[tuple[int, int, int]]]],

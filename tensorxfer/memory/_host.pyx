@@ -139,6 +139,7 @@ cdef class HostRegion(AllocationMap):
     cdef bint _readonly
     cdef bint _has_view
     cdef bint _private          # anonymous memory of this process: no fds to pass
+    cdef bint _files            # mapped from files (map_files): no fds to pass
     cdef Py_buffer _adopted     # export held on an adopted object until close()
 
     def __cinit__(self):
@@ -147,6 +148,7 @@ cdef class HostRegion(AllocationMap):
         self._nchunks = 0
         self._has_view = False
         self._private = False
+        self._files = False
 
     # ---------------------------------------------------------------- factories
     @staticmethod
@@ -301,6 +303,67 @@ cdef class HostRegion(AllocationMap):
             raise
         return self
 
+    @staticmethod
+    def map_files(files, size, bint writable=False, bint populate=False):
+        """One region whose memory is regular files, each mapped ``MAP_SHARED`` at its offset, zero pages between.
+
+        A sender's region can then be the files it sends, a receiver's the files it writes: no copy in memory.
+        ``files``: ``(offset, length, fd)`` in increasing offset order, each offset a page multiple past the
+        previous file's pages; the first ``length`` bytes of ``fd`` are mapped there (the rest of the last
+        page reads zero, and writes to it reach no file).  The fds stay the caller's.  ``size``: the region's
+        bytes (rounded up to a page), holding every file's pages.  ``writable``: writes go to the files, and
+        the caller must have allocated their blocks (``fallocate``: a write the disk has no room for faults
+        with SIGBUS); else the region is read-only.  ``populate``: ``MAP_POPULATE`` (cached pages map in one
+        pass).  The region owns the mappings and has no handles to pass (ipc cannot send it).
+
+        Raises ValueError (no files, misplaced or overlapping files, a file past ``size``), HandleError (an
+        fd that is not a regular file or holds fewer than ``length`` bytes: its pages past the end would
+        fault; ``err.index`` names it; nothing mapped) or RegionError (a mapping failed, e.g. ``EACCES`` for a
+        writable mapping of an fd not open for writing; nothing stays mapped).
+        """
+        cdef HostRegion self = HostRegion.__new__(HostRegion)
+        files = [(int(o), int(n), int(fd)) for o, n, fd in files]
+        size = _round_up(int(size), PAGE_SIZE) if int(size) > 0 else 0
+        if not files:
+            raise ValueError("map_files needs at least one (offset, length, fd)")
+        sizes, fds, end = [], [], 0
+        for i, (offset, length, fd) in enumerate(files):
+            if offset % PAGE_SIZE or offset < end:
+                raise ValueError(f"file {i}: offset {offset} must be a multiple of {PAGE_SIZE} past the previous "
+                                 f"file's pages (which end at {end})")
+            if length <= 0 or fd < 0:
+                raise ValueError(f"file {i}: length {length} and fd {fd} must be positive")
+            if offset > end:        # zero pages between files
+                sizes, fds = sizes + [offset - end], fds + [-1]
+            end = offset + _round_up(length, PAGE_SIZE)
+            if end > size:
+                raise ValueError(f"file {i}: its pages end at {end}, past the region's {size} bytes")
+            sizes.append(end - offset)
+            fds.append(fd)
+        if end < size:
+            sizes.append(size - end)
+            fds.append(-1)
+        for i, (_, length, fd) in enumerate(files):
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                raise HandleError(f"file {i}: fd {fd} cannot be inspected ({e.strerror})", i) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise HandleError(f"file {i}: fd {fd} is not a regular file (mode {st.st_mode:#o})", i)
+            if st.st_size < length:
+                raise HandleError(f"file {i}: fd {fd} holds {st.st_size} bytes, less than the {length} to map; "
+                                  f"reading the pages past its end would fault (SIGBUS)", i)
+        self._owner = True
+        self._closed = False
+        self._files = True
+        self._readonly = not writable
+        try:
+            self._map_all(sizes, size, 0, frozenset(), fds, writable, populate)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
     @classmethod
     def import_fds(cls, handles, bint writable=False, bint populate=True):
         """Alias of :meth:`import_handles`, kept for callers written before it."""
@@ -346,19 +409,20 @@ cdef class HostRegion(AllocationMap):
             off += c.size
             if i in holes:
                 continue
-            if import_fds is not None:
+            if import_fds is not None and import_fds[i] >= 0:
                 # the caller keeps the fd; the mapping holds its own reference to the memory
                 p = mmap(self._base + c.offset, c.size, prot, flags, <int>import_fds[i], 0)
                 if p == MAP_FAILED:
                     check_errno(-1, b"mmap(MAP_FIXED) of an imported chunk fd")
                 c.mapped = True
                 continue
-            if self._private:
+            if self._private or import_fds is not None:    # between mapped files: zero pages
                 p = mmap(self._base + c.offset, c.size, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
                 if p == MAP_FAILED:
                     check_errno(-1, b"mmap(MAP_FIXED) of a private chunk")
-                madvise(p, c.size, MADV_HUGEPAGE_)    # a hint: where the system allows no huge pages, 4 KiB ones
+                if self._private:
+                    madvise(p, c.size, MADV_HUGEPAGE_)    # a hint: where the system allows no huge pages, 4 KiB
                 c.mapped = True
                 continue
             c.fd = memfd_create(b"tensorxfer", MFD_CLOEXEC | MFD_ALLOW_SEALING)
@@ -565,6 +629,10 @@ cdef class HostRegion(AllocationMap):
         if not self._owner or self._nchunks == 0:
             raise RegionError("only regions tensorxfer allocated have handles to export (this one adopted its "
                               "memory); use HostRegion.allocate or TensorRegion.from_tensors")
+        if self._files:
+            raise RegionError("this region's memory is files mapped into it (HostRegion.map_files): it has no "
+                              "handles to pass; send it over tcp, or read the files into an allocated region "
+                              "for ipc")
         if self._private:
             raise RegionError("this region's memory is private to its process (allocated with private=True): it "
                               "has no handles to pass; allocate it shareable (private=False) to send it over ipc")
@@ -588,7 +656,7 @@ cdef class HostRegion(AllocationMap):
     def __repr__(self):
         if self._closed:
             return "<HostRegion closed>"
-        kind = ("private" if self._private else "owned") if self._owner else "adopted"
+        kind = ("files" if self._files else "private" if self._private else "owned") if self._owner else "adopted"
         return (f"<HostRegion {kind} {self._size} bytes at {<uintptr_t>self._base:#x}, "
                 f"{self._nchunks} chunk(s)>")
 
