@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.to) == 1:
             stats, region_manifest = send_while_reading(args, token, found, bar)
         else:
-            with TensorRegion.from_safetensors(found, device=args.device, progress=bar, on_layout=reading) as region:
+            plan, _ = plan_sources(found, args.device)
+            with TensorRegion.from_safetensors(plan, device=args.device, progress=bar, on_layout=reading) as region:
                 bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
                           Phase("receiver writing the files")])
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
@@ -118,15 +119,10 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
     transport sends from the page cache, nothing is read into memory of this process); otherwise each byte
     goes as soon as it was read (the loader is the send's ``landing``).  Returns the stats and the manifest."""
     from tensorxfer import Sender, TensorRegion
-    from tensorxfer.files import plan_load
-    from tensorxfer.files.mapped import changed_files, map_sources, mirror
+    from tensorxfer.files.mapped import changed_files, map_sources
     from tensorxfer.session.hooks import ForwardHooks
 
-    plan = plan_load(found)
-    # Laid out as the files are, the receiver can land the bytes straight in its output files (from a host)
-    mirrored = mirror(plan) if args.device == "cpu" else None
-    if mirrored is not None:
-        plan, bases = mirrored
+    plan, bases = plan_sources(found, args.device)
     # setting up ends with the first bytes on the wire, the data phase with the last (its rate, when the files
     # are read meanwhile, is the slower of the disk and the wire); then the receiver syncs the files
     data = Phase("moving data", plan.manifest.nbytes, "Gbps")
@@ -135,8 +131,8 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
                 stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
         # Mapped only where the kernel reads it (tcp): a file cut short meanwhile then fails the send, where a
         # read of the mapping here (checksums for --verify, a copy for ipc) would die of SIGBUS.
-        mapped = mirrored is not None and sender.transport == "tcp" and not args.verify
-        region = map_sources(plan, bases) if mapped else None
+        region = map_sources(plan, bases) if bases is not None and sender.transport == "tcp" and not args.verify \
+            else None
         if region is None:
             data.name = "reading and moving data"       # not drawn yet: it starts with the first bytes sent
         if region is not None:
@@ -168,6 +164,17 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             return {**stats, "read": "while sending"}, region.manifest
         finally:
             region.close()
+
+
+def plan_sources(found: Any, device: str) -> tuple[Any, list[int] | None]:
+    """The files' load plan, laid out as the files are where it can be (from host memory: then a receiver
+    lands the bytes straight in its output files), and the files' offsets in it (None: packed as usual)."""
+    from tensorxfer.files import plan_load
+    from tensorxfer.files.mapped import mirror
+
+    plan = plan_load(found)
+    mirrored = mirror(plan) if device == "cpu" else None
+    return (plan, None) if mirrored is None else mirrored
 
 
 def fanout_record(fanned: Any) -> dict[str, Any]:

@@ -165,13 +165,12 @@ class Receiver:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
-        ``progress`` gets byte counts as data lands; ``on_offer`` the validated manifest before data moves;
-        ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
-        quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
-        once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.  ``on_offer`` may answer with a host region of the offer's layout to land
-        that update in, over tcp or ipc (``tensorxfer-recv``'s is its output files): it stays the caller's,
-        and is what this call returns.
+        ``progress`` gets byte counts as data lands; ``on_offer`` the validated manifest before data moves
+        (it may answer a host region of that layout to land the update in over tcp or ipc -- it stays the
+        caller's; ``tensorxfer-recv``'s is its output files); ``on_piece(region, offset, length)`` ranges of
+        a host region as they land (from transport threads: quick, never writing the region);
+        ``on_landed`` the region once every byte landed (and was verified), *before* the ack -- if it
+        raises, the sender gets an error naming it instead.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
         offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
