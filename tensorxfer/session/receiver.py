@@ -236,8 +236,7 @@ class Receiver:
                     raise
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
-                on_offer: OnOffer | None, on_landed: OnLanded | None,
-                on_piece: OnPiece | None) -> TensorRegion:
+                on_offer: OnOffer | None, on_landed: OnLanded | None, on_piece: OnPiece | None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
