@@ -115,28 +115,36 @@ def test_the_cli_writes_the_files_while_they_land_and_reads_while_it_sends(tmp_p
     assert all(sha(src / p.name) == sha(out / p.name) for p in src.iterdir())
 
 
-def test_a_file_that_shrinks_before_it_is_sent_fails_the_sender_naming_it_and_writes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport, when", [("auto", "load.plan_load"), ("tcp", "load.plan_load"),
+                                             ("tcp", "mapped.map_sources")])
+def test_a_file_that_shrinks_before_it_is_sent_fails_the_sender_naming_it_and_writes_nothing(
+        tmp_path: Path, transport: str, when: str) -> None:
+    """Truncated after its header was read: over ipc (auto) the loader reads a short file; over tcp the files
+    are mapped, before (the length check refuses) or after mapping (the kernel's copy from the mapping fails
+    with EFAULT, never a SIGBUS here)."""
     src = model(tmp_path / "src", files=2, rows=UNIT_BYTES // 8)
     out = tmp_path / "out"
     recv, where = start_recv(out, "--once", "--quiet")
     victim = sorted(src.glob("*.safetensors"))[1]
     # the headers are read first (discover/plan), the data later: truncate between the two by a wrapper
+    module, fn = when.split(".")
     code = (
         "import os, sys\n"
-        "import tensorxfer.files.load as load\n"
-        "real = load.plan_load\n"
-        "def plan(sources):\n"
-        "    p = real(sources)\n"
+        f"import tensorxfer.files.{module} as patched\n"
+        f"real = patched.{fn}\n"
+        "def wrapper(*args):\n"
+        "    p = real(*args)\n"
         f"    os.truncate({str(victim)!r}, 4096)\n"
         "    return p\n"
-        "load.plan_load = plan\n"
+        f"patched.{fn} = wrapper\n"
         "from tensorxfer.cli.send import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     import subprocess
     import sys
 
-    send = subprocess.Popen([sys.executable, "-c", code, str(src), "--to", where, "--quiet"],
+    send = subprocess.Popen([sys.executable, "-c", code, str(src), "--to", where, "--quiet", "--transport",
+                             transport],
                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rc_s, _, err_s = finish(send)

@@ -141,7 +141,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             except BaseException:
                 changed = changed_files(plan)
                 if changed:
-                    raise FileFormatError(f"{changed[0]} changed while it was being sent; send it again once it "
+                    raise FileFormatError(f"{changed[0]}: shrank or grew while being sent; send it again once it "
                                           f"is written") from None
                 raise
             finally:
@@ -169,10 +169,10 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
 def plan_sources(found: Any, device: str) -> tuple[Any, list[int] | None]:
     """The files' load plan, laid out as the files are where it can be (from host memory: then a receiver
     lands the bytes straight in its output files), and the files' offsets in it (None: packed as usual)."""
-    from tensorxfer.files import plan_load
+    from tensorxfer.files import load
     from tensorxfer.files.mapped import mirror
 
-    plan = plan_load(found)
+    plan = load.plan_load(found)
     mirrored = mirror(plan) if device == "cpu" else None
     return (plan, None) if mirrored is None else mirrored
 

@@ -15,11 +15,12 @@ the difference between touching the model's bytes once, as ``dd`` does, and thre
 
 The layout (:func:`mirror`): file ``i`` at ``base_i``, the first at 0, each next one where the previous file
 ends, rounded up to FILE_ALIGN (64 KiB: a page multiple with 4, 16 and 64 KiB pages).  Tensors are then only
-as aligned as the files place them (safetensors pads its header to 8 bytes): the manifest's ``alignment``
-says how much, and the layout is used only when that is at least MIN_ALIGNMENT and every tensor's element
-size; otherwise the sender reads the files into an aligned region as before.  A receiver trusts none of it:
-:func:`file_bases` derives each file's base from the manifest, and the files are mapped only when every
-tensor of a file sits at one page-aligned base plus its position there and no two files' pages meet.
+as aligned as the files place them: the manifest's ``alignment`` says how much, and the layout is used only
+when that is at least every tensor's element size (safetensors pads its header to 8 bytes, so only a tensor
+after one of an odd size can miss it); otherwise the sender reads the files into an aligned region as before.
+A receiver trusts none of it: :func:`file_bases` derives each file's base from the manifest, and the files
+are mapped only when every tensor of a file sits at one page-aligned base plus its position there and no two
+files' pages meet.
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ from tensorxfer.memory import HostRegion, page_size
 from tensorxfer.region import TensorRegion
 
 FILE_ALIGN = 64 << 10
-MIN_ALIGNMENT = 8
 
 
 def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     """``plan`` with every tensor where its file puts it (file ``i`` at ``bases[i]``), and the bases; None when
-    the files place some tensor less aligned than its element size or MIN_ALIGNMENT.  A region of this layout
+    the files place some tensor less aligned than its element size.  A region of this layout
     lets the receiver land the bytes in its files, whether or not the sender's region is its files."""
     bases, end = [], 0
     for size in plan.sizes:
@@ -63,7 +63,7 @@ def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     for s in specs:
         while s.offset % alignment:
             alignment //= 2
-    if alignment < max([MIN_ALIGNMENT, *(DTYPES[s.dtype].itemsize for s in specs)]):
+    if alignment < max((DTYPES[s.dtype].itemsize for s in specs), default=1):
         return None
     manifest = Manifest(specs, alignment=alignment, metadata=plan.manifest.metadata)
     return LoadPlan(manifest, jobs, plan.sizes), bases
@@ -87,8 +87,8 @@ def map_sources(plan: LoadPlan, bases: Sequence[int]) -> TensorRegion:
             fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
             now = os.fstat(fds[-1]).st_size
             if now != size:
-                raise FileFormatError(f"{path}: changed while it was being read ({size:,} bytes, now {now:,}); "
-                                      f"send it again once it is written")
+                raise FileFormatError(f"{path}: {'shrank' if now < size else 'grew'} while being read ({size:,} "
+                                      f"bytes, now {now:,}); send it again once it is written")
         end = max((b + s for b, s in zip(bases, plan.sizes, strict=True)), default=0)
         region = HostRegion.map_files([(b, s, fd) for b, s, fd in zip(bases, plan.sizes, fds, strict=True)
                                        if s > 0], max(end, plan.manifest.nbytes, 1), populate=True)
