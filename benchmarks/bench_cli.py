@@ -136,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
             row["sum_of_floors_s"] = row["read_s"] + row["wire_s"] + row["write_s"]
             row["written_while_landing"] = records["received"].get("written_while_landing")
             row["sender_read"] = records["sent"].get("read")                 # "mapped": its region was the files
-            row["landed_in_files"] = records["received"].get("landed_in_files")
             print(json.dumps(row), flush=True)
             rounds.append(row)
         ratio = statistics.median(r["cli_over_slowest_floor"] for r in rounds)

@@ -177,27 +177,22 @@ class _Transfer:
         self.files: dict[str, Any] = {}
         self.writer: Any = None
 
-    def on_offer(self, manifest: Any) -> Any:
-        """Check the offer and start the files; answer the region whose memory is the files, where the
-        sender laid its region out as its files (the bytes then land in them: no copy in memory)."""
+    def on_offer(self, manifest: Any) -> None:
         from tensorxfer.files import ModelWriter, plan_files
 
         self.offered = True
         self.bar.start(manifest)
         self.abort()        # an earlier offer of this receive that failed after its offer
+        available = mem_available()
+        if self.args.device == "cpu" and available and manifest.nbytes > available:
+            raise RegionError(errno.ENOMEM, f"the model needs {manifest.nbytes:,} bytes of host memory to "
+                                            f"arrive in; {available:,} are available here (MemAvailable)")
         # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
         # files in --out (unless --overwrite), a disk without room for the files
         self.writer = ModelWriter(manifest, self.args.out, overwrite=self.args.overwrite, progress=self.bar,
                                   check_space=True)
         self.removed = self.writer.others
         self.files = files_record(plan_files(manifest), len(manifest))
-        landing = self.writer.landing_region() if self.args.device == "cpu" else None
-        self.files["landed_in_files"] = landing is not None
-        available = mem_available()
-        if landing is None and self.args.device == "cpu" and available and manifest.nbytes > available:
-            raise RegionError(errno.ENOMEM, f"the model needs {manifest.nbytes:,} bytes of host memory to "
-                                            f"arrive in; {available:,} are available here (MemAvailable)")
-        return landing
 
     def on_piece(self, region: Any, offset: int, length: int) -> None:
         if self.writer is not None:
@@ -210,7 +205,6 @@ class _Transfer:
         # before the ack: the sender learns if this fails
         self.written = writer.finish(region)
         self.files["written_while_landing"] = writer.written_while_landing
-        self.files["landed_in_files"] = writer.landed_in_files
 
     def abort(self) -> None:
         """The update failed: its temporary files go."""

@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.to) == 1:
             stats, region_manifest = send_while_reading(args, token, found, bar)
         else:
-            plan, _ = plan_sources(found, args.device)
-            with TensorRegion.from_safetensors(plan, device=args.device, progress=bar, on_layout=reading) as region:
+            with TensorRegion.from_safetensors(found, device=args.device, progress=bar, on_layout=reading) as region:
                 bar.plan([Phase("setting up (connecting, preparing)"), Phase("moving data", region.nbytes, "Gbps"),
                           Phase("receiver writing the files")])
                 with FanoutSender(args.to, token=token, transport=args.transport, streams=args.streams,
@@ -119,10 +118,11 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
     transport sends from the page cache, nothing is read into memory of this process); otherwise each byte
     goes as soon as it was read (the loader is the send's ``landing``).  Returns the stats and the manifest."""
     from tensorxfer import Sender, TensorRegion
-    from tensorxfer.files.mapped import changed_files, map_sources
+    from tensorxfer.files import load
+    from tensorxfer.files.mapped import changed_files, map_sources, mirror
     from tensorxfer.session.hooks import ForwardHooks
 
-    plan, bases = plan_sources(found, args.device)
+    plan = load.plan_load(found)
     # setting up ends with the first bytes on the wire, the data phase with the last (its rate, when the files
     # are read meanwhile, is the slower of the disk and the wire); then the receiver syncs the files
     data = Phase("moving data", plan.manifest.nbytes, "Gbps")
@@ -131,11 +131,10 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
                 stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
         # Mapped only where the kernel reads it (tcp): a file cut short meanwhile then fails the send, where a
         # read of the mapping here (checksums for --verify, a copy for ipc) would die of SIGBUS.
-        region = map_sources(plan, bases) if bases is not None and sender.transport == "tcp" and not args.verify \
-            else None
-        if region is None:
-            data.name = "reading and moving data"       # not drawn yet: it starts with the first bytes sent
-        if region is not None:
+        mirrored = mirror(plan) if sender.transport == "tcp" and args.device == "cpu" and not args.verify else None
+        if mirrored is not None:
+            plan, bases = mirrored
+            region = map_sources(plan, bases)
             try:
                 stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
             except BaseException:
@@ -147,6 +146,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             finally:
                 region.close()
             return {**stats, "read": "mapped"}, region.manifest
+        data.name = "reading and moving data"       # not drawn yet: it starts with the first bytes sent
         # A region no ipc receiver maps lives in this process's own memory, on huge pages: reading into it and
         # freeing it at exit cost a fraction of memfd pages (0.35 s to free 2 GB otherwise).
         region, loader = TensorRegion.for_safetensors(plan, device=args.device, private=sender.transport != "ipc")
@@ -164,17 +164,6 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             return {**stats, "read": "while sending"}, region.manifest
         finally:
             region.close()
-
-
-def plan_sources(found: Any, device: str) -> tuple[Any, list[int] | None]:
-    """The files' load plan, laid out as the files are where it can be (from host memory: then a receiver
-    lands the bytes straight in its output files), and the files' offsets in it (None: packed as usual)."""
-    from tensorxfer.files import load
-    from tensorxfer.files.mapped import mirror
-
-    plan = load.plan_load(found)
-    mirrored = mirror(plan) if device == "cpu" else None
-    return (plan, None) if mirrored is None else mirrored
 
 
 def fanout_record(fanned: Any) -> dict[str, Any]:

@@ -1,41 +1,34 @@
-"""Regions whose memory is the model files themselves: a model moves without a copy of it in memory.
+"""A sender's region that is its model files: a model sent over tcp without a copy of it in memory.
 
-A sender's files are in the page cache already (or one read away); a receiver's output files will be.  When
-every safetensors file of a transfer sits in the region at a page-aligned base -- each byte of the file at
-``base + its position in the file`` -- the region can *be* the files (:meth:`HostRegion.map_files`):
-
-- ``tensorxfer-send`` maps the files it sends, read-only (:func:`map_sources`): nothing is read into memory
-  of its own, the transport sends from the page cache;
-- ``tensorxfer-recv`` maps its temporary output files, writable (:func:`file_bases`, then
-  :meth:`ModelWriter.landing_region <tensorxfer.files.ModelWriter.landing_region>`): the bytes land in the
-  files' pages, and writing them is the kernel's writeback.
-
-On a machine whose fresh memory is slow to touch (a VM that hands freed memory back to its host) this is
-the difference between touching the model's bytes once, as ``dd`` does, and three times.
+The files are in the page cache already (or one read away).  When every safetensors file sits in the region at
+a page-aligned base -- each byte of the file at ``base + its position in the file`` -- the region can *be* the
+files, mapped read-only (:meth:`HostRegion.map_files`): ``tensorxfer-send`` then sends from the page cache,
+and nothing is read into memory of its own first.  On a machine whose fresh memory is slow to touch (a VM that
+hands freed memory back to its host) that saves the most: the dev VM's first touch of 2 GB costs 0.4-2.5 s.
 
 The layout (:func:`mirror`): file ``i`` at ``base_i``, the first at 0, each next one where the previous file
 ends, rounded up to FILE_ALIGN (64 KiB: a page multiple with 4, 16 and 64 KiB pages).  Tensors are then only
-as aligned as the files place them: the manifest's ``alignment`` says how much, and the layout is used only
-when that is at least every tensor's element size (safetensors pads its header to 8 bytes, so only a tensor
-after one of an odd size can miss it); otherwise the sender reads the files into an aligned region as before.
-A receiver trusts none of it: :func:`file_bases` derives each file's base from the manifest, and the files
-are mapped only when every tensor of a file sits at one page-aligned base plus its position there and no two
-files' pages meet.
+as aligned as the files place them: the manifest's ``alignment`` says how much (any power of two is a valid
+manifest), and the layout is used only when that is at least every tensor's element size (safetensors pads
+its header to 8 bytes, so only a tensor after one of an odd size can miss it); otherwise the sender reads the
+files into a packed region.  The receiver lands the bytes as from any sender (the headers and the padding
+between files travel too; it writes the headers it derives from the manifest's file layout itself).
+
+The receiver's twin -- landing in its temporary files mapped writable -- was built and measured on the dev VM's
+ext4 and dropped: write faults into a shared file mapping from four receiving streams made the transfer
+2-5x slower than landing in memory and writing the pieces with ``pwrite`` (benchmarks/results/README.md).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from tensorxfer.dtypes import DTYPES
 from tensorxfer.files.format import FileFormatError
-from tensorxfer.files.layout import FilePlan
 from tensorxfer.files.load import LoadPlan
 from tensorxfer.manifest import DEFAULT_ALIGNMENT, Manifest, align_up
-from tensorxfer.memory import HostRegion, page_size
+from tensorxfer.memory import HostRegion
 from tensorxfer.region import TensorRegion
 
 FILE_ALIGN = 64 << 10
@@ -43,8 +36,7 @@ FILE_ALIGN = 64 << 10
 
 def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     """``plan`` with every tensor where its file puts it (file ``i`` at ``bases[i]``), and the bases; None when
-    the files place some tensor less aligned than its element size.  A region of this layout
-    lets the receiver land the bytes in its files, whether or not the sender's region is its files."""
+    the files place some tensor less aligned than its element size."""
     bases, end = [], 0
     for size in plan.sizes:
         bases.append(align_up(end, FILE_ALIGN))
@@ -109,40 +101,3 @@ def changed_files(plan: LoadPlan) -> list[str]:
         except OSError:
             changed.append(str(path))
     return changed
-
-
-def file_bases(manifest: Manifest, plans: Sequence[FilePlan]) -> list[int | None] | None:
-    """Where each file of ``plans`` would sit in a region with ``manifest``'s layout if the region were the
-    files (None for a file that holds no tensor bytes), or None when the layout does not mirror the files:
-    some file's tensors at more than one base, or a base that is not a page multiple, or two files' pages
-    overlapping.  ``manifest`` is hostile input: nothing here trusts the sender."""
-    page = page_size()
-    bases: list[int | None] = []
-    for fp in plans:
-        if fp.header is None:
-            bases.append(None)
-            continue
-        pos = 8 + len(fp.text.encode("utf-8"))
-        base = None
-        for spec in manifest.tensors[fp.first_tensor:fp.first_tensor + len(fp.header.entries)]:
-            if spec.nbytes and base is None:
-                base = spec.offset - pos
-            if spec.nbytes and spec.offset - pos != base:
-                return None
-            pos += spec.nbytes
-        if base is not None and (base < 0 or base % page):
-            return None
-        bases.append(base)
-    placed = sorted((b, b + align_up(fp.size, page)) for b, fp in zip(bases, plans, strict=True) if b is not None)
-    if not placed or any(a_end > b for (_, a_end), (b, _) in itertools.pairwise(placed)):
-        return None
-    return bases
-
-
-def map_outputs(files: Sequence[tuple[int, int, int]], nbytes: int, manifest: Manifest) -> TensorRegion:
-    """A writable region with ``manifest``'s layout whose memory is ``files`` (``(base, length, fd)``, blocks
-    allocated), anonymous pages between them (raises as :meth:`HostRegion.map_files`)."""
-    ordered = sorted(files)
-    end = max(b + n for b, n, _ in ordered)
-    region: Any = HostRegion.map_files(ordered, max(end, nbytes, 1), writable=True)
-    return TensorRegion(region, manifest)

@@ -244,11 +244,8 @@ class ModelWriter:
     and side files written at once.
     :meth:`land` takes ranges of a host region as they land (a transport's ``on_piece``: it only queues
     them) and a writer thread copies their tensor bytes to their places in the files -- the disk works
-    while the network does.  Better still, :meth:`landing_region` is a region whose memory *is* the
-    temporary files (when the sender laid its region out as its files, :mod:`tensorxfer.files.mapped`): the
-    bytes land in the files' pages, and the writer thread only starts their writeback.  :meth:`finish`
-    writes whatever was not written yet (everything, for a GPU region or a transport that reports no
-    pieces), fsyncs, and renames all into place, all or nothing;
+    while the network does.  :meth:`finish` writes whatever was not written yet (everything, for a GPU
+    region or a transport that reports no pieces), fsyncs, and renames all into place, all or nothing;
     :meth:`abort` removes the temporary files.  One owner; after either, the writer is spent.
     """
 
@@ -273,9 +270,6 @@ class ModelWriter:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._done = False
-        self._manifest = manifest
-        self._mapped: Any = None                # landing_region(), once made
-        self._landed_in_files = False
         self._meta_bytes = 0                    # headers and side files, written at once
         umask = _umask()
         try:
@@ -304,35 +298,6 @@ class ModelWriter:
         self._written = [0] * len(spans)        # bytes of each span written while landing
 
     # ---------------------------------------------------------------- while landing
-    def landing_region(self) -> Any:
-        """A host region with the offer's layout whose memory is the temporary files themselves (their
-        blocks allocated first), or None when the offer's layout does not mirror the files or this
-        filesystem cannot allocate blocks ahead.  Land the update in it and the files hold the bytes as they
-        arrive: :meth:`finish` then writes only the headers (again: the transport wrote the sender's
-        bytes over them), fsyncs and renames.  The writer owns it: :meth:`finish` and :meth:`abort` close it.
-
-        Raises
-        ------
-        OutputError
-            (ENOSPC) The disk has no room for the files; nothing was mapped.
-        """
-        from tensorxfer.files.mapped import file_bases, map_outputs
-
-        if self._mapped is not None:
-            return self._mapped
-        bases = file_bases(self._manifest, self._plans)
-        if bases is None:
-            return None
-        files = []
-        for i, (base, fp) in enumerate(zip(bases, self._plans, strict=True)):
-            if base is not None:
-                fd = self._temps[i][1]
-                if not self._guarded(i, _allocate_blocks, fd, fp.size):
-                    return None         # no fallocate here: written as the bytes land instead
-                files.append((base, fp.size, fd))
-        self._mapped = map_outputs(files, self._manifest.nbytes, self._manifest)
-        return self._mapped
-
     def land(self, region: Any, offset: int, length: int) -> None:
         """``[offset, offset+length)`` of the host ``region`` landed: queue its bytes for the files (from
         transport threads; never raises, never blocks)."""
@@ -353,9 +318,6 @@ class ModelWriter:
                 region, offset, length = item
                 if self._error is not None:
                     continue
-                if self._lands_in_files(region):
-                    self._write_range(None, offset, offset + length)
-                    continue
                 if view is None:
                     view = memoryview(region.region)
                 self._write_range(view, offset, offset + length)
@@ -365,27 +327,21 @@ class ModelWriter:
             if view is not None:
                 view.release()
 
-    def _lands_in_files(self, region: Any) -> bool:
-        return self._mapped is not None and region is self._mapped
-
-    def _write_range(self, view: memoryview | None, a: int, b: int) -> None:
-        """Write the tensor bytes of ``[a, b)`` from ``view`` into their files, and start their writeback
-        (``view`` None: they are in the files already, the region is the files)."""
+    def _write_range(self, view: memoryview, a: int, b: int) -> None:
         k = max(0, bisect.bisect_right(self._starts, a) - 1)
         while k < len(self._spans) and self._spans[k][0] < b:
             off, n, i, pos = self._spans[k]
             lo, hi = max(a, off), min(b, off + n)
             if lo < hi:
-                if view is not None:
-                    self._guarded(i, _pwrite_all, self._temps[i][1], view[lo:hi], pos + lo - off)
+                self._guarded(i, _pwrite_all, self._temps[i][1], view[lo:hi], pos + lo - off)
                 _start_writeback(self._temps[i][1], pos + lo - off, hi - lo)
                 self._written[k] += hi - lo     # reported by finish(): the caller's bar is on the data meanwhile
             k += 1
 
-    def _guarded(self, i: int, write: Callable[..., Any], *args: Any) -> Any:
+    def _guarded(self, i: int, write: Callable[..., object], *args: Any) -> None:
         """``write(*args)`` on file ``i``; an OSError becomes an OutputError naming the file and the space left."""
         try:
-            return write(*args)
+            write(*args)
         except OSError as e:
             if isinstance(e, TensorXferError) or e.errno is None:
                 raise
@@ -395,12 +351,6 @@ class ModelWriter:
                 free = f" ({free_bytes(self._real):,} bytes free there now)"
             raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {self._real} failed: "
                                        f"{e.strerror}{free}; nothing was written") from e
-
-    @property
-    def landed_in_files(self) -> bool:
-        """Whether the update landed in the files themselves (:meth:`landing_region`; read it after
-        :meth:`finish`)."""
-        return self._landed_in_files
 
     @property
     def written_while_landing(self) -> int:
@@ -416,10 +366,6 @@ class ModelWriter:
             self._stop_thread()
             if self._error is not None:
                 raise self._error
-            if self._lands_in_files(region):
-                self._landed_in_files = True
-                self._rewrite_headers()
-                self._written = [n for _, n, _, _ in self._spans]
             # what was written already, then spans not (wholly) written while landing, written whole
             self._progress(self._meta_bytes + sum(self._written))
             missing = [k for k, (_, n, _, _) in enumerate(self._spans) if self._written[k] != n]
@@ -438,26 +384,12 @@ class ModelWriter:
         except BaseException:
             self.abort()
             raise
-        self._unmap()
         self._close_fds()
         return self._commit()
-
-    def _rewrite_headers(self) -> None:
-        """Each file's length prefix and header, written again: what landed over them was the sender's."""
-        for i, fp in enumerate(self._plans):
-            if fp.header is not None:
-                head = fp.text.encode("utf-8")
-                self._guarded(i, _pwrite_all, self._temps[i][1], HEADER_LENGTH.pack(len(head)) + head, 0)
-
-    def _unmap(self) -> None:
-        mapped, self._mapped = self._mapped, None
-        if mapped is not None:
-            mapped.close()      # views a transport still holds keep the pages mapped until they go
 
     def abort(self) -> None:
         """Remove the temporary files (an update that failed); idempotent."""
         self._stop_thread()
-        self._unmap()
         self._close_fds()
         temps, self._temps = self._temps, []
         for tmp, _ in temps:
@@ -547,33 +479,6 @@ def _start_writeback(fd: int, pos: int, n: int) -> None:
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, pos, n, 2)
-
-
-@functools.cache
-def _fallocate() -> Any:
-    """libc's fallocate (Linux), or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _allocate_blocks(fd: int, n: int) -> bool:
-    """Give the file ``n`` bytes with every block allocated (so writes through a mapping cannot fault on a
-    full disk); False where the filesystem cannot (never glibc's posix_fallocate, which writes zeros
-    instead: as slow as the write it would precede).  Raises OSError (ENOSPC) when the disk is full."""
-    fn = _fallocate()
-    if fn is None:
-        return False
-    if fn(fd, 0, 0, n) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, os.strerror(err))
 
 
 def _pwrite_all(fd: int, data: Any, pos: int) -> None:

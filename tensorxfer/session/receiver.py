@@ -22,12 +22,12 @@ from tensorxfer import connections
 from tensorxfer.binding import Names
 from tensorxfer.connections import Gate
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
-from tensorxfer.manifest import default_max_region_bytes
+from tensorxfer.manifest import Manifest, default_max_region_bytes
 from tensorxfer.protocol import Channel, Version, parse_address, server_handshake, token_key
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
-from tensorxfer.session.server import OnLanded, OnOffer, OnPiece, ServerSession, State
+from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
 from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
 from tensorxfer.transport import SHARE_RECEIVERS, TRANSPORTS, local_capabilities, local_transports
@@ -160,17 +160,16 @@ class Receiver:
 
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
-                on_offer: OnOffer | None = None, on_landed: OnLanded | None = None,
+                on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
                 into: Any = None, names: Names = None, on_piece: OnPiece | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
-        ``progress`` gets byte counts as data lands; ``on_offer`` the validated manifest before data moves
-        (it may answer a host region of that layout to land the update in over tcp or ipc -- it stays the
-        caller's; ``tensorxfer-recv``'s is its output files); ``on_piece(region, offset, length)`` ranges of
-        a host region as they land (from transport threads: quick, never writing the region);
-        ``on_landed`` the region once every byte landed (and was verified), *before* the ack -- if it
-        raises, the sender gets an error naming it instead.
+        ``progress`` gets byte counts as data lands; ``on_offer`` the validated manifest before data moves;
+        ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
+        quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
+        once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
+        error naming it instead.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
         offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
@@ -236,7 +235,8 @@ class Receiver:
                     raise
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
-                on_offer: OnOffer | None, on_landed: OnLanded | None, on_piece: OnPiece | None) -> TensorRegion:
+                on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
+                on_piece: OnPiece | None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)

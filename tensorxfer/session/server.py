@@ -48,12 +48,6 @@ from tensorxfer.transport.base import Progress, TransferContext, setup_flag
 log = logging.getLogger(__name__)
 
 OnLanded = Callable[[TensorRegion], None]
-#: Given the offer's manifest before data moves; may answer with a host region of that layout to land this
-#: update in (the caller's: tensorxfer-recv's region whose memory is its output files), or None.
-OnOffer = Callable[[Manifest], "TensorRegion | None"]
-#: The transports that land an update by the CPU's or a copy engine's copy, which a region of the caller's
-#: may receive (rdma's NIC would need it registered: file pages cannot be pinned for remote write).
-LANDS_BY_COPY = ("tcp", "ipc")
 OnPiece = Callable[[TensorRegion, int, int], None]     # (region, offset, length) of a landed host range
 
 
@@ -168,7 +162,7 @@ class ServerSession:
 
     # ------------------------------------------------------------ one update
     def run_update(self, offer: Offer, target: Target, me: str, progress: Progress | None = None,
-                   on_offer: OnOffer | None = None,
+                   on_offer: Callable[[Manifest], None] | None = None,
                    on_landed: OnLanded | None = None, on_piece: OnPiece | None = None,
                    ) -> tuple[TensorRegion, TransferStats]:
         """Receive ``offer`` into ``target``: the update sequence of the module docstring.
@@ -178,10 +172,9 @@ class ServerSession:
         """
         self._enter(State.UPDATING)
         clock = UpdateClock()
-        into = None
         if on_offer is not None:
             try:
-                into = _landing_region(on_offer(offer.manifest), offer)
+                on_offer(offer.manifest)
             except BaseException as e:
                 self.channel.send_error("refused", f"the receiver refused the offer: {type(e).__name__}: {e}")
                 raise
@@ -201,7 +194,7 @@ class ServerSession:
             # (and, over rdma, their registrations).
             self._forwarder.close()
         try:
-            target.begin(offer.manifest, shareable=bool(offer.chain), into=into)   # a relay passes its region on
+            target.begin(offer.manifest, shareable=bool(offer.chain))     # a relay passes its region on
         except LayoutError as e:        # the offer does not fit the module the caller bound
             raise self.refuse("refused", e) from None
         except (CudaError, RegionError, MemoryError) as e:
@@ -351,20 +344,6 @@ def _expected_sums(region: TensorRegion, done: dict[str, Any]) -> list[int]:
             or len(sums[1]) != 8 * len(region.manifest):
         raise ProtocolError(f"done frame: checksums must be [{ALGORITHM!r}, 8 bytes per tensor]")
     return list(np.frombuffer(sums[1], dtype="<u8").tolist())
-
-
-def _landing_region(region: TensorRegion | None, offer: Offer) -> TensorRegion | None:
-    """The region ``on_offer`` answered with, if the update can land in it (a copy, not a relay's: a relay
-    passes its region on); raises TypeError / ValueError for one that does not fit the offer."""
-    if region is None or offer.transport not in LANDS_BY_COPY or offer.chain:
-        return None
-    if not isinstance(region, TensorRegion) or region.is_cuda or region.closed:
-        raise TypeError(f"on_offer must answer None or an open host TensorRegion to land the update in, not "
-                        f"{region!r:.80}")
-    if not region.manifest.same_layout(offer.manifest) or region.region.readonly:
-        raise ValueError("on_offer answered a region that does not have the offer's layout, or is read-only: "
-                         "the update cannot land in it")
-    return region
 
 
 def _pieces_to(job: ForwardJob | None, on_piece: OnPiece | None,

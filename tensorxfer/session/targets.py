@@ -98,7 +98,7 @@ class Target(Protocol):
     reallocated: bool
     verb: str                       # what happens to the bytes, for messages ("landed", "mapped")
 
-    def begin(self, manifest: Manifest, shareable: bool = False, into: TensorRegion | None = None) -> None: ...
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None: ...
 
     def prepare(self, transport: Any, seq: int, fresh: bool) -> dict[str, Any]: ...
 
@@ -123,21 +123,12 @@ class CopyTarget:
         self.region: TensorRegion | None = None
         self.reallocated = False
         self._attached = False      # the bound module was found to be the region's views while it landed
-        self._into = False          # this update lands in the caller's region (begin's ``into``)
 
-    def begin(self, manifest: Manifest, shareable: bool = False, into: TensorRegion | None = None) -> None:
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None:
         """Allocate (or reuse) the region (raises as :meth:`RegionSlot.for_manifest`; LayoutError before
-        anything is allocated when the manifest does not fit a bound module).  ``into``: the caller's region
-        to land this one update in instead (it stays the caller's; the slot keeps its own)."""
+        anything is allocated when the manifest does not fit a bound module)."""
         self._previous = self._slot.region
         self._attached = False
-        self._into = into is not None
-        if into is not None:
-            if self._slot.binding is not None:
-                raise ValueError("on_offer answered a region to land in, and receive(into=module) bound a "
-                                 "module: the update can land in only one of them")
-            self.region, self.reallocated = into, True
-            return
         self._slot.check_fit(manifest)
         self.region, self.reallocated = self._slot.for_manifest(manifest, shareable)
 
@@ -163,7 +154,7 @@ class CopyTarget:
         and the check of ~a thousand tensors would delay every update's data there.  Not after the ack
         either: a sender that got it may rely on the receiver's module holding the update."""
         assert self.region is not None
-        if not self._attached and not self._into:      # unchecked (or found stale) while landing
+        if not self._attached:          # unchecked (or found stale) while landing
             self._slot.attach(self.region)
         self._attached = False
         return self.region
@@ -191,10 +182,7 @@ class ShareTarget:
         self.region: TensorRegion | None = None
         self.reallocated = True
 
-    def begin(self, manifest: Manifest, shareable: bool = False, into: TensorRegion | None = None) -> None:
-        if into is not None:
-            raise ValueError("this receiver maps the sender's memory (share=True): on_offer cannot answer a "
-                             "region to land in")
+    def begin(self, manifest: Manifest, shareable: bool = False) -> None:
         self._slot.check_fit(manifest)
         self._manifest = manifest
 
