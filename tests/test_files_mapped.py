@@ -101,6 +101,13 @@ def test_the_cli_sends_a_model_its_files_cannot_mirror_by_reading_it(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
+def test_a_plan_without_file_sizes_is_not_mirrored(tmp_path):
+    from tensorxfer.files import LoadPlan
+
+    plan = plan_load([model_dir(tmp_path / "src", shards=1, rows=10)])
+    assert mirror(plan) is not None and mirror(LoadPlan(plan.manifest, plan.jobs)) is None
+
+
 def test_tensor_specs_of_a_mirrored_manifest_are_what_was_sent(tmp_path):
     # the manifest travels: a mirrored one is an ordinary manifest, with an alignment of its own
     src = model_dir(tmp_path / "src", shards=1, rows=10)

@@ -37,12 +37,12 @@ FILE_ALIGN = 64 << 10
 def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     """``plan`` with every tensor where its file puts it (file ``i`` at ``bases[i]``), and the bases; None when
     the files place some tensor less aligned than its element size."""
+    if plan.manifest.aliases or len(plan.sizes) != len(plan.jobs):     # tied tensors; a plan without file sizes
+        return None
     bases, end = [], 0
     for size in plan.sizes:
         bases.append(align_up(end, FILE_ALIGN))
         end = bases[-1] + size
-    if plan.manifest.aliases:
-        return None
     specs, jobs, k = [], [], 0
     for base, (path, items) in zip(bases, plan.jobs, strict=True):
         jobs.append((path, [(file_offset, base + file_offset, n) for file_offset, _, n in items]))

@@ -307,7 +307,7 @@ cdef class HostRegion(AllocationMap):
     def map_files(files, size, bint writable=False, bint populate=False):
         """One region whose memory is regular files, each mapped ``MAP_SHARED`` at its offset, zero pages between.
 
-        A sender's region can then be the files it sends, a receiver's the files it writes: no copy in memory.
+        A sender's region can then be the files it sends (``tensorxfer-send`` over tcp): no copy in memory.
         ``files``: ``(offset, length, fd)`` in increasing offset order, each offset a page multiple past the
         previous file's pages; the first ``length`` bytes of ``fd`` are mapped there (the rest of the last
         page reads zero, and writes to it reach no file).  The fds stay the caller's.  ``size``: the region's
