@@ -4,12 +4,60 @@
 A weight sync's pair is a static list of groups (``count`` rows of ``nbytes`` bytes, ``src_stride`` /
 ``dst_stride`` apart; a contiguous run is a group of one row).  numpy copies a strided 2-D view at a
 third of memcpy's speed (measured on the 2-core dev VM: rows of 2 KiB 4.7 GB/s, a contiguous copy 15),
-and building ~800 views a step cost more than copying many of them; here every row is one ``memcpy``
-of the group list as it is, in one call per copy thread.
+and building ~800 views a step cost more than copying many of them; here every row is copied as it is,
+in one call per copy thread.  A row's whole cache lines are stored past the caches (SSE2 streaming
+stores, x86-64), and the row after next is prefetched while a strided group's row is copied: on the
+dev VM a 2 GB sync's groups moved 7.6-8.1 GB/s (contiguous, MB-sized) and 6.4-7.0 GB/s (half rows of
+0.8-3.3 KB) with a memcpy per row, 10.6-12.3 and 6.7-7.4 GB/s this way.
 """
 
 from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    /* One row, its whole 64-byte lines stored past the caches (non-temporal): a row copied with plain
+       stores first reads every destination line it writes (read for ownership), half again the memory
+       traffic; glibc streams only copies larger than most of the cache, never a row of a few KB.  A
+       partial line stays a plain store (a streamed partial line costs a bus transaction of its own). */
+    static inline void tx_stream_row(unsigned char *dst, const unsigned char *src, size_t n) {
+    #if defined(__SSE2__)
+        size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+        if (n < head + 128) {                   /* no two whole lines to stream: a plain copy */
+            memcpy(dst, src, n);
+            return;
+        }
+        memcpy(dst, src, head);                 /* the first partial line, then whole lines only */
+        dst += head; src += head; n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a); _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c); _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+    #endif
+        memcpy(dst, src, n);
+    }
+    /* A strided group's next rows are not where the hardware prefetcher looks (the next lines). */
+    static inline void tx_prefetch(const unsigned char *src, size_t n) {
+    #if defined(__SSE2__)
+        for (size_t k = 0; k < n; k += 64) _mm_prefetch((const char *)(src + k), _MM_HINT_T0);
+    #endif
+    }
+    /* Stores streamed past the caches are ordered before whatever this thread does next. */
+    static inline void tx_stream_fence(void) {
+    #if defined(__SSE2__)
+        _mm_sfence();
+    #endif
+    }
+    """
+    void tx_stream_row(unsigned char *dst, const unsigned char *src, size_t n) noexcept nogil
+    void tx_stream_fence() noexcept nogil
+    void tx_prefetch(const unsigned char *src, size_t n) noexcept nogil
 
 
 def copy_groups(const unsigned char[::1] src, unsigned char[::1] dst, const uint64_t[::1] src_off,
@@ -42,9 +90,12 @@ def copy_groups(const unsigned char[::1] src, unsigned char[::1] dst, const uint
                     bad = <uint64_t>i + 1
                     break
                 for r in range(rows):
-                    memcpy(&dst[do_ + r * ds], &src[so + r * ss], width)
+                    if r + 2 < rows and ss != width:
+                        tx_prefetch(&src[so + (r + 2) * ss], width)
+                    tx_stream_row(&dst[do_ + r * ds], &src[so + r * ss], width)
                 moved += rows * width
             i += step
+        tx_stream_fence()
     if bad:
         raise ValueError(f"copy_groups: group {bad - 1} reaches past the source ({slen} bytes) or the "
                          f"destination ({dlen} bytes)")

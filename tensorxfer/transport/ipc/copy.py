@@ -168,8 +168,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
     # -- a weight sync's segments
     def _copy_segments(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
                        segments: Segments, progress: Progress | None) -> None:
-        """Copy only ``segments`` out of the sender's memory: host, one strided numpy copy per group (spread
-        over the copy threads); GPU, one launch of the strided-copy kernel over the segments' tiles (uploaded
+        """Copy only ``segments`` out of the sender's memory: host, every row of every group copied without
+        the GIL (``copy_groups``; the groups spread over the copy threads); GPU, one launch of the strided-copy kernel over the segments' tiles (uploaded
         on the first step), or one 2-D copy per group where the kernel was not built."""
         assert self._region is not None
         dst = self._region
