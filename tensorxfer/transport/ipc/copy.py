@@ -169,8 +169,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
     def _copy_segments(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
                        segments: Segments, progress: Progress | None) -> None:
         """Copy only ``segments`` out of the sender's memory: host, every row of every group copied without
-        the GIL (``copy_groups``; the groups spread over the copy threads); GPU, one launch of the strided-copy kernel over the segments' tiles (uploaded
-        on the first step), or one 2-D copy per group where the kernel was not built."""
+        the GIL (``copy_groups``; the groups spread over the copy threads); GPU, one launch of the
+        strided-copy kernel over the segments' tiles (uploaded on the first step), or one 2-D copy per
+        group where the kernel was not built."""
         assert self._region is not None
         dst = self._region
         if (incoming.kind == "cuda") != dst.is_cuda:
