@@ -29,34 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_sync import model_layout, target_tensors  # noqa: E402
+from bench_sync import specs  # noqa: E402
 
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
-from tensorxfer.manifest import Manifest  # noqa: E402
 from tensorxfer.memory import strided  # noqa: E402
 from tensorxfer.memory._copy import Copier, StridedCopy  # noqa: E402
-from tensorxfer.sync import chunk_box  # noqa: E402
 from tensorxfer.sync.plan import plan  # noqa: E402
-from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor  # noqa: E402
 from tensorxfer.sync.weight_sync import segments_of  # noqa: E402
-
-
-def specs(size: float, n: int, m: int) -> tuple[list[RankSpec], list[RankSpec], list[int], list[int]]:
-    layout = model_layout(size)
-    sources, src_bytes = [], []
-    for r in range(n):
-        man = Manifest.layout([(name, "BF16", chunk_box(shape, 0, r, n).sizes) for name, shape in layout])
-        sources.append(RankSpec("source", r, [SourceTensor(name, shape, "BF16", chunk_box(shape, 0, r, n),
-                                                           man[name].offset) for name, shape in layout]))
-        src_bytes.append(man.nbytes)
-    targets, tgt_bytes = [], []
-    for t in range(m):
-        tensors = target_tensors(layout, t, m, "meta")
-        man = Manifest.layout([(name, "BF16", tuple(x.tensor.shape)) for name, x in tensors.items()])
-        targets.append(RankSpec("target", t, [TargetTensor(name, tuple(x.tensor.shape), "BF16", man[name].offset,
-                                                           tuple(x.pieces)) for name, x in tensors.items()]))
-        tgt_bytes.append(man.nbytes)
-    return sources, targets, src_bytes, tgt_bytes
 
 
 def timed(fn: Any, streams: list[Any], repeat: int) -> float:

@@ -18,6 +18,9 @@ Measured in the same run, on the same machine and device:
 - ``torch_copy`` (GPU): one ``dst.copy_(src)`` of the bytes all targets receive together.
 - ``parallel_copy_floor`` (host): every target's bytes copied at once, one thread each, between warm
   buffers: on a machine whose targets share one memory bus, no sync can beat it, whatever the bound says.
+- ``schedule_copy_floor`` (host): the plan's own copies (every pair's groups, half rows of row-parallel
+  shards included) run in one process, a thread per pair, all at once: the sync minus its processes and
+  control.
 
 Writes ``sync-<device>-<UTC>.json`` under ``--out``.  Run it by hand::
 
@@ -50,8 +53,10 @@ import torch  # noqa: E402
 import tensorxfer as tx  # noqa: E402
 from tensorxfer import synthetic  # noqa: E402
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
+from tensorxfer.manifest import Manifest  # noqa: E402
 from tensorxfer.sync import Source, Target, chunk_box  # noqa: E402
 from tensorxfer.sync.rendezvous import open_tcp_store  # noqa: E402
+from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -123,6 +128,26 @@ def target_tensors(layout: list[tuple[str, tuple[int, ...]]], rank: int, m: int,
 
 
 # ---------------------------------------------------------------- ranks (child processes)
+def specs(size: float, n: int, m: int) -> tuple[list[RankSpec], list[RankSpec], list[int], list[int]]:
+    """The ranks' specs as bench_sync's processes declare them (BF16, dim-0 sources, the TP targets), each
+    rank's region size in bytes: for measuring the plan's copies without the processes."""
+    layout = model_layout(size)
+    sources, src_bytes = [], []
+    for r in range(n):
+        man = Manifest.layout([(name, "BF16", chunk_box(shape, 0, r, n).sizes) for name, shape in layout])
+        sources.append(RankSpec("source", r, [SourceTensor(name, shape, "BF16", chunk_box(shape, 0, r, n),
+                                                           man[name].offset) for name, shape in layout]))
+        src_bytes.append(man.nbytes)
+    targets, tgt_bytes = [], []
+    for t in range(m):
+        tensors = target_tensors(layout, t, m, "meta")
+        man = Manifest.layout([(name, "BF16", tuple(x.tensor.shape)) for name, x in tensors.items()])
+        targets.append(RankSpec("target", t, [TargetTensor(name, tuple(x.tensor.shape), "BF16", man[name].offset,
+                                                           tuple(x.pieces)) for name, x in tensors.items()]))
+        tgt_bytes.append(man.nbytes)
+    return sources, targets, src_bytes, tgt_bytes
+
+
 def rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)        # one intra-op thread per rank: N + M ranks share the machine's cores
     n, m = args.sources, args.targets
@@ -288,6 +313,47 @@ def copy_floor(sizes: list[int], repeat: int) -> float:
     return statistics.median(runs[1:])
 
 
+def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
+    """Host memory alone, this sync's own copies: every (source, target) pair's planned groups copied by
+    ``copy_groups`` (what the ipc transport runs) between memfd regions, a thread per pair, all at once, in
+    one process -- no processes, sockets or control frames.  A row-parallel shard is half of every source
+    row, read at a fraction of a flat copy's speed: this, not the flat floor, is what the schedule's bytes
+    cost on this machine's memory."""
+    import threading
+
+    import numpy as np
+
+    from tensorxfer.memory import HostRegion
+    from tensorxfer.memory._hostcopy import copy_groups
+    from tensorxfer.sync.plan import plan
+    from tensorxfer.sync.weight_sync import segments_of
+
+    sources, targets, src_bytes, tgt_bytes = specs(size, n, m)
+    pl = plan(sources, targets)
+    regions = [HostRegion.allocate(b) for b in src_bytes + tgt_bytes]
+    try:
+        views = [np.frombuffer(memoryview(r), dtype=np.uint8) for r in regions]
+        for v in views:
+            v.fill(1)
+        pairs = [(views[s], views[n + t], segments_of(pl, s, t)) for t in range(m) for s in pl.sources_of.get(t, ())]
+        runs = []
+        for _ in range(repeat + 1):
+            threads = [threading.Thread(target=copy_groups, args=(sv, dv, sg.src_off, sg.dst_off, sg.nbytes, sg.count,
+                                                                  sg.src_stride, sg.dst_stride))
+                       for sv, dv, sg in pairs]
+            t = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            runs.append(time.perf_counter() - t)
+        del views, pairs
+    finally:
+        for r in regions:
+            r.close()
+    return statistics.median(runs[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=["bench", "sync", "baseline"], default="bench")
@@ -340,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         result["parallel_copy_floor_over_bound"] = floor / bound_one
         print("parallel copy floor", f"{floor:.3f} s ({floor / bound_one:.2f}x the bound)", "sync/floor",
               f"{result['sync_over_parallel_copy_floor']:.2f}", flush=True)
+        sched = schedule_copy_floor(args.size, n, m, args.repeat)
+        result["schedule_copy_floor_s"] = sched
+        result["sync_over_schedule_copy_floor"] = result["sync_median_s"] / sched
+        result["schedule_copy_floor_over_bound"] = sched / bound_one
+        print("schedule copy floor", f"{sched:.3f} s ({sched / bound_one:.2f}x the bound)", "sync/schedule floor",
+              f"{result['sync_over_schedule_copy_floor']:.2f}", flush=True)
     if args.device != "cpu":
         src = torch.empty(sum(target_bytes), dtype=torch.uint8, device=args.device)
         dst = torch.empty_like(src)
