@@ -1,6 +1,9 @@
 """What two processes pay for sharing one GPU: the same bytes copied by one process, by two processes at once,
-and by two processes one after the other, with the copy engines (``dst.copy_(src)``: cudaMemcpyAsync) and with
-a copy kernel on the multiprocessors (``torch.bitwise_not(src, out=dst)``: one read, one write per word).
+and by two processes one after the other, with the copy engines (``dst.copy_(src)``: cudaMemcpyAsync), with
+a copy kernel on the multiprocessors (``torch.bitwise_not(src, out=dst)``: one read, one write per word), and
+with a resharded sync's own copies (``bench_sync``'s 4-to-2 plan, each process one target's -- one process:
+both): every pair by the strided-copy kernel ("schedule-kernel"), or its contiguous groups by the copy
+engines in one ``cuMemcpyBatchAsync`` and only its strided groups by the kernel ("schedule-hybrid").
 
 Why: a resharded sync with several target processes on one GPU (``bench_sync --device cuda:0``) runs each
 target's device copies in its own CUDA context.  Without MPS the GPU time-slices kernels of different contexts;
@@ -15,26 +18,78 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def _op(how: str, src: Any, dst: Any) -> None:
+
+def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool) -> Any:
+    """A callable that runs this process's targets' copies of bench_sync's 4-to-2 plan (of ``nbytes`` in all)
+    and waits for them."""
+    import numpy as np
     import torch
+    from bench_sync import specs
 
-    if how == "engine":
-        dst.copy_(src)
-    else:
-        torch.bitwise_not(src, out=dst)
+    from tensorxfer.memory import strided
+    from tensorxfer.memory._copy import Copier, StridedCopy
+    from tensorxfer.sync.plan import plan
+    from tensorxfer.sync.weight_sync import segments_of
+
+    sources, targets, src_bytes, tgt_bytes = specs(nbytes, 4, 2)
+    pl = plan(sources, targets)
+    src = [torch.ones(b, dtype=torch.uint8, device="cuda") for b in src_bytes]
+    image = strided.kernel_image()
+    launches = []
+    for t in range(2) if procs == 1 else [rank]:
+        dst = torch.empty(tgt_bytes[t], dtype=torch.uint8, device="cuda")
+        for s in pl.sources_of.get(t, ()):
+            sg, copier = segments_of(pl, s, t), Copier(0)
+            flat = (sg.count == 1) | ((sg.src_stride == sg.nbytes) & (sg.dst_stride == sg.nbytes))
+            kept = ~flat if hybrid else np.ones(len(sg.count), bool)
+            cols = [np.ascontiguousarray(c[kept]) for c in (sg.src_off, sg.dst_off, sg.nbytes, sg.count,
+                                                             sg.src_stride, sg.dst_stride)]
+            kernel = StridedCopy(0, strided.tiles(*cols), image) if kept.any() else None
+            batch = None
+            if hybrid and flat.any():
+                batch = (np.ascontiguousarray(sg.dst_off[flat] + np.uint64(dst.data_ptr())),
+                         np.ascontiguousarray(sg.src_off[flat] + np.uint64(src[s].data_ptr())),
+                         np.ascontiguousarray(sg.nbytes[flat] * sg.count[flat]))
+            launches.append((copier, kernel, batch, dst, src[s]))
+
+    def run() -> None:
+        for copier, kernel, batch, dst, s in launches:
+            if batch is not None:
+                copier.dtod_batch(*batch, batch_api=True)
+            if kernel is not None:
+                kernel.launch(copier, dst.data_ptr(), s.data_ptr())
+        for copier, *_ in launches:
+            copier.synchronize()
+    run._keep = (src, launches)                     # type: ignore[attr-defined]
+    return run
 
 
-def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: Any, handoff: Any, out: Any) -> None:
+def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: Any, handoff: Any, out: Any,
+            procs: int) -> None:
     import torch
 
     torch.cuda.set_device(0)
-    src = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")
-    dst = torch.empty_like(src)
-    _op(how, src, dst)
+    if how.startswith("schedule"):
+        run = _schedule(nbytes, rank, procs, how == "schedule-hybrid")
+    else:
+        src = torch.ones(nbytes // procs // 8, dtype=torch.int64, device="cuda")
+        dst = torch.empty_like(src)
+
+        def run() -> None:
+            if how == "engine":
+                dst.copy_(src)
+            else:
+                torch.bitwise_not(src, out=dst)
+            torch.cuda.synchronize()
+    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat + 1):                   # the first round warms up
@@ -42,8 +97,7 @@ def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: An
         if order == "serial" and rank == 1:
             handoff.wait()
         t0 = time.monotonic_ns()
-        _op(how, src, dst)
-        torch.cuda.synchronize()
+        run()
         t1 = time.monotonic_ns()
         if order == "serial" and rank == 0:
             handoff.wait()
@@ -54,7 +108,7 @@ def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: An
 def _run(procs: int, nbytes: int, how: str, order: str, repeat: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     start, handoff, out = ctx.Barrier(procs), ctx.Barrier(2), ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(r, nbytes // procs, how, order, repeat, start, handoff, out))
+    workers = [ctx.Process(target=_worker, args=(r, nbytes, how, order, repeat, start, handoff, out, procs))
                for r in range(procs)]
     for w in workers:
         w.start()
@@ -71,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=16e9)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--modes", nargs="*", default=["engine", "kernel", "schedule-kernel", "schedule-hybrid"])
     args = p.parse_args(argv)
     nbytes = int(args.size) // 16 * 16
     result: dict[str, Any] = {"size": nbytes}
-    for how in ("engine", "kernel"):
+    for how in args.modes:
         one = _run(1, nbytes, how, "together", args.repeat)
         together = _run(2, nbytes, how, "together", args.repeat)
         serial = _run(2, nbytes, how, "serial", args.repeat)
