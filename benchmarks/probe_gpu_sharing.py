@@ -7,7 +7,7 @@ engines in one ``cuMemcpyBatchAsync`` and only its strided groups by the kernel 
 
 Why: a resharded sync with several target processes on one GPU (``bench_sync --device cuda:0``) runs each
 target's device copies in its own CUDA context.  Without MPS the GPU time-slices kernels of different contexts;
-this probe says what that costs, and whether the copy engines share better.  Prints one JSON line::
+this probe says what that costs, and whether the copy engines share better.  Prints a JSON line a mode::
 
     python3 benchmarks/probe_gpu_sharing.py [--size 16e9] [--repeat 7]
 """
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         result[how] = {"one_process": one, "two_at_once": together, "two_in_turn": serial,
                        "at_once_over_one": together["span_s"] / one["span_s"],
                        "in_turn_over_one": serial["span_s"] / one["span_s"]}
-    print(json.dumps(result))
+        print(json.dumps({"mode": how, "size": nbytes, **result[how]}), flush=True)
     return 0
 
 

@@ -26,8 +26,9 @@ from tensorxfer.sync.rendezvous import open_tcp_store  # noqa: E402
 from tests import sync_peers  # noqa: E402
 
 
-def spawn(role: str, rank: int, port: int, out: str, transport: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.sync_peers", role, str(rank), str(port), out, transport],
+def spawn(role: str, rank: int, port: int, out: str, transport: str, device: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.sync_peers", role, str(rank), str(port), out, transport,
+                             device],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
 
@@ -47,10 +48,23 @@ def reassemble(parts: list[dict[str, torch.Tensor]], shapes: dict[str, tuple[int
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_fsdp2_trainer_to_tp_inference_logits_equal_after_each_step(tmp_path, transport: str) -> None:
+    fsdp2_to_tp(tmp_path, transport, "cpu")
+
+
+@pytest.mark.cuda
+def test_fsdp2_trainer_to_tp_inference_on_one_gpu_over_ipc(tmp_path) -> None:
+    """The six processes keep their weights on the one GPU: 4 source processes to 2 target processes over
+    ipc (the targets' device copies out of the sources' memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    fsdp2_to_tp(tmp_path, "ipc", "cuda:0")
+
+
+def fsdp2_to_tp(tmp_path, transport: str, device: str) -> None:
     store = open_tcp_store("127.0.0.1", 0, True)
     out = str(tmp_path)
-    procs = [spawn("target", t, store.port, out, transport) for t in range(2)] + \
-        [spawn("trainer", r, store.port, out, transport) for r in range(4)]
+    procs = [spawn("target", t, store.port, out, transport, device) for t in range(2)] + \
+        [spawn("trainer", r, store.port, out, transport, device) for r in range(4)]
     try:
         results = [finish(p, timeout=240) for p in procs]
     finally:
@@ -61,8 +75,8 @@ def test_fsdp2_trainer_to_tp_inference_logits_equal_after_each_step(tmp_path, tr
     for t in range(2):
         reports = [json.loads(line) for line in results[t][1].splitlines()]
         assert [r["version"] for r in reports] == [1, 2, 3]
-        assert all(r["live"] and r["transport"] == transport for r in reports), reports
-    model = sync_peers.build()
+        assert all(r["live"] and r["transport"] == transport and r["device"] == device for r in reports), reports
+    model = sync_peers.build().to(device)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -71,10 +85,13 @@ def test_fsdp2_trainer_to_tp_inference_logits_equal_after_each_step(tmp_path, tr
         for step in range(1, 4):
             trained = torch.load(tmp_path / f"trainer-{step}.pt")
             parts = [torch.load(tmp_path / f"target{t}-{step}.pt") for t in range(2)]
-            model.load_state_dict(reassemble(parts, shapes))
+            weights = reassemble(parts, shapes)
+            for name, w in trained["weights"].items():
+                assert torch.equal(weights[name], w), f"step {step}: {name} differs from the trainer's"
+            model.load_state_dict(weights)
             model.eval()
             with torch.no_grad():
-                logits = model(torch.tensor(sync_peers.INPUT)).logits
+                logits = model(torch.tensor(sync_peers.INPUT, device=device)).logits.cpu()
             assert torch.equal(logits, trained["logits"]), f"step {step}: the targets' logits differ from the trainer's"
             assert previous is None or not torch.equal(logits, previous), "the weights did not change"
             previous = logits
