@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
 COPY_THREADS = env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
-#: Where a weight sync's contiguous groups are copied on a GPU: "kernel" (one launch with the strided ones) or
-#: "engines" (one cuMemcpyBatchAsync on the copy engines, the kernel taking only the strided groups).
-FLAT_COPIES = os.environ.get("TENSORXFER_SYNC_FLAT_COPIES", "kernel")
 
 
 class SourceCache:
@@ -115,7 +112,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         self._segments: Segments | None = None          # a weight sync's runs (else the whole region)
         self._cache = SourceCache()                     # the sender's memory, mapped
         self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
-        self._strided: _DeviceCopies | None = None      # a sync's device copies, built once per session
+        self._strided: tuple[Segments, int, Any] | None = None  # a sync's tiles: (segments, device, StridedCopy)
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
@@ -189,9 +186,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             if dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
-                copies = self._device_copies(segments, on)
-                if copies is not None:
-                    copies.launch(copier, dst.region.ptr, src.ptr)
+                kernel = self._strided_copy(segments, on)
+                if kernel is not None:
+                    kernel.launch(copier, dst.region.ptr, src.ptr)
                 else:   # one 2-D copy per strided group (a block of rows), not one copy per row
                     copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr),
                                        segments.src_off + np.uint64(src.ptr), segments.nbytes, segments.count,
@@ -294,19 +291,23 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             copier = self._copiers[device] = Copier(device)
         return copier
 
-    def _device_copies(self, segments: Segments, device: int) -> _DeviceCopies | None:
-        """The segments' device copies on ``device`` (tiles built and uploaded once per session: the plan is
-        static), or None where the kernel was not built."""
-        if self._strided is not None and self._strided.segments is segments and self._strided.device == device:
-            return self._strided
+    def _strided_copy(self, segments: Segments, device: int) -> Any:
+        """The segments' tiles on ``device`` (built and uploaded once per session: the plan is static), or
+        None where the kernel was not built."""
+        if self._strided is not None and self._strided[0] is segments and self._strided[1] == device:
+            return self._strided[2]
         image = strided.kernel_image()
         if image is None:
             return None
+        from tensorxfer.memory._copy import StridedCopy
+
         old, self._strided = self._strided, None
         if old is not None:
-            old.close()
-        self._strided = _DeviceCopies(segments, device, image, FLAT_COPIES == "engines")
-        return self._strided
+            old[2].close()
+        tiles = strided.tiles(segments.src_off, segments.dst_off, segments.nbytes, segments.count,
+                              segments.src_stride, segments.dst_stride)
+        self._strided = (segments, device, StridedCopy(device, tiles, image))
+        return self._strided[2]
 
     # -- helpers
     def _pieces(self, watermark: Watermark, relayed: int, plain: int) -> int:
@@ -381,43 +382,12 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         """Close the socket, remove the private directory, release the session's mappings; idempotent."""
         super().close()
         self._region = None
-        copies, self._strided = self._strided, None
-        if copies is not None:
-            copies.close()
+        kernel, self._strided = self._strided, None
+        if kernel is not None:
+            kernel[2].close()
         copiers, self._copiers = self._copiers, {}
         for copier in copiers.values():
             copier.close()
-
-
-class _DeviceCopies:
-    """A weight sync pair's device copies: the strided-copy kernel over the groups' tiles, or (``engines``)
-    the contiguous groups in one ``cuMemcpyBatchAsync`` on the copy engines and the kernel over the rest."""
-
-    def __init__(self, segments: Segments, device: int, image: bytes, engines: bool) -> None:
-        from tensorxfer.memory._copy import StridedCopy
-
-        self.segments, self.device = segments, device
-        cols = (segments.src_off, segments.dst_off, segments.nbytes, segments.count, segments.src_stride,
-                segments.dst_stride)
-        flat = (segments.count == 1) | ((segments.src_stride == segments.nbytes) &
-                                        (segments.dst_stride == segments.nbytes))
-        rest = ~flat if engines else np.ones(len(flat), dtype=bool)
-        self._flat = None
-        if engines and flat.any():
-            self._flat = (np.ascontiguousarray(segments.dst_off[flat]), np.ascontiguousarray(segments.src_off[flat]),
-                          np.ascontiguousarray(segments.nbytes[flat] * segments.count[flat]))
-        self._kernel = StridedCopy(device, strided.tiles(*(c[rest] for c in cols)), image) if rest.any() else None
-
-    def launch(self, copier: Any, dst: int, src: int) -> None:
-        if self._flat is not None:
-            d, s, n = self._flat
-            copier.dtod_batch(d + np.uint64(dst), s + np.uint64(src), n, batch_api=True)
-        if self._kernel is not None:
-            self._kernel.launch(copier, dst, src)
-
-    def close(self) -> None:
-        if self._kernel is not None:
-            self._kernel.close()
 
 
 def _run_threads(count: int, work: Callable[[int], Any]) -> None:
