@@ -8,9 +8,10 @@ where torch.chunk cuts unevenly), train it with AdamW and push after every step;
 model's logits on a fixed input.  Targets hold a TP=2 layout -- q/k/v fused into ``qkv_proj``, gate/up
 into ``gate_up_proj`` (column parallel), o_proj and down_proj row parallel, the embedding and the head
 vocab parallel, norms replicated -- and write what landed after every step, so the test can put the
-model back together and compare its logits with the trainer's.  DEVICE (default ``cpu``) is where every
-rank keeps its weights: on ``cuda:0`` all six processes share the one GPU (FSDP2's collectives still run
-over gloo, which copies CUDA tensors through the host).
+model back together and compare its logits with the trainer's.  DEVICE (default ``cpu``) is where the
+sync's regions live: on ``cuda:0`` all six processes share the one GPU -- the targets' weights are there,
+and each trainer, still training on the host (FSDP2 over gloo: gloo's CUDA collectives crashed the trainers
+on the H200), packs its shards into a region on the GPU every step.
 """
 
 from __future__ import annotations
@@ -78,15 +79,15 @@ def trainer(rank: int, port: int, out: Path, transport: str, device: str) -> int
 
     store = open_tcp_store("127.0.0.1", port, False)
     dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=SOURCES)
-    model = build().to(device)
+    model = build()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     params = dict(model.named_parameters())
     sync = tx.WeightSync(store, "llama", "source", rank, (SOURCES, TARGETS), params, token="fsdp",
-                         transport=transport, timeout=120, stall_timeout=20)
+                         transport=transport, timeout=120, stall_timeout=20, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3, foreach=True)
-    ids = torch.tensor(INPUT, device=device)
+    ids = torch.tensor(INPUT)
     for step in range(1, STEPS + 1):
         model.train()
         model(ids, labels=ids).loss.backward()
@@ -95,7 +96,7 @@ def trainer(rank: int, port: int, out: Path, transport: str, device: str) -> int
         stats = sync.push()
         model.eval()
         with torch.no_grad():
-            logits = model(ids).logits.cpu()
+            logits = model(ids).logits
         weights = {n: p.full_tensor().cpu() for n, p in params.items()}        # every rank gathers (gloo)
         if rank == 0:
             torch.save({"logits": logits, "weights": weights, "bytes": stats.bytes}, out / f"trainer-{step}.pt")

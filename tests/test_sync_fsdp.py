@@ -53,8 +53,9 @@ def test_fsdp2_trainer_to_tp_inference_logits_equal_after_each_step(tmp_path, tr
 
 @pytest.mark.cuda
 def test_fsdp2_trainer_to_tp_inference_on_one_gpu_over_ipc(tmp_path) -> None:
-    """The six processes keep their weights on the one GPU: 4 source processes to 2 target processes over
-    ipc (the targets' device copies out of the sources' memory)."""
+    """The six processes' regions on the one GPU: 4 source processes (training on the host, packing into
+    their GPU regions) to 2 target processes whose weights are on the GPU, over ipc (the targets' device
+    copies out of the sources' memory)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     fsdp2_to_tp(tmp_path, "ipc", "cuda:0")
@@ -76,7 +77,7 @@ def fsdp2_to_tp(tmp_path, transport: str, device: str) -> None:
         reports = [json.loads(line) for line in results[t][1].splitlines()]
         assert [r["version"] for r in reports] == [1, 2, 3]
         assert all(r["live"] and r["transport"] == transport and r["device"] == device for r in reports), reports
-    model = sync_peers.build().to(device)
+    model = sync_peers.build()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -91,7 +92,7 @@ def fsdp2_to_tp(tmp_path, transport: str, device: str) -> None:
             model.load_state_dict(weights)
             model.eval()
             with torch.no_grad():
-                logits = model(torch.tensor(sync_peers.INPUT, device=device)).logits.cpu()
+                logits = model(torch.tensor(sync_peers.INPUT)).logits
             assert torch.equal(logits, trained["logits"]), f"step {step}: the targets' logits differ from the trainer's"
             assert previous is None or not torch.equal(logits, previous), "the weights did not change"
             previous = logits
