@@ -10,8 +10,8 @@ into ``gate_up_proj`` (column parallel), o_proj and down_proj row parallel, the 
 vocab parallel, norms replicated -- and write what landed after every step, so the test can put the
 model back together and compare its logits with the trainer's.  DEVICE (default ``cpu``) is where the
 sync's regions live: on ``cuda:0`` all six processes share the one GPU -- the targets' weights are there,
-and each trainer, still training on the host (FSDP2 over gloo: gloo's CUDA collectives crashed the trainers
-on the H200), packs its shards into a region on the GPU every step.
+and each trainer, still training on the host (FSDP2 over gloo on a host mesh), packs its shards into a
+region on the GPU every step.
 """
 
 from __future__ import annotations
@@ -79,10 +79,15 @@ def trainer(rank: int, port: int, out: Path, transport: str, device: str) -> int
 
     store = open_tcp_store("127.0.0.1", port, False)
     dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=SOURCES)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # The mesh on the host, named: with a GPU present, FSDP2's default mesh is "cuda" and its gloo
+    # collectives on host parameters crashed the trainers (SIGSEGV on the H200).
+    mesh = init_device_mesh("cpu", (SOURCES,))
     model = build()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     params = dict(model.named_parameters())
     sync = tx.WeightSync(store, "llama", "source", rank, (SOURCES, TARGETS), params, token="fsdp",
                          transport=transport, timeout=120, stall_timeout=20, device=device)
