@@ -296,14 +296,20 @@ def copy_floor(sizes: list[int], repeat: int) -> float:
     """Host memory alone: seconds for one thread per target to copy that target's bytes between warm
     buffers, all at once (numpy's copy; the GIL is released).  What the machine's memory allows M targets
     that each write their bytes once: below the 1-to-1 bound when they share one memory bus."""
-    import threading
-
     import numpy as np
 
     bufs = [(np.ones(n, dtype=np.uint8), np.ones(n, dtype=np.uint8)) for n in sizes]
+    return all_at_once([(np.copyto, (dst, src)) for src, dst in bufs], repeat)
+
+
+def all_at_once(jobs: list[tuple[Any, tuple]], repeat: int) -> float:
+    """Median seconds (of ``repeat`` runs after a warm-up) for ``fn(*args)`` of every job, each in its own
+    thread, all started at once."""
+    import threading
+
     runs = []
     for _ in range(repeat + 1):
-        threads = [threading.Thread(target=np.copyto, args=(dst, src)) for src, dst in bufs]
+        threads = [threading.Thread(target=fn, args=args) for fn, args in jobs]
         t = time.perf_counter()
         for th in threads:
             th.start()
@@ -319,8 +325,6 @@ def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
     one process -- no processes, sockets or control frames.  A row-parallel shard is half of every source
     row, read at a fraction of a flat copy's speed: this, not the flat floor, is what the schedule's bytes
     cost on this machine's memory."""
-    import threading
-
     import numpy as np
 
     from tensorxfer.memory import HostRegion
@@ -336,22 +340,13 @@ def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
         for v in views:
             v.fill(1)
         pairs = [(views[s], views[n + t], segments_of(pl, s, t)) for t in range(m) for s in pl.sources_of.get(t, ())]
-        runs = []
-        for _ in range(repeat + 1):
-            threads = [threading.Thread(target=copy_groups, args=(sv, dv, sg.src_off, sg.dst_off, sg.nbytes, sg.count,
-                                                                  sg.src_stride, sg.dst_stride))
-                       for sv, dv, sg in pairs]
-            t = time.perf_counter()
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            runs.append(time.perf_counter() - t)
+        seconds = all_at_once([(copy_groups, (sv, dv, sg.src_off, sg.dst_off, sg.nbytes, sg.count, sg.src_stride,
+                                              sg.dst_stride)) for sv, dv, sg in pairs], repeat)
         del views, pairs
     finally:
         for r in regions:
             r.close()
-    return statistics.median(runs[1:])
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
