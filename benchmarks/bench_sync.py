@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import trace_sync  # noqa: E402  (benchmarks/, beside this file)
 
 import tensorxfer as tx  # noqa: E402
 from tensorxfer import synthetic  # noqa: E402
@@ -154,10 +155,16 @@ def rank_main(args: argparse.Namespace) -> int:
     layout = model_layout(args.size)
     store = open_tcp_store("127.0.0.1", args.store_port, False, timeout=600)
     role, rank = args.role, args.rank
+    if args.trace:
+        trace_sync.install()
     tensors: Any = (source_shards(layout, rank, n, args.device) if role == "source" else
                     target_tensors(layout, rank, m, args.device))
     sync = tx.WeightSync(store, "bench", role, rank, (n, m), tensors, token="bench", transport=args.transport,
                          timeout=600, stall_timeout=300, elastic=args.membership == "elastic")
+    if args.device != "cpu":
+        torch.cuda.empty_cache()    # the global values' temporaries and the adopted shards' old storage: six
+        #                             ranks share one GPU, and an 80 GB card holds 16 GB of model only twice
+    steps = []
     store.set(f"ready/{role}/{rank}", b"1")
     prof = cProfile.Profile() if args.profile and rank == 0 else None     # rank 0 of each role, warm steps
     for step in range(args.repeat + 1):
@@ -172,7 +179,10 @@ def rank_main(args: argparse.Namespace) -> int:
             st = sync.last_stats
         if prof is not None:
             prof.disable()
-        store.set(f"done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+        steps.append((t0, time.time()))
+        store.set(f"done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": steps[-1][1]}).encode())
+    if args.trace:
+        trace_sync.dump(args.trace, role, rank, steps)
     if prof is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
         with open(args.profile / f"profile-{role}{rank}.txt", "w") as f:
@@ -250,7 +260,8 @@ def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
            str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat),
-           "--membership", args.membership] + (["--profile", str(args.profile)] if args.profile else [])
+           "--membership", args.membership] + (["--profile", str(args.profile)] if args.profile else []) + (
+               ["--trace", str(args.trace)] if args.trace else [])
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -367,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--profile", type=Path, default=None,
                    help="cProfile the warm steps of source 0 and target 0 (their main threads) into this folder")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="record a timeline of every rank's phases into this folder and print its summary "
+                        "(trace_sync.py; the traced steps run slightly slower)")
     args = p.parse_args(argv)
     if args.what == "sync":
         return rank_main(args)
@@ -390,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                               "sync_from_go_median_s": statistics.median(sync_from_go[1:])}
     print("sync", f"{result['sync_median_s'] * 1e3:.2f} ms from the first push,",
           f"{result['sync_from_go_median_s'] * 1e3:.2f} ms from the store's go", flush=True)
+    if args.trace:
+        print(trace_sync.summarize(args.trace), flush=True)
     bound_one = one_to_one(max(target_bytes), args.transport, args.device, args.repeat)
     result["bound_s"] = bound_one
     result["sync_over_bound"] = result["sync_median_s"] / bound_one
