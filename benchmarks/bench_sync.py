@@ -77,7 +77,8 @@ def source_shards(layout: list[tuple[str, tuple[int, ...]]], rank: int, n: int, 
     out = {}
     for name, shape in layout:
         box = chunk_box(shape, 0, rank, n)
-        local = global_value(name, shape, 0, device)[box.offsets[0]:box.offsets[0] + box.sizes[0]].contiguous()
+        # clone: a dim-0 slice is already contiguous, and .contiguous() would keep the whole global tensor
+        local = global_value(name, shape, 0, device)[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone()
         out[name] = Source(local, shape, box)
     return out
 

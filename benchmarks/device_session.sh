@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One phase of a device-machine session (the H200), everything into $OUT.  Run from the repo root:
-#   bash benchmarks/device_session.sh build      # build this tree (and .oldtree/, if present) in place
+#   bash benchmarks/device_session.sh build      # build this tree (and .oldtree/, if present) in place; the
+#                                                # built modules also into $OUT/built-cp312.tgz
+#   bash benchmarks/device_session.sh unpack     # instead of building: .out/built-cp312.tgz (a build's tarball,
+#                                                # carried back; only while no .pyx/.cu changed since)
 #   bash benchmarks/device_session.sh tests      # the GPU-marked tests, then the whole suite, logs in $OUT
 #   bash benchmarks/device_session.sh bench-ipc  # CUDA ipc 31.2 GB: .oldtree/ and this tree, alternating
 #   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
@@ -28,7 +31,10 @@ case "${1:-}" in
     if [ -d .oldtree ]; then
       (cd .oldtree && PYTHONPATH=$SITE python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build-old.txt" 2>&1; echo "old rc=$?" >> "$OUT/build-old.txt") &
     fi
-    wait; tail -2 "$OUT"/build-*.txt ;;
+    wait; tail -2 "$OUT"/build-*.txt
+    tar czf "$OUT/built-cp312.tgz" $(find tensorxfer -name "*.cpython-312*.so" -o -name "*.fatbin") ;;
+  unpack)
+    tar xzf .out/built-cp312.tgz && echo "unpacked $(tar tzf .out/built-cp312.tgz | wc -l) built files" ;;
   tests)
     export PYTHONPATH=$new:$SITE
     python3 -m pytest -p no:cacheprovider -q -rs -m cuda --durations=15 2>&1 | tee "$OUT/gpu-tests-cuda-marked.txt" | tail -25
@@ -76,6 +82,6 @@ case "${1:-}" in
     python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 6 --every-rank --jobs 14 \
       > "$OUT/elastic-tcpstore-every-rank.json" 2>&1
     tail -c 700 "$OUT"/elastic-*.json ;;
-  *) echo "usage: $0 build|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership|bench-elastic" >&2
+  *) echo "usage: $0 build|unpack|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership|bench-elastic" >&2
      exit 2 ;;
 esac
