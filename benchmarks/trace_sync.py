@@ -27,7 +27,9 @@ EVENTS: list[tuple[str, str, float, float]] = []      # (phase, thread, start, e
 
 def _wrap(owner: Any, attr: str, label: Any) -> None:
     """Replace ``owner.attr`` by a wrapper recording each call; ``label(args)`` names the event."""
-    fn = getattr(owner, attr)
+    fn = getattr(owner, attr, None)
+    if fn is None:      # an older tree (an A/B run) without this phase
+        return
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -65,7 +67,8 @@ def install() -> None:
         return lambda args: name
 
     for cls, attr in ((weight_sync.WeightSync, "push"), (weight_sync.WeightSync, "wait"),
-                      (weight_sync.WeightSync, "_pack"), (link.SourceLink, "push"), (link._Feed, "step"),
+                      (weight_sync.WeightSync, "_pack"), (link.SourceLink, "offer"), (link.SourceLink, "post"),
+                      (link.SourceLink, "finish"), (link._Feed, "step"),
                       (sender.IpcSender, "_post"), (sender.IpcSender, "collect"), (copy.IpcReceiver, "prepare"),
                       (receiving.IpcReceiving, "wait"), (copy.IpcReceiver, "_copy_segments")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))

@@ -13,11 +13,12 @@ that planned otherwise refuses it with :class:`PlanError`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,19 @@ from tensorxfer.transport.base import setup_flag
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairStep:
+    """One step of one pair between :class:`SourceLink`'s phases: what was offered, and when."""
+
+    region: TensorRegion
+    segments: Segments
+    seq: int
+    t0: float                   # the offer
+    early: bool                 # the data goes out at post(), before the accept
+    t1: float = 0.0             # the data went out
+    moved: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,68 +121,82 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str,
-             offered: Callable[[], None] | None = None, before_data: Callable[[], None] | None = None) -> PairStats:
-        """Move this pair's segments of ``region`` for ``version`` (planned as ``digest``); return once the
-        target acknowledged.
+    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStep:
+        """Phase 1 of a step: offer this pair's segments of ``region`` for ``version`` (planned as ``digest``).
 
-        ``offered`` is called once the offer is sent, ``before_data`` after that and before any byte of
-        ``region`` is read (the source packs its region meanwhile, while the target takes the offer in).
-        If ``before_data`` raises, the offer stays unanswered: the caller must close this link.
+        A step is :meth:`offer`, then :meth:`post` once ``region`` holds the step's bytes, then :meth:`finish`:
+        the source offers every target first, packs its region while they take the offers in, and posts
+        every warm ipc pair's data before it waits for any (no thread handoff between the phases).  An
+        offer that is never posted stays unanswered: the caller must then close this link.
 
-        Raises
+        Raises (each phase, the message naming the target rank)
         ------
         PeerLost, TransferTimeout
-            The target died or stalled (the message names its rank).
+            The target died or stalled.
         TransferError, ProtocolError
             The target refused or failed the step.
         """
-        t0 = time.perf_counter()
-        self._seq += 1
-        seq = self._seq
-        ch = self._ch
-        try:
+        with self._named():
+            self._seq += 1
+            t0 = time.perf_counter()
             if self._transport is None:
-                ctx = control.transfer_context(ch, self._key, self.stall_timeout, self.streams)
+                ctx = control.transfer_context(self._ch, self._key, self.stall_timeout, self.streams)
                 self._transport = TRANSPORTS[self.transport][0](ctx)
-            transport = self._transport
-            fresh = transport.needs_setup(region)
-            early = transport.posts_early and not fresh     # as Sender: the data right behind the offer
-            ch.send("offer", seq=seq, transport=self.transport, fresh=fresh, version=version,
-                    bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
-            if offered is not None:
-                offered()
-            if before_data is not None:
-                before_data()
-            if early:
-                t1 = time.perf_counter()
-                moved = transport.post_early(region, seq, segments)
-                ch.send("done", seq=seq, bytes=moved)
+            fresh = self._transport.needs_setup(region)
+            self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
+                          bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
+            # as Sender: a warm ipc step's data goes right behind the offer, before the accept
+            return PairStep(region, segments, self._seq, t0, self._transport.posts_early and not fresh)
+
+    def post(self, step: PairStep) -> None:
+        """Phase 2: where the pair is warm and its transport posts early (ipc), pass the data now (the
+        target copies it once it took the offer in); else nothing (:meth:`finish` sends it)."""
+        if step.early:
+            with self._named():
+                step.t1 = time.perf_counter()
+                step.moved = self._transport.post_early(step.region, step.seq, step.segments)
+                self._ch.send("done", seq=step.seq, bytes=step.moved)
+
+    def finish(self, step: PairStep) -> PairStats:
+        """Phase 3: take the target's accept (and send the data, unless it was posted), its ack; the pair's
+        stats."""
+        with self._named():
+            ch, transport, seq = self._ch, self._transport, step.seq
             accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
             descriptors = field(accept, "descriptors", dict)
             setup = setup_flag(descriptors)
-            if early:
+            if step.early:
                 if setup:
                     raise ProtocolError(f"sync: the target set the {self.transport} data path up again (step {seq}), "
                                         f"but this warm step's data was already on its way")
                 transport.collect()
-                wire = time.perf_counter() - t1
             else:
-                transport.connect(region, seq, descriptors, segments=segments)
-                t1 = time.perf_counter()
-                moved = transport.send(region)
-                wire = time.perf_counter() - t1
-                ch.send("done", seq=seq, bytes=moved)
+                transport.connect(step.region, seq, descriptors, segments=step.segments)
+                step.t1 = time.perf_counter()
+                step.moved = transport.send(step.region)
+                ch.send("done", seq=seq, bytes=step.moved)
+            wire = time.perf_counter() - step.t1
             ack = ch.recv("ack", timeout=control.control_timeout(self.stall_timeout))
-            if field(ack, "seq", int) != seq or field(ack, "bytes", int) != moved:
-                raise ProtocolError(f"sync: ack does not match step {seq} of {moved} bytes")
+            if field(ack, "seq", int) != seq or field(ack, "bytes", int) != step.moved:
+                raise ProtocolError(f"sync: ack does not match step {seq} of {step.moved} bytes")
+        return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
+                         step.segments.num_runs, self.transport, setup)
+
+    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
+        """The three phases at once: one pair's whole step (raises as :meth:`offer`)."""
+        step = self.offer(region, segments, version, digest)
+        self.post(step)
+        return self.finish(step)
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        try:
+            yield
         except TensorXferError as e:
             e.args = (f"sync: source {self.source} -> target rank {self.target}: {e}", *e.args[1:])
             raise
-        return PairStats(self.source, self.target, moved, time.perf_counter() - t0, wire,
-                         segments.num_runs, self.transport, setup)
 
     def close(self) -> None:
         transport, self._transport = self._transport, None
