@@ -227,6 +227,29 @@ def test_the_default_read_waits_on_any_store_that_can_only_peek() -> None:
         store.read(["k/late", "k/never"], 0.2)
 
 
+def test_a_tcpstore_key_published_as_the_wait_times_out_is_read_not_raised() -> None:
+    """The lowest source publishes its step record just as a follower's LEADER_WAIT ends: the follower
+    must take the record (it raised torch's DistStoreError out of push() before)."""
+    import torch.distributed as dist
+
+    from tensorxfer.sync.rendezvous import TorchStoreRendezvous, open_tcp_store
+
+    server = open_tcp_store("127.0.0.1", 0, True)
+
+    class LateWait:         # the real store; its wait times out the moment the key lands
+        def __getattr__(self, name: str) -> Any:
+            return getattr(server, name)
+
+        def wait(self, keys: Any, timeout: Any) -> None:
+            server.set(keys[0], b"decided")
+            raise dist.DistStoreError("wait timeout after 1000ms")
+
+    rdv = TorchStoreRendezvous(LateWait())
+    assert rdv.read(["step/5"], 1.0) == [b"decided"]
+    with pytest.raises(tx.TransferTimeout, match="step/6"):
+        TorchStoreRendezvous(server).read(["step/6"], 0.05)
+
+
 def test_descriptions_are_stored_compressed_and_a_bad_body_is_refused(url: str) -> None:
     """Bodies go into the store zlib-compressed under the hash of the uncompressed body; a reader inflates
     with a limit and checks the hash: a body that is not zlib, inflates too far or was altered is refused."""

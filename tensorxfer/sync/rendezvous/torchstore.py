@@ -64,9 +64,10 @@ class TorchStoreRendezvous(Rendezvous):
             self.store.wait(keys, datetime.timedelta(seconds=max(timeout, 1e-3)))
         except Exception as e:      # torch raises DistStoreError / RuntimeError on a timeout
             missing = [k for k in keys if not self.store.check([k])]
-            if not missing:
-                raise
-            raise not_published(missing, timeout) from e
+            if missing:
+                raise not_published(missing, timeout) from e
+            # every key was published just as the wait timed out (a source's leader deciding its step at
+            # LEADER_WAIT): read them; a store that failed otherwise fails the read too
         return [bytes(v) for v in self.store.multi_get(keys)]
 
     def join(self, prefix: str, name: str, value: bytes) -> None:
