@@ -70,8 +70,12 @@ def install() -> None:
                       (weight_sync.WeightSync, "_pack"), (link.SourceLink, "offer"), (link.SourceLink, "post"),
                       (link.SourceLink, "finish"), (link._Feed, "step"),
                       (sender.IpcSender, "_post"), (sender.IpcSender, "collect"), (copy.IpcReceiver, "prepare"),
-                      (receiving.IpcReceiving, "wait"), (copy.IpcReceiver, "_copy_segments")):
+                      (receiving.IpcReceiving, "wait"), (copy.IpcReceiver, "_copy_segments"),
+                      (link._Feed, "take_offer"), (link._Feed, "land")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
+    import torch
+
+    _wrap(torch.cuda, "synchronize", named("torch.cuda.synchronize"))     # the pack's, looked up per call
     _wrap(Channel, "send", lambda args: f"send {args[1]}")
     _wrap(Channel, "recv", lambda args: f"recv {'/'.join(args[1:])}")
     _wrap(receiving, "recv_message", lambda args: f"ipc recv {args[1]}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,19 @@ class PairStep:
     early: bool                 # the data goes out at post(), before the accept
     t1: float = 0.0             # the data went out
     moved: int = 0
+
+
+@dataclass(frozen=True)
+class FeedStep:
+    """One step of one pair on the target, between :class:`_Feed`'s phases: the offer it took."""
+
+    seq: int
+    version: int
+    name: str                   # the transport
+    transport: Any
+    setup: bool
+    runs: int
+    t0: float                   # the offer arrived
 
 
 @dataclass(frozen=True)
@@ -213,10 +227,10 @@ class _Feed:
         self.seq = 0
         self.transports: dict[str, Any] = {}
 
-    def step(self, region: TensorRegion, segments: Segments, timeout: float | None, digest: str,
-             step: int | None) -> tuple[int, PairStats]:
-        """Receive one step from this source (planned as ``digest``; ``step``: the version it must carry, if
-        known): (the version it carried, its stats)."""
+    def take_offer(self, region: TensorRegion, segments: Segments, timeout: float | None, digest: str,
+                   step: int | None) -> FeedStep:
+        """Phase 1 of a step from this source (planned as ``digest``; ``step``: the version it must carry, if
+        known): take its offer, check it, get the data path ready and accept."""
         ch = self.ch
         offer = ch.recv("offer", timeout=timeout)
         t0 = time.perf_counter()
@@ -254,15 +268,20 @@ class _Feed:
             transport = self.transports[name] = TRANSPORTS[name][1](ctx)
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
+        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0)
+
+    def land(self, fs: FeedStep) -> tuple[int, PairStats]:
+        """Phase 2: the data (landed by the transport), the source's done, the ack: (the version it carried,
+        its stats)."""
         t1 = time.perf_counter()
-        moved = transport.wait()
+        moved = fs.transport.wait()
         wire = time.perf_counter() - t1
-        done = ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
-        if field(done, "seq", int) != seq or field(done, "bytes", int) != moved:
-            raise ProtocolError(f"sync: done from source {self.source} does not match step {seq} of {moved} bytes")
-        ch.send("ack", seq=seq, bytes=moved)
-        return version, PairStats(self.source, -1, moved, time.perf_counter() - t0, wire,
-                                  segments.num_runs, name, setup_flag(descriptors))
+        done = self.ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
+        if field(done, "seq", int) != fs.seq or field(done, "bytes", int) != moved:
+            raise ProtocolError(f"sync: done from source {self.source} does not match step {fs.seq} of {moved} bytes")
+        self.ch.send("ack", seq=fs.seq, bytes=moved)
+        return fs.version, PairStats(self.source, -1, moved, time.perf_counter() - fs.t0, wire, fs.runs, fs.name,
+                                     fs.setup)
 
     def close(self) -> None:
         for transport in self.transports.values():
@@ -340,19 +359,46 @@ class TargetPort:
 
     def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None, digest: str,
              step: int | None) -> dict[int, Any]:
-        """Receive one step from every source in ``segments`` at once: source rank -> (version, PairStats) or
-        the exception that ended its part (the caller decides what the step is)."""
+        """Receive one step from every source in ``segments``: source rank -> (version, PairStats) or the
+        exception that ended its part (the caller decides what the step is).
+
+        This thread takes the offers as they arrive and accepts each at once; each pair's data (and its done
+        and ack) then runs on a thread of its own.  With a thread per pair from the offer on, four pairs'
+        offers and chunk tables took turns for the GIL: the copies were launched ~0.3 ms later on the
+        H200 machine."""
         results: dict[int, Any] = {}
 
-        def run(source: int, feed: _Feed) -> None:
+        def land(source: int, fs: FeedStep) -> None:
             try:
-                results[source] = feed.step(region, segments[source], timeout, digest, step)
+                results[source] = self._feeds[source].land(fs)
             except BaseException as e:
                 results[source] = e
-        missing = sorted(set(segments) - set(self._feeds))
-        for s in missing:
+        for s in sorted(set(segments) - set(self._feeds)):
             results[s] = PeerLost(f"source rank {s} is not connected (its session failed and it did not come back)")
-        self._workers.run([functools.partial(run, s, self._feeds[s]) for s in sorted(segments) if s in self._feeds])
+        waiting = {self._feeds[s].ch.sock.fileno(): s for s in sorted(segments) if s in self._feeds}
+        batch = self._workers.batch(len(waiting))
+        try:
+            poller = select.poll()
+            for fd in waiting:
+                poller.register(fd, select.POLLIN)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while waiting:
+                ready = poller.poll(None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000)))
+                if not ready:
+                    for s in waiting.values():
+                        results[s] = TransferTimeout(f"no offer from source {s} within {timeout} s")
+                    break
+                for fd, _ in ready:
+                    source = waiting.pop(fd)
+                    poller.unregister(fd)
+                    try:
+                        fs = self._feeds[source].take_offer(region, segments[source], timeout, digest, step)
+                    except BaseException as e:
+                        results[source] = e
+                        continue
+                    batch.submit(functools.partial(land, source, fs))
+        finally:
+            batch.join()
         return results
 
     def drop(self, source: int) -> None:

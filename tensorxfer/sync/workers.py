@@ -29,23 +29,26 @@ class Workers:
         result and catches its own errors (one that escapes is dropped: the others still run)."""
         if not jobs:
             return
+        batch = self.batch(len(jobs) - 1)
+        for job in jobs[1:]:
+            batch.submit(job)
+        try:
+            jobs[0]()
+        finally:
+            batch.join()
+
+    def batch(self, size: int) -> Batch:
+        """Up to ``size`` jobs, each started on a thread of its own as it is submitted (a step's pairs, as
+        each becomes ready); :meth:`Batch.join` waits for them."""
         with self._lock:
-            while len(self._inboxes) < len(jobs) - 1:
+            while len(self._inboxes) < size:
                 inbox: queue.SimpleQueue[tuple[Job, threading.Event] | None] = queue.SimpleQueue()
                 thread = threading.Thread(target=_serve, args=(inbox,), name=f"{self._name}-{len(self._inboxes)}",
                                           daemon=True)
                 thread.start()
                 self._inboxes.append(inbox)
                 self._threads.append(thread)
-            inboxes = self._inboxes[:len(jobs) - 1]
-        ended = [threading.Event() for _ in jobs[1:]]
-        for inbox, job, done in zip(inboxes, jobs[1:], ended):
-            inbox.put((job, done))
-        try:
-            jobs[0]()
-        finally:
-            for done in ended:
-                done.wait()
+            return Batch(self._inboxes[:size])
 
     def close(self, timeout: float = 30.0) -> None:
         """End the threads once their jobs did (close what a job waits on first), waiting up to ``timeout``
@@ -60,6 +63,25 @@ class Workers:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Batch:
+    """Jobs of one step on a :class:`Workers`' threads, one thread each (see :meth:`Workers.batch`)."""
+
+    def __init__(self, inboxes: list[queue.SimpleQueue[tuple[Job, threading.Event] | None]]) -> None:
+        self._free = list(inboxes)
+        self._ended: list[threading.Event] = []
+
+    def submit(self, job: Job) -> None:
+        if not self._free:
+            raise RuntimeError("a Batch takes as many jobs as it was made for")
+        done = threading.Event()
+        self._ended.append(done)
+        self._free.pop(0).put((job, done))
+
+    def join(self) -> None:
+        for done in self._ended:
+            done.wait()
 
 
 def _serve(inbox: queue.SimpleQueue[tuple[Job, threading.Event] | None]) -> None:
