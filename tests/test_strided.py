@@ -148,17 +148,20 @@ def test_the_host_copy_copies_exactly_the_groups_split_or_not(seed: int) -> None
 
 def test_the_host_copy_streams_whole_lines_at_every_alignment_and_nothing_past_a_row() -> None:
     """Rows are copied with plain stores up to the first 64-byte line of the destination, streamed stores
-    for whole lines, plain stores for the rest: every start alignment and widths around those cuts."""
+    for whole lines, plain stores for the rest (a strided group's rows under 1280 bytes: plain stores
+    only): every start alignment and widths around those cuts."""
     rng = np.random.default_rng(7)
     src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
-    for width in (1, 63, 64, 127, 128, 191, 192, 193, 255, 256, 1000, 4097):
+    # 6 strided rows: past 1280 bytes a row's lines also prefetch the row ceil(4096 / width) later, so
+    # rows with and without a row that far ahead are both copied
+    for width in (1, 63, 64, 127, 128, 191, 192, 193, 255, 256, 1000, 1279, 1280, 2049, 4097):
         for shift in range(64):
             for src_shift in (0, 5):
                 seg = Segments.of([src_shift, 2 * width + src_shift], [shift, shift + width + 3], [width, width],
-                                  [1, 3], [0, 2 * width + 7], [0, width + 1])
+                                  [1, 6], [0, 2 * width + 7], [0, width + 1])
                 dst = rng.integers(0, 256, 1 << 15, dtype=np.uint8)
                 want = apply_groups(src, dst, seg)
-                assert copy_groups(src, dst, *columns(seg)) == 4 * width
+                assert copy_groups(src, dst, *columns(seg)) == 7 * width
                 assert np.array_equal(dst, want), (width, shift, src_shift)
 
 def test_the_host_copy_refuses_a_group_past_either_buffer_and_copies_from_read_only_memory() -> None:
