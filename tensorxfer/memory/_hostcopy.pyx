@@ -6,9 +6,11 @@ A weight sync's pair is a static list of groups (``count`` rows of ``nbytes`` by
 third of memcpy's speed (measured on the 2-core dev VM: rows of 2 KiB 4.7 GB/s, a contiguous copy 15),
 and building ~800 views a step cost more than copying many of them; here every row is copied as it is,
 in one call per copy thread.  A row's whole cache lines are stored past the caches (SSE2 streaming
-stores, x86-64), and the row after next is prefetched while a strided group's row is copied: on the
-dev VM a 2 GB sync's groups moved 7.6-8.1 GB/s (contiguous, MB-sized) and 6.4-7.0 GB/s (half rows of
-0.8-3.3 KB) with a memcpy per row, 10.6-12.3 and 6.7-7.4 GB/s this way.
+stores, x86-64), and a strided group's rows each prefetch the row ~4 KB ahead, a line per line copied
+(rows under 1280 bytes: plain copies).  On the dev VM, one thread, a 2 GB sync's groups moved
+7.6-8.1 GB/s (contiguous, MB-sized) and 6.4-7.0 GB/s (half rows of 0.8-3.3 KB) with a memcpy per row;
+12.1-13.3 and 8.2-8.4 GB/s this way.  Half rows stay below a contiguous copy, likely because the lines
+next to each half row come along with it (adjacent-line prefetch; not measured).
 """
 
 from libc.stdint cimport uint64_t
