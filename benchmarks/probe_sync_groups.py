@@ -12,35 +12,19 @@ of each target's bytes, a thread per target.  Medians of ``--repeat`` runs after
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-from bench_sync import specs
+from bench_sync import all_at_once, specs
 
 from tensorxfer.memory import HostRegion
 from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.sync.plan import plan
 from tensorxfer.sync.weight_sync import segments_of
-
-
-def timed(jobs: list[tuple[Any, tuple]], repeat: int) -> float:
-    runs = []
-    for _ in range(repeat + 1):
-        threads = [threading.Thread(target=fn, args=args) for fn, args in jobs]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs[1:])
 
 
 def main() -> int:
@@ -70,18 +54,15 @@ def main() -> int:
     total = sum(sg.total_bytes for _, _, sg in pairs)
     strided_bytes = sum(int((sg.nbytes * sg.count)[strided[s, t]].sum()) for s, t, sg in pairs)
     flat = [(np.ones(b, dtype=np.uint8), np.ones(b, dtype=np.uint8)) for b in tgt_bytes]
-    r = {
-        "a thread per pair": timed([(copy_groups, (views[s], views[n + t], *columns(sg))) for s, t, sg in pairs],
-                                   args.repeat),
-        "a thread per target": timed([in_turn([(s, t, columns(sg)) for s, tt, sg in pairs if tt == t])
-                                      for t in range(m)], args.repeat),
-        "one thread": timed([in_turn([(s, t, columns(sg)) for s, t, sg in pairs])], args.repeat),
-        "one thread, contiguous groups": timed([in_turn([(s, t, columns(sg, ~strided[s, t])) for s, t, sg in pairs])],
-                                               args.repeat),
-        "one thread, strided groups": timed([in_turn([(s, t, columns(sg, strided[s, t])) for s, t, sg in pairs])],
-                                            args.repeat),
-        "numpy flat copy, a thread per target": timed([(np.copyto, (dst, src)) for src, dst in flat], args.repeat),
+    jobs = {
+        "a thread per pair": [(copy_groups, (views[s], views[n + t], *columns(sg))) for s, t, sg in pairs],
+        "a thread per target": [in_turn([(s, t, columns(sg)) for s, tt, sg in pairs if tt == t]) for t in range(m)],
+        "one thread": [in_turn([(s, t, columns(sg)) for s, t, sg in pairs])],
+        "one thread, contiguous groups": [in_turn([(s, t, columns(sg, ~strided[s, t])) for s, t, sg in pairs])],
+        "one thread, strided groups": [in_turn([(s, t, columns(sg, strided[s, t])) for s, t, sg in pairs])],
+        "numpy flat copy, a thread per target": [(np.copyto, (dst, src)) for src, dst in flat],
     }
+    r = {what: all_at_once(todo, args.repeat) for what, todo in jobs.items()}
     print(f"{total / 1e9:.2f} GB, of it {strided_bytes / 1e9:.2f} GB in strided groups")
     for what, seconds in r.items():
         print(f"{what:40} {seconds * 1e3:7.1f} ms")
