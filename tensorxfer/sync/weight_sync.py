@@ -332,8 +332,8 @@ class WeightSync:
         This thread offers every target, packs while they take the offers in, and posts every warm ipc
         pair's data (:class:`~tensorxfer.sync.link.SourceLink`'s phases); only the waiting for the targets
         (and the data of other transports) runs on a thread per pair.  Handing each phase to the pair
-        threads instead cost ~0.45 ms per step on the H200 machine, before any byte moved.  A pack that
-        fails leaves every offer unanswered: every pair then ends with an error too."""
+        threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
+        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}
