@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorxfer.memory import strided
-from tensorxfer.memory._hostcopy import copy_groups
+from tensorxfer.memory._hostcopy import copy_groups, stream_copy
 from tensorxfer.transport.segments import Segments
 
 SRC, DST = 1 << 20, 1 << 20
@@ -163,6 +163,30 @@ def test_the_host_copy_streams_whole_lines_at_every_alignment_and_nothing_past_a
                 want = apply_groups(src, dst, seg)
                 assert copy_groups(src, dst, *columns(seg)) == 7 * width
                 assert np.array_equal(dst, want), (width, shift, src_shift)
+
+def test_a_streamed_copy_copies_every_byte_at_every_alignment_and_nothing_past_the_end() -> None:
+    """``stream_copy`` (an ipc transfer's host pieces): plain stores up to the destination's first line,
+    streamed whole lines, plain stores after, the source's lines 512 bytes on prefetched (at the very end
+    past the buffer, which must not fault); from read-only memory; unequal lengths refused untouched."""
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 1 << 14, dtype=np.uint8)
+    src.flags.writeable = False
+    for n in (0, 1, 63, 64, 127, 128, 129, 191, 192, 1000, 4097, 9000):
+        for shift in (0, 1, 17, 63):
+            for src_shift in (0, 5):
+                dst = rng.integers(0, 256, n + 128, dtype=np.uint8)
+                want = dst.copy()
+                want[shift:shift + n] = src[src_shift:src_shift + n]
+                assert stream_copy(dst[shift:shift + n], src[src_shift:src_shift + n]) == n
+                assert np.array_equal(dst, want), (n, shift, src_shift)
+    tail = np.frombuffer(memoryview(src)[-100:], dtype=np.uint8)    # prefetches run past the source's end
+    out = np.zeros(100, dtype=np.uint8)
+    assert stream_copy(out, tail) == 100 and np.array_equal(out, src[-100:])
+    dst = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="lengths must be equal"):
+        stream_copy(dst, src[:65])
+    assert not dst.any()
+
 
 def test_the_host_copy_refuses_a_group_past_either_buffer_and_copies_from_read_only_memory() -> None:
     src = np.arange(256, dtype=np.uint8)

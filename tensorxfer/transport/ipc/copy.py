@@ -1,8 +1,8 @@
 """The copying ipc receiver: copies each update out of the sender's memory into the receiver's region.
 
 The sender's handles are mapped once per session and kept (:class:`SourceCache`); each update is one
-host memcpy (split over :data:`COPY_THREADS` threads) or one run of device copies on the session's
-stream, in pieces, each reported as progress to the sender (so its stall timer measures a stall, not a
+host copy (``stream_copy``, split over :data:`COPY_THREADS` threads) or one run of device copies on the
+session's stream, in pieces, each reported as progress to the sender (so its stall timer measures a stall, not a
 long copy) and, for a fan-out relay, to ``on_piece`` once its bytes are there.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
 from tensorxfer.memory import strided
-from tensorxfer.memory._hostcopy import copy_groups
+from tensorxfer.memory._hostcopy import copy_groups, stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
@@ -230,7 +230,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 d = np.frombuffer(memoryview(dst.region), dtype=np.uint8, count=nbytes)
                 try:
                     self._copy_pieces(nbytes, progress, conn,
-                                      lambda off, n: np.copyto(d[off:off + n], s[off:off + n]), COPY_THREADS,
+                                      lambda off, n: stream_copy(d[off:off + n], s[off:off + n]), COPY_THREADS,
                                       piece_bytes=pieces, watermark=watermark, landed=self.on_piece)
                 finally:
                     del s, d
