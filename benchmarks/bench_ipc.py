@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import shlex
@@ -114,7 +115,7 @@ def time_host_memcpy(nbytes: int, repeat: int, threads: int = 1) -> dict[str, An
     dst = np.empty_like(src)
     np.copyto(dst, src)          # first touch outside the timing, like the receiver's warm region
     bounds = [nbytes * k // threads for k in range(threads + 1)]
-    parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds, bounds[1:])]
+    parts = [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds)]
     runs = []
     for _ in range(repeat):
         workers = [threading.Thread(target=np.copyto, args=part) for part in parts[1:]]
