@@ -17,7 +17,13 @@ Measured in the same run, on the same machine and device:
   with torch.distributed (gloo), then rank 0 sends the whole model to each target (tensorxfer's own tcp
   Sender, the fastest honest choice), and each target copies its shard out.
 - ``bound``: the most bytes any one target receives, at the 1-to-1 rate of the same transport measured in
-  the same run (one Sender to one Receiver of that many bytes).
+  the same run (one Sender to one Receiver of that many bytes).  Over host ipc that one receiver copies
+  on every core (``COPY_THREADS``), while the sync's M targets share them: since the ipc copy stopped
+  running glibc's ``rep movsb`` (2026-12-05) the bound on the 2-core dev VM is 0.040-0.043 s for 0.98 GB,
+  and even ``parallel_copy_floor`` (both targets' bytes, flat, at once) is 1.7-1.9x it: 1.3x cannot be
+  met on one 2-core machine.  Until then the bound read 0.064-0.117 s.
+- ``bound_core_share`` (host ipc, informative): the same transfer with the receiver copying on
+  ``cpu_count // M`` threads, a target's share of the cores when every target runs on this machine.
 - ``torch_copy`` (GPU): one ``dst.copy_(src)`` of the bytes all targets receive together.
 - ``parallel_copy_floor`` (host): every target's bytes copied at once, one thread each, between warm
   buffers: on a machine whose targets share one memory bus, no sync can beat it, whatever the bound says.
@@ -307,17 +313,26 @@ def run_steps(args: argparse.Namespace, store: Any, prefix: str, procs: list[sub
     return from_go, from_push
 
 
-def one_to_one(nbytes: int, transport: str, device: str, repeat: int) -> float:
-    """Seconds for one warm transfer of ``nbytes`` from a Sender to a Receiver (here, one process each)."""
+def one_to_one(nbytes: int, transport: str, device: str, repeat: int, copy_threads: int | None = None) -> float:
+    """Seconds for one warm transfer of ``nbytes`` from a Sender to a Receiver (here, one process each);
+    ``copy_threads``: the host ipc receiver copies on that many threads (default: its own choice)."""
     import threading
 
+    from tensorxfer.transport.ipc import copy as ipc_copy
+
+    default_threads = ipc_copy.COPY_THREADS
+    ipc_copy.COPY_THREADS = copy_threads or default_threads
     m = tx.Manifest.layout([("x", "U8", (nbytes,))])
-    with tx.TensorRegion.from_manifest(m, device=device) as region, tx.Receiver(device=device, stall_timeout=300) as rx:
-        got = threading.Thread(target=lambda: [rx.receive(timeout=300) for _ in range(repeat + 1)])
-        got.start()
-        with tx.Sender("{}:{}".format(*rx.address), transport=transport, stall_timeout=300) as s:
-            runs = [s.send(region).seconds for _ in range(repeat + 1)]
-        got.join()
+    try:
+        with tx.TensorRegion.from_manifest(m, device=device) as region, \
+                tx.Receiver(device=device, stall_timeout=300) as rx:
+            got = threading.Thread(target=lambda: [rx.receive(timeout=300) for _ in range(repeat + 1)])
+            got.start()
+            with tx.Sender("{}:{}".format(*rx.address), transport=transport, stall_timeout=300) as s:
+                runs = [s.send(region).seconds for _ in range(repeat + 1)]
+            got.join()
+    finally:
+        ipc_copy.COPY_THREADS = default_threads
     return statistics.median(runs[1:])
 
 
@@ -428,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     result["bound_s"] = bound_one
     result["sync_over_bound"] = result["sync_median_s"] / bound_one
     print("bound", f"{bound_one:.3f} s", "sync/bound", f"{result['sync_over_bound']:.2f}", flush=True)
+    if args.device == "cpu" and args.transport == "ipc":
+        share = max(1, (os.cpu_count() or 1) // m)
+        core_share = one_to_one(max(target_bytes), args.transport, args.device, args.repeat, share)
+        result.update(bound_core_share_s=core_share, bound_core_share_threads=share,
+                      sync_over_bound_core_share=result["sync_median_s"] / core_share)
+        print("bound on a target's share of the cores", f"{core_share:.3f} s ({share} copy thread(s))",
+              "sync/that", f"{result['sync_over_bound_core_share']:.2f}", flush=True)
     if args.device == "cpu":
         floor = copy_floor(target_bytes, args.repeat)
         result["parallel_copy_floor_s"] = floor
