@@ -9,6 +9,8 @@
 #   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
 #   bash benchmarks/device_session.sh bench-load # from_safetensors (GPU, host) against safetensors / a plain read
 #   bash benchmarks/device_session.sh bench-sync # resharded sync, 4 source to 2 target processes over ipc
+#   bash benchmarks/device_session.sh bench-sync-ab  # the same, fixed membership, .oldtree/ and this tree
+#                                                    # alternating, every round traced (one tarball per round)
 #   bash benchmarks/device_session.sh bench-membership  # the same with fixed and with elastic membership, and
 #                                                       # bench_elastic.py at full scale on a TCPStore
 #   bash benchmarks/device_session.sh bench-elastic     # bench_elastic.py alone: 6 sampled ranks, then all 384
@@ -66,6 +68,17 @@ case "${1:-}" in
     export PYTHONPATH=$new:$SITE
     python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" --sources 4 --targets 2 \
       --transport ipc --repeat "${SYNC_REPEAT:-5}" --out "$OUT" 2>&1 | tail -5 ;;
+  bench-sync-ab)   # .oldtree/ needs benchmarks/bench_sync.py and trace_sync.py of this tree copied in
+    for round in 1 2; do
+      for tree in .oldtree .; do
+        name=$([ "$tree" = . ] && echo new || echo old)
+        (cd "$tree" && PYTHONPATH=$PWD:$SITE python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" \
+          --sources 4 --targets 2 --transport ipc --repeat "${SYNC_REPEAT:-7}" --membership fixed --no-baseline \
+          --trace "/tmp/trace-$name-$round" --out "$OUT/$name-$round" > "$OUT/sync-$name-$round.txt" 2>&1
+         tail -n 4 "$OUT/sync-$name-$round.txt")
+        tar czf "$OUT/trace-$name-$round.tgz" -C /tmp "trace-$name-$round"    # a folder of many files does not come back
+      done
+    done ;;
   bench-membership)
     export PYTHONPATH=$new:$SITE
     for membership in fixed elastic; do
@@ -82,6 +95,6 @@ case "${1:-}" in
     python3 benchmarks/bench_elastic.py --store tcpstore --plan-ranks 6 --every-rank --jobs 14 \
       > "$OUT/elastic-tcpstore-every-rank.json" 2>&1
     tail -c 700 "$OUT"/elastic-*.json ;;
-  *) echo "usage: $0 build|unpack|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-membership|bench-elastic" >&2
+  *) echo "usage: $0 build|unpack|tests|bench-ipc|bench-live|bench-load|bench-sync|bench-sync-ab|bench-membership|bench-elastic" >&2
      exit 2 ;;
 esac
