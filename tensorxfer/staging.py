@@ -43,6 +43,7 @@ import numpy as np
 from tensorxfer import memory as _memory
 from tensorxfer.errors import ExtentError, RegionClosed
 from tensorxfer.memory import AllocationMap, HostRegion
+from tensorxfer.memory._hostcopy import stream_copy
 
 #: Piece size of :func:`write_from` / :func:`read_into` (and the pinned
 #: buffers they allocate): large enough that the per-piece Python work is
@@ -220,13 +221,16 @@ def _stage_ptr(stager: Any, dptr: int, buf: Any, write: bool) -> None:
 
 
 def _copy_through(pieces: Iterator[Piece], data: np.ndarray, offset: int, write: bool) -> None:
-    """Fill (``write``) or drain every piece from/into ``data``, whose byte 0 is region offset ``offset``."""
+    """Fill (``write``) or drain every piece from/into ``data``, whose byte 0 is region offset ``offset``.
+
+    ``stream_copy``, not ``numpy.copyto``: glibc's ``memcpy`` may run a 64 MB piece as ``rep movsb`` (it did
+    on the dev VM, at half the speed; see ``memory/_hostcopy.pyx``)."""
     for pos, view in pieces:
         host = data[pos - offset:pos - offset + len(view)]
         if write:
-            np.copyto(np.frombuffer(view, np.uint8), host)
+            stream_copy(np.frombuffer(view, np.uint8), host)
         else:
-            np.copyto(host, np.frombuffer(view, np.uint8))
+            stream_copy(host, np.frombuffer(view, np.uint8))
 
 
 def _quietly(step: Callable[[], object], exc: BaseException) -> None:
@@ -244,7 +248,7 @@ def _quietly(step: Callable[[], object], exc: BaseException) -> None:
 
 # ---------------------------------------------------------------- internals
 def _as_bytes(buf: Any) -> np.ndarray:
-    """A flat uint8 array over ``buf``'s bytes (zero-copy); numpy copies release the GIL."""
+    """A flat uint8 array over ``buf``'s bytes (zero-copy), for ``stream_copy`` (which releases the GIL)."""
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("the host buffer must be C-contiguous (np.ascontiguousarray it first)")
