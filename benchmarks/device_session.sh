@@ -69,7 +69,7 @@ case "${1:-}" in
     python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" --sources 4 --targets 2 \
       --transport ipc --repeat "${SYNC_REPEAT:-5}" --out "$OUT" 2>&1 | tail -5 ;;
   bench-sync-ab)   # .oldtree/ needs benchmarks/bench_sync.py and trace_sync.py of this tree copied in
-    for round in 1 2; do
+    for round in ${SYNC_ROUNDS:-1 2}; do      # SYNC_ROUNDS="2": the second round alone (a later call)
       for tree in .oldtree .; do
         name=$([ "$tree" = . ] && echo new || echo old)
         (cd "$tree" && PYTHONPATH=$PWD:$SITE python3 benchmarks/bench_sync.py --device cuda:0 --size "${SYNC_SIZE:-16e9}" \
