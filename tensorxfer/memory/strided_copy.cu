@@ -13,9 +13,37 @@
 // dst_base + dst_off + r * dst_pitch.  One block per tile; each warp takes every 8th row.
 #include <stdint.h>
 
+// Knobs, for benchmarks/probe_strided_kernel.py (which compiles variants with -D); the defaults are what
+// setup.py builds.  TX_UNROLL: 16-byte words in flight per lane before its first store.  TX_STREAMING: 1
+// marks loads and stores evict-first (__ldcs / __stcs): a copy's bytes are touched once.
+#ifndef TX_UNROLL
+#define TX_UNROLL 4
+#endif
+#ifndef TX_STREAMING
+#define TX_STREAMING 0
+#endif
+
 struct Tile {
     uint64_t src_off, dst_off, width, rows, src_pitch, dst_pitch;
 };
+
+template <typename T>
+__device__ __forceinline__ T load(const T* p) {
+#if TX_STREAMING
+    return __ldcs(p);
+#else
+    return *p;
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void store(T* p, T v) {
+#if TX_STREAMING
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
 
 template <typename T>
 __device__ __forceinline__ void copy_rows(const char* src, char* dst, uint64_t width, uint64_t rows,
@@ -26,12 +54,15 @@ __device__ __forceinline__ void copy_rows(const char* src, char* dst, uint64_t w
         const T* s = reinterpret_cast<const T*>(src + r * src_pitch);
         T* d = reinterpret_cast<T*>(dst + r * dst_pitch);
         uint64_t c = lane;
-        // four loads in flight per lane before the first store
-        for (; c + 96 < words; c += 128) {
-            T a = s[c], b = s[c + 32], e = s[c + 64], f = s[c + 96];
-            d[c] = a; d[c + 32] = b; d[c + 64] = e; d[c + 96] = f;
+        // TX_UNROLL loads in flight per lane before the first store
+        for (; c + 32 * (TX_UNROLL - 1) < words; c += 32 * TX_UNROLL) {
+            T v[TX_UNROLL];
+#pragma unroll
+            for (int i = 0; i < TX_UNROLL; ++i) v[i] = load(s + c + 32 * i);
+#pragma unroll
+            for (int i = 0; i < TX_UNROLL; ++i) store(d + c + 32 * i, v[i]);
         }
-        for (; c < words; c += 32) d[c] = s[c];
+        for (; c < words; c += 32) store(d + c, load(s + c));
     }
 }
 
