@@ -51,7 +51,8 @@ def worker(fatbin: Path, tile_bytes: int | None, size: float, repeat: int) -> di
 
     sources, targets, src_bytes, tgt_bytes = specs(size, 4, 2)
     pl = plan(sources, targets)
-    src = torch.randint(0, 256, (sum(src_bytes),), dtype=torch.uint8, device="cuda",
+    # as long as the targets' bytes too (replicated tensors make them more than the sources'): the torch copy
+    src = torch.randint(0, 256, (max(sum(src_bytes), sum(tgt_bytes)),), dtype=torch.uint8, device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(7))
     dst = torch.zeros(sum(tgt_bytes), dtype=torch.uint8, device="cuda")
     src_at = [src.data_ptr() + sum(src_bytes[:s]) for s in range(len(src_bytes))]
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 _, tile_bytes = VARIANTS[name]
                 out = subprocess.run([sys.executable, __file__, "--worker", str(images[name]), "--tile-bytes",
                                       str(tile_bytes or 0), "--size", str(args.size), "--repeat", str(args.repeat)],
-                                     check=True, capture_output=True, text=True).stdout
+                                     check=True, stdout=subprocess.PIPE, text=True).stdout
                 record = {"variant": name, "round": round_, **json.loads(out.strip().splitlines()[-1])}
                 print(json.dumps(record), flush=True)
     return 0
