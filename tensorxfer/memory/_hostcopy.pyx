@@ -6,13 +6,15 @@ A weight sync's pair is a static list of groups (``count`` rows of ``nbytes`` by
 third of memcpy's speed (measured on the 2-core dev VM: rows of 2 KiB 4.7 GB/s, a contiguous copy 15),
 and building ~800 views a step cost more than copying many of them; here every row is copied as it is,
 in one call per copy thread.  A row's whole cache lines are stored past the caches (SSE2 streaming
-stores, x86-64), and a strided group's rows each prefetch the row ~4 KB ahead, a line per line copied
-(rows under 1280 bytes: plain copies).  On the dev VM, one thread, a 2 GB sync's groups moved
-7.6-8.1 GB/s (contiguous, MB-sized) and 6.4-7.0 GB/s (half rows of 0.8-3.3 KB) with a memcpy per row;
-12.1-13.3 and 8.2-8.4 GB/s this way.  Half rows stay below a contiguous copy, likely because the lines
-next to each half row come along with it (adjacent-line prefetch; not measured).
+stores, x86-64); a contiguous row prefetches its own bytes 512 ahead, a strided group's row the row ~4 KB
+ahead, a line per line copied (rows under 1280 bytes: plain copies).  On the dev VM, one thread, a 2 GB
+sync's groups moved 7.6-8.1 GB/s (contiguous, MB-sized) and 6.4-7.0 GB/s (half rows of 0.8-3.3 KB) with a
+memcpy per row; 12.1-13.3 and 8.2-8.4 GB/s streamed, 13.0 and 7.5-8.2 with the contiguous read-ahead.
+Half rows stay below a contiguous copy (in C, 2 threads, 6.5 KB rows: each thread pulling half of every
+row 15 GB/s, whole rows 20-22).
 
-:func:`stream_copy` is the same streamed copy for one whole buffer (an ipc transfer's pieces).  It is not
+:func:`stream_copy` is the same streamed copy for one whole buffer (an ipc transfer's pieces, the staging
+pieces of a host region's ``update_from`` and reads).  It is not
 glibc's ``memcpy`` because of where glibc switches to streaming stores: at ``x86_non_temporal_threshold``,
 which it derives from the cache size the CPU reports.  The dev VM's EPYC reports 256 MB of shared cache,
 so every copy from 8 KB to 192 MB ran ``rep movsb`` there: 7.0 GB/s a thread, against 12.5 streamed
@@ -129,7 +131,7 @@ def copy_groups(const unsigned char[::1] src, unsigned char[::1] dst, const uint
                 if not (_fits(so, rows, ss, width, slen) and _fits(do_, rows, ds, width, dlen)):
                     bad = <uint64_t>i + 1
                     break
-                if ss == width or rows == 1:        # contiguous: the hardware prefetcher follows it
+                if ss == width or rows == 1:        # contiguous: prefetch the row's own bytes ahead
                     for r in range(rows):
                         tx_stream_row(&dst[do_ + r * ds], &src[so + r * ss], width,
                                       &src[so + r * ss] + TX_STREAM_AHEAD)
