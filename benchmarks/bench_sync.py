@@ -40,6 +40,7 @@ Writes ``sync-<device>-<UTC>.json`` under ``--out``.  Run it by hand::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as dt
 import json
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -363,34 +365,44 @@ def all_at_once(jobs: list[tuple[Any, tuple]], repeat: int) -> float:
     return statistics.median(runs[1:])
 
 
+@contextlib.contextmanager
+def plan_in_host_regions(size: float, n: int, m: int,
+                         one_target_buffer: bool = False) -> Iterator[tuple[Any, list[Any], list[int]]]:
+    """The ``n``-to-``m`` plan of ``specs`` and warm host regions (memfd, every byte written) for its ranks:
+    yields (plan, byte views of the sources' regions then the targets', each target's bytes).  With
+    ``one_target_buffer`` the targets share one region, each at the sum of the earlier targets' bytes.
+    The regions are closed on exit (each unmapped once its last view is gone)."""
+    import numpy as np
+
+    from tensorxfer.memory import HostRegion
+    from tensorxfer.sync.plan import plan
+
+    sources, targets, src_bytes, tgt_bytes = specs(size, n, m)
+    pl = plan(sources, targets)
+    regions = [HostRegion.allocate(b) for b in src_bytes + ([sum(tgt_bytes)] if one_target_buffer else tgt_bytes)]
+    try:
+        views = [np.frombuffer(memoryview(r), dtype=np.uint8) for r in regions]
+        for v in views:
+            v.fill(1)
+        yield pl, views, tgt_bytes
+    finally:
+        for r in regions:
+            r.close()
+
+
 def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
     """Host memory alone, this sync's own copies: every (source, target) pair's planned groups copied by
     ``copy_groups`` (what the ipc transport runs) between memfd regions, a thread per pair, all at once, in
     one process -- no processes, sockets or control frames.  A row-parallel shard is half of every source
     row, read at a fraction of a flat copy's speed: this, not the flat floor, is what the schedule's bytes
     cost on this machine's memory."""
-    import numpy as np
-
-    from tensorxfer.memory import HostRegion
     from tensorxfer.memory._hostcopy import copy_groups
-    from tensorxfer.sync.plan import plan
     from tensorxfer.sync.weight_sync import segments_of
 
-    sources, targets, src_bytes, tgt_bytes = specs(size, n, m)
-    pl = plan(sources, targets)
-    regions = [HostRegion.allocate(b) for b in src_bytes + tgt_bytes]
-    try:
-        views = [np.frombuffer(memoryview(r), dtype=np.uint8) for r in regions]
-        for v in views:
-            v.fill(1)
+    with plan_in_host_regions(size, n, m) as (pl, views, _):
         pairs = [(views[s], views[n + t], segments_of(pl, s, t)) for t in range(m) for s in pl.sources_of.get(t, ())]
-        seconds = all_at_once([(copy_groups, (sv, dv, sg.src_off, sg.dst_off, sg.nbytes, sg.count, sg.src_stride,
-                                              sg.dst_stride)) for sv, dv, sg in pairs], repeat)
-        del views, pairs
-    finally:
-        for r in regions:
-            r.close()
-    return seconds
+        return all_at_once([(copy_groups, (sv, dv, sg.src_off, sg.dst_off, sg.nbytes, sg.count, sg.src_stride,
+                                           sg.dst_stride)) for sv, dv, sg in pairs], repeat)
 
 
 def main(argv: list[str] | None = None) -> int:

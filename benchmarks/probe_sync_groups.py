@@ -19,11 +19,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-from bench_sync import all_at_once, specs
+from bench_sync import all_at_once, plan_in_host_regions
 
-from tensorxfer.memory import HostRegion
 from tensorxfer.memory._hostcopy import copy_groups
-from tensorxfer.sync.plan import plan
 from tensorxfer.sync.weight_sync import segments_of
 
 
@@ -33,12 +31,13 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     n, m = 4, 2
-    sources, targets, src_bytes, tgt_bytes = specs(args.size, n, m)
-    pl = plan(sources, targets)
-    regions = [HostRegion.allocate(b) for b in src_bytes + tgt_bytes]
-    views = [np.frombuffer(memoryview(r), dtype=np.uint8) for r in regions]
-    for v in views:
-        v.fill(1)
+    with plan_in_host_regions(args.size, n, m) as (pl, views, tgt_bytes):
+        measure(pl, views, tgt_bytes, n, m, args.repeat)
+    return 0
+
+
+def measure(pl: Any, views: list[Any], tgt_bytes: list[int], n: int, m: int, repeat: int) -> None:
+    """Time and print every way above (``views``: the sources' regions, then the targets')."""
     pairs = [(s, t, segments_of(pl, s, t)) for t in range(m) for s in pl.sources_of.get(t, ())]
 
     def columns(sg: Any, keep: Any = None) -> list[Any]:
@@ -62,16 +61,12 @@ def main() -> int:
         "one thread, strided groups": [in_turn([(s, t, columns(sg, strided[s, t])) for s, t, sg in pairs])],
         "numpy flat copy, a thread per target": [(np.copyto, (dst, src)) for src, dst in flat],
     }
-    r = {what: all_at_once(todo, args.repeat) for what, todo in jobs.items()}
+    r = {what: all_at_once(todo, repeat) for what, todo in jobs.items()}
     print(f"{total / 1e9:.2f} GB, of it {strided_bytes / 1e9:.2f} GB in strided groups")
     for what, seconds in r.items():
         print(f"{what:40} {seconds * 1e3:7.1f} ms")
     print(f"one thread: contiguous {(total - strided_bytes) / r['one thread, contiguous groups'] / 1e9:.1f} GB/s, "
           f"strided {strided_bytes / r['one thread, strided groups'] / 1e9:.1f} GB/s")
-    views.clear()
-    for region in regions:
-        region.close()
-    return 0
 
 
 if __name__ == "__main__":

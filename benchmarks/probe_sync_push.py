@@ -26,11 +26,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-from bench_sync import all_at_once, specs
+from bench_sync import all_at_once, plan_in_host_regions
 
-from tensorxfer.memory import HostRegion
 from tensorxfer.memory._hostcopy import copy_groups
-from tensorxfer.sync.plan import plan
 from tensorxfer.sync.weight_sync import segments_of
 
 U64 = np.uint64
@@ -52,12 +50,13 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     n, m = 4, 2
-    sources, targets, src_bytes, tgt_bytes = specs(args.size, n, m)
-    pl = plan(sources, targets)
-    regions = [HostRegion.allocate(b) for b in src_bytes] + [HostRegion.allocate(sum(tgt_bytes))]
-    views = [np.frombuffer(memoryview(r), dtype=np.uint8) for r in regions]
-    for v in views:
-        v.fill(1)
+    with plan_in_host_regions(args.size, n, m, one_target_buffer=True) as (pl, views, tgt_bytes):
+        measure(pl, views, tgt_bytes, n, m, args.rounds, args.repeat)
+    return 0
+
+
+def measure(pl: Any, views: list[Any], tgt_bytes: list[int], n: int, m: int, rounds: int, repeat: int) -> None:
+    """Time and print the three ways (``views``: the sources' regions, then one holding every target)."""
     dst = views[n]
     base = [sum(tgt_bytes[:t]) for t in range(m)]
     pairs = []
@@ -82,19 +81,15 @@ def main() -> int:
                                                       for s, cols in push.items()],
     }
     runs: dict[str, list[float]] = {what: [] for what in jobs}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for what, todo in jobs.items():
-            runs[what].append(all_at_once(todo, args.repeat))
+            runs[what].append(all_at_once(todo, repeat))
     total = sum(tgt_bytes)
     print(f"{total / 1e9:.2f} GB to {m} targets from {n} sources; {sum(len(c[0]) for c in push.values())} rows "
           f"when cut into single rows")
     for what, seconds in runs.items():
         print(f"{what:44} median {statistics.median(seconds) * 1e3:6.1f} ms  (rounds: "
               f"{' '.join(f'{x * 1e3:.1f}' for x in seconds)})")
-    views.clear()
-    for region in regions:
-        region.close()
-    return 0
 
 
 if __name__ == "__main__":
