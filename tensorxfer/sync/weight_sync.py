@@ -272,6 +272,11 @@ class WeightSync:
         Returns the step's stats; with ``elastic`` membership a target that failed is named in
         :attr:`SyncStats.failed` (the others have the version) and left out of the next step.
 
+        On a GPU the step sends what the work queued on the region's device's **current stream** before
+        this call wrote (the optimizer's step on adopted shards, the pack): targets over ipc start copying
+        when that stream gets there, with no host synchronization.  Work on another stream must be ordered
+        before it first (``torch.cuda.current_stream().wait_stream(other)``).
+
         Raises
         ------
         TransferError (PeerLost, TransferTimeout)
@@ -333,21 +338,27 @@ class WeightSync:
         pair's data (:class:`~tensorxfer.sync.link.SourceLink`'s phases); only the waiting for the targets
         (and the data of other transports) runs on a thread per pair.  Handing each phase to the pair
         threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
-        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too."""
+        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
+
+        On a GPU, warm ipc pairs are gated (:meth:`SourceLink.offer`): the targets queue their copies at
+        the offer, behind a flag this rank's current stream sets after the pack, so no host waits for the
+        GPU here; the device is synchronized only for a pair that is not gated."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}
+        stream = self._pack_stream()
         try:
             for target, segments in self._segments.items():
                 try:
                     if target not in self._links:   # its link failed last step and it is still planned: reconnect
                         self._connect((target,))
-                    steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest)
+                    steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest,
+                                                              stream)
                 except Exception as e:
                     results[target] = e
             packed_bytes, pack_error = 0, None
             try:
-                packed_bytes = self._pack()
+                packed_bytes = self._pack(synchronize=any(s.gate_stream is None for s in steps.values()))
             except Exception as e:
                 pack_error = e
             packed = time.perf_counter() - t0
@@ -390,9 +401,20 @@ class WeightSync:
                     adopted += 1
         return adopted
 
-    def _pack(self) -> int:
+    def _pack_stream(self) -> int | None:
+        """The CUDA stream a GPU region's pack is queued on (the current one: the trainer's optimizer step is
+        ordered before it there), or None on the host."""
+        if self.region is None or not self.region.is_cuda:
+            return None
+        import torch
+
+        return int(torch.cuda.current_stream(self.region.device).cuda_stream)
+
+    def _pack(self, synchronize: bool = True) -> int:
         """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
-        may have re-pointed an adopted one); the bytes copied."""
+        may have re-pointed an adopted one); the bytes copied.  ``synchronize``: on a GPU, wait for the
+        device (the pack, and the optimizer's step on adopted shards) before returning; gated pairs need
+        not (their flag is queued on the same stream after the pack)."""
         import torch
 
         assert self.region is not None
@@ -403,7 +425,7 @@ class WeightSync:
                     if local.data_ptr() != view.data_ptr():
                         view.copy_(local.reshape(view.shape))
                         packed += view.numel() * view.element_size()
-        if self.region.is_cuda:
+        if self.region.is_cuda and synchronize:
             torch.cuda.synchronize(self.region.device)     # the pack, and the optimizer's step on adopted shards
         return packed
 

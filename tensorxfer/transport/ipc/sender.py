@@ -26,6 +26,7 @@ from tensorxfer.errors import (
 from tensorxfer.protocol import NONCE_BYTES, field
 from tensorxfer.transport.base import PrefixFollower, Progress, SenderTransport, TransferContext, setup_flag
 from tensorxfer.transport.ipc import messages
+from tensorxfer.transport.ipc.flag import ReadyFlag
 from tensorxfer.transport.ipc.identity import check_peer, host_identity, identity_mismatch, unavailable
 from tensorxfer.transport.ipc.messages import (
     AUTH,
@@ -63,6 +64,7 @@ class IpcSender(SenderTransport):
         self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
         self._moving: int | None = None         # a weight sync's bytes (the receiver copies only its runs)
         self._posted: tuple[int, PrefixFollower | None] | None = None    # sent, its copy not yet collected
+        self._flag: ReadyFlag | None = None     # a weight sync's ready flag on GPUs (passed once per connection)
 
     @classmethod
     def available(cls) -> str | None:
@@ -132,7 +134,19 @@ class IpcSender(SenderTransport):
         if answer != b"K":
             raise AuthError(f"ipc: the receiver refused the connection: "
                             f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
+        if descriptors.get("flag") is True:
+            # A weight sync's receiver on a GPU queues warm steps' copies behind this flag (flag.py); without
+            # one (a host region here) every step is passed ungated.
+            if region.is_cuda and segments is not None:
+                self._flag = ReadyFlag.create(int(region.region.device_index))
+            send_message(sock, b"R", "the ready flag", [self._flag.fd] if self._flag is not None else None)
         self.counters.connects += 1
+
+    def can_gate(self, region: TensorRegion) -> bool:
+        """Whether a warm update of ``region`` may be gated (:meth:`post_early` with ``after_stream``): the
+        receiver holds this region's handles and this connection's ready flag."""
+        return (self._flag is not None and self._sock is not None and region.is_cuda
+                and self._passed is not None and self._passed == _TOKENS.get(region))
 
     def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
         """Pass the handles of ``region``'s payload (or say the receiver has them); return once it copied (or
@@ -152,11 +166,18 @@ class IpcSender(SenderTransport):
         self._post(region)
         return self.collect(progress)
 
-    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
+    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None,
+                   after_stream: int | None = None) -> int:
         """Pass update ``seq``'s chunk table now, before the receiver's accept (the session is warm: the
-        receiver reads it once it accepted); :meth:`collect` waits for the copy.  Returns the byte count."""
+        receiver reads it once it accepted); :meth:`collect` waits for the copy.  Returns the byte count.
+        ``after_stream`` (gated, :meth:`can_gate`): the ready flag is set on that stream first."""
         self._seq = seq
         self._moving = segments.total_bytes if segments is not None else None
+        if after_stream is not None:
+            if not self.can_gate(region):
+                raise ProtocolError("ipc: a gated update of a region this connection cannot gate")
+            assert self._flag is not None
+            self._flag.set_after(after_stream, seq)
         self._post(region)
         return region.nbytes if self._moving is None else self._moving
 
@@ -307,6 +328,9 @@ class IpcSender(SenderTransport):
             sock, self._sock = self._sock, None
         self._passed = None
         self._posted = None
+        flag, self._flag = self._flag, None
+        if flag is not None:
+            flag.close()
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
