@@ -205,6 +205,7 @@ def test_a_gpu_push_sends_what_the_current_stream_wrote_without_a_host_sync() ->
             stats, version = run_ranks([source.push, lambda: target.wait(timeout=20)])
             assert version == step and torch.all(tgt == float(step)).item(), (step, tgt.view(-1)[:4])
             assert stats.pairs[0].gated == (step > 1), stats.pairs     # the first step sets the pair up
+            assert target.last_stats.pairs[0].gated == (step > 1), target.last_stats.pairs
     finally:
         source.close()
         target.close()

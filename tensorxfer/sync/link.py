@@ -61,6 +61,7 @@ class FeedStep:
     setup: bool
     runs: int
     t0: float                   # the offer arrived
+    gated: bool                 # the copy was queued at the offer, behind the source's ready flag
 
 
 @dataclass(frozen=True)
@@ -278,14 +279,15 @@ class _Feed:
                                            max(1, min(streams or 1, 64)))
             transport = self.transports[name] = TRANSPORTS[name][1](ctx)
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
-        if field(offer, "gated", bool, optional=True):
+        gated = field(offer, "gated", bool, optional=True) is True
+        if gated:
             try:
                 transport.expect_gated()    # ipc between GPUs: the copy is queued now, behind the source's flag
             except Exception as e:
                 ch.send_error("protocol" if isinstance(e, ProtocolError) else "transfer", f"sync: {e}")
                 raise
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
-        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0)
+        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0, gated)
 
     def land(self, fs: FeedStep) -> tuple[int, PairStats]:
         """Phase 2: the data (landed by the transport), the source's done, the ack: (the version it carried,
@@ -298,7 +300,7 @@ class _Feed:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {fs.seq} of {moved} bytes")
         self.ch.send("ack", seq=fs.seq, bytes=moved)
         return fs.version, PairStats(self.source, -1, moved, time.perf_counter() - fs.t0, wire, fs.runs, fs.name,
-                                     fs.setup)
+                                     fs.setup, fs.gated)
 
     def close(self) -> None:
         for transport in self.transports.values():
