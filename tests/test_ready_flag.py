@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 import tensorxfer as tx
-from tensorxfer.memory import _copy
 from tensorxfer.transport.ipc.flag import PAGE, ReadyFlag
+
+# the CUDA module (built with the package) needs cuda-bindings to import, not a GPU
+_copy = pytest.importorskip("tensorxfer.memory._copy", reason="tensorxfer's CUDA module needs cuda-bindings")
 
 
 @pytest.fixture
