@@ -338,7 +338,12 @@ def register_host(int device, uintptr_t ptr, size_t n):
     with nogil:
         check_cu(cydriver.cuMemHostRegister(<void*>ptr, n, cydriver.CU_MEMHOSTREGISTER_PORTABLE |
                                             cydriver.CU_MEMHOSTREGISTER_DEVICEMAP), b"cuMemHostRegister")
-        check_cu(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0), b"cuMemHostGetDevicePointer")
+    try:
+        with nogil:
+            check_cu(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0), b"cuMemHostGetDevicePointer")
+    except BaseException:
+        cydriver.cuMemHostUnregister(<void*>ptr)
+        raise
     return <uintptr_t>dptr
 
 

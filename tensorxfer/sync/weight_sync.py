@@ -413,8 +413,9 @@ class WeightSync:
     def _pack(self, synchronize: bool = True) -> int:
         """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
         may have re-pointed an adopted one); the bytes copied.  ``synchronize``: on a GPU, wait for the
-        device (the pack, and the optimizer's step on adopted shards) before returning; gated pairs need
-        not (their flag is queued on the same stream after the pack)."""
+        current stream (the pack, and the optimizer's step on adopted shards) before returning; gated pairs
+        need not (their flag is queued on the same stream after the pack).  Not the whole device: a target
+        of this process (a colocated rank) may have a copy queued behind a flag this rank sets later."""
         import torch
 
         assert self.region is not None
@@ -426,7 +427,7 @@ class WeightSync:
                         view.copy_(local.reshape(view.shape))
                         packed += view.numel() * view.element_size()
         if self.region.is_cuda and synchronize:
-            torch.cuda.synchronize(self.region.device)     # the pack, and the optimizer's step on adopted shards
+            torch.cuda.current_stream(self.region.device).synchronize()   # the pack, the optimizer's step
         return packed
 
     def wait(self, timeout: float | None = None) -> int:

@@ -8,6 +8,7 @@ long copy) and, for a fan-out relay, to ``on_piece`` once its bytes are there.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -36,6 +37,7 @@ from tensorxfer.transport.ipc.messages import (
     Watermark,
     close_fds,
     env_int,
+    send_message,
 )
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.segments import Segments
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
 COPY_THREADS = env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
+
+log = logging.getLogger(__name__)
 
 
 class SourceCache:
@@ -160,7 +164,11 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             close_fds(fds)
             raise ProtocolError(f"ipc: expected the sender's ready flag, got {data[:8]!r} with {len(fds)} fds")
         if fds:
-            self._flag = ReadyFlag(fds[0], self._device_index())
+            try:
+                self._flag = ReadyFlag(fds[0], self._device_index())
+            except TensorXferError as e:     # CUDA refused the page: this pair's steps go ungated
+                log.warning("ipc: cannot use the sender's ready flag (%s): its GPU steps wait on the host", e)
+            send_message(conn, b"R1" if self._flag is not None else b"R0", "the ready flag's answer")
 
     def _device_index(self) -> int:
         assert self._region is not None
@@ -175,6 +183,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         on = self._device_index()
         src, key = self._cache.region, self._cache.key
         if src is not None and key is not None and key[0] == "cuda" and key[-1] == on:
+            self._segments.check_within(src.mapped_size, self._region.nbytes)     # (the table is checked later)
             self._queue_copy(self._copier(on), self._segments, src, on)
 
     def _queue_copy(self, copier: Any, segments: Segments, src: Any, on: int) -> None:
@@ -182,6 +191,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         update is gated)."""
         assert self._region is not None
         dst = self._region
+        if self._closing:
+            raise TransferError("ipc: the transfer was aborted")
         if self._gate_seq is not None:
             assert self._flag is not None
             self._flag.wait_before(copier, self._gate_seq)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorxfer.errors import ProtocolError
+from tensorxfer.errors import ProtocolError, TransferError
 
 PAGE = 4096
 _WRAP = 1 << 32
@@ -83,7 +83,10 @@ class ReadyFlag:
 
     def reached(self, value: int) -> bool:
         """Whether the counter reached ``value`` (read by this CPU; the cyclic compare the GPU makes)."""
-        return (int(self._word[0]) - value) % _WRAP < _WRAP // 2
+        word = self._word
+        if word is None:
+            raise TransferError("ipc: the transfer was aborted (its ready flag was closed)")
+        return (int(word[0]) - value) % _WRAP < _WRAP // 2
 
     def await_value(self, value: int, timeout: float, sender_gone: Callable[[], None]) -> None:
         """Block until the counter reached ``value``; ``sender_gone()`` (checked every millisecond) raising, or
@@ -105,13 +108,13 @@ class ReadyFlag:
                 check = now + 0.001
             if now > deadline:
                 raise TransferTimeout(f"ipc: the sender's GPU did not finish its step {value} (its ready flag "
-                                      f"stayed at {int(self._word[0])}) within {timeout} s")
+                                      f"stayed below it) within {timeout} s")
             time.sleep(20e-6)
 
     def release(self, value: int) -> None:
         """Receiver: set the counter to ``value`` from this CPU (the sender is gone or failed), so a copy queued
         behind :meth:`wait_before` runs and the stream can be synchronized."""
-        if not self.reached(value):
+        if self._word is not None and not self.reached(value):
             self._word[0] = value % _WRAP
 
     def close(self) -> None:

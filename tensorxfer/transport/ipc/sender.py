@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
 
 _TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()   # region -> its random token
+
+log = logging.getLogger(__name__)
 
 
 class IpcSender(SenderTransport):
@@ -135,12 +138,30 @@ class IpcSender(SenderTransport):
             raise AuthError(f"ipc: the receiver refused the connection: "
                             f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
         if descriptors.get("flag") is True:
-            # A weight sync's receiver on a GPU queues warm steps' copies behind this flag (flag.py); without
-            # one (a host region here) every step is passed ungated.
-            if region.is_cuda and segments is not None:
-                self._flag = ReadyFlag.create(int(region.region.device_index))
-            send_message(sock, b"R", "the ready flag", [self._flag.fd] if self._flag is not None else None)
+            self._pass_flag(sock, region, segments)
         self.counters.connects += 1
+
+    def _pass_flag(self, sock: socket.socket, region: TensorRegion, segments: Segments | None) -> None:
+        """A weight sync's receiver on a GPU asked for this connection's ready flag (flag.py): pass it, and
+        keep it if the receiver could register it too ("R1"); else (a host region here, or CUDA refused the
+        page on either end) every step goes ungated, as before flags."""
+        flag = None
+        if region.is_cuda and segments is not None:
+            try:
+                flag = ReadyFlag.create(int(region.region.device_index))
+            except CudaError as e:
+                log.warning("ipc: no ready flag for this connection (%s): its GPU steps wait on the host", e)
+        try:
+            send_message(sock, b"R", "the ready flag", [flag.fd] if flag is not None else None)
+            if flag is not None:
+                answer = recv_message(sock, "the ready flag's answer", self.ctx.stall_timeout)
+                if answer == b"R1":
+                    self._flag, flag = flag, None
+                elif answer != b"R0":
+                    raise ProtocolError(f"ipc: unexpected answer to the ready flag: {answer[:16]!r}")
+        finally:
+            if flag is not None:
+                flag.close()
 
     def can_gate(self, region: TensorRegion) -> bool:
         """Whether a warm update of ``region`` may be gated (:meth:`post_early` with ``after_stream``): the
@@ -329,11 +350,13 @@ class IpcSender(SenderTransport):
         self._passed = None
         self._posted = None
         flag, self._flag = self._flag, None
-        if flag is not None:
-            flag.close()
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass    # never connected: closing is enough
-            sock.close()
+        try:
+            if sock is not None:    # first: a receiver waiting on the flag learns at once that no step comes
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass    # never connected: closing is enough
+                sock.close()
+        finally:
+            if flag is not None:
+                flag.close()
