@@ -130,10 +130,11 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_ranks_over_ipc_land_through_the_strided_copy_kernel(dtype: Any) -> None:
+@pytest.mark.parametrize("dtype, gate", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_gpu_ranks_over_ipc_land_through_the_strided_copy_kernel(dtype: Any, gate: bool, monkeypatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1" if gate else "0")
     from tensorxfer.memory import strided
 
     assert strided.kernel_image() is not None, "strided_copy.fatbin was not built"
@@ -185,11 +186,12 @@ def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> 
 
 
 @pytest.mark.cuda
-def test_a_gpu_push_sends_what_the_current_stream_wrote_without_a_host_sync() -> None:
+def test_a_gpu_push_sends_what_the_current_stream_wrote_without_a_host_sync(monkeypatch) -> None:
     """Gated ipc steps: the source never synchronizes its GPU, so the targets' copies must start only when
     the source's current stream reaches the push -- here behind ~0.2 s of queued work and a write."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1")
     stores = Stores()
     w = torch.zeros(1024, 1024, device="cuda:0")
     tgt = torch.empty(1024, 1024, device="cuda:0")
@@ -319,6 +321,7 @@ def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_t
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1")
 
     from tensorxfer.sync import link as link_mod
     from tensorxfer.sync.weight_sync import WeightSync

@@ -340,9 +340,10 @@ class WeightSync:
         threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
         way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
 
-        On a GPU, warm ipc pairs are gated (:meth:`SourceLink.offer`): the targets queue their copies at
-        the offer, behind a flag this rank's current stream sets after the pack, so no host waits for the
-        GPU here; the device is synchronized only for a pair that is not gated."""
+        On a GPU, warm ipc pairs whose targets hold a ready flag (``TENSORXFER_IPC_GATE=1``) are gated
+        (:meth:`SourceLink.offer`): the targets queue their copies at the offer, behind a flag this rank's
+        current stream sets after the pack, so no host waits for the GPU here; the current stream is
+        synchronized only for a pair that is not gated."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}

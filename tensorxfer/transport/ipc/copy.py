@@ -31,7 +31,7 @@ from tensorxfer.memory._hostcopy import copy_groups, stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
-from tensorxfer.transport.ipc.flag import ReadyFlag
+from tensorxfer.transport.ipc.flag import ReadyFlag, gating_enabled
 from tensorxfer.transport.ipc.messages import (
     U64,
     Watermark,
@@ -145,7 +145,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         if descriptors["setup"]:
             # A weight sync between GPUs: warm steps may be gated (flag.py); the sender passes its flag after
             # authenticating (an "R" message, with no fd when it cannot).
-            self._flag_wanted = segments is not None and region.is_cuda
+            self._flag_wanted = segments is not None and region.is_cuda and gating_enabled()
             if self._flag_wanted:
                 descriptors["flag"] = True
         return descriptors

@@ -30,6 +30,15 @@ PAGE = 4096
 _WRAP = 1 << 32
 
 
+def gating_enabled() -> bool:
+    """Whether a weight sync's GPU receivers ask their senders for a ready flag: ``TENSORXFER_IPC_GATE=1``.
+
+    Opt-in: this path was written without a GPU to run it on (the device tool lent none that session);
+    without it every GPU step waits on the host as before.  See benchmarks/results/README.md for where it
+    was measured since."""
+    return os.environ.get("TENSORXFER_IPC_GATE", "") == "1"
+
+
 class ReadyFlag:
     """One 32-bit counter in a shared, CUDA-registered page (see the module docstring).  One owner; ``close()``
     is idempotent.  ``fd`` is taken over (closed with the flag)."""
