@@ -130,11 +130,10 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype, gate", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_gpu_ranks_over_ipc_land_through_the_strided_copy_kernel(dtype: Any, gate: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_ranks_over_ipc_land_through_the_strided_copy_kernel(dtype: Any) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1" if gate else "0")
     from tensorxfer.memory import strided
 
     assert strided.kernel_image() is not None, "strided_copy.fatbin was not built"
@@ -183,34 +182,6 @@ def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> 
     with pytest.raises(tx.PlanError, match="'w'"):
         run_ranks([lambda: tx.WeightSync(stores.client(), "u", "source", 0, (1, 1), srcs, timeout=20),
                    lambda: tx.WeightSync(stores.client(), "u", "target", 0, (1, 1), tgts, timeout=20)])
-
-
-@pytest.mark.cuda
-def test_a_gpu_push_sends_what_the_current_stream_wrote_without_a_host_sync(monkeypatch) -> None:
-    """Gated ipc steps: the source never synchronizes its GPU, so the targets' copies must start only when
-    the source's current stream reaches the push -- here behind ~0.2 s of queued work and a write."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1")
-    stores = Stores()
-    w = torch.zeros(1024, 1024, device="cuda:0")
-    tgt = torch.empty(1024, 1024, device="cuda:0")
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "g", "source", 0, (1, 1), {"w": Source.whole(w)}, transport="ipc",
-                              timeout=20),
-        lambda: tx.WeightSync(stores.client(), "g", "target", 0, (1, 1), {"w": Target.whole(tgt, "w")},
-                              transport="ipc", timeout=20)])
-    try:
-        for step in range(1, 5):
-            torch.cuda._sleep(int(2e8))     # the optimizer's step, still running when push() is called
-            w.fill_(float(step))            # its last write, queued behind it
-            stats, version = run_ranks([source.push, lambda: target.wait(timeout=20)])
-            assert version == step and torch.all(tgt == float(step)).item(), (step, tgt.view(-1)[:4])
-            assert stats.pairs[0].gated == (step > 1), stats.pairs     # the first step sets the pair up
-            assert target.last_stats.pairs[0].gated == (step > 1), target.last_stats.pairs
-    finally:
-        source.close()
-        target.close()
 
 
 @pytest.mark.parametrize("elastic", [False, True])
@@ -310,52 +281,42 @@ def test_a_target_whose_runs_differ_from_its_sources_refuses_the_step() -> None:
             port.close()
 
 
-@pytest.mark.parametrize("transport, device", [("tcp", "cpu"), pytest.param("ipc", "cuda:0", marks=pytest.mark.cuda)])
-def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_the_group(monkeypatch, transport: str,
-                                                                                         device: str) -> None:
+def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_the_group(monkeypatch) -> None:
     # A push sends its offers first and packs while the targets take them in; a pack that raises is the
     # push's error, the targets name the source at once (no stall timeout), and the next push works.
-    # On GPUs over ipc the failing step is gated: each target queued its copy behind the source's ready
-    # flag at the offer, and must release it itself (else its stream, and its close, would hang).
     import time
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    monkeypatch.setenv("TENSORXFER_IPC_GATE", "1")
 
     from tensorxfer.sync import link as link_mod
     from tensorxfer.sync.weight_sync import WeightSync
 
     stores = Stores()
     g = global_tensors(0)
-    srcs = source_tensors(0, 1, g, device)
-    tgts = [target_tensors(r, 2, torch.float32, device) for r in range(2)]
+    srcs = source_tensors(0, 1, g)
+    tgts = [target_tensors(r, 2, torch.float32) for r in range(2)]
     events: list[tuple[str, float]] = []
-    gated: list[bool] = []
     real_recv = link_mod.Channel.recv
 
     def recv(self: Any, kind: str, *a: Any, **k: Any) -> Any:
         frame = real_recv(self, kind, *a, **k)
         if kind == "offer":
             events.append(("offer", time.monotonic()))
-            gated.append(frame.get("gated") is True)
         return frame
     monkeypatch.setattr(link_mod.Channel, "recv", recv)
     real_pack = WeightSync._pack
     fail = [False]
 
-    def pack(self: Any, synchronize: bool = True) -> int:
+    def pack(self: Any) -> int:
         time.sleep(0.2)     # long enough that an offer sent after the pack would come after its end
         if fail[0]:
             raise RuntimeError("the shard's shape changed")
-        out = real_pack(self, synchronize)
+        out = real_pack(self)
         events.append(("packed", time.monotonic()))
         return out
     monkeypatch.setattr(WeightSync, "_pack", pack)
     ranks = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "p", "source", 0, (1, 2), srcs, transport=transport, timeout=20,
+        lambda: tx.WeightSync(stores.client(), "p", "source", 0, (1, 2), srcs, transport="tcp", timeout=20,
                               stall_timeout=30),
-        *[lambda r=r: tx.WeightSync(stores.client(), "p", "target", r, (1, 2), tgts[r], transport=transport,
+        *[lambda r=r: tx.WeightSync(stores.client(), "p", "target", r, (1, 2), tgts[r], transport="tcp",
                                     timeout=20, stall_timeout=30) for r in range(2)]])
     source, targets = ranks[0], ranks[1:]
     try:
@@ -384,16 +345,12 @@ def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_t
         for r in results[1:]:
             assert isinstance(r, tx.TransferError) and "source rank 0" in str(r), r
         assert time.monotonic() - started < 10, "the targets waited for a stall timeout"
-        assert gated == [False, False, transport == "ipc", transport == "ipc"], gated
         fail[0] = False
-        for _ in range(2):      # the links come back (set up again, so ungated), then a gated step
-            run_ranks([source.push, *[lambda t=t: t.wait(timeout=20) for t in targets]])
-        assert gated[4:] == [False, False, transport == "ipc", transport == "ipc"], gated
-        assert all(p.gated == (transport == "ipc") for p in source.last_stats.pairs), source.last_stats.pairs
+        run_ranks([source.push, *[lambda t=t: t.wait(timeout=20) for t in targets]])
         want = [expected_target(r, 2, g) for r in range(2)]
         for r in range(2):
             for name, x in tgts[r].items():
-                assert torch.equal(x.tensor.cpu(), want[r][name]), name
+                assert torch.equal(x.tensor, want[r][name]), name
     finally:
         source.close()
         for t in targets:

@@ -295,62 +295,11 @@ cdef class Copier(Stager):
                 p.Height = h[i]
                 check_cu(cydriver.cuMemcpy2DAsync(&p, self._stream), b"cuMemcpy2DAsync")
 
-    def wait_value(self, uintptr_t addr, unsigned int value):
-        """Queue a wait: the work queued after it starts once the 32-bit word at ``addr`` reached ``value``.
-
-        ``addr`` is device-accessible (host memory: :func:`register_host`'s address).  The compare is
-        cyclic, ``(int32)(word - value) >= 0``, so a counter may wrap.  Nothing else ends the wait: whoever
-        queues one must be able to set the word itself if its writer is gone."""
-        bind_device(self._device)
-        with nogil:
-            check_cu(cydriver.cuStreamWaitValue32(self._stream, <cydriver.CUdeviceptr>addr, value,
-                                                  cydriver.CU_STREAM_WAIT_VALUE_GEQ), b"cuStreamWaitValue32")
-
     def memset(self, uintptr_t dst, size_t n, unsigned char value=0):
         bind_device(self._device)
         with nogil:
             check_cu(cydriver.cuMemsetD8Async(<cydriver.CUdeviceptr>dst, value, n, self._stream),
                      b"cuMemsetD8Async")
-
-
-def write_value(int device, uintptr_t stream, uintptr_t addr, unsigned int value):
-    """Queue, on ``stream`` (any CUstream handle on ``device``, e.g. torch's current stream), a write of
-    ``value`` to the 32-bit word at ``addr``, behind everything queued there before (the write is fenced:
-    those kernels' and copies' writes are visible first).  The host does not wait."""
-    bind_device(device)
-    with nogil:
-        check_cu(cydriver.cuStreamWriteValue32(<cydriver.CUstream>stream, <cydriver.CUdeviceptr>addr, value,
-                                               cydriver.CU_STREAM_WRITE_VALUE_DEFAULT), b"cuStreamWriteValue32")
-
-
-def stream_synchronize(int device, uintptr_t stream):
-    """Block until everything queued on ``stream`` (a CUstream handle on ``device``) finished."""
-    bind_device(device)
-    with nogil:
-        check_cu(cydriver.cuStreamSynchronize(<cydriver.CUstream>stream), b"cuStreamSynchronize")
-
-
-def register_host(int device, uintptr_t ptr, size_t n):
-    """Pin ``n`` bytes of host memory at ``ptr`` (page-aligned) for every context; return the address
-    ``device``'s streams use for it.  :func:`unregister_host` undoes it."""
-    cdef cydriver.CUdeviceptr dptr = 0
-    bind_device(device)
-    with nogil:
-        check_cu(cydriver.cuMemHostRegister(<void*>ptr, n, cydriver.CU_MEMHOSTREGISTER_PORTABLE |
-                                            cydriver.CU_MEMHOSTREGISTER_DEVICEMAP), b"cuMemHostRegister")
-    try:
-        with nogil:
-            check_cu(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0), b"cuMemHostGetDevicePointer")
-    except BaseException:
-        cydriver.cuMemHostUnregister(<void*>ptr)
-        raise
-    return <uintptr_t>dptr
-
-
-def unregister_host(int device, uintptr_t ptr):
-    bind_device(device)
-    with nogil:
-        check_cu(cydriver.cuMemHostUnregister(<void*>ptr), b"cuMemHostUnregister")
 
 
 # One loaded strided_copy module per device (per process): modules live as long as the primary context.

@@ -45,7 +45,6 @@ class PairStep:
     seq: int
     t0: float                   # the offer
     early: bool                 # the data goes out at post(), before the accept
-    gate_stream: int | None     # gated (ipc on GPUs): the CUDA stream whose queued work completes the bytes
     t1: float = 0.0             # the data went out
     moved: int = 0
 
@@ -61,7 +60,6 @@ class FeedStep:
     setup: bool
     runs: int
     t0: float                   # the offer arrived
-    gated: bool                 # the copy was queued at the offer, behind the source's ready flag
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,6 @@ class PairStats:
     runs: int
     transport: str
     setup: bool
-    gated: bool = False         # the target's copy waited on the source's GPU, not on a host (ipc/flag.py)
 
     @property
     def gbps(self) -> float:
@@ -85,7 +82,7 @@ class PairStats:
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target, "bytes": self.bytes, "seconds": self.seconds,
                 "wire_seconds": self.wire_seconds, "gbps": self.gbps, "runs": self.runs, "transport": self.transport,
-                "setup": self.setup, "gated": self.gated}
+                "setup": self.setup}
 
 
 def _sync_caps(group: str, role: str, rank: int) -> dict[str, Any]:
@@ -138,19 +135,13 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str,
-              stream: int | None = None) -> PairStep:
+    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStep:
         """Phase 1 of a step: offer this pair's segments of ``region`` for ``version`` (planned as ``digest``).
 
         A step is :meth:`offer`, then :meth:`post` once ``region`` holds the step's bytes, then :meth:`finish`:
         the source offers every target first, packs its region while they take the offers in, and posts
         every warm ipc pair's data before it waits for any (no thread handoff between the phases).  An
         offer that is never posted stays unanswered: the caller must then close this link.
-
-        ``stream`` (a GPU region): the CUDA stream the pack is queued on.  Where the transport can gate
-        (ipc between GPUs, warm), the offer says so: the target queues its copy at once behind a flag
-        that :meth:`post` queues on ``stream``, and the step is :attr:`PairStep.gated` -- its bytes need no
-        host synchronization.
 
         Raises (each phase, the message naming the target rank)
         ------
@@ -166,13 +157,10 @@ class SourceLink:
                 ctx = control.transfer_context(self._ch, self._key, self.stall_timeout, self.streams)
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             fresh = self._transport.needs_setup(region)
-            early = self._transport.posts_early and not fresh
-            gated = stream is not None and early and self._transport.can_gate(region)
             self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
-                          bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest,
-                          gated=gated)
+                          bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
             # as Sender: a warm ipc step's data goes right behind the offer, before the accept
-            return PairStep(region, segments, self._seq, t0, early, stream if gated else None)
+            return PairStep(region, segments, self._seq, t0, self._transport.posts_early and not fresh)
 
     def post(self, step: PairStep) -> None:
         """Phase 2: where the pair is warm and its transport posts early (ipc), pass the data now (the
@@ -180,7 +168,7 @@ class SourceLink:
         if step.early:
             with self._named():
                 step.t1 = time.perf_counter()
-                step.moved = self._transport.post_early(step.region, step.seq, step.segments, step.gate_stream)
+                step.moved = self._transport.post_early(step.region, step.seq, step.segments)
                 self._ch.send("done", seq=step.seq, bytes=step.moved)
 
     def finish(self, step: PairStep) -> PairStats:
@@ -208,7 +196,7 @@ class SourceLink:
             if field(ack, "seq", int) != seq or field(ack, "bytes", int) != step.moved:
                 raise ProtocolError(f"sync: ack does not match step {seq} of {step.moved} bytes")
         return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
-                         step.segments.num_runs, self.transport, setup, step.gate_stream is not None)
+                         step.segments.num_runs, self.transport, setup)
 
     def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
         """The three phases at once: one pair's whole step (raises as :meth:`offer`)."""
@@ -279,15 +267,8 @@ class _Feed:
                                            max(1, min(streams or 1, 64)))
             transport = self.transports[name] = TRANSPORTS[name][1](ctx)
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
-        gated = field(offer, "gated", bool, optional=True) is True
-        if gated:
-            try:
-                transport.expect_gated()    # ipc between GPUs: the copy is queued now, behind the source's flag
-            except Exception as e:
-                ch.send_error("protocol" if isinstance(e, ProtocolError) else "transfer", f"sync: {e}")
-                raise
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
-        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0, gated)
+        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0)
 
     def land(self, fs: FeedStep) -> tuple[int, PairStats]:
         """Phase 2: the data (landed by the transport), the source's done, the ack: (the version it carried,
@@ -300,7 +281,7 @@ class _Feed:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {fs.seq} of {moved} bytes")
         self.ch.send("ack", seq=fs.seq, bytes=moved)
         return fs.version, PairStats(self.source, -1, moved, time.perf_counter() - fs.t0, wire, fs.runs, fs.name,
-                                     fs.setup, fs.gated)
+                                     fs.setup)
 
     def close(self) -> None:
         for transport in self.transports.values():

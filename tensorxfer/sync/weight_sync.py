@@ -272,11 +272,6 @@ class WeightSync:
         Returns the step's stats; with ``elastic`` membership a target that failed is named in
         :attr:`SyncStats.failed` (the others have the version) and left out of the next step.
 
-        On a GPU the step sends what the work queued on the region's device's **current stream** before
-        this call wrote (the optimizer's step on adopted shards, the pack): targets over ipc start copying
-        when that stream gets there, with no host synchronization.  Work on another stream must be ordered
-        before it first (``torch.cuda.current_stream().wait_stream(other)``).
-
         Raises
         ------
         TransferError (PeerLost, TransferTimeout)
@@ -338,28 +333,21 @@ class WeightSync:
         pair's data (:class:`~tensorxfer.sync.link.SourceLink`'s phases); only the waiting for the targets
         (and the data of other transports) runs on a thread per pair.  Handing each phase to the pair
         threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
-        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
-
-        On a GPU, warm ipc pairs whose targets hold a ready flag (``TENSORXFER_IPC_GATE=1``) are gated
-        (:meth:`SourceLink.offer`): the targets queue their copies at the offer, behind a flag this rank's
-        current stream sets after the pack, so no host waits for the GPU here; the current stream is
-        synchronized only for a pair that is not gated."""
+        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}
-        stream = self._pack_stream()
         try:
             for target, segments in self._segments.items():
                 try:
                     if target not in self._links:   # its link failed last step and it is still planned: reconnect
                         self._connect((target,))
-                    steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest,
-                                                              stream)
+                    steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest)
                 except Exception as e:
                     results[target] = e
             packed_bytes, pack_error = 0, None
             try:
-                packed_bytes = self._pack(synchronize=any(s.gate_stream is None for s in steps.values()))
+                packed_bytes = self._pack()
             except Exception as e:
                 pack_error = e
             packed = time.perf_counter() - t0
@@ -402,21 +390,9 @@ class WeightSync:
                     adopted += 1
         return adopted
 
-    def _pack_stream(self) -> int | None:
-        """The CUDA stream a GPU region's pack is queued on (the current one: the trainer's optimizer step is
-        ordered before it there), or None on the host."""
-        if self.region is None or not self.region.is_cuda:
-            return None
-        import torch
-
-        return int(torch.cuda.current_stream(self.region.device).cuda_stream)
-
-    def _pack(self, synchronize: bool = True) -> int:
+    def _pack(self) -> int:
         """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
-        may have re-pointed an adopted one); the bytes copied.  ``synchronize``: on a GPU, wait for the
-        current stream (the pack, and the optimizer's step on adopted shards) before returning; gated pairs
-        need not (their flag is queued on the same stream after the pack).  Not the whole device: a target
-        of this process (a colocated rank) may have a copy queued behind a flag this rank sets later."""
+        may have re-pointed an adopted one); the bytes copied."""
         import torch
 
         assert self.region is not None
@@ -427,8 +403,8 @@ class WeightSync:
                     if local.data_ptr() != view.data_ptr():
                         view.copy_(local.reshape(view.shape))
                         packed += view.numel() * view.element_size()
-        if self.region.is_cuda and synchronize:
-            torch.cuda.current_stream(self.region.device).synchronize()   # the pack, the optimizer's step
+        if self.region.is_cuda:
+            torch.cuda.synchronize(self.region.device)     # the pack, and the optimizer's step on adopted shards
         return packed
 
     def wait(self, timeout: float | None = None) -> int:
@@ -484,7 +460,7 @@ class WeightSync:
             if self.elastic:
                 self.members.report(step, True, version, {})
             pairs = tuple(PairStats(s, self.rank, st.bytes, st.seconds, st.wire_seconds, st.runs, st.transport,
-                                    st.setup, st.gated) for s, (_, st) in sorted(results.items()))
+                                    st.setup) for s, (_, st) in sorted(results.items()))
             self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, 0.0, pairs,
                                         epoch=self._planned)
             return version

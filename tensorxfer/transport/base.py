@@ -208,17 +208,6 @@ class ReceiverTransport(_Half):
         PeerLost, TransferTimeout, ProtocolError
         """
 
-    def expect_gated(self) -> None:
-        """The prepared update was offered gated (:meth:`SenderTransport.can_gate`): its bytes are ready once
-        the sender's ready flag says so; queue the copy behind it now where possible.
-
-        Raises
-        ------
-        ProtocolError
-            This transport has no ready flag from the sender (a sender must not gate it).
-        """
-        raise ProtocolError(f"{self.name}: the sender gated an update, but this transport takes no ready flag")
-
 
 class ShareReceiverTransport(_Half):
     """A receiving half that maps the sender's memory instead of copying it (``Receiver(share=True)``).
@@ -305,21 +294,13 @@ class SenderTransport(_Half):
         PeerLost, TransferTimeout
         """
 
-    def can_gate(self, region: TensorRegion) -> bool:
-        """Whether a warm update of ``region`` may be gated: offered as such, the receiver queues its device
-        copies at once behind a flag that :meth:`post_early` sets on the GPU stream that wrote the bytes
-        (``after_stream``), so no host waits for that stream.  Only ipc between GPUs does (ipc/flag.py)."""
-        return False
-
-    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None,
-                   after_stream: int | None = None) -> int:
+    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
         """Where ``posts_early``: start update ``seq`` of ``region`` (``segments``: only these runs, as for
         :meth:`connect`) right behind its offer, before the accept (only when :meth:`needs_setup` is false and
         the region is complete); return the bytes it will move.
         The receiver takes the data once it accepted; a refusal ends the session, and the data with it.
         :meth:`collect` finishes the update.  This saves a warm update the wait for the accept (ipc: the
-        chunk table needs nothing from it).  ``after_stream``: the update was offered gated
-        (:meth:`can_gate`); its bytes are complete once that CUDA stream's queued work is."""
+        chunk table needs nothing from it)."""
         raise NotImplementedError(f"{type(self).__name__} does not post early")
 
     def collect(self, progress: Progress | None = None) -> int:

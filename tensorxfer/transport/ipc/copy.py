@@ -8,9 +8,7 @@ long copy) and, for a fan-out relay, to ``on_piece`` once its bytes are there.
 
 from __future__ import annotations
 
-import logging
 import os
-import select
 import socket
 import threading
 from collections.abc import Callable
@@ -18,26 +16,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from tensorxfer.errors import (
-    PeerLost,
-    ProtocolError,
-    TensorXferError,
-    TransferError,
-    TransferTimeout,
-    TransportUnavailable,
-)
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
 from tensorxfer.memory import strided
 from tensorxfer.memory._hostcopy import copy_groups, stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
-from tensorxfer.transport.ipc.flag import ReadyFlag, gating_enabled
 from tensorxfer.transport.ipc.messages import (
     U64,
     Watermark,
-    close_fds,
     env_int,
-    send_message,
 )
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.segments import Segments
@@ -48,8 +36,6 @@ if TYPE_CHECKING:
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
 COPY_THREADS = env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
-
-log = logging.getLogger(__name__)
 
 
 class SourceCache:
@@ -127,10 +113,6 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         self._cache = SourceCache()                     # the sender's memory, mapped
         self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
         self._strided: tuple[Segments, int, Any] | None = None  # a sync's tiles: (segments, device, StridedCopy)
-        self._flag: ReadyFlag | None = None             # the sender's ready flag (a weight sync on GPUs)
-        self._flag_wanted = False                       # asked for at this connection's setup
-        self._gate_seq: int | None = None               # this update was offered gated, at this flag value
-        self._queued: tuple[Any, Any, int] | None = None    # (copier, source, seq): a gated copy not yet waited for
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
@@ -140,99 +122,12 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         if segments is not None:
             segments.check_within(1 << 63, region.nbytes)
         self._region, self._segments = region, segments
-        self._gate_seq = None
-        descriptors = self._begin(seq, fresh, share=False)
-        if descriptors["setup"]:
-            # A weight sync between GPUs: warm steps may be gated (flag.py); the sender passes its flag after
-            # authenticating (an "R" message, with no fd when it cannot).
-            self._flag_wanted = segments is not None and region.is_cuda and gating_enabled()
-            if self._flag_wanted:
-                descriptors["flag"] = True
-        return descriptors
-
-    def _admitted(self, conn: socket.socket) -> None:
-        if not self._flag_wanted or self._region is None:
-            return
-        conn.settimeout(self.ctx.stall_timeout)
-        try:
-            data, fds, flags, _ = socket.recv_fds(conn, 16, 1, socket.MSG_CMSG_CLOEXEC)
-        except TimeoutError:
-            raise TransferTimeout(f"ipc: the sender passed no ready flag within {self.ctx.stall_timeout} s") from None
-        except OSError as e:
-            raise PeerLost(f"ipc: connection lost waiting for the sender's ready flag: {e}") from None
-        if data != b"R" or len(fds) > 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            close_fds(fds)
-            raise ProtocolError(f"ipc: expected the sender's ready flag, got {data[:8]!r} with {len(fds)} fds")
-        if fds:
-            try:
-                self._flag = ReadyFlag(fds[0], self._device_index())
-            except TensorXferError as e:     # CUDA refused the page: this pair's steps go ungated
-                log.warning("ipc: cannot use the sender's ready flag (%s): its GPU steps wait on the host", e)
-            send_message(conn, b"R1" if self._flag is not None else b"R0", "the ready flag's answer")
-
-    def _device_index(self) -> int:
-        assert self._region is not None
-        return int(self._region.region.device_index)
-
-    def expect_gated(self) -> None:
-        """This update's bytes are ready once the sender's flag reaches its sequence number: where this
-        session holds the sender's memory mapped (every warm step), queue the copy behind the flag now."""
-        if self._flag is None or self._segments is None or self._region is None or not self._region.is_cuda:
-            raise ProtocolError("ipc: the sender gated an update, but this connection has no ready flag from it")
-        self._gate_seq = self._seq
-        on = self._device_index()
-        src, key = self._cache.region, self._cache.key
-        if src is not None and key is not None and key[0] == "cuda" and key[-1] == on:
-            self._segments.check_within(src.mapped_size, self._region.nbytes)     # (the table is checked later)
-            self._queue_copy(self._copier(on), self._segments, src, on)
-
-    def _queue_copy(self, copier: Any, segments: Segments, src: Any, on: int) -> None:
-        """Queue the segments' copy from ``src`` into the region on ``copier`` (behind the ready flag when the
-        update is gated)."""
-        assert self._region is not None
-        dst = self._region
-        if self._closing:
-            raise TransferError("ipc: the transfer was aborted")
-        if self._gate_seq is not None:
-            assert self._flag is not None
-            self._flag.wait_before(copier, self._gate_seq)
-            self._queued = (copier, src, self._gate_seq)
-        kernel = self._strided_copy(segments, on)
-        if kernel is not None:
-            kernel.launch(copier, dst.region.ptr, src.ptr)
-        else:   # one 2-D copy per strided group (a block of rows), not one copy per row
-            copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr), segments.src_off + np.uint64(src.ptr),
-                               segments.nbytes, segments.count, segments.dst_stride, segments.src_stride)
-
-    def _release_gate(self) -> None:
-        """A gated copy still queued behind the flag (the step failed or the session ends): set the flag from
-        here so it runs, and wait for it, before its stream or its source mapping may go."""
-        queued, self._queued = self._queued, None
-        if queued is not None:
-            copier, _, seq = queued
-            if self._flag is not None:
-                self._flag.release(seq)
-            copier.synchronize()
-
-    def _sender_gone(self, conn: socket.socket) -> None:
-        """Raise if the sender closed its connection (it died) or this receiver is closing."""
-        if self._closing:
-            raise TransferError("ipc: the transfer was aborted during the copy")
-        poller = select.poll()
-        poller.register(conn, select.POLLHUP | select.POLLERR)
-        if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0)):
-            raise PeerLost("ipc: the sender closed its connection before its GPU finished the step")
+        return self._begin(seq, fresh, share=False)
 
     def wait(self, progress: Progress | None = None) -> int:
         """As :meth:`IpcReceiving.wait`; with segments, the bytes they moved (the sender's ``D`` names its
-        payload).  A failed gated update releases its queued copy first (:meth:`_release_gate`)."""
-        try:
-            moved = super().wait(progress)
-        except BaseException:
-            self._release_gate()
-            raise
-        finally:
-            self._gate_seq = None
+        payload)."""
+        moved = super().wait(progress)
         return moved if self._segments is None else self._segments.total_bytes
 
     def _expected_nbytes(self) -> int:
@@ -291,17 +186,14 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             if dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
-                if self._queued is None:
-                    self._queue_copy(copier, segments, src, on)
-                elif self._queued[1] is not src:
-                    raise ProtocolError("ipc: the sender gated an update of memory this session had not mapped")
-                if self._gate_seq is not None:
-                    # The copy runs once the sender's GPU set the flag; wait for that here, where a dead sender
-                    # is noticed (synchronizing first would wait for it forever).
-                    assert self._flag is not None
-                    self._flag.await_value(self._gate_seq, self.ctx.stall_timeout, lambda: self._sender_gone(conn))
+                kernel = self._strided_copy(segments, on)
+                if kernel is not None:
+                    kernel.launch(copier, dst.region.ptr, src.ptr)
+                else:   # one 2-D copy per strided group (a block of rows), not one copy per row
+                    copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr),
+                                       segments.src_off + np.uint64(src.ptr), segments.nbytes, segments.count,
+                                       segments.dst_stride, segments.src_stride)
                 copier.synchronize()
-                self._queued = None
             else:   # every copy thread takes every COPY_THREADS-th group, a memcpy per row, without the GIL
                 with memoryview(src) as sv, memoryview(dst.region) as dv:
                     cols = (segments.src_off, segments.dst_off, segments.nbytes, segments.count,
@@ -312,9 +204,6 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 progress(segments.total_bytes)
             conn.send(b"P" + U64.pack(incoming.nbytes))
             ok = True
-        except BaseException:
-            self._release_gate()    # before the source mapping goes
-            raise
         finally:
             self._release_source(key, src, ok)
 
@@ -486,14 +375,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             sync()
 
     def _teardown(self) -> None:
-        try:
-            self._release_gate()
-        finally:
-            super()._teardown()
-            self._cache.close()         # a new connection is a new sender process: its old mapping is no use
-            flag, self._flag = self._flag, None
-            if flag is not None:
-                flag.close()
+        super()._teardown()
+        self._cache.close()         # a new connection is a new sender process: its old mapping is no use
 
     def close(self) -> None:
         """Close the socket, remove the private directory, release the session's mappings; idempotent."""

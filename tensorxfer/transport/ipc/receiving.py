@@ -126,10 +126,6 @@ class IpcReceiving(_Half):
                 raise TransferError("ipc: the transfer was aborted")
             self._conn, self._peer_pid = conn, pid
         self.counters.connects += 1
-        self._admitted(conn)
-
-    def _admitted(self, conn: socket.socket) -> None:
-        """Hook: the sender was just admitted on ``conn`` (the copy receiver takes its ready flag here)."""
 
     def _authenticate(self, conn: socket.socket) -> int | None:
         """The peer's pid if it is our sender, else None (after telling it why, in an ``E`` message)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import socket
@@ -27,7 +26,6 @@ from tensorxfer.errors import (
 from tensorxfer.protocol import NONCE_BYTES, field
 from tensorxfer.transport.base import PrefixFollower, Progress, SenderTransport, TransferContext, setup_flag
 from tensorxfer.transport.ipc import messages
-from tensorxfer.transport.ipc.flag import ReadyFlag
 from tensorxfer.transport.ipc.identity import check_peer, host_identity, identity_mismatch, unavailable
 from tensorxfer.transport.ipc.messages import (
     AUTH,
@@ -47,8 +45,6 @@ if TYPE_CHECKING:
 
 _TOKENS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()   # region -> its random token
 
-log = logging.getLogger(__name__)
-
 
 class IpcSender(SenderTransport):
     """Passes a region's memory handles (once per session) to a receiver on the same host; waits for each copy."""
@@ -67,7 +63,6 @@ class IpcSender(SenderTransport):
         self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
         self._moving: int | None = None         # a weight sync's bytes (the receiver copies only its runs)
         self._posted: tuple[int, PrefixFollower | None] | None = None    # sent, its copy not yet collected
-        self._flag: ReadyFlag | None = None     # a weight sync's ready flag on GPUs (passed once per connection)
 
     @classmethod
     def available(cls) -> str | None:
@@ -137,37 +132,7 @@ class IpcSender(SenderTransport):
         if answer != b"K":
             raise AuthError(f"ipc: the receiver refused the connection: "
                             f"{answer[1:].decode(errors='replace') if answer[:1] == b'E' else repr(answer[:16])}")
-        if descriptors.get("flag") is True:
-            self._pass_flag(sock, region, segments)
         self.counters.connects += 1
-
-    def _pass_flag(self, sock: socket.socket, region: TensorRegion, segments: Segments | None) -> None:
-        """A weight sync's receiver on a GPU asked for this connection's ready flag (flag.py): pass it, and
-        keep it if the receiver could register it too ("R1"); else (a host region here, or CUDA refused the
-        page on either end) every step goes ungated, as before flags."""
-        flag = None
-        if region.is_cuda and segments is not None:
-            try:
-                flag = ReadyFlag.create(int(region.region.device_index))
-            except CudaError as e:
-                log.warning("ipc: no ready flag for this connection (%s): its GPU steps wait on the host", e)
-        try:
-            send_message(sock, b"R", "the ready flag", [flag.fd] if flag is not None else None)
-            if flag is not None:
-                answer = recv_message(sock, "the ready flag's answer", self.ctx.stall_timeout)
-                if answer == b"R1":
-                    self._flag, flag = flag, None
-                elif answer != b"R0":
-                    raise ProtocolError(f"ipc: unexpected answer to the ready flag: {answer[:16]!r}")
-        finally:
-            if flag is not None:
-                flag.close()
-
-    def can_gate(self, region: TensorRegion) -> bool:
-        """Whether a warm update of ``region`` may be gated (:meth:`post_early` with ``after_stream``): the
-        receiver holds this region's handles and this connection's ready flag."""
-        return (self._flag is not None and self._sock is not None and region.is_cuda
-                and self._passed is not None and self._passed == _TOKENS.get(region))
 
     def send(self, region: TensorRegion, progress: Progress | None = None) -> int:
         """Pass the handles of ``region``'s payload (or say the receiver has them); return once it copied (or
@@ -187,18 +152,11 @@ class IpcSender(SenderTransport):
         self._post(region)
         return self.collect(progress)
 
-    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None,
-                   after_stream: int | None = None) -> int:
+    def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
         """Pass update ``seq``'s chunk table now, before the receiver's accept (the session is warm: the
-        receiver reads it once it accepted); :meth:`collect` waits for the copy.  Returns the byte count.
-        ``after_stream`` (gated, :meth:`can_gate`): the ready flag is set on that stream first."""
+        receiver reads it once it accepted); :meth:`collect` waits for the copy.  Returns the byte count."""
         self._seq = seq
         self._moving = segments.total_bytes if segments is not None else None
-        if after_stream is not None:
-            if not self.can_gate(region):
-                raise ProtocolError("ipc: a gated update of a region this connection cannot gate")
-            assert self._flag is not None
-            self._flag.set_after(after_stream, seq)
         self._post(region)
         return region.nbytes if self._moving is None else self._moving
 
@@ -349,14 +307,9 @@ class IpcSender(SenderTransport):
             sock, self._sock = self._sock, None
         self._passed = None
         self._posted = None
-        flag, self._flag = self._flag, None
-        try:
-            if sock is not None:    # first: a receiver waiting on the flag learns at once that no step comes
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass    # never connected: closing is enough
-                sock.close()
-        finally:
-            if flag is not None:
-                flag.close()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass    # never connected: closing is enough
+            sock.close()
