@@ -3,7 +3,10 @@
 #   bash benchmarks/device_session.sh build      # build this tree (and .oldtree/, if present) in place; the
 #                                                # built modules also into $OUT/built-cp312.tgz
 #   bash benchmarks/device_session.sh unpack     # instead of building: .out/built-cp312.tgz (a build's tarball,
-#                                                # carried back; only while no .pyx/.cu changed since)
+#                                                # carried back; only while no .pyx/.cu changed since).  It can
+#                                                # be built on the dev VM too, saving device time: pyenv's 3.12
+#                                                # venv with Cython, setuptools, numpy and .whl/*.whl, then
+#                                                # `setup.py build_ext --inplace` in a `git archive` of the tree
 #   bash benchmarks/device_session.sh tests      # the GPU-marked tests, then the whole suite, logs in $OUT
 #   bash benchmarks/device_session.sh bench-ipc  # CUDA ipc 31.2 GB: .oldtree/ and this tree, alternating
 #   bash benchmarks/device_session.sh bench-live # adoption memory, per-step push of an adopted model
