@@ -3,7 +3,9 @@ and by two processes one after the other, with the copy engines (``dst.copy_(src
 a copy kernel on the multiprocessors (``torch.bitwise_not(src, out=dst)``: one read, one write per word), and
 with a resharded sync's own copies (``bench_sync``'s 4-to-2 plan, each process one target's -- one process:
 both): every pair by the strided-copy kernel ("schedule-kernel"), or its contiguous groups by the copy
-engines in one ``cuMemcpyBatchAsync`` and only its strided groups by the kernel ("schedule-hybrid").
+engines in one ``cuMemcpyBatchAsync`` and only its strided groups by the kernel ("schedule-hybrid"), or every
+pair of a target in ONE launch on one stream ("schedule-fused": the tiles carry each source's absolute
+address, the kernel's source base is 0), so two contexts time-slice one channel each instead of four.
 
 Why: a resharded sync with several target processes on one GPU (``bench_sync --device cuda:0``) runs each
 target's device copies in its own CUDA context.  Without MPS the GPU time-slices kernels of different contexts;
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool) -> Any:
+def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = False) -> Any:
     """A callable that runs this process's targets' copies of bench_sync's 4-to-2 plan (of ``nbytes`` in all)
     and waits for them."""
     import numpy as np
@@ -46,6 +48,14 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool) -> Any:
     launches = []
     for t in range(2) if procs == 1 else [rank]:
         dst = torch.empty(tgt_bytes[t], dtype=torch.uint8, device="cuda")
+        if fused:       # one table for all of this target's sources: absolute source addresses, base 0
+            parts = [segments_of(pl, s, t) for s in pl.sources_of.get(t, ())]
+            cols = [np.concatenate([sg.src_off + np.uint64(src[s].data_ptr())
+                                    for s, sg in zip(pl.sources_of.get(t, ()), parts)])]
+            cols += [np.concatenate([getattr(sg, c) for sg in parts])
+                     for c in ("dst_off", "nbytes", "count", "src_stride", "dst_stride")]
+            launches.append((Copier(0), StridedCopy(0, strided.tiles(*cols), image), None, dst, None))
+            continue
         for s in pl.sources_of.get(t, ()):
             sg, copier = segments_of(pl, s, t), Copier(0)
             flat = (sg.count == 1) | ((sg.src_stride == sg.nbytes) & (sg.dst_stride == sg.nbytes))
@@ -65,7 +75,7 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool) -> Any:
             if batch is not None:
                 copier.dtod_batch(*batch, batch_api=True)
             if kernel is not None:
-                kernel.launch(copier, dst.data_ptr(), s.data_ptr())
+                kernel.launch(copier, dst.data_ptr(), 0 if s is None else s.data_ptr())
         for copier, *_ in launches:
             copier.synchronize()
     run._keep = (src, launches)                     # type: ignore[attr-defined]
@@ -78,7 +88,7 @@ def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: An
 
     torch.cuda.set_device(0)
     if how.startswith("schedule"):
-        run = _schedule(nbytes, rank, procs, how == "schedule-hybrid")
+        run = _schedule(nbytes, rank, procs, how == "schedule-hybrid", how == "schedule-fused")
     else:
         src = torch.ones(nbytes // procs // 8, dtype=torch.int64, device="cuda")
         dst = torch.empty_like(src)
