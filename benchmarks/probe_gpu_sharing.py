@@ -49,12 +49,11 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = Fa
     for t in range(2) if procs == 1 else [rank]:
         dst = torch.empty(tgt_bytes[t], dtype=torch.uint8, device="cuda")
         if fused:       # one table for all of this target's sources: absolute source addresses, base 0
-            parts = [segments_of(pl, s, t) for s in pl.sources_of.get(t, ())]
-            cols = [np.concatenate([sg.src_off + np.uint64(src[s].data_ptr())
-                                    for s, sg in zip(pl.sources_of.get(t, ()), parts)])]
-            cols += [np.concatenate([getattr(sg, c) for sg in parts])
+            feeds = [(src[s], segments_of(pl, s, t)) for s in pl.sources_of.get(t, ())]
+            cols = [np.concatenate([sg.src_off + np.uint64(s.data_ptr()) for s, sg in feeds])]
+            cols += [np.concatenate([getattr(sg, c) for _, sg in feeds])
                      for c in ("dst_off", "nbytes", "count", "src_stride", "dst_stride")]
-            launches.append((Copier(0), StridedCopy(0, strided.tiles(*cols), image), None, dst, None))
+            launches.append((Copier(0), StridedCopy(0, strided.tiles(*cols), image), None, dst, 0))
             continue
         for s in pl.sources_of.get(t, ()):
             sg, copier = segments_of(pl, s, t), Copier(0)
@@ -68,14 +67,14 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = Fa
                 batch = (np.ascontiguousarray(sg.dst_off[flat] + np.uint64(dst.data_ptr())),
                          np.ascontiguousarray(sg.src_off[flat] + np.uint64(src[s].data_ptr())),
                          np.ascontiguousarray(sg.nbytes[flat] * sg.count[flat]))
-            launches.append((copier, kernel, batch, dst, src[s]))
+            launches.append((copier, kernel, batch, dst, src[s].data_ptr()))
 
     def run() -> None:
-        for copier, kernel, batch, dst, s in launches:
+        for copier, kernel, batch, dst, src_base in launches:
             if batch is not None:
                 copier.dtod_batch(*batch, batch_api=True)
             if kernel is not None:
-                kernel.launch(copier, dst.data_ptr(), 0 if s is None else s.data_ptr())
+                kernel.launch(copier, dst.data_ptr(), src_base)
         for copier, *_ in launches:
             copier.synchronize()
     run._keep = (src, launches)                     # type: ignore[attr-defined]
