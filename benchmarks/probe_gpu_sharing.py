@@ -5,7 +5,9 @@ with a resharded sync's own copies (``bench_sync``'s 4-to-2 plan, each process o
 both): every pair by the strided-copy kernel ("schedule-kernel"), or its contiguous groups by the copy
 engines in one ``cuMemcpyBatchAsync`` and only its strided groups by the kernel ("schedule-hybrid"), or every
 pair of a target in ONE launch on one stream ("schedule-fused": the tiles carry each source's absolute
-address, the kernel's source base is 0), so two contexts time-slice one channel each instead of four.
+address, the kernel's source base is 0), so two contexts time-slice one channel each instead of four; or
+("schedule-single", one process only) every pair of both targets in one launch (absolute addresses at both
+ends, both bases 0): what one copier for the whole GPU would run.
 
 Why: a resharded sync with several target processes on one GPU (``bench_sync --device cuda:0``) runs each
 target's device copies in its own CUDA context.  Without MPS the GPU time-slices kernels of different contexts;
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = False) -> Any:
+def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = False, single: bool = False) -> Any:
     """A callable that runs this process's targets' copies of bench_sync's 4-to-2 plan (of ``nbytes`` in all)
     and waits for them."""
     import numpy as np
@@ -46,7 +48,19 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = Fa
     src = [torch.ones(b, dtype=torch.uint8, device="cuda") for b in src_bytes]
     image = strided.kernel_image()
     launches = []
-    for t in range(2) if procs == 1 else [rank]:
+    if single and procs == 1:   # every pair of both targets in ONE launch: absolute addresses at both ends
+        feeds = []
+        dsts = [torch.empty(b, dtype=torch.uint8, device="cuda") for b in tgt_bytes]
+        for t in range(2):
+            feeds += [(src[s], dsts[t], segments_of(pl, s, t)) for s in pl.sources_of.get(t, ())]
+        cols = [np.concatenate([sg.src_off + np.uint64(s.data_ptr()) for s, _, sg in feeds]),
+                np.concatenate([sg.dst_off + np.uint64(d.data_ptr()) for _, d, sg in feeds])]
+        cols += [np.concatenate([getattr(sg, c) for *_, sg in feeds])
+                 for c in ("nbytes", "count", "src_stride", "dst_stride")]
+        zero = torch.empty(0, dtype=torch.uint8, device="cuda")
+        launches.append((Copier(0), StridedCopy(0, strided.tiles(*cols), image), None, zero, 0))
+        src.extend(dsts)
+    for t in [] if single and procs == 1 else range(2) if procs == 1 else [rank]:
         dst = torch.empty(tgt_bytes[t], dtype=torch.uint8, device="cuda")
         if fused:       # one table for all of this target's sources: absolute source addresses, base 0
             feeds = [(src[s], segments_of(pl, s, t)) for s in pl.sources_of.get(t, ())]
@@ -74,7 +88,7 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = Fa
             if batch is not None:
                 copier.dtod_batch(*batch, batch_api=True)
             if kernel is not None:
-                kernel.launch(copier, dst.data_ptr(), src_base)
+                kernel.launch(copier, dst.data_ptr() if dst.numel() else 0, src_base)
         for copier, *_ in launches:
             copier.synchronize()
     run._keep = (src, launches)                     # type: ignore[attr-defined]
@@ -87,7 +101,8 @@ def _worker(rank: int, nbytes: int, how: str, order: str, repeat: int, start: An
 
     torch.cuda.set_device(0)
     if how.startswith("schedule"):
-        run = _schedule(nbytes, rank, procs, how == "schedule-hybrid", how == "schedule-fused")
+        run = _schedule(nbytes, rank, procs, how == "schedule-hybrid", how in ("schedule-fused", "schedule-single"),
+                        how == "schedule-single")
     else:
         src = torch.ones(nbytes // procs // 8, dtype=torch.int64, device="cuda")
         dst = torch.empty_like(src)
