@@ -186,7 +186,8 @@ def rank_main(args: argparse.Namespace) -> int:
     tensors: Any = (source_shards(layout, rank, n, args.device) if role == "source" else
                     target_tensors(layout, rank, m, args.device))
     sync = tx.WeightSync(store, "bench", role, rank, (n, m), tensors, token="bench", transport=args.transport,
-                         timeout=600, stall_timeout=300, elastic=args.membership == "elastic")
+                         timeout=600, stall_timeout=300, elastic=args.membership == "elastic",
+                         copy_host={"auto": None, "on": True, "off": False}[args.copy_host])
     if args.device != "cpu":
         torch.cuda.empty_cache()    # the global values' temporaries and the adopted shards' old storage: six
         #                             ranks share one GPU, and an 80 GB card holds 16 GB of model only twice
@@ -286,7 +287,8 @@ def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
            str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat),
-           "--membership", args.membership] + (["--profile", str(args.profile)] if args.profile else []) + (
+           "--membership", args.membership, "--copy-host", args.copy_host] + (
+               ["--profile", str(args.profile)] if args.profile else []) + (
                ["--trace", str(args.trace)] if args.trace else [])
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
@@ -418,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--membership", choices=["elastic", "fixed"], default="elastic",
                    help="elastic: members agreed through the store before each step (WeightSync's default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--copy-host", choices=["auto", "on", "off"], default="auto",
+                   help="targets on one device copy through one of them (WeightSync's copy_host; auto: GPUs only)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)

@@ -61,7 +61,7 @@ class _TracedKernel:
 def install() -> None:
     from tensorxfer.protocol import Channel
     from tensorxfer.sync import link, weight_sync
-    from tensorxfer.transport.ipc import copy, receiving, sender
+    from tensorxfer.transport.ipc import copy, delegate, receiving, sender
 
     def named(name: str) -> Any:
         return lambda args: name
@@ -71,7 +71,8 @@ def install() -> None:
                       (link.SourceLink, "finish"), (link._Feed, "step"),
                       (sender.IpcSender, "_post"), (sender.IpcSender, "collect"), (copy.IpcReceiver, "prepare"),
                       (receiving.IpcReceiving, "wait"), (copy.IpcReceiver, "_copy_segments"),
-                      (link._Feed, "take_offer"), (link._Feed, "land")):
+                      (link._Feed, "take_offer"), (link._Feed, "land"), (delegate.CopyLane, "copy"),
+                      (delegate._HostedPair, "copy")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
     import torch
 

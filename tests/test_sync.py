@@ -86,7 +86,8 @@ def expected_target(rank: int, m: int, g: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("transport, n, m, dtype", [("tcp", 2, 2, torch.float32), ("ipc", 3, 2, torch.bfloat16),
                                                      ("tcp", 1, 2, torch.float32), ("ipc", 2, 1, torch.float32)])
 def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str, n: int, m: int, dtype: Any,
-                                                                 device: str = "cpu") -> None:
+                                                                 device: str = "cpu",
+                                                                 copy_host: bool | None = None) -> None:
     stores = Stores()
     g0 = global_tensors(0)
     src_tensors = [source_tensors(r, n, g0, device) for r in range(n)]
@@ -95,7 +96,7 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
         [lambda r=r: tx.WeightSync(stores.client(), "t", "source", r, (n, m), src_tensors[r], token="k",
                                    transport=transport, timeout=30) for r in range(n)] +
         [lambda r=r: tx.WeightSync(stores.client(), "t", "target", r, (n, m), tgt_tensors[r], token="k",
-                                   transport=transport, timeout=30) for r in range(m)])
+                                   transport=transport, timeout=30, copy_host=copy_host) for r in range(m)])
     sources, targets = syncs[:n], syncs[n:]
     try:
         for step in (0, 1, 2):
@@ -124,9 +125,20 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
         for t, tt in zip(targets, tgt_tensors):
             views = t.region.tensors(framework="torch")
             assert all(tt[k].tensor.data_ptr() == views[k].data_ptr() for k in tt)
+        # targets on one device (GPU: by default) copied through one of them: a lane per follower pair
+        hosts = [t._copy_host for t in targets if t._copy_host is not None]
+        if transport == "ipc" and (copy_host or (copy_host is None and device != "cpu")) and m > 1:
+            assert len(hosts) == 1, hosts
+            assert (hosts[0].lanes_served, hosts[0].copies) == (n * (m - 1), 3 * n * (m - 1))
+        else:
+            assert not hosts
     finally:
         for s in syncs:
             s.close()
+
+
+def test_targets_on_one_device_can_copy_through_one_of_them() -> None:
+    test_sources_sharded_one_way_land_in_targets_sharded_another("ipc", 3, 2, torch.float32, copy_host=True)
 
 
 @pytest.mark.cuda

@@ -222,8 +222,10 @@ class SourceLink:
 class _Feed:
     """A target's session with one source: its channel, key and transports (one per transport name)."""
 
-    def __init__(self, ch: Channel, key: bytes, source: int, stall_timeout: float) -> None:
+    def __init__(self, ch: Channel, key: bytes, source: int, stall_timeout: float,
+                 copy_host: tuple[str, bytes | None] | None = None) -> None:
         self.ch, self.key, self.source, self.stall_timeout = ch, key, source, stall_timeout
+        self.copy_host = copy_host      # where this target's ipc copies go (None: copied in this process)
         self.seq = 0
         self.transports: dict[str, Any] = {}
 
@@ -266,6 +268,8 @@ class _Feed:
             ctx = control.transfer_context(ch, self.key, self.stall_timeout,
                                            max(1, min(streams or 1, 64)))
             transport = self.transports[name] = TRANSPORTS[name][1](ctx)
+            if self.copy_host is not None and hasattr(transport, "copy_host"):
+                transport.copy_host = self.copy_host
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
         return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0)
@@ -302,6 +306,8 @@ class TargetPort:
         self._expected: set[int] = set()
         self._feeds: dict[int, _Feed] = {}
         self._workers = Workers(f"tensorxfer-sync-feed-{rank}")     # one step's feeds at once
+        #: (socket path, key) of the copy host this target hands its ipc copies to (set by the sync), or None
+        self.copy_host: tuple[str, bytes | None] | None = None
         self.gate = Gate(listen(host), self._handshake, handshake_timeout, "sync")
 
     @property
@@ -355,7 +361,7 @@ class TargetPort:
             old = self._feeds.pop(source, None)
             if old is not None:
                 old.close()
-            self._feeds[source] = _Feed(ch, key, source, self.stall_timeout)
+            self._feeds[source] = _Feed(ch, key, source, self.stall_timeout, self.copy_host)
 
     def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None, digest: str,
              step: int | None) -> dict[int, Any]:

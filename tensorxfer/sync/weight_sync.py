@@ -47,8 +47,10 @@ from tensorxfer import dtypes as _dt
 from tensorxfer.binding import adopt_tensors, tensor_view
 from tensorxfer.errors import PlanError, TransferError
 from tensorxfer.manifest import Manifest
+from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
+from tensorxfer.sync.copy_host import elect
 from tensorxfer.sync.link import PairStats, PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.plan import Plan, plan
@@ -56,6 +58,8 @@ from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
 from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor
 from tensorxfer.sync.workers import Workers
+from tensorxfer.transport.ipc.delegate import CopyHost
+from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -131,12 +135,17 @@ class WeightSync:
         Where this rank's region lives (default: where its tensors are).
     elastic : bool
         Agree on the members before every step (joins, leaves, deaths; see the module docstring).
+    copy_host : bool, optional
+        Targets: whether the targets on one device copy their ipc pairs through one of them
+        (:mod:`tensorxfer.sync.copy_host`).  Default: on for GPU regions (one CUDA context instead of
+        several time-slicing the GPU), off for host memory (each target copying on its own threads is as fast).
     """
 
     def __init__(self, store: Any, group: str, role: str, rank: int, world: tuple[int, int],
                  tensors: Mapping[str, Any], token: str | bytes | None = None, transport: str = "auto",
                  streams: int | None = None, listen_host: str = "127.0.0.1", device: str | None = None,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, timeout: float = 120.0, elastic: bool = True) -> None:
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, timeout: float = 120.0, elastic: bool = True,
+                 copy_host: bool | None = None) -> None:
         if role not in ("source", "target"):
             raise ValueError(f"role must be 'source' or 'target', got {role!r}")
         sources, targets = (int(x) for x in world)
@@ -161,6 +170,7 @@ class WeightSync:
         self._feeds: dict[int, Segments] = {}          # a target's runs from each source
         self._addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
+        self._copy_host: CopyHost | None = None         # targets: the copy host this rank runs for its device
         self._record: StepRecord | None = None         # the members of the latest step this rank took part in
         self._planned = 0                              # the epoch self.plan is for
         self._next_step = 1                            # targets: the step wait() takes next
@@ -170,7 +180,7 @@ class WeightSync:
         self.last_stats: SyncStats | None = None
         try:
             if role == "target":
-                self._init_target(tensors, listen_host, device)
+                self._init_target(tensors, listen_host, device, copy_host)
             else:
                 self._init_source(tensors, device, timeout)
             record = self.members.form(self.world, timeout)
@@ -189,7 +199,8 @@ class WeightSync:
             raise
 
     # ------------------------------------------------------------ rendezvous
-    def _init_target(self, tensors: Mapping[str, Any], host: str, device: str | None) -> None:
+    def _init_target(self, tensors: Mapping[str, Any], host: str, device: str | None,
+                     copy_host: bool | None) -> None:
         shards = {name: t if isinstance(t, Target) else Target(*t) for name, t in tensors.items()}
         self.region = adopt_tensors(TensorRegion, {n: t.tensor for n, t in shards.items()}, device)
         manifest = self.region.manifest
@@ -198,6 +209,10 @@ class WeightSync:
             for n, t in shards.items()])
         self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
                                 DEFAULT_HANDSHAKE_TIMEOUT)
+        if (self.region.is_cuda if copy_host is None else copy_host) and self._transport in ("auto", "ipc") \
+                and ipc_unavailable() is None:
+            self._copy_host, self._port.copy_host = elect(self._rdv, self.members.key, self.rank, self.region,
+                                                          token_key(self._token), self.stall_timeout)
         self.members.register(spec, self._port.address, self._timeout)
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
@@ -504,6 +519,9 @@ class WeightSync:
         port, self._port = self._port, None
         if port is not None:
             port.close()
+        copier, self._copy_host = self._copy_host, None
+        if copier is not None:
+            copier.close()      # the targets it copied for copy on their own from now on
         region, self.region = self.region, None
         if region is not None:
             region.close()

@@ -8,6 +8,7 @@ long copy) and, for a fan-out relay, to ``on_piece`` once its bytes are there.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -17,22 +18,25 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
-from tensorxfer.memory import strided
-from tensorxfer.memory._hostcopy import copy_groups, stream_copy
+from tensorxfer.memory._hostcopy import stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
+from tensorxfer.transport.ipc.delegate import CopyLane
 from tensorxfer.transport.ipc.messages import (
     U64,
     Watermark,
     env_int,
 )
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
     from tensorxfer.transport.base import TransferContext
+
+log = logging.getLogger(__name__)
 
 #: Threads copying host memory (each copy releases the GIL); measured in benchmarks/bench_ipc.py.
 COPY_THREADS = env_int("TENSORXFER_IPC_THREADS", min(4, os.cpu_count() or 1))
@@ -112,7 +116,11 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         self._segments: Segments | None = None          # a weight sync's runs (else the whole region)
         self._cache = SourceCache()                     # the sender's memory, mapped
         self._copiers: dict[int, Any] = {}              # device -> Copier, for the session
-        self._strided: tuple[Segments, int, Any] | None = None  # a sync's tiles: (segments, device, StridedCopy)
+        self._strided: DeviceSegments | None = None     # a sync's device copy (its tiles uploaded once)
+        #: (socket path, key) of the process that copies for this target's device (a weight sync's copy host),
+        #: set by the sync; None: copy here
+        self.copy_host: tuple[str, bytes | None] | None = None
+        self._copy_lane: CopyLane | None = None
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Get ready to copy update ``seq`` into ``region``.  Descriptors: ``setup``, ``share`` (false),
@@ -171,7 +179,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         """Copy only ``segments`` out of the sender's memory: host, every row of every group copied without
         the GIL (``copy_groups``; the groups spread over the copy threads); GPU, one launch of the
         strided-copy kernel over the segments' tiles (uploaded on the first step), or one 2-D copy per
-        group where the kernel was not built."""
+        group where the kernel was not built -- or, where the sync named a copy host for this target's
+        device (:attr:`copy_host`), by that process (:mod:`.delegate`)."""
         assert self._region is not None
         dst = self._region
         if (incoming.kind == "cuda") != dst.is_cuda:
@@ -180,32 +189,63 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         segments.check_within(incoming.nbytes, dst.nbytes)
         on = self._cuda_device(incoming, dst.device) if dst.is_cuda else None
         key = incoming.key(on)
+        lane = self._lane(key, incoming, handles, segments) if self.copy_host is not None else None
         src = self._source(key, incoming, handles, fds, on)
         ok = False
         try:
-            if dst.is_cuda:
+            if lane is not None and self._delegated(lane):
+                pass
+            elif dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
-                kernel = self._strided_copy(segments, on)
-                if kernel is not None:
-                    kernel.launch(copier, dst.region.ptr, src.ptr)
-                else:   # one 2-D copy per strided group (a block of rows), not one copy per row
-                    copier.dtod_groups(segments.dst_off + np.uint64(dst.region.ptr),
-                                       segments.src_off + np.uint64(src.ptr), segments.nbytes, segments.count,
-                                       segments.dst_stride, segments.src_stride)
+                self._strided_copy(segments, on).launch(copier, dst.region.ptr, src.ptr)
                 copier.synchronize()
-            else:   # every copy thread takes every COPY_THREADS-th group, a memcpy per row, without the GIL
-                with memoryview(src) as sv, memoryview(dst.region) as dv:
-                    cols = (segments.src_off, segments.dst_off, segments.nbytes, segments.count,
-                            segments.src_stride, segments.dst_stride)
-                    threads = max(1, min(COPY_THREADS, len(segments)))
-                    _run_threads(threads, lambda k: copy_groups(sv, dv, *cols, k, threads))
+            else:
+                copy_host_segments(src, dst.region, segments, COPY_THREADS)
             if progress is not None:
                 progress(segments.total_bytes)
             conn.send(b"P" + U64.pack(incoming.nbytes))
             ok = True
         finally:
             self._release_source(key, src, ok)
+
+    def _lane(self, key: tuple, incoming: Incoming, handles: Handles, segments: Segments) -> CopyLane | None:
+        """The lane to the copy host, set up for this pair's source memory and segments; None where it cannot
+        be (the host is unreachable, or the source's handles went by while no lane was up: this pair then
+        copies here until the session passes them again)."""
+        assert self._region is not None and self.copy_host is not None
+        want = (key, segments)
+        lane = self._copy_lane
+        if lane is not None and lane.ready_for == want:
+            return lane
+        if not handles:
+            return None
+        try:
+            if lane is None:
+                lane = self._copy_lane = CopyLane(self.copy_host[0], self.copy_host[1], self.ctx.stall_timeout)
+            lane.setup(handles, incoming.nbytes, self._region.region, self._region.nbytes, segments, incoming.kind,
+                       want)
+            return lane
+        except (TensorXferError, OSError) as e:
+            self._give_up_lane(e)
+            return None
+
+    def _delegated(self, lane: CopyLane) -> bool:
+        """Whether the copy host copied this step's pair (else it is copied here, whole)."""
+        try:
+            lane.copy(self._seq)
+            return True
+        except (TensorXferError, OSError) as e:
+            self._give_up_lane(e)
+            return False
+
+    def _give_up_lane(self, why: BaseException) -> None:
+        log.warning("ipc: the copy host at %s failed (%s); this pair copies in its own process from now on",
+                    self.copy_host[0] if self.copy_host else "?", why)
+        self.copy_host = None
+        lane, self._copy_lane = self._copy_lane, None
+        if lane is not None:
+            lane.close()
 
     # -- host handles
     def _from_host(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
@@ -291,23 +331,15 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             copier = self._copiers[device] = Copier(device)
         return copier
 
-    def _strided_copy(self, segments: Segments, device: int) -> Any:
-        """The segments' tiles on ``device`` (built and uploaded once per session: the plan is static), or
-        None where the kernel was not built."""
-        if self._strided is not None and self._strided[0] is segments and self._strided[1] == device:
-            return self._strided[2]
-        image = strided.kernel_image()
-        if image is None:
-            return None
-        from tensorxfer.memory._copy import StridedCopy
-
+    def _strided_copy(self, segments: Segments, device: int) -> DeviceSegments:
+        """The segments' device copy on ``device`` (built and uploaded once per session: the plan is static)."""
+        if self._strided is not None and self._strided.segments is segments and self._strided.device == device:
+            return self._strided
         old, self._strided = self._strided, None
         if old is not None:
-            old[2].close()
-        tiles = strided.tiles(segments.src_off, segments.dst_off, segments.nbytes, segments.count,
-                              segments.src_stride, segments.dst_stride)
-        self._strided = (segments, device, StridedCopy(device, tiles, image))
-        return self._strided[2]
+            old.close()
+        self._strided = DeviceSegments(segments, device)
+        return self._strided
 
     # -- helpers
     def _pieces(self, watermark: Watermark, relayed: int, plain: int) -> int:
@@ -384,28 +416,11 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         self._region = None
         kernel, self._strided = self._strided, None
         if kernel is not None:
-            kernel[2].close()
+            kernel.close()
+        lane, self._copy_lane = self._copy_lane, None
+        if lane is not None:
+            lane.close()
         copiers, self._copiers = self._copiers, {}
         for copier in copiers.values():
             copier.close()
 
-
-def _run_threads(count: int, work: Callable[[int], Any]) -> None:
-    """``work(k)`` for k < ``count``, each in its own thread (k = 0 in this one); the first error is raised
-    once all ended."""
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            work(k)
-        except BaseException as e:
-            errors.append(e)
-    threads = [threading.Thread(target=run, args=(k,), name="tensorxfer-ipc-segments", daemon=True)
-               for k in range(1, count)]
-    for t in threads:
-        t.start()
-    run(0)
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]

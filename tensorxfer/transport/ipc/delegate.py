@@ -1,0 +1,376 @@
+"""A weight sync's targets that share a GPU copy in ONE process: a copy host, and the lanes that feed it.
+
+Why: without MPS a GPU time-slices the kernels of different processes' contexts.  On one H100, two target
+processes each copying their half of ``bench_sync``'s 16 GB 4-to-2 plan kept the GPU ~12.4 ms from the first
+launch to the last copy's end; the same kernels launched from one process took 11.2 ms
+(``benchmarks/results/2026-12-05-h100-sync``).  So the targets of a sync on one GPU elect one of them
+(:mod:`tensorxfer.sync.copy_host`); it runs a :class:`CopyHost`, and each other target (a follower) hands
+each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
+
+- a lane is a Unix ``SOCK_SEQPACKET`` connection to a socket in the host's fresh 0700 directory; the host
+  checks the peer's uid (``SO_PEERCRED``) and an HMAC over its nonce with the group's token key;
+- setup (``S``, then ``F`` handle batches with their fds, then ``T`` batches of the segment columns): the
+  source's memory handles as the follower got them, the follower's own region's handles, the pair's
+  segments; the host maps both regions and builds the pair's copy, and answers ``K`` (or ``E`` + why);
+- a step is ``G`` + seq, answered ``K`` + seq once the bytes are in the follower's memory (the host's
+  stream synchronized), or ``E`` + why.
+
+The follower still maps the source itself: a lane that fails (the host closed or died) makes it copy the
+pair locally, that step included -- redoing the whole pair's copy is safe, both copies write the same bytes
+(the source holds its region until the pair is acked).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tensorxfer.connections import Gate, listen
+from tensorxfer.errors import (
+    AuthError,
+    PeerLost,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+)
+from tensorxfer.memory import HostRegion
+from tensorxfer.protocol import field, mac, nonce
+from tensorxfer.transport.ipc.identity import check_peer
+from tensorxfer.transport.ipc.messages import (
+    FD_BATCH,
+    HEADER_TIMEOUT,
+    MAX_CHUNKS,
+    MAX_MESSAGE,
+    U64,
+    add_chunks,
+    close_fds,
+    recv_message,
+    send_message,
+    unpack,
+)
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
+from tensorxfer.transport.segments import Segments
+
+log = logging.getLogger(__name__)
+
+_NO_TOKEN = b"tensorxfer-copy-host-without-token"    # a tokenless group: the uid check is the guard
+_COLUMNS = 6                                         # src_off, dst_off, nbytes, count, src_stride, dst_stride
+_T_BYTES = (MAX_MESSAGE - 64) // (8 * _COLUMNS) * (8 * _COLUMNS)     # segment bytes per "T" message
+MAX_GROUPS = 1 << 24                                 # 768 MiB of columns: past any plan's pair
+
+
+def _proof(key: bytes | None, challenge: bytes) -> bytes:
+    return mac(key or _NO_TOKEN, b"copy-host", challenge)
+
+
+class CopyHost:
+    """The elected target's side: a listener, and a thread per lane copying into a follower's memory.
+
+    ``device`` is this process's index of the GPU (None: host memory); ``key`` the group's token key.
+    """
+
+    def __init__(self, key: bytes | None, device: int | None, stall_timeout: float, threads: int = 2) -> None:
+        self.device, self.stall_timeout, self.threads = device, float(stall_timeout), threads
+        self._key = key
+        self._closed = False
+        self._lock = threading.Lock()
+        self._lanes: dict[socket.socket, threading.Thread] = {}
+        self._dir = tempfile.mkdtemp(prefix="tensorxfer-copyhost-")     # mode 0700: only our uid gets in
+        self.path = os.path.join(self._dir, "s")
+        try:
+            self._gate = Gate(listen(self.path, socket.AF_UNIX, socket.SOCK_SEQPACKET), self._authenticate,
+                              HEADER_TIMEOUT, "copy host")
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self.lanes_served = 0       # lanes that connected, in all
+        self.copies = 0             # pair copies made for followers, in all
+        self._acceptor = threading.Thread(target=self._accept, name="tensorxfer-copy-host", daemon=True)
+        self._acceptor.start()
+
+    def _authenticate(self, conn: socket.socket) -> int | None:
+        challenge = nonce()
+        try:
+            pid = check_peer(conn)
+            conn.send(b"N" + challenge)
+            answer = recv_message(conn, "the lane's proof", HEADER_TIMEOUT)
+            ok = answer[:1] == b"A" and hmac.compare_digest(answer[1:], _proof(self._key, challenge))
+            conn.send(b"K" if ok else b"E" + b"the lane failed authentication (another group's token?)")
+        except (AuthError, TensorXferError, OSError) as e:
+            log.warning("copy host: refused a lane: %s", e)
+            return None
+        return pid if ok else None
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                [(conn, _)] = self._gate.admit(1, abort=lambda: "closed" if self._closed else None)
+            except TensorXferError:
+                return      # closed
+            lane = threading.Thread(target=self._serve, args=(conn,), name="tensorxfer-copy-lane", daemon=True)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._lanes[conn] = lane
+                self.lanes_served += 1
+            lane.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One lane: set up, then copy each step, until the follower closes (or this host does)."""
+        pair: _HostedPair | None = None
+        try:
+            while True:
+                conn.settimeout(None)
+                try:
+                    msg = conn.recv(MAX_MESSAGE)
+                except OSError:
+                    return
+                if not msg:
+                    return
+                try:
+                    if msg[:1] == b"S":
+                        if pair is not None:
+                            pair.close()
+                            pair = None
+                        pair = _HostedPair.receive(conn, msg[1:], self.device, self.stall_timeout)
+                        conn.send(b"K")
+                    elif msg[:1] == b"G" and len(msg) == 9:
+                        if pair is None:
+                            raise ProtocolError("copy host: a step before the lane's setup")
+                        pair.copy(self.threads)
+                        with self._lock:
+                            self.copies += 1
+                        conn.send(b"K" + msg[1:])
+                    else:
+                        raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}")
+                except Exception as e:      # the lane's own failure (a bad setup, a CUDA error): say why
+                    log.warning("copy host: a lane failed: %s", e)
+                    try:
+                        conn.send(b"E" + str(e).encode()[:4000])
+                    except OSError:
+                        return
+        finally:
+            if pair is not None:
+                pair.close()
+            with self._lock:
+                self._lanes.pop(conn, None)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop taking lanes, end the open ones (each finishes the copy it runs, then unmaps), remove the
+        socket's directory; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            lanes = dict(self._lanes)
+        self._gate.close()
+        for conn in lanes:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass        # already gone
+        for lane in lanes.values():
+            lane.join(self.stall_timeout)
+        self._acceptor.join(self.stall_timeout)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _HostedPair:
+    """One lane's pair on the host: the source's and the follower's memory mapped here, and their copy."""
+
+    def __init__(self, src: Any, dst: Any, segments: Segments, device: int | None) -> None:
+        self.src, self.dst, self.segments, self.device = src, dst, segments, device
+        self._copier: Any = None
+        self._device_copy: DeviceSegments | None = None
+        if device is not None:
+            from tensorxfer.memory._copy import Copier
+
+            self._copier = Copier(device)
+            self._device_copy = DeviceSegments(segments, device)
+
+    @classmethod
+    def receive(cls, conn: socket.socket, header: bytes, device: int | None, timeout: float) -> _HostedPair:
+        """The setup after its ``S`` header: both regions' handles, the segments; mapped and checked."""
+        head = unpack(header, "the lane's setup")
+        if not isinstance(head, dict):
+            raise ProtocolError("copy host: the lane's setup is not a map")
+        kind, groups = field(head, "kind", str), field(head, "groups", int)
+        src_nbytes, src_count, dst_nbytes, dst_count = (field(head, k, int) for k in (
+            "src_nbytes", "src_count", "dst_nbytes", "dst_count"))
+        if kind not in ("host", "cuda") or (kind == "cuda") != (device is not None) or not 0 <= groups <= MAX_GROUPS \
+                or min(src_nbytes, src_count, dst_nbytes, dst_count) <= 0 or max(src_count, dst_count) > MAX_CHUNKS:
+            raise ProtocolError(f"copy host: a lane's setup out of range ({kind!r} memory, {groups} groups, "
+                                f"{src_count} chunks of {src_nbytes} bytes to {dst_count} of {dst_nbytes}) for a "
+                                f"host of {'host' if device is None else 'cuda'} memory")
+        fds: list[int] = []
+        try:
+            src_chunks, dst_chunks = _receive_handles(conn, src_count, src_nbytes, fds, timeout), None
+            dst_chunks = _receive_handles(conn, dst_count, dst_nbytes, fds, timeout)
+            raw = bytearray()
+            while len(raw) < groups * _COLUMNS * 8:
+                msg = recv_message(conn, "the lane's segments", timeout)
+                if msg[:1] != b"T" or len(raw) + len(msg) - 1 > groups * _COLUMNS * 8:
+                    raise ProtocolError(f"copy host: bad segments message {msg[:8]!r}")
+                raw += msg[1:]
+            cols = np.frombuffer(bytes(raw), dtype=">u8").astype(np.uint64).reshape(_COLUMNS, groups)
+            segments = Segments(*(np.ascontiguousarray(c) for c in cols))
+            segments.check_within(src_nbytes, dst_nbytes)
+            src = dst = None
+            try:
+                src = _map(src_chunks, device, writable=False)
+                dst = _map(dst_chunks, device, writable=True)
+                return cls(src, dst, segments, device)
+            except BaseException:
+                for region in (src, dst):
+                    if region is not None:
+                        region.close()
+                raise
+        finally:
+            close_fds(fds)
+
+    def copy(self, threads: int) -> None:
+        if self._device_copy is not None:
+            self._device_copy.launch(self._copier, self.dst.ptr, self.src.ptr)
+            self._copier.synchronize()
+        else:
+            copy_host_segments(self.src, self.dst, self.segments, threads)
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.synchronize()      # nothing of ours may still run on memory we unmap
+        if self._device_copy is not None:
+            self._device_copy.close()
+        if self._copier is not None:
+            self._copier.close()
+        self.src.close()
+        self.dst.close()
+
+
+def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int],
+                     timeout: float) -> list[tuple[int, int]]:
+    """``count`` (size, fd) chunks tiling ``[0, nbytes)`` from 0, in ``F`` messages; their fds also go into
+    ``fds`` (the caller closes them)."""
+    chunks: list[tuple[int, int]] = []
+    got_fds: list[int] = []
+    while len(chunks) < count:
+        conn.settimeout(timeout)
+        try:
+            data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+        except OSError as e:
+            raise PeerLost(f"copy host: the lane was lost passing handles: {e}") from None
+        fds.extend(got)
+        got_fds.extend(got)
+        if not data or data[:1] != b"F" or not got or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise ProtocolError(f"copy host: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x})")
+        before = len(chunks)
+        add_chunks(chunks, unpack(data[1:], "a lane's handle message"), nbytes)
+        if len(chunks) - before != len(got) or len(chunks) > count:
+            raise ProtocolError("copy host: a handle message lists other chunks than the fds it carries")
+    if chunks[-1][0] + chunks[-1][1] < nbytes:
+        raise ProtocolError(f"copy host: {count} chunks end before the {nbytes}-byte region does")
+    return [(size, fd) for (_, size), fd in zip(chunks, got_fds)]
+
+
+def _map(handles: list[tuple[int, int]], device: int | None, writable: bool) -> Any:
+    if device is None:
+        return HostRegion.import_handles(handles, writable=writable, populate=True)
+    from tensorxfer.memory import CudaRegion
+
+    return CudaRegion.import_handles(handles, device=device)
+
+
+class CopyLane:
+    """A follower's lane for one pair (see the module docstring).
+
+    Raises (each call)
+    ------
+    PeerLost, TransferTimeout, TransferError, ProtocolError
+        The host is gone, stalled or refused: the caller copies locally instead.
+    """
+
+    def __init__(self, path: str, key: bytes | None, timeout: float) -> None:
+        self.timeout = float(timeout)
+        self.ready_for: Any = None      # what the host set up, as the caller names it
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(HEADER_TIMEOUT)
+            try:
+                sock.connect(path)
+            except OSError as e:
+                raise PeerLost(f"copy host: cannot reach {path}: {e}") from None
+            challenge = recv_message(sock, "the copy host's challenge", HEADER_TIMEOUT)
+            if challenge[:1] != b"N":
+                raise ProtocolError(f"copy host: unexpected challenge {challenge[:8]!r}")
+            check_peer(sock)
+            send_message(sock, b"A" + _proof(key, challenge[1:]), "the lane's proof")
+            self._expect(sock, b"K", "the copy host's admission", HEADER_TIMEOUT)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock: socket.socket | None = sock
+
+    def setup(self, src_handles: list[tuple[int, int]], src_nbytes: int, dst: Any, dst_nbytes: int,
+              segments: Segments, kind: str, ready_for: Any) -> None:
+        """Pass the source's handles (``(size, fd)``, still the caller's), the follower's region ``dst`` (its
+        memory handles exported here) and the pair's segments; return once the host mapped them."""
+        sock = self._live()
+        exported = dst.export_handles()
+        owned = [fd for _, _, fd in exported]
+        try:
+            dst_chunks = [(off, size, fd) for off, size, fd in exported if off < dst_nbytes]
+            src_chunks, pos = [], 0
+            for size, fd in src_handles:
+                src_chunks.append((pos, size, fd))
+                pos += size
+            send_message(sock, b"S" + msgpack.packb(
+                {"kind": kind, "groups": len(segments), "src_nbytes": src_nbytes, "src_count": len(src_chunks),
+                 "dst_nbytes": dst_nbytes, "dst_count": len(dst_chunks)}), "the lane's setup")
+            for chunks in (src_chunks, dst_chunks):
+                for i in range(0, len(chunks), FD_BATCH):
+                    batch = chunks[i:i + FD_BATCH]
+                    send_message(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]),
+                                 "memory handles", [fd for *_, fd in batch])
+        finally:
+            close_fds(owned)
+        cols = np.stack([segments.src_off, segments.dst_off, segments.nbytes, segments.count, segments.src_stride,
+                         segments.dst_stride]).astype(">u8").tobytes()
+        for i in range(0, len(cols), _T_BYTES):
+            send_message(sock, b"T" + cols[i:i + _T_BYTES], "the lane's segments")
+        self._expect(sock, b"K", "the copy host's setup", self.timeout)
+        self.ready_for = ready_for
+
+    def copy(self, seq: int) -> None:
+        """Have the host copy the pair (for step ``seq``); return once the bytes are in the follower's memory."""
+        sock = self._live()
+        send_message(sock, b"G" + U64.pack(seq), "the lane's step")
+        self._expect(sock, b"K" + U64.pack(seq), "the copy host's copy", self.timeout)
+
+    def _live(self) -> socket.socket:
+        if self._sock is None:
+            raise TransferError("copy host: the lane is closed")
+        return self._sock
+
+    @staticmethod
+    def _expect(sock: socket.socket, want: bytes, what: str, timeout: float) -> None:
+        msg = recv_message(sock, what, timeout)
+        if msg[:1] == b"E":
+            raise TransferError(f"copy host: {msg[1:].decode(errors='replace')}")
+        if msg != want:
+            raise ProtocolError(f"copy host: {msg[:16]!r} instead of {what}")
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
