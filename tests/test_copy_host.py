@@ -1,0 +1,107 @@
+"""The copy host: targets on one device hand their ipc pairs' copies to one of them (real sockets, memfds,
+a real TCPStore; the GPU case, where it is on by default, runs in test_sync's cuda-marked tests)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+
+from tensorxfer.errors import PeerLost, TransferError
+from tensorxfer.sync.copy_host import elect
+from tensorxfer.sync.rendezvous import TorchStoreRendezvous, open_tcp_store
+from tensorxfer.transport.ipc.delegate import CopyHost, CopyLane
+
+torch = pytest.importorskip("torch", reason="the weight sync's examples are torch tensors")
+
+import tensorxfer as tx  # noqa: E402
+from tests.test_sync import (  # noqa: E402  (after the skip: test_sync needs torch)
+    Stores,
+    expected_target,
+    global_tensors,
+    run_ranks,
+    source_tensors,
+    target_tensors,
+)
+
+
+def test_a_lane_of_another_group_is_refused_and_close_is_idempotent() -> None:
+    host = CopyHost(b"k" * 32, None, stall_timeout=5)
+    try:
+        with pytest.raises(TransferError, match="authentication"):
+            CopyLane(host.path, b"x" * 32, timeout=5)
+        lane = CopyLane(host.path, b"k" * 32, timeout=5)    # the right key gets in
+        lane.close()
+        lane.close()
+    finally:
+        host.close()
+        host.close()
+    assert not os.path.exists(host.path)
+    with pytest.raises(PeerLost, match="cannot reach"):
+        CopyLane(host.path, b"k" * 32, timeout=5)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tensorxfer-copy")]
+
+
+def test_the_first_target_on_a_device_hosts_and_a_gone_host_is_passed_over() -> None:
+    server = open_tcp_store("127.0.0.1", 0, True)
+    rdv = TorchStoreRendezvous(open_tcp_store("127.0.0.1", server.port, False))
+    region = tx.TensorRegion.from_tensors({"w": torch.zeros(1024)})
+    made = []
+    try:
+        def key_of(*parts: object) -> str:
+            return "g/" + "/".join(map(str, parts))
+        first = elect(rdv, key_of, 0, region, None, 5.0)
+        made.append(first[0])
+        assert first[0] is not None and first[1] is None
+        second = elect(rdv, key_of, 1, region, None, 5.0)
+        assert second == (None, (first[0].path, None))     # follows the first
+        first[0].close()                                    # the host goes (its socket with it)
+        third = elect(rdv, key_of, 2, region, None, 5.0)    # a later target hosts in the next generation
+        made.append(third[0])
+        assert third[0] is not None and third[1] is None and third[0].path != first[0].path
+    finally:
+        for host in made:
+            if host is not None:
+                host.close()
+        region.close()
+        rdv.close()
+
+
+def test_followers_copy_on_their_own_once_the_host_is_gone(caplog: pytest.LogCaptureFixture) -> None:
+    """Target 0 hosts, target 1 follows; the host closes between steps: target 1's next step fails over to
+    copying itself, with the right bytes, and says so."""
+    n, m = 2, 2
+    stores = Stores()
+    g0 = global_tensors(0)
+    src_tensors = [source_tensors(r, n, g0) for r in range(n)]
+    tgt_tensors = [target_tensors(r, m, torch.float32) for r in range(m)]
+    syncs = run_ranks(
+        [lambda r=r: tx.WeightSync(stores.client(), "h", "source", r, (n, m), src_tensors[r], token="k",
+                                   transport="ipc", timeout=30, elastic=False) for r in range(n)] +
+        [lambda r=r: tx.WeightSync(stores.client(), "h", "target", r, (n, m), tgt_tensors[r], token="k",
+                                   transport="ipc", timeout=30, elastic=False, copy_host=True) for r in range(m)])
+    sources, targets = syncs[:n], syncs[n:]
+    try:
+        host = targets[0]._copy_host
+        assert host is not None and targets[1]._copy_host is None
+        for step in (1, 2, 3):
+            g = global_tensors(step)
+            for r in range(n):
+                for name, src in source_tensors(r, n, g).items():
+                    src_tensors[r][name].tensor.copy_(src.tensor)
+            if step == 3:
+                host.close()
+            with caplog.at_level(logging.WARNING, logger="tensorxfer.transport.ipc.copy"):
+                results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
+            assert results[n:] == [step] * m
+            for r in range(m):
+                want = expected_target(r, m, g)
+                for name, target in tgt_tensors[r].items():
+                    assert torch.equal(target.tensor, want[name]), (step, r, name)
+        assert host.copies == 2 * n        # steps 1 and 2: every follower pair; step 3 was copied by target 1
+        assert sum("copies in its own process from now on" in r.message for r in caplog.records) == n
+    finally:
+        for s in syncs:
+            s.close()
