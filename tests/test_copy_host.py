@@ -70,8 +70,8 @@ def test_the_first_target_on_a_device_hosts_and_a_gone_host_is_passed_over() -> 
 
 
 def test_followers_copy_on_their_own_once_the_host_is_gone(caplog: pytest.LogCaptureFixture) -> None:
-    """Target 0 hosts, target 1 follows; the host closes between steps: target 1's next step fails over to
-    copying itself, with the right bytes, and says so."""
+    """One target hosts (whichever was elected first), the other follows; the host closes between steps: the
+    follower's next step fails over to copying itself, with the right bytes, and says so."""
     n, m = 2, 2
     stores = Stores()
     g0 = global_tensors(0)
@@ -84,8 +84,7 @@ def test_followers_copy_on_their_own_once_the_host_is_gone(caplog: pytest.LogCap
                                    transport="ipc", timeout=30, elastic=False, copy_host=True) for r in range(m)])
     sources, targets = syncs[:n], syncs[n:]
     try:
-        host = targets[0]._copy_host
-        assert host is not None and targets[1]._copy_host is None
+        [host] = [t._copy_host for t in targets if t._copy_host is not None]
         for step in (1, 2, 3):
             g = global_tensors(step)
             for r in range(n):
@@ -105,3 +104,83 @@ def test_followers_copy_on_their_own_once_the_host_is_gone(caplog: pytest.LogCap
     finally:
         for s in syncs:
             s.close()
+
+
+def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -> None:
+    """Lane-level, on memfds: a setup maps the source and the follower's region; a later setup without the
+    source's handles (a new plan for the same memory) keeps that mapping, one with new handles replaces it;
+    the follower's region is passed once."""
+    import numpy as np
+
+    from tensorxfer.memory import HostRegion
+    from tensorxfer.transport.segments import Segments
+
+    def region_of(values: bytes) -> HostRegion:
+        region = HostRegion.allocate(len(values))
+        memoryview(region)[:len(values)] = values
+        return region
+
+    size = 1 << 16
+    a, b, dst = region_of(bytes(range(256)) * (size // 256)), region_of(b"\x07" * size), region_of(bytes(size))
+    host = CopyHost(None, None, stall_timeout=5)
+    lane = CopyLane(host.path, None, timeout=5)
+    try:
+        def handles(region: HostRegion) -> list[tuple[int, int]]:
+            return [(sz, fd) for _, sz, fd in region.export_handles()]
+
+        first = Segments.of([0, 4096], [100, 5000], [64, 32], [3, 1], [256, 0], [64, 0])   # a strided group too
+        src_a = handles(a)
+        lane.setup(src_a, size, dst, size, first, "host", "a1")
+        for _, fd in src_a:
+            os.close(fd)        # still the caller's: the host holds its own
+        lane.copy(1)
+        view = np.frombuffer(memoryview(dst), np.uint8)
+        src = np.frombuffer(memoryview(a), np.uint8)
+        want = np.zeros(size, np.uint8)
+        for j in range(3):
+            want[100 + 64 * j:164 + 64 * j] = src[256 * j:256 * j + 64]
+        want[5000:5032] = src[4096:4128]
+        assert np.array_equal(view, want)
+        lane.setup(None, size, dst, size, Segments.of([10], [20000], [50]), "host", "a2")     # same source
+        lane.copy(2)
+        want[20000:20050] = src[10:60]
+        assert np.array_equal(view, want)
+        src_b = handles(b)
+        lane.setup(src_b, size, dst, size, Segments.of([0], [30000], [8]), "host", "b1")      # a new source
+        for _, fd in src_b:
+            os.close(fd)
+        lane.copy(3)
+        want[30000:30008] = 7
+        assert np.array_equal(view, want)
+        assert host.copies == 3 and host.lanes_served == 1
+        del view, src
+    finally:
+        lane.close()
+        host.close()
+        for r in (a, b, dst):
+            r.close()
+
+
+def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on() -> None:
+    from tensorxfer.memory import HostRegion
+    from tensorxfer.transport.segments import Segments
+
+    src, dst = HostRegion.allocate(4096), HostRegion.allocate(4096)
+    host = CopyHost(None, None, stall_timeout=5)
+    try:
+        for segments in (Segments.of([4090], [0], [64]), Segments.of([0], [4090], [64])):
+            lane = CopyLane(host.path, None, timeout=5)
+            handles = [(sz, fd) for _, sz, fd in src.export_handles()]
+            try:
+                with pytest.raises(TransferError, match="copy host: segments reach past the regions"):
+                    lane.setup(handles, 4096, dst, 4096, segments, "host", "x")
+            finally:
+                for _, fd in handles:
+                    os.close(fd)
+                lane.close()
+        lane = CopyLane(host.path, None, timeout=5)     # the host still takes lanes
+        lane.close()
+    finally:
+        host.close()
+        src.close()
+        dst.close()

@@ -211,22 +211,22 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
 
     def _lane(self, key: tuple, incoming: Incoming, handles: Handles, segments: Segments) -> CopyLane | None:
         """The lane to the copy host, set up for this pair's source memory and segments; None where it cannot
-        be (the host is unreachable, or the source's handles went by while no lane was up: this pair then
+        be (the host is unreachable, or the source's handles went by while no lane held them: this pair then
         copies here until the session passes them again)."""
         assert self._region is not None and self.copy_host is not None
-        want = (key, segments)
         lane = self._copy_lane
-        if lane is not None and lane.ready_for == want:
+        if lane is not None and lane.ready_for == (key, segments):
             return lane
-        if not handles:
+        held = lane is not None and lane.ready_for is not None and lane.ready_for[0] == key
+        if not handles and not held:
             return None
         try:
             if lane is None:
                 lane = self._copy_lane = CopyLane(self.copy_host[0], self.copy_host[1], self.ctx.stall_timeout)
-            lane.setup(handles, incoming.nbytes, self._region.region, self._region.nbytes, segments, incoming.kind,
-                       want)
+            lane.setup(handles or None, incoming.nbytes, self._region.region, self._region.nbytes, segments,
+                       incoming.kind, (key, segments))
             return lane
-        except (TensorXferError, OSError) as e:
+        except Exception as e:      # the host gone or refusing, or a region without handles: copy here
             self._give_up_lane(e)
             return None
 

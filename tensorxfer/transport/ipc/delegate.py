@@ -139,10 +139,12 @@ class CopyHost:
                     return
                 try:
                     if msg[:1] == b"S":
-                        if pair is not None:
-                            pair.close()
-                            pair = None
-                        pair = _HostedPair.receive(conn, msg[1:], self.device, self.stall_timeout)
+                        old, pair = pair, None
+                        try:
+                            pair = _HostedPair.receive(conn, msg[1:], self.device, self.stall_timeout, old)
+                        finally:
+                            if old is not None:
+                                old.close()     # what the new pair did not take over
                         conn.send(b"K")
                     elif msg[:1] == b"G" and len(msg) == 9:
                         if pair is None:
@@ -189,8 +191,9 @@ class CopyHost:
 class _HostedPair:
     """One lane's pair on the host: the source's and the follower's memory mapped here, and their copy."""
 
-    def __init__(self, src: Any, dst: Any, segments: Segments, device: int | None) -> None:
-        self.src, self.dst, self.segments, self.device = src, dst, segments, device
+    def __init__(self, src: tuple[Any, int], dst: tuple[Any, int], segments: Segments, device: int | None) -> None:
+        (self.src, self.src_nbytes), (self.dst, self.dst_nbytes) = src, dst
+        self.segments, self.device = segments, device
         self._copier: Any = None
         self._device_copy: DeviceSegments | None = None
         if device is not None:
@@ -200,8 +203,10 @@ class _HostedPair:
             self._device_copy = DeviceSegments(segments, device)
 
     @classmethod
-    def receive(cls, conn: socket.socket, header: bytes, device: int | None, timeout: float) -> _HostedPair:
-        """The setup after its ``S`` header: both regions' handles, the segments; mapped and checked."""
+    def receive(cls, conn: socket.socket, header: bytes, device: int | None, timeout: float,
+                old: _HostedPair | None) -> _HostedPair:
+        """The setup after its ``S`` header: both regions' handles, the segments; mapped and checked.  A region
+        passed with no handles is ``old``'s mapping of it, taken over (a new plan for the same memory)."""
         head = unpack(header, "the lane's setup")
         if not isinstance(head, dict):
             raise ProtocolError("copy host: the lane's setup is not a map")
@@ -209,7 +214,8 @@ class _HostedPair:
         src_nbytes, src_count, dst_nbytes, dst_count = (field(head, k, int) for k in (
             "src_nbytes", "src_count", "dst_nbytes", "dst_count"))
         if kind not in ("host", "cuda") or (kind == "cuda") != (device is not None) or not 0 <= groups <= MAX_GROUPS \
-                or min(src_nbytes, src_count, dst_nbytes, dst_count) <= 0 or max(src_count, dst_count) > MAX_CHUNKS:
+                or min(src_nbytes, dst_nbytes) <= 0 or not 0 <= min(src_count, dst_count) <= MAX_CHUNKS \
+                or max(src_count, dst_count) > MAX_CHUNKS:
             raise ProtocolError(f"copy host: a lane's setup out of range ({kind!r} memory, {groups} groups, "
                                 f"{src_count} chunks of {src_nbytes} bytes to {dst_count} of {dst_nbytes}) for a "
                                 f"host of {'host' if device is None else 'cuda'} memory")
@@ -226,11 +232,14 @@ class _HostedPair:
             cols = np.frombuffer(bytes(raw), dtype=">u8").astype(np.uint64).reshape(_COLUMNS, groups)
             segments = Segments(*(np.ascontiguousarray(c) for c in cols))
             segments.check_within(src_nbytes, dst_nbytes)
+            if (src_count == 0 or dst_count == 0) and (old is None or (src_count == 0 and old.src_nbytes != src_nbytes)
+                                                       or (dst_count == 0 and old.dst_nbytes != dst_nbytes)):
+                raise ProtocolError("copy host: a lane's setup without handles, but this lane maps no such region")
             src = dst = None
             try:
-                src = _map(src_chunks, device, writable=False)
-                dst = _map(dst_chunks, device, writable=True)
-                return cls(src, dst, segments, device)
+                src = old.take("src") if old is not None and src_count == 0 else _map(src_chunks, device, False)
+                dst = old.take("dst") if old is not None and dst_count == 0 else _map(dst_chunks, device, True)
+                return cls((src, src_nbytes), (dst, dst_nbytes), segments, device)
             except BaseException:
                 for region in (src, dst):
                     if region is not None:
@@ -246,6 +255,14 @@ class _HostedPair:
         else:
             copy_host_segments(self.src, self.dst, self.segments, threads)
 
+    def take(self, which: str) -> Any:
+        """Hand this pair's mapping of ``which`` ("src" or "dst") over to a new pair of the lane."""
+        if self._copier is not None:
+            self._copier.synchronize()
+        region = getattr(self, which)
+        setattr(self, which, None)
+        return region
+
     def close(self) -> None:
         if self._copier is not None:
             self._copier.synchronize()      # nothing of ours may still run on memory we unmap
@@ -253,8 +270,10 @@ class _HostedPair:
             self._device_copy.close()
         if self._copier is not None:
             self._copier.close()
-        self.src.close()
-        self.dst.close()
+        for region in (self.src, self.dst):
+            if region is not None:
+                region.close()
+        self.src = self.dst = None
 
 
 def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int],
@@ -263,6 +282,8 @@ def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int
     ``fds`` (the caller closes them)."""
     chunks: list[tuple[int, int]] = []
     got_fds: list[int] = []
+    if count == 0:
+        return []
     while len(chunks) < count:
         conn.settimeout(timeout)
         try:
@@ -282,7 +303,8 @@ def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int
     return [(size, fd) for (_, size), fd in zip(chunks, got_fds)]
 
 
-def _map(handles: list[tuple[int, int]], device: int | None, writable: bool) -> Any:
+def _map(handles: list[tuple[int, int]] | None, device: int | None, writable: bool) -> Any:
+    assert handles
     if device is None:
         return HostRegion.import_handles(handles, writable=writable, populate=True)
     from tensorxfer.memory import CudaRegion
@@ -320,17 +342,21 @@ class CopyLane:
             raise
         self._sock: socket.socket | None = sock
 
-    def setup(self, src_handles: list[tuple[int, int]], src_nbytes: int, dst: Any, dst_nbytes: int,
+    def setup(self, src_handles: list[tuple[int, int]] | None, src_nbytes: int, dst: Any, dst_nbytes: int,
               segments: Segments, kind: str, ready_for: Any) -> None:
-        """Pass the source's handles (``(size, fd)``, still the caller's), the follower's region ``dst`` (its
-        memory handles exported here) and the pair's segments; return once the host mapped them."""
+        """Pass the source's handles (``(size, fd)``, still the caller's; None: the host maps them already),
+        the follower's region ``dst`` (its memory handles exported here, on the lane's first setup) and the
+        pair's segments; return once the host mapped them."""
         sock = self._live()
-        exported = dst.export_handles()
-        owned = [fd for _, _, fd in exported]
+        exported = [] if self.ready_for is not None else dst.export_handles()
+        owned = [fd for _, _, fd in exported if fd >= 0]
         try:
+            if any(fd < 0 for _, _, fd in exported):
+                raise TransferError("copy host: this target's region has no memory handles to pass (adopted "
+                                    "memory)")
             dst_chunks = [(off, size, fd) for off, size, fd in exported if off < dst_nbytes]
             src_chunks, pos = [], 0
-            for size, fd in src_handles:
+            for size, fd in src_handles or ():
                 src_chunks.append((pos, size, fd))
                 pos += size
             send_message(sock, b"S" + msgpack.packb(

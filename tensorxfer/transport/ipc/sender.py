@@ -167,9 +167,9 @@ class IpcSender(SenderTransport):
             raise ProtocolError("IpcSender.send() before connect()")
         nbytes = region.nbytes
         kind, device = ("cuda", int(region.region.device_index)) if region.is_cuda else ("host", 0)
-        token = _TOKENS.get(region)
-        if token is None:
-            token = _TOKENS[region] = os.urandom(16)
+        # setdefault: a source's first step posts to every target from a thread each, and a token drawn twice
+        # would make one of them pass the handles again next step
+        token = _TOKENS.setdefault(region, os.urandom(16))
         ready = self._ready_now(nbytes)
         cached = nbytes > 0 and token == self._passed
         chunks = [] if cached or not nbytes else self._export(region)
