@@ -12,6 +12,7 @@ Both are pure (no I/O); execution and rendezvous build on them:
 - :mod:`tensorxfer.sync.shards` -- what a rank hands over: :class:`Source` / :class:`Target` (or DTensors).
 - :mod:`tensorxfer.sync.rendezvous` -- where ranks meet (a ``torch.distributed`` store; etcd for clusters).
 - :mod:`tensorxfer.sync.link` -- one (source, target) pair over the session transports.
+- :mod:`tensorxfer.sync.copy_host` -- which target copies for the others on its GPU (one CUDA context).
 - :mod:`tensorxfer.sync.weight_sync` -- :class:`WeightSync`: rendezvous, plan, push / wait.
 """
 

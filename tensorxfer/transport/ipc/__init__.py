@@ -103,8 +103,10 @@ fds are closed as soon as they are mapped.
 
 Modules: :mod:`.identity` (who may use ipc), :mod:`.messages` (the wire above and its checks),
 :mod:`.sender` (:class:`IpcSender`), :mod:`.receiving` (what both receivers share: the socket, the
-sender's admission, the handles), :mod:`.copy` (:class:`IpcReceiver`, copy mode) and :mod:`.share`
-(:class:`IpcShareReceiver`, share mode).
+sender's admission, the handles), :mod:`.copy` (:class:`IpcReceiver`, copy mode), :mod:`.share`
+(:class:`IpcShareReceiver`, share mode), :mod:`.pairs` (a weight-sync pair's copy, host or device) and
+:mod:`.delegate` (a weight sync's targets on one GPU copying through one process: the copy host and its
+lanes).
 """
 
 from tensorxfer.transport.ipc.copy import COPY_THREADS, IpcReceiver
