@@ -69,6 +69,37 @@ def test_the_first_target_on_a_device_hosts_and_a_gone_host_is_passed_over() -> 
         rdv.close()
 
 
+def test_a_killed_host_left_in_the_store_is_passed_over(tmp_path) -> None:
+    """A host killed outright leaves its record and its socket file: the next target checks the process."""
+    import subprocess
+    import sys
+
+    import msgpack
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    leftover = tmp_path / "s"
+    leftover.write_bytes(b"")
+    server = open_tcp_store("127.0.0.1", 0, True)
+    rdv = TorchStoreRendezvous(open_tcp_store("127.0.0.1", server.port, False))
+    region = tx.TensorRegion.from_tensors({"w": torch.zeros(1024)})
+    host = None
+    try:
+        def key_of(*parts: object) -> str:
+            return "g/" + "/".join(map(str, parts))
+        from tensorxfer.sync.copy_host import device_identity
+
+        rdv.publish_once(key_of("copy-host", device_identity(region), 0),
+                         msgpack.packb({"rank": 0, "pid": dead_pid, "path": str(leftover)}))
+        host, follows = elect(rdv, key_of, 1, region, None, 5.0)
+        assert host is not None and follows is None
+    finally:
+        if host is not None:
+            host.close()
+        region.close()
+        rdv.close()
+
+
 def test_followers_copy_on_their_own_once_the_host_is_gone(caplog: pytest.LogCaptureFixture) -> None:
     """One target hosts (whichever was elected first), the other follows; the host closes between steps: the
     follower's next step fails over to copying itself, with the right bytes, and says so."""
@@ -168,11 +199,16 @@ def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on
     src, dst = HostRegion.allocate(4096), HostRegion.allocate(4096)
     host = CopyHost(None, None, stall_timeout=5)
     try:
-        for segments in (Segments.of([4090], [0], [64]), Segments.of([0], [4090], [64])):
+        wrap = 1 << 63
+        for segments in (Segments.of([4090], [0], [64]), Segments.of([0], [4090], [64]),
+                         Segments.of([0], [0], [8], [3], [wrap], [wrap]),         # steps that wrap around
+                         Segments.of([2**64 - 8], [2**64 - 8], [16]),             # an end that wraps
+                         Segments.of([0], [0], [8], [2**40], [0], [8]),           # a count past the region
+                         Segments.of([0, 0], [0, 0], [4096, 4096])):              # the region written twice
             lane = CopyLane(host.path, None, timeout=5)
             handles = [(sz, fd) for _, sz, fd in src.export_handles()]
             try:
-                with pytest.raises(TransferError, match="copy host: segments reach past the regions"):
+                with pytest.raises(TransferError, match=r"copy host: segments (reach past the regions|write)"):
                     lane.setup(handles, 4096, dst, 4096, segments, "host", "x")
             finally:
                 for _, fd in handles:

@@ -4,7 +4,7 @@ Targets whose regions share one GPU -- the same machine, user and mount namespac
 process may number its GPUs otherwise) -- publish-once a key naming that device; the first one's copy host
 (:class:`~tensorxfer.transport.ipc.delegate.CopyHost`) wins, and the others hand it their ipc pairs' copies
 (see that module for why: one CUDA context instead of several time-slicing the GPU).  A winner that is gone
-(its socket removed: it closed, or its process died) is passed over to the key's next generation, so a target
+(it closed and removed its socket, or its process is gone) is passed over to the key's next generation, so a target
 started later still finds a live host; targets that were following a host that went copy locally instead.
 """
 
@@ -38,6 +38,20 @@ def device_identity(region: Any) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
+def _alive(pid: int, path: str) -> bool:
+    """Whether a host recorded as ``pid`` listening at ``path`` may still serve: its socket is there (a host
+    that closed removed it) and its process runs (a killed one leaves the socket file behind)."""
+    if pid <= 0 or not os.path.exists(path):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # alive, as another user (the uid is part of the key: a recycled pid)
+        return False
+    return True
+
+
 def elect(rdv: Rendezvous, key_of: Any, rank: int, region: Any, token_key: bytes | None,
           stall_timeout: float) -> tuple[CopyHost | None, tuple[str, bytes | None] | None]:
     """``(the copy host this rank runs, or None; (path, key) of the one it follows, or None)``.
@@ -59,7 +73,7 @@ def elect(rdv: Rendezvous, key_of: Any, rank: int, region: Any, token_key: bytes
                 path = str(theirs["path"])
             except Exception:   # not ours to read: pass it over
                 continue
-            if os.path.exists(path):
+            if _alive(int(theirs.get("pid", 0)), path):
                 mine.close()
                 log.info("sync: target %d hands its device copies to target %s (copy host %s)", rank,
                          theirs.get("rank"), path)

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransportUnavailable
+from tensorxfer.errors import (
+    PeerLost,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
 from tensorxfer.memory._hostcopy import stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
@@ -231,10 +238,19 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             return None
 
     def _delegated(self, lane: CopyLane) -> bool:
-        """Whether the copy host copied this step's pair (else it is copied here, whole)."""
+        """Whether the copy host copied this step's pair (False: it refused or is gone; copy it here, whole).
+
+        Raises
+        ------
+        TransferTimeout
+            The host stalled: it may still copy, so the pair is not copied here (the step fails)."""
         try:
             lane.copy(self._seq)
             return True
+        except TransferTimeout as e:
+            self._give_up_lane(e)
+            raise TransferTimeout(f"ipc: the copy host did not copy this pair within {self.ctx.stall_timeout} s "
+                                  f"(it may still be copying)") from None
         except (TensorXferError, OSError) as e:
             self._give_up_lane(e)
             return False

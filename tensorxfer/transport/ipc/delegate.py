@@ -15,9 +15,11 @@ each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
 - a step is ``G`` + seq, answered ``K`` + seq once the bytes are in the follower's memory (the host's
   stream synchronized), or ``E`` + why.
 
-The follower still maps the source itself: a lane that fails (the host closed or died) makes it copy the
-pair locally, that step included -- redoing the whole pair's copy is safe, both copies write the same bytes
-(the source holds its region until the pair is acked).
+The follower still maps the source itself: a lane whose host refused or went away (``E``, or the connection
+closed: the host closed, or its process died and its CUDA context with it) makes the follower copy the pair
+locally, that step included -- redoing the whole pair's copy is safe, both copies write the same bytes (the
+source holds its region until the pair is acked).  A host that stalls past the stall timeout fails the pair's
+step instead: it may still be copying, so copying here and reporting the version would not make it whole.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ log = logging.getLogger(__name__)
 _NO_TOKEN = b"tensorxfer-copy-host-without-token"    # a tokenless group: the uid check is the guard
 _COLUMNS = 6                                         # src_off, dst_off, nbytes, count, src_stride, dst_stride
 _T_BYTES = (MAX_MESSAGE - 64) // (8 * _COLUMNS) * (8 * _COLUMNS)     # segment bytes per "T" message
-MAX_GROUPS = 1 << 24                                 # 768 MiB of columns: past any plan's pair
+MAX_GROUPS = 1 << 20                                 # 48 MiB of columns: past any plan's pair
 
 
-def _proof(key: bytes | None, challenge: bytes) -> bytes:
-    return mac(key or _NO_TOKEN, b"copy-host", challenge)
+def _proof(key: bytes | None, who: bytes, challenge: bytes) -> bytes:
+    return mac(key or _NO_TOKEN, b"copy-host", who, challenge)
 
 
 class CopyHost:
@@ -98,13 +100,18 @@ class CopyHost:
         self._acceptor.start()
 
     def _authenticate(self, conn: socket.socket) -> int | None:
+        """Both ends prove the group's key: the lane over this host's nonce (``A`` + its proof + its own
+        nonce), then this host over the lane's (``K`` + proof), before the lane passes any handle."""
         challenge = nonce()
         try:
             pid = check_peer(conn)
             conn.send(b"N" + challenge)
             answer = recv_message(conn, "the lane's proof", HEADER_TIMEOUT)
-            ok = answer[:1] == b"A" and hmac.compare_digest(answer[1:], _proof(self._key, challenge))
-            conn.send(b"K" if ok else b"E" + b"the lane failed authentication (another group's token?)")
+            theirs, lane_nonce = answer[1:33], answer[33:]
+            ok = answer[:1] == b"A" and len(lane_nonce) >= 16 and \
+                hmac.compare_digest(theirs, _proof(self._key, b"lane", challenge))
+            conn.send(b"K" + _proof(self._key, b"host", lane_nonce) if ok else
+                      b"E" + b"the lane failed authentication (another group's token?)")
         except (AuthError, TensorXferError, OSError) as e:
             log.warning("copy host: refused a lane: %s", e)
             return None
@@ -123,7 +130,7 @@ class CopyHost:
                     return
                 self._lanes[conn] = lane
                 self.lanes_served += 1
-            lane.start()
+                lane.start()        # under the lock: close() joins only started lanes
 
     def _serve(self, conn: socket.socket) -> None:
         """One lane: set up, then copy each step, until the follower closes (or this host does)."""
@@ -155,12 +162,13 @@ class CopyHost:
                         conn.send(b"K" + msg[1:])
                     else:
                         raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}")
-                except Exception as e:      # the lane's own failure (a bad setup, a CUDA error): say why
+                except Exception as e:      # the lane's own failure (a bad setup, a CUDA error): say why, end it
                     log.warning("copy host: a lane failed: %s", e)
-                    try:
+                    try:                    # (the rest of a failed setup's messages would read as nonsense)
                         conn.send(b"E" + str(e).encode()[:4000])
                     except OSError:
-                        return
+                        pass
+                    return
         finally:
             if pair is not None:
                 pair.close()
@@ -169,8 +177,8 @@ class CopyHost:
             conn.close()
 
     def close(self) -> None:
-        """Stop taking lanes, end the open ones (each finishes the copy it runs, then unmaps), remove the
-        socket's directory; idempotent."""
+        """Stop taking lanes, end the open ones (each finishes the copy it runs and answers it, then unmaps),
+        remove the socket's directory; idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -179,7 +187,7 @@ class CopyHost:
         self._gate.close()
         for conn in lanes:
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                conn.shutdown(socket.SHUT_RD)   # the lane's next read ends it; a copy in flight still answers
             except OSError:
                 pass        # already gone
         for lane in lanes.values():
@@ -200,7 +208,11 @@ class _HostedPair:
             from tensorxfer.memory._copy import Copier
 
             self._copier = Copier(device)
-            self._device_copy = DeviceSegments(segments, device)
+            try:
+                self._device_copy = DeviceSegments(segments, device)
+            except BaseException:
+                self._copier.close()
+                raise
 
     @classmethod
     def receive(cls, conn: socket.socket, header: bytes, device: int | None, timeout: float,
@@ -231,7 +243,7 @@ class _HostedPair:
                 raw += msg[1:]
             cols = np.frombuffer(bytes(raw), dtype=">u8").astype(np.uint64).reshape(_COLUMNS, groups)
             segments = Segments(*(np.ascontiguousarray(c) for c in cols))
-            segments.check_within(src_nbytes, dst_nbytes)
+            check_lane_segments(segments, src_nbytes, dst_nbytes)
             if (src_count == 0 or dst_count == 0) and (old is None or (src_count == 0 and old.src_nbytes != src_nbytes)
                                                        or (dst_count == 0 and old.dst_nbytes != dst_nbytes)):
                 raise ProtocolError("copy host: a lane's setup without handles, but this lane maps no such region")
@@ -274,6 +286,39 @@ class _HostedPair:
             if region is not None:
                 region.close()
         self.src = self.dst = None
+
+
+def check_lane_segments(segments: Segments, src_nbytes: int, dst_nbytes: int) -> None:
+    """Refuse segments a lane passed unless every run lies inside both regions and they write at most the
+    follower's region's size in all.  Exact, in uint64 without overflow (a peer's columns are hostile input:
+    a wrapped end would point a device copy outside the mappings, a huge count would copy for ever).
+
+    Raises
+    ------
+    ProtocolError
+        Naming the first group that does not fit.
+    """
+    so, do, w, h, ss, ds = (segments.src_off, segments.dst_off, segments.nbytes, segments.count,
+                            segments.src_stride, segments.dst_stride)
+    bad = np.zeros(len(w), bool)
+    for off, stride, size in ((so, ss, src_nbytes), (do, ds, dst_nbytes)):
+        n = np.uint64(size)
+        fits = (h >= 1) & (off <= n) & (w <= n - np.minimum(off, n))
+        room = n - np.minimum(off + np.minimum(w, n), n)            # bytes left after the first run
+        steps = np.maximum(h, 1) - np.uint64(1)
+        fits &= (steps == 0) | (stride <= room // np.maximum(steps, np.uint64(1)))
+        bad |= ~fits
+    # rows of a group do not overlap in the follower's region, so each group writes <= dst_nbytes ...
+    bad |= (h > 1) & (ds < w)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ProtocolError(f"copy host: segments reach past the regions (group {i}: {int(h[i])} runs of {int(w[i])} "
+                            f"bytes from {int(so[i])} step {int(ss[i])} to {int(do[i])} step {int(ds[i])}; regions "
+                            f"of {src_nbytes} and {dst_nbytes} bytes)")
+    # ... and all groups together at most that much
+    if sum(int(x) for x in w * h) > dst_nbytes:
+        raise ProtocolError(f"copy host: segments write {sum(int(x) for x in w * h)} bytes into a region of "
+                            f"{dst_nbytes}: a plan writes each byte once")
 
 
 def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int],
@@ -324,6 +369,7 @@ class CopyLane:
     def __init__(self, path: str, key: bytes | None, timeout: float) -> None:
         self.timeout = float(timeout)
         self.ready_for: Any = None      # what the host set up, as the caller names it
+        self._dst: Any = None           # the follower's region whose handles the host holds
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(HEADER_TIMEOUT)
@@ -335,8 +381,9 @@ class CopyLane:
             if challenge[:1] != b"N":
                 raise ProtocolError(f"copy host: unexpected challenge {challenge[:8]!r}")
             check_peer(sock)
-            send_message(sock, b"A" + _proof(key, challenge[1:]), "the lane's proof")
-            self._expect(sock, b"K", "the copy host's admission", HEADER_TIMEOUT)
+            mine = nonce()
+            send_message(sock, b"A" + _proof(key, b"lane", challenge[1:]) + mine, "the lane's proof")
+            self._expect(sock, b"K" + _proof(key, b"host", mine), "the copy host's proof", HEADER_TIMEOUT)
         except BaseException:
             sock.close()
             raise
@@ -348,7 +395,7 @@ class CopyLane:
         the follower's region ``dst`` (its memory handles exported here, on the lane's first setup) and the
         pair's segments; return once the host mapped them."""
         sock = self._live()
-        exported = [] if self.ready_for is not None else dst.export_handles()
+        exported = [] if dst is self._dst else dst.export_handles()
         owned = [fd for _, _, fd in exported if fd >= 0]
         try:
             if any(fd < 0 for _, _, fd in exported):
@@ -374,7 +421,7 @@ class CopyLane:
         for i in range(0, len(cols), _T_BYTES):
             send_message(sock, b"T" + cols[i:i + _T_BYTES], "the lane's segments")
         self._expect(sock, b"K", "the copy host's setup", self.timeout)
-        self.ready_for = ready_for
+        self.ready_for, self._dst = ready_for, dst
 
     def copy(self, seq: int) -> None:
         """Have the host copy the pair (for step ``seq``); return once the bytes are in the follower's memory."""
