@@ -402,7 +402,10 @@ class TargetPort:
                     except BaseException as e:
                         results[source] = e
                         continue
-                    batch.submit(functools.partial(land, source, fs))
+                    if waiting:
+                        batch.submit(functools.partial(land, source, fs))
+                    else:   # the last offer: its data on this thread, which has nothing else to do (a handoff
+                        land(source, fs)    # wakes a thread: ~0.1-0.3 ms on the H200 machine)
         finally:
             batch.join()
         return results

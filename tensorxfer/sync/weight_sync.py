@@ -407,19 +407,39 @@ class WeightSync:
 
     def _pack(self) -> int:
         """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
-        may have re-pointed an adopted one); the bytes copied."""
+        may have re-pointed an adopted one); the bytes copied.  On a GPU the device is synchronized (the
+        optimizer's step on adopted shards) on a worker thread while this one checks the shards' storage
+        (~0.25 ms for ~800 shards on the H200 machine, ~0.08 ms for the synchronize)."""
         import torch
 
         assert self.region is not None
         packed = 0
-        if list(map(torch.Tensor.data_ptr, self._locals)) != self._view_ptrs:  # ~a thousand shards: one C pass
+        device = self.region.device if self.region.is_cuda else None
+        failed: list[BaseException] = []
+
+        def synchronize() -> None:
+            try:
+                torch.cuda.synchronize(device)
+            except BaseException as e:
+                failed.append(e)
+        waited = self._workers.batch(1) if device is not None else None
+        if waited is not None:
+            waited.submit(synchronize)
+        try:
+            stale = list(map(torch.Tensor.data_ptr, self._locals)) != self._view_ptrs  # one C pass
+        finally:
+            if waited is not None:
+                waited.join()
+        if failed:
+            raise failed[0]
+        if stale:
             with torch.no_grad():
                 for local, view in self._shards:
                     if local.data_ptr() != view.data_ptr():
                         view.copy_(local.reshape(view.shape))
                         packed += view.numel() * view.element_size()
-        if self.region.is_cuda:
-            torch.cuda.synchronize(self.region.device)     # the pack, and the optimizer's step on adopted shards
+            if device is not None:
+                torch.cuda.synchronize(device)     # the copies just queued
         return packed
 
     def wait(self, timeout: float | None = None) -> int:

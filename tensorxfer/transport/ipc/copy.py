@@ -256,8 +256,10 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             return False
 
     def _give_up_lane(self, why: BaseException) -> None:
+        # the text, not the exception: a handler that keeps records would keep its frames (and the sessions
+        # they hold) alive
         log.warning("ipc: the copy host at %s failed (%s); this pair copies in its own process from now on",
-                    self.copy_host[0] if self.copy_host else "?", why)
+                    self.copy_host[0] if self.copy_host else "?", f"{type(why).__name__}: {why}")
         self.copy_host = None
         lane, self._copy_lane = self._copy_lane, None
         if lane is not None:

@@ -113,7 +113,7 @@ class CopyHost:
             conn.send(b"K" + _proof(self._key, b"host", lane_nonce) if ok else
                       b"E" + b"the lane failed authentication (another group's token?)")
         except (AuthError, TensorXferError, OSError) as e:
-            log.warning("copy host: refused a lane: %s", e)
+            log.warning("copy host: refused a lane: %s", f"{type(e).__name__}: {e}")
             return None
         return pid if ok else None
 
@@ -163,7 +163,7 @@ class CopyHost:
                     else:
                         raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}")
                 except Exception as e:      # the lane's own failure (a bad setup, a CUDA error): say why, end it
-                    log.warning("copy host: a lane failed: %s", e)
+                    log.warning("copy host: a lane failed: %s", f"{type(e).__name__}: {e}")
                     try:                    # (the rest of a failed setup's messages would read as nonsense)
                         conn.send(b"E" + str(e).encode()[:4000])
                     except OSError:
