@@ -133,18 +133,22 @@ class CopyHost:
                 lane.start()        # under the lock: close() joins only started lanes
 
     def _serve(self, conn: socket.socket) -> None:
-        """One lane: set up, then copy each step, until the follower closes (or this host does)."""
+        """One lane: set up, then copy each step, until the follower closes (or this host does).  Any failure
+        (a bad setup, a copy, the socket) is told to the follower (``E``) and ends the lane: the rest of a
+        failed setup's messages would read as nonsense."""
         pair: _HostedPair | None = None
         try:
             while True:
-                conn.settimeout(None)
+                conn.settimeout(None)       # blocking (a setup's reads leave a timeout on the socket)
                 try:
-                    msg = conn.recv(MAX_MESSAGE)
-                except OSError:
-                    return
-                if not msg:
-                    return
-                try:
+                    # a device pair with the kernel serves its steps without the GIL, up to the next other message
+                    served = pair.serve(conn) if pair is not None else None
+                    if served is not None:
+                        with self._lock:
+                            self.copies += served[0]
+                    msg = served[1] if served is not None else conn.recv(MAX_MESSAGE)
+                    if not msg:
+                        return
                     if msg[:1] == b"S":
                         old, pair = pair, None
                         try:
@@ -153,21 +157,20 @@ class CopyHost:
                             if old is not None:
                                 old.close()     # what the new pair did not take over
                         conn.send(b"K")
-                    elif msg[:1] == b"G" and len(msg) == 9:
-                        if pair is None:
-                            raise ProtocolError("copy host: a step before the lane's setup")
+                    elif msg[:1] == b"G" and len(msg) == 9 and pair is not None:
                         pair.copy(self.threads)
                         with self._lock:
                             self.copies += 1
                         conn.send(b"K" + msg[1:])
                     else:
-                        raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}")
-                except Exception as e:      # the lane's own failure (a bad setup, a CUDA error): say why, end it
+                        raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}"
+                                            f"{' (a step before the setup)' if pair is None else ''}")
+                except Exception as e:
                     log.warning("copy host: a lane failed: %s", f"{type(e).__name__}: {e}")
-                    try:                    # (the rest of a failed setup's messages would read as nonsense)
+                    try:
                         conn.send(b"E" + str(e).encode()[:4000])
                     except OSError:
-                        pass
+                        pass    # the follower is gone
                     return
         finally:
             if pair is not None:
@@ -259,6 +262,13 @@ class _HostedPair:
                 raise
         finally:
             close_fds(fds)
+
+    def serve(self, conn: socket.socket) -> tuple[int, bytes] | None:
+        """Serve the lane's steps without the GIL where this is a device pair with the kernel: ``(steps served,
+        the next other message)``; else None."""
+        if self._device_copy is None:
+            return None
+        return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno())
 
     def copy(self, threads: int) -> None:
         if self._device_copy is not None:
