@@ -95,7 +95,7 @@ class CopyHost:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self.lanes_served = 0       # lanes that connected, in all
-        self.copies = 0             # pair copies made for followers, in all
+        self.copies = 0             # pair copies made for followers, in all (a lane's run counts when it ends)
         self._acceptor = threading.Thread(target=self._accept, name="tensorxfer-copy-host", daemon=True)
         self._acceptor.start()
 
