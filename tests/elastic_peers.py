@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import json
+import os
 import signal
 import sys
 import time
@@ -27,6 +28,9 @@ from tensorxfer.sync import Source, Target
 SOURCES, TARGETS = 2, 2
 SHAPES = {"a": (8, 6), "b": (5,)}
 STALL = 5.0
+# ELASTIC_PEERS_COPY_HOST=1: the peers talk ipc and the targets copy through one of them (the copy host)
+COPY_HOST = os.environ.get("ELASTIC_PEERS_COPY_HOST") == "1"
+TRANSPORT = "ipc" if COPY_HOST else "tcp"
 
 
 def model(version: int) -> dict[str, Any]:
@@ -54,7 +58,7 @@ def source(rank: int, url: str, layout: str) -> int:
     shards = local_shards(rank, layout, 0)
     tensors = {"a": Source.whole(shards["a"]) if layout == "replicated" else
                Source.shard(shards["a"], SHAPES["a"], 0, rank, SOURCES), "b": Source.whole(shards["b"])}
-    sync = tx.WeightSync(url, "elastic", "source", rank, (SOURCES, TARGETS), tensors, token="el", transport="tcp",
+    sync = tx.WeightSync(url, "elastic", "source", rank, (SOURCES, TARGETS), tensors, token="el", transport=TRANSPORT,
                          stall_timeout=STALL, timeout=60)
     say(ready=True)
     try:
@@ -78,9 +82,10 @@ def source(rank: int, url: str, layout: str) -> int:
 
 def target(rank: int, url: str) -> int:
     tensors = {n: Target.whole(torch.zeros(s), n) for n, s in SHAPES.items()}
-    sync = tx.WeightSync(url, "elastic", "target", rank, (SOURCES, TARGETS), tensors, token="el", transport="tcp",
-                         stall_timeout=STALL, timeout=60)
-    say(ready=True)
+    sync = tx.WeightSync(url, "elastic", "target", rank, (SOURCES, TARGETS), tensors, token="el", transport=TRANSPORT,
+                         stall_timeout=STALL, timeout=60, copy_host=COPY_HOST)
+    host = sync._copy_host      # this target copies for the others on its device (COPY_HOST)
+    say(ready=True, hosting=host is not None)
     try:
         while True:
             t0 = time.monotonic()
@@ -92,7 +97,7 @@ def target(rank: int, url: str) -> int:
             views = sync.region.tensors(framework="torch")      # type: ignore[union-attr]
             live = all(views[n].data_ptr() == t.tensor.data_ptr() for n, t in tensors.items())
             say(version=version, epoch=sync.last_stats.epoch, live=live,       # type: ignore[union-attr]
-                sha=digests({n: t.tensor for n, t in tensors.items()}))
+                sha=digests({n: t.tensor for n, t in tensors.items()}), hosted=host.copies if host else 0)
     finally:
         sync.close()
 

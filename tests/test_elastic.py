@@ -4,6 +4,7 @@ TCPStore.  Targets join, die and leave while two sources keep pushing; a dead so
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -80,8 +81,11 @@ class Peer:
                 f.close()
 
 
-@pytest.fixture(params=["etcd", "tcpstore"])
-def store_url(request: Any, tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(params=["etcd", "tcpstore", "tcpstore-ipc-copy-host"])
+def store_url(request: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The store; the third case runs the peers over ipc with their targets copying through one of them (the
+    copy host: elected among three targets, one of which is killed -- perhaps the host)."""
+    monkeypatch.setenv("ELASTIC_PEERS_COPY_HOST", "1" if request.param.endswith("copy-host") else "0")
     if request.param == "etcd":
         need_etcd()
         with etcd_server(tmp_path) as url:
@@ -99,11 +103,14 @@ def push(sources: list[Peer], version: int) -> list[dict[str, Any]]:
     return [s.next() for s in sources]
 
 
-def expect_version(targets: list[Peer], version: int) -> None:
+def expect_version(targets: list[Peer], version: int) -> list[dict[str, Any]]:
     want = peers.digests(peers.model(version))
+    lines = []
     for t in targets:
         got = t.next()
         assert got.get("version") == version and got["sha"] == want and got["live"], (version, got)
+        lines.append(got)
+    return lines
 
 
 def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
@@ -112,11 +119,18 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
         targets = [Peer("target", str(r), store_url) for r in range(2)]
         sources = [Peer("source", str(r), store_url, "sharded") for r in range(2)]
         everyone += targets + sources
+        hosting = []
         for p in everyone:
-            assert p.next().get("ready"), p.stderr
+            ready = p.next()
+            assert ready.get("ready"), p.stderr
+            hosting += [ready.get("hosting")] if p in targets else []
+        hosted = os.environ["ELASTIC_PEERS_COPY_HOST"] == "1"
+        assert hosting.count(True) == hosted, hosting      # one target hosts the copies on its device
         for version in (1, 2):
             assert [r["version"] for r in push(sources, version)] == [version] * 2
-            expect_version(targets, version)
+            got = expect_version(targets, version)
+        # ... and copied the other's pairs (2 sources) at every step
+        assert sorted(g["hosted"] for g in got) == ([0, 2 * 2] if hosted else [0, 0]), got
 
         # a third target joins after version 2: the next push includes it, nobody else restarts
         joiner = Peer("target", "2", store_url)
