@@ -3,17 +3,21 @@
 Why: without MPS a GPU time-slices the kernels of different processes' contexts.  On one H100, two target
 processes each copying their half of ``bench_sync``'s 16 GB 4-to-2 plan kept the GPU ~12.4 ms from the first
 launch to the last copy's end; the same kernels launched from one process took 11.2 ms
-(``benchmarks/results/2026-12-05-h100-sync``).  So the targets of a sync on one GPU elect one of them
+(``benchmarks/results/2026-12-05-h100-sync``).  With this, the sync went from 0.78 to 0.85 of a torch copy
+on an H100 and from 0.75 to 0.80-0.82 on an H200 (``2026-12-05-copy-host``).  So the targets of a sync on one
+GPU elect one of them
 (:mod:`tensorxfer.sync.copy_host`); it runs a :class:`CopyHost`, and each other target (a follower) hands
 each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
 
-- a lane is a Unix ``SOCK_SEQPACKET`` connection to a socket in the host's fresh 0700 directory; the host
-  checks the peer's uid (``SO_PEERCRED``) and an HMAC over its nonce with the group's token key;
+- a lane is a Unix ``SOCK_SEQPACKET`` connection to a socket in the host's fresh 0700 directory; each end
+  checks the other's uid (``SO_PEERCRED``), and each proves the group's token key by an HMAC over the
+  other's nonce before the follower passes any handle;
 - setup (``S``, then ``F`` handle batches with their fds, then ``T`` batches of the segment columns): the
   source's memory handles as the follower got them, the follower's own region's handles, the pair's
   segments; the host maps both regions and builds the pair's copy, and answers ``K`` (or ``E`` + why);
 - a step is ``G`` + seq, answered ``K`` + seq once the bytes are in the follower's memory (the host's
-  stream synchronized), or ``E`` + why.
+  stream synchronized), or ``E`` + why; on a GPU the host serves a lane's steps in one loop without the GIL
+  (``StridedCopy.serve_lane``), so a step does not wait behind the host's own feeds for it.
 
 The follower still maps the source itself: a lane whose host refused or went away (``E``, or the connection
 closed: the host closed, or its process died and its CUDA context with it) makes the follower copy the pair
