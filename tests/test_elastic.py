@@ -128,9 +128,7 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
         assert hosting.count(True) == hosted, hosting      # one target hosts the copies on its device
         for version in (1, 2):
             assert [r["version"] for r in push(sources, version)] == [version] * 2
-            got = expect_version(targets, version)
-        # ... and copied the other's pairs (2 sources) at every step
-        assert sorted(g["hosted"] for g in got) == ([0, 2 * 2] if hosted else [0, 0]), got
+            expect_version(targets, version)
 
         # a third target joins after version 2: the next push includes it, nobody else restarts
         joiner = Peer("target", "2", store_url)
@@ -139,7 +137,11 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
         stats = push(sources, 3)
         assert all(s["epoch"] == 2 and not s["failed"] for s in stats), (stats, [t.next(5) for t in targets])
         assert sorted({t for s in stats for t in s["targets"]}) == [0, 1, 2]
-        expect_version([*targets, joiner], 3)
+        got = expect_version([*targets, joiner], 3)
+        # ... and copied the other's pairs (2 sources) at versions 1 and 2 -- done before version 3 began, as the
+        # sources waited for every ack (a host's own report of a version may come before its lanes' copies of it)
+        counts = sorted(g["hosted"] for g in got)
+        assert (counts[-1] >= 2 * 2 and counts[:-1] == [0, 0]) if hosted else counts == [0, 0, 0], got
 
         # target 1 is killed: version 4 completes for the others and names it; version 5 runs without it
         targets[1].kill()
