@@ -52,14 +52,14 @@ from tensorxfer.memory import HostRegion
 from tensorxfer.protocol import field, mac, nonce
 from tensorxfer.transport.ipc.identity import check_peer
 from tensorxfer.transport.ipc.messages import (
-    FD_BATCH,
     HEADER_TIMEOUT,
     MAX_CHUNKS,
     MAX_MESSAGE,
     U64,
-    add_chunks,
     close_fds,
+    receive_handles,
     recv_message,
+    send_handles,
     send_message,
     unpack,
 )
@@ -240,8 +240,8 @@ class _HostedPair:
                                 f"host of {'host' if device is None else 'cuda'} memory")
         fds: list[int] = []
         try:
-            src_chunks, dst_chunks = _receive_handles(conn, src_count, src_nbytes, fds, timeout), None
-            dst_chunks = _receive_handles(conn, dst_count, dst_nbytes, fds, timeout)
+            src_chunks = receive_handles(conn, src_count, src_nbytes, fds, timeout)
+            dst_chunks = receive_handles(conn, dst_count, dst_nbytes, fds, timeout)
             raw = bytearray()
             while len(raw) < groups * _COLUMNS * 8:
                 msg = recv_message(conn, "the lane's segments", timeout)
@@ -335,33 +335,6 @@ def check_lane_segments(segments: Segments, src_nbytes: int, dst_nbytes: int) ->
                             f"{dst_nbytes}: a plan writes each byte once")
 
 
-def _receive_handles(conn: socket.socket, count: int, nbytes: int, fds: list[int],
-                     timeout: float) -> list[tuple[int, int]]:
-    """``count`` (size, fd) chunks tiling ``[0, nbytes)`` from 0, in ``F`` messages; their fds also go into
-    ``fds`` (the caller closes them)."""
-    chunks: list[tuple[int, int]] = []
-    got_fds: list[int] = []
-    if count == 0:
-        return []
-    while len(chunks) < count:
-        conn.settimeout(timeout)
-        try:
-            data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
-        except OSError as e:
-            raise PeerLost(f"copy host: the lane was lost passing handles: {e}") from None
-        fds.extend(got)
-        got_fds.extend(got)
-        if not data or data[:1] != b"F" or not got or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            raise ProtocolError(f"copy host: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x})")
-        before = len(chunks)
-        add_chunks(chunks, unpack(data[1:], "a lane's handle message"), nbytes)
-        if len(chunks) - before != len(got) or len(chunks) > count:
-            raise ProtocolError("copy host: a handle message lists other chunks than the fds it carries")
-    if chunks[-1][0] + chunks[-1][1] < nbytes:
-        raise ProtocolError(f"copy host: {count} chunks end before the {nbytes}-byte region does")
-    return [(size, fd) for (_, size), fd in zip(chunks, got_fds)]
-
-
 def _map(handles: list[tuple[int, int]] | None, device: int | None, writable: bool) -> Any:
     assert handles
     if device is None:
@@ -423,11 +396,8 @@ class CopyLane:
             send_message(sock, b"S" + msgpack.packb(
                 {"kind": kind, "groups": len(segments), "src_nbytes": src_nbytes, "src_count": len(src_chunks),
                  "dst_nbytes": dst_nbytes, "dst_count": len(dst_chunks)}), "the lane's setup")
-            for chunks in (src_chunks, dst_chunks):
-                for i in range(0, len(chunks), FD_BATCH):
-                    batch = chunks[i:i + FD_BATCH]
-                    send_message(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]),
-                                 "memory handles", [fd for *_, fd in batch])
+            send_handles(sock, src_chunks)
+            send_handles(sock, dst_chunks)
         finally:
             close_fds(owned)
         cols = np.stack([segments.src_off, segments.dst_off, segments.nbytes, segments.count, segments.src_stride,

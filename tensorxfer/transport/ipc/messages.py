@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferTimeout, UpstreamFailed
+from tensorxfer.errors import PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout, UpstreamFailed
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, field, mac, scan_msgpack
 
 if TYPE_CHECKING:
@@ -130,6 +130,52 @@ def add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
                                 f"by {limit}")
         chunks.append((item[0], item[1]))
         end += item[1]
+
+
+def send_handles(sock: socket.socket, chunks: list[tuple[int, int, int]]) -> None:
+    """Pass ``(offset, size, fd)`` chunks in ``F`` messages of at most ``FD_BATCH`` fds (the fds stay the
+    caller's)."""
+    for i in range(0, len(chunks), FD_BATCH):
+        batch = chunks[i:i + FD_BATCH]
+        send_message(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]), "memory handles",
+                     [fd for *_, fd in batch])
+
+
+def receive_handles(sock: socket.socket, count: int, nbytes: int, fds: list[int],
+                    timeout: float) -> list[tuple[int, int]]:
+    """``count`` (size, fd) handles tiling ``[0, nbytes)`` from ``F`` messages (none when ``count`` is 0); the
+    fds also go into ``fds`` (the caller closes them)."""
+    chunks: list[tuple[int, int]] = []
+    mine: list[int] = []
+    while len(mine) < count:
+        sock.settimeout(timeout)
+        try:
+            data, got, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+        except TimeoutError:
+            raise TransferTimeout(f"ipc: the sender passed {len(mine)} of {count} handles and "
+                                  f"stalled") from None
+        except OSError as e:
+            raise PeerLost(f"ipc: connection lost after {len(mine)} of {count} handles: {e}") from None
+        fds.extend(got)
+        mine.extend(got)
+        if not data:
+            raise PeerLost(f"ipc: the sender closed after {len(mine)} of {count} handles")
+        if flags & socket.MSG_CTRUNC:
+            raise TransferError(f"ipc: handles were dropped in transit after {len(mine)} of {count} (this "
+                                f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
+                                f"chunks: raise it, or use larger chunks)")
+        if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
+            raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
+                                f"{len(mine)} of {count} handles so far)")
+        before = len(chunks)
+        add_chunks(chunks, unpack(data[1:], "a handle message"), nbytes)
+        if len(chunks) - before != len(got) or len(chunks) > count:
+            raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
+                                f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
+    if chunks and chunks[-1][0] + chunks[-1][1] < nbytes:
+        raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
+                            f"{nbytes}-byte payload does")
+    return [(size, fd) for (_, size), fd in zip(chunks, mine)]
 
 
 def close_fds(fds: list[int]) -> None:

@@ -23,7 +23,6 @@ from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     AuthError,
     HandleError,
-    PeerLost,
     ProtocolError,
     TensorXferError,
     TransferError,
@@ -37,18 +36,15 @@ from tensorxfer.transport.ipc.identity import check_peer, host_identity, unavail
 from tensorxfer.transport.ipc.messages import (
     AUTH,
     AUTH_MAGIC,
-    FD_BATCH,
     HEADER_TIMEOUT,
-    MAX_MESSAGE,
     U64,
     Watermark,
-    add_chunks,
     close_fds,
     parse_header,
     proof,
+    receive_handles,
     recv_message,
     send_message,
-    unpack,
 )
 
 log = logging.getLogger(__name__)
@@ -204,7 +200,9 @@ class IpcReceiving(_Half):
         fds: list[int] = []
         watermark = Watermark(conn, nbytes, ready, timeout)
         try:
-            handles = [] if cached else self._receive_handles(conn, nbytes, count, fds)
+            handles = [] if cached else receive_handles(conn, count, nbytes, fds, self.ctx.stall_timeout)
+            if handles:
+                self.counters.registrations += 1
             return self._land(conn, Incoming(kind, device, nbytes, token, self._peer_pid), handles, fds, watermark,
                               progress)
         finally:
@@ -224,39 +222,6 @@ class IpcReceiving(_Half):
               watermark: Watermark, progress: Progress | None) -> int:
         """Land the update from the sender's memory (``handles``; none when it said ``cached``); return the
         byte count.  ``fds`` are the received handles' fds: closed by the caller, or earlier once mapped."""
-
-    def _receive_handles(self, conn: socket.socket, nbytes: int, count: int, fds: list[int]) -> Handles:
-        """``count`` (size, fd) handles tiling ``[0, nbytes)``; the fds go into ``fds`` (the caller closes them)."""
-        chunks: list[tuple[int, int]] = []
-        while len(fds) < count:
-            conn.settimeout(self.ctx.stall_timeout)
-            try:
-                data, got, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
-            except TimeoutError:
-                raise TransferTimeout(f"ipc: the sender passed {len(fds)} of {count} handles and "
-                                      f"stalled") from None
-            except OSError as e:
-                raise PeerLost(f"ipc: connection lost after {len(fds)} of {count} handles: {e}") from None
-            fds.extend(got)
-            if not data:
-                raise PeerLost(f"ipc: the sender closed after {len(fds)} of {count} handles")
-            if flags & socket.MSG_CTRUNC:
-                raise TransferError(f"ipc: handles were dropped in transit after {len(fds)} of {count} (this "
-                                    f"process's open-file limit, RLIMIT_NOFILE, may be too low for so many "
-                                    f"chunks: raise it, or use larger chunks)")
-            if data[:1] != b"F" or not got or flags & socket.MSG_TRUNC:
-                raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
-                                    f"{len(fds)} of {count} handles so far)")
-            before = len(chunks)
-            add_chunks(chunks, unpack(data[1:], "a handle message"), nbytes)
-            if len(chunks) - before != len(got) or len(chunks) > count:
-                raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
-                                    f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
-        if chunks[-1][0] + chunks[-1][1] < nbytes:
-            raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
-                                f"{nbytes}-byte payload does")
-        self.counters.registrations += 1
-        return [(size, fd) for (_, size), fd in zip(chunks, fds)]
 
     # -- the sender's memory
     @staticmethod

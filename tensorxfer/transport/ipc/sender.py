@@ -30,12 +30,12 @@ from tensorxfer.transport.ipc.identity import check_peer, host_identity, identit
 from tensorxfer.transport.ipc.messages import (
     AUTH,
     AUTH_MAGIC,
-    FD_BATCH,
     FORWARD_POLL_S,
     U64,
     close_fds,
     proof,
     recv_message,
+    send_handles,
     send_message,
 )
 from tensorxfer.transport.segments import Segments
@@ -179,10 +179,7 @@ class IpcSender(SenderTransport):
                                    "count": len(chunks), "cached": cached, "seq": self._seq, "ready": ready},
                                   use_bin_type=True)
             send_message(sock, table, "the chunk table")
-            for i in range(0, len(chunks), FD_BATCH):
-                batch = chunks[i:i + FD_BATCH]
-                send_message(sock, b"F" + msgpack.packb([[off, size] for off, size, _ in batch]), "memory handles",
-                      [fd for _, _, fd in batch])
+            send_handles(sock, chunks)
         finally:
             close_fds(owned)
         if chunks:
