@@ -48,7 +48,6 @@ from tensorxfer.errors import (
     TensorXferError,
     TransferError,
 )
-from tensorxfer.memory import HostRegion
 from tensorxfer.protocol import field, mac, nonce
 from tensorxfer.transport.ipc.identity import check_peer
 from tensorxfer.transport.ipc.messages import (
@@ -64,6 +63,7 @@ from tensorxfer.transport.ipc.messages import (
     unpack,
 )
 from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
+from tensorxfer.transport.ipc.receiving import map_handles
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,9 @@ class _HostedPair:
                 raise ProtocolError("copy host: a lane's setup without handles, but this lane maps no such region")
             src = dst = None
             try:
-                src = old.take("src") if old is not None and src_count == 0 else _map(src_chunks, device, False)
-                dst = old.take("dst") if old is not None and dst_count == 0 else _map(dst_chunks, device, True)
+                src = old.take("src") if old is not None and src_count == 0 else map_handles(src_chunks, device)
+                dst = (old.take("dst") if old is not None and dst_count == 0 else
+                       map_handles(dst_chunks, device, writable=True))
                 return cls((src, src_nbytes), (dst, dst_nbytes), segments, device)
             except BaseException:
                 for region in (src, dst):
@@ -333,15 +334,6 @@ def check_lane_segments(segments: Segments, src_nbytes: int, dst_nbytes: int) ->
     if sum(int(x) for x in w * h) > dst_nbytes:
         raise ProtocolError(f"copy host: segments write {sum(int(x) for x in w * h)} bytes into a region of "
                             f"{dst_nbytes}: a plan writes each byte once")
-
-
-def _map(handles: list[tuple[int, int]] | None, device: int | None, writable: bool) -> Any:
-    assert handles
-    if device is None:
-        return HostRegion.import_handles(handles, writable=writable, populate=True)
-    from tensorxfer.memory import CudaRegion
-
-    return CudaRegion.import_handles(handles, device=device)
 
 
 class CopyLane:

@@ -52,6 +52,25 @@ log = logging.getLogger(__name__)
 Handles = list[tuple[int, int]]       # (size, fd) of each chunk, in order
 
 
+def map_handles(handles: Handles, on: int | None, writable: bool = False) -> Any:
+    """Map a peer's handles contiguously: host memfds (each checked first: a sealed memory file at least as long as
+    its chunk), or CUDA handles on device ``on``.  The fds stay the caller's.
+
+    Raises
+    ------
+    ProtocolError
+        A host handle is unusable (named).
+    """
+    if on is None:
+        try:
+            return HostRegion.import_handles(handles, writable=writable, populate=True)
+        except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
+            raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
+    from tensorxfer.memory import CudaRegion
+
+    return CudaRegion.import_handles(handles, device=on)
+
+
 class Incoming:
     """One update's chunk table, as the sender described it (checked by :func:`parse_header`)."""
 
@@ -227,15 +246,7 @@ class IpcReceiving(_Half):
     @staticmethod
     def _import(incoming: Incoming, handles: Handles, fds: list[int], on: int | None) -> Any:
         """Map the sender's handles (``on``: the device for CUDA handles); the fds are closed once mapped."""
-        if on is None:
-            try:    # every fd checked first: a sealed memory file at least as long as its chunk
-                src: Any = HostRegion.import_handles(handles, writable=False, populate=True)
-            except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
-                raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
-        else:
-            from tensorxfer.memory import CudaRegion
-
-            src = CudaRegion.import_handles(handles, device=on)
+        src = map_handles(handles, on)
         close_fds(fds)      # the mappings hold the memory now
         return src
 
