@@ -152,7 +152,9 @@ def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -
         return region
 
     size = 1 << 16
-    a, b, dst = region_of(bytes(range(256)) * (size // 256)), region_of(b"\x07" * size), region_of(bytes(size))
+    a, b = region_of(bytes(range(256)) * (size // 256)), region_of(b"\x07" * size)
+    follower = tx.TensorRegion.from_tensors({"d": torch.zeros(size, dtype=torch.uint8)})    # a target's region
+    dst = follower.region
     host = CopyHost(None, None, stall_timeout=5)
     lane = CopyLane(host.path, None, timeout=5)
     try:
@@ -161,7 +163,7 @@ def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -
 
         first = Segments.of([0, 4096], [100, 5000], [64, 32], [3, 1], [256, 0], [64, 0])   # a strided group too
         src_a = handles(a)
-        lane.setup(src_a, size, dst, size, first, "host", "a1")
+        lane.setup(src_a, size, follower, first, "host", "a1")
         for _, fd in src_a:
             os.close(fd)        # still the caller's: the host holds its own
         lane.copy(1)
@@ -172,12 +174,12 @@ def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -
             want[100 + 64 * j:164 + 64 * j] = src[256 * j:256 * j + 64]
         want[5000:5032] = src[4096:4128]
         assert np.array_equal(view, want)
-        lane.setup(None, size, dst, size, Segments.of([10], [20000], [50]), "host", "a2")     # same source
+        lane.setup(None, size, follower, Segments.of([10], [20000], [50]), "host", "a2")     # same source
         lane.copy(2)
         want[20000:20050] = src[10:60]
         assert np.array_equal(view, want)
         src_b = handles(b)
-        lane.setup(src_b, size, dst, size, Segments.of([0], [30000], [8]), "host", "b1")      # a new source
+        lane.setup(src_b, size, follower, Segments.of([0], [30000], [8]), "host", "b1")      # a new source
         for _, fd in src_b:
             os.close(fd)
         lane.copy(3)
@@ -188,7 +190,7 @@ def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -
     finally:
         lane.close()
         host.close()
-        for r in (a, b, dst):
+        for r in (a, b, follower):
             r.close()
 
 
@@ -196,7 +198,7 @@ def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on
     from tensorxfer.memory import HostRegion
     from tensorxfer.transport.segments import Segments
 
-    src, dst = HostRegion.allocate(4096), HostRegion.allocate(4096)
+    src, dst = HostRegion.allocate(4096), tx.TensorRegion.from_tensors({"d": torch.zeros(4096, dtype=torch.uint8)})
     host = CopyHost(None, None, stall_timeout=5)
     try:
         wrap = 1 << 63
@@ -209,7 +211,7 @@ def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on
             handles = [(sz, fd) for _, sz, fd in src.export_handles()]
             try:
                 with pytest.raises(TransferError, match=r"copy host: segments (reach past the regions|write)"):
-                    lane.setup(handles, 4096, dst, 4096, segments, "host", "x")
+                    lane.setup(handles, 4096, dst, segments, "host", "x")
             finally:
                 for _, fd in handles:
                     os.close(fd)

@@ -231,8 +231,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         try:
             if lane is None:
                 lane = self._copy_lane = CopyLane(self.copy_host[0], self.copy_host[1], self.ctx.stall_timeout)
-            lane.setup(handles or None, incoming.nbytes, self._region.region, self._region.nbytes, segments,
-                       incoming.kind, (key, segments))
+            lane.setup(handles or None, incoming.nbytes, self._region, segments, incoming.kind, (key, segments))
             return lane
         except Exception as e:      # the host gone or refusing, or a region without handles: copy here
             self._give_up_lane(e)

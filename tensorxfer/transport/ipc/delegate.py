@@ -64,6 +64,7 @@ from tensorxfer.transport.ipc.messages import (
 )
 from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
 from tensorxfer.transport.ipc.receiving import map_handles
+from tensorxfer.transport.ipc.sender import export_handles
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -368,30 +369,25 @@ class CopyLane:
             raise
         self._sock: socket.socket | None = sock
 
-    def setup(self, src_handles: list[tuple[int, int]] | None, src_nbytes: int, dst: Any, dst_nbytes: int,
-              segments: Segments, kind: str, ready_for: Any) -> None:
+    def setup(self, src_handles: list[tuple[int, int]] | None, src_nbytes: int, dst: Any, segments: Segments,
+              kind: str, ready_for: Any) -> None:
         """Pass the source's handles (``(size, fd)``, still the caller's; None: the host maps them already),
-        the follower's region ``dst`` (its memory handles exported here, on the lane's first setup) and the
-        pair's segments; return once the host mapped them."""
+        the follower's region ``dst`` (a TensorRegion: its memory handles exported here, on the lane's first
+        setup) and the pair's segments; return once the host mapped them."""
         sock = self._live()
-        exported = [] if dst is self._dst else dst.export_handles()
-        owned = [fd for _, _, fd in exported if fd >= 0]
+        dst_chunks = [] if dst is self._dst else export_handles(dst)
         try:
-            if any(fd < 0 for _, _, fd in exported):
-                raise TransferError("copy host: this target's region has no memory handles to pass (adopted "
-                                    "memory)")
-            dst_chunks = [(off, size, fd) for off, size, fd in exported if off < dst_nbytes]
             src_chunks, pos = [], 0
             for size, fd in src_handles or ():
                 src_chunks.append((pos, size, fd))
                 pos += size
             send_message(sock, b"S" + msgpack.packb(
                 {"kind": kind, "groups": len(segments), "src_nbytes": src_nbytes, "src_count": len(src_chunks),
-                 "dst_nbytes": dst_nbytes, "dst_count": len(dst_chunks)}), "the lane's setup")
+                 "dst_nbytes": dst.nbytes, "dst_count": len(dst_chunks)}), "the lane's setup")
             send_handles(sock, src_chunks)
             send_handles(sock, dst_chunks)
         finally:
-            close_fds(owned)
+            close_fds([fd for *_, fd in dst_chunks])
         cols = np.stack([segments.src_off, segments.dst_off, segments.nbytes, segments.count, segments.src_stride,
                          segments.dst_stride]).astype(">u8").tobytes()
         for i in range(0, len(cols), _T_BYTES):

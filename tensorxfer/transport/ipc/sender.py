@@ -172,7 +172,7 @@ class IpcSender(SenderTransport):
         token = _TOKENS.setdefault(region, os.urandom(16))
         ready = self._ready_now(nbytes)
         cached = nbytes > 0 and token == self._passed
-        chunks = [] if cached or not nbytes else self._export(region)
+        chunks = [] if cached or not nbytes else export_handles(region)
         owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
@@ -281,23 +281,6 @@ class IpcSender(SenderTransport):
             else:
                 raise ProtocolError(f"ipc: unexpected message from the receiver: {msg[:16]!r}")
 
-    @staticmethod
-    def _export(region: TensorRegion) -> list[tuple[int, int, int]]:
-        """``(offset, size, fd)`` of the chunks holding the payload; the fds are new (the caller closes them)."""
-        try:
-            chunks = region.region.export_handles()
-        except (CudaError, RegionError) as e:
-            raise TransportUnavailable(f"ipc: the region's memory handles cannot be exported ({e}); "
-                                       f"use transport='tcp'") from None
-        inside = [c for c in chunks if c[0] < region.nbytes]
-        close_fds([fd for off, _, fd in chunks if off >= region.nbytes])
-        if not inside or any(fd < 0 for _, _, fd in inside):
-            close_fds([fd for _, _, fd in inside if fd >= 0])
-            raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
-                                       "there are no memory handles to pass; copy it into a TensorRegion "
-                                       "(from_tensors) or use transport='tcp'")
-        return inside
-
     def close(self) -> None:
         """Close the socket; idempotent, callable from another thread."""
         with self._lock:
@@ -310,3 +293,26 @@ class IpcSender(SenderTransport):
             except OSError:
                 pass    # never connected: closing is enough
             sock.close()
+
+
+def export_handles(region: TensorRegion) -> list[tuple[int, int, int]]:
+    """``(offset, size, fd)`` of the chunks holding ``region``'s payload; the fds are new (the caller closes them).
+
+    Raises
+    ------
+    TransportUnavailable
+        The region's memory has no handles to pass (adopted memory) or they cannot be exported.
+    """
+    try:
+        chunks = region.region.export_handles()
+    except (CudaError, RegionError) as e:
+        raise TransportUnavailable(f"ipc: the region's memory handles cannot be exported ({e}); "
+                                   f"use transport='tcp'") from None
+    inside = [c for c in chunks if c[0] < region.nbytes]
+    close_fds([fd for off, _, fd in chunks if off >= region.nbytes])
+    if not inside or any(fd < 0 for _, _, fd in inside):
+        close_fds([fd for _, _, fd in inside if fd >= 0])
+        raise TransportUnavailable("ipc: the region's memory was adopted, not allocated by tensorxfer, so "
+                                   "there are no memory handles to pass; copy it into a TensorRegion "
+                                   "(from_tensors) or use transport='tcp'")
+    return inside
