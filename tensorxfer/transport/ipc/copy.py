@@ -35,7 +35,7 @@ from tensorxfer.transport.ipc.messages import (
     Watermark,
     env_int,
 )
-from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.segments import Segments
 
@@ -208,7 +208,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 self._strided_copy(segments, on).launch(copier, dst.region.ptr, src.ptr)
                 copier.synchronize()
             else:
-                copy_host_segments(src, dst.region, segments, COPY_THREADS)
+                copy_segments_in_host_memory(src, dst.region, segments, COPY_THREADS)
             if progress is not None:
                 progress(segments.total_bytes)
             # no "P" before the "D" that follows at once: a sender woken by the one would sleep again before

@@ -62,7 +62,7 @@ from tensorxfer.transport.ipc.messages import (
     send_message,
     unpack,
 )
-from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_host_segments
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory
 from tensorxfer.transport.ipc.receiving import map_handles
 from tensorxfer.transport.ipc.sender import export_handles
 from tensorxfer.transport.segments import Segments
@@ -281,7 +281,7 @@ class _HostedPair:
             self._device_copy.launch(self._copier, self.dst.ptr, self.src.ptr)
             self._copier.synchronize()
         else:
-            copy_host_segments(self.src, self.dst, self.segments, threads)
+            copy_segments_in_host_memory(self.src, self.dst, self.segments, threads)
 
     def take(self, which: str) -> Any:
         """Hand this pair's mapping of ``which`` ("src" or "dst") over to a new pair of the lane."""

@@ -19,7 +19,7 @@ from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.transport.segments import Segments
 
 
-def copy_host_segments(src: Any, dst: Any, segments: Segments, threads: int) -> None:
+def copy_segments_in_host_memory(src: Any, dst: Any, segments: Segments, threads: int) -> None:
     """Copy ``segments`` from host region ``src`` to host region ``dst`` (both mapped here): every copy
     thread takes every ``threads``-th group, a memcpy per row, without the GIL."""
     with memoryview(src) as sv, memoryview(dst) as dv:
