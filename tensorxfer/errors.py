@@ -121,6 +121,20 @@ class AuthError(ProtocolError):
     """The peer failed authentication (wrong or missing token)."""
 
 
+class StoreError(TensorXferError):
+    """A record in a weight sync's rendezvous store is malformed, fails the group's authentication, or says
+    something about this rank that it did not publish: ``key`` names the record.
+
+    A store is shared (a torch TCPStore authenticates nobody; an etcd may serve others), so every record
+    that steers bytes or membership is sealed with the group's token: a writer without it can make a
+    step fail with this error, never steer a byte.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class TransportUnavailable(TensorXferError):
     """A requested transport cannot run here; the message says why."""
 
@@ -179,6 +193,7 @@ __all__ = [
     "ProtocolError",
     "RegionClosed",
     "RegionError",
+    "StoreError",
     "TensorXferError",
     "TransferError",
     "TransferTimeout",

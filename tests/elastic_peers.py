@@ -6,7 +6,12 @@
 Every line they print is JSON.  The model is two tensors whose values depend only on the version, so the
 test computes what a target must hold: ``a`` (8 x 6) and ``b`` (5,).  ``LAYOUT`` says what the two
 sources hold: ``sharded`` (``a`` chunked along dim 0 over the sources, ``b`` on both) or ``replicated``
-(both whole on both).  Every target holds the whole model (an inference replica).
+(both whole on both).  Every target holds the whole model (an inference replica), or with
+``ELASTIC_PEERS_TARGETS=sharded`` only its chunk of ``a`` (target r is then fed by source r alone).
+
+Other knobs (environment): ``ELASTIC_PEERS_TOKEN`` (``none``: a tokenless group), ``ELASTIC_PEERS_STALL``
+(the stall timeout), ``ELASTIC_PEERS_WAIT`` (a target's wait timeout; ``none``: wait() without one),
+``ELASTIC_PEERS_GROUP`` (the group's name).
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from tensorxfer.sync import Source, Target
 
 SOURCES, TARGETS = 2, 2
 SHAPES = {"a": (8, 6), "b": (5,)}
-STALL = 5.0
+STALL = float(os.environ.get("ELASTIC_PEERS_STALL", "5"))
+TOKEN = None if os.environ.get("ELASTIC_PEERS_TOKEN") == "none" else os.environ.get("ELASTIC_PEERS_TOKEN", "el")
+WAIT = os.environ.get("ELASTIC_PEERS_WAIT", "120")
+GROUP = os.environ.get("ELASTIC_PEERS_GROUP", "elastic")
+TARGET_LAYOUT = os.environ.get("ELASTIC_PEERS_TARGETS", "whole")
 # ELASTIC_PEERS_COPY_HOST=1: the peers talk ipc and the targets copy through one of them (the copy host)
 COPY_HOST = os.environ.get("ELASTIC_PEERS_COPY_HOST") == "1"
 TRANSPORT = "ipc" if COPY_HOST else "tcp"
@@ -46,6 +55,14 @@ def say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def target_share(rank: int, tensors: dict[str, Any]) -> dict[str, Any]:
+    """What target ``rank`` holds of the model ``tensors`` (the whole of it, or its chunk of ``a``)."""
+    if TARGET_LAYOUT == "whole":
+        return tensors
+    box = tx.sync.chunk_box(SHAPES["a"], 0, rank, TARGETS)
+    return {"a": tensors["a"][box.offsets[0]:box.offsets[0] + box.sizes[0]]}
+
+
 def local_shards(rank: int, layout: str, version: int) -> dict[str, Any]:
     m = model(version)
     if layout == "replicated":
@@ -58,7 +75,7 @@ def source(rank: int, url: str, layout: str) -> int:
     shards = local_shards(rank, layout, 0)
     tensors = {"a": Source.whole(shards["a"]) if layout == "replicated" else
                Source.shard(shards["a"], SHAPES["a"], 0, rank, SOURCES), "b": Source.whole(shards["b"])}
-    sync = tx.WeightSync(url, "elastic", "source", rank, (SOURCES, TARGETS), tensors, token="el", transport=TRANSPORT,
+    sync = tx.WeightSync(url, GROUP, "source", rank, (SOURCES, TARGETS), tensors, token=TOKEN, transport=TRANSPORT,
                          stall_timeout=STALL, timeout=60)
     say(ready=True)
     try:
@@ -81,8 +98,12 @@ def source(rank: int, url: str, layout: str) -> int:
 
 
 def target(rank: int, url: str) -> int:
-    tensors = {n: Target.whole(torch.zeros(s), n) for n, s in SHAPES.items()}
-    sync = tx.WeightSync(url, "elastic", "target", rank, (SOURCES, TARGETS), tensors, token="el", transport=TRANSPORT,
+    if TARGET_LAYOUT == "whole":
+        tensors = {n: Target.whole(torch.zeros(s), n) for n, s in SHAPES.items()}
+    else:
+        box = tx.sync.chunk_box(SHAPES["a"], 0, rank, TARGETS)
+        tensors = {"a": Target.shard(torch.zeros(box.sizes), "a", SHAPES["a"], 0, rank, TARGETS)}
+    sync = tx.WeightSync(url, GROUP, "target", rank, (SOURCES, TARGETS), tensors, token=TOKEN, transport=TRANSPORT,
                          stall_timeout=STALL, timeout=60, copy_host=COPY_HOST)
     host = sync._copy_host      # this target copies for the others on its device (COPY_HOST)
     say(ready=True, hosting=host is not None)
@@ -90,7 +111,7 @@ def target(rank: int, url: str) -> int:
         while True:
             t0 = time.monotonic()
             try:
-                version = sync.wait(timeout=120)
+                version = sync.wait(timeout=None if WAIT == "none" else float(WAIT))
             except tx.TensorXferError as e:
                 say(error=type(e).__name__, message=str(e), seconds=time.monotonic() - t0)
                 continue

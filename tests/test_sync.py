@@ -4,6 +4,7 @@ targets another way, every step's bytes straight into the targets' live tensors.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -279,7 +280,8 @@ def test_a_target_whose_runs_differ_from_its_sources_refuses_the_step() -> None:
             link = SourceLink(port.address, "t", "g", 3, 0, "tcp", 1, 5.0, 5.0)
             admitting.join(10)
             got: dict[int, Any] = {}
-            receiving = threading.Thread(target=lambda: got.update(port.step(dst, {3: mine}, 5.0, "d", 1)))
+            deadline = time.monotonic() + 5.0
+            receiving = threading.Thread(target=lambda: got.update(port.step(dst, {3: mine}, deadline, "d", 1)))
             receiving.start()
             with pytest.raises(tx.TensorXferError, match="other runs"):
                 link.push(src, theirs, 1, "d")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import select
 import socket
 import time
@@ -28,6 +29,7 @@ from tensorxfer.errors import PeerLost, PlanError, ProtocolError, TensorXferErro
 from tensorxfer.protocol import Channel, client_handshake, field, server_handshake, token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import control
+from tensorxfer.sync.clock import StepClock
 from tensorxfer.sync.workers import Workers
 from tensorxfer.transport import TRANSPORTS, choose, local_capabilities, local_transports
 from tensorxfer.transport.base import setup_flag
@@ -44,6 +46,7 @@ class PairStep:
     segments: Segments
     seq: int
     t0: float                   # the offer
+    fresh: bool                 # the offer sets the data path up
     early: bool                 # the data goes out at post(), before the accept
     t1: float = 0.0             # the data went out
     moved: int = 0
@@ -110,6 +113,7 @@ class SourceLink:
                  connect_timeout: float) -> None:
         self.source, self.target = source, target
         self.stall_timeout = stall_timeout
+        self.clock = StepClock(stall_timeout)
         # One stream per pair unless asked: a step runs every pair at once, which is parallel enough.
         self.streams = streams or 1
         self._seq = 0
@@ -160,7 +164,7 @@ class SourceLink:
             self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
                           bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
             # as Sender: a warm ipc step's data goes right behind the offer, before the accept
-            return PairStep(region, segments, self._seq, t0, self._transport.posts_early and not fresh)
+            return PairStep(region, segments, self._seq, t0, fresh, self._transport.posts_early and not fresh)
 
     def post(self, step: PairStep) -> None:
         """Phase 2: where the pair is warm and its transport posts early (ipc), pass the data now (the
@@ -176,7 +180,7 @@ class SourceLink:
         stats."""
         with self._named():
             ch, transport, seq = self._ch, self._transport, step.seq
-            accept = ch.recv("accept", timeout=control.control_timeout(self.stall_timeout))
+            accept = ch.recv("accept", timeout=self.clock.reply(step.fresh))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
             descriptors = field(accept, "descriptors", dict)
@@ -192,7 +196,7 @@ class SourceLink:
                 step.moved = transport.send(step.region)
                 ch.send("done", seq=seq, bytes=step.moved)
             wire = time.perf_counter() - step.t1
-            ack = ch.recv("ack", timeout=control.control_timeout(self.stall_timeout))
+            ack = ch.recv("ack", timeout=self.clock.reply(setup))
             if field(ack, "seq", int) != seq or field(ack, "bytes", int) != step.moved:
                 raise ProtocolError(f"sync: ack does not match step {seq} of {step.moved} bytes")
         return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
@@ -229,12 +233,11 @@ class _Feed:
         self.seq = 0
         self.transports: dict[str, Any] = {}
 
-    def take_offer(self, region: TensorRegion, segments: Segments, timeout: float | None, digest: str,
-                   step: int | None) -> FeedStep:
+    def take_offer(self, region: TensorRegion, segments: Segments, digest: str, step: int | None) -> FeedStep:
         """Phase 1 of a step from this source (planned as ``digest``; ``step``: the version it must carry, if
-        known): take its offer, check it, get the data path ready and accept."""
+        known): take its offer (its first bytes are here), check it, get the data path ready and accept."""
         ch = self.ch
-        offer = ch.recv("offer", timeout=timeout)
+        offer = ch.recv("offer", timeout=self.stall_timeout)
         t0 = time.perf_counter()
         seq = field(offer, "seq", int)
         if seq != self.seq + 1:
@@ -280,7 +283,7 @@ class _Feed:
         t1 = time.perf_counter()
         moved = fs.transport.wait()
         wire = time.perf_counter() - t1
-        done = self.ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
+        done = self.ch.recv("done", timeout=StepClock(self.stall_timeout).reply(fs.setup))
         if field(done, "seq", int) != fs.seq or field(done, "bytes", int) != moved:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {fs.seq} of {moved} bytes")
         self.ch.send("ack", seq=fs.seq, bytes=moved)
@@ -363,10 +366,14 @@ class TargetPort:
                 old.close()
             self._feeds[source] = _Feed(ch, key, source, self.stall_timeout, self.copy_host)
 
-    def step(self, region: TensorRegion, segments: dict[int, Segments], timeout: float | None, digest: str,
+    def step(self, region: TensorRegion, segments: dict[int, Segments], deadline: float | None, digest: str,
              step: int | None) -> dict[int, Any]:
         """Receive one step from every source in ``segments``: source rank -> (version, PairStats) or the
         exception that ended its part (the caller decides what the step is).
+
+        The offers must come by ``deadline`` (``time.monotonic()``; None: the first may take as long as the
+        trainer does), and the rest within the stall timeout of the first: a source that stalled before it
+        offered is named then.
 
         This thread takes the offers as they arrive and accepts each at once; each pair's data (and its done
         and ack) then runs on a thread of its own.  With a thread per pair from the offer on, four pairs'
@@ -387,18 +394,24 @@ class TargetPort:
             poller = select.poll()
             for fd in waiting:
                 poller.register(fd, select.POLLIN)
-            deadline = None if timeout is None else time.monotonic() + timeout
+            start, since = time.monotonic(), "it began"
             while waiting:
-                ready = poller.poll(None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000)))
+                left = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+                ready = poller.poll(left)
                 if not ready:
                     for s in waiting.values():
-                        results[s] = TransferTimeout(f"no offer from source {s} within {timeout} s")
+                        results[s] = TransferTimeout(
+                            f"no offer from source {s} within {time.monotonic() - start:.1f} s of this step ({since}): "
+                            f"it stalled or died before sending (stall timeout {self.stall_timeout:g} s)")
                     break
+                now = time.monotonic()
+                since = "another source offered at once"
+                deadline = now + self.stall_timeout if deadline is None else min(deadline, now + self.stall_timeout)
                 for fd, _ in ready:
                     source = waiting.pop(fd)
                     poller.unregister(fd)
                     try:
-                        fs = self._feeds[source].take_offer(region, segments[source], timeout, digest, step)
+                        fs = self._feeds[source].take_offer(region, segments[source], digest, step)
                     except BaseException as e:
                         results[source] = e
                         continue

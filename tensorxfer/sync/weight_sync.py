@@ -35,6 +35,7 @@ group as formed and skips the store between steps (a push is then only the data 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -45,7 +46,14 @@ from typing import Any
 
 from tensorxfer import dtypes as _dt
 from tensorxfer.binding import adopt_tensors, tensor_view
-from tensorxfer.errors import PlanError, TransferError
+from tensorxfer.errors import (
+    PlanError,
+    ProtocolError,
+    StoreError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+)
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
@@ -162,7 +170,8 @@ class WeightSync:
         self._own_store = isinstance(store, str)
         self._rdv: Rendezvous = (connect(store) if isinstance(store, str) else
                                  store if isinstance(store, Rendezvous) else TorchStoreRendezvous(store))
-        self.members = Membership(self._rdv, group, role, rank, self.stall_timeout)
+        self.members = Membership(self._rdv, group, role, rank, self.stall_timeout, token_key(token))
+        self.clock = self.members.clock
         self._lock = threading.Lock()
         self._links: dict[int, SourceLink] = {}
         self._workers = Workers(f"tensorxfer-sync-push-{rank}")     # one step's pairs at once
@@ -171,7 +180,7 @@ class WeightSync:
         self._addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
         self._copy_host: CopyHost | None = None         # targets: the copy host this rank runs for its device
-        self._record: StepRecord | None = None         # the members of the latest step this rank took part in
+        self._record: StepRecord | None = None         # the latest step record this rank followed
         self._planned = 0                              # the epoch self.plan is for
         self._next_step = 1                            # targets: the step wait() takes next
         self.plan: Plan | None = None
@@ -181,6 +190,9 @@ class WeightSync:
         try:
             if role == "target":
                 self._init_target(tensors, listen_host, device, copy_host)
+            elif self.members.formed():     # refused before it registers: it never appears a member
+                raise TransferError(f"sync {group!r}: source rank {rank} started after the group formed: sources "
+                                    f"cannot join a running group (restart the group)")
             else:
                 self._init_source(tensors, device, timeout)
             record = self.members.form(self.world, timeout)
@@ -268,7 +280,7 @@ class WeightSync:
         """Every member of ``record`` computed the same plan (the group's first epoch, when all are here)."""
         keys = [self.members.key("digest", record.epoch, role, r)
                 for role, ranks in (("source", record.sources), ("target", record.targets)) for r in sorted(ranks)]
-        differ = [k for k, d in zip(keys, self._rdv.read(keys, timeout)) if d != p.digest.encode()]
+        differ = [k for k, d in zip(keys, self.members.store.get(keys, timeout)) if d != p.digest.encode()]
         if differ:
             raise PlanError(f"sync {self.group!r}: {len(differ)} rank(s) computed another plan ({differ[:4]}): their "
                             f"shard descriptions or planners differ")
@@ -290,28 +302,22 @@ class WeightSync:
         Raises
         ------
         TransferError (PeerLost, TransferTimeout)
-            Fixed membership: a target failed (named).  Elastic: this source was dropped from the group.
+            Fixed membership: a target failed (named).  Elastic: the group left this source out of the step
+            (it stalled past the stall timeout); it has joined again, and the group's next step includes it.
         PlanError
             The members' shards no longer cover every target byte (the message names the box).
+        StoreError
+            The store's record of this step is not one the group wrote (named); the next push goes on.
         """
         if self.role != "source" or self.region is None or self._record is None:
             raise TypeError("push() is for source ranks")
         with self._lock:
             t0 = time.perf_counter()
             version = self.version + 1
-            if self.elastic:
-                record = self.members.decide(version, self._record)
-                if not record.holds("source", self.rank, self.members.uid):
-                    raise TransferError(f"sync {self.group!r}: source rank {self.rank} was dropped from the group "
-                                        f"at step {version} (it did not report step {version - 1} within "
-                                        f"{self.stall_timeout:.0f} s); a source cannot rejoin a running group")
-                try:
-                    self._enter(record, self._timeout)
-                except PlanError:
-                    self.version = version      # the step is spent: the next push decides members anew
-                    self.members.report(version, False, version - 1, {})
-                    raise
-            results, packed_bytes, packed, pack_error = self._run_pairs(version, t0)
+            with self.members.busy(version):
+                if self.elastic:
+                    self._take_part(version)
+                results, packed_bytes, packed, pack_error = self._run_pairs(version, t0)
             failed = {t: r for t, r in results.items() if isinstance(r, BaseException)}
             for t in failed:
                 link = self._links.pop(t, None)     # (None: its reconnect failed)
@@ -339,6 +345,52 @@ class WeightSync:
             self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed,
                                         pairs, packed_bytes, why, self._planned)
             return self.last_stats
+
+    def _take_part(self, version: int) -> None:
+        """Sources: decide (or read) the members of step ``version`` and enter it.  A step that cannot run
+        (its record is not the group's, this source was left out, the members cannot be planned) is spent:
+        the next push decides the next one."""
+        assert self._record is not None
+        try:
+            record = self.members.decide(version, self._record)
+        except StoreError:
+            # nobody can read this step's members: it keeps the last ones, so that the next decision
+            # waits for the reports of this step from them
+            self._spend(version, dataclasses.replace(self._record, step=version))
+            raise
+        if not record.holds("source", self.rank, self.members.uid):
+            self._left_out(record)
+        try:
+            self._enter(record, self._timeout)
+        except (PlanError, StoreError):
+            self._spend(version, record)
+            raise
+
+    def _spend(self, version: int, record: StepRecord) -> None:
+        self.version, self._record = version, record
+        self.members.report(version, False, version - 1, {})
+
+    def _left_out(self, record: StepRecord) -> None:
+        """Sources: the group decided ``record`` without this source (it showed no sign of life for the stall
+        timeout: it stalled).  It catches up with the group's newest step, joins again as a new incarnation
+        (once: an incarnation that was never a member waits to be taken in) and closes its pair sessions,
+        which the targets dropped; then raises (the next push that the group decides after now includes it)."""
+        self.version, self._record = record.step, record
+        latest = self.members.latest()
+        if latest > record.step:        # the group went on without this rank: start from its newest step
+            try:
+                self._record = self.members.step_record(latest, self.clock.leader)
+                self.version = latest
+            except (StoreError, TransferTimeout):
+                pass        # the next push catches up from here
+        if self.members.was_member():
+            self.members.rejoin()
+        links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
+        raise TransferError(f"sync {self.group!r}: source rank {self.rank} was left out of step {record.step} (it "
+                            f"showed no sign of life for {self.stall_timeout:g} s: it stalled, or its store was "
+                            f"unreachable); it joined again, and the group's next step includes it")
 
     def _run_pairs(self, version: int, t0: float) -> tuple[dict[int, Any], int, float, BaseException | None]:
         """Pack the region and send every planned target its segments: (target -> PairStats or the exception
@@ -445,6 +497,10 @@ class WeightSync:
     def wait(self, timeout: float | None = None) -> int:
         """Targets: wait for the next update from every source that feeds this rank; return its version.
 
+        ``timeout`` bounds the wait for the sources to begin a step (None: as long as the trainer takes).
+        Once a step that includes this rank is decided, its offers must come within the stall timeout (a
+        source that stalled before offering is named then, not when it resumes).
+
         Raises
         ------
         TransferError (PeerLost, TransferTimeout)
@@ -452,8 +508,8 @@ class WeightSync:
             reported complete.
         PlanError
             The sources' shards no longer cover this rank's tensors (the box is named).
-        ProtocolError
-            The sources sent different versions in one step.
+        StoreError
+            The store's record of the step is not one the group wrote (named); the next wait goes on.
         """
         if self.role != "target" or self._port is None or self.region is None:
             raise TypeError("wait() is for target ranks")
@@ -464,32 +520,29 @@ class WeightSync:
             if self.elastic:
                 step = self._next_record(deadline)
                 self._next_step = step + 1
+            with self.members.busy(step):
                 try:
-                    self._enter(self._record, self._left(deadline))      # type: ignore[arg-type]
-                except PlanError:
-                    self.members.report(step, False, self.version, {})
+                    results = self._receive(step, deadline, timeout is None)
+                except BaseException:
+                    if self.elastic:
+                        self.members.report(step, False, self.version, {})
                     raise
-            # a source whose session failed last step reconnects (one that died is named within the stall timeout)
-            self._port.admit(min(self._left(deadline), self.stall_timeout))
-            assert self.plan is not None
-            results = self._port.step(self.region, self._feeds, timeout, self.plan.digest,
-                                      step if self.elastic else None)
             failed = {s: r for s, r in results.items() if isinstance(r, BaseException)}
             for s in failed:
                 self._port.drop(s)      # its session's state is unknown: it reconnects
+            versions = {r[0] for r in results.values() if not isinstance(r, BaseException)}
+            if not failed and len(versions) != 1:
+                failed = {s: ProtocolError(f"sent version {v} in a step with versions {sorted(versions)}: the "
+                                           f"sources are out of step") for s, (v, _) in results.items()}
             if failed:
                 if self.elastic:
                     self.members.report(step, False, self.version, {s: f"{type(e).__name__}: {e}"
                                                                      for s, e in failed.items()})
                 first = failed[min(failed)]
-                if isinstance(first, TransferError):
+                if isinstance(first, TensorXferError):
                     first.args = (f"sync: target {self.rank}: source rank {min(failed)} failed: {first}",
                                   *first.args[1:])
                 raise first
-            versions = {v for v, _ in results.values()}
-            if len(versions) != 1:
-                raise TransferError(f"sync: target {self.rank} got versions {sorted(versions)} in one step: the "
-                                    f"sources are out of step")
             version = versions.pop()
             self.version = version
             if self.elastic:
@@ -500,20 +553,46 @@ class WeightSync:
                                         epoch=self._planned)
             return version
 
+    def _receive(self, step: int, deadline: float, unbounded: bool) -> dict[int, Any]:
+        """Targets: take part in ``step``: plan its epoch if new, admit the sources, take every source's data;
+        source rank -> (version, its stats) or the exception that ended its part."""
+        assert self._port is not None and self.region is not None
+        if self.elastic:
+            self._enter(self._record, self._left(deadline))      # type: ignore[arg-type]
+        # a source whose session failed last step reconnects (one that died is named within the stall timeout)
+        self._port.admit(min(self._left(deadline), self.stall_timeout))
+        assert self.plan is not None
+        # the step was decided before this rank entered it: its sources offer within the stall timeout
+        # (a fixed group has no record: its first offer may take as long as the trainer does)
+        offers = min(deadline, time.monotonic() + self.stall_timeout) if self.elastic else \
+            None if unbounded else deadline
+        return self._port.step(self.region, self._feeds, offers, self.plan.digest, step if self.elastic else None)
+
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.0, deadline - time.monotonic())
 
     def _next_record(self, deadline: float) -> int:
         """Targets: the next step that includes this rank (steps decided before it joined are skipped; a
-        rank the group dropped while it lived joins again)."""
+        rank the group dropped while it lived joins again).
+
+        Raises
+        ------
+        StoreError
+            The store's record of the next step is not the group's: that step is spent (reported failed).
+        """
         step = self._next_step
         while True:
-            record = self.members.step_record(step, self._left(deadline))
+            try:
+                record = self.members.step_record(step, self._left(deadline))
+            except StoreError:
+                self._next_step = step + 1
+                self.members.report(step, False, self.version, {})
+                raise
             if record.holds("target", self.rank, self.members.uid):
                 self._record = record
                 return step
-            if self._record is not None and self._record.holds("target", self.rank, self.members.uid):
+            if self.members.was_member() and self._record is not None:
                 log.warning("sync %r: target rank %d was left out of step %d while alive; joining again",
                             self.group, self.rank, step)
                 self.members.rejoin()
@@ -523,13 +602,13 @@ class WeightSync:
     # ------------------------------------------------------------ lifetime
     def status(self) -> dict[str, Any]:
         """The group as the store holds it (members, epoch, digests, last version per rank)."""
-        return group_status(self._rdv, self.group)
+        return group_status(self._rdv, self.group, token_key(self._token))
 
     def close(self) -> None:
         """Leave the group, close the pair sessions and the listener; the region's memory stays with the
         tensors viewing it.  Idempotent."""
         try:
-            self.members.leave()
+            self.members.close()
         except Exception as e:      # the store is gone: there is nothing to leave
             log.debug("sync %r: leaving the group failed: %s", self.group, e)
         links, self._links = self._links, {}

@@ -166,7 +166,7 @@ class EtcdRendezvous(Rendezvous):
     def members(self, prefix: str) -> dict[str, bytes]:
         start = f"{prefix}/"
         items = self._call(self._client.get_prefix, start)
-        return {meta["key"].decode()[len(start):]: value for value, meta in items if value}
+        return {meta["key"].decode(errors="replace")[len(start):]: value for value, meta in items if value}
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.ttl / 3):

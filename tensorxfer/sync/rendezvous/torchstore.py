@@ -92,6 +92,7 @@ class TorchStoreRendezvous(Rendezvous):
     def members(self, prefix: str) -> dict[str, bytes]:
         count = int(self.store.add(f"{prefix}#/count", 0))
         slots = self.peek([f"{prefix}#/{i}" for i in range(1, count + 1)])
-        names = list(dict.fromkeys(s.decode() for s in slots if s is not None))
+        # a name another writer put there may be any bytes: kept as text the caller can check and name
+        names = list(dict.fromkeys(s.decode(errors="replace") for s in slots if s))
         values = self.peek([f"{prefix}/{n}" for n in names])
         return {n: v for n, v in zip(names, values) if v}
