@@ -134,9 +134,9 @@ class ModuleBinding:
             A name the module does not have (or a tensor of the module the manifest lacks), or a shape or
             dtype that differs; the message names them.
         """
-        if manifest is self._fits:
+        if manifest is self._fits and all(d.get(k) is not None for d, k in self._where):
             return      # a warm update offers the very same manifest object: checking 820 tensors again costs ms
-        missing, wrong, seen = [], [], set()
+        missing, wrong, gone, seen = [], [], [], set()
         for spec in manifest:
             name = self.module_name(spec.name)
             slot = self._slots.get(name)
@@ -145,10 +145,17 @@ class ModuleBinding:
                 continue
             seen.add(name)
             t = slot.get()
+            if t is None:       # set to None or deleted since the module was bound
+                gone.append(name)
+                continue
             dt = _dt.from_torch(t.dtype).name
             if dt != spec.dtype or tuple(t.shape) != spec.shape:
                 wrong.append(f"{name}: the module has {dt}{list(t.shape)}, the offer {spec.dtype}{list(spec.shape)}")
         extra = [n for n in self._slots if n not in seen]
+        if gone:
+            raise LayoutError(f"module tensor(s) {gone[:5]} were set to None or deleted since the module was bound: "
+                              f"nothing was received; give the module those tensors back, or receive into a "
+                              f"module that has them")
         if missing or wrong or extra:
             parts = ([f"not in the module: {missing[:5]}"] if missing else []) + \
                     ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]

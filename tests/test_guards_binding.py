@@ -66,10 +66,6 @@ def _second_receive_error(how: str) -> BaseException | None:
     return error
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "receive(into=module) after a bound tensor was set to None or deleted: ModuleBinding.attach "
-    "(tensorxfer/binding.py) does `slot.get().data = view` on the missing tensor and raises AttributeError "
-    "('NoneType' object has no attribute 'data') after the bytes landed; the sender sees PeerLost"))
 @pytest.mark.parametrize("how", ["set_to_none", "removed"])
 def test_receive_into_a_module_that_lost_a_bound_tensor_refuses_it_by_name(how: str) -> None:
     error = _second_receive_error(how)
