@@ -3,6 +3,9 @@
 Lists the live members (role, rank, address), the newest step with its membership epoch, and per rank
 the plan digest it computed for that epoch and its latest report (the version it holds, whether its
 last step went through, and which peers failed it).  Reads only; works while the group runs.
+
+Given the group's token (``--token-file`` or ``$TENSORXFER_TOKEN``) every record is checked against it and the
+ones that fail are left out; without it the records are shown as the store holds them, unverified.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("store", help="the group's store: etcd://HOST:PORT or tcp://HOST:PORT (a TCPStore)")
     p.add_argument("group", help="the group's name (WeightSync's group argument)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the group's token, to check every record (default: $TENSORXFER_TOKEN)")
     p.set_defaults(func=main)
 
 
@@ -39,6 +44,8 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  {r['role']:<7} {r['rank']:>4}  {'yes' if r['alive'] else 'no':<5} "
                      f"{'yes' if r['in_step'] else 'no':<7} {(r['digest'] or '-')[:12]:<12}  "
                      f"{rep.get('version', '-')!s:>7}  {last}{_address(rec) if rec else ''}")
+    if not status.get("verified"):
+        lines.append("  (records not verified: give the group's token to check them)")
     return "\n".join(lines)
 
 
@@ -48,12 +55,15 @@ def _address(rec: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from tensorxfer.cli.common import read_token
+    from tensorxfer.protocol import token_key
     from tensorxfer.sync.membership import group_status
     from tensorxfer.sync.rendezvous import connect
 
+    key = token_key(read_token(args))
     rdv = connect(args.store)
     try:
-        status = group_status(rdv, args.group)
+        status = group_status(rdv, args.group, key)
     finally:
         rdv.close()
     print(json.dumps(status, indent=2, default=str) if args.json else render(status))

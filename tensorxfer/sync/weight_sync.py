@@ -600,6 +600,12 @@ class WeightSync:
             step += 1
 
     # ------------------------------------------------------------ lifetime
+    @property
+    def step(self) -> int:
+        """The newest step this rank took part in or gave up (sources: the last push's version; targets: the
+        step the last wait() was for)."""
+        return self.version if self.role == "source" else self._next_step - 1
+
     def status(self) -> dict[str, Any]:
         """The group as the store holds it (members, epoch, digests, last version per rank)."""
         return group_status(self._rdv, self.group, token_key(self._token))
