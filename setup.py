@@ -85,6 +85,7 @@ extensions = [
     ext("tensorxfer.memory._extent"),
     ext("tensorxfer.memory._host"),
     ext("tensorxfer.memory._hostcopy"),
+    ext("tensorxfer.memory._fence"),
 ]
 
 # _cuda and _copy cimport _driver, so the three build (and ship) together.

@@ -18,11 +18,12 @@ from cpython.buffer cimport PyBUF_WRITE
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cuda.bindings cimport cydriver
 from libc.errno cimport EINTR, errno
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from tensorxfer.memory._driver cimport bind_device, check_cu
+from tensorxfer.memory._fence cimport TX_FENCE_DONE, TX_FENCE_REVOKED, tx_fence_store, tx_fence_take, tx_fence_word
 
 
 cdef class Stager:
@@ -388,29 +389,39 @@ cdef class StridedCopy:
             check_cu(cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
                                              copier._stream, args, NULL), b"cuLaunchKernel(strided_copy)")
 
-    def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd):
+    def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd, uintptr_t fence):
         """Serve a copy lane's steps (``tensorxfer.transport.ipc.delegate``) without the GIL: for each ``G`` +
-        8 bytes read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, launch the copy, wait for it and
-        answer ``K`` + the same 8 bytes.  The GIL is not needed from a step's arrival to its answer (on the
-        H200 machine a lane thread waited 0.1-0.3 ms for it, behind its process's own feeds).
+        8-byte seq read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, take the step on the follower's fence
+        word at ``fence`` (granted -> running: before any byte is written), launch the copy, wait for it, mark
+        the step done on the fence, and answer ``K`` + the same 8 bytes.  The GIL is not needed from a step's
+        arrival to its answer (on the H200 machine a lane thread waited 0.1-0.3 ms for it, behind its process's
+        own feeds).  A copy that fails marks its step revoked on the fence (nothing more of it is written)
+        before the error is raised.
 
-        Returns ``(steps served, the first message that is not a step)``: ``b""`` at the end of the stream,
-        else a message for the caller (a new setup).  Raises CudaError (a copy failed) or OSError (the socket).
+        Returns ``(steps served, the first message that is not a served step)``: ``b""`` at the end of the stream,
+        else a message for the caller -- a new setup, or a ``G`` whose step the fence did not grant (the follower
+        gave it up; the caller refuses it).  Raises CudaError (a copy failed) or OSError (the socket).
         """
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
+        cdef cydriver.CUresult rc = cydriver.CUDA_SUCCESS
+        cdef const char* failed = NULL
+        cdef uint64_t* word = <uint64_t*>fence
+        cdef uint64_t seq = 0
         cdef void* args[3]
-        cdef char* buf
+        cdef unsigned char* buf
         cdef ssize_t n = 0
         cdef long served = 0
-        cdef int err = 0
+        cdef int err = 0, i
         if self._closed:
             raise ValueError("operation on a closed StridedCopy")
         if copier._device != self._device:
             raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
+        if word == NULL:
+            raise ValueError("serve_lane needs the lane's fence word")
         args[0] = &self._table
         args[1] = &src
         args[2] = &dst
-        buf = <char*>malloc(LANE_MESSAGE)
+        buf = <unsigned char*>malloc(LANE_MESSAGE)
         if buf == NULL:
             raise MemoryError()
         try:
@@ -425,19 +436,34 @@ cdef class StridedCopy:
                         break
                     if n != 9 or buf[0] != b'G':
                         break
+                    seq = 0
+                    for i in range(1, 9):
+                        seq = (seq << 8) | buf[i]
+                    if not tx_fence_take(word, seq):
+                        break       # given up by the follower: not one byte; the caller answers it
                     if self._count:
-                        check_cu(cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
-                                                         copier._stream, args, NULL), b"cuLaunchKernel(strided_copy)")
-                    check_cu(cydriver.cuStreamSynchronize(copier._stream), b"cuStreamSynchronize")
+                        rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
+                                                     copier._stream, args, NULL)
+                        failed = b"cuLaunchKernel(strided_copy)"
+                    if rc == cydriver.CUDA_SUCCESS:
+                        rc = cydriver.cuStreamSynchronize(copier._stream)
+                        failed = b"cuStreamSynchronize"
+                    if rc != cydriver.CUDA_SUCCESS:
+                        # the launch failed or the stream stopped on the error: nothing of this step still runs
+                        tx_fence_store(word, tx_fence_word(seq, TX_FENCE_REVOKED))
+                        break
+                    tx_fence_store(word, tx_fence_word(seq, TX_FENCE_DONE))
                     buf[0] = b'K'
                     if send(fd, buf, 9, MSG_NOSIGNAL) != 9:
                         err = errno
                         n = -1
                         break
                     served += 1
+            if rc != cydriver.CUDA_SUCCESS:
+                check_cu(rc, failed)
             if n < 0:
                 raise OSError(err, f"copy lane: {os.strerror(err)}")
-            return served, buf[:n]
+            return served, bytes(buf[:n])
         finally:
             free(buf)
 

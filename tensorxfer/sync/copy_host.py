@@ -6,6 +6,8 @@ process may number its GPUs otherwise) -- publish-once a key naming that device;
 (see that module for why: one CUDA context instead of several time-slicing the GPU).  A winner that is gone
 (it closed and removed its socket, or its process is gone) is passed over to the key's next generation, so a target
 started later still finds a live host; targets that were following a host that went copy locally instead.
+Each election first removes the socket directories that hosts killed outright left on this machine
+(:func:`~tensorxfer.transport.ipc.delegate.remove_dead_host_dirs`: only those provably a dead host's).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import msgpack
 
 from tensorxfer.sync.rendezvous import Rendezvous
-from tensorxfer.transport.ipc.delegate import CopyHost
+from tensorxfer.transport.ipc.delegate import CopyHost, remove_dead_host_dirs
 from tensorxfer.transport.ipc.identity import host_identity
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ def elect(rdv: Rendezvous, key_of: Any, rank: int, region: Any, token_key: bytes
 
     ``key_of(*parts)`` makes the group's store keys.  A rank that runs the host copies its own pairs itself.
     """
+    remove_dead_host_dirs()     # a SIGKILLed host cannot remove its own (the record of it is passed over below)
     device = region.region.device_index if region.is_cuda else None
     mine = CopyHost(token_key, device, stall_timeout)
     ident = device_identity(region)

@@ -29,7 +29,7 @@ from tensorxfer.memory._hostcopy import stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
-from tensorxfer.transport.ipc.delegate import CopyLane
+from tensorxfer.transport.ipc.delegate import IN_DOUBT, CopyLane
 from tensorxfer.transport.ipc.messages import (
     U64,
     Watermark,
@@ -155,6 +155,10 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
 
     def _land(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
               watermark: Watermark, progress: Progress | None) -> int:
+        assert self._region is not None
+        # a copy host that took a step into this memory and did not finish it may still write there: no copy
+        # into it may start meanwhile (half the stall timeout: a copy after it still fits in the sender's wait)
+        IN_DOUBT.wait_clear(self._region, self.ctx.stall_timeout / 2)
         if self._segments is not None:
             self._copy_segments(conn, incoming, handles, fds, self._segments, progress)
             return incoming.nbytes      # "D" names the sender's payload, as for a whole region
@@ -209,6 +213,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 copier.synchronize()
             else:
                 copy_segments_in_host_memory(src, dst.region, segments, COPY_THREADS)
+            # a step of another pair into this region went in doubt meanwhile: the target's step must not succeed
+            IN_DOUBT.wait_clear(dst, 0)
             if progress is not None:
                 progress(segments.total_bytes)
             # no "P" before the "D" that follows at once: a sender woken by the one would sleep again before
@@ -238,22 +244,28 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             return None
 
     def _delegated(self, lane: CopyLane) -> bool:
-        """Whether the copy host copied this step's pair (False: it refused or is gone; copy it here, whole).
+        """Whether the copy host copied this step's pair (False: the host never will -- it did not take the step
+        in time and the lane revoked it, its copy failed, or it is gone; copy it here, whole).
 
         Raises
         ------
         TransferTimeout
-            The host stalled: it may still copy, so the pair is not copied here (the step fails)."""
+            The host took the step and stalled: it may still write, so the pair is not copied here, the step
+            fails and the region is in doubt until the host finishes or ends (:data:`.delegate.IN_DOUBT`)."""
         try:
-            lane.copy(self._seq)
-            return True
+            copied = lane.copy(self._seq)
         except TransferTimeout as e:
             self._give_up_lane(e)
-            raise TransferTimeout(f"ipc: the copy host did not copy this pair within {self.ctx.stall_timeout} s "
-                                  f"(it may still be copying)") from None
+            raise TransferTimeout(f"ipc: {e}") from None
         except (TensorXferError, OSError) as e:
             self._give_up_lane(e)
             return False
+        if not copied:
+            self._give_up_lane(TransferError(f"it did not take step {self._seq} in time (the lane revoked it), or "
+                                             f"its copy failed"))
+        elif lane.closed:
+            self._give_up_lane(TransferError(f"it answered step {self._seq} late"))
+        return copied
 
     def _give_up_lane(self, why: BaseException) -> None:
         # the text, not the exception: a handler that keeps records would keep its frames (and the sessions

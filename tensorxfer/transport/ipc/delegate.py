@@ -11,7 +11,8 @@ each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
 
 - a lane is a Unix ``SOCK_SEQPACKET`` connection to a socket in the host's fresh 0700 directory; each end
   checks the other's uid (``SO_PEERCRED``), and each proves the group's token key by an HMAC over the
-  other's nonce before the follower passes any handle;
+  other's nonce before the follower passes anything (a host whose proof is wrong is refused: :class:`AuthError`);
+- ``L`` + one fd, once: the lane's **fence page** (below), a sealed memfd the follower made;
 - setup (``S``, then ``F`` handle batches with their fds, then ``T`` batches of the segment columns): the
   source's memory handles as the follower got them, the follower's own region's handles, the pair's
   segments; the host maps both regions and builds the pair's copy, and answers ``K`` (or ``E`` + why);
@@ -19,22 +20,64 @@ each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
   stream synchronized), or ``E`` + why; on a GPU the host serves a lane's steps in one loop without the GIL
   (``StridedCopy.serve_lane``), so a step does not wait behind the host's own feeds for it.
 
+The fence: who may write into the follower's memory, and when
+--------------------------------------------------------------
+A host's late write is silent corruption: a follower that stopped waiting for a step and moved on (copied the
+pair itself, reported the version, started the next) must never find the host's bytes of that step landing in
+its live weights afterwards -- and a host that was stopped (SIGSTOP, a swapped-out or preempted process) still
+reads the queued ``G`` when it resumes.  Closing the lane does not stop that, and no message can: the host may be
+mid-copy when the follower gives up.  So each lane has one 64-bit word, ``(seq << 2) | state``, in a page the
+follower owns and both map ``MAP_SHARED`` (:class:`~tensorxfer.memory._fence.Fence`), changed only atomically:
+
+- the follower stores (seq, GRANTED) before it sends ``G`` + seq;
+- the host compare-and-swaps (seq, GRANTED) -> (seq, RUNNING) before it touches a byte; if that fails it copies
+  nothing and answers ``E`` ("revoked"); once no byte of the step can still be written (the stream synchronized,
+  the copy threads joined) it stores (seq, DONE) and answers ``K`` -- or, when its copy failed, (seq, REVOKED);
+- the follower waits half the stall timeout for the answer (so that a copy of its own still fits in its
+  sender's wait), then compare-and-swaps (seq, GRANTED) -> (seq, REVOKED).  Won: the host will never copy that
+  step; the follower closes the lane and copies the pair itself, and the step succeeds.  Lost to DONE: the bytes
+  are whole.  Lost to REVOKED: the host's copy failed and stopped; copy locally.  Lost to RUNNING: the host took
+  the step and is copying, and only it can finish -- the follower waits for it (its answer, or its process's
+  end, watched through a pidfd) up to the lane's whole stall timeout, then fails the step with
+  :class:`TransferTimeout` naming the host's pid and the step.  (Improving on giving up at the half: a merely
+  slow copy that the host took still succeeds, and a local copy is impossible either way.)
+
+A step lost to RUNNING leaves the follower's region **in doubt** (:data:`IN_DOUBT`) until the fence reads
+otherwise or the host's process is gone (a pidfd: a pid reused later is not it; an exited process writes no
+more).  While it is, no copy into that memory may start and no step into it may succeed -- local or through any
+lane, any pair, any later session of this process, since a new plan may route those bytes to another source's
+pair: the copying receiver waits for it (half the stall timeout) at the start of every update and checks it
+again at the end of every pair.  The registry keeps the fence page mapped after the lane and its session closed,
+and releases it once the doubt clears.  The fast path costs the host one compare-and-swap and one store per step
+and the follower one store and one load: no round trip.  The fence guards against a slow or stopped host, not a
+hostile one (a host is trusted with the follower's memory, as any group member proving the token is).
+
+Resources: the host maps a lane's regions lazily (no ``MAP_POPULATE``: a lane's sparse 3 GiB memfd took a host to
+3.1 GiB RSS and froze its other lanes 3.5 s), refuses regions over :attr:`CopyHost.limit_bytes`, and no lane's
+setup or copy holds the GIL for long (host copies run without it; device steps run in ``serve_lane``).  A host's
+socket directory records its process (``owner``: pid, start time, boot); the next election on the machine
+removes the directories of hosts whose process is gone (:func:`remove_dead_host_dirs`: a SIGKILLed host
+cannot remove its own).
+
 The follower still maps the source itself: a lane whose host refused or went away (``E``, or the connection
 closed: the host closed, or its process died and its CUDA context with it) makes the follower copy the pair
-locally, that step included -- redoing the whole pair's copy is safe, both copies write the same bytes (the
-source holds its region until the pair is acked).  A host that stalls past the stall timeout fails the pair's
-step instead: it may still be copying, so copying here and reporting the version would not make it whole.
+locally, that step included, once the fence shows the host cannot write it -- redoing the whole pair's copy is
+safe, both copies write the same bytes (the source holds its region until the pair is acked).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
+import select
 import shutil
 import socket
+import stat
 import tempfile
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -43,14 +86,18 @@ import numpy as np
 from tensorxfer.connections import Gate, listen
 from tensorxfer.errors import (
     AuthError,
+    HandleError,
     PeerLost,
     ProtocolError,
     TensorXferError,
     TransferError,
+    TransferTimeout,
 )
+from tensorxfer.memory._fence import DONE, REVOKED, RUNNING, STATE_NAMES, Fence, word
 from tensorxfer.protocol import field, mac, nonce
-from tensorxfer.transport.ipc.identity import check_peer
+from tensorxfer.transport.ipc.identity import BOOT_ID_PATH, check_peer
 from tensorxfer.transport.ipc.messages import (
+    FD_BATCH,
     HEADER_TIMEOUT,
     MAX_CHUNKS,
     MAX_MESSAGE,
@@ -73,27 +120,133 @@ _NO_TOKEN = b"tensorxfer-copy-host-without-token"    # a tokenless group: the ui
 _COLUMNS = 6                                         # src_off, dst_off, nbytes, count, src_stride, dst_stride
 _T_BYTES = (MAX_MESSAGE - 64) // (8 * _COLUMNS) * (8 * _COLUMNS)     # segment bytes per "T" message
 MAX_GROUPS = 1 << 20                                 # 48 MiB of columns: past any plan's pair
+HOST_DIR_PREFIX = "tensorxfer-copyhost-"             # a host's socket directory, in tempfile.gettempdir()
+_OWNER = "owner"                                     # in it: the host process (pid, start time, boot)
 
 
 def _proof(key: bytes | None, who: bytes, challenge: bytes) -> bytes:
     return mac(key or _NO_TOKEN, b"copy-host", who, challenge)
 
 
+# -- a host's directory, and what a dead host left
+def _boot_id() -> str:
+    with open(BOOT_ID_PATH) as f:
+        return f.read().strip()
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, ``/proc/<pid>/stat`` field 22); None: no such process.
+    Raises OSError / ValueError where it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(raw[raw.rindex(b")") + 2:].split()[19])    # past the command name, which may hold spaces
+
+
+def _write_owner(directory: str) -> None:
+    """Record this process in a host's fresh directory (written whole, then renamed: never read half-written)."""
+    record = json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()), "boot": _boot_id()})
+    tmp = os.path.join(directory, _OWNER + ".tmp")
+    with open(tmp, "x") as f:
+        f.write(record)
+    os.replace(tmp, os.path.join(directory, _OWNER))
+
+
+def _owner_gone(directory: str) -> int | None:
+    """The pid a host's directory records, if that process is provably gone (another boot, no such process, or
+    a process started at another time: the pid was reused); None otherwise (alive, or not provable)."""
+    try:
+        fd = os.open(os.path.join(directory, _OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
+            record = json.loads(f.read(4096))
+        pid, start, boot = int(record["pid"]), record["start"], str(record["boot"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None         # no record (yet), or not one of ours: not provably a dead host's
+    if pid <= 0:
+        return None
+    try:
+        if boot != _boot_id():
+            return pid
+        now = _start_time(pid)
+    except (OSError, ValueError, IndexError):
+        return None         # cannot tell: leave it
+    return pid if now is None or now != start else None
+
+
+def remove_dead_host_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket directories that copy hosts killed outright left behind; return them.
+
+    Only a directory this process can prove was a dead host's: in ``root`` (default ``tempfile.gettempdir()``,
+    where :class:`CopyHost` makes them), named with :data:`HOST_DIR_PREFIX`, a real directory (not a link) owned
+    by this uid, whose ``owner`` record names a process that is gone (another boot, no such pid, or a pid reused
+    by a process started later).  A directory without a readable record (a host between ``mkdtemp`` and writing
+    it) is left alone.
+    """
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError as e:
+        log.debug("copy host: cannot list %s for dead hosts' directories: %s", root, e)
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(HOST_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        pid = _owner_gone(entry.path)
+        if pid is None:
+            continue
+        try:
+            shutil.rmtree(entry.path)       # symlink-safe (fd-based) on Linux
+        except FileNotFoundError:
+            continue                        # another target's election removed it first
+        except OSError as e:
+            log.warning("copy host: cannot remove %s, left by a copy host (pid %d) that is gone: %s", entry.path, pid,
+                        e)
+            continue
+        log.info("copy host: removed %s, left by a copy host (pid %d) that is gone", entry.path, pid)
+        removed.append(entry.path)
+    return removed
+
+
 class CopyHost:
     """The elected target's side: a listener, and a thread per lane copying into a follower's memory.
 
     ``device`` is this process's index of the GPU (None: host memory); ``key`` the group's token key.
+
+    Attributes
+    ----------
+    limit_bytes : int or None
+        The largest region a lane may make this host map (None: no cap).  Each of a lane's two regions -- the
+        source's and the follower's -- is refused (its setup answered ``E``, nothing mapped) when the payload
+        size the lane names for it (``src_nbytes`` / ``dst_nbytes``: a ``TensorRegion.nbytes``) is larger than
+        ``limit_bytes``.  The handles mapped for a region cover at most that payload rounded up to
+        :data:`~tensorxfer.transport.ipc.messages.CHUNK_TAIL` (2 MiB: a region's allocation rounding; every chunk
+        past the payload is refused on receipt), so this host maps at most ``limit_bytes`` rounded up to 2 MiB
+        per region.  Rule: set it to the largest payload (``nbytes``) of the group's regions -- a payload, never
+        an allocation or chunk total, which the comparison already allows for.  Read at each setup: changing it
+        affects the next setups, not regions already mapped.
     """
 
-    def __init__(self, key: bytes | None, device: int | None, stall_timeout: float, threads: int = 2) -> None:
+    def __init__(self, key: bytes | None, device: int | None, stall_timeout: float, threads: int = 2,
+                 limit_bytes: int | None = None) -> None:
         self.device, self.stall_timeout, self.threads = device, float(stall_timeout), threads
+        self.limit_bytes = limit_bytes
         self._key = key
         self._closed = False
         self._lock = threading.Lock()
         self._lanes: dict[socket.socket, threading.Thread] = {}
-        self._dir = tempfile.mkdtemp(prefix="tensorxfer-copyhost-")     # mode 0700: only our uid gets in
+        self._dir = tempfile.mkdtemp(prefix=HOST_DIR_PREFIX)     # mode 0700: only our uid gets in
         self.path = os.path.join(self._dir, "s")
         try:
+            _write_owner(self._dir)
             self._gate = Gate(listen(self.path, socket.AF_UNIX, socket.SOCK_SEQPACKET), self._authenticate,
                               HEADER_TIMEOUT, "copy host")
         except BaseException:
@@ -101,6 +254,7 @@ class CopyHost:
             raise
         self.lanes_served = 0       # lanes that connected, in all
         self.copies = 0             # pair copies made for followers, in all (a lane's run counts when it ends)
+        self.revoked = 0            # steps a follower gave up before this host took them (answered E, not copied)
         self._acceptor = threading.Thread(target=self._accept, name="tensorxfer-copy-host", daemon=True)
         self._acceptor.start()
 
@@ -123,31 +277,44 @@ class CopyHost:
         return pid if ok else None
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                [(conn, _)] = self._gate.admit(1, abort=lambda: "closed" if self._closed else None)
-            except TensorXferError:
-                return      # closed
-            lane = threading.Thread(target=self._serve, args=(conn,), name="tensorxfer-copy-lane", daemon=True)
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._lanes[conn] = lane
-                self.lanes_served += 1
-                lane.start()        # under the lock: close() joins only started lanes
+        # This thread owns the gate: it alone admits and closes it.  A gate closed by close() in another thread
+        # raced its admit (EBADF on the listener, a prover joined before it started) and killed this thread.
+        gate = self._gate
+        try:
+            while not self._closed:
+                try:
+                    [(conn, _)] = gate.admit(1, abort=lambda: "closed" if self._closed else None)
+                except TensorXferError:
+                    return      # closed
+                except OSError as e:    # the listener failed (no fds left?): lanes wait, the host stays up
+                    log.warning("copy host: accepting a lane failed (%s: %s); retrying", type(e).__name__, e)
+                    time.sleep(0.1)
+                    continue
+                lane = threading.Thread(target=self._serve, args=(conn,), name="tensorxfer-copy-lane", daemon=True)
+                with self._lock:
+                    if self._closed:
+                        conn.close()
+                        return
+                    self._lanes[conn] = lane
+                    self.lanes_served += 1
+                    lane.start()        # under the lock: close() joins only started lanes
+        finally:
+            gate.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        """One lane: set up, then copy each step, until the follower closes (or this host does).  Any failure
-        (a bad setup, a copy, the socket) is told to the follower (``E``) and ends the lane: the rest of a
-        failed setup's messages would read as nonsense."""
+        """One lane: its fence, then setups and steps until the follower closes (or this host does).  Any failure
+        (a bad setup, a copy, the socket) is told to the follower (``E``) and ends the lane: the rest of a failed
+        setup's messages would read as nonsense.  A step the follower gave up is refused and the lane serves on."""
         pair: _HostedPair | None = None
+        fence: Fence | None = None
         try:
             while True:
-                conn.settimeout(None)       # blocking (a setup's reads leave a timeout on the socket)
                 try:
+                    if fence is None:
+                        fence = _receive_fence(conn)
+                    conn.settimeout(None)       # blocking (a setup's reads leave a timeout on the socket)
                     # a device pair with the kernel serves its steps without the GIL, up to the next other message
-                    served = pair.serve(conn) if pair is not None else None
+                    served = pair.serve(conn, fence) if pair is not None else None
                     if served is not None:
                         with self._lock:
                             self.copies += served[0]
@@ -157,16 +324,27 @@ class CopyHost:
                     if msg[:1] == b"S":
                         old, pair = pair, None
                         try:
-                            pair = _HostedPair.receive(conn, msg[1:], self.device, self.stall_timeout, old)
+                            pair = _HostedPair.receive(conn, msg[1:], self.device, self.stall_timeout, old,
+                                                       self.limit_bytes)
                         finally:
                             if old is not None:
                                 old.close()     # what the new pair did not take over
                         conn.send(b"K")
                     elif msg[:1] == b"G" and len(msg) == 9 and pair is not None:
-                        pair.copy(self.threads)
+                        seq = U64.unpack(msg[1:])[0]
+                        if pair.step(seq, fence, self.threads):
+                            with self._lock:
+                                self.copies += 1
+                            conn.send(b"K" + msg[1:])
+                            continue
                         with self._lock:
-                            self.copies += 1
-                        conn.send(b"K" + msg[1:])
+                            self.revoked += 1
+                        log.info("copy host: step %d of a lane was given up by its follower before this host "
+                                 "took it: not copied", seq)
+                        try:
+                            conn.send(b"E" + f"revoked: the follower gave step {seq} up".encode())
+                        except OSError:
+                            return      # the follower closed the lane when it gave the step up
                     else:
                         raise ProtocolError(f"copy host: unexpected lane message {msg[:8]!r}"
                                             f"{' (a step before the setup)' if pair is None else ''}")
@@ -174,12 +352,15 @@ class CopyHost:
                     log.warning("copy host: a lane failed: %s", f"{type(e).__name__}: {e}")
                     try:
                         conn.send(b"E" + str(e).encode()[:4000])
+                        _drain(conn)
                     except OSError:
                         pass    # the follower is gone
                     return
         finally:
             if pair is not None:
                 pair.close()
+            if fence is not None:
+                fence.close()       # after the pair: nothing of this lane runs any more
             with self._lock:
                 self._lanes.pop(conn, None)
             conn.close()
@@ -192,7 +373,7 @@ class CopyHost:
                 return
             self._closed = True
             lanes = dict(self._lanes)
-        self._gate.close()
+        self._acceptor.join(self.stall_timeout)     # it closes the gate within one admit tick
         for conn in lanes:
             try:
                 conn.shutdown(socket.SHUT_RD)   # the lane's next read ends it; a copy in flight still answers
@@ -200,8 +381,55 @@ class CopyHost:
                 pass        # already gone
         for lane in lanes.values():
             lane.join(self.stall_timeout)
-        self._acceptor.join(self.stall_timeout)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _drain(conn: socket.socket) -> None:
+    """Read and drop what the follower still sends (the rest of a refused setup) until it hangs up, at most
+    ``HEADER_TIMEOUT``: a Unix socket closed with unread messages resets the connection, and the follower would
+    read the reset instead of the ``E`` that says why."""
+    deadline = time.monotonic() + HEADER_TIMEOUT
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, FD_BATCH, socket.MSG_CMSG_CLOEXEC)
+        except OSError:
+            return      # timed out, or reset
+        close_fds(list(fds))
+        if not data:
+            return
+
+
+def _receive_fence(conn: socket.socket) -> Fence:
+    """The lane's first message: ``L`` and the follower's fence page (one fd), mapped here.
+
+    Raises
+    ------
+    ProtocolError
+        Another message, or an fd that is not a sealed memfd page (the follower could truncate it under the
+        mapping: this host would fault writing the word).
+    TransferTimeout, PeerLost
+        The follower stalled or left.
+    """
+    conn.settimeout(HEADER_TIMEOUT)
+    try:
+        data, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError:
+        raise TransferTimeout(f"copy host: the lane passed no fence page within {HEADER_TIMEOUT} s") from None
+    except OSError as e:
+        raise PeerLost(f"copy host: the lane left before passing its fence page: {e}") from None
+    try:
+        if not data:
+            raise PeerLost("copy host: the lane left before passing its fence page")
+        if data != b"L" or len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise ProtocolError(f"copy host: a lane's first message must be its fence page (L and one fd), not "
+                                f"{data[:8]!r} with {len(fds)} fds")
+        try:
+            return Fence.open(fds[0])
+        except HandleError as e:
+            raise ProtocolError(f"copy host: the lane's fence page is unusable: {e}") from None
+    finally:
+        close_fds(list(fds))
 
 
 class _HostedPair:
@@ -224,9 +452,10 @@ class _HostedPair:
 
     @classmethod
     def receive(cls, conn: socket.socket, header: bytes, device: int | None, timeout: float,
-                old: _HostedPair | None) -> _HostedPair:
-        """The setup after its ``S`` header: both regions' handles, the segments; mapped and checked.  A region
-        passed with no handles is ``old``'s mapping of it, taken over (a new plan for the same memory)."""
+                old: _HostedPair | None, limit: int | None = None) -> _HostedPair:
+        """The setup after its ``S`` header: both regions' handles, the segments; mapped (lazily) and checked.  A
+        region passed with no handles is ``old``'s mapping of it, taken over (a new plan for the same memory).
+        A region whose payload is over ``limit`` bytes is refused before anything is received or mapped."""
         head = unpack(header, "the lane's setup")
         if not isinstance(head, dict):
             raise ProtocolError("copy host: the lane's setup is not a map")
@@ -239,6 +468,12 @@ class _HostedPair:
             raise ProtocolError(f"copy host: a lane's setup out of range ({kind!r} memory, {groups} groups, "
                                 f"{src_count} chunks of {src_nbytes} bytes to {dst_count} of {dst_nbytes}) for a "
                                 f"host of {'host' if device is None else 'cuda'} memory")
+        for what, nbytes in (("source", src_nbytes), ("follower's", dst_nbytes)):
+            if limit is not None and nbytes > limit:
+                raise ProtocolError(f"copy host: a lane's {what} region of {nbytes} bytes is larger than this host's "
+                                    f"limit of {limit} bytes (limit_bytes: the largest region of the group's "
+                                    f"members); refused before mapping -- a member's region grew without the group "
+                                    f"knowing, or the lane is not one of the group's")
         fds: list[int] = []
         try:
             src_chunks = receive_handles(conn, src_count, src_nbytes, fds, timeout)
@@ -257,9 +492,12 @@ class _HostedPair:
                 raise ProtocolError("copy host: a lane's setup without handles, but this lane maps no such region")
             src = dst = None
             try:
-                src = old.take("src") if old is not None and src_count == 0 else map_handles(src_chunks, device)
+                # lazily (no populate): a page is faulted in when a copy first touches it, so a lane's sparse
+                # region costs this host only what its segments read and write, and mapping it is quick
+                src = (old.take("src") if old is not None and src_count == 0 else
+                       map_handles(src_chunks, device, populate=False))
                 dst = (old.take("dst") if old is not None and dst_count == 0 else
-                       map_handles(dst_chunks, device, writable=True))
+                       map_handles(dst_chunks, device, writable=True, populate=False))
                 return cls((src, src_nbytes), (dst, dst_nbytes), segments, device)
             except BaseException:
                 for region in (src, dst):
@@ -269,12 +507,26 @@ class _HostedPair:
         finally:
             close_fds(fds)
 
-    def serve(self, conn: socket.socket) -> tuple[int, bytes] | None:
-        """Serve the lane's steps without the GIL where this is a device pair with the kernel: ``(steps served,
-        the next other message)``; else None."""
+    def serve(self, conn: socket.socket, fence: Fence) -> tuple[int, bytes] | None:
+        """Serve the lane's steps without the GIL where this is a device pair with the kernel (the fence taken
+        and finished in the same loop): ``(steps served, the next other message)``; else None."""
         if self._device_copy is None:
             return None
-        return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno())
+        return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno(), fence.address)
+
+    def step(self, seq: int, fence: Fence, threads: int) -> bool:
+        """Copy step ``seq`` if the follower still grants it (taken on the fence before any byte is written, and
+        marked done -- or revoked, when the copy failed -- once no byte of it can still be written); False: the
+        follower gave it up, nothing was copied."""
+        if not fence.take(seq):
+            return False
+        done = False
+        try:
+            self.copy(threads)      # returns (or raises) once every copy thread ended / the stream synchronized
+            done = True
+        finally:
+            fence.finish(seq, done)
+        return True
 
     def copy(self, threads: int) -> None:
         if self._device_copy is not None:
@@ -331,10 +583,154 @@ def check_lane_segments(segments: Segments, src_nbytes: int, dst_nbytes: int) ->
         raise ProtocolError(f"copy host: segments reach past the regions (group {i}: {int(h[i])} runs of {int(w[i])} "
                             f"bytes from {int(so[i])} step {int(ss[i])} to {int(do[i])} step {int(ds[i])}; regions "
                             f"of {src_nbytes} and {dst_nbytes} bytes)")
-    # ... and all groups together at most that much
-    if sum(int(x) for x in w * h) > dst_nbytes:
-        raise ProtocolError(f"copy host: segments write {sum(int(x) for x in w * h)} bytes into a region of "
-                            f"{dst_nbytes}: a plan writes each byte once")
+    # ... and all groups together at most that much: each product fits (<= dst_nbytes < 2**63); summed in two
+    # halves of 32 bits, a million groups cannot wrap, and no Python loop holds the GIL for each
+    moved = w * h
+    total = (int(np.sum(moved >> np.uint64(32), dtype=np.uint64)) << 32) + \
+        int(np.sum(moved & np.uint64(0xFFFFFFFF), dtype=np.uint64))
+    if total > dst_nbytes:
+        raise ProtocolError(f"copy host: segments write {total} bytes into a region of {dst_nbytes}: a plan writes "
+                            f"each byte once")
+
+
+# -- the follower's side
+class HostProcess:
+    """The copy host's process, watched through a pidfd: readable once it exited, whatever runs under its pid
+    later.  Where the kernel has no ``pidfd_open`` (before Linux 5.3) the pid is probed with ``kill(pid, 0)``: a
+    pid reused meanwhile reads as alive (a doubt then waits longer, never clears too early)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._fd = -1
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def gone(self) -> bool:
+        """Whether the process exited (it writes nothing any more: its memory and its CUDA context are gone)."""
+        if self._fd >= 0:
+            return bool(select.select([self._fd], [], [], 0)[0])
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _span(region: Any) -> tuple[Any, int, int]:
+    """The memory a follower's TensorRegion payload occupies: (device, first address, end address)."""
+    where = ("cuda", int(region.region.device_index)) if region.is_cuda else ("host", 0)
+    lo = int(region.region.ptr)
+    return where, lo, lo + max(int(region.nbytes), 1)
+
+
+class _Doubt:
+    """A step a copy host took (the fence read RUNNING when its follower gave up) and has not finished."""
+
+    def __init__(self, span: tuple[Any, int, int], fence: Fence, seq: int, host: HostProcess, path: str) -> None:
+        self.span, self.fence, self.seq, self.host, self.path = span, fence, seq, host, path
+        self.since = time.monotonic()
+
+    def overlaps(self, span: tuple[Any, int, int]) -> bool:
+        return span[0] == self.span[0] and span[1] < self.span[2] and self.span[1] < span[2]
+
+    def settled(self) -> str | None:
+        """Why the doubt is over (the host finished the step, or its process is gone); None: still in doubt."""
+        seen = self.fence.load()
+        if seen != word(self.seq, RUNNING):
+            return f"the fence reads {STATE_NAMES[seen & 3]}"
+        if self.host.gone():
+            return "its process is gone"
+        return None
+
+    def close(self) -> None:
+        self.fence.close()
+        self.host.close()
+
+
+class InDoubt:
+    """The memory of this process that a copy host may still write into: steps it took and did not finish
+    (process-wide: a later session, lane or plan writing into the same memory must wait too).
+
+    Each entry owns the lane's fence page and the host's pidfd; it is released once the fence reads done or
+    revoked, or the host's process is gone (looked at whenever a copy into memory asks).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: list[_Doubt] = []
+
+    def add(self, region: Any, fence: Fence, seq: int, host: HostProcess, path: str) -> None:
+        """Take ``fence`` and ``host`` over: ``region``'s memory is in doubt until step ``seq`` settles."""
+        with self._lock:
+            self._steps.append(_Doubt(_span(region), fence, seq, host, path))
+
+    def pending(self, region: Any = None) -> list[tuple[int, int, int]]:
+        """``(host pid, step, fence state)`` of each step in doubt (over ``region``'s memory, when given), after
+        releasing those that settled."""
+        self._settle()
+        span = _span(region) if region is not None else None
+        with self._lock:
+            return [(d.host.pid, d.seq, d.fence.load() & 3) for d in self._steps if span is None or d.overlaps(span)]
+
+    def wait_clear(self, region: Any, timeout: float) -> None:
+        """Return once no step in doubt can write into ``region``'s memory, waiting up to ``timeout`` seconds.
+
+        Raises
+        ------
+        TransferTimeout
+            A copy host still holds a step into this memory (naming its pid and the step): nothing may be copied
+            into it until that host finishes or its process ends.
+        """
+        if not self._steps:         # the fast path: one read, no lock
+            return
+        span = _span(region)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._settle()
+            with self._lock:
+                blocking = [d for d in self._steps if d.overlaps(span)]
+            if not blocking:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                d = blocking[0]
+                raise TransferTimeout(
+                    f"ipc: this target's region is in doubt: the copy host (pid {d.host.pid}, {d.path}) took step "
+                    f"{d.seq} of a pair's copy into it {time.monotonic() - d.since:.1f} s ago and has not finished it "
+                    f"(stopped or stalled mid-copy), so nothing may be copied into the region and no step may "
+                    f"succeed until it finishes or its process ends (waited {timeout} s); resume that process "
+                    f"(kill -CONT {d.host.pid}) or end it (kill {d.host.pid})")
+            fds = [d.host.fileno() for d in blocking if d.host.fileno() >= 0]
+            wait = min(left, 0.02)      # the fence changes wake nothing: look again soon; a pidfd wakes at once
+            if fds:
+                select.select(fds, [], [], wait)
+            else:
+                time.sleep(wait)
+
+    def _settle(self) -> None:
+        with self._lock:
+            settled = [(d, why) for d in self._steps for why in [d.settled()] if why is not None]
+            done = {id(d) for d, _ in settled}
+            self._steps = [d for d in self._steps if id(d) not in done]
+        for d, why in settled:
+            log.warning("ipc: the copy host (pid %d) is through with step %d (%s): its follower's memory is no "
+                        "longer in doubt", d.host.pid, d.seq, why)
+            d.close()
+
+
+#: The process's memory in doubt (see :class:`InDoubt` and the module docstring).
+IN_DOUBT = InDoubt()
 
 
 class CopyLane:
@@ -343,13 +739,20 @@ class CopyLane:
     Raises (each call)
     ------
     PeerLost, TransferTimeout, TransferError, ProtocolError
-        The host is gone, stalled or refused: the caller copies locally instead.
+        Making the lane or a setup: the host is gone, stalled or refused (the caller copies locally instead).
+    AuthError
+        The host's proof of the group's key is wrong (not the group's copy host): nothing was passed to it.
     """
 
     def __init__(self, path: str, key: bytes | None, timeout: float) -> None:
         self.timeout = float(timeout)
+        self.path = path
         self.ready_for: Any = None      # what the host set up, as the caller names it
         self._dst: Any = None           # the follower's region whose handles the host holds
+        self._lock = threading.Lock()   # close() from another thread vs. a step's end
+        self._pending: int | None = None    # a step granted and not yet settled
+        self._fence: Fence | None = None
+        self._host: HostProcess | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(HEADER_TIMEOUT)
@@ -360,14 +763,30 @@ class CopyLane:
             challenge = recv_message(sock, "the copy host's challenge", HEADER_TIMEOUT)
             if challenge[:1] != b"N":
                 raise ProtocolError(f"copy host: unexpected challenge {challenge[:8]!r}")
-            check_peer(sock)
+            # watched from before our proof goes out: the host's answer to it proves this is its live process
+            self._host = HostProcess(check_peer(sock))
             mine = nonce()
             send_message(sock, b"A" + _proof(key, b"lane", challenge[1:]) + mine, "the lane's proof")
-            self._expect(sock, b"K" + _proof(key, b"host", mine), "the copy host's proof", HEADER_TIMEOUT)
+            answer = recv_message(sock, "the copy host's proof", HEADER_TIMEOUT)
+            if answer[:1] == b"E":
+                raise TransferError(f"copy host: {answer[1:].decode(errors='replace')}")
+            if answer[:1] != b"K" or not hmac.compare_digest(answer[1:], _proof(key, b"host", mine)):
+                raise AuthError(f"copy host: the process at {path} (pid {self._host.pid}) failed authentication: its "
+                                f"proof of the group's key is wrong (another group's copy host, or not a copy host); "
+                                f"nothing was passed to it -- this target copies on its own")
+            self._fence = Fence.create()
+            send_message(sock, b"L", "the lane's fence page", [self._fence.fd])
         except BaseException:
             sock.close()
+            for own in (self._fence, self._host):
+                if own is not None:
+                    own.close()
             raise
         self._sock: socket.socket | None = sock
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
 
     def setup(self, src_handles: list[tuple[int, int]] | None, src_nbytes: int, dst: Any, segments: Segments,
               kind: str, ready_for: Any) -> None:
@@ -395,11 +814,115 @@ class CopyLane:
         self._expect(sock, b"K", "the copy host's setup", self.timeout)
         self.ready_for, self._dst = ready_for, dst
 
-    def copy(self, seq: int) -> None:
-        """Have the host copy the pair (for step ``seq``); return once the bytes are in the follower's memory."""
+    def copy(self, seq: int) -> bool:
+        """Have the host copy the pair for step ``seq``: True once the bytes are in the follower's memory; False
+        when the host never will copy this step (it did not take it in time and the step is revoked, or its copy
+        failed, or it is gone): the caller copies it itself, whole.  After False, or after a True that ended
+        with the lane closed (:attr:`closed`: the host answered late), the caller gives the lane up.
+
+        Raises
+        ------
+        TransferTimeout
+            The host took the step and did not finish it within :attr:`timeout`: it may still write.  The
+            follower's region is registered in doubt (:data:`IN_DOUBT`) and this lane is closed.
+        TransferError
+            The lane is closed (before the step was asked for: nothing was granted).
+        """
         sock = self._live()
-        send_message(sock, b"G" + U64.pack(seq), "the lane's step")
-        self._expect(sock, b"K" + U64.pack(seq), "the copy host's copy", self.timeout)
+        fence = self._fence
+        assert fence is not None and self._host is not None
+        start = time.monotonic()
+        with self._lock:
+            self._pending = seq
+            fence.grant(seq)
+        answer, why = b"", ""
+        try:
+            send_message(sock, b"G" + U64.pack(seq), "the lane's step")
+            answer = recv_message(sock, "answer to the step", self.timeout / 2)
+        except TransferError as e:      # no answer in time, or the host is gone
+            why = f"{type(e).__name__}: {e}"
+        except BaseException:
+            self._give_up(seq, "interrupted")
+            raise
+        try:
+            if answer == b"K" + U64.pack(seq) and self._settled(seq, fence.state) == DONE:
+                return True         # the fast path: one load
+            if answer[:1] == b"E":
+                why = f"the host refused: {answer[1:].decode(errors='replace')}"
+            elif answer:
+                why = f"unexpected answer {answer[:16]!r}"
+            state = self._settled(seq, fence.revoke)
+            if state == RUNNING:
+                state, late = self._wait_for_host(sock, fence, seq, start + self.timeout)
+                if late:
+                    answer = late
+            if state == DONE:
+                if answer != b"K" + U64.pack(seq):
+                    self.close()        # its answer may still come, where the next step would read it
+                return True
+            if state == REVOKED:
+                log.warning("copy host: step %d was not copied by the copy host (pid %d; %s): the follower copies it",
+                            seq, self._host.pid, why or "its copy failed")
+                return False
+        except BaseException:
+            self._give_up(seq, "interrupted")
+            raise
+        pid = self._host.pid
+        self._give_up(seq, why)     # the step still RUNNING: close() puts the region in doubt
+        raise TransferTimeout(f"copy host: the copy host (pid {pid}, {self.path}) took step {seq} of this pair and did "
+                              f"not finish it within {self.timeout} s ({why or 'no answer'}); it may still write into "
+                              f"this target's region, so the step fails and nothing may be copied into the region "
+                              f"until that process finishes the step or ends (resume it, kill -CONT {pid}, or end it)")
+
+    def _settled(self, seq: int, look: Any) -> int:
+        """``look(seq)`` (the fence's state, or its revoke) under the lane's lock; the lane closed meanwhile
+        (close() settled the step) is a TransferError."""
+        with self._lock:
+            if self._fence is None:
+                raise TransferError(f"copy host: the lane was closed during step {seq}")
+            state = int(look(seq))
+            if state != RUNNING:
+                self._pending = None
+            return state
+
+    def _wait_for_host(self, sock: socket.socket, fence: Fence, seq: int, deadline: float) -> tuple[int, bytes]:
+        """The host took step ``seq``: wait for its answer, the fence or the end of its process, up to
+        ``deadline``; ``(the step's state, the answer read meanwhile)``.  A host whose process ended is REVOKED:
+        nothing of it can still write."""
+        assert self._host is not None
+        answer, watch_sock = b"", True
+        while True:
+            state = self._settled(seq, fence.state)
+            if state != RUNNING:
+                return state, answer
+            if self._host.gone():
+                with self._lock:
+                    self._pending = None
+                return REVOKED, answer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return RUNNING, answer
+            poller = select.poll()
+            if watch_sock:
+                poller.register(sock, select.POLLIN)
+            if self._host.fileno() >= 0:
+                poller.register(self._host.fileno(), select.POLLIN)
+            events = poller.poll(min(left, 0.05 if self._host.fileno() < 0 else left) * 1000)
+            for fd, _ in events:
+                if fd == sock.fileno():
+                    try:
+                        msg = sock.recv(MAX_MESSAGE)
+                    except OSError:
+                        msg = b""
+                    if msg:
+                        answer = msg
+                    else:
+                        watch_sock = False      # the host closed or died: its pidfd says which
+
+    def _give_up(self, seq: int, why: str) -> None:
+        """Close the lane; a step it leaves running puts the follower's region in doubt (see :meth:`close`)."""
+        log.warning("copy host: giving up the lane to %s at step %d (%s)", self.path, seq, why)
+        self.close()
 
     def _live(self) -> socket.socket:
         if self._sock is None:
@@ -415,7 +938,30 @@ class CopyLane:
             raise ProtocolError(f"copy host: {msg[:16]!r} instead of {what}")
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
+        """Close the socket and release the fence page and the host's pidfd -- except where a step granted on
+        this lane is still RUNNING on the fence and the host lives: then the follower's region goes in doubt
+        (:data:`IN_DOUBT` takes both over).  Idempotent, callable from another thread."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+            fence, self._fence = self._fence, None
+            host, self._host = self._host, None
+            pending, self._pending = self._pending, None
         if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)     # wakes a step waiting for the host in another thread
+            except OSError:
+                pass    # not connected any more
             sock.close()
-
+        if fence is not None and host is not None and pending is not None:
+            try:
+                state = fence.revoke(pending)
+            except ProtocolError:
+                state = RUNNING     # a fence that names another step: whatever the host does, it is not done
+            if state == RUNNING and not host.gone() and self._dst is not None:
+                IN_DOUBT.add(self._dst, fence, pending, host, self.path)
+                log.warning("copy host: the copy host (pid %d) still runs step %d: this target's region is in doubt "
+                            "until it finishes or ends", host.pid, pending)
+                return
+        for own in (fence, host):
+            if own is not None:
+                own.close()

@@ -53,12 +53,13 @@ class DeviceSegments:
             copier.dtod_groups(sg.dst_off + np.uint64(dst_ptr), sg.src_off + np.uint64(src_ptr), sg.nbytes, sg.count,
                                sg.dst_stride, sg.src_stride)
 
-    def serve_lane(self, copier: Any, dst_ptr: int, src_ptr: int, fd: int) -> tuple[int, bytes] | None:
-        """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``); None where the kernel was
-        not built (the caller serves them itself)."""
+    def serve_lane(self, copier: Any, dst_ptr: int, src_ptr: int, fd: int, fence: int) -> tuple[int, bytes] | None:
+        """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``), each taken and finished on the
+        lane's fence word at address ``fence``; None where the kernel was not built (the caller serves them
+        itself)."""
         if self._kernel is None:
             return None
-        return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd)
+        return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd, fence)
 
     def close(self) -> None:
         kernel, self._kernel = self._kernel, None

@@ -52,9 +52,11 @@ log = logging.getLogger(__name__)
 Handles = list[tuple[int, int]]       # (size, fd) of each chunk, in order
 
 
-def map_handles(handles: Handles, on: int | None, writable: bool = False) -> Any:
+def map_handles(handles: Handles, on: int | None, writable: bool = False, populate: bool = True) -> Any:
     """Map a peer's handles contiguously: host memfds (each checked first: a sealed memory file at least as long as
-    its chunk), or CUDA handles on device ``on``.  The fds stay the caller's.
+    its chunk), or CUDA handles on device ``on``.  The fds stay the caller's.  ``populate`` (host memory) builds
+    the page tables now, in one pass (faster first copy; but it commits a sparse file's every page, holding the
+    GIL meanwhile: a copy host maps its lanes' regions without it).
 
     Raises
     ------
@@ -63,7 +65,7 @@ def map_handles(handles: Handles, on: int | None, writable: bool = False) -> Any
     """
     if on is None:
         try:
-            return HostRegion.import_handles(handles, writable=writable, populate=True)
+            return HostRegion.import_handles(handles, writable=writable, populate=populate)
         except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
             raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
     from tensorxfer.memory import CudaRegion
