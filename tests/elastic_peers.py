@@ -36,7 +36,6 @@ STALL = float(os.environ.get("ELASTIC_PEERS_STALL", "5"))
 TOKEN = None if os.environ.get("ELASTIC_PEERS_TOKEN") == "none" else os.environ.get("ELASTIC_PEERS_TOKEN", "el")
 WAIT = os.environ.get("ELASTIC_PEERS_WAIT", "120")
 GROUP = os.environ.get("ELASTIC_PEERS_GROUP", "elastic")
-TARGET_LAYOUT = os.environ.get("ELASTIC_PEERS_TARGETS", "whole")
 # ELASTIC_PEERS_COPY_HOST=1: the peers talk ipc and the targets copy through one of them (the copy host)
 COPY_HOST = os.environ.get("ELASTIC_PEERS_COPY_HOST") == "1"
 TRANSPORT = "ipc" if COPY_HOST else "tcp"
@@ -55,9 +54,14 @@ def say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def target_layout() -> str:
+    """``whole`` or ``sharded`` (read when asked: a test sets it after importing this module)."""
+    return os.environ.get("ELASTIC_PEERS_TARGETS", "whole")
+
+
 def target_share(rank: int, tensors: dict[str, Any]) -> dict[str, Any]:
     """What target ``rank`` holds of the model ``tensors`` (the whole of it, or its chunk of ``a``)."""
-    if TARGET_LAYOUT == "whole":
+    if target_layout() == "whole":
         return tensors
     box = tx.sync.chunk_box(SHAPES["a"], 0, rank, TARGETS)
     return {"a": tensors["a"][box.offsets[0]:box.offsets[0] + box.sizes[0]]}
@@ -98,7 +102,7 @@ def source(rank: int, url: str, layout: str) -> int:
 
 
 def target(rank: int, url: str) -> int:
-    if TARGET_LAYOUT == "whole":
+    if target_layout() == "whole":
         tensors = {n: Target.whole(torch.zeros(s), n) for n, s in SHAPES.items()}
     else:
         box = tx.sync.chunk_box(SHAPES["a"], 0, rank, TARGETS)

@@ -87,6 +87,14 @@ def reaches(target: Peer, rank: int, version: int, timeout: float = 60) -> None:
             return
 
 
+def unpack(raw: bytes) -> Any:
+    """A record as a reader without the token sees it (sealed or, before records were sealed, plain)."""
+    try:
+        return msgpack.unpackb(raw)
+    except ValueError:
+        return msgpack.unpackb(strip(raw))
+
+
 def key(*parts: object) -> str:
     return "/".join(["tensorxfer.sync", GROUP, *map(str, parts)])
 
@@ -151,9 +159,9 @@ def test_a_rewritten_description_steers_no_byte(url: str, group: list[Peer]) -> 
     assert joiner.next().get("ready"), joiner.stderr
     rdv = connect(url)
     try:
-        uid = msgpack.unpackb(strip(rdv.members(key("member", "target"))["2"]))["uid"]
+        uid = unpack(rdv.members(key("member", "target"))["2"])["uid"]
         spec_key = key("spec", "target", 2, uid)
-        ref = msgpack.unpackb(strip(rdv.peek([spec_key])[0]))
+        ref = unpack(rdv.peek([spec_key])[0])
         body = zlib.decompress(rdv.peek([key("body", ref["content"])])[0])
         real = RankSpec.from_wire({"v": 1, "rank": 2, "body": body})
         a, b = real.tensors
@@ -161,8 +169,7 @@ def test_a_rewritten_description_steers_no_byte(url: str, group: list[Peer]) -> 
         forged = RankSpec("target", 2, [dataclasses.replace(a, region_offset=32),
                                         dataclasses.replace(b, region_offset=0)])
         rdv.publish(key("body", forged.content_digest.hex()), zlib.compress(forged.body))
-        rdv.publish(spec_key, msgpack.packb({"content": forged.content_digest.hex(), "address": ref["address"]})
-                    + b"\0" * 32)
+        rdv.publish(spec_key, msgpack.packb({"content": forged.content_digest.hex(), "address": ref["address"]}))
         for got in push(sources, 2):
             assert got.get("error") == "StoreError" and spec_key in got["message"], got
         for t in (*targets, joiner):
@@ -236,29 +243,32 @@ def test_a_target_stalled_for_a_while_gets_no_healthy_source_dropped(url: str, g
 
 def test_wait_without_a_timeout_names_a_source_that_stalled_before_offering(url: str, group: list[Peer],
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A target's wait() has no timeout; source 1 stops before its offer of step 2: the target names it within
+    """The targets' wait() has no timeout; source 1 stops before its offer of step 2: each target names it within
     the stall timeout of the step being decided, however long the stop lasts; the group recovers after it."""
     monkeypatch.setenv("ELASTIC_PEERS_WAIT", "none")
-    targets, sources = start(group, url, targets=1)
+    targets, sources = start(group, url)
     push(sources, 1)
-    expect(targets[0], 0, 1)
+    for r, t in enumerate(targets):
+        expect(t, r, 1)
     os.kill(sources[1].proc.pid, signal.SIGSTOP)
     try:
-        t = time.monotonic()
+        t0 = time.monotonic()
         sources[0].send("push 2")
         got = sources[0].next()
         assert got.get("version") == 2, got
-        got = targets[0].next(timeout=4 * peers.STALL)
-        assert got.get("error") == "TransferTimeout" and "source rank 1" in got["message"], got
-        assert time.monotonic() - t < peers.STALL + 3, time.monotonic() - t
+        for t in targets:
+            got = t.next(timeout=4 * peers.STALL)
+            assert got.get("error") == "TransferTimeout" and "source rank 1" in got["message"], got
+        assert time.monotonic() - t0 < peers.STALL + 3, time.monotonic() - t0
     finally:
         os.kill(sources[1].proc.pid, signal.SIGCONT)
     sources[1].send("push 2")
-    sources[1].next()           # its step 2 found the target gone on: an error or a failed pair
+    sources[1].next()           # its step 2 found the targets gone on: an error or failed pairs
     for version in (3, 4):
         stats = push(sources, version)
         assert all(s.get("version") == version for s in stats), stats
-    reaches(targets[0], 0, 4)
+    for r, t in enumerate(targets):
+        reaches(t, r, 4)
 
 
 # ---------------------------------------------------------------- formation
