@@ -1,6 +1,7 @@
 """A copy host in a process of its own, for tests/test_copy_host.py (stopped, resumed and killed with real signals).
 
-Usage: ``python tests/copy_host_peer.py KEY STALL`` (KEY "" for a tokenless group).  Prints one JSON line,
+Usage: ``python tests/copy_host_peer.py KEY STALL [DEVICE]`` (KEY "" for a tokenless group; DEVICE a CUDA device
+index, absent or "" for host memory).  Prints one JSON line,
 ``{"path": the lane socket, "pid": this process}``, then reads commands from stdin, one a line, answering each
 with a JSON line:
 
@@ -22,7 +23,8 @@ from tensorxfer.transport.ipc.delegate import CopyHost
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     key = sys.argv[1].encode() or None
-    host = CopyHost(key, None, float(sys.argv[2]))
+    device = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else None
+    host = CopyHost(key, device, float(sys.argv[2]))
     print(json.dumps({"path": host.path, "pid": os.getpid()}), flush=True)
     try:
         for line in sys.stdin:

@@ -244,7 +244,7 @@ from tensorxfer.transport.ipc import IpcReceiver, IpcSender  # noqa: E402
 from tensorxfer.transport.ipc.delegate import HOST_DIR_PREFIX, IN_DOUBT  # noqa: E402
 from tensorxfer.transport.segments import Segments  # noqa: E402
 
-from .helpers import ROOT, Background, region_of, wait_until  # noqa: E402
+from .helpers import GPU_REASON, ROOT, Background, region_of, wait_until  # noqa: E402
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "copy_host_peer.py")
 KEY = b"k" * 32
@@ -253,9 +253,10 @@ KEY = b"k" * 32
 class HostPeer:
     """``tests/copy_host_peer.py``: a CopyHost in a child process, driven over stdin, signalled for real."""
 
-    def __init__(self, key: bytes | None = KEY, stall: float = 5.0) -> None:
+    def __init__(self, key: bytes | None = KEY, stall: float = 5.0, device: str = "cpu") -> None:
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, PEER, key.decode() if key else "", str(stall)],
+        index = "" if device == "cpu" else device.partition(":")[2] or "0"
+        self.proc = subprocess.Popen([sys.executable, PEER, key.decode() if key else "", str(stall), index],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
                                      env=dict(os.environ, PYTHONPATH=ROOT))
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -345,33 +346,54 @@ class Follower:
         self.rt.close()
 
 
+def _region(nbytes: int, device: str) -> tx.TensorRegion:
+    return region_of(nbytes) if device == "cpu" else \
+        tx.TensorRegion.from_manifest(tx.Manifest.layout([("w", "U8", (nbytes,))]), device=device)
+
+
 def _fill(region: tx.TensorRegion, value: int) -> None:
+    if region.is_cuda:
+        region.tensors("torch")["w"].fill_(value)
+        torch.cuda.synchronize()
+        return
     view = np.frombuffer(memoryview(region.region), np.uint8, count=region.nbytes)
     view[:] = value
     del view
 
 
-def _rows(region: tx.TensorRegion, width: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the bytes a one-group pair of ``width``-byte rows ``stride`` apart writes, the rest), copied out."""
-    view = np.frombuffer(memoryview(region.region), np.uint8, count=region.nbytes).reshape(-1, stride)
-    written, rest = view[:, :width].copy(), view[:, width:].copy()
-    del view
-    return written, rest
-
-
 def _holds(region: tx.TensorRegion, value: int, width: int, stride: int) -> bool:
-    written, rest = _rows(region, width, stride)
-    return bool((written == value).all() and (rest == 0).all())
+    """Whether the bytes a one-group pair of ``width``-byte rows ``stride`` apart writes all hold ``value``, and
+    the rest zero."""
+    if region.is_cuda:
+        rows = region.tensors("torch")["w"].view(-1, stride)
+        return bool((rows[:, :width] == value).all()) and bool((rows[:, width:] == 0).all())
+    view = np.frombuffer(memoryview(region.region), np.uint8, count=region.nbytes).reshape(-1, stride)
+    try:
+        return bool((view[:, :width] == value).all() and (view[:, width:] == 0).all())
+    finally:
+        del view
 
 
-# a pair slow enough to stop its host mid-copy: 8 Mi rows of 16 bytes, 64 apart (512 MiB each side)
-BIG, WIDTH, STRIDE = 512 << 20, 16, 64
+# a pair slow enough to stop its host mid-copy: rows of 16 bytes, 64 apart (512 MiB each side; on a GPU,
+# where a copy is ~10x faster and the host's thread waits for it in cuStreamSynchronize, 4 GiB)
+WIDTH, STRIDE = 16, 64
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")])]
 
 
-def _big_pair() -> tuple[tx.TensorRegion, tx.TensorRegion, Segments]:
-    src, dst = region_of(BIG), region_of(BIG)
-    rows = BIG // STRIDE
-    return src, dst, Segments.of([0], [0], [WIDTH], [rows], [STRIDE], [STRIDE])
+def _big_pair(device: str) -> tuple[tx.TensorRegion, tx.TensorRegion, Segments]:
+    big = 512 << 20 if device == "cpu" else 4 << 30
+    src, dst = _region(big, device), _region(big, device)
+    return src, dst, Segments.of([0], [0], [WIDTH], [big // STRIDE], [STRIDE], [STRIDE])
+
+
+def _check_kernel(device: str) -> None:
+    """On a GPU the host must serve the steps in StridedCopy.serve_lane (the kernel built), or this tests nothing
+    of it."""
+    if device != "cpu":
+        from tensorxfer.memory import strided
+
+        assert strided.kernel_image() is not None, "strided_copy.fatbin was not built"
 
 
 def _stop_mid_copy(host: HostPeer, follower: Follower, seq: int, job: Background) -> bool:
@@ -407,31 +429,33 @@ def _release_doubts() -> None:
     assert not IN_DOUBT.pending(), "a test left memory in doubt"
 
 
-def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_copies_it_itself() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_copies_it_itself(device: str) -> None:
     """Case A: the host is SIGSTOPped between steps; the follower's next step revokes the grant after half the
     stall timeout, copies the pair itself and succeeds.  Resumed, the host reads the queued step, finds it given up
     (the fence), answers E and writes nothing -- though the source holds newer bytes by then."""
-    host = HostPeer()
-    src, dst = region_of(1 << 20), region_of(1 << 20)
-    segments = Segments.of([0], [0], [256], [4096], [256], [256])
+    _check_kernel(device)
+    host = HostPeer(device=device)
+    src, dst = _region(1 << 20, device), _region(1 << 20, device)
+    segments = Segments.of([0], [0], [128], [4096], [256], [256])
     follower = Follower(src, dst, segments, host.path, stall=2.0)
     try:
         _fill(src, 1)
         follower.step(1)                    # through the host
-        assert _holds(dst, 1, 256, 256) and host.ask("stats")["copies"] == 1
+        assert _holds(dst, 1, 128, 256)
         host.stop()
         _fill(src, 2)
         t = time.monotonic()
         follower.step(2)                    # the host never answers: revoked, copied here
         assert 1.0 <= time.monotonic() - t < 2.0
-        assert _holds(dst, 2, 256, 256)
+        assert _holds(dst, 2, 128, 256)
         assert follower.rt.copy_host is None and follower.rt._copy_lane is None     # the lane was given up
         _fill(src, 3)                       # what a late copy would write
         host.cont()
         wait_until(lambda: host.ask("stats")["revoked"] == 1, 10, "the resumed host refusing the step")
         time.sleep(0.3)
-        assert _holds(dst, 2, 256, 256), "the copy host wrote a step its follower had given up"
-        assert host.ask("stats")["copies"] == 1
+        assert _holds(dst, 2, 128, 256), "the copy host wrote a step its follower had given up"
+        assert host.ask("stats")["copies"] == 1     # step 1 (on a GPU counted when its lane's run ended)
     finally:
         follower.close()
         host.close()
@@ -440,14 +464,16 @@ def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_cop
     _release_doubts()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_host_stopped_mid_copy_fails_the_step_and_holds_the_region_until_it_finishes(
-        caplog: pytest.LogCaptureFixture) -> None:
+        device: str, caplog: pytest.LogCaptureFixture) -> None:
     """Case B: the host is SIGSTOPped while it copies a step (the fence reads RUNNING): the step fails with a
     TransferTimeout naming the host's pid and the step; while it is stopped every later step fails within the
     stall timeout (the region is in doubt: nothing is copied into it); resumed, the host finishes (the fence reads
     done), the doubt clears and the next step succeeds -- and nothing is written after it."""
-    host = HostPeer()
-    src, dst, segments = _big_pair()
+    _check_kernel(device)
+    host = HostPeer(device=device)
+    src, dst, segments = _big_pair(device)
     follower = Follower(src, dst, segments, host.path, stall=2.0)
     try:
         _fill(src, 1)
@@ -484,13 +510,15 @@ def test_a_host_stopped_mid_copy_fails_the_step_and_holds_the_region_until_it_fi
     _release_doubts()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("when", ["during the step", "after the step failed"])
-def test_a_host_killed_mid_copy_clears_the_doubt_and_the_follower_copies(when: str) -> None:
+def test_a_host_killed_mid_copy_clears_the_doubt_and_the_follower_copies(when: str, device: str) -> None:
     """Case C: a host SIGKILLed while it holds a step (stopped mid-copy, then killed): its process gone, nothing of
     it can write; the follower copies the pair itself -- in that same step, or (killed after the step failed in
     doubt) in the next one."""
-    host = HostPeer()
-    src, dst, segments = _big_pair()
+    _check_kernel(device)
+    host = HostPeer(device=device)
+    src, dst, segments = _big_pair(device)
     follower = Follower(src, dst, segments, host.path, stall=2.0)
     try:
         _fill(src, 1)
@@ -624,9 +652,14 @@ def test_the_next_election_removes_the_directory_of_a_host_killed_outright() -> 
     reused, mine = tempfile.mkdtemp(prefix=HOST_DIR_PREFIX), tempfile.mkdtemp(prefix=HOST_DIR_PREFIX)
     from tensorxfer.transport.ipc.delegate import _start_time
 
-    for d, start in ((reused, 1), (mine, _start_time(os.getpid()))):
+    theirs = tempfile.mkdtemp(prefix=HOST_DIR_PREFIX)         # a dead host's record, but another user's directory
+    for d, start in ((reused, 1), (mine, _start_time(os.getpid())), (theirs, 1)):
         with open(os.path.join(d, "owner"), "w") as f:
             json.dump({"pid": os.getpid(), "start": start, "boot": boot}, f)
+    if os.getuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:
+        shutil.rmtree(theirs)       # only root can make a directory of another user's here
     live = CopyHost(None, None, stall_timeout=5)
     server = open_tcp_store("127.0.0.1", 0, True)
     rdv = TorchStoreRendezvous(open_tcp_store("127.0.0.1", server.port, False))
@@ -637,13 +670,14 @@ def test_the_next_election_removes_the_directory_of_a_host_killed_outright() -> 
         assert not os.path.exists(dead)
         assert not os.path.exists(reused)
         assert os.path.isdir(stray) and os.path.isdir(mine) and os.path.exists(live.path)
+        assert os.path.isdir(theirs) == (os.getuid() == 0)
         assert elected is not None and os.path.exists(elected.path)
         assert os.path.dirname(dead) == root
     finally:
         if elected is not None:
             elected.close()
         live.close()
-        for d in (stray, reused, mine):
+        for d in (stray, reused, mine, theirs):
             shutil.rmtree(d, ignore_errors=True)
         region.close()
         rdv.close()

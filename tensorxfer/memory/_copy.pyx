@@ -17,7 +17,7 @@ import os
 from cpython.buffer cimport PyBUF_WRITE
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cuda.bindings cimport cydriver
-from libc.errno cimport EINTR, errno
+from libc.errno cimport ECONNRESET, EINTR, EPIPE, errno
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -398,8 +398,8 @@ cdef class StridedCopy:
         own feeds).  A copy that fails marks its step revoked on the fence (nothing more of it is written)
         before the error is raised.
 
-        Returns ``(steps served, the first message that is not a served step)``: ``b""`` at the end of the stream,
-        else a message for the caller -- a new setup, or a ``G`` whose step the fence did not grant (the follower
+        Returns ``(steps served, the first message that is not a served step)``: ``b""`` at the end of the stream
+        (or where the follower hung up before a step's answer), else a message for the caller -- a new setup, or a ``G`` whose step the fence did not grant (the follower
         gave it up; the caller refuses it).  Raises CudaError (a copy failed) or OSError (the socket).
         """
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
@@ -453,12 +453,13 @@ cdef class StridedCopy:
                         tx_fence_store(word, tx_fence_word(seq, TX_FENCE_REVOKED))
                         break
                     tx_fence_store(word, tx_fence_word(seq, TX_FENCE_DONE))
+                    served += 1
                     buf[0] = b'K'
                     if send(fd, buf, 9, MSG_NOSIGNAL) != 9:
                         err = errno
-                        n = -1
+                        # the follower hung up (it gave the lane up while this step ran): the lane's end
+                        n = 0 if err == EPIPE or err == ECONNRESET else -1
                         break
-                    served += 1
             if rc != cydriver.CUDA_SUCCESS:
                 check_cu(rc, failed)
             if n < 0:

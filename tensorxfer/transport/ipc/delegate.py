@@ -335,7 +335,10 @@ class CopyHost:
                         if pair.step(seq, fence, self.threads):
                             with self._lock:
                                 self.copies += 1
-                            conn.send(b"K" + msg[1:])
+                            try:
+                                conn.send(b"K" + msg[1:])
+                            except OSError:
+                                return      # the follower gave the lane up while this step ran
                             continue
                         with self._lock:
                             self.revoked += 1
