@@ -602,7 +602,7 @@ def test_a_lanes_huge_sparse_region_is_mapped_lazily_stalls_no_other_lane_and_is
         stop.set()
         feeder.result(30)
         assert len(latencies) > before, "the steady lane made no step while the huge one was set up"
-        assert max(latencies[before:]) < 0.5, f"a lane stalled {max(latencies[before:]):.2f} s behind another's setup"
+        assert max(latencies[before:]) < 1.0, f"a lane stalled {max(latencies[before:]):.2f} s behind another's setup"
         grown = proc.memory_info().rss - rss
         assert grown < 64 << 20, f"the host's RSS grew {grown >> 20} MiB for a sparse region it hardly read"
         view = np.frombuffer(memoryview(dsts[1].region), np.uint8, count=4096)

@@ -615,7 +615,7 @@ class HostProcess:
     def gone(self) -> bool:
         """Whether the process exited (it writes nothing any more: its memory and its CUDA context are gone)."""
         if self._fd >= 0:
-            return bool(select.select([self._fd], [], [], 0)[0])
+            return _readable([self._fd], 0)
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -628,6 +628,14 @@ class HostProcess:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _readable(fds: list[int], timeout: float) -> bool:
+    """Whether one of ``fds`` is readable within ``timeout`` seconds (poll: any fd number, unlike select)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def _span(region: Any) -> tuple[Any, int, int]:
@@ -714,12 +722,8 @@ class InDoubt:
                     f"(stopped or stalled mid-copy), so nothing may be copied into the region and no step may "
                     f"succeed until it finishes or its process ends (waited {timeout} s); resume that process "
                     f"(kill -CONT {d.host.pid}) or end it (kill {d.host.pid})")
-            fds = [d.host.fileno() for d in blocking if d.host.fileno() >= 0]
-            wait = min(left, 0.02)      # the fence changes wake nothing: look again soon; a pidfd wakes at once
-            if fds:
-                select.select(fds, [], [], wait)
-            else:
-                time.sleep(wait)
+            # the fence changes wake nothing: look again soon; a host's end wakes this at once (its pidfd)
+            _readable([d.host.fileno() for d in blocking if d.host.fileno() >= 0], min(left, 0.02))
 
     def _settle(self) -> None:
         with self._lock:
