@@ -399,8 +399,9 @@ cdef class StridedCopy:
         before the error is raised.
 
         Returns ``(steps served, the first message that is not a served step)``: ``b""`` at the end of the stream
-        (or where the follower hung up before a step's answer), else a message for the caller -- a new setup, or a ``G`` whose step the fence did not grant (the follower
-        gave it up; the caller refuses it).  Raises CudaError (a copy failed) or OSError (the socket).
+        (or where the follower hung up before a step's answer), else a message for the caller -- a new setup, or
+        a ``G`` whose step the fence did not grant (the follower gave it up; the caller refuses it).  Raises
+        CudaError (a copy failed) or OSError (the socket).
         """
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
         cdef cydriver.CUresult rc = cydriver.CUDA_SUCCESS

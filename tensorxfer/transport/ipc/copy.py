@@ -29,7 +29,7 @@ from tensorxfer.memory._hostcopy import stream_copy
 from tensorxfer.staging import dtoh, htod
 from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
-from tensorxfer.transport.ipc.delegate import IN_DOUBT, CopyLane
+from tensorxfer.transport.ipc.lane import IN_DOUBT, CopyLane
 from tensorxfer.transport.ipc.messages import (
     U64,
     Watermark,
@@ -251,7 +251,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         ------
         TransferTimeout
             The host took the step and stalled: it may still write, so the pair is not copied here, the step
-            fails and the region is in doubt until the host finishes or ends (:data:`.delegate.IN_DOUBT`)."""
+            fails and the region is in doubt until the host finishes or ends (:data:`.lane.IN_DOUBT`)."""
         try:
             copied = lane.copy(self._seq)
         except TransferTimeout as e:
