@@ -280,9 +280,11 @@ class HostPeer:
         return self._err.read().decode(errors="replace")
 
     def stop(self) -> None:
-        """SIGSTOP, and return once the process is stopped (every thread of it)."""
+        """SIGSTOP, and return once every thread of the process is stopped (a copy thread runs on a moment after
+        the main one stopped)."""
         os.kill(self.pid, signal.SIGSTOP)
-        wait_until(lambda: _proc_state(self.pid) in ("T", "t"), 5, "the copy host stopping")
+        wait_until(lambda: all(_proc_state(self.pid, t) in ("T", "t") for t in os.listdir(f"/proc/{self.pid}/task")),
+                   5, "the copy host stopping")
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -301,9 +303,12 @@ class HostPeer:
         self._err.close()
 
 
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        raw = f.read()
+def _proc_state(pid: int, task: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return "T"      # the thread ended meanwhile
     return raw[raw.rindex(b")") + 2:].split()[0].decode()
 
 
