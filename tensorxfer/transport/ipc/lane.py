@@ -296,8 +296,8 @@ class CopyLane:
             answer = recv_message(sock, "answer to the step", self.timeout / 2)
         except TransferError as e:      # no answer in time, or the host is gone
             why = f"{type(e).__name__}: {e}"
-        except BaseException:
-            self._give_up(seq, "interrupted")
+        except BaseException as e:
+            self._give_up(seq, f"{type(e).__name__}: {e}")
             raise
         try:
             if answer == b"K" + U64.pack(seq) and self._settled(seq, fence.state) == DONE:
@@ -319,8 +319,8 @@ class CopyLane:
                 log.warning("copy host: step %d was not copied by the copy host (pid %d; %s): the follower copies it",
                             seq, self._host.pid, why or "its copy failed")
                 return False
-        except BaseException:
-            self._give_up(seq, "interrupted")
+        except BaseException as e:
+            self._give_up(seq, f"{type(e).__name__}: {e}")
             raise
         pid = self._host.pid
         self._give_up(seq, why)     # the step still RUNNING: close() puts the region in doubt
