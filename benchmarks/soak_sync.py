@@ -246,7 +246,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             print(json.dumps(line), flush=True)
 
-    want = {v: digest(model(v)) for v in range(args.steps + 40)}
+    want = {v: digest(model(v)) for v in range(args.steps + 6)}
     stall = args.stall_timeout
     results: dict[str, Any] = {"faults": [], "corrupt": [], "blocks": [], "recoveries": []}
     with tempfile.TemporaryDirectory() as tmp, store(args.store, Path(tmp)) as url:
@@ -287,8 +287,11 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                                               "seconds": line["at"] - max(sent[step], p.stopped_until)})
 
             step = 0
-            while step < args.steps or (pending and step < args.steps + 5) or any(t.is_alive() for t in timers):
+            while step < args.steps or (pending and step < args.steps + 5):
                 step += 1       # past --steps: up to 5 steps without faults, for the last fault's recovery
+                if step == args.steps + 1:
+                    for timer in timers:
+                        timer.join()        # the last stall ends before the steps that show its recovery
                 now = time.monotonic()
                 current[0] = step
                 if step % args.fault_every == 0 and step <= args.steps:

@@ -267,7 +267,9 @@ class WeightSync:
             for t in [t for t in self._links if t not in order]:
                 self._links.pop(t).close()
             self._segments = {t: segments_of(p, self.rank, t) for t in order}
-            self._connect(order)
+            if agree:       # the group forms: a target it cannot reach fails the construction
+                self._connect(order)
+            # a later epoch connects as the push runs: a new target that cannot be reached fails its own pair
         else:
             assert self._port is not None
             self._feeds = {s: segments_of(p, s, self.rank) for s in p.sources_of.get(self.rank, ())}
@@ -290,7 +292,10 @@ class WeightSync:
             if target not in self._links:
                 self._links[target] = SourceLink(self._addresses[target], self._token, self.group, self.rank,
                                                  target, self._transport, self._streams, self.stall_timeout,
-                                                 min(self._timeout, DEFAULT_HANDSHAKE_TIMEOUT))
+                                                 # a live target answers at once; a stalled one costs a step
+                                                 # no more than the stall timeout
+                                                 min(self._timeout, DEFAULT_HANDSHAKE_TIMEOUT,
+                                                     max(self.stall_timeout, 1.0)))
 
     # ------------------------------------------------------------ steps
     def push(self) -> SyncStats:
@@ -361,7 +366,7 @@ class WeightSync:
         if not record.holds("source", self.rank, self.members.uid):
             self._left_out(record)
         try:
-            self._enter(record, self._timeout)
+            self._enter(record, self.stall_timeout)     # a step's waits: the stall timeout (formation: timeout)
         except (PlanError, StoreError):
             self._spend(version, record)
             raise
@@ -557,8 +562,8 @@ class WeightSync:
         """Targets: take part in ``step``: plan its epoch if new, admit the sources, take every source's data;
         source rank -> (version, its stats) or the exception that ended its part."""
         assert self._port is not None and self.region is not None
-        if self.elastic:
-            self._enter(self._record, self._left(deadline))      # type: ignore[arg-type]
+        if self.elastic:        # the step's sources entered it first: they connect within the stall timeout
+            self._enter(self._record, min(self._left(deadline), self.stall_timeout))      # type: ignore[arg-type]
         # a source whose session failed last step reconnects (one that died is named within the stall timeout)
         self._port.admit(min(self._left(deadline), self.stall_timeout))
         assert self.plan is not None
