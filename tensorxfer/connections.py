@@ -296,8 +296,8 @@ class Gate:
         listener = self._listener
         if listener is None:
             return
-        listener.settimeout(wait)
         try:
+            listener.settimeout(wait)       # (close() may have closed it since it was read above: EBADF)
             conn, _ = listener.accept()
         except TimeoutError:
             return
@@ -307,6 +307,9 @@ class Gate:
             raise
         oldest = None
         with self._lock:
+            if self._closed:        # closed while this one was accepted: close() has taken its snapshot
+                conn.close()
+                return
             if len(self._pending) >= self.max_pending:
                 oldest = min(self._pending, key=self._pending.__getitem__)
                 del self._pending[oldest]   # its prover wakes, finds itself expired and drops it
@@ -323,8 +326,12 @@ class Gate:
         prover = threading.Thread(target=self._prove, args=(conn,), name=f"tensorxfer-prove-{self.what}",
                                   daemon=True)
         with self._lock:
+            if self._closed:        # close() took its snapshot of the provers: this one would be left running
+                self._pending.pop(conn, None)
+                conn.close()
+                return
             self._provers = [t for t in self._provers if t.is_alive()] + [prover]
-        prover.start()
+            prover.start()          # under the lock: close() joins only started provers
 
     def _prove(self, conn: socket.socket) -> None:
         conn.settimeout(self.proof_timeout)     # a backstop; the watchdog enforces the overall deadline

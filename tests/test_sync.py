@@ -130,6 +130,8 @@ def test_sources_sharded_one_way_land_in_targets_sharded_another(transport: str,
         hosts = [t._copy_host for t in targets if t._copy_host is not None]
         hosted = transport == "ipc" and (copy_host or (copy_host is None and device != "cpu")) and m > 1
         assert len(hosts) == hosted and (not hosted or hosts[0].lanes_served == n * (m - 1)), hosts
+        # ... and maps no lane's region larger than the group's largest (the descriptions' payloads)
+        assert not hosted or hosts[0].limit_bytes == max(s.region.nbytes for s in syncs), hosts[0].limit_bytes
     finally:
         for s in syncs:
             s.close()

@@ -271,6 +271,74 @@ def test_wait_without_a_timeout_names_a_source_that_stalled_before_offering(url:
         reaches(t, r, 4)
 
 
+def test_a_region_a_stalled_copy_host_may_still_write_takes_no_bytes_over_any_transport() -> None:
+    """A target's memory is in doubt (a copy host took a step into it and stalled mid-copy: its fence reads
+    RUNNING, its process lives): a step over tcp fails within the stall timeout naming the host, and no
+    version is reported; once the host's step settles, the next step lands."""
+    import subprocess
+    import sys
+
+    from tensorxfer.memory._fence import Fence
+    from tensorxfer.transport.ipc.lane import IN_DOUBT, HostProcess
+
+    server = open_tcp_store("127.0.0.1", 0, True)
+    url = f"tcp://127.0.0.1:{server.port}"
+    w = torch.arange(32, dtype=torch.float32)
+    live = torch.zeros(32)
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    syncs: dict[str, Any] = {}
+    fence = Fence.create()
+    try:
+        def target() -> None:
+            syncs["target"] = tx.WeightSync(url, "doubt", "target", 0, (1, 1), {"w": tx.sync.Target.whole(live, "w")},
+                                            token="t", transport="tcp", stall_timeout=1.5, timeout=20)
+        th = threading.Thread(target=target)
+        th.start()
+        source = syncs["source"] = tx.WeightSync(url, "doubt", "source", 0, (1, 1), {"w": tx.sync.Source.whole(w)},
+                                                 token="t", transport="tcp", stall_timeout=1.5, timeout=20)
+        th.join(30)
+        tgt = syncs["target"]
+        th = threading.Thread(target=lambda: tgt.wait(timeout=20))     # the first step sets the data path up
+        th.start()
+        source.push()
+        th.join(30)
+        w.add_(1)
+        fence.grant(7)
+        assert fence.take(7)                    # the host took step 7 ...
+        IN_DOUBT.add(tgt.region, fence, 7, HostProcess(host.pid), "a test's host")       # ... and stalled
+        errors: list[BaseException] = []
+        th = threading.Thread(target=lambda: errors.append(_catch(lambda: tgt.wait(timeout=20))))
+        th.start()
+        t = time.monotonic()
+        stats = source.push()
+        th.join(30)
+        assert isinstance(errors[0], tx.TransferTimeout) and f"pid {host.pid}" in str(errors[0]), errors
+        assert time.monotonic() - t < 1.5 + 2 and set(stats.failed) == {0}, stats
+        assert torch.equal(live, w - 1), "no byte of step 2 landed in memory in doubt"
+        live.zero_()
+        fence.finish(7, True)                   # the host finished its step: the doubt clears
+        w.add_(1)
+        live.zero_()
+        th = threading.Thread(target=lambda: errors.append(tgt.wait(timeout=20)))
+        th.start()
+        assert not source.push().failed
+        th.join(30)
+        assert errors[1] == 3 and torch.equal(live, w), errors
+        assert not IN_DOUBT.pending(tgt.region)
+    finally:
+        host.kill()
+        host.wait()
+        for s in syncs.values():
+            s.close()
+
+
+def _catch(fn: Any) -> Any:
+    try:
+        return fn()
+    except BaseException as e:
+        return e
+
+
 # ---------------------------------------------------------------- formation
 def _form_and_fail(url: str, group: str, role: str, r: int, delay: float, errors: dict[str, BaseException],
                    took: dict[str, float]) -> None:

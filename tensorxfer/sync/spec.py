@@ -355,6 +355,14 @@ class RankSpec:
         return self._cols
 
     @property
+    def extent(self) -> int:
+        """Bytes of the rank's region its tensors reach (the end of the last one: the region's payload)."""
+        cols = self._cols
+        sizes = cols.box_size if isinstance(cols, _columns.SourceColumns) else cols.shape
+        ends = cols.region_offset + _columns.numel(sizes) * _columns.ITEMSIZE[cols.dtype]
+        return int(ends.max()) if len(ends) else 0
+
+    @property
     def tensors(self) -> tuple[Any, ...]:
         """The tensors as :class:`SourceTensor` / :class:`TargetTensor` objects."""
         tensors = self._tensors

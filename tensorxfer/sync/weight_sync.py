@@ -68,6 +68,7 @@ from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor
 from tensorxfer.sync.workers import Workers
 from tensorxfer.transport.ipc.delegate import CopyHost
 from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
+from tensorxfer.transport.ipc.lane import IN_DOUBT
 from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,8 @@ class WeightSync:
         if record.epoch == self._planned:
             return
         sources, targets, self._addresses = self.members.specs(record, timeout)
+        if self._copy_host is not None:     # a lane maps no region larger than the group's largest
+            self._copy_host.limit_bytes = max(spec.extent for spec in (*sources, *targets))
         p = plan(sources, targets, scope=(self.role, self.rank))   # this rank's runs only
         self.members.publish_digest(record.epoch, p.digest)
         if agree:
@@ -529,6 +532,10 @@ class WeightSync:
                 try:
                     results = self._receive(step, deadline, timeout is None)
                 except BaseException:
+                    # no offer of this step was taken: the sources' sessions hold it unread (and fail their
+                    # pairs); drop them all, so that the next step reads no stale offer (they reconnect)
+                    for s in list(self._feeds):
+                        self._port.drop(s)
                     if self.elastic:
                         self.members.report(step, False, self.version, {})
                     raise
@@ -571,6 +578,9 @@ class WeightSync:
         # (a fixed group has no record: its first offer may take as long as the trainer does)
         offers = min(deadline, time.monotonic() + self.stall_timeout) if self.elastic else \
             None if unbounded else deadline
+        # a copy host that took a step into this region and stalled may still write it: no pair of any
+        # transport may land here (and no version be reported) until it cannot
+        IN_DOUBT.wait_clear(self.region, min(self._left(deadline), self.stall_timeout))
         return self._port.step(self.region, self._feeds, offers, self.plan.digest, step if self.elastic else None)
 
     @staticmethod
