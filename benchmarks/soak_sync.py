@@ -54,6 +54,7 @@ GROUP = "soak"
 TOKEN = "soak-token"
 SHAPES = {"a": (64, 256), "b": (1000,), "c": (32, 128)}     # a and c sharded over the sources, b whole on both
 SOURCES, TARGETS = 2, 2
+TAIL = 40               # steps at most after the last, half a second apart, for the last fault's recovery
 
 
 # ---------------------------------------------------------------- the model and the peers
@@ -246,7 +247,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             print(json.dumps(line), flush=True)
 
-    want = {v: digest(model(v)) for v in range(args.steps + 6)}
+    want = {v: digest(model(v)) for v in range(args.steps + TAIL + 1)}
     stall = args.stall_timeout
     results: dict[str, Any] = {"faults": [], "corrupt": [], "blocks": [], "recoveries": []}
     with tempfile.TemporaryDirectory() as tmp, store(args.store, Path(tmp)) as url:
@@ -287,11 +288,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                                               "seconds": line["at"] - max(sent[step], p.stopped_until)})
 
             step = 0
-            while step < args.steps or (pending and step < args.steps + 5):
-                step += 1       # past --steps: up to 5 steps without faults, for the last fault's recovery
+            while step < args.steps or (pending and step < args.steps + TAIL):
+                step += 1       # past --steps: steps without faults, for the last fault's recovery
                 if step == args.steps + 1:
                     for timer in timers:
                         timer.join()        # the last stall ends before the steps that show its recovery
+                if step > args.steps:
+                    time.sleep(0.5)         # a killed target's new process may still be starting
                 now = time.monotonic()
                 current[0] = step
                 if step % args.fault_every == 0 and step <= args.steps:
