@@ -330,8 +330,13 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                 expected: set[int] = set()
                 for s in sources:
                     line = s.next(args.step_timeout)
-                    if line is None:
-                        raise SystemExit(f"{s.name} did not answer step {step} within {args.step_timeout} s")
+                    if line is None:        # wedged: every peer's threads to the stderr log, then stop
+                        for p in everyone:
+                            with contextlib.suppress(OSError):
+                                os.kill(p.proc.pid, signal.SIGUSR1)
+                        time.sleep(2)
+                        raise SystemExit(f"{s.name} did not answer step {step} within {args.step_timeout} s "
+                                         f"(the peers' threads: {stderr_log.name})")
                     if "error" in line:
                         event("error", peer=s.name, step=step, error=line["error"], message=line["message"])
                         expected |= set(range(TARGETS))     # the targets fail the step too (a store error, a plan)

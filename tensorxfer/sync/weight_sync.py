@@ -40,7 +40,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,8 +205,8 @@ class WeightSync:
             elif not elastic:
                 raise TransferError(f"sync {group!r}: the group formed without target rank {rank}, and a fixed "
                                     f"group (elastic=False) takes no newcomers: construct it with elastic=True")
-            else:       # joining a group that runs: the next step decided after now includes this rank
-                self._next_step = self.members.latest() + 1
+            else:       # joining a group that runs: a step decided after it registered includes this rank
+                self._next_step = self._before_joining + 1
         except BaseException:
             self.close()
             raise
@@ -226,6 +226,9 @@ class WeightSync:
                 and ipc_unavailable() is None:
             self._copy_host, self._port.copy_host = elect(self._rdv, self.members.key, self.rank, self.region,
                                                           token_key(self._token), self.stall_timeout)
+        # the newest step before this rank registered: a later one may include it already (the group does not
+        # wait for its constructor to end), and one it never read would leave it waiting for good
+        self._before_joining = self.members.latest()
         self.members.register(spec, self._port.address, self._timeout)
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
@@ -293,12 +296,16 @@ class WeightSync:
     def _connect(self, order: tuple[int, ...]) -> None:
         for target in order:
             if target not in self._links:
-                self._links[target] = SourceLink(self._addresses[target], self._token, self.group, self.rank,
-                                                 target, self._transport, self._streams, self.stall_timeout,
-                                                 # a live target answers at once; a stalled one costs a step
-                                                 # no more than the stall timeout
-                                                 min(self._timeout, DEFAULT_HANDSHAKE_TIMEOUT,
-                                                     max(self.stall_timeout, 1.0)))
+                self._link(target)
+
+    def _link(self, target: int) -> SourceLink:
+        """A new session with ``target`` (kept in ``self._links``; a pair thread may call this)."""
+        link = self._links[target] = SourceLink(
+            self._addresses[target], self._token, self.group, self.rank, target, self._transport, self._streams,
+            self.stall_timeout,
+            # a live target answers at once; a stalled one costs its pair no more than the stall timeout
+            min(self._timeout, DEFAULT_HANDSHAKE_TIMEOUT, max(self.stall_timeout, 1.0)))
+        return link
 
     # ------------------------------------------------------------ steps
     def push(self) -> SyncStats:
@@ -408,15 +415,20 @@ class WeightSync:
         pair's data (:class:`~tensorxfer.sync.link.SourceLink`'s phases); only the waiting for the targets
         (and the data of other transports) runs on a thread per pair.  Handing each phase to the pair
         threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
-        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too."""
+        way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
+
+        A target this source has no session with (new in this epoch, or its session failed) is connected on a
+        pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
+        a stalled one) holds up its own pair only, never the others' offers."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}
+        fresh = [t for t in self._segments if t not in self._links]
         try:
             for target, segments in self._segments.items():
+                if target in fresh:
+                    continue
                 try:
-                    if target not in self._links:   # its link failed last step and it is still planned: reconnect
-                        self._connect((target,))
                     steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest)
                 except Exception as e:
                     results[target] = e
@@ -428,7 +440,7 @@ class WeightSync:
             packed = time.perf_counter() - t0
             if pack_error is not None:
                 why = f"the source's pack failed before its data was posted: {type(pack_error).__name__}: {pack_error}"
-                results.update({t: TransferError(why) for t in steps})
+                results.update({t: TransferError(why) for t in [*steps, *fresh]})
                 return results, 0, packed, pack_error
             for target, step in steps.items():
                 try:
@@ -442,12 +454,22 @@ class WeightSync:
                     link.close()
             raise
 
+        digest, region = self.plan.digest, self.region
+
         def finish(target: int) -> None:
             try:
                 results[target] = self._links[target].finish(steps[target])
             except BaseException as e:
                 results[target] = e
-        self._workers.run([functools.partial(finish, t) for t in steps if t not in results])
+
+        def connect_and_push(target: int) -> None:
+            try:
+                link = self._link(target)
+                results[target] = link.push(region, self._segments[target], version, digest)
+            except BaseException as e:
+                results[target] = e
+        jobs: list[Callable[[], None]] = [functools.partial(finish, t) for t in steps if t not in results]
+        self._workers.run(jobs + [functools.partial(connect_and_push, t) for t in fresh])
         return results, packed_bytes, packed, None
 
     def _adopt(self, allowed: list[bool]) -> int:
@@ -531,11 +553,14 @@ class WeightSync:
             with self.members.busy(step):
                 try:
                     results = self._receive(step, deadline, timeout is None)
-                except BaseException:
-                    # no offer of this step was taken: the sources' sessions hold it unread (and fail their
-                    # pairs); drop them all, so that the next step reads no stale offer (they reconnect)
-                    for s in list(self._feeds):
-                        self._port.drop(s)
+                except BaseException as e:
+                    # no offer of this step was taken.  A plan or store error is the group's: its sources failed
+                    # the step before offering too, and their sessions stay.  Anything else (memory in doubt, a
+                    # source that did not connect) is this rank's: the sources' sessions hold an offer unread (and
+                    # fail their pairs), so drop them all -- the next step reads no stale offer (they reconnect)
+                    if not isinstance(e, (PlanError, StoreError)):
+                        for s in list(self._feeds):
+                            self._port.drop(s)
                     if self.elastic:
                         self.members.report(step, False, self.version, {})
                     raise
