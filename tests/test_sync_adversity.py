@@ -29,6 +29,7 @@ from tensorxfer.sync.spec import RankSpec
 from tests import elastic_peers as peers
 from tests.etcd_server import etcd_server, need_etcd
 from tests.test_elastic import Peer, push
+from tests.test_sync import _catch
 
 GROUP = "elastic"
 
@@ -330,13 +331,6 @@ def test_a_region_a_stalled_copy_host_may_still_write_takes_no_bytes_over_any_tr
         host.wait()
         for s in syncs.values():
             s.close()
-
-
-def _catch(fn: Any) -> Any:
-    try:
-        return fn()
-    except BaseException as e:
-        return e
 
 
 # ---------------------------------------------------------------- formation
