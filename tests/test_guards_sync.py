@@ -172,7 +172,7 @@ def _form_group(group: str, torch: Any) -> list[BaseException | None]:
     """Source 0 and targets 0 and 1 construct their WeightSync at once (threads, one TCPStore): what each
     constructor raised, or None (a sync that formed is closed here, so nothing outlives this call)."""
     from tensorxfer.sync import Source, Target
-    from tests.test_sync import Stores, _catch, run_ranks
+    from tests.test_sync import Stores
 
     stores = Stores()
     w = torch.randn(4, 4)
@@ -181,7 +181,19 @@ def _form_group(group: str, torch: Any) -> list[BaseException | None]:
     makers += [lambda r=r: tx.WeightSync(stores.client(), group, "target", r, (1, 2),
                                          {"w": Target.whole(torch.zeros(4, 4), "w")}, transport="tcp", timeout=20,
                                          elastic=False) for r in range(2)]
-    results = run_ranks([lambda m=m: _catch(m) for m in makers])       # each rank's sync or its error
+    results: list[Any] = [None] * len(makers)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = makers[i]()
+        except BaseException as e:
+            results[i] = e
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(makers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
     for r in results:
         if isinstance(r, tx.WeightSync):
             r.close()
