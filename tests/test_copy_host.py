@@ -430,6 +430,16 @@ def _step_stopped_mid_copy(host: HostPeer, follower: Follower, seq: int) -> tupl
     raise AssertionError("never caught the copy host mid-copy in 10 steps")
 
 
+def _end_case(follower: Any, host: Any, *regions: Any) -> None:
+    """A stopped/killed-host case's teardown, however it ended: the follower, the host, what its killed host left in
+    doubt (looking releases it), the regions."""
+    follower.close()
+    host.close()
+    IN_DOUBT.pending()
+    for r in regions:
+        r.close()
+
+
 def _release_doubts() -> None:
     assert not IN_DOUBT.pending(), "a test left memory in doubt"
 
@@ -462,11 +472,7 @@ def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_cop
         assert _holds(dst, 2, 128, 256), "the copy host wrote a step its follower had given up"
         assert host.ask("stats")["copies"] == 1     # step 1 (on a GPU counted when its lane's run ended)
     finally:
-        follower.close()
-        host.close()
-        IN_DOUBT.pending()      # releases what its killed host left in doubt, however the test ended
-        for r in (src, dst):
-            r.close()
+        _end_case(follower, host, src, dst)
     _release_doubts()
 
 
@@ -509,11 +515,7 @@ def test_a_host_stopped_mid_copy_fails_the_step_and_holds_the_region_until_it_fi
         assert _holds(dst, 7, WIDTH, STRIDE), "a write landed after the version was reported"
         assert host.ask("stats")["copies"] >= 2     # its late copy counts once it finished
     finally:
-        follower.close()
-        host.close()
-        IN_DOUBT.pending()      # releases what its killed host left in doubt, however the test ended
-        for r in (src, dst):
-            r.close()
+        _end_case(follower, host, src, dst)
     _release_doubts()
 
 
@@ -545,11 +547,7 @@ def test_a_host_killed_mid_copy_clears_the_doubt_and_the_follower_copies(when: s
             assert _holds(dst, 9, WIDTH, STRIDE)
         assert IN_DOUBT.pending(dst) == []
     finally:
-        follower.close()
-        host.close()
-        IN_DOUBT.pending()      # releases what its killed host left in doubt, however the test ended
-        for r in (src, dst):
-            r.close()
+        _end_case(follower, host, src, dst)
     _release_doubts()
 
 
