@@ -57,12 +57,16 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Peer]]:
         p.stop()
 
 
-def start(everyone: list[Peer], url: str, targets: int = 2, layout: str = "sharded") -> tuple[list[Peer], list[Peer]]:
-    ts = [Peer("target", str(r), url) for r in range(targets)]
-    ss = [Peer("source", str(r), url, layout) for r in range(peers.SOURCES)]
+def start(everyone: list[Peer], url: str) -> tuple[list[Peer], list[Peer]]:
+    """The group's targets and sharded sources, started, and version 1 landed byte-exact on every target."""
+    ts = [Peer("target", str(r), url) for r in range(peers.TARGETS)]
+    ss = [Peer("source", str(r), url, "sharded") for r in range(peers.SOURCES)]
     everyone += ts + ss
     for p in ts + ss:
         assert p.next().get("ready"), p.stderr
+    push(ss, 1)
+    for r, t in enumerate(ts):
+        expect(t, r, 1)
     return ts, ss
 
 
@@ -110,9 +114,6 @@ def test_garbage_in_the_store_is_named_and_a_bad_record_stops_no_one(url: str, t
     goes on."""
     monkeypatch.setenv("ELASTIC_PEERS_TOKEN", token)
     targets, sources = start(group, url)
-    push(sources, 1)
-    for r, t in enumerate(targets):
-        expect(t, r, 1)
     rdv = connect(url)
     try:
         seal = Seal(None)       # what a writer without the token can do: seal with the public key at most
@@ -152,9 +153,6 @@ def test_a_rewritten_description_steers_no_byte(url: str, group: list[Peer]) -> 
     region offsets swapped) before the group plans it: no rank plans from it (StoreError naming the key), no
     byte lands, the target comes back under a fresh description, and the next step is byte-exact."""
     targets, sources = start(group, url)
-    push(sources, 1)
-    for r, t in enumerate(targets):
-        expect(t, r, 1)
     joiner = Peer("target", "2", url)
     group.append(joiner)
     assert joiner.next().get("ready"), joiner.stderr
@@ -209,9 +207,6 @@ def test_a_target_stalled_for_a_while_gets_no_healthy_source_dropped(url: str, g
     runs, and every version is byte-exact."""
     monkeypatch.setenv("ELASTIC_PEERS_TARGETS", "sharded")
     targets, sources = start(group, url)
-    push(sources, 1)
-    for r, t in enumerate(targets):
-        expect(t, r, 1)
     os.kill(targets[1].proc.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     for s in sources:
@@ -248,9 +243,6 @@ def test_wait_without_a_timeout_names_a_source_that_stalled_before_offering(url:
     the stall timeout of the step being decided, however long the stop lasts; the group recovers after it."""
     monkeypatch.setenv("ELASTIC_PEERS_WAIT", "none")
     targets, sources = start(group, url)
-    push(sources, 1)
-    for r, t in enumerate(targets):
-        expect(t, r, 1)
     os.kill(sources[1].proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
