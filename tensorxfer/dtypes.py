@@ -51,6 +51,7 @@ DTYPES: dict[str, DType] = {
         _d("F64", 8, "float64", "float64"),
         _d("F8_E4M3", 1, "ml_dtypes.float8_e4m3fn", "float8_e4m3fn"),
         _d("F8_E5M2", 1, "ml_dtypes.float8_e5m2", "float8_e5m2"),
+        _d("F8_E8M0", 1, "ml_dtypes.float8_e8m0fnu", "float8_e8m0fnu"),     # power-of-two scales (MXFP8)
     )
 }
 

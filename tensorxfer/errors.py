@@ -143,6 +143,17 @@ class TransferError(TensorXferError):
     """A transfer did not complete."""
 
 
+class QuantizationError(TransferError, ValueError):
+    """A weight cannot be quantized as asked: ``tensor`` names it (a NaN or an infinity in a trainer's
+    weights, found before any byte of the step was offered).  The step fails on the source and on every
+    target it feeds; fix the weights, and the next push goes on.
+    """
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class PeerLost(TransferError, ConnectionError):
     """The peer closed the connection or died before the transfer completed."""
 
@@ -191,6 +202,7 @@ __all__ = [
     "PeerLost",
     "PlanError",
     "ProtocolError",
+    "QuantizationError",
     "RegionClosed",
     "RegionError",
     "StoreError",

@@ -42,6 +42,7 @@ from tensorxfer.errors import (
     ManifestError,
     PeerLost,
     ProtocolError,
+    QuantizationError,
     TransferError,
     TransferTimeout,
     TransportUnavailable,
@@ -123,6 +124,7 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
     "checksum": ChecksumMismatch,
     "transfer": TransferError,
     "landed": TransferError,       # the receiver's on_landed (e.g. writing the files) failed
+    "quantization": QuantizationError,     # a sync source's weights cannot be quantized (a NaN, named)
 }
 
 
@@ -131,8 +133,8 @@ def raise_peer_error(frame: Mapping[str, Any]) -> None:
     code = field(frame, "code", str)
     message = f"peer reported: {field(frame, 'message', str)}"
     cls = _ERROR_TYPES.get(code, TransferError)
-    if cls is ChecksumMismatch:
-        raise ChecksumMismatch(message, tensor=field(frame, "tensor", str, optional=True))
+    if cls is ChecksumMismatch or cls is QuantizationError:
+        raise cls(message, field(frame, "tensor", str, optional=True))
     raise cls(message)
 
 

@@ -5,7 +5,7 @@ Layers, lowest first (a module may import only from its own layer or below; with
     base        errors, dtypes, connections
     memory      memory/*
     wire        protocol (frames, handshake, versions), manifest (layout)
-    regions     region, staging, checksum, synthetic, and the model files (safetensors)
+    regions     region, staging, checksum, synthetic, quant (FP8 layouts, the quantizer), and the model files
     transport   transport/*
     session     session/*
     fanout      fanout/*
@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("memory", ("tensorxfer.memory", "tensorxfer._lib")),
     ("wire", ("tensorxfer.protocol", "tensorxfer.manifest")),
     ("regions", ("tensorxfer.region", "tensorxfer.sources", "tensorxfer.binding", "tensorxfer.staging",
-                 "tensorxfer.checksum", "tensorxfer.synthetic",
+                 "tensorxfer.checksum", "tensorxfer.synthetic", "tensorxfer.quant",
                  "tensorxfer.safetensors_io", "tensorxfer.files")),
     ("transport", ("tensorxfer.transport",)),
     ("session", ("tensorxfer.session",)),

@@ -12,10 +12,12 @@ Both are pure (no I/O); execution and rendezvous build on them:
 - :mod:`tensorxfer.sync.shards` -- what a rank hands over: :class:`Source` / :class:`Target` (or DTensors).
 - :mod:`tensorxfer.sync.rendezvous` -- where ranks meet (a ``torch.distributed`` store; etcd for clusters).
 - :mod:`tensorxfer.sync.link` -- one (source, target) pair over the session transports.
+- :mod:`tensorxfer.sync.quantizing` -- sources quantizing for FP8 targets (one amax round for shared blocks).
 - :mod:`tensorxfer.sync.copy_host` -- which target copies for the others on its GPU (one CUDA context).
 - :mod:`tensorxfer.sync.weight_sync` -- :class:`WeightSync`: rendezvous, plan, push / wait.
 """
 
+from tensorxfer.quant.layout import Quantization
 from tensorxfer.sync.plan import Plan, Runs, SourceView, TargetView, plan
 from tensorxfer.sync.shards import Source, Target
 from tensorxfer.sync.spec import (
@@ -37,6 +39,7 @@ __all__ = [
     "Box",
     "Piece",
     "Plan",
+    "Quantization",
     "RankSpec",
     "Runs",
     "Source",

@@ -208,6 +208,12 @@ class SourceLink:
         self.post(step)
         return self.finish(step)
 
+    def refuse(self, code: str, message: str, tensor: str | None = None) -> None:
+        """Answer the target's wait for this step with an error instead of an offer (``tensor``: the one at
+        fault); the caller closes this link (the target drops its side)."""
+        extra = {"tensor": tensor} if tensor is not None else {}
+        self._ch.send_error(code, f"source {self.source}: {message}", **extra)
+
     @contextlib.contextmanager
     def _named(self) -> Iterator[None]:
         try:

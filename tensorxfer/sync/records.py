@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 TAG_BYTES = 32                      # HMAC-SHA256
 MAX_RANK = 1 << 20                  # ranks a record may name
 MAX_TEXT = 4096                     # characters of a reason in a report
+MAX_TENSORS = 1 << 20               # tensors a record of amaxes may name
 _PUBLIC_KEY = b"tensorxfer-sync-store-without-token"      # a tokenless group: detects corruption, not forgery
 _UID = re.compile(r"[0-9a-f]{16}\Z")
 _DIGEST = re.compile(r"[0-9a-f]{64}\Z")
@@ -248,6 +249,32 @@ class Beat:
     def decode(cls, key: str, value: bytes) -> Beat:
         d = _fields(key, value, ("uid", "step", "count"))
         return cls(_uid(key, d["uid"]), _int(key, "step", d["step"]), _int(key, "count", d["count"]))
+
+
+@dataclass(frozen=True)
+class Amaxes:
+    """A source's partial block amaxes of one step (the blocks it shares with other sources): per derived
+    scales tensor, the blocks' flat indices in its scale grid and their amaxes over this source's part."""
+
+    parts: dict[str, tuple[bytes, bytes]]       # name -> (int64 LE block indices, float32 LE amaxes)
+
+    def encode(self) -> bytes:
+        return pack({"parts": {name: list(p) for name, p in self.parts.items()}})
+
+    @classmethod
+    def decode(cls, key: str, value: bytes) -> Amaxes:
+        obj = _fields(key, value, ("parts",))
+        parts = obj["parts"]
+        if not isinstance(parts, dict) or len(parts) > MAX_TENSORS:
+            raise _bad(key, "has parts that are not a map of tensor -> [indices, amaxes]")
+        out: dict[str, tuple[bytes, bytes]] = {}
+        for name, item in parts.items():
+            if (not isinstance(name, str) or not isinstance(item, list) or len(item) != 2
+                    or not all(isinstance(x, bytes) for x in item) or len(item[0]) % 8
+                    or len(item[0]) // 8 != len(item[1]) // 4 or len(item[1]) % 4):
+                raise _bad(key, f"has an entry for {name!r} that is not [int64 indices, as many float32 amaxes]")
+            out[name] = (item[0], item[1])
+        return cls(out)
 
 
 def decode_digest(key: str, value: bytes) -> str:

@@ -8,13 +8,24 @@ a plain shard, a replica, or a fused tensor (vLLM's ``qkv_proj``: q, k and v sha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tensorxfer import dtypes as _dt
 from tensorxfer.errors import PlanError
-from tensorxfer.sync.spec import Box, Piece, box_of_dtensor, chunk_box, fused_target, replicate_box
+from tensorxfer.quant.layout import Quantization
+from tensorxfer.sync.quantized_spec import quantized_target
+from tensorxfer.sync.spec import (
+    Box,
+    Piece,
+    TargetTensor,
+    box_of_dtensor,
+    chunk_box,
+    fused_target,
+    replicate_box,
+)
 
 
 @dataclass(frozen=True)
@@ -44,22 +55,58 @@ class Source:
 
 @dataclass(frozen=True)
 class Target:
-    """A target rank's live tensor and the source pieces that fill it (pieces tile it exactly)."""
+    """A target rank's live tensor and the source pieces that fill it (pieces tile it exactly).
+
+    A quantized target (:meth:`quantized`) holds FP8 values in ``tensor`` and their block scales in
+    ``scales``: the sources quantize on the way (:mod:`tensorxfer.sync.quantizing`).  ``global_shapes``:
+    each piece's source tensor's global shape (the block grid needs it; the factories fill it in).
+    """
 
     tensor: Any
     pieces: tuple[Piece, ...]
+    global_shapes: tuple[tuple[int, ...], ...] | None = None
+    quantization: Quantization | None = None
+    scales: Any = None
 
     @classmethod
     def shard(cls, tensor: Any, source: str, global_shape: Sequence[int], dim: int, rank: int, count: int) -> Target:
         """Shard ``rank`` of ``count`` of global tensor ``source`` along ``dim`` (column / row / vocab parallel)."""
         box = chunk_box(global_shape, dim, rank, count)
-        return cls(tensor, (Piece(source, box, (0,) * len(box.sizes)),))
+        return cls(tensor, (Piece(source, box, (0,) * len(box.sizes)),), (tuple(global_shape),))
 
     @classmethod
     def whole(cls, tensor: Any, source: str) -> Target:
         """All of global tensor ``source`` (a replicated weight: norms, biases)."""
         box = replicate_box(tuple(tensor.shape))
-        return cls(tensor, (Piece(source, box, (0,) * len(box.sizes)),))
+        return cls(tensor, (Piece(source, box, (0,) * len(box.sizes)),), (tuple(tensor.shape),))
+
+    def quantized(self, q: Quantization, scales: Any, global_shapes: Sequence[Sequence[int]] | None = None) -> Target:
+        """This target served quantized: ``tensor`` (``torch.float8_e4m3fn``) receives the FP8 values and
+        ``scales`` the scales, both as layout ``q`` makes them (``scales``: float32 ``scale_inv`` of the
+        block grid's shape, or e8m0 bytes as ``float8_e8m0fnu`` / ``uint8``; see
+        :func:`tensorxfer.sync.spec.quantized_target` for the shapes).  ``global_shapes``: the pieces'
+        source shapes where this target was built from its pieces directly.
+
+        Raises PlanError, naming what does not fit, before anything is registered.
+        """
+        shapes = tuple(tuple(int(d) for d in s) for s in global_shapes) if global_shapes is not None \
+            else self.global_shapes
+        if shapes is None:
+            raise PlanError("a quantized target needs the global shape of each piece's source tensor: build it "
+                            "with Target.shard / whole / fused, or pass global_shapes")
+        for what, t, want in (("values", self.tensor, (q.values_dtype,)),
+                              ("scales", scales, (q.scale_dtype, "U8") if q.scale == "e8m0" else (q.scale_dtype,))):
+            try:
+                dtype = _dt.from_torch(t.dtype).name
+            except (TypeError, AttributeError):
+                raise PlanError(f"a quantized target's {what} must be a torch tensor, got {type(t).__name__}") \
+                    from None
+            if dtype not in want:
+                raise PlanError(f"a quantized target's {what} tensor is {dtype}; {q} keeps them as "
+                                f"{' or '.join(want)}")
+        values = TargetTensor("(quantized)", tuple(self.tensor.shape), q.values_dtype, 0, self.pieces)
+        quantized_target(values, shapes, q, "(scales)", tuple(scales.shape), 0)      # refuses what does not fit
+        return dataclasses.replace(self, global_shapes=shapes, quantization=q, scales=scales)
 
     @classmethod
     def fused(cls, tensor: Any, parts: Sequence[tuple[str, Sequence[int]]], dim: int, rank: int, count: int,
@@ -69,7 +116,7 @@ class Target:
         if tuple(tensor.shape) != spec.local_shape:
             raise PlanError(f"fused target: the tensor has shape {tuple(tensor.shape)}, its parts make "
                             f"{spec.local_shape}")
-        return cls(tensor, spec.pieces)
+        return cls(tensor, spec.pieces, tuple(tuple(int(d) for d in shape) for _, shape in parts))
 
 
 def source_of(value: Any) -> Source:

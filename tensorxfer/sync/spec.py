@@ -48,6 +48,7 @@ import msgpack
 
 from tensorxfer.dtypes import DTYPES, from_torch
 from tensorxfer.errors import PlanError
+from tensorxfer.quant.layout import SEP, parse_derived
 from tensorxfer.sync import _columns
 from tensorxfer.sync._boxes import MAX_DIM
 
@@ -93,6 +94,8 @@ def _ints(value: Any, what: str, low: int = 0) -> tuple[int, ...]:
 def _name(value: Any, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= _columns.MAX_NAME:
         raise PlanError(f"{what} must be a non-empty string of at most {_columns.MAX_NAME} characters, got {value!r}")
+    if SEP in value:    # only the derived names of quantized tensors hold one
+        parse_derived(value)
     return value
 
 
@@ -631,3 +634,4 @@ def source_tensor_of_dtensor(name: str, dt: Any, region_offset: int) -> SourceTe
     except TypeError as exc:
         raise PlanError(f"DTensor {name!r}: {exc}") from None
     return SourceTensor(name, tuple(int(s) for s in dt.shape), dtype, box_of_dtensor(dt), region_offset)
+

@@ -44,7 +44,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorxfer import dtypes as _dt
 from tensorxfer.binding import adopt_tensors, tensor_view
 from tensorxfer.errors import (
     PlanError,
@@ -54,17 +53,17 @@ from tensorxfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.copy_host import elect
+from tensorxfer.sync.layout import source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.plan import Plan, plan
+from tensorxfer.sync.quantizing import QuantizedShard, QuantStats, SourceQuantizer
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
-from tensorxfer.sync.spec import RankSpec, SourceTensor, TargetTensor
 from tensorxfer.sync.workers import Workers
 from tensorxfer.transport.ipc.delegate import CopyHost
 from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
@@ -92,6 +91,7 @@ class SyncStats:
     packed_bytes: int = 0       # sources: bytes copied into the region this push (0 when all are adopted)
     failed: dict[int, str] = field(default_factory=dict)
     epoch: int = 1
+    quantized: QuantStats = field(default_factory=QuantStats)     # sources: FP8 written this push
 
     @property
     def gbps(self) -> float:
@@ -104,7 +104,8 @@ class SyncStats:
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "epoch": self.epoch, "bytes": self.bytes, "seconds": self.seconds,
                 "gbps": self.gbps, "pack_seconds": self.pack_seconds, "packed_bytes": self.packed_bytes,
-                "transport": self.transport, "failed": dict(self.failed), "pairs": [p.as_dict() for p in self.pairs]}
+                "transport": self.transport, "failed": dict(self.failed), "quantized": self.quantized.as_dict(),
+                "pairs": [p.as_dict() for p in self.pairs]}
 
 
 def segments_of(p: Plan, source: int, target: int) -> Segments:
@@ -187,6 +188,8 @@ class WeightSync:
         self.plan: Plan | None = None
         self.region: TensorRegion | None = None
         self.adopted = 0                                # sources: local shards moved into the region
+        self._quantizer: SourceQuantizer | None = None  # sources: the shards targets want in FP8
+        self._quant_stats = QuantStats()
         self.last_stats: SyncStats | None = None
         try:
             if role == "target":
@@ -215,11 +218,8 @@ class WeightSync:
     def _init_target(self, tensors: Mapping[str, Any], host: str, device: str | None,
                      copy_host: bool | None) -> None:
         shards = {name: t if isinstance(t, Target) else Target(*t) for name, t in tensors.items()}
-        self.region = adopt_tensors(TensorRegion, {n: t.tensor for n, t in shards.items()}, device)
-        manifest = self.region.manifest
-        spec = RankSpec("target", self.rank, [
-            TargetTensor(n, tuple(t.tensor.shape), manifest[n].dtype, manifest[n].offset, tuple(t.pieces))
-            for n, t in shards.items()])
+        self.region = adopt_tensors(TensorRegion, target_tensors(shards), device)
+        spec = target_description(shards, self.region.manifest, self.rank)
         self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
                                 DEFAULT_HANDSHAKE_TIMEOUT)
         if (self.region.is_cuda if copy_host is None else copy_host) and self._transport in ("auto", "ipc") \
@@ -233,26 +233,22 @@ class WeightSync:
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
         shards = {name: source_of(t) for name, t in tensors.items()}
-        wire: dict[str, str] = {}
-        for spec in self.members.initial_targets(self.world[1], timeout):
-            for t in spec.tensors:
-                for piece in t.pieces:
-                    seen = wire.setdefault(piece.source_name, t.dtype)
-                    if seen != t.dtype:
-                        raise PlanError(f"source tensor {piece.source_name!r} is wanted as {seen} by one target "
-                                        f"tensor and as {t.dtype} by {t.name!r}: targets must agree on its dtype")
-        layout = [(n, wire.get(n, _dt.from_torch(s.tensor.dtype).name), s.box.sizes) for n, s in shards.items()]
-        manifest = Manifest.layout(layout)
+        layout = source_layout(shards, self.members.initial_targets(self.world[1], timeout))
+        manifest = layout.manifest
         where = device or next((f"cuda:{s.tensor.device.index or 0}" for s in shards.values()
                                 if s.tensor.device.type == "cuda"), "cpu")
         self.region = TensorRegion.from_manifest(manifest, device=where)
-        self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in shards.items()]
-        self.adopted = self._adopt([s.adopt for s in shards.values()])
+        self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()]
+        self.adopted = self._adopt([s.adopt for s in layout.plain.values()])
         self._view_ptrs = [view.data_ptr() for _, view in self._shards]
         self._locals = [local for local, _ in self._shards]     # the trainer's tensor objects (it may re-point them)
-        self.members.register(RankSpec("source", self.rank, [
-            SourceTensor(n, s.global_shape, manifest[n].dtype, s.box, manifest[n].offset)
-            for n, s in shards.items()]), timeout=timeout)
+        if layout.quantized:
+            self._quantizer = SourceQuantizer([
+                QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
+                               tensor_view(self.region, manifest[layout.local(i, "values")]),
+                               tensor_view(self.region, manifest[layout.local(i, "scales")]))
+                for i, (n, q, s) in enumerate(layout.quantized)], self.members.store, self.rank, self.stall_timeout)
+        self.members.register(layout.describe(self.rank), timeout=timeout)
 
     def _enter(self, record: StepRecord, timeout: float, agree: bool = False) -> None:
         """Take part in ``record``'s step: plan its epoch if this rank has not yet (sources connect to new
@@ -269,6 +265,8 @@ class WeightSync:
             self._agree(record, p, timeout)
         self.plan, self._planned = p, record.epoch
         if self.role == "source":
+            if self._quantizer is not None:
+                self._quantizer.plan(sources)
             order = p.send_order.get(self.rank, ())
             for t in [t for t in self._links if t not in order]:
                 self._links.pop(t).close()
@@ -358,7 +356,7 @@ class WeightSync:
                 self.members.report(version, not failed, version, why)
             pairs = tuple(r for _, r in sorted(results.items()) if not isinstance(r, BaseException))
             self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, packed,
-                                        pairs, packed_bytes, why, self._planned)
+                                        pairs, packed_bytes, why, self._planned, self._quant_stats)
             return self.last_stats
 
     def _take_part(self, version: int) -> None:
@@ -424,6 +422,13 @@ class WeightSync:
         results: dict[int, Any] = {}
         steps: dict[int, PairStep] = {}
         fresh = [t for t in self._segments if t not in self._links]
+        if self._quantizer is not None:
+            try:
+                self._quantizer.measure(version)    # a NaN is found before any offer goes out
+            except Exception as e:
+                self._refuse(e)
+                why = f"the source could not quantize its weights: {type(e).__name__}: {e}"
+                return {t: TransferError(why) for t in self._segments}, 0, time.perf_counter() - t0, e
         try:
             for target, segments in self._segments.items():
                 if target in fresh:
@@ -435,6 +440,11 @@ class WeightSync:
             packed_bytes, pack_error = 0, None
             try:
                 packed_bytes = self._pack()
+                if self._quantizer is not None:
+                    self._quant_stats = self._quantizer.finish(version)
+                    if self.region.is_cuda:
+                        import torch
+                        torch.cuda.synchronize(self.region.device)
             except Exception as e:
                 pack_error = e
             packed = time.perf_counter() - t0
@@ -471,6 +481,13 @@ class WeightSync:
         jobs: list[Callable[[], None]] = [functools.partial(finish, t) for t in steps if t not in results]
         self._workers.run(jobs + [functools.partial(connect_and_push, t) for t in fresh])
         return results, packed_bytes, packed, None
+
+    def _refuse(self, error: Exception) -> None:
+        """Tell every connected target why this step will not come (its wait raises the same error; a NaN
+        names the tensor), instead of leaving it to time out."""
+        tensor = getattr(error, "tensor", None)
+        for link in self._links.values():
+            link.refuse("quantization" if tensor is not None else "transfer", str(error), tensor)
 
     def _adopt(self, allowed: list[bool]) -> int:
         """Move the adoptable local shards into the region and re-point them there (their old storage is

@@ -1,0 +1,243 @@
+"""A source rank's quantized shards: FP8 values and scales written into its region at every push.
+
+Targets that serve FP8 (:func:`tensorxfer.sync.spec.quantized_target`) ask for *derived* tensors: a global
+tensor's FP8 values and its block scales (:mod:`tensorxfer.quant.layout`).  Each source makes them for
+the shards it holds, so the wire carries FP8 (half the bytes of bf16) and the targets only land bytes:
+no staging, no second pass, no bf16 copy on the inference side.
+
+A block lies either wholly inside one source's shard -- that source knows its amax -- or across
+shards (FSDP2's uneven ``Shard(0)`` cuts rows anywhere; a per-tensor scale spans every shard).  For
+those, the sources agree on the amax in **one round through the group's store**: each publishes, in
+one sealed record per step, its partial amaxes of the blocks it shares, and reads the records of the
+sources it shares blocks with (found once per membership epoch from their descriptions).  Every
+source then holds the same whole-block amax, so each quantizes its own rows of a shared block and the
+scale of that block is the same wherever it is read; the planner takes it from one of them.  Why not
+send those rows in bf16 and let the target finish the block?  It would need staging and a quantizer on
+every target, two paths through every transport, and a target that sees a block only partly; the
+round costs one small store record per source per step and overlaps the local quantization (the
+record goes out first; the blocks that need no one else are quantized while the peers' records come).
+
+A NaN or an infinity in a shard is found while the amaxes are taken, before any offer goes out: the
+push raises :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds
+fail the step with the same error.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorxfer.errors import StoreError
+from tensorxfer.quant.layout import Grid, Quantization, derived_name, parse_derived
+from tensorxfer.quant.quantize import _split, block_amax, check_finite, quantize_into
+from tensorxfer.sync.records import Amaxes, GroupStore
+from tensorxfer.sync.spec import Box, RankSpec
+
+__all__ = ["QuantStats", "QuantizedShard", "SourceQuantizer"]
+
+
+@dataclass(frozen=True)
+class QuantStats:
+    """One push's quantization on a source: FP8 bytes written, those of blocks shared with other sources
+    (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes."""
+
+    values_bytes: int = 0
+    shared_bytes: int = 0
+    shared_blocks: int = 0
+    peers: int = 0
+    wait_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"values_bytes": self.values_bytes, "shared_bytes": self.shared_bytes,
+                "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds}
+
+
+class QuantizedShard:
+    """One quantized shard of a source: the trainer's tensor ``local`` (a box of global tensor ``name`` at
+    ``offsets``), and the region views it is quantized into (``values``; ``scales``: the blocks it
+    touches)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], offsets: tuple[int, ...], q: Quantization, local: Any,
+                 values: Any, scales: Any) -> None:
+        self.name, self.q, self.local, self.values, self.scales = name, q, local, values, scales
+        self.offsets, self.sizes = offsets, tuple(int(s) for s in local.shape)
+        self.grid: Grid = q.grid(shape)
+        self.first, self.count = self.grid.cells(offsets, self.sizes)
+        self.key = derived_name(name, q, "scales")
+        self.values_name = derived_name(name, q, "values")
+        self.empty = math.prod(self.sizes) == 0
+        self._shared_cells()
+
+    def _shared_cells(self) -> None:
+        """The cells this shard touches but does not hold whole: their flat positions in its cells, and
+        their flat indices in the global grid (sorted alike); the value bytes that lie in them."""
+        if self.empty:
+            self.shared_pos = self.shared_ids = np.zeros(0, np.int64)
+            self.shared_bytes = 0
+            return
+        whole = self.grid.whole(self.offsets, self.sizes)
+        count = self.count
+        mask = np.zeros(count, dtype=bool)
+        for d, (first_whole, last_whole) in enumerate(whole):
+            index: list[Any] = [slice(None)] * len(count)
+            if not first_whole:
+                index[d] = 0
+                mask[tuple(index)] = True
+            if not last_whole:
+                index[d] = count[d] - 1
+                mask[tuple(index)] = True
+        self.shared_pos = np.flatnonzero(mask).astype(np.int64)
+        cells = np.stack(np.unravel_index(self.shared_pos, count), axis=-1) + np.array(self.first, np.int64)
+        self.shared_ids = (np.ravel_multi_index(cells.T, self.grid.scale_shape).astype(np.int64)
+                           if len(self.shared_pos) else np.zeros(0, np.int64))
+        if self.grid.per_tensor:
+            inner = 0 if len(self.shared_pos) else math.prod(self.sizes)
+        else:
+            inner = 1
+            for (first_whole, last_whole), o, s, b in zip(whole, self.offsets, self.sizes, self.grid.block):
+                lengths = _split(o, s, b)
+                cut = (0 if first_whole else lengths[0]) + (0 if last_whole or len(lengths) == 1 else lengths[-1])
+                inner *= max(s - cut, 0)
+        self.shared_bytes = math.prod(self.sizes) - inner      # FP8: one byte per value
+
+    def halo(self) -> Box:
+        """The elements of the blocks this shard touches (its box grown to block edges)."""
+        if self.grid.per_tensor:
+            return Box((0,) * len(self.grid.shape), self.grid.shape)
+        lo = tuple(f * b for f, b in zip(self.first, self.grid.block))
+        hi = tuple(min((f + c) * b, n) for f, c, b, n in zip(self.first, self.count, self.grid.block, self.grid.shape))
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+
+def _intersects(a: Box, b: Box) -> Box | None:
+    lo = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+
+def _inside(a: Box, b: Box) -> bool:
+    return all(x >= y and x + s <= y + t for x, s, y, t in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+class SourceQuantizer:
+    """Quantizes a source's shards at every push, agreeing on shared blocks with the other sources.
+
+    ``measure`` (before the offers: a NaN fails the step before any byte is offered) takes every shard's
+    block amaxes, checks them and publishes the shared ones; ``finish`` (after) quantizes -- first the
+    shards that share nothing, then, with the peers' amaxes merged in, the rest.
+    """
+
+    def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float) -> None:
+        self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
+        self._peers: tuple[int, ...] = ()
+        self._amax: list[Any] = []
+
+    def plan(self, sources: list[RankSpec]) -> None:
+        """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
+        that one of ours shares."""
+        wanted = {s.values_name: s for s in self.shards if len(s.shared_ids)}
+        peers: set[int] = set()
+        for spec in sources:
+            if spec.rank == self.rank:
+                continue
+            for t in spec.tensors:
+                mine = wanted.get(t.name)
+                if mine is None or t.box.empty:
+                    continue
+                own = Box(mine.offsets, mine.sizes)
+                met = _intersects(t.box, mine.halo())
+                if met is not None and not _inside(met, own):
+                    peers.add(spec.rank)
+                    break
+        self._peers = tuple(sorted(peers))
+
+    def measure(self, version: int) -> None:
+        """Every shard's block amaxes (QuantizationError for a NaN or an infinity, naming the tensor); the
+        shared ones published for step ``version``."""
+        self._amax = []
+        parts: dict[str, tuple[bytes, bytes]] = {}
+        for s in self.shards:
+            if s.empty:
+                self._amax.append(None)
+                continue
+            amax = block_amax(s.local, s.grid, s.offsets)
+            check_finite(amax, s.name, s.grid, s.first)
+            self._amax.append(amax)
+            if len(s.shared_pos):
+                shared = amax.reshape(-1)[_index(s.shared_pos, amax)].cpu().numpy().astype("<f4")
+                parts[s.key] = (s.shared_ids.astype("<i8").tobytes(), shared.tobytes())
+        if parts:
+            self.store.put(self._key(version, self.rank), Amaxes(parts).encode())
+
+    def finish(self, version: int) -> QuantStats:
+        """Quantize every shard into the region (after :meth:`measure` of the same ``version``)."""
+        values_bytes = shared_bytes = blocks = 0
+        later = []
+        for s, amax in zip(self.shards, self._amax):
+            if amax is None:
+                continue
+            values_bytes += s.values.numel()
+            if len(s.shared_pos):
+                later.append((s, amax))
+                shared_bytes += s.shared_bytes
+                blocks += len(s.shared_pos)
+                continue
+            quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
+        t0 = time.perf_counter()
+        if later:
+            self._merge(version, later)
+        wait = time.perf_counter() - t0
+        for s, amax in later:
+            quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
+        return QuantStats(values_bytes, shared_bytes, blocks, len(self._peers), wait)
+
+    def _merge(self, version: int, later: list[tuple[QuantizedShard, Any]]) -> None:
+        """The peers' partial amaxes of step ``version`` folded into ours (each block's amax over all of it)."""
+        import torch
+
+        keys = [self._key(version, r) for r in self._peers]
+        records = [Amaxes.decode(k, v) for k, v in zip(keys, self.store.get(keys, self.stall_timeout))]
+        for s, amax in later:
+            flat = amax.reshape(-1)
+            index = _index(s.shared_pos, amax)
+            mine = flat[index].cpu().numpy().astype(np.float32)
+            for key, record in zip(keys, records):
+                part = record.parts.get(s.key)
+                if part is None:
+                    continue
+                ids = np.frombuffer(part[0], "<i8")
+                theirs = np.frombuffer(part[1], "<f4")
+                if not np.all(np.isfinite(theirs)) or np.any(theirs < 0):
+                    raise StoreError(f"the store's {key!r} holds amaxes of {s.name!r} that are no amaxes", key)
+                at = np.searchsorted(s.shared_ids, ids)
+                hit = at < len(s.shared_ids)
+                hit[hit] = s.shared_ids[at[hit]] == ids[hit]
+                np.maximum.at(mine, at[hit], theirs[hit])
+            flat[index] = torch.from_numpy(mine).to(flat.device)
+
+    def _key(self, version: int, rank: int) -> str:
+        return self.store.key("amax", version, rank)
+
+
+def _index(positions: np.ndarray, like: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(positions).to(like.device)
+
+
+def requested(targets: list[RankSpec]) -> dict[str, set[Quantization]]:
+    """Global tensor name -> the layouts the targets ask it in."""
+    out: dict[str, set[Quantization]] = {}
+    for spec in targets:
+        for t in spec.tensors:
+            for piece in t.pieces:
+                found = parse_derived(piece.source_name)
+                if found is not None:
+                    out.setdefault(found[0], set()).add(found[1])
+    return out
