@@ -14,8 +14,9 @@ source then holds the same whole-block amax, so each quantizes its own rows of a
 scale of that block is the same wherever it is read; the planner takes it from one of them.  Why not
 send those rows in bf16 and let the target finish the block?  It would need staging and a quantizer on
 every target, two paths through every transport, and a target that sees a block only partly; the
-round costs one small store record per source per step and overlaps the local quantization (the
-record goes out first; the blocks that need no one else are quantized while the peers' records come).
+round costs one small store record per source per step, taken before the step's offers go out (a
+NaN anywhere then fails the step before a byte is offered, and every target fed by a source that
+could not quantize gets the same error, naming the tensor).
 
 A NaN or an infinity in a shard is found while the amaxes are taken, before any offer goes out: the
 push raises :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorxfer.errors import StoreError
+from tensorxfer.errors import QuantizationError, StoreError
 from tensorxfer.quant.layout import Grid, Quantization, derived_name, parse_derived
 from tensorxfer.quant.quantize import _split, block_amax, check_finite, quantize_into
 from tensorxfer.sync.records import Amaxes, GroupStore
@@ -128,15 +129,16 @@ def _inside(a: Box, b: Box) -> bool:
 class SourceQuantizer:
     """Quantizes a source's shards at every push, agreeing on shared blocks with the other sources.
 
-    ``measure`` (before the offers: a NaN fails the step before any byte is offered) takes every shard's
-    block amaxes, checks them and publishes the shared ones; ``finish`` (after) quantizes -- first the
-    shards that share nothing, then, with the peers' amaxes merged in, the rest.
+    :meth:`agree` (before the offers: a step that cannot be quantized offers nothing) takes every shard's
+    block amaxes, checks them and agrees on the shared ones; :meth:`quantize` (after the offers, while the
+    targets take them in) writes the FP8 values and scales.
     """
 
     def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float) -> None:
         self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
         self._peers: tuple[int, ...] = ()
         self._amax: list[Any] = []
+        self._wait = 0.0
 
     def plan(self, sources: list[RankSpec]) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
@@ -157,9 +159,10 @@ class SourceQuantizer:
                     break
         self._peers = tuple(sorted(peers))
 
-    def measure(self, version: int) -> None:
-        """Every shard's block amaxes (QuantizationError for a NaN or an infinity, naming the tensor); the
-        shared ones published for step ``version``."""
+    def agree(self, version: int) -> None:
+        """Every shard's block amaxes for step ``version``, the shared ones agreed with the peers (published,
+        then theirs folded in).  Runs before the offers go out, so that nothing is offered for a step that
+        cannot be quantized: QuantizationError for a NaN or an infinity here or at a peer, naming the tensor."""
         self._amax = []
         parts: dict[str, tuple[bytes, bytes]] = {}
         for s in self.shards:
@@ -167,35 +170,35 @@ class SourceQuantizer:
                 self._amax.append(None)
                 continue
             amax = block_amax(s.local, s.grid, s.offsets)
-            check_finite(amax, s.name, s.grid, s.first)
+            try:
+                check_finite(amax, s.name, s.grid, s.first)
+            except QuantizationError as e:
+                if self._peers:     # they would wait for amaxes that will not come: they fail with this
+                    self.store.put(self._key(version, self.rank), Amaxes({}, str(e), e.tensor).encode())
+                raise
             self._amax.append(amax)
             if len(s.shared_pos):
                 shared = amax.reshape(-1)[_index(s.shared_pos, amax)].cpu().numpy().astype("<f4")
                 parts[s.key] = (s.shared_ids.astype("<i8").tobytes(), shared.tobytes())
+        self._wait = 0.0
         if parts:
             self.store.put(self._key(version, self.rank), Amaxes(parts).encode())
+            t0 = time.perf_counter()
+            self._merge(version, [(s, a) for s, a in zip(self.shards, self._amax) if a is not None
+                                  and len(s.shared_pos)])
+            self._wait = time.perf_counter() - t0
 
-    def finish(self, version: int) -> QuantStats:
-        """Quantize every shard into the region (after :meth:`measure` of the same ``version``)."""
+    def quantize(self) -> QuantStats:
+        """Quantize every shard into the region with the amaxes :meth:`agree` found."""
         values_bytes = shared_bytes = blocks = 0
-        later = []
         for s, amax in zip(self.shards, self._amax):
             if amax is None:
                 continue
             values_bytes += s.values.numel()
-            if len(s.shared_pos):
-                later.append((s, amax))
-                shared_bytes += s.shared_bytes
-                blocks += len(s.shared_pos)
-                continue
+            shared_bytes += s.shared_bytes
+            blocks += len(s.shared_pos)
             quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
-        t0 = time.perf_counter()
-        if later:
-            self._merge(version, later)
-        wait = time.perf_counter() - t0
-        for s, amax in later:
-            quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
-        return QuantStats(values_bytes, shared_bytes, blocks, len(self._peers), wait)
+        return QuantStats(values_bytes, shared_bytes, blocks, len(self._peers), self._wait)
 
     def _merge(self, version: int, later: list[tuple[QuantizedShard, Any]]) -> None:
         """The peers' partial amaxes of step ``version`` folded into ours (each block's amax over all of it)."""
@@ -203,6 +206,10 @@ class SourceQuantizer:
 
         keys = [self._key(version, r) for r in self._peers]
         records = [Amaxes.decode(k, v) for k, v in zip(keys, self.store.get(keys, self.stall_timeout))]
+        for rank, record in zip(self._peers, records):
+            if record.error is not None:
+                raise QuantizationError(f"source rank {rank} shares blocks with this one and could not quantize: "
+                                        f"{record.error}", record.tensor)
         for s, amax in later:
             flat = amax.reshape(-1)
             index = _index(s.shared_pos, amax)

@@ -254,19 +254,27 @@ class Beat:
 @dataclass(frozen=True)
 class Amaxes:
     """A source's partial block amaxes of one step (the blocks it shares with other sources): per derived
-    scales tensor, the blocks' flat indices in its scale grid and their amaxes over this source's part."""
+    scales tensor, the blocks' flat indices in its scale grid and their amaxes over this source's part.
+    ``error``/``tensor``: the source could not take them (a NaN in ``tensor``): its peers fail the step
+    with the same error at once instead of waiting for amaxes that will not come."""
 
     parts: dict[str, tuple[bytes, bytes]]       # name -> (int64 LE block indices, float32 LE amaxes)
+    error: str | None = None
+    tensor: str | None = None
 
     def encode(self) -> bytes:
-        return pack({"parts": {name: list(p) for name, p in self.parts.items()}})
+        return pack({"parts": {name: list(p) for name, p in self.parts.items()}, "error": self.error,
+                     "tensor": self.tensor})
 
     @classmethod
     def decode(cls, key: str, value: bytes) -> Amaxes:
-        obj = _fields(key, value, ("parts",))
-        parts = obj["parts"]
+        obj = _fields(key, value, ("parts", "error", "tensor"))
+        parts, error, tensor = obj["parts"], obj["error"], obj["tensor"]
         if not isinstance(parts, dict) or len(parts) > MAX_TENSORS:
             raise _bad(key, "has parts that are not a map of tensor -> [indices, amaxes]")
+        for what, text in (("error", error), ("tensor", tensor)):
+            if text is not None and (not isinstance(text, str) or len(text) > MAX_TEXT):
+                raise _bad(key, f"has an {what} that is not a text of at most {MAX_TEXT} characters")
         out: dict[str, tuple[bytes, bytes]] = {}
         for name, item in parts.items():
             if (not isinstance(name, str) or not isinstance(item, list) or len(item) != 2
@@ -274,7 +282,7 @@ class Amaxes:
                     or len(item[0]) // 8 != len(item[1]) // 4 or len(item[1]) % 4):
                 raise _bad(key, f"has an entry for {name!r} that is not [int64 indices, as many float32 amaxes]")
             out[name] = (item[0], item[1])
-        return cls(out)
+        return cls(out, error, tensor)
 
 
 def decode_digest(key: str, value: bytes) -> str:

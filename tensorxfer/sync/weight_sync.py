@@ -424,7 +424,7 @@ class WeightSync:
         fresh = [t for t in self._segments if t not in self._links]
         if self._quantizer is not None:
             try:
-                self._quantizer.measure(version)    # a NaN is found before any offer goes out
+                self._quantizer.agree(version)      # a NaN is found before any offer goes out
             except Exception as e:
                 self._refuse(e)
                 why = f"the source could not quantize its weights: {type(e).__name__}: {e}"
@@ -441,7 +441,7 @@ class WeightSync:
             try:
                 packed_bytes = self._pack()
                 if self._quantizer is not None:
-                    self._quant_stats = self._quantizer.finish(version)
+                    self._quant_stats = self._quantizer.quantize()
                     if self.region.is_cuda:
                         import torch
                         torch.cuda.synchronize(self.region.device)

@@ -1,0 +1,264 @@
+"""FP8 targets fed by a weight sync: sources quantize on the way, targets land FP8 values and scales.
+
+Ranks run as threads of this process, each with its own TCPStore client (as test_sync does); the
+byte-for-byte reference is the same quantizer over the whole global tensor (itself checked against
+transformers and DeepGEMM in test_quant).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the weight sync's tensors are torch tensors")
+
+import tensorxfer as tx  # noqa: E402
+from tensorxfer.quant.quantize import block_amax, quantize_into  # noqa: E402
+from tensorxfer.sync import Box, Piece, Quantization, Source, Target, chunk_box  # noqa: E402
+from tests.test_sync import Stores, _catch, run_ranks  # noqa: E402
+
+
+def reference(w: torch.Tensor, q: Quantization) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = q.grid(tuple(w.shape))
+    values = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(grid.scale_shape, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32)
+    quantize_into(w, grid, (0,) * w.dim(), q, block_amax(w, grid, (0,) * w.dim()), values, scales)
+    return values, scales
+
+
+def scale_tensor(q: Quantization, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def weights(step: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {n: (torch.randn(s, generator=g) * 0.02 * (1 + step)).to(dtype) for n, s in shapes.items()}
+
+
+def row_shards(w: dict[str, torch.Tensor], rank: int, count: int) -> dict[str, Source]:
+    """FSDP2's Shard(0): torch.chunk rows, uneven (blocks straddle the cuts)."""
+    out = {}
+    for name, t in w.items():
+        box = chunk_box(tuple(t.shape), 0, rank, count)
+        out[name] = Source(t[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone(), tuple(t.shape), box, adopt=False)
+    return out
+
+
+def group(sources: list[dict[str, Any]], targets: list[dict[str, Target]], transport: str = "tcp",
+          **kw: Any) -> list[Any]:
+    """The group's ranks: its sources, then its targets (the last item: the store server, kept alive)."""
+    stores = Stores()
+    n, m = len(sources), len(targets)
+    return [*run_ranks(
+        [lambda r=r: tx.WeightSync(stores.client(), "q", "source", r, (n, m), sources[r], token="k",
+                                   transport=transport, timeout=30, **kw) for r in range(n)] +
+        [lambda r=r: tx.WeightSync(stores.client(), "q", "target", r, (n, m), targets[r], token="k",
+                                   transport=transport, timeout=30, **kw) for r in range(m)]), stores]
+
+
+def step(syncs: list[Any], n: int) -> list[Any]:
+    return run_ranks([s.push for s in syncs[:n]] + [lambda t=t: t.wait(timeout=60) for t in syncs[n:-1]])
+
+
+def close(syncs: list[Any]) -> None:
+    for s in syncs[:-1]:
+        s.close()
+
+
+LAYOUTS = [Quantization.blocks(), Quantization.blocks(1, 128, "deepgemm"), Quantization.per_channel(),
+           Quantization.mxfp8(), Quantization((128, 128), "deepgemm", "e8m0")]
+
+
+@pytest.mark.parametrize("q", LAYOUTS, ids=lambda q: q.tag.replace("/", "-"))
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_uneven_fp32_shards_land_in_column_parallel_fp8_targets_byte_for_byte(q: Quantization, transport: str) -> None:
+    shapes = {"w": (768, 384), "u": (256, 640)}
+    n, m = 5, 2         # 5 row shards of 154 / 52 rows: most blocks straddle two sources
+    w0 = weights(0, shapes)
+    sources = [row_shards(w0, r, n) for r in range(n)]
+    targets = []
+    for t in range(m):
+        tensors = {}
+        for name, shape in shapes.items():
+            box = chunk_box(shape, 0, t, m)
+            grid = q.grid(shape)
+            scale_shape = (box.sizes[0] // grid.block[0], grid.scale_shape[1])
+            tensors[name] = Target.shard(torch.zeros(box.sizes, dtype=torch.float8_e4m3fn), name, shape, 0, t,
+                                         m).quantized(q, scale_tensor(q, scale_shape))
+        targets.append(tensors)
+    syncs = group(sources, targets, transport)
+    try:
+        for version in (1, 2):
+            w = weights(version, shapes)
+            for r in range(n):
+                for name, src in row_shards(w, r, n).items():
+                    sources[r][name].tensor.copy_(src.tensor)
+            results = step(syncs, n)
+            assert results[n:] == [version] * m
+            for name in shapes:
+                want_values, want_scales = reference(w[name], q)
+                got_values = torch.cat([targets[t][name].tensor for t in range(m)])
+                got_scales = torch.cat([targets[t][name].scales for t in range(m)])
+                assert same(got_values, want_values), (version, name)
+                assert same(got_scales, want_scales), (version, name)
+        stats = results[:n]
+        # the wire carries FP8 values and scales: a quarter of these fp32 shards' bytes, plus the scales
+        for r, st in enumerate(stats):
+            fp32 = sum(s.tensor.numel() * 4 for s in sources[r].values())
+            assert st.bytes < fp32 // 4 + 4096 and st.quantized.values_bytes == fp32 // 4, st.as_dict()
+        if q.block[0] != 1:     # row blocks cut by the shards: shared, agreed in one round with the neighbours
+            assert all(st.quantized.shared_blocks and st.quantized.peers >= 1 for st in stats), stats
+        else:                   # one-row blocks never straddle a row cut: nothing to agree
+            assert not any(st.quantized.shared_blocks or st.quantized.peers for st in stats)
+        # the targets' FP8 weights and scales are views of their regions: the bytes landed in the live tensors
+        for s, tt in zip(syncs[n:-1], targets):
+            views = s.region.tensors(framework="torch")
+            assert all(tt[k].tensor.data_ptr() == views[k].data_ptr() and
+                       tt[k].scales.data_ptr() == views[f"{k}_scale_inv"].data_ptr() for k in tt)
+    finally:
+        close(syncs)
+
+
+def test_a_per_tensor_scale_split_over_two_sources_is_agreed_and_replicated_on_every_target() -> None:
+    q = Quantization.per_tensor()
+    shape = (200, 96)
+    w = weights(3, {"w": shape})
+    w["w"][150, 3] = 0.9        # the tensor's amax lies in source 1's rows
+    sources = [row_shards(w, r, 2) for r in range(2)]
+    targets = [{"w": Target.shard(torch.zeros(100, 96, dtype=torch.float8_e4m3fn), "w", shape, 0, t, 2)
+                .quantized(q, torch.zeros(1))} for t in range(2)]
+    syncs = group(sources, targets)
+    try:
+        step(syncs, 2)
+        want_values, want_scales = reference(w["w"], q)
+        assert same(torch.cat([t["w"].tensor for t in targets]), want_values)
+        assert all(same(t["w"].scales, want_scales) for t in targets)
+        assert want_scales.item() == pytest.approx(0.9 / 448)
+    finally:
+        close(syncs)
+
+
+def test_stacked_moe_experts_split_over_targets_from_per_expert_sources() -> None:
+    """vLLM's fused MoE: ``w13`` = [experts, 2 * I, H] (gate and up stacked), ``w2`` = [experts, H, I],
+    experts split over the targets (EP); each source holds whole experts, as a per-expert trainer does."""
+    q = Quantization.blocks()
+    experts, hidden, inter = 4, 256, 128
+    shapes = {f"e{e}.{p}": ((hidden, inter) if p == "down" else (inter, hidden))
+              for e in range(experts) for p in ("gate", "up", "down")}
+    w = weights(5, shapes, torch.bfloat16)
+    sources = [{n: Source(t.clone(), tuple(t.shape), Box((0, 0), tuple(t.shape)), adopt=False)
+                for n, t in w.items() if int(n[1]) % 2 == r} for r in range(2)]
+    targets = []
+    for t in range(2):
+        mine = [e for e in range(experts) if e // 2 == t]
+        w13 = torch.zeros(len(mine), 2 * inter, hidden, dtype=torch.float8_e4m3fn)
+        w2 = torch.zeros(len(mine), hidden, inter, dtype=torch.float8_e4m3fn)
+        p13 = [Piece(f"e{e}.{p}", Box((0, 0), (inter, hidden)), (i, j * inter, 0))
+               for i, e in enumerate(mine) for j, p in enumerate(("gate", "up"))]
+        p2 = [Piece(f"e{e}.down", Box((0, 0), (hidden, inter)), (i, 0, 0)) for i, e in enumerate(mine)]
+        targets.append({
+            "w13": Target(w13, tuple(p13)).quantized(q, torch.zeros(len(mine), 2, 2),
+                                                     [(inter, hidden)] * len(p13)),
+            "w2": Target(w2, tuple(p2)).quantized(q, torch.zeros(len(mine), 2, 1), [(hidden, inter)] * len(p2))})
+    syncs = group(sources, targets)
+    try:
+        step(syncs, 2)
+        for t, tensors in enumerate(targets):
+            for i, e in enumerate(e for e in range(experts) if e // 2 == t):
+                for j, p in enumerate(("gate", "up")):
+                    v, s = reference(w[f"e{e}.{p}"], q)
+                    assert same(tensors["w13"].tensor[i, j * inter:(j + 1) * inter], v)
+                    assert same(tensors["w13"].scales[i, j:j + 1], s)
+                v, s = reference(w[f"e{e}.down"], q)
+                assert same(tensors["w2"].tensor[i], v) and same(tensors["w2"].scales[i], s)
+    finally:
+        close(syncs)
+
+
+def test_one_tensor_served_in_bf16_to_one_target_and_fp8_to_another() -> None:
+    q = Quantization.blocks()
+    shape = (256, 256)
+    w = weights(7, {"w": shape})
+    sources = [row_shards(w, r, 3) for r in range(3)]
+    bf16 = {"w": Target.whole(torch.zeros(shape, dtype=torch.bfloat16), "w")}
+    fp8 = {"w": Target.whole(torch.zeros(shape, dtype=torch.float8_e4m3fn), "w").quantized(q, torch.zeros(2, 2))}
+    syncs = group(sources, [bf16, fp8])
+    try:
+        step(syncs, 3)
+        assert torch.equal(bf16["w"].tensor, w["w"].to(torch.bfloat16))
+        want_values, want_scales = reference(w["w"], q)
+        assert same(fp8["w"].tensor, want_values) and same(fp8["w"].scales, want_scales)
+    finally:
+        close(syncs)
+
+
+def test_a_nan_in_one_source_fails_the_step_on_every_target_naming_the_tensor_and_the_next_push_lands() -> None:
+    q = Quantization.blocks()
+    shapes = {"layers.0.w": (512, 256), "layers.1.w": (256, 256)}
+    w = weights(1, shapes)
+    sources = [row_shards(w, r, 3) for r in range(3)]
+    targets = [{n: Target.shard(torch.zeros(s[0] // 2, s[1], dtype=torch.float8_e4m3fn), n, s, 0, t, 2)
+                .quantized(q, torch.zeros(s[0] // 256, s[1] // 128)) for n, s in shapes.items()} for t in range(2)]
+    syncs = group(sources, targets, stall_timeout=5)
+    try:
+        step(syncs, 3)
+        sources[1]["layers.0.w"].tensor[10, 20] = float("nan")        # rows 181..351: blocks shared with 0 and 2
+        results = [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:3]] +
+                                           [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[3:-1]])]
+        for r in results:
+            assert isinstance(r, tx.QuantizationError), results
+            assert r.tensor == "layers.0.w" and "NaN" in str(r), r
+        sources[1]["layers.0.w"].tensor.copy_(row_shards(w, 1, 3)["layers.0.w"].tensor)
+        results = step(syncs, 3)
+        assert results[3:] == [3, 3]
+        for n in shapes:
+            want_values, want_scales = reference(w[n], q)
+            assert same(torch.cat([t[n].tensor for t in targets]), want_values)
+            assert same(torch.cat([t[n].scales for t in targets]), want_scales)
+    finally:
+        close(syncs)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Target.shard(torch.zeros(100, 256, dtype=torch.float8_e4m3fn), "w", (200, 256), 0, 0, 2)
+     .quantized(Quantization.blocks(), torch.zeros(1, 2)), "does not hold whole blocks"),
+    (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.bfloat16), "w", (256, 256), 0, 0, 2)
+     .quantized(Quantization.blocks(), torch.zeros(1, 2)), "values tensor is BF16"),
+    (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "w", (256, 256), 0, 0, 2)
+     .quantized(Quantization.blocks(), torch.zeros(1, 2, dtype=torch.bfloat16)), "scales tensor is BF16"),
+    (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "w", (256, 256), 0, 0, 2)
+     .quantized(Quantization.blocks(), torch.zeros(2, 2)), r"needs \(1, 2\)"),
+    (lambda: Target(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), (Piece("w", Box((0, 0), (128, 256)), (0, 0)),))
+     .quantized(Quantization.blocks(), torch.zeros(1, 2)), "global shape"),
+])
+def test_a_target_layout_that_does_not_fit_is_refused_when_described(make: Any, match: str) -> None:
+    with pytest.raises(tx.PlanError, match=match):
+        make()
+
+
+def test_fp8_asked_of_an_integer_tensor_is_refused_before_any_byte_moves() -> None:
+    shape = (128, 256)
+    source = {"w": Source(torch.zeros(shape, dtype=torch.int32), shape, Box((0, 0), shape))}
+    target = {"w": Target.whole(torch.zeros(shape, dtype=torch.float8_e4m3fn), "w")
+              .quantized(Quantization.blocks(), torch.zeros(1, 2))}
+    stores = Stores()
+    results = [r[0] for r in run_ranks([
+        lambda: [_catch(lambda: tx.WeightSync(stores.client(), "q", "source", 0, (1, 1), source, token="k",
+                                              transport="tcp", timeout=5))],
+        lambda: [_catch(lambda: tx.WeightSync(stores.client(), "q", "target", 0, (1, 1), target, token="k",
+                                              transport="tcp", timeout=5))]])]
+    assert isinstance(results[0], tx.PlanError), results[0]
+    assert "'w' is I32" in str(results[0]) and "floating-point" in str(results[0])
+    assert isinstance(results[1], tx.TensorXferError), results[1]       # the group never formed: named, in time
+
+
+def test_blocks_with_more_dimensions_than_the_tensor_are_refused_when_described() -> None:
+    tensor = torch.zeros(1, 128, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(tx.PlanError, match="do not fit"):
+        Target(tensor, (Piece("w", Box((0, 0), (128, 256)), (0, 0, 0)),), ((128, 256),)).quantized(
+            Quantization((1, 128, 128)), torch.zeros(1, 1, 2))
