@@ -11,8 +11,10 @@ headers are found, and can be forced off:
   unusable there).
   With them, ``nvcc`` (``$CUDA_HOME/bin``, ``/usr/local/cuda/bin`` or ``PATH``)
   compiles ``tensorxfer/memory/strided_copy.cu`` into ``strided_copy.fatbin``
-  beside them (the weight sync's strided device copies); without it the
-  package falls back to the copy engines' pitched copies.
+  beside them (the weight sync's strided device copies) and
+  ``tensorxfer/quant/fp8_quantize.cu`` into ``quant/fp8_quantize.fatbin`` (FP8
+  quantization of sync sources' shards); without it the package falls back
+  to the copy engines' pitched copies and torch's operations.
 - ``TENSORXFER_NO_VERBS=1`` skips ``tensorxfer.transport._verbs`` (needs
   infiniband/verbs.h, from Debian's libibverbs-dev, and links libibverbs).
 
@@ -106,7 +108,9 @@ if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.tra
     extensions.append(ext("tensorxfer.transport._verbs", libraries=["ibverbs"]))
 
 
-KERNEL_SOURCE = Path("tensorxfer/memory/strided_copy.cu")
+# the device kernels: source -> its image beside the package's CUDA modules (built where those are)
+KERNELS = {Path("tensorxfer/memory/strided_copy.cu"): "memory/strided_copy.fatbin",
+           Path("tensorxfer/quant/fp8_quantize.cu"): "quant/fp8_quantize.fatbin"}
 # SASS for Ampere and Hopper, PTX that newer drivers compile for newer GPUs
 KERNEL_TARGETS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
                   "-gencode", "arch=compute_90,code=compute_90"]
@@ -127,13 +131,15 @@ class BuildWithKernels(build_ext):
         if not any(e.name == "tensorxfer.memory._copy" for e in self.extensions):
             return
         nvcc = find_nvcc()
-        if not optional("tensorxfer/memory/strided_copy.fatbin", None if nvcc else "nvcc not found (set CUDA_HOME)"):
-            return
-        out = Path(self.get_ext_fullpath("tensorxfer.memory._copy")).parent / "strided_copy.fatbin"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists() and out.stat().st_mtime >= KERNEL_SOURCE.stat().st_mtime:
-            return
-        subprocess.run([nvcc, "-fatbin", "-O3", *KERNEL_TARGETS, "-o", str(out), str(KERNEL_SOURCE)], check=True)
+        package = Path(self.get_ext_fullpath("tensorxfer.memory._copy")).parent.parent
+        for source, image in KERNELS.items():
+            if not optional(f"tensorxfer/{image}", None if nvcc else "nvcc not found (set CUDA_HOME)"):
+                return
+            out = package / image
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+                continue
+            subprocess.run([nvcc, "-fatbin", "-O3", *KERNEL_TARGETS, "-o", str(out), str(source)], check=True)
 
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, nthreads=2),

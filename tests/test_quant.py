@@ -27,8 +27,9 @@ def quantize(w: torch.Tensor, q: Quantization, cuts: tuple[int, ...] = ()) -> tu
     """``w`` quantized as row shards cut at ``cuts`` would be: each shard's amaxes, merged, then each
     shard quantized on its own (the scales written by every shard that touches a block)."""
     grid = q.grid(tuple(w.shape))
-    values = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(grid.scale_shape, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32)
+    values = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(grid.scale_shape, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32,
+                         device=w.device)
     edges = [0, *cuts, w.shape[0]]
     shards = [(a, w[a:b]) for a, b in itertools.pairwise(edges) if b > a]
     offsets = [(a,) + (0,) * (w.dim() - 1) for a, _ in shards]

@@ -78,6 +78,15 @@ def test_fp32_fsdp2_trainer_to_fp8_tp_inference_bytes_scales_and_logits_after_ea
     fsdp2_to_fp8(tmp_path, transport, "cpu")
 
 
+@pytest.mark.cuda
+def test_fp32_fsdp2_trainer_to_fp8_tp_inference_on_one_gpu_over_ipc(tmp_path) -> None:
+    """The five processes' regions on the one GPU: the trainers (FSDP2 on a host mesh) quantize their host
+    shards into their GPU regions; the targets' FP8 weights are on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    fsdp2_to_fp8(tmp_path, "ipc", "cuda:0")
+
+
 def fsdp2_to_fp8(tmp_path, transport: str, device: str) -> None:
     store = open_tcp_store("127.0.0.1", 0, True)
     out = str(tmp_path)

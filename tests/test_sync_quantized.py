@@ -262,3 +262,45 @@ def test_blocks_with_more_dimensions_than_the_tensor_are_refused_when_described(
     with pytest.raises(tx.PlanError, match="do not fit"):
         Target(tensor, (Piece("w", Box((0, 0), (128, 256)), (0, 0, 0)),), ((128, 256),)).quantized(
             Quantization((1, 128, 128)), torch.zeros(1, 1, 2))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("q", [Quantization.blocks(), Quantization((128, 128), "deepgemm", "e8m0")],
+                         ids=lambda q: q.tag.replace("/", "-"))
+def test_gpu_shards_are_quantized_by_the_kernels_and_land_over_ipc(q: Quantization) -> None:
+    from tests.helpers import GPU_REASON
+
+    if GPU_REASON is not None or not torch.cuda.is_available():
+        pytest.skip(f"needs a CUDA GPU: {GPU_REASON or 'torch sees none'}")
+    from tensorxfer.quant import kernel
+
+    shapes = {"w": (1024, 512), "u": (512, 1536)}
+    n, m = 3, 2
+    w = weights(2, shapes, torch.bfloat16)
+    sources = [{name: Source(s.tensor.cuda(), s.global_shape, s.box, adopt=False)
+                for name, s in row_shards(w, r, n).items()} for r in range(n)]
+    assert kernel.fits(sources[0]["w"].tensor, q.grid(shapes["w"]))
+    targets = []
+    for t in range(m):
+        tensors = {}
+        for name, shape in shapes.items():
+            box = chunk_box(shape, 0, t, m)
+            tensors[name] = Target.shard(torch.zeros(box.sizes, dtype=torch.float8_e4m3fn, device="cuda"), name,
+                                         shape, 0, t, m).quantized(q, scale_tensor(q, (box.sizes[0] // 128,
+                                                                                       -(-shape[1] // 128))).cuda())
+        targets.append(tensors)
+    syncs = group(sources, targets, "ipc")
+    try:
+        for version in (1, 2):
+            if version == 2:
+                for r in range(n):
+                    for name in shapes:
+                        sources[r][name].tensor.mul_(-1.5)
+                w = {name: t * -1.5 for name, t in w.items()}
+            assert step(syncs, n)[n:] == [version] * m
+            for name in shapes:
+                want_values, want_scales = reference(w[name], q)
+                assert same(torch.cat([targets[t][name].tensor for t in range(m)]).cpu(), want_values)
+                assert same(torch.cat([targets[t][name].scales for t in range(m)]).cpu(), want_scales)
+    finally:
+        close(syncs)

@@ -11,7 +11,9 @@ agree on its amax in between:
    block is whole in it, the maximum over the sharing shards where not), the FP8 values of the shard
    and the scales of its blocks, written into the caller's tensors.
 
-Memory: a float32 copy of the shard and the scale expanded to it, transient (one tensor at a time).
+Memory: a float32 copy of the shard and the scale expanded to it, transient (one tensor at a time).  On a
+GPU, 2-D shards take two kernels instead (:mod:`tensorxfer.quant.kernel`: no transient memory, the same
+bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.errors import QuantizationError
+from tensorxfer.quant import kernel
 from tensorxfer.quant.layout import FP8_MAX, Grid, Quantization
 
 __all__ = ["block_amax", "check_finite", "quantize_into", "scales_of"]
@@ -44,6 +47,8 @@ def block_amax(x: Any, grid: Grid, offsets: Sequence[int]) -> Any:
     largest ``|x|`` of the shard's part of it (NaN where a NaN is, inf where an infinity is)."""
     import torch
 
+    if kernel.fits(x, grid):
+        return kernel.block_amax(x.detach(), grid, tuple(offsets))
     a = x.detach().abs()
     for d, lengths in enumerate(_dims(grid, offsets, tuple(x.shape))):
         b = grid.block[d]
@@ -122,6 +127,13 @@ def quantize_into(x: Any, grid: Grid, offsets: Sequence[int], q: Quantization, a
     ``amax``: each cell's amax over its WHOLE block (:func:`block_amax`'s shape)."""
     import torch
 
+    if (kernel.fits(x, grid) and kernel.computes(q) and values.device == x.device and values.is_contiguous()
+            and (scales is None or (scales.device == x.device and scales.is_contiguous()))):
+        if scales is None:
+            scales = torch.empty(amax.shape, dtype=torch.float32 if q.scale == "float" else torch.uint8,
+                                 device=x.device)
+        kernel.quantize_into(x.detach(), grid, tuple(offsets), q, amax, values, scales)
+        return
     mult, stored = scales_of(amax, q)
     if scales is not None:
         stored = stored.reshape(scales.shape)
