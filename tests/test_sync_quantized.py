@@ -304,3 +304,26 @@ def test_gpu_shards_are_quantized_by_the_kernels_and_land_over_ipc(q: Quantizati
                 assert same(torch.cat([targets[t][name].scales for t in range(m)]).cpu(), want_scales)
     finally:
         close(syncs)
+
+
+def test_a_padded_vocab_parallel_head_is_filled_once_and_its_padding_never_planned() -> None:
+    """vLLM pads a 1000-row vocabulary to 1024 and gives each of 2 ranks 512 rows: rank 1's last 24 rows
+    are padding no source holds.  They are zeroed at construction, never sent; the real rows land."""
+    shape = (1000, 64)
+    w = weights(9, {"lm_head": shape})
+    sources = [row_shards(w, r, 3) for r in range(3)]
+    targets = [{"lm_head": Target.vocab_parallel(torch.full((512, 64), 7.0), "lm_head", shape, t, 2)}
+               for t in range(2)]
+    assert [p.is_filled for p in targets[1]["lm_head"].pieces] == [False, True]
+    syncs = group(sources, targets)
+    try:
+        stats = step(syncs, 3)
+        assert torch.equal(torch.cat([t["lm_head"].tensor for t in targets])[:1000], w["lm_head"])
+        assert not targets[1]["lm_head"].tensor[488:].any()         # the padding: zeroed, not left at 7
+        assert sum(s.bytes for s in stats[:3]) == 1000 * 64 * 4     # the padding is not on the wire
+    finally:
+        close(syncs)
+    with pytest.raises(tx.PlanError, match="does not split"):
+        Target.vocab_parallel(torch.zeros(500, 64), "lm_head", (1000, 64), 0, 3)
+    with pytest.raises(tx.PlanError, match="padded rows need"):
+        Target.vocab_parallel(torch.zeros(500, 64), "lm_head", (1000, 64), 0, 2)

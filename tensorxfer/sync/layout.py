@@ -24,7 +24,7 @@ from tensorxfer.sync.quantizing import requested
 from tensorxfer.sync.shards import Source, Target
 from tensorxfer.sync.spec import Box, RankSpec, SourceTensor, TargetTensor
 
-__all__ = ["SourceLayout", "source_layout", "target_description", "target_tensors"]
+__all__ = ["SourceLayout", "fill_padding", "source_layout", "target_description", "target_tensors"]
 
 FLOATING = ("F32", "BF16", "F16", "F64")
 
@@ -104,6 +104,14 @@ def target_tensors(shards: Mapping[str, Target]) -> dict[str, Any]:
                                 f"target tensor's name")
             live[f"{n}_scale_inv"] = t.scales
     return live
+
+
+def fill_padding(shards: Mapping[str, Target]) -> None:
+    """Zero every filled piece (padding no source holds) of the targets' tensors, once."""
+    for t in shards.values():
+        for piece in t.pieces:
+            if piece.is_filled:
+                t.tensor[tuple(slice(a, a + k) for a, k in zip(piece.at, piece.local_sizes))].zero_()
 
 
 def target_description(shards: Mapping[str, Target], manifest: Manifest, rank: int) -> RankSpec:

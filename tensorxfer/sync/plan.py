@@ -105,7 +105,7 @@ from tensorxfer.sync._boxes import (
 )
 from tensorxfer.sync._columns import ITEMSIZE, SourceColumns, TargetColumns
 from tensorxfer.sync._grid import Cells, cells_of
-from tensorxfer.sync.spec import RankSpec
+from tensorxfer.sync.spec import FILLED, RankSpec
 
 __all__ = ["Plan", "Runs", "SourceView", "TargetView", "plan"]
 
@@ -394,10 +394,15 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
     total = []
     for number, spec in enumerate(specs):
         c: TargetColumns = spec.columns  # type: ignore[assignment]
-        total.append(int((numel(c.shape) * ITEMSIZE[c.dtype]).sum()))
+        pt = c.piece_tensor
+        # padding the target fills itself: no source, no runs, not part of the bytes that complete the step
+        filled = np.fromiter((name == FILLED for name in c.piece_source), dtype=bool, count=len(c.piece_source))
+        total.append(int((numel(c.shape) * ITEMSIZE[c.dtype]).sum()
+                         - (numel(c.piece_size[filled]) * ITEMSIZE[c.dtype[pt[filled]]]).sum()))
         tid = np.fromiter(map(src.index.get, c.piece_source, itertools.repeat(-1)), dtype=I64,
                           count=len(c.piece_source))
-        pt = c.piece_tensor
+        if filled.any() and len(src.dtype):
+            tid = np.where(filled, 0, tid)      # any source tensor: the checks below pass filled pieces over
         missing = np.flatnonzero(tid < 0)
         if len(missing):
             j = int(missing[0])
@@ -406,7 +411,7 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
                 f"{format_box(*_unpadded(c.piece_off[j], c.piece_size[j], c.piece_ndim[j]))} of source tensor "
                 f"{c.piece_source[j]!r}, which no source rank holds")
         dtype = c.dtype[pt].astype(I64)
-        bad = np.flatnonzero(dtype != src.dtype[tid])
+        bad = np.flatnonzero((dtype != src.dtype[tid]) & ~filled)
         if len(bad):
             j = int(bad[0])
             dn = _columns.DTYPE_NAMES
@@ -414,21 +419,21 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
                 f"target rank {spec.rank} tensor {c.names[pt[j]]!r} is {dn[dtype[j]]} but its piece of source tensor "
                 f"{c.piece_source[j]!r} is {dn[src.dtype[tid[j]]]}; the plan copies bytes and does not cast, so "
                 "describe the source in the target's dtype")
-        bad = np.flatnonzero(c.piece_ndim != src.ndim[tid])
+        bad = np.flatnonzero((c.piece_ndim != src.ndim[tid]) & ~filled)
         if len(bad):
             j = int(bad[0])
             raise PlanError(
                 f"target rank {spec.rank} tensor {c.names[pt[j]]!r} takes a {int(c.piece_ndim[j])}-D box of source "
                 f"tensor {c.piece_source[j]!r}, which has {int(src.ndim[tid[j]])} dimensions")
         off, size = _pad(c.piece_off, width, 0), _pad(c.piece_size, width, 1)
-        bad = np.flatnonzero(row_any(off + size > np.take(src.shape, tid, axis=0)))
+        bad = np.flatnonzero(row_any(off + size > np.take(src.shape, tid, axis=0)) & ~filled)
         if len(bad):
             j = int(bad[0])
             raise PlanError(
                 f"target rank {spec.rank} tensor {c.names[pt[j]]!r} takes box "
                 f"{format_box(*_unpadded(c.piece_off[j], c.piece_size[j], c.piece_ndim[j]))} of source tensor "
                 f"{c.piece_source[j]!r}, outside its global shape {_shape(src.shape[tid[j]], src.ndim[tid[j]])}")
-        live = np.flatnonzero(numel(size) > 0)
+        live = np.flatnonzero((numel(size) > 0) & ~filled)
         ranks.append(np.full(len(live), number, dtype=I64))
         tids.append(tid[live])
         offs.append(off[live])

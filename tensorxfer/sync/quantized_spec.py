@@ -41,6 +41,9 @@ def quantized_target(values: TargetTensor, global_shapes: Sequence[Sequence[int]
     shapes = [_ints(s, f"global shape of a piece of {values.name!r}") for s in global_shapes]
     if len(shapes) != len(values.pieces):
         raise PlanError(f"target tensor {values.name!r}: {len(values.pieces)} pieces but {len(shapes)} global shapes")
+    if any(p.is_filled for p in values.pieces):
+        raise PlanError(f"target tensor {values.name!r}: padding (a filled piece) in a quantized target is not "
+                        f"supported: serve padded tensors (vocab-parallel embeddings, heads) unquantized")
     scale_shape = _ints(scale_shape, f"scale shape of {values.name!r}")
     local = values.local_shape
     if not q.block:

@@ -244,7 +244,7 @@ def requested(targets: list[RankSpec]) -> dict[str, set[Quantization]]:
     for spec in targets:
         for t in spec.tensors:
             for piece in t.pieces:
-                found = parse_derived(piece.source_name)
+                found = None if piece.is_filled else parse_derived(piece.source_name)
                 if found is not None:
                     out.setdefault(found[0], set()).add(found[1])
     return out

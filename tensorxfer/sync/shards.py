@@ -80,6 +80,30 @@ class Target:
         box = replicate_box(tuple(tensor.shape))
         return cls(tensor, (Piece(source, box, (0,) * len(box.sizes)),), (tuple(tensor.shape),))
 
+    @classmethod
+    def vocab_parallel(cls, tensor: Any, source: str, global_shape: Sequence[int], rank: int, count: int,
+                       pad_to: int = 64) -> Target:
+        """Rank ``rank`` of ``count`` of a vocab-parallel embedding or head as vLLM lays it out: the vocabulary
+        padded to a multiple of ``pad_to`` rows, then cut in ``count`` equal row ranges; rows past the real
+        vocabulary (the last ranks' tails) are padding the target zeroes once (:meth:`Piece.filled`), never
+        sent.  ``tensor`` has ``padded // count`` rows."""
+        shape = tuple(int(s) for s in global_shape)
+        if not shape or isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1:
+            raise PlanError(f"vocab_parallel needs a global shape with rows and pad_to >= 1, got {shape}, {pad_to!r}")
+        padded = -(-shape[0] // pad_to) * pad_to
+        if padded % count:
+            raise PlanError(f"a vocabulary of {shape[0]} rows padded to {padded} does not split into {count} ranks")
+        per = padded // count
+        if tuple(tensor.shape) != (per, *shape[1:]):
+            raise PlanError(f"vocab-parallel rank {rank}: the tensor has shape {tuple(tensor.shape)}, its padded "
+                            f"rows need {(per, *shape[1:])}")
+        start = min(rank * per, shape[0])
+        real = min(per, shape[0] - start)
+        rest = (0,) * (len(shape) - 1)
+        pieces = ([Piece(source, Box((start, *rest), (real, *shape[1:])), (0, *rest))] if real else []) + \
+            ([Piece.filled((per - real, *shape[1:]), (real, *rest))] if real < per else [])
+        return cls(tensor, tuple(pieces), tuple(shape for _ in pieces))
+
     def quantized(self, q: Quantization, scales: Any, global_shapes: Sequence[Sequence[int]] | None = None) -> Target:
         """This target served quantized: ``tensor`` (``torch.float8_e4m3fn``) receives the FP8 values and
         ``scales`` the scales, both as layout ``q`` makes them (``scales``: float32 ``scale_inv`` of the

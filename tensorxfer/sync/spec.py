@@ -30,9 +30,9 @@ is validated when built and converts to msgpack-ready values with
 
 Limits: at most 8 dimensions, each below 2**40 elements; region offsets
 and tensor sizes below 2**62 bytes.  A target tensor's pieces must tile
-it exactly, so padding that no source holds (vLLM pads a vocab-parallel
-embedding to a multiple of 64 rows per rank) cannot be described yet:
-describe the unpadded rows as their own tensor.
+it exactly; padding that no source holds (vLLM pads a vocab-parallel
+embedding and head to a multiple of 64 rows) is a :meth:`Piece.filled`
+piece: the target zeroes it once, the planner leaves it out.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from tensorxfer.sync import _columns
 from tensorxfer.sync._boxes import MAX_DIM
 
 MAX_NDIM = _columns.MAX_NDIM
+FILLED = SEP + "filled"     # a piece no source holds: the target fills it once (padding), nothing plans it
 
 __all__ = [
     "Box",
@@ -94,7 +95,7 @@ def _ints(value: Any, what: str, low: int = 0) -> tuple[int, ...]:
 def _name(value: Any, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= _columns.MAX_NAME:
         raise PlanError(f"{what} must be a non-empty string of at most {_columns.MAX_NAME} characters, got {value!r}")
-    if SEP in value:    # only the derived names of quantized tensors hold one
+    if SEP in value and value != FILLED:    # else only the derived names of quantized tensors hold one
         parse_derived(value)
     return value
 
@@ -222,6 +223,16 @@ class Piece:
             raise PlanError(f"piece of {self.source_name!r}: position {at} has fewer dimensions than its box "
                             f"{self.source_box}")
         object.__setattr__(self, "at", at)
+
+    @classmethod
+    def filled(cls, sizes: Sequence[int], at: Sequence[int]) -> Piece:
+        """Elements of the target that no source holds (an engine's padding: vLLM pads a vocab-parallel
+        embedding and head to a multiple of 64 rows): zeroed once by the target, never planned or sent."""
+        return cls(FILLED, Box((0,) * len(tuple(sizes)), tuple(sizes)), tuple(at))
+
+    @property
+    def is_filled(self) -> bool:
+        return self.source_name == FILLED
 
     @property
     def local_sizes(self) -> tuple[int, ...]:

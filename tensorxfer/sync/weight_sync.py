@@ -57,7 +57,7 @@ from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.copy_host import elect
-from tensorxfer.sync.layout import source_layout, target_description, target_tensors
+from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.plan import Plan, plan
@@ -219,6 +219,7 @@ class WeightSync:
                      copy_host: bool | None) -> None:
         shards = {name: t if isinstance(t, Target) else Target(*t) for name, t in tensors.items()}
         self.region = adopt_tensors(TensorRegion, target_tensors(shards), device)
+        fill_padding(shards)
         spec = target_description(shards, self.region.manifest, self.rank)
         self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
                                 DEFAULT_HANDSHAKE_TIMEOUT)
