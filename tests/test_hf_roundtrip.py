@@ -65,3 +65,79 @@ def test_hf_model_dir_arrives_loadable_with_identical_logits(tmp_path):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("hello tensor xfer world")["input_ids"] == [2, 4, 5, 3]
+
+
+def fp8_model_dir(d):
+    """A tiny Llama saved as an FP8 checkpoint the way DeepSeek-V3 / Qwen3-FP8 ship: every linear weight
+    float8_e4m3fn with its weight_scale_inv (128 x 128 blocks, quantized by transformers' own quantizer),
+    the rest bf16, and a ``quantization_config`` transformers reads."""
+    import types
+
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=32, architectures=["LlamaForCausalLM"])
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    quantize = Fp8Quantize(types.SimpleNamespace(
+        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=[128, 128])))
+    weights: dict = {}
+    for name, w in model.state_dict().items():
+        weights.update(quantize.convert({name: w}) if name.endswith("proj.weight") else {name: w})
+    os.makedirs(d)
+    half = len(weights) // 2             # two shards and an index, as real checkpoints come
+    names = sorted(weights)
+    for i, part in enumerate((names[:half], names[half:])):
+        save_file({n: weights[n].contiguous() for n in part}, str(d / f"model-0000{i + 1}-of-00002.safetensors"),
+                  metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f"model-0000{1 + (n in names[half:])}-of-00002.safetensors"
+                                            for n in names}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    config_dict = config.to_dict()
+    config_dict["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                          "activation_scheme": "dynamic"}
+    (d / "config.json").write_text(json.dumps(config_dict))
+    return weights
+
+
+def test_an_fp8_checkpoint_arrives_byte_for_byte_and_loads_with_transformers(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints through accelerate")
+    from safetensors.torch import load_file
+
+    src, out = tmp_path / "llama-fp8", tmp_path / "received"
+    weights = fp8_model_dir(src)
+    assert sum(n.endswith("weight_scale_inv") for n in weights) == 14
+    names = sorted(os.listdir(src))
+    recv, where = start_recv(out, "--once")
+    rc_s, _, err_s = finish(cli("send", str(src), "--to", where, "--verify", "--json"), timeout=60)
+    rc_r, _, err_r = finish(recv, timeout=60)
+    assert rc_s == 0, err_s
+    assert rc_r == 0, err_r
+    assert sorted(os.listdir(out)) == names
+    for n in names:
+        assert sha(src / n) == sha(out / n), n
+    got = {}
+    for n in names:
+        if n.endswith(".safetensors"):
+            got.update(load_file(str(out / n)))
+    assert got.keys() == weights.keys()
+    assert all(got[n].dtype == weights[n].dtype for n in got)
+    assert got["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    # from_safetensors holds the same bytes in one region, FP8 values and scales in their own dtypes
+    import tensorxfer as tx
+
+    with tx.TensorRegion.from_safetensors(src) as region:
+        views = region.tensors(framework="torch")
+        assert all(views[n].dtype == w.dtype and torch.equal(views[n].view(torch.uint8), w.view(torch.uint8))
+                   for n, w in weights.items())
+        del views
+    # transformers loads both (on a host without a GPU it dequantizes them to bf16): the same model
+    ids = torch.tensor([[5, 17, 33, 2, 71, 8, 40, 91]])
+    logits = []
+    for d in (src, out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
