@@ -12,7 +12,8 @@ Measured in the same run, same machine:
   (one amax round through the store for the blocks they share) and send FP8 and scales.
 - ``today``: what RL frameworks do today (verl's and slime's FP8 rollouts): the targets receive bf16 (the
   same sync, bf16 targets: the fastest honest way to get bf16 there) into a staging copy of their shard,
-  then quantize each tensor with torch operations into their FP8 weights and scales.  A step ends when
+  then quantize each tensor with torch operations into their FP8 weights and scales (the same formula in
+  torch's operations, ``torch_quantize_into``; the FP8 sync's sources use the kernels / C loops).  A step ends when
   the last target finished quantizing.
 - ``bound``: torch reading the bf16 bytes of the weights served in FP8 and writing their FP8 bytes once
   (one cast copy, ``fp8.copy_(bf16)``), plus one copy of the bf16 tensors, in one process.
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 import tensorxfer as tx  # noqa: E402
 from tensorxfer import synthetic  # noqa: E402
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
-from tensorxfer.quant.quantize import block_amax, quantize_into  # noqa: E402
+from tensorxfer.quant.quantize import block_amax, quantize_into, torch_block_amax, torch_quantize_into  # noqa: E402
 from tensorxfer.sync import Quantization, Source, Target, chunk_box  # noqa: E402
 from tensorxfer.sync.rendezvous import open_tcp_store  # noqa: E402
 
@@ -100,7 +101,7 @@ def quantize_today(staging: dict[str, Target], engine: dict[str, tuple[Any, Any]
     for name, (values, scales) in engine.items():
         w = staging[name].tensor
         grid = Q.grid(tuple(w.shape))
-        quantize_into(w, grid, (0, 0), Q, block_amax(w, grid, (0, 0)), values, scales)
+        torch_quantize_into(w, grid, (0, 0), Q, torch_block_amax(w, grid, (0, 0)), values, scales)
 
 
 def check(layout: list[tuple[str, tuple[int, ...]]], tensors: dict[str, Target], device: str) -> int:

@@ -25,7 +25,7 @@ from tensorxfer.errors import QuantizationError
 from tensorxfer.quant import _host, kernel  # type: ignore[attr-defined]
 from tensorxfer.quant.layout import FP8_MAX, Grid, Quantization
 
-__all__ = ["block_amax", "check_finite", "quantize_into", "scales_of"]
+__all__ = ["block_amax", "check_finite", "quantize_into", "scales_of", "torch_block_amax", "torch_quantize_into"]
 
 DEEPGEMM_AMAX_FLOOR = 1e-4      # DeepGEMM's clamp of a block's amax (an all-zero block's scale)
 
@@ -53,6 +53,13 @@ def block_amax(x: Any, grid: Grid, offsets: Sequence[int]) -> Any:
         out = torch.empty(tuple(grid.cells(offsets, tuple(x.shape))[1]), dtype=torch.float32)
         _host.block_amax(x.data_ptr(), x.dtype == torch.float32, *_geometry(x, grid, offsets), out.data_ptr())
         return out
+    return torch_block_amax(x, grid, offsets)
+
+
+def torch_block_amax(x: Any, grid: Grid, offsets: Sequence[int]) -> Any:
+    """:func:`block_amax` in torch's operations (what any shard can take; what users write today)."""
+    import torch
+
     a = x.detach().abs()
     for d, lengths in enumerate(_dims(grid, offsets, tuple(x.shape))):
         b = grid.block[d]
@@ -158,6 +165,14 @@ def quantize_into(x: Any, grid: Grid, offsets: Sequence[int], q: Quantization, a
         _host.quantize(x.data_ptr(), x.dtype == torch.float32, *_geometry(x, grid, offsets), amax.data_ptr(),
                        values.data_ptr(), scales.data_ptr(), kernel.FORMULAS[(q.formula, q.scale)])
         return
+    torch_quantize_into(x, grid, offsets, q, amax, values, scales)
+
+
+def torch_quantize_into(x: Any, grid: Grid, offsets: Sequence[int], q: Quantization, amax: Any, values: Any,
+                        scales: Any | None = None) -> None:
+    """:func:`quantize_into` in torch's operations."""
+    import torch
+
     mult, stored = scales_of(amax, q)
     if scales is not None:
         stored = stored.reshape(scales.shape)
