@@ -88,7 +88,6 @@ extensions = [
     ext("tensorxfer.memory._host"),
     ext("tensorxfer.memory._hostcopy"),
     ext("tensorxfer.memory._fence"),
-    ext("tensorxfer.quant._host"),
 ]
 
 # _cuda and _copy cimport _driver, so the three build (and ship) together.

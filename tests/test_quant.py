@@ -48,16 +48,6 @@ def quantize(w: torch.Tensor, q: Quantization, cuts: tuple[int, ...] = ()) -> tu
     return values, scales
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch):
-    """Each case twice: the shard's native path (the host's C loops here) and torch's operations."""
-    if request.param == "torch":
-        import tensorxfer.quant.quantize as quantizer
-
-        monkeypatch.setattr(quantizer, "_host_fits", lambda x, grid: False)
-    return request.param
-
-
 def transformers_reference(w: torch.Tensor, scale_fmt: str, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor,
                                                                                                         torch.Tensor]:
     from transformers import FineGrainedFP8Config
@@ -103,7 +93,7 @@ def weight(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.T
 @pytest.mark.parametrize("scale", ["float", "e8m0"])
 @pytest.mark.parametrize("block, cuts", [((128, 128), ()), ((128, 128), (171, 342)), ((128, 128), (100, 101, 300)),
                                          ((1, 128), (171, 342))])        # 1536 blocks: every scale's rounding
-def test_transformers_formula_is_transformers_own_quantizer_byte_for_byte(dtype, scale, block, cuts, path) -> None:
+def test_transformers_formula_is_transformers_own_quantizer_byte_for_byte(dtype, scale, block, cuts) -> None:
     w = weight((512, 384), dtype)
     want_values, want_scales = transformers_reference(w, "float" if scale == "float" else "ue8m0", block)
     values, scales = quantize(w, Quantization(block, "transformers", scale), cuts)
@@ -116,7 +106,7 @@ def test_transformers_formula_is_transformers_own_quantizer_byte_for_byte(dtype,
 @pytest.mark.parametrize("shape", [(512, 384), (300, 200)])      # the second: partial edge blocks
 @pytest.mark.parametrize("block", [(128, 128), (1, 128)])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_deepgemm_formula_is_per_block_cast_to_fp8_byte_for_byte(shape, block, ue8m0, path) -> None:
+def test_deepgemm_formula_is_per_block_cast_to_fp8_byte_for_byte(shape, block, ue8m0) -> None:
     w = weight(shape, torch.bfloat16, seed=1)
     want_values, want_scales = deepgemm_reference(w, *block, ue8m0)
     values, scales = quantize(w, Quantization(block, "deepgemm", "e8m0" if ue8m0 else "float"), (97, 211))
@@ -129,7 +119,7 @@ def test_deepgemm_formula_is_per_block_cast_to_fp8_byte_for_byte(shape, block, u
 
 @pytest.mark.parametrize("q, scale_shape", [(Quantization.per_tensor(), (1,)), (Quantization.per_channel(), (300, 1)),
                                             (Quantization.mxfp8(), (300, 7))])
-def test_per_tensor_per_channel_and_mxfp8_follow_the_same_formula_over_their_blocks(q, scale_shape, path) -> None:
+def test_per_tensor_per_channel_and_mxfp8_follow_the_same_formula_over_their_blocks(q, scale_shape) -> None:
     w = weight((300, 200), torch.float32, seed=2)
     values, scales = quantize(w, q, (150,))
     assert tuple(scales.shape) == scale_shape
@@ -145,7 +135,7 @@ def test_per_tensor_per_channel_and_mxfp8_follow_the_same_formula_over_their_blo
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_nan_or_an_infinity_is_an_error_naming_the_tensor_and_its_block(bad, path) -> None:
+def test_a_nan_or_an_infinity_is_an_error_naming_the_tensor_and_its_block(bad) -> None:
     w = weight((256, 256), torch.bfloat16)
     w[200, 140] = bad
     grid = Quantization.blocks().grid((256, 256))
@@ -172,9 +162,9 @@ def test_layouts_have_one_canonical_name_and_refuse_what_is_not_one() -> None:
         Quantization((1, 128, 128)).grid((256, 256))
 
 
-def test_every_value_a_bf16_weight_can_scale_to_rounds_as_torch_casts_it(path) -> None:
+def test_every_value_a_bf16_weight_can_scale_to_rounds_as_torch_casts_it() -> None:
     """All 65536 bf16 patterns times scales that land them on and between every FP8 value, subnormals and
-    ties included, quantized by the path under test, against torch's own cast."""
+    ties included, quantized shard-wise, against torch's own cast (test_quant_gpu runs the kernels on it)."""
     from tensorxfer.quant.quantize import quantize_into
 
     every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
