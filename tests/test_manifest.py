@@ -48,7 +48,7 @@ def test_round_trip_is_exact():
 
 def test_every_safetensors_dtype_is_known():
     assert set(DTYPES) == {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16",
-                           "F32", "F64", "F8_E4M3", "F8_E5M2"}
+                           "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 
 
 def u64(*values):
