@@ -16,7 +16,8 @@ send those rows in bf16 and let the target finish the block?  It would need stag
 every target, two paths through every transport, and a target that sees a block only partly; the
 round costs one small store record per source per step, taken before the step's offers go out (a
 NaN anywhere then fails the step before a byte is offered, and every target fed by a source that
-could not quantize gets the same error, naming the tensor).
+could not quantize gets the same error, naming the tensor); the shards that share no block are
+quantized while the peers' records come, the others once the offers are out.
 
 A NaN or an infinity in a shard is found while the amaxes are taken, before any offer goes out: the
 push raises :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds
@@ -130,14 +131,16 @@ class SourceQuantizer:
     """Quantizes a source's shards at every push, agreeing on shared blocks with the other sources.
 
     :meth:`agree` (before the offers: a step that cannot be quantized offers nothing) takes every shard's
-    block amaxes, checks them and agrees on the shared ones; :meth:`quantize` (after the offers, while the
-    targets take them in) writes the FP8 values and scales.
+    block amaxes, checks them and agrees on the shared ones, quantizing the shards that share nothing while
+    the peers' amaxes come; :meth:`quantize` (after the offers, while the targets take them in) writes the
+    rest.
     """
 
     def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float) -> None:
         self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
         self._peers: tuple[int, ...] = ()
         self._amax: list[Any] = []
+        self._done: list[bool] = []
         self._wait = 0.0
 
     def plan(self, sources: list[RankSpec]) -> None:
@@ -181,23 +184,30 @@ class SourceQuantizer:
                 shared = amax.reshape(-1)[_index(s.shared_pos, amax)].cpu().numpy().astype("<f4")
                 parts[s.key] = (s.shared_ids.astype("<i8").tobytes(), shared.tobytes())
         self._wait = 0.0
+        self._done = [False] * len(self.shards)
         if parts:
             self.store.put(self._key(version, self.rank), Amaxes(parts).encode())
+            # while the peers' records come: the shards that share nothing (GPU kernels run on meanwhile)
+            for i, (s, amax) in enumerate(zip(self.shards, self._amax)):
+                if amax is not None and not len(s.shared_pos):
+                    quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
+                    self._done[i] = True
             t0 = time.perf_counter()
             self._merge(version, [(s, a) for s, a in zip(self.shards, self._amax) if a is not None
                                   and len(s.shared_pos)])
             self._wait = time.perf_counter() - t0
 
     def quantize(self) -> QuantStats:
-        """Quantize every shard into the region with the amaxes :meth:`agree` found."""
+        """Quantize every shard :meth:`agree` left into the region, with the amaxes it found."""
         values_bytes = shared_bytes = blocks = 0
-        for s, amax in zip(self.shards, self._amax):
+        for s, amax, done in zip(self.shards, self._amax, self._done):
             if amax is None:
                 continue
             values_bytes += s.values.numel()
             shared_bytes += s.shared_bytes
             blocks += len(s.shared_pos)
-            quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
+            if not done:
+                quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
         return QuantStats(values_bytes, shared_bytes, blocks, len(self._peers), self._wait)
 
     def _merge(self, version: int, later: list[tuple[QuantizedShard, Any]]) -> None:
