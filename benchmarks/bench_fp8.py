@@ -190,7 +190,8 @@ def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
            str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat)]
-    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path))    # keep where cuda-bindings is
 
 
 def run(args: argparse.Namespace, store: Any, what: str) -> dict[str, Any]:

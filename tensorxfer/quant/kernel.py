@@ -26,7 +26,7 @@ FORMULAS = {("transformers", "float"): 0, ("deepgemm", "float"): 1, ("deepgemm",
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _lock = threading.Lock()
-_functions: dict[int, dict[str, Any]] = {}     # CUcontext handle -> kernel name -> CUfunction
+_functions: dict[int, tuple[Any, dict[str, Any]]] = {}     # device -> (primary context, name -> CUfunction)
 
 
 @functools.cache
@@ -69,36 +69,42 @@ def _check(result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-def _function(name: str, device: int) -> Any:
-    """The kernel ``name`` in the device's primary context (torch's), loaded once per context."""
+def _context(device: int) -> tuple[Any, dict[str, Any]]:
+    """The device's primary context (torch's; retained once for the process's life) and the kernels loaded
+    into it."""
     cu = _driver()
     with _lock:
-        _check(cu.cuInit(0), "cuInit")
-        ctx = _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
-                     "cuDevicePrimaryCtxRetain")
-        key = int(ctx)
-        found = _functions.get(key)
+        found = _functions.get(device)
         if found is None:
+            _check(cu.cuInit(0), "cuInit")
+            ctx = _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
+                         "cuDevicePrimaryCtxRetain")
             _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
             try:
                 module = _check(cu.cuModuleLoadData(_image()), "cuModuleLoadData")
-                found = _functions[key] = {n: _check(cu.cuModuleGetFunction(module, n.encode()), "cuModuleGetFunction")
-                                           for n in ("amax_bf16", "quantize_bf16", "amax_f32", "quantize_f32")}
+                kernels = {n: _check(cu.cuModuleGetFunction(module, n.encode()), "cuModuleGetFunction")
+                           for n in ("amax_bf16", "quantize_bf16", "amax_f32", "quantize_f32")}
             finally:
                 _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
-        _check(cu.cuDevicePrimaryCtxRelease(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
-               "cuDevicePrimaryCtxRelease")      # torch holds the context for the process's life
-        return found[name]
+            found = _functions[device] = (ctx, kernels)
+        return found
 
 
 def _launch(name: str, x: Any, cells: int, args: tuple, types: tuple) -> None:
+    """One launch on torch's current stream, the context pushed for it: the calling thread (a sync's pair
+    or push thread) may have none current (measured on the H100: CUDA_ERROR_INVALID_CONTEXT without)."""
     import torch
 
     cu = _driver()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    func = _function(f"{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f32'}", device)
+    ctx, kernels = _context(device)
+    func = kernels[f"{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f32'}"]
     stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    _check(cu.cuLaunchKernel(func, cells, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0), "cuLaunchKernel")
+    _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        _check(cu.cuLaunchKernel(func, cells, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0), "cuLaunchKernel")
+    finally:
+        _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _geometry(x: Any, grid: Grid, offsets: tuple[int, ...]) -> tuple[tuple, int]:
