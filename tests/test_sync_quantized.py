@@ -327,3 +327,24 @@ def test_a_padded_vocab_parallel_head_is_filled_once_and_its_padding_never_plann
         Target.vocab_parallel(torch.zeros(500, 64), "lm_head", (1000, 64), 0, 3)
     with pytest.raises(tx.PlanError, match="padded rows need"):
         Target.vocab_parallel(torch.zeros(500, 64), "lm_head", (1000, 64), 0, 2)
+
+
+def test_a_target_asking_a_layout_no_source_makes_is_told_which_ones_they_make() -> None:
+    """A target that joins later with another block shape: the plan is refused before any byte moves,
+    naming the tensor, the layout it asked and the layouts the sources make."""
+    from tensorxfer.quant import derived_name
+    from tensorxfer.sync import RankSpec, SourceTensor, TargetTensor, plan
+    from tensorxfer.sync.quantized_spec import quantized_target
+
+    made, asked = Quantization.blocks(128, 128), Quantization.blocks(1, 128)
+    shape = (256, 256)
+    source = RankSpec("source", 0, [
+        SourceTensor(derived_name("w", made, "values"), shape, "F8_E4M3", Box((0, 0), shape), 0),
+        SourceTensor(derived_name("w", made, "scales"), (2, 2), "F32", Box((0, 0), (2, 2)), 1 << 20)])
+    values = TargetTensor("w", shape, "F8_E4M3", 0, (Piece("w", Box((0, 0), shape), (0, 0)),))
+    target = RankSpec("target", 0, quantized_target(values, [shape], asked, "w_scale_inv", (256, 2), 1 << 20))
+    with pytest.raises(tx.PlanError) as info:
+        plan([source], [target])
+    message = str(info.value)
+    assert "'w' (FP8 E4M3, 1x128 blocks" in message and "the sources make it as: FP8 E4M3, 128x128 blocks" in message
+    assert "\x00" not in message

@@ -90,6 +90,7 @@ from typing import Any
 import numpy as np
 
 from tensorxfer.errors import PlanError
+from tensorxfer.quant.layout import SEP, describe, parse_derived
 from tensorxfer.sync import _columns, _runs
 from tensorxfer.sync._boxes import (
     I64,
@@ -406,10 +407,13 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
         missing = np.flatnonzero(tid < 0)
         if len(missing):
             j = int(missing[0])
+            made = _layouts_made(c.piece_source[j], src.names)
             raise PlanError(
                 f"target rank {spec.rank} tensor {c.names[pt[j]]!r} needs "
                 f"{format_box(*_unpadded(c.piece_off[j], c.piece_size[j], c.piece_ndim[j]))} of source tensor "
-                f"{c.piece_source[j]!r}, which no source rank holds")
+                f"{describe(c.piece_source[j])}, which no source rank holds" + (
+                    f" (the sources make it as: {'; '.join(made)}: a target that joined later must ask a layout "
+                    f"they make)" if made else ""))
         dtype = c.dtype[pt].astype(I64)
         bad = np.flatnonzero((dtype != src.dtype[tid]) & ~filled)
         if len(bad):
@@ -452,6 +456,15 @@ def _gather_targets(specs: list[RankSpec], width: int, src: _Sources) -> _Pieces
         np.concatenate(rows or [z1]), specs, total)
 
 
+def _layouts_made(wanted: str, names: Sequence[str]) -> list[str]:
+    """The quantized layouts the sources make of the tensor ``wanted`` is derived from (none: not derived)."""
+    found = parse_derived(wanted) if SEP in wanted else None
+    if found is None:
+        return []
+    prefix = found[0] + SEP
+    return sorted({str(q) for n in names if n.startswith(prefix) for _, q, _ in [parse_derived(n) or ("", "", "")]})
+
+
 def _unpadded(off: np.ndarray, size: np.ndarray, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     k = len(off) - int(ndim)
     return tuple(int(x) for x in off[k:]), tuple(int(x) for x in size[k:])
@@ -474,7 +487,7 @@ def _check_coverage(pc: _Pieces, src: _Sources, cells: Cells, unit_piece: np.nda
     hole = first_uncovered(off, size, covers) or (off, size)
     rank, name = pc.where(j)
     raise PlanError(
-        f"target rank {rank} tensor {name!r} needs box {format_box(*hole)} of source tensor {src.names[t]!r}, "
+        f"target rank {rank} tensor {name!r} needs box {format_box(*hole)} of source tensor {describe(src.names[t])}, "
         "which no source rank holds; add a source that holds it or fix the boxes")
 
 
