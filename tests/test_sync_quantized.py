@@ -7,9 +7,12 @@ transformers and DeepGEMM in test_quant).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="the weight sync's tensors are torch tensors")
 
@@ -348,3 +351,60 @@ def test_a_target_asking_a_layout_no_source_makes_is_told_which_ones_they_make()
     message = str(info.value)
     assert "'w' (FP8 E4M3, 1x128 blocks" in message and "the sources make it as: FP8 E4M3, 128x128 blocks" in message
     assert "\x00" not in message
+
+
+# ---- the shared-block bookkeeping, against brute force ----------------------------------------------------
+
+
+@st.composite
+def sharded(draw: Any) -> tuple[tuple[int, int], Quantization, list[Box]]:
+    """A 2-D tensor, a block layout, and shards cut along rows or columns at arbitrary points."""
+    shape = (draw(st.integers(1, 40)), draw(st.integers(1, 40)))
+    block = (draw(st.sampled_from([1, 2, 3, 8, None])), draw(st.sampled_from([1, 4, 5, 16, None])))
+    q = Quantization(block) if draw(st.booleans()) else Quantization.per_tensor()
+    dim = draw(st.integers(0, 1))
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, shape[dim] - 1)), max_size=4))) - {shape[dim]})
+    edges = [0, *[c for c in cuts if 0 < c < shape[dim]], shape[dim]]
+    boxes = [Box(tuple(a if d == dim else 0 for d in range(2)),
+                 tuple(b - a if d == dim else shape[d] for d in range(2))) for a, b in itertools.pairwise(edges)]
+    if draw(st.booleans()):     # a replica of one shard (HSDP): it holds nothing a peer needs from it
+        boxes.append(boxes[draw(st.integers(0, len(boxes) - 1))])
+    return shape, q, boxes
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sharded())
+def test_shared_cells_bytes_and_peers_match_brute_force(case: Any) -> None:
+    import numpy as np
+
+    from tensorxfer.quant import derived_name
+    from tensorxfer.sync import RankSpec, SourceTensor
+    from tensorxfer.sync.quantizing import QuantizedShard, SourceQuantizer
+
+    shape, q, boxes = case
+    grid = q.grid(shape)
+    holds = np.zeros((len(boxes), *shape), dtype=bool)
+    for r, b in enumerate(boxes):
+        holds[r, b.offsets[0]:b.offsets[0] + b.sizes[0], b.offsets[1]:b.offsets[1] + b.sizes[1]] = True
+    shards = [QuantizedShard("w", shape, b.offsets, q, torch.empty(b.sizes), torch.empty(0), torch.empty(0))
+              for b in boxes]
+    cell_rows = [slice(c * grid.block[0], (c + 1) * grid.block[0]) for c in range(grid.scale_shape[0])] \
+        if not grid.per_tensor else [slice(None)]
+    cell_cols = [slice(c * grid.block[1], (c + 1) * grid.block[1]) for c in range(grid.scale_shape[-1])] \
+        if not grid.per_tensor else [slice(None)]
+    for r, s in enumerate(shards):
+        want_ids, want_bytes, want_peers = [], 0, set()
+        for i, rows in enumerate(cell_rows):
+            for j, cols in enumerate(cell_cols):
+                mine, outside = holds[r, rows, cols], ~holds[r, rows, cols]
+                if mine.any() and outside.any():
+                    want_ids.append(0 if grid.per_tensor else i * grid.scale_shape[1] + j)
+                    want_bytes += int(mine.sum())
+                    want_peers |= {k for k in range(len(boxes)) if k != r and (holds[k, rows, cols] & outside).any()}
+        assert s.shared_ids.tolist() == want_ids, (r, boxes)
+        assert s.shared_bytes == want_bytes, (r, boxes)
+        specs = [RankSpec("source", k, [SourceTensor(derived_name("w", q, "values"), shape, "F8_E4M3", b, 0)])
+                 for k, b in enumerate(boxes)]
+        quantizer = SourceQuantizer([s], None, r, 1.0)     # type: ignore[arg-type]  (plan reads no store)
+        quantizer.plan(specs)
+        assert set(quantizer._peers) == want_peers, (r, boxes)
