@@ -257,7 +257,21 @@ def test_fp8_asked_of_an_integer_tensor_is_refused_before_any_byte_moves() -> No
                                               transport="tcp", timeout=5))]])]
     assert isinstance(results[0], tx.PlanError), results[0]
     assert "'w' is I32" in str(results[0]) and "floating-point" in str(results[0])
-    assert isinstance(results[1], tx.TensorXferError), results[1]       # the group never formed: named, in time
+    # the target is told why the group cannot form (not a timeout naming ranks that did register)
+    assert isinstance(results[1], tx.TransferError) and not isinstance(results[1], tx.TransferTimeout), results[1]
+    assert "source rank 0 failed as it started (PlanError" in str(results[1]) and "'w' is I32" in str(results[1])
+    # the same group started again, fixed: the old failure in the store does not stop it
+    fixed = {"w": Source(torch.zeros(shape), shape, Box((0, 0), shape))}
+    target = {"w": Target.whole(torch.zeros(shape, dtype=torch.float8_e4m3fn), "w")
+              .quantized(Quantization.blocks(), torch.zeros(1, 2))}
+    syncs = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "q", "source", 0, (1, 1), fixed, token="k", transport="tcp", timeout=30),
+        lambda: tx.WeightSync(stores.client(), "q", "target", 0, (1, 1), target, token="k", transport="tcp",
+                              timeout=30)])
+    try:
+        assert step([*syncs, stores], 1)[1:] == [1]
+    finally:
+        close([*syncs, stores])
 
 
 def test_blocks_with_more_dimensions_than_the_tensor_are_refused_when_described() -> None:

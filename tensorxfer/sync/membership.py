@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import secrets
 import threading
 import time
@@ -50,6 +51,7 @@ from tensorxfer.sync._columns import WIRE_VERSION
 from tensorxfer.sync.clock import StepClock
 from tensorxfer.sync.records import (
     Beat,
+    Failure,
     GroupStore,
     Member,
     Report,
@@ -62,6 +64,8 @@ from tensorxfer.sync.records import (
 )
 from tensorxfer.sync.rendezvous.base import Rendezvous
 from tensorxfer.sync.spec import RankSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Membership", "Report", "StepRecord", "group_key", "group_status"]
 
@@ -144,6 +148,28 @@ class Membership:
             self._joined = False
             self.store.leave(self.key("member", self.role), str(self.rank))
 
+    def fail(self, error: BaseException) -> None:
+        """Say in the store that this rank's constructor failed, and why (best effort: the store may be
+        what failed): the ranks waiting for it to register report this instead of timing out."""
+        try:
+            self.store.put(self.key("failed", self.role, self.rank),
+                           Failure(self.uid, type(error).__name__, str(error)).encode())
+        except Exception as e:
+            log.debug("sync %r: could not record this rank's failure: %s", self.group, e)
+
+    def _failures(self, wanted: dict[str, list[int]]) -> dict[tuple[str, int], Failure]:
+        keys = [(role, r) for role, ranks in wanted.items() for r in ranks]
+        found = self.store.peek_valid([self.key("failed", role, r) for role, r in keys], Failure.decode)
+        return {k: f for k, f in zip(keys, found) if f is not None}
+
+    def _failed_meanwhile(self, wanted: dict[str, list[int]], before: dict[tuple[str, int], Failure]) -> None:
+        """Raise the failure of a wanted rank recorded since ``before`` was read (older ones may be a
+        previous run's, which a restarted rank is about to replace)."""
+        for (role, rank), f in self._failures(wanted).items():
+            if before.get((role, rank)) != f:
+                raise TransferError(f"sync {self.group!r}: {role} rank {rank} failed as it started ({f.error}: "
+                                    f"{f.message}); the group cannot form without it")
+
     def close(self) -> None:
         """Stop beating and leave the group; idempotent."""
         self._beat.close()
@@ -203,6 +229,13 @@ class Membership:
             if live is not None:
                 first = StepRecord(0, 1, *({r: live[role][r] for r in range(n)} for role, n in zip(ROLES, world)))
                 self.store.put_once(self.key("step", 0), first.encode())
+        elif self.role == "target":     # the sources decide step 0: wait for it, or for one of them to fail
+            everyone = {role: list(range(n)) for role, n in zip(ROLES, world)}
+            before = self._failures(everyone)
+            deadline = time.monotonic() + timeout
+            while not self.formed() and time.monotonic() < deadline:
+                self._failed_meanwhile(everyone, before)
+                time.sleep(0.05)
         return self.step_record(0, timeout)
 
     def _registered(self, want: dict[str, range], timeout: float,
@@ -216,6 +249,9 @@ class Membership:
             Some wanted ranks did not register within ``timeout`` (named).
         """
         deadline = time.monotonic() + timeout
+        everyone = {role: list(ranks) for role, ranks in want.items()}
+        before = self._failures(everyone)
+        polls = 0
         while True:
             live = {role: self.live(role) for role in want}
             missing = {role: [r for r in ranks if r not in live[role]] for role, ranks in want.items()}
@@ -223,10 +259,18 @@ class Membership:
                 return live
             if formed and self.formed():
                 return None
+            polls += 1
+            if polls % 10 == 0:         # every ~0.1 s: a rank that failed as it started says so
+                self._failed_meanwhile(missing, before)
             if time.monotonic() >= deadline:
+                self._failed_meanwhile(missing, before)
                 named = {role: ranks for role, ranks in missing.items() if ranks}
+                earlier = [f"{role} rank {r}: {f.error}: {f.message}" for (role, r), f in before.items()
+                           if r in named.get(role, ())]
                 raise TransferTimeout(f"sync {self.group!r}: rank(s) {named} did not register within "
-                                      f"{timeout:.0f} s (they did not start, or use another store or group)")
+                                      f"{timeout:.0f} s (they did not start, or use another store or group)" +
+                                      (f"; before this rank waited, the store held failures of "
+                                       f"{'; '.join(earlier)} (this run's, or a previous one's)" if earlier else ""))
             time.sleep(0.01)
 
     def step_record(self, step: int, timeout: float) -> StepRecord:

@@ -252,6 +252,27 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """``failed/<role>/<rank>``: a rank's constructor failed (its error's type and message), so that the
+    ranks waiting for it to register report that error instead of waiting out their timeout."""
+
+    uid: str
+    error: str
+    message: str
+
+    def encode(self) -> bytes:
+        return pack({"uid": self.uid, "error": self.error, "message": self.message[:MAX_TEXT]})
+
+    @classmethod
+    def decode(cls, key: str, value: bytes) -> Failure:
+        d = _fields(key, value, ("uid", "error", "message"))
+        if not isinstance(d["error"], str) or not isinstance(d["message"], str) or len(d["error"]) > 100 \
+                or len(d["message"]) > MAX_TEXT:
+            raise _bad(key, "has an error that is not a short type name and a message")
+        return cls(_uid(key, d["uid"]), d["error"], d["message"])
+
+
+@dataclass(frozen=True)
 class Amaxes:
     """A source's partial block amaxes of one step (the blocks it shares with other sources): per derived
     scales tensor, the blocks' flat indices in its scale grid and their amaxes over this source's part.

@@ -210,7 +210,8 @@ class WeightSync:
                                     f"group (elastic=False) takes no newcomers: construct it with elastic=True")
             else:       # joining a group that runs: a step decided after it registered includes this rank
                 self._next_step = self._before_joining + 1
-        except BaseException:
+        except BaseException as e:
+            self.members.fail(e)        # the ranks waiting for this one report why, not a timeout
             self.close()
             raise
 
