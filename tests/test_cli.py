@@ -602,3 +602,29 @@ def test_gpu_device_without_a_gpu_fails_cleanly_at_start(tmp_path):
     assert rc == 4 and "CudaError" in err and "Traceback" not in err, err
     rc, _, err = finish(cli("send", str(f), "--to", "127.0.0.1:1", "--device", "tpu"))
     assert rc == 2 and "device must be" in err, err
+
+
+@pytest.mark.parametrize("text, value", [("1G", 1 << 30), ("512MiB", 512 << 20), ("1GB", 10 ** 9), ("2e9", 2 * 10 ** 9),
+                                         ("1.5k", 1536), ("4096", 4096), (" 3 TiB ", 3 << 40), ("10b", 10)])
+def test_sizes_are_read_as_people_type_them(text: str, value: int) -> None:
+    from tensorxfer.cli.common import byte_size
+
+    assert byte_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["1X", "G", "-1G", "1e400", "", "1 2"])
+def test_a_size_that_is_no_size_names_the_forms_that_are(text: str) -> None:
+    import argparse
+
+    from tensorxfer.cli.common import byte_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"not a size|out of range"):
+        byte_size(text)
+
+
+def test_recv_takes_max_bytes_with_units_and_says_so_in_help() -> None:
+    from tensorxfer.cli.recv import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["--out", "received", "--max-bytes", "1G"]).max_bytes == 1 << 30
+    assert "512MiB" in p.format_help()

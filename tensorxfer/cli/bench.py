@@ -161,12 +161,12 @@ def run_bench(size: int, streams: list[int | None], repeat: int, verify: bool, t
 
 def main(argv: list[str] | None = None) -> int:
     from tensorxfer import TensorXferError, synthetic
-    from tensorxfer.cli.common import mem_available, new_parser
+    from tensorxfer.cli.common import SIZE_HELP, byte_size, mem_available, new_parser
     from tensorxfer.transport.tcp import DEFAULT_STREAMS
 
     p = new_parser("tensorxfer-bench", __doc__ or "", exit_codes=False)
-    p.add_argument("--size", type=float, default=synthetic.REFERENCE_BYTES,
-                   help="model bytes (default: the reference run's 31.2e9); e.g. 1e9")
+    p.add_argument("--size", type=byte_size, default=synthetic.REFERENCE_BYTES, metavar="SIZE",
+                   help=f"model bytes (default: the reference run's 31.2e9); {SIZE_HELP}")
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help=f"parallel TCP streams (default: {DEFAULT_STREAMS}, $TENSORXFER_TCP_STREAMS overrides)")
     p.add_argument("--transport", default="tcp",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,25 @@ from tensorxfer.errors import (
     TensorXferError,
     TransportUnavailable,
 )
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+SIZE_HELP = "bytes, or with a unit: 512MiB, 1G (= 1GiB, 1024**3, as dd reads it), 1GB (10**9), 2e9"
+
+
+def byte_size(text: str) -> int:
+    """A byte count as people type it (``--max-bytes 1G``): a number (``2e9`` too) with an optional unit,
+    K/M/G/T and KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal; argparse's error (naming the forms) otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give {SIZE_HELP}")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not 0 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range")
+    return int(value)
+
 
 EXIT_OK, EXIT_TRANSFER, EXIT_USAGE, EXIT_AUTH, EXIT_UNAVAILABLE, EXIT_PROTOCOL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
 TOKEN_ENV = "TENSORXFER_TOKEN"

@@ -45,12 +45,13 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tensorxfer.cli.common import new_parser
+    from tensorxfer.cli.common import SIZE_HELP, byte_size, new_parser
 
     parser = new_parser("tensorxfer", __doc__ or "", exit_codes=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="send a synthetic 820-tensor model to another process over loopback")
-    p.add_argument("--size", default=256 << 20, type=int, help="model bytes (default 256 MiB)")
+    p.add_argument("--size", default=256 << 20, type=byte_size, metavar="SIZE",
+                   help=f"model bytes (default 256MiB; {SIZE_HELP})")
     p.set_defaults(func=demo)
     from tensorxfer.cli import doctor, sync_status
 

@@ -45,7 +45,9 @@ from tensorxfer.cli.common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    SIZE_HELP,
     add_common,
+    byte_size,
     check_device,
     emit_json,
     files_record,
@@ -74,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-relay", action="store_true",
                    help="refuse to forward fan-out updates to the next receivers a sender names (with a token, "
                         "forwarding is allowed by default; without one it is always refused)")
-    p.add_argument("--max-bytes", type=float, default=None,
-                   help="refuse offers larger than this many bytes (default: half of this machine's memory, or "
-                        "of the GPU's with --device cuda:N)")
+    p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help=f"refuse offers larger than this ({SIZE_HELP}; default: half of this machine's memory, "
+                        f"or of the GPU's with --device cuda:N)")
     add_common(p)
     return p
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         # an --out that cannot be used is bad usage, found before anyone connects
         return report_error(PROG, e, args.json, EXIT_USAGE if isinstance(e, OSError) else None)
     try:
-        limit = None if args.max_bytes is None else int(args.max_bytes)
+        limit = args.max_bytes
         # one-shot: the region's pages are committed by the receiving threads as the data lands (overlapped
         # with the network), not all before accepting; on_offer checks the memory is there.  Private memory:
         # a host region on huge pages fills and frees at a fraction of memfd pages' cost (0.35 s for 2 GB at
