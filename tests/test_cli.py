@@ -628,3 +628,17 @@ def test_recv_takes_max_bytes_with_units_and_says_so_in_help() -> None:
     p = build_parser()
     assert p.parse_args(["--out", "received", "--max-bytes", "1G"]).max_bytes == 1 << 30
     assert "512MiB" in p.format_help()
+
+
+def test_recv_quiet_prints_nothing_while_it_listens(tmp_path):
+    recv, _ = start_recv(tmp_path / "out", "--quiet")
+    try:
+        time.sleep(0.3)
+    finally:
+        recv.send_signal(signal.SIGINT)
+    _, err = recv.communicate(timeout=20)
+    assert "listening on" not in err, err
+    loud, _ = start_recv(tmp_path / "out2")
+    time.sleep(0.3)         # its JSON line comes before the stderr line
+    loud.send_signal(signal.SIGINT)
+    assert "listening on" in loud.communicate(timeout=20)[1]

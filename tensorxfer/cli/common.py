@@ -101,7 +101,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="send: per-tensor xxh3_64 checksums, checked by the receiver; recv: accept only senders "
                         "that send them (others are refused before any byte moves)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON lines on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no summary line (recv: nor its 'listening on' line; --json gives the "
+                        "address)")
 
 
 def check_device(device: str) -> None:

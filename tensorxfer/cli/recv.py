@@ -233,7 +233,8 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Pr
     lhost, lport = rx.address
     if args.json:
         emit_json({"event": "listening", "host": lhost, "port": lport})
-    print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
+    if not args.quiet:          # (--json gives the address to scripts)
+        print(f"{PROG}: listening on {lhost}:{lport}", file=sys.stderr, flush=True)
     while True:
         t = _Transfer(args, bar)
         try:
