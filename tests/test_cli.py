@@ -642,3 +642,11 @@ def test_recv_quiet_prints_nothing_while_it_listens(tmp_path):
     time.sleep(0.3)         # its JSON line comes before the stderr line
     loud.send_signal(signal.SIGINT)
     assert "listening on" in loud.communicate(timeout=20)[1]
+
+
+def test_one_stream_is_one_stream() -> None:
+    from tensorxfer.cli.common import summary
+
+    stats = {"bytes": 10, "seconds": 1.0, "gbps": 0.0, "transport": "tcp", "verified": False}
+    assert "(1 stream)" in summary("sent", {**stats, "streams": 1})
+    assert "(4 streams)" in summary("sent", {**stats, "streams": 4})

@@ -156,12 +156,16 @@ def read_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def streams(n: int) -> str:
+    return f"{n} stream" if n == 1 else f"{n} streams"
+
+
 def summary(verb: str, stats: dict[str, Any], extra: str = "") -> str:
     """One line for a person: offer to ack (everything), then the data phase's own rate when measured."""
     wire = (f"; on the wire {stats['wire_seconds']:.3f} s = {stats['wire_gbps']:.2f} Gbps"
             if stats.get("wire_seconds") else "")
     return (f"{verb} {stats['bytes']:,} bytes in {stats['seconds']:.3f} s = {stats['gbps']:.2f} Gbps over "
-            f"{stats['transport']} ({stats['streams']} streams){', verified' if stats['verified'] else ''}{wire}"
+            f"{stats['transport']} ({streams(stats['streams'])}){', verified' if stats['verified'] else ''}{wire}"
             f"{extra}")
 
 

@@ -13,6 +13,7 @@ def demo(args: argparse.Namespace) -> int:
     from tensorxfer.checksum import tensor_checksums
     from tensorxfer.cli import _loopback
     from tensorxfer.cli.bench import fill
+    from tensorxfer.cli.common import streams
 
     size = int(args.size)
     t0 = time.perf_counter()
@@ -25,7 +26,7 @@ def demo(args: argparse.Namespace) -> int:
         try:
             with Sender(f"127.0.0.1:{port}") as tx:
                 first = tx.send(region)
-                print(f"sent it over {first.transport} ({first.streams} streams): {first.bytes / 1e6:.1f} MB in "
+                print(f"sent it over {first.transport} ({streams(first.streams)}): {first.bytes / 1e6:.1f} MB in "
                       f"{first.seconds:.3f} s = {first.gbps:.2f} Gbps (first transfer: the receiver allocates)")
                 views = region.tensors()
                 for v in views.values():
