@@ -159,8 +159,13 @@ class ModuleBinding:
         if missing or wrong or extra:
             parts = ([f"not in the module: {missing[:5]}"] if missing else []) + \
                     ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]
-            raise LayoutError("the offer does not fit the module (give a rename map with names=...): "
-                              + "; ".join(parts))
+            # a rename map fixes names; a dtype or shape needs the module (or the sender) to change
+            fix = ("give a rename map with names=..." if not wrong else
+                   "the module must hold the sender's dtypes and shapes (cast it, e.g. model.to(dtype), or send "
+                   "in the module's dtype)" if not (missing or extra) else
+                   "names differ (give a rename map with names=...) and dtypes or shapes differ (the module "
+                   "must hold the sender's)")
+            raise LayoutError(f"the offer does not fit the module ({fix}): " + "; ".join(parts))
         self._fits = manifest
 
     def attach(self, region: Any) -> None:

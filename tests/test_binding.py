@@ -129,6 +129,20 @@ def test_receive_into_a_module_binds_it_and_refuses_a_layout_that_does_not_fit()
         assert rx.region is None, "nothing may be allocated for an offer that does not fit"
 
 
+def test_a_dtype_mismatch_says_to_cast_not_to_rename() -> None:
+    """A rename map cannot fix a dtype: the message says what can (issue 38)."""
+    src = nn.Linear(4, 4)
+    dst = nn.Linear(4, 4).to(torch.bfloat16)
+    with tx.TensorRegion.from_module(src) as region, tx.Receiver() as rx:
+        got = Background(rx.receive, timeout=20, into=dst)
+        with tx.Sender("{}:{}".format(*rx.address)) as s, pytest.raises(tx.ManifestError, match="does not fit"):
+            s.send(region)
+        with pytest.raises(tx.LayoutError) as info:
+            got.result()
+    assert "names=" not in str(info.value) and "model.to(dtype)" in str(info.value), info.value
+    assert "weight: the module has BF16[4, 4], the offer F32[4, 4]" in str(info.value)
+
+
 def test_a_rename_map_binds_a_module_with_other_names() -> None:
     src = nn.Sequential(nn.Linear(4, 4))
     dst = nn.Module()
