@@ -650,3 +650,16 @@ def test_one_stream_is_one_stream() -> None:
     stats = {"bytes": 10, "seconds": 1.0, "gbps": 0.0, "transport": "tcp", "verified": False}
     assert "(1 stream)" in summary("sent", {**stats, "streams": 1})
     assert "(4 streams)" in summary("sent", {**stats, "streams": 4})
+
+
+def test_ctrl_c_on_the_sender_says_what_was_interrupted_and_what_the_receiver_kept(tmp_path):
+    src = model_dir(tmp_path / "model", shards=1, rows=10)
+    with socket.socket() as s:          # a port nobody listens on: the sender keeps trying to connect
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    send = cli("send", str(src), "--to", f"127.0.0.1:{port}", "--connect-timeout", "30")
+    time.sleep(1.5)
+    send.send_signal(signal.SIGINT)
+    rc, _, err = finish(send, timeout=30)
+    assert rc == 130, err
+    assert "interrupted (Ctrl-C)" in err and "keeps none of it" in err, err

@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         files = files_record(plan_files(region_manifest), len(region_manifest))
     except KeyboardInterrupt:
         bar.finish(ok=False)
+        why = ("interrupted (Ctrl-C) before the receiver confirmed the transfer: it keeps none of it (its output "
+               "is written all or nothing; files of earlier transfers are untouched); run the send again")
+        if args.json:
+            emit_json({"event": "error", "error": "Interrupted", "message": why, "exit_code": EXIT_INTERRUPTED})
+        print(f"{PROG}: {why}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except (TensorXferError, OSError, ValueError) as e:
         bar.finish(ok=False)
