@@ -12,6 +12,8 @@ import logging
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -438,3 +440,20 @@ def test_more_strangers_than_the_pending_limit_do_not_lock_out_a_sender(monkeypa
         finally:
             for c in strangers:
                 c.close()
+
+
+@pytest.mark.parametrize("how", ["goodbye", "killed"])
+def test_a_receive_that_times_out_after_a_sender_came_and_went_says_so(how: str) -> None:
+    """Not "no sender connected": one did, and left before it offered (its side failed, or it was stopped)."""
+    with Receiver() as rx:
+        got = Background(rx.receive, timeout=2)
+        if how == "goodbye":
+            s = Sender("{}:{}".format(*rx.address))
+            time.sleep(0.3)
+            s.close()
+        else:       # a sender process SIGKILLed after its handshake: the connection just drops
+            code = ("import os, signal, sys, time, tensorxfer as tx\n"
+                    "s = tx.Sender(sys.argv[1]); time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)\n")
+            subprocess.run([sys.executable, "-c", code, "{}:{}".format(*rx.address)], timeout=30)
+        with pytest.raises(tx.TransferTimeout, match=r"connected and (said goodbye|left) without an offer"):
+            got.result()

@@ -206,8 +206,15 @@ class Receiver:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._slot.bind(into, names)
             self._settle(deadline)
+            left: list[str] = []            # senders that came and went without an offer, for the timeout's message
             while True:
-                session = self._session or self._admit(deadline)
+                try:
+                    session = self._session or self._admit(deadline)
+                except TransferTimeout as e:
+                    if not left:
+                        raise
+                    raise TransferTimeout(f"{e}; before that, {left[-1]} (its side failed before it offered -- a "
+                                          f"BindingError, say -- or it was stopped)") from None
                 try:
                     frame = self._door().next_frame(session, deadline, self._fed_by_relay, self._check_open)
                 except TransferTimeout:
@@ -218,12 +225,15 @@ class Receiver:
                     self._end_session()
                     self._check_open()          # close() from another thread wakes us this way
                     log.info("sender %s ended its session", session.peer)
+                    left.append(f"sender {session.peer} connected and left without an offer")
                     continue
                 except TensorXferError:
                     self._end_session()
                     raise
                 if frame is None or frame["type"] == "bye":     # yielded to a waiting sender, or goodbye
                     self._end_session()
+                    if frame is not None:
+                        left.append(f"sender {session.peer} connected and said goodbye without an offer")
                     continue
                 try:
                     return self._update(session, frame, progress, on_offer, on_landed, on_piece)
