@@ -397,6 +397,7 @@ def test_out_holding_another_model_is_refused_unless_overwrite(tmp_path):
     rc_s, _, err_s = finish(cli("send", str(new), "--to", where))
     rc_r, _, err_r = finish(recv)
     assert rc_s == 1 and "refused the offer" in err_s and "another model" in err_s and "--overwrite" in err_s
+    assert "(overwrite=True)" not in err_s       # the CLI's flag, then the API's, each named as such
     assert "model-00002-of-00003.safetensors" in err_s, err_s
     assert rc_r == 1 and "another model" in err_r, err_r
     assert {p.name: sha(p) for p in out.iterdir()} == before              # nothing mixed in

@@ -172,9 +172,9 @@ def check_other_model(plans: Sequence[FilePlan], out_dir: str | os.PathLike[str]
         shown = ", ".join(p.name for p in others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
         raise OutputError(errno.EEXIST, f"{out_dir} holds another model's files that this transfer does not "
                                         f"replace ({shown}); the two models would be mixed. Pick an empty "
-                                        f"--out, remove them, or receive with --overwrite (overwrite=True), "
-                                        f"which removes them once the new files are in place; nothing was "
-                                        f"written")
+                                        f"output folder, remove them, or let the transfer replace them "
+                                        f"(tensorxfer-recv --overwrite; in Python, overwrite=True), which "
+                                        f"removes them once the new files are in place; nothing was written")
     return others
 
 
