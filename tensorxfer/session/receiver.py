@@ -9,6 +9,7 @@ version the region holds and the last stats.  What ends with a sender is its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
@@ -182,25 +183,21 @@ class Receiver:
         mapping or callable from the sender's names to the module's), else it is refused before any byte
         moves (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
 
-        Every failure ends the current session but leaves the receiver usable; :meth:`close` from another
-        thread ends a blocked ``receive`` with :class:`TransferError`.
+        A failure ends the session, not the receiver; :meth:`close` ends a blocked ``receive`` (TransferError).
 
         Raises
         ------
         TransferTimeout
-            No offer within ``timeout``, or the sender stalled mid-transfer.
+            No offer within ``timeout`` (naming a sender that came and left without one), or the sender
+            stalled mid-transfer.
         AuthError, ProtocolError
             A sender presented the wrong token, or spoke something else.
-        ManifestError
-            The offer was malformed or over ``max_region_bytes`` (refused before allocating).
-        PeerLost
-            The sender died mid-transfer.
-        ChecksumMismatch
-            ``verify`` was requested and a tensor's data differs.
-        TransportUnavailable, CudaError
-            The offer asked for a transport, or a region, this receiver cannot have (the sender is told).
-        LayoutError
-            The offer does not fit the module given as ``into`` (the sender is told).
+        ManifestError, PeerLost, ChecksumMismatch
+            The offer was malformed or over ``max_region_bytes`` (refused before allocating); the sender died
+            mid-transfer; ``verify`` was requested and a tensor's data differs.
+        TransportUnavailable, CudaError, LayoutError
+            The offer asked for a transport or a region this receiver cannot have, or does not fit the module
+            given as ``into`` (the sender is told).
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -208,13 +205,8 @@ class Receiver:
             self._settle(deadline)
             left: list[str] = []            # senders that came and went without an offer, for the timeout's message
             while True:
-                try:
+                with _naming(left):
                     session = self._session or self._admit(deadline)
-                except TransferTimeout as e:
-                    if not left:
-                        raise
-                    raise TransferTimeout(f"{e}; before that, {left[-1]} (its side failed before it offered -- a "
-                                          f"BindingError, say -- or it was stopped)") from None
                 try:
                     frame = self._door().next_frame(session, deadline, self._fed_by_relay, self._check_open)
                 except TransferTimeout:
@@ -225,15 +217,14 @@ class Receiver:
                     self._end_session()
                     self._check_open()          # close() from another thread wakes us this way
                     log.info("sender %s ended its session", session.peer)
-                    left.append(f"sender {session.peer} connected and left without an offer")
+                    left.append(f"{session.peer} connected and left")
                     continue
                 except TensorXferError:
                     self._end_session()
                     raise
                 if frame is None or frame["type"] == "bye":     # yielded to a waiting sender, or goodbye
                     self._end_session()
-                    if frame is not None:
-                        left.append(f"sender {session.peer} connected and said goodbye without an offer")
+                    left += [f"{session.peer} connected and said goodbye"] if frame is not None else []
                     continue
                 try:
                     return self._update(session, frame, progress, on_offer, on_landed, on_piece)
@@ -436,3 +427,15 @@ class Admission:
                 return None
             if events:
                 gate.pump(1e-3)         # a connection is waiting: accept it and start proving it
+
+
+@contextlib.contextmanager
+def _naming(left: list[str]) -> Iterator[None]:
+    """A wait for a sender that times out names the last one that came and went without an offer."""
+    try:
+        yield
+    except TransferTimeout as e:
+        if not left:
+            raise
+        raise TransferTimeout(f"{e}; before that, sender {left[-1]} without an offer (its side failed before it "
+                              f"offered -- a BindingError, say -- or it was stopped)") from None
