@@ -24,16 +24,21 @@ ROW_BYTES = 64 << 10        # a contiguous run is cut into rows of this width (a
 _U64 = np.uint64
 
 
-@functools.cache
-def kernel_image() -> bytes | None:
-    """The compiled strided-copy kernel, or None (logged once) where it was not built."""
-    path = Path(__file__).with_name("strided_copy.fatbin")
+def read_image(path: Path, without: str, level: int = logging.WARNING) -> bytes | None:
+    """A kernel image setup.py built with nvcc, or None (logged at ``level``, saying ``without`` it what
+    happens) where the package was built without it."""
     try:
         return path.read_bytes()
     except OSError:
-        log.warning("tensorxfer: %s is missing (built without nvcc): strided device copies fall back to "
-                    "cuMemcpy2DAsync, several times slower for narrow rows", path.name)
+        log.log(level, "tensorxfer: %s is missing (built without nvcc): %s", path.name, without)
         return None
+
+
+@functools.cache
+def kernel_image() -> bytes | None:
+    """The compiled strided-copy kernel, or None (logged once) where it was not built."""
+    return read_image(Path(__file__).with_name("strided_copy.fatbin"),
+                      "strided device copies fall back to cuMemcpy2DAsync, several times slower for narrow rows")
 
 
 def tiles(src_off: np.ndarray, dst_off: np.ndarray, width: np.ndarray, height: np.ndarray,

@@ -17,9 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tensorxfer.memory.strided import read_image
 from tensorxfer.quant.layout import Grid, Quantization
-
-log = logging.getLogger(__name__)
 
 THREADS = 256
 FORMULAS = {("transformers", "float"): 0, ("deepgemm", "float"): 1, ("deepgemm", "e8m0"): 2}
@@ -31,13 +30,8 @@ _functions: dict[int, tuple[Any, dict[str, Any]]] = {}     # device -> (primary 
 
 @functools.cache
 def _image() -> bytes | None:
-    path = Path(__file__).with_name("fp8_quantize.fatbin")
-    try:
-        return path.read_bytes()
-    except OSError:
-        log.info("tensorxfer: %s is missing (built without nvcc): FP8 quantization runs torch's operations",
-                 path.name)
-        return None
+    return read_image(Path(__file__).with_name("fp8_quantize.fatbin"), "FP8 quantization runs torch's operations",
+                      logging.INFO)
 
 
 @functools.cache
@@ -107,18 +101,18 @@ def _launch(name: str, x: Any, cells: int, args: tuple, types: tuple) -> None:
         _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
-def _geometry(x: Any, grid: Grid, offsets: tuple[int, ...]) -> tuple[tuple, int]:
+def _geometry(x: Any, grid: Grid, offsets: tuple[int, ...]) -> tuple[tuple, tuple[int, ...], int]:
+    """The kernels' shard arguments, the cells it touches (per dimension) and how many."""
     first, count = grid.cells(offsets, tuple(x.shape))
     return ((int(x.shape[0]), int(x.shape[1]), int(offsets[0]), int(offsets[1]), int(first[0]), int(first[1]),
-             int(count[1]), int(grid.block[0]), int(grid.block[1])), int(count[0]) * int(count[1]))
+             int(count[1]), int(grid.block[0]), int(grid.block[1])), count, int(count[0]) * int(count[1]))
 
 
 def block_amax(x: Any, grid: Grid, offsets: tuple[int, ...]) -> Any:
     """As :func:`tensorxfer.quant.quantize.block_amax`, in one launch (shards the kernels ``fits``)."""
     import torch
 
-    geometry, cells = _geometry(x, grid, offsets)
-    count = grid.cells(offsets, tuple(x.shape))[1]
+    geometry, count, cells = _geometry(x, grid, offsets)
     out = torch.empty(tuple(count), dtype=torch.float32, device=x.device)
     if cells:
         _launch("amax", x, cells, (x.data_ptr(), *geometry, out.data_ptr()), (_PTR,) + (_I64,) * 9 + (_PTR,))
@@ -129,7 +123,7 @@ def quantize_into(x: Any, grid: Grid, offsets: tuple[int, ...], q: Quantization,
                   scales: Any) -> None:
     """As :func:`tensorxfer.quant.quantize.quantize_into`, in one launch (shards the kernels ``fits``, layouts
     it ``computes``; ``values`` and ``scales`` C-contiguous on ``x``'s device)."""
-    geometry, cells = _geometry(x, grid, offsets)
+    geometry, _, cells = _geometry(x, grid, offsets)
     if not cells:
         return
     amax = amax.float().contiguous()

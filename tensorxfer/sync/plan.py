@@ -461,8 +461,12 @@ def _layouts_made(wanted: str, names: Sequence[str]) -> list[str]:
     found = parse_derived(wanted) if SEP in wanted else None
     if found is None:
         return []
-    prefix = found[0] + SEP
-    return sorted({str(q) for n in names if n.startswith(prefix) for _, q, _ in [parse_derived(n) or ("", "", "")]})
+    prefix, made = found[0] + SEP, set()
+    for name in names:
+        parsed = parse_derived(name) if name.startswith(prefix) else None
+        if parsed is not None:
+            made.add(str(parsed[1]))
+    return sorted(made)
 
 
 def _unpadded(off: np.ndarray, size: np.ndarray, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
