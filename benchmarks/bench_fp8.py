@@ -215,31 +215,13 @@ def bound(layout: list[tuple[str, tuple[int, ...]]], device: str, repeat: int) -
     dst = torch.empty(fp8_elems, dtype=torch.float8_e4m3fn, device=device)
     src2 = torch.ones(bf16_elems, dtype=torch.bfloat16, device=device)
     dst2 = torch.empty_like(src2)
-    runs = []
-    for _ in range(repeat + 1):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        dst2.copy_(src2)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs[1:])
+    return bench_sync.median_seconds(lambda: (dst.copy_(src), dst2.copy_(src2)), device, repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=["bench", "fp8", "today"], default="bench")
-    p.add_argument("--role", default="")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--store-port", type=int, default=0)
-    p.add_argument("--size", type=float, default=2e9)
-    p.add_argument("--sources", type=int, default=4)
-    p.add_argument("--targets", type=int, default=2)
-    p.add_argument("--transport", default="ipc")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=int, default=3)
+    bench_sync.rank_arguments(p, "ipc")
     p.add_argument("--out", type=Path, default=bench_sync.RESULTS)
     args = p.parse_args(argv)
     if args.what != "bench":

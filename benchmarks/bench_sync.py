@@ -350,6 +350,33 @@ def copy_floor(sizes: list[int], repeat: int) -> float:
     return all_at_once([(np.copyto, (dst, src)) for src, dst in bufs], repeat)
 
 
+def median_seconds(fn: Any, device: str, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls of ``fn`` after a warm-up one, the device synchronized around each."""
+    runs = []
+    for _ in range(repeat + 1):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs[1:])
+
+
+def rank_arguments(p: argparse.ArgumentParser, transport: str) -> None:
+    """The flags the driver passes its rank processes (bench_sync's and bench_fp8's)."""
+    p.add_argument("--role", default="")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--store-port", type=int, default=0)
+    p.add_argument("--size", type=float, default=2e9)
+    p.add_argument("--sources", type=int, default=4)
+    p.add_argument("--targets", type=int, default=2)
+    p.add_argument("--transport", default=transport)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeat", type=int, default=3)
+
+
 def all_at_once(jobs: list[tuple[Any, tuple]], repeat: int) -> float:
     """Median seconds (of ``repeat`` runs after a warm-up) for ``fn(*args)`` of every job, each in its own
     thread, all started at once."""
@@ -410,19 +437,11 @@ def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=["bench", "sync", "baseline"], default="bench")
-    p.add_argument("--role", default="")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--store-port", type=int, default=0)
-    p.add_argument("--size", type=float, default=2e9)
-    p.add_argument("--sources", type=int, default=4)
-    p.add_argument("--targets", type=int, default=2)
-    p.add_argument("--transport", default="tcp")
+    rank_arguments(p, "tcp")
     p.add_argument("--membership", choices=["elastic", "fixed"], default="elastic",
                    help="elastic: members agreed through the store before each step (WeightSync's default)")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--copy-host", choices=["auto", "on", "off"], default="auto",
                    help="targets on one device copy through one of them (WeightSync's copy_host; auto: GPUs only)")
-    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--profile", type=Path, default=None,
@@ -482,15 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu":
         src = torch.empty(sum(target_bytes), dtype=torch.uint8, device=args.device)
         dst = torch.empty_like(src)
-        runs = []
-        for _ in range(args.repeat + 1):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t)
+        result["torch_copy_s"] = median_seconds(lambda: dst.copy_(src), args.device, args.repeat)
         del src, dst
-        result["torch_copy_s"] = statistics.median(runs[1:])
         result["ratio_torch_copy_over_sync"] = result["torch_copy_s"] / result["sync_median_s"]
         result["ratio_torch_copy_over_sync_from_go"] = result["torch_copy_s"] / result["sync_from_go_median_s"]
         print("torch copy", f"{result['torch_copy_s'] * 1e3:.2f} ms", "ratio",
