@@ -208,11 +208,9 @@ class SourceQuantizer:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
         import torch
 
-        by_device: dict[Any, list[Any]] = {}
-        for amax in self._amax:
-            if amax is not None:
-                by_device.setdefault(amax.device, []).append(amax.reshape(-1))
-        if all(bool(torch.isfinite(torch.cat(group)).all()) for group in by_device.values()):
+        live = [amax for amax in self._amax if amax is not None]
+        if all(bool(torch.isfinite(torch.cat([live[j].reshape(-1) for j in js])).all())
+               for js in _by_device(live).values()):
             return
         for s, amax in zip(self.shards, self._amax):
             if amax is not None:
@@ -256,10 +254,7 @@ class SourceQuantizer:
                 hit[hit] = s.shared_ids[at[hit]] == ids[hit]
                 np.maximum.at(merged, at[hit], theirs[hit])
         # back where the amaxes live: one copy per device, then a scatter per shard on the device
-        by_device: dict[Any, list[int]] = {}
-        for j, (_, amax) in enumerate(later):
-            by_device.setdefault(amax.device, []).append(j)
-        for device, js in by_device.items():
+        for device, js in _by_device([amax for _, amax in later]).items():
             back = torch.from_numpy(np.concatenate([mine[j] for j in js])).to(device)
             start = 0
             for j in js:
@@ -272,15 +267,20 @@ class SourceQuantizer:
         return self.store.key("amax", version, rank)
 
 
+def _by_device(tensors: list[Any]) -> dict[Any, list[int]]:
+    """The tensors' positions, grouped by the device each lives on (one transfer or wait per device)."""
+    out: dict[Any, list[int]] = {}
+    for j, t in enumerate(tensors):
+        out.setdefault(t.device, []).append(j)
+    return out
+
+
 def _to_host(parts: list[Any]) -> list[np.ndarray]:
     """Small device tensors as float32 numpy arrays: one copy (one wait) per device."""
     import torch
 
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(parts)
-    by_device: dict[Any, list[int]] = {}
-    for j, t in enumerate(parts):
-        by_device.setdefault(t.device, []).append(j)
-    for js in by_device.values():
+    for js in _by_device(parts).values():
         host = torch.cat([parts[j].float() for j in js]).cpu().numpy()
         at = 0
         for j in js:
