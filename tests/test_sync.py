@@ -370,3 +370,12 @@ def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_t
         source.close()
         for t in targets:
             t.close()
+
+
+def test_a_target_waiting_for_a_group_that_never_forms_gives_up_after_its_timeout_not_twice_it() -> None:
+    stores = Stores()
+    t0 = time.monotonic()
+    with pytest.raises(tx.TransferTimeout):
+        tx.WeightSync(stores.client(), "alone", "target", 0, (1, 1), {"w": Target.whole(torch.zeros(4), "w")},
+                      token="k", transport="tcp", timeout=2)
+    assert time.monotonic() - t0 < 3.5

@@ -236,6 +236,7 @@ class Membership:
             while not self.formed() and time.monotonic() < deadline:
                 self._failed_meanwhile(everyone, before)
                 time.sleep(0.05)
+            timeout = max(0.0, deadline - time.monotonic())     # what is left of it, not a second one
         return self.step_record(0, timeout)
 
     def _registered(self, want: dict[str, range], timeout: float,
