@@ -142,6 +142,10 @@ __device__ __forceinline__ void amax_of(const Cell& c, float* m, int* nan) {
     });
 }
 
+__device__ __forceinline__ uint8_t to_fp8(float v, float s) {
+    return (uint8_t)__nv_cvt_float_to_fp8(fminf(fmaxf(v * s, -FP8_MAX), FP8_MAX), __NV_SATFINITE, __NV_E4M3);
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void values_of(const Cell& c, float s) {
     uint8_t* values = reinterpret_cast<uint8_t*>(c.s[VALUES]);
@@ -149,7 +153,7 @@ __device__ __forceinline__ void values_of(const Cell& c, float s) {
         uint8_t b[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; i++)
-            b[i] = (uint8_t)__nv_cvt_float_to_fp8(fminf(fmaxf(v[i] * s, -FP8_MAX), FP8_MAX), __NV_SATFINITE, __NV_E4M3);
+            b[i] = to_fp8(v[i], s);
         store<VEC>(values + at, b);
     });
 }
@@ -171,8 +175,8 @@ __device__ __forceinline__ float ceil_pow2(float x, uint8_t* byte) {
     return __uint_as_float((uint32_t)exponent << 23);
 }
 
-// The cell's scale (written by thread 0) and FP8 values, from its block's amax
-__device__ void quantize_cell(const Cell& c, float amax) {
+// The factor a cell's values are multiplied by, from its block's amax; thread 0 stores the cell's scale
+__device__ __forceinline__ float scale_of(const Cell& c, float amax) {
     const int formula = (int)c.s[FORMULA];
     float mult, stored;
     uint8_t byte = 0;
@@ -189,6 +193,12 @@ __device__ void quantize_cell(const Cell& c, float amax) {
         if (formula == DEEPGEMM_E8M0) reinterpret_cast<uint8_t*>(c.s[SCALES])[c.local] = byte;
         else reinterpret_cast<float*>(c.s[SCALES])[c.local] = stored;
     }
+    return mult;
+}
+
+// The cell's scale and FP8 values, from its block's amax (a second read of its elements)
+__device__ void quantize_cell(const Cell& c, float amax) {
+    const float mult = scale_of(c, amax);
     if (c.s[DTYPE] == BF16) {
         if (wide<8, 2>(c)) values_of<__nv_bfloat16, 8>(c, mult);
         else values_of<__nv_bfloat16, 1>(c, mult);
@@ -198,34 +208,96 @@ __device__ void quantize_cell(const Cell& c, float amax) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-amax_cells(const int64_t* __restrict__ table, int64_t shards, float* __restrict__ amax, int quantize_whole) {
+// The block's amax and NaN flag over every thread's (m, nan), returned to every thread
+__device__ __forceinline__ float block_max(float m, int* nan) {
     __shared__ float warp_max[THREADS / 32];
     __shared__ int warp_nan[THREADS / 32];
-    const Cell c = locate(table, shards, (int64_t)blockIdx.x);
+    for (int off = 16; off; off >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+        *nan |= __shfl_xor_sync(0xffffffff, *nan, off);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        warp_max[threadIdx.x / 32] = m;
+        warp_nan[threadIdx.x / 32] = *nan;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < THREADS / 32; i++) {
+        m = fmaxf(m, warp_max[i]);
+        *nan |= warp_nan[i];
+    }
+    return m;
+}
+
+// A cell 128 columns wide and at most 128 rows high, aligned for 16-byte loads (a 128 x 128 block, the
+// layout FP8 checkpoints use): every thread loads its share into registers at once (all loads in flight
+// together), takes the amax, and a whole cell's values come from the registers: one read, one write.
+template <typename T>
+__device__ __forceinline__ bool tiles(const Cell& c) {
+    return c.c_hi - c.c_lo == 128 && c.r_hi - c.r_lo <= 128 && wide<16 / sizeof(T), sizeof(T)>(c);
+}
+
+template <typename T>
+__device__ void tile_cell(const Cell& c, float* amax, int quantize_whole) {
+    constexpr int VEC = 16 / sizeof(T), LANES = 128 / VEC, ROWS = THREADS / LANES, PASSES = 128 / ROWS;
+    const int tr = threadIdx.x / LANES, tc = threadIdx.x % LANES;
+    const int64_t cols = c.s[COLS];
+    const T* x = reinterpret_cast<const T*>(c.s[X]) + c.c_lo + tc * VEC;
+    uint4 raw[PASSES];
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int64_t r = c.r_lo + tr + p * ROWS;
+        if (r < c.r_hi) raw[p] = *reinterpret_cast<const uint4*>(x + r * cols);
+    }
     float m = 0.0f;
     int nan = 0;
-    if (c.s[DTYPE] == BF16) {
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        if (c.r_lo + tr + p * ROWS >= c.r_hi) continue;
+        float v[VEC];
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+            nan |= v[i] != v[i];
+            m = fmaxf(m, fabsf(v[i]));
+        }
+    }
+    m = block_max(m, &nan);
+    if (threadIdx.x == 0) amax[blockIdx.x] = nan ? __int_as_float(0x7fc00000) : m;
+    if (!(quantize_whole && c.whole && !nan && isfinite(m))) return;
+    const float s = scale_of(c, m);
+    uint8_t* values = reinterpret_cast<uint8_t*>(c.s[VALUES]) + c.c_lo + tc * VEC;
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int64_t r = c.r_lo + tr + p * ROWS;
+        if (r >= c.r_hi) continue;
+        float v[VEC];
+        uint8_t b[VEC];
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) b[i] = to_fp8(v[i], s);
+        store<VEC>(values + r * cols, b);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+amax_cells(const int64_t* __restrict__ table, int64_t shards, float* __restrict__ amax, int quantize_whole) {
+    const Cell c = locate(table, shards, (int64_t)blockIdx.x);
+    const bool bf16 = c.s[DTYPE] == BF16;
+    if (bf16 && tiles<__nv_bfloat16>(c)) {     // float32 tiles would take 64 registers a thread: they loop
+        tile_cell<__nv_bfloat16>(c, amax, quantize_whole);
+        return;
+    }
+    float m = 0.0f;
+    int nan = 0;
+    if (bf16) {
         if (wide<8, 2>(c)) amax_of<__nv_bfloat16, 8>(c, &m, &nan);
         else amax_of<__nv_bfloat16, 1>(c, &m, &nan);
     } else {
         if (wide<4, 4>(c)) amax_of<float, 4>(c, &m, &nan);
         else amax_of<float, 1>(c, &m, &nan);
     }
-    for (int off = 16; off; off >>= 1) {
-        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
-        nan |= __shfl_xor_sync(0xffffffff, nan, off);
-    }
-    if ((threadIdx.x & 31) == 0) {
-        warp_max[threadIdx.x / 32] = m;
-        warp_nan[threadIdx.x / 32] = nan;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < THREADS / 32; i++) {    // every thread: the cell's amax
-        m = fmaxf(m, warp_max[i]);
-        nan |= warp_nan[i];
-    }
+    m = block_max(m, &nan);
     if (threadIdx.x == 0) amax[blockIdx.x] = nan ? __int_as_float(0x7fc00000) : m;
     if (quantize_whole && c.whole && !nan && isfinite(m)) quantize_cell(c, m);
 }
