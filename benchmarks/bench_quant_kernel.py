@@ -2,8 +2,8 @@
 torch casting the same bytes once (the memory bound) on the same GPU, in the same run.
 
 The shards are one source's share of a Llama-shaped bf16 (or fp32) model, cut at uneven rows as FSDP2 cuts
-them (block rows shared with the neighbouring shards), 128 x 128 blocks.  Timed: the amax launch (which
-quantizes the whole cells at once) plus the quantize launch of the shared cells, as a sync step runs them;
+them (block rows shared with the neighbouring shards), 128 x 128 blocks.  Timed: a sync step's three launches (the shared
+cells' amaxes; the others' amaxes and values; the shared cells' values);
 ``--image`` runs another build of ``fp8_quantize.cu`` (a fatbin), to compare builds side by side.
 
     python3 benchmarks/bench_quant_kernel.py --size 4.5e9 --image a.fatbin --image b.fatbin --out $OUT
@@ -54,9 +54,12 @@ def run(parts: list[QuantizedShard], repeat: int) -> dict[str, Any]:
     table = ShardTable([(s.local, s.grid, s.offsets, s.q, s.values, s.scales) for s in parts])
     shared = torch.tensor([table.starts[i] + int(p) for i, s in enumerate(parts) for p in s.shared_pos],
                           dtype=torch.int64, device=table.device)
+    whole = torch.tensor(sorted(set(range(table.cells)) - set(shared.tolist())), dtype=torch.int64,
+                         device=table.device)
 
-    def step() -> None:
-        table.amaxes(quantize_whole=True)
+    def step() -> None:             # a sync step's three launches
+        table.amaxes(shared)
+        table.amaxes(whole, quantize_whole=True)
         table.quantize(shared)
     return {"seconds": bench_sync.median_seconds(step, "cuda", repeat), "shared_cells": int(shared.numel()),
             "cells": table.cells}

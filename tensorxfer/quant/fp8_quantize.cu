@@ -20,9 +20,9 @@
 // clipped to the shard; it is *whole* when the shard holds all of its block (the block clipped to the
 // tensor's end), and then the cell's amax is the block's.  One thread block per cell.
 //
-// amax_cells: each cell's amax over the shard's part of it (a NaN where it holds one: the caller checks,
-//   before anything is offered); with quantize_whole, a whole cell with a finite amax is also quantized
-//   (scale and values) at once.
+// amax_cells: each listed cell's (all: cells NULL) amax over the shard's part of it (a NaN where it holds
+//   one: the caller checks, before anything is offered); with quantize_whole, a whole cell with a finite
+//   amax is also quantized (scale and values) at once.
 // quantize_cells: given each listed cell's amax over its WHOLE block (the sources agreed on the shared
 //   ones), its stored scale (float32, or e8m0 bytes) and its FP8 values.
 #include <cuda_bf16.h>
@@ -238,7 +238,7 @@ __device__ __forceinline__ bool tiles(const Cell& c) {
 }
 
 template <typename T>
-__device__ void tile_cell(const Cell& c, float* amax, int quantize_whole) {
+__device__ void tile_cell(const Cell& c, float* amax_at, int quantize_whole) {
     constexpr int VEC = 16 / sizeof(T), LANES = 128 / VEC, ROWS = THREADS / LANES, PASSES = 128 / ROWS;
     const int tr = threadIdx.x / LANES, tc = threadIdx.x % LANES;
     const int64_t cols = c.s[COLS];
@@ -263,7 +263,7 @@ __device__ void tile_cell(const Cell& c, float* amax, int quantize_whole) {
         }
     }
     m = block_max(m, &nan);
-    if (threadIdx.x == 0) amax[blockIdx.x] = nan ? __int_as_float(0x7fc00000) : m;
+    if (threadIdx.x == 0) *amax_at = nan ? __int_as_float(0x7fc00000) : m;
     if (!(quantize_whole && c.whole && !nan && isfinite(m))) return;
     const float s = scale_of(c, m);
     uint8_t* values = reinterpret_cast<uint8_t*>(c.s[VALUES]) + c.c_lo + tc * VEC;
@@ -280,12 +280,16 @@ __device__ void tile_cell(const Cell& c, float* amax, int quantize_whole) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-amax_cells(const int64_t* __restrict__ table, int64_t shards, float* __restrict__ amax, int quantize_whole) {
-    const Cell c = locate(table, shards, (int64_t)blockIdx.x);
+// Three blocks a multiprocessor (at most 80 registers a thread): measured on the H100 over a source's 4.5 GB of
+// bf16 shards, 2.97 ms against 3.13 ms uncapped (102 registers) and 5.06 ms at four (spills)
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+amax_cells(const int64_t* __restrict__ table, int64_t shards, const int64_t* __restrict__ cells,
+           float* __restrict__ amax, int quantize_whole) {
+    const int64_t g = cells ? cells[blockIdx.x] : (int64_t)blockIdx.x;
+    const Cell c = locate(table, shards, g);
     const bool bf16 = c.s[DTYPE] == BF16;
     if (bf16 && tiles<__nv_bfloat16>(c)) {     // float32 tiles would take 64 registers a thread: they loop
-        tile_cell<__nv_bfloat16>(c, amax, quantize_whole);
+        tile_cell<__nv_bfloat16>(c, amax + g, quantize_whole);
         return;
     }
     float m = 0.0f;
@@ -298,7 +302,7 @@ amax_cells(const int64_t* __restrict__ table, int64_t shards, float* __restrict_
         else amax_of<float, 1>(c, &m, &nan);
     }
     m = block_max(m, &nan);
-    if (threadIdx.x == 0) amax[blockIdx.x] = nan ? __int_as_float(0x7fc00000) : m;
+    if (threadIdx.x == 0) amax[g] = nan ? __int_as_float(0x7fc00000) : m;
     if (quantize_whole && c.whole && !nan && isfinite(m)) quantize_cell(c, m);
 }
 

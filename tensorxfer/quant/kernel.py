@@ -158,14 +158,17 @@ class ShardTable:
                        if rows else None)
         self._pointers = pointers
 
-    def amaxes(self, quantize_whole: bool = False) -> None:
-        """Every cell's amax over the shard's part of it into :attr:`amax` (NaN where it holds one); with
-        ``quantize_whole``, the cells whose whole block the shard holds are quantized at once, unless
-        their amax is not finite (the caller refuses the step)."""
-        if self._table is None:
+    def amaxes(self, cells: Any = None, quantize_whole: bool = False) -> None:
+        """The amax of each cell listed in ``cells`` (int64 on the device, indices into :attr:`amax`; None:
+        all) over the shard's part of it, into :attr:`amax` (NaN where it holds one); with
+        ``quantize_whole``, those whose whole block the shard holds are quantized at once, unless their amax
+        is not finite (the caller refuses the step)."""
+        count = self.cells if cells is None else int(cells.numel())
+        if self._table is None or count == 0:
             return
-        _launch("amax_cells", self._index, self.cells, (self._table.data_ptr(), self._rows, self.amax.data_ptr(),
-                                                        int(quantize_whole)), (_PTR, _I64, _PTR, ctypes.c_int))
+        _launch("amax_cells", self._index, count,
+                (self._table.data_ptr(), self._rows, 0 if cells is None else cells.data_ptr(), self.amax.data_ptr(),
+                 int(quantize_whole)), (_PTR, _I64, _PTR, _PTR, ctypes.c_int))
 
     def quantize(self, cells: Any = None) -> None:
         """Quantize the cells listed in ``cells`` (int64 on the device, indices into :attr:`amax`; None: all),
