@@ -2,8 +2,8 @@
 torch casting the same bytes once (the memory bound) on the same GPU, in the same run.
 
 The shards are one source's share of a Llama-shaped bf16 (or fp32) model, cut at uneven rows as FSDP2 cuts
-shared with the neighbouring shards), 128 x 128 blocks.  Timed: a sync step's three launches (the shared
-cells' amaxes; the others' amaxes and values; the shared cells' values);
+them (block rows shared with the neighbouring shards), 128 x 128 blocks.  Timed: a sync
+step's three launches (the shared cells' amaxes; the others' amaxes and values; the shared cells' values);
 ``--image`` runs another build of ``fp8_quantize.cu`` (a fatbin), to compare builds side by side.
 
     python3 benchmarks/bench_quant_kernel.py --size 4.5e9 --image a.fatbin --image b.fatbin --out $OUT
