@@ -349,3 +349,12 @@ def test_on_landed_runs_before_the_ack_and_its_failure_reaches_the_sender():
                 tx_.send(src)
         with pytest.raises(OSError, match="No space left"):
             failed.result()
+
+
+def test_a_host_name_that_does_not_resolve_is_said_in_words():
+    """It read ``[Errno -2] Name or service not known`` (the CLI: ``gaierror``)."""
+    with region_of(1 << 10) as src, pytest.raises(tx.PeerLost) as lost, Sender("no-such-host.invalid:5000") as s:
+        s.send(src)
+    message = str(lost.value)
+    assert "'no-such-host.invalid' does not resolve" in message and "check the address" in message
+    assert "Errno" not in message and "gaierror" not in message
