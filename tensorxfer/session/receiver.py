@@ -180,8 +180,9 @@ class Receiver:
         ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
         of the received region (no copy; later updates land in place; with ``share=True`` views of the
         sender's memory).  The offer must fit the module exactly (``state_dict`` names, or ``names``: a
-        mapping or callable from the sender's names to the module's), else it is refused before any byte
-        moves (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
+        mapping or callable from the sender's names to the module's; a name mapped to None is left out of
+        the module, its bytes only in :attr:`region`), else it is refused before any byte moves
+        (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
 
         A failure ends the session, not the receiver; :meth:`close` ends a blocked ``receive`` (TransferError).
 
