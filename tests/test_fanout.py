@@ -211,7 +211,7 @@ def test_receiver_without_token_refuses_to_relay():
             stats = fan.send(region)
         assert got.result().nbytes == region.nbytes and b.version is not None and a.version is None
         assert [r.ok for r in stats.receivers] == [False, True]     # a refused; b got it from the sender
-        assert stats.receivers[0].error_type == "ManifestError" and "relay" in stats.receivers[0].error
+        assert stats.receivers[0].error_type == "OfferRefused" and "relay" in stats.receivers[0].error
         with pytest.raises(ManifestError):
             bg.result()
 

@@ -238,35 +238,26 @@ cdef class HostRegion(AllocationMap):
     def import_handles(cls, handles, bint writable=False, bint populate=True, bint copy_on_write=False):
         """Map another process's chunk memfds contiguously, for IPC.
 
-        Every fd is checked before anything is mapped: it must be a regular
-        file (a memfd), at least as long as its chunk, and sealed with
-        ``F_SEAL_SHRINK | F_SEAL_GROW`` (what :meth:`allocate` does), so the
-        owner can never truncate it under this mapping (which would turn a
-        later read into SIGBUS).
+        Every fd is checked before anything is mapped: a regular file (a memfd)
+        at least as long as its chunk, sealed ``F_SEAL_SHRINK | F_SEAL_GROW``
+        (:meth:`allocate`'s), so no truncation under the mapping (SIGBUS).
 
         Parameters
         ----------
         handles : iterable of (size, fd)
             Chunk sizes (page multiples) and their fds, e.g. from
             :meth:`export_handles` on the other side, received over a Unix
-            socket with SCM_RIGHTS.  Each fd is mapped ``MAP_SHARED`` at the
-            next offset.  The fds stay the caller's: close them after this
-            returns (the mappings keep the memory alive on their own).
+            socket with SCM_RIGHTS, each mapped at the next offset.  The fds
+            stay the caller's (the mappings keep the memory alive).
         writable : bool
-            Map ``PROT_READ|PROT_WRITE`` instead of ``PROT_READ``.  A
-            read-only region exports read-only buffers (numpy views are not
-            writable) and a stray write faults instead of changing the
-            other process's memory.
+            ``PROT_READ|PROT_WRITE`` instead of ``PROT_READ`` (read-only: its
+            buffers are read-only, a stray write faults).
         populate : bool
             ``MAP_POPULATE``: build the page tables now, in one pass, rather
             than one fault per page during the first read.
         copy_on_write : bool
-            Map ``MAP_PRIVATE`` with write permission (the buffers it exports
-            stay read-only): a write through a raw pointer (a torch tensor
-            over the memory) copies the page it touches into this process --
-            it never reaches the other process and never faults -- and that
-            page no longer follows the other process's writes.  The pages
-            not written do follow them.
+            ``MAP_PRIVATE`` with write permission (exported buffers stay
+            read-only): a write through a raw pointer copies its page here.
 
         Returns
         -------
@@ -383,8 +374,7 @@ cdef class HostRegion(AllocationMap):
         cdef Py_ssize_t i, n = len(sizes)
         cdef Chunk* c
         cdef int prot = PROT_READ | PROT_WRITE if writable or copy_on_write else PROT_READ
-        # copy-on-write: never populated (populating a private writable mapping copies every page) and no
-        # commit charge for the whole model (a private writable mapping of 31 GB is refused on 24 GB otherwise)
+        # copy-on-write: never populated (that copies every page), no commit charge (31 GB refused on 24 GB)
         cdef int flags = ((MAP_PRIVATE | MAP_NORESERVE if copy_on_write else MAP_SHARED) | MAP_FIXED
                           | (MAP_POPULATE if populate and not copy_on_write else 0))
         self._chunks = <Chunk*>calloc(n, sizeof(Chunk))

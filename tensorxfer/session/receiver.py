@@ -53,13 +53,7 @@ class Receiver:
     stall_timeout : float
         Seconds without progress before a transfer fails with :class:`TransferTimeout`.
     share : bool
-        Same host only (``ipc``; others are refused): the received region *is* the sender's memory.  On hosts
-        it is mapped copy-on-write: its numpy views are read-only; a module's tensors (``into=``) may be
-        written in place, but the write stays in this process (the sender never sees it) and the pages it
-        touched stop following the sender's updates (:class:`~tensorxfer.errors.SharedWeightsWarning` when
-        bound).  Why not read-only, as before: torch has no read-only tensors, and one ``add_`` killed the
-        process (SIGSEGV).  Why not detect the written pages at every update: ``/proc/self/smaps`` took
-        38 ms to read in a torch process on the dev VM, ``pagemap`` grows with the model.
+        Same host only (``ipc``): the region *is* the sender's memory (hosts: copy-on-write, SharedWeightsWarning).
     forwarder : Forwarder, optional
         Passes updates on to the receivers an offer's chain names (:mod:`tensorxfer.fanout` fills it;
         without one, chains are refused with ``no_forward`` as the reason).
@@ -185,10 +179,9 @@ class Receiver:
 
         ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
         of the received region (no copy; later updates land in place; with ``share=True`` views of the
-        sender's memory).  The offer must fit the module exactly (``state_dict`` names, or ``names``: a
-        mapping or callable from the sender's names to the module's; a name mapped to None is left out of
-        the module, its bytes only in :attr:`region`), else it is refused before any byte moves
-        (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
+        sender's memory).  The offer must fit the module exactly (``state_dict`` names, or ``names``:
+        :data:`~tensorxfer.binding.Names`; None leaves a tensor out), else it is refused before any byte
+        moves (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
 
         A failure ends the session, not the receiver; :meth:`close` ends a blocked ``receive`` (TransferError).
 
