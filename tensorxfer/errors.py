@@ -172,8 +172,11 @@ class LinkDropped(TransferError):
 
     ``errors`` maps each broken stream's index to its error; ``landed`` maps it to the bytes of its
     share of the update that were in place when it broke (a receiver's count: exact; a sender's:
-    what it handed to the kernel); ``nbytes`` is the update's byte count.
+    what it handed to the kernel); ``nbytes`` is the update's byte count; ``resent``: the bytes a sender's
+    resume round had sent again before it broke too.
     """
+
+    resent = 0
 
     def __init__(self, errors: dict[int, BaseException], landed: dict[int, int], nbytes: int) -> None:
         first = errors[min(errors)]

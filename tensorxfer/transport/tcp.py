@@ -529,7 +529,11 @@ class TcpSender(SenderTransport):
         self.counters.connects += 1
         before = sum(self._streams.moved)
         self._streams.broken.clear()
-        self._run_streams(region, progress, dict(starts))
+        try:
+            self._run_streams(region, progress, dict(starts))
+        except LinkDropped as e:
+            e.resent = again
+            raise
         self.counters.updates += 1
         return sum(self._streams.moved) - before, again
 
