@@ -47,11 +47,14 @@ def listening_ports(host: str) -> set[int]:
 
 
 def reset(sock: socket.socket) -> None:
+    """Abort ``sock``: linger 0, so closing sends an RST.  The shutdown first wakes the relay's other thread
+    blocked in recv on it: until that call returns, close() would release nothing and send nothing."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+    sock.close()
 
 
 class Relay:

@@ -105,7 +105,7 @@ def test_recovery_off_fails_typed_and_the_receiver_serves_the_next_sender() -> N
     nbytes = 64 << 20
     sent, wire, rx, job = run_update(nbytes, [nbytes // 2], recovery=None)
     with rx:
-        with pytest.raises(tx.PeerLost, match="not resumed: recovery is off"):
+        with pytest.raises(tx.PeerLost, match="closed the connection|reset|lost"):     # as before recovery existed
             job.result(timeout=30)
         assert rx.version is None and sent["error"] in ("PeerLost", "TransferError"), sent
         # the receiver is usable afterwards: a clean update through no relay
@@ -127,7 +127,9 @@ def test_a_sender_without_recovery_is_not_asked_to_resume() -> None:
 
 def test_cuts_past_the_attempts_fail_typed() -> None:
     nbytes = 64 << 20
-    cuts = [nbytes // 5, 2 * nbytes // 5, 3 * nbytes // 5]
+    # The first cut breaks one of 4 streams at ~10 %: the first pass carries ~80 % of the bytes, so the second
+    # cut (at 90 %) falls into the resume round, which the policy does not allow to be repeated.
+    cuts = [nbytes // 10, 9 * nbytes // 10]
     sent, wire, rx, job = run_update(nbytes, cuts, recovery=RecoveryPolicy(attempts=1))
     with rx:
         with pytest.raises(tx.PeerLost, match="1 reconnect attempt"):
@@ -135,10 +137,11 @@ def test_cuts_past_the_attempts_fail_typed() -> None:
         assert rx.version is None and "error" in sent
 
 
-def test_two_cuts_on_the_same_update_both_resumed() -> None:
+def test_a_resumed_stream_cut_again_is_resumed_again() -> None:
     nbytes = 128 << 20
-    sent, wire, rx, job = run_update(nbytes, [nbytes // 4, nbytes // 2])
+    sent, wire, rx, job = run_update(nbytes, [nbytes // 10, 9 * nbytes // 10])
     with rx:
         region = job.result(timeout=60)
-        assert "error" not in sent and sent["retries"] >= 1 and len(wire["cuts"]) == 2, (sent, wire)
-        assert payload_matches(region) and rx.last_stats is not None and rx.last_stats.retries >= 1
+        assert "error" not in sent and sent["retries"] == 2 and len(wire["cuts"]) == 2, (sent, wire)
+        assert payload_matches(region) and rx.last_stats is not None and rx.last_stats.retries == 2
+        assert wire["data_bytes"] - nbytes <= sent["resent_bytes"] + 8192, (sent, wire)

@@ -220,7 +220,8 @@ class ServerSession:
                               reallocated=target.reallocated, setup_seconds=clock.setup_seconds)
             transport.meanwhile = target.while_landing
             # broken tcp streams are resumed within the update when the sender follows resume frames
-            transport.resumable = offer.resume and getattr(transport, "can_resume", False) and not offer.chain
+            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
+                                   and self._recovery is not None)
             try:
                 with clock.wire():
                     nbytes, recovered = recovery.receive(transport, self.channel, offer.seq, self._recovery, progress)
