@@ -18,7 +18,7 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer import Receiver
-from tensorxfer.session.recovery import RecoveryPolicy
+from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
 from tests.helpers import ROOT, Background, child, finish
 
 PATTERN = 0x9E3779B97F4A7C15
@@ -43,7 +43,7 @@ try:
     print(json.dumps(st.as_dict()), flush=True)
 except Exception as e:
     print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
-""" % PATTERN
+""".replace("%d", str(PATTERN))
 
 
 def start_relay(to: tuple[str, int], cuts: list[int]) -> tuple[subprocess.Popen, str]:
@@ -69,7 +69,7 @@ def payload_matches(region: tx.TensorRegion) -> bool:
 
 
 def run_update(nbytes: int, cuts: list[int], sender_recovery: str = "on",
-               recovery: RecoveryPolicy | None = RecoveryPolicy()) -> tuple[dict, dict, Receiver, Background]:
+               recovery: RecoveryPolicy | None = DEFAULT_POLICY) -> tuple[dict, dict, Receiver, Background]:
     rx = Receiver(stall_timeout=10, recovery=recovery)
     relay, where = start_relay(rx.address, cuts)
     job = Background(rx.receive, timeout=60)
@@ -103,22 +103,22 @@ def test_one_cut_resumes_only_what_did_not_land(nbytes: int) -> None:
 
 def test_recovery_off_fails_typed_and_the_receiver_serves_the_next_sender() -> None:
     nbytes = 64 << 20
-    sent, wire, rx, job = run_update(nbytes, [nbytes // 2], recovery=None)
+    sent, _, rx, job = run_update(nbytes, [nbytes // 2], recovery=None)
     with rx:
-        with pytest.raises(tx.PeerLost, match="closed the connection|reset|lost"):     # as before recovery existed
+        with pytest.raises(tx.PeerLost, match=r"closed the connection|reset|lost"):     # as before recovery existed
             job.result(timeout=30)
         assert rx.version is None and sent["error"] in ("PeerLost", "TransferError"), sent
         # the receiver is usable afterwards: a clean update through no relay
         job = Background(rx.receive, timeout=60)
         proc = child(SENDER, "{}:{}".format(*rx.address), str(nbytes), "on")
-        rc, out, err = finish(proc, timeout=60)
+        rc, _, err = finish(proc, timeout=60)
         assert rc == 0, err
         assert payload_matches(job.result(timeout=30)) and rx.version is not None
 
 
 def test_a_sender_without_recovery_is_not_asked_to_resume() -> None:
     nbytes = 64 << 20
-    sent, wire, rx, job = run_update(nbytes, [nbytes // 3], sender_recovery="off")
+    sent, _, rx, job = run_update(nbytes, [nbytes // 3], sender_recovery="off")
     with rx:
         with pytest.raises(tx.PeerLost):
             job.result(timeout=30)
@@ -130,7 +130,7 @@ def test_cuts_past_the_attempts_fail_typed() -> None:
     # The first cut breaks one of 4 streams at ~10 %: the first pass carries ~80 % of the bytes, so the second
     # cut (at 90 %) falls into the resume round, which the policy does not allow to be repeated.
     cuts = [nbytes // 10, 9 * nbytes // 10]
-    sent, wire, rx, job = run_update(nbytes, cuts, recovery=RecoveryPolicy(attempts=1))
+    sent, _, rx, job = run_update(nbytes, cuts, recovery=RecoveryPolicy(attempts=1))
     with rx:
         with pytest.raises(tx.PeerLost, match="1 reconnect attempt"):
             job.result(timeout=30)

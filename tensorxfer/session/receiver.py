@@ -108,7 +108,7 @@ class Receiver:
     @property
     def address(self) -> tuple[str, int]:
         """``(host, port)`` this receiver listens on."""
-        return tuple(self._door().gate.address[:2])     # type: ignore[return-value]
+        return tuple(self._door().gate.address[:2])
 
     @property
     def closed(self) -> bool:
