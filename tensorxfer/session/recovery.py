@@ -88,7 +88,8 @@ def receive(transport: ReceiverTransport, ch: Channel, seq: int, policy: Recover
             ch.send_error("transfer", str(failure))
             raise failure
         rec.retries += 1
-        log.warning("update %d: %s; resuming (attempt %d): %s", seq, dropped, rec.retries,
+        # str(): a log record keeps its args, and the error's traceback would keep this update's frames alive
+        log.warning("update %d: %s; resuming (attempt %d): %s", seq, str(dropped), rec.retries,
                     ", ".join(f"stream {i} from byte {n}" for i, n in sorted(dropped.landed.items())))
         descriptors = transport.prepare_resume(dropped)
         try:
@@ -139,7 +140,7 @@ class Resumer:
         return the update's byte count."""
         self.dropped = dropped
         self._began = time.monotonic()
-        log.warning("update %d: %s; waiting for the receiver to ask for the rest", self.seq, dropped)
+        log.warning("update %d: %s; waiting for the receiver to ask for the rest", self.seq, str(dropped))
         return dropped.nbytes
 
     def wait_limit(self, limit: float, stall_timeout: float) -> float:
