@@ -7,6 +7,7 @@ verified, byte-identical, with only what did not land sent again.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -14,12 +15,13 @@ import subprocess
 import sys
 
 import numpy as np
+import psutil
 import pytest
 
 import tensorxfer as tx
-from tensorxfer import Receiver
+from tensorxfer import Receiver, Sender
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
-from tests.helpers import ROOT, Background, child, finish
+from tests.helpers import ROOT, Background, child, finish, region_of
 
 PATTERN = 0x9E3779B97F4A7C15
 
@@ -145,3 +147,33 @@ def test_a_resumed_stream_cut_again_is_resumed_again() -> None:
         assert "error" not in sent and sent["retries"] == 2 and len(wire["cuts"]) == 2, (sent, wire)
         assert payload_matches(region) and rx.last_stats is not None and rx.last_stats.retries == 2
         assert wire["data_bytes"] - nbytes <= sent["resent_bytes"] + 8192, (sent, wire)
+
+
+@pytest.mark.slow
+def test_100_updates_with_a_cut_every_10th_keep_fds_and_rss_flat() -> None:
+    me = psutil.Process()
+    size = 16 << 20
+    # the relay counts every data byte it carried: a cut in the middle of every 10th update (resent bytes shift
+    # the later ones by a little, never out of their update)
+    cuts = [(10 * k + 5) * size + size // 2 for k in range(10)]
+    with region_of(size) as region, Receiver(stall_timeout=10) as rx:
+        relay, where = start_relay(rx.address, cuts)
+        job = Background(lambda: [rx.receive(timeout=20) and rx.last_stats for _ in range(100)])
+        samples, retries = [], 0
+        try:
+            with Sender(where, transport="tcp", streams=4, stall_timeout=10) as s:
+                for i in range(100):
+                    with memoryview(region.region) as mv:
+                        mv[i * 4096:(i + 1) * 4096] = bytes([i]) * 4096
+                    retries += s.send(region, verify=(i % 10 == 0)).retries
+                    if i in (19, 99):
+                        gc.collect()
+                        samples.append((me.num_fds(), me.memory_info().rss))
+            got = job.result(timeout=60)
+        finally:
+            wire = stop_relay(relay)
+    assert len(wire["cuts"]) == 10 and retries >= 10, (wire, retries)
+    assert sum(st.retries for st in got) == retries
+    (fds0, rss0), (fds1, rss1) = samples
+    assert fds1 == fds0, f"fds grew over 80 updates with 8 cuts: {fds0} -> {fds1}"
+    assert rss1 - rss0 < 16 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB over 80 updates with 8 cuts"
