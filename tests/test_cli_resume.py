@@ -4,6 +4,7 @@ data connections for real: the update resumes within the transfer and the files 
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -30,9 +31,13 @@ def random_model_dir(d, shards: int, shard_bytes: int, seed: int = 0):
     return d
 
 
+# 384 MiB by default; TENSORXFER_RESUME_SHARD_MB=512 makes it the 2 GiB (benchmarks/results/2026-12-06-resume)
+SHARD_BYTES = int(os.environ.get("TENSORXFER_RESUME_SHARD_MB", "96")) << 20
+
+
 def test_model_dir_cut_three_times_completes_byte_identical(tmp_path):
-    src = random_model_dir(tmp_path / "src", shards=4, shard_bytes=96 << 20)
-    payload = 4 * (96 << 20)
+    src = random_model_dir(tmp_path / "src", shards=4, shard_bytes=SHARD_BYTES)
+    payload = 4 * SHARD_BYTES
     out = tmp_path / "out"
     recv, where = start_recv(out, "--once", "--stall-timeout", "10")
     cuts = sorted(random.Random(7).sample(range(payload // 20, payload * 19 // 20), 3))
@@ -42,6 +47,7 @@ def test_model_dir_cut_three_times_completes_byte_identical(tmp_path):
     rc_s, out_s, err_s = finish(send, timeout=180)
     rc_r, out_r, err_r = finish(recv, timeout=60)
     wire = stop_relay(relay)
+    print(json.dumps({"payload": payload, "wire": wire, "sender": out_s.splitlines()[-1:]}))
     assert rc_s == 0, err_s
     assert rc_r == 0, err_r
     sent = json.loads(out_s.splitlines()[-1])

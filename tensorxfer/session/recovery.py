@@ -30,7 +30,7 @@ from tensorxfer.session import control
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
-    from tensorxfer.transport.base import Progress, ReceiverTransport, SenderTransport
+    from tensorxfer.transport.base import Landing, Progress, ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,15 @@ def _why_not(policy: RecoveryPolicy | None, retries: int, began: float, ch: Chan
 class Resumer:
     """The sender's side of recovery in one update: keeps the break, follows the receiver's ``resume`` frames.
 
-    ``policy`` bounds what this sender follows (a receiver asking more often or later is refused).
+    ``policy`` bounds what this sender follows (a receiver asking more often or later is refused).  ``landing``:
+    the region is still landing (a relay's copy, files still being read): a resumed stream, like the first
+    pass, sends only what landed.
     """
 
     def __init__(self, transport: SenderTransport, region: TensorRegion, seq: int, policy: RecoveryPolicy | None,
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, landing: Landing | None = None) -> None:
         self.transport, self.region, self.seq, self.policy, self.progress = transport, region, seq, policy, progress
+        self.landing = landing
         self.enabled = policy is not None and transport.can_resume
         self.dropped: LinkDropped | None = None
         self.recovery = Recovery()
@@ -174,6 +177,7 @@ class Resumer:
         if not self._began:
             self._began = time.monotonic()      # the receiver saw a break this side did not
         self.recovery.retries = attempt
+        self.transport.landing = self.landing
         try:
             _, again = self.transport.resume(self.region, field(frame, "descriptors", dict), self.progress)
             self.recovery.resent_bytes += again
@@ -181,6 +185,8 @@ class Resumer:
         except LinkDropped as e:        # broke again: the receiver asks for the rest once more
             self.dropped = e
             self.recovery.resent_bytes += e.resent
+        finally:
+            self.transport.landing = None
         self.recovery.seconds = time.monotonic() - self._began
 
 

@@ -229,7 +229,9 @@ class Sender:
         if relayed:
             extra["relayed"] = True     # the receiver learns a repaired chain may send this update again
         transport = self._transport(ch)
-        resumer = Resumer(transport, region, seq, self.recovery, progress)
+        # a transport that does not follow a still-landing region got it whole (_send_payload): nothing to follow
+        resumer = Resumer(transport, region, seq, self.recovery, progress,
+                          forward.landing if transport.follows_landing else None)
         fresh = transport.needs_setup(region)
         # A warm plain update over a transport that needs nothing from the accept (ipc) sends its data and
         # done right behind the offer: the receiver finds them waiting once it accepted, so an update costs
@@ -274,6 +276,8 @@ class Sender:
             if relayed and forward.checksums is not None:
                 checksums = forward.checksums()
             elif verify and still_landing:      # the payload went out as it was read: every byte is here now
+                if resumer.dropped is not None and forward.landing is not None:
+                    forward.landing.wait_range(0, region.nbytes)    # unless a broken stream stopped short of it
                 checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
             ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
