@@ -31,10 +31,11 @@ def random_model_dir(d, shards: int, shard_bytes: int, seed: int = 0):
     return d
 
 
-# 384 MiB by default; TENSORXFER_RESUME_SHARD_MB=512 makes it the issue's 2 GiB (benchmarks/results/2026-12-06-resume)
-SHARD_BYTES = int(os.environ.get("TENSORXFER_RESUME_SHARD_MB", "96")) << 20
+# 1 GiB by default; TENSORXFER_RESUME_SHARD_MB=512 makes it the issue's 2 GiB (benchmarks/results/2026-12-06-resume)
+SHARD_BYTES = int(os.environ.get("TENSORXFER_RESUME_SHARD_MB", "256")) << 20
 
 
+@pytest.mark.slow
 def test_model_dir_cut_three_times_completes_byte_identical(tmp_path):
     src = random_model_dir(tmp_path / "src", shards=4, shard_bytes=SHARD_BYTES)
     payload = 4 * SHARD_BYTES
@@ -54,8 +55,11 @@ def test_model_dir_cut_three_times_completes_byte_identical(tmp_path):
     got = json.loads(out_r.splitlines()[-1])
     assert wire["cuts"] == cuts, wire
     assert sent["retries"] >= 1 and got["retries"] == sent["retries"], (sent, got)
-    # every data byte the relay carried, cuts and resumes included, against the payload
-    assert wire["data_bytes"] <= 1.15 * sent["bytes"], (wire, sent)
+    # Every byte the sender handed to its kernel, cuts and resumes included (the bytes in the sockets' and the
+    # relay's buffers when a cut came were lost: a few MB per cut), against the payload; the relay's own count
+    # of what it carried sees fewer of them (what sat in its receive buffer never left it).
+    assert sent["bytes"] + sent["resent_bytes"] <= 1.15 * sent["bytes"], sent
+    assert sent["bytes"] <= wire["data_bytes"] <= sent["bytes"] + sent["resent_bytes"] + 64 * 1024, (wire, sent)
     for p in src.iterdir():
         assert sha(p) == sha(out / p.name), p.name
     assert not [p for p in out.iterdir() if p.name.startswith(".tensorxfer")]

@@ -266,13 +266,13 @@ class Sender:
             clock.setup_seconds = time.perf_counter() - t1 + (receiver_setup if isinstance(receiver_setup, float)
                                                               else 0.0)
             transport.resumable = resumer.enabled
-            try:
-                with clock.wire():
+            with clock.wire():
+                try:
                     nbytes = self._send_payload(transport, region, progress, forward)
-            except LinkDropped as e:    # the receiver knows what landed: it asks for the rest after our done
-                nbytes = resumer.broke(e)
-            finally:
-                transport.resumable = False
+                except LinkDropped as e:    # the receiver knows what landed: it asks for the rest after our done
+                    nbytes = resumer.broke(e)
+                finally:
+                    transport.resumable = False
             if relayed and forward.checksums is not None:
                 checksums = forward.checksums()
             elif verify and still_landing:      # the payload went out as it was read: every byte is here now
