@@ -59,7 +59,8 @@ DEFAULT_POLICY = RecoveryPolicy()
 class Recovery:
     """What recovery did in one update: ``retries`` (reconnect rounds), ``resent_bytes`` (the sender's count
     of bytes it sent twice: handed to the kernel before the break, not landed; 0 on a receiver, which never
-    takes a landed byte again), ``seconds`` (from the first break to the last byte of the last round)."""
+    takes a landed byte again), ``seconds`` (from the start of the first round -- every stream that did not
+    break has finished -- to the last byte of the last round: what recovering added to the update)."""
 
     retries: int = 0
     resent_bytes: int = 0
@@ -142,7 +143,6 @@ class Resumer:
         """The payload send broke some streams: keep it (the done frame goes out; the receiver asks for the rest);
         return the update's byte count."""
         self.dropped = dropped
-        self._began = time.monotonic()
         log.warning("update %d: %s; waiting for the receiver to ask for the rest", self.seq, str(dropped))
         return dropped.nbytes
 
@@ -175,7 +175,7 @@ class Resumer:
             raise ProtocolError(f"the receiver asked for resume attempt {attempt}; this sender allows "
                                 f"{self.policy.attempts}")
         if not self._began:
-            self._began = time.monotonic()      # the receiver saw a break this side did not
+            self._began = time.monotonic()      # recovery is timed from the first resume frame, as on the receiver
         self.recovery.retries = attempt
         self.transport.landing = self.landing
         try:

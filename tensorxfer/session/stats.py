@@ -36,7 +36,8 @@ class TransferStats:
     ``recovery_seconds`` say what recovering broken data streams within the
     update cost (:mod:`tensorxfer.session.recovery`): reconnect rounds, the
     bytes the sender sent twice (0 on a receiver: it never takes a landed
-    byte again), and the seconds from the first break to the last byte.
+    byte again), and the seconds the resume rounds took (from the first round,
+    once every stream that held had finished, to the last byte).
     """
 
     bytes: int
