@@ -35,8 +35,8 @@ def one(nbytes: int, cut: float | None) -> dict:
                                  env=env)
         assert relay.stdout is not None
         where = f"127.0.0.2:{int(relay.stdout.readline())}"
-        sender = subprocess.Popen([sys.executable, "-c", SENDER, where, str(nbytes), "on"], stdout=subprocess.PIPE,
-                                  text=True, env=env)
+        sender = subprocess.Popen([sys.executable, "-c", SENDER, where, str(nbytes), "on", "10"],
+                                  stdout=subprocess.PIPE, text=True, env=env)
         t0 = time.perf_counter()
         region = rx.receive(timeout=120)
         out, _ = sender.communicate(timeout=120)

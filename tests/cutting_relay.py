@@ -11,7 +11,8 @@ go through the relay too.
 ``--cut`` lists byte counts of the data sent from sender to receiver (all data connections together,
 in arrival order at the relay): when a count is reached, the relay forwards exactly up to it and resets
 the connection that carried it (SO_LINGER 0: an RST to both ends, the way a dropped link or a killed
-middlebox ends a connection).
+middlebox ends a connection).  With ``--stall`` it instead stops carrying that connection at that count and
+keeps it open: a link that went silent (no RST, no FIN), which only the ends' stall timeouts notice.
 
 It prints its port on the first line; on SIGTERM (or stdin closing) it prints one JSON line:
 ``data_bytes`` (sender -> receiver, data connections), ``control_bytes``, ``cuts`` (byte counts where it
@@ -58,7 +59,9 @@ def reset(sock: socket.socket) -> None:
 
 
 class Relay:
-    def __init__(self, target_host: str, control_port: int, cuts: list[int]) -> None:
+    def __init__(self, target_host: str, control_port: int, cuts: list[int], stall: bool = False) -> None:
+        self.stall = stall
+        self.stalled: list[socket.socket] = []      # silent connections, kept open (and referenced) until exit
         self.target_host = target_host
         self.control_port = control_port
         self.cuts = sorted(cuts)
@@ -135,6 +138,10 @@ class Relay:
                         self.cut_at.append(cut)
                 dst.sendall(view[:take])
                 if cut is not None:
+                    if self.stall:
+                        with self.lock:
+                            self.stalled += [src, dst]
+                        return
                     reset(src)
                     reset(dst)
                     return
@@ -152,10 +159,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--to", required=True, help="the receiver's HOST:PORT")
     ap.add_argument("--cut", default="", help="data byte counts to cut at, comma-separated")
+    ap.add_argument("--stall", action="store_true", help="go silent at the cuts instead of resetting")
     args = ap.parse_args()
     host, port = args.to.rsplit(":", 1)
     cuts = [int(c) for c in args.cut.split(",") if c]
-    relay = Relay(host, int(port), cuts)
+    relay = Relay(host, int(port), cuts, args.stall)
     print(relay.control.getsockname()[1], flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -40,7 +40,7 @@ with memoryview(region.region) as mv:
     del words
 policy = RecoveryPolicy() if sys.argv[3] == "on" else None
 try:
-    with Sender(sys.argv[1], transport="tcp", streams=4, stall_timeout=10, recovery=policy) as s:
+    with Sender(sys.argv[1], transport="tcp", streams=4, stall_timeout=float(sys.argv[4]), recovery=policy) as s:
         st = s.send(region, verify=True)
     print(json.dumps(st.as_dict()), flush=True)
 except Exception as e:
@@ -48,9 +48,10 @@ except Exception as e:
 """.replace("%d", str(PATTERN))
 
 
-def start_relay(to: tuple[str, int], cuts: list[int]) -> tuple[subprocess.Popen, str]:
+def start_relay(to: tuple[str, int], cuts: list[int], stall: bool = False) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "tests.cutting_relay", "--to", "{}:{}".format(*to),
-                             "--cut", ",".join(map(str, cuts))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             "--cut", ",".join(map(str, cuts)), *(["--stall"] if stall else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.stdout is not None
     return proc, f"127.0.0.2:{int(proc.stdout.readline())}"
@@ -71,11 +72,14 @@ def payload_matches(region: tx.TensorRegion) -> bool:
 
 
 def run_update(nbytes: int, cuts: list[int], sender_recovery: str = "on",
-               recovery: RecoveryPolicy | None = DEFAULT_POLICY) -> tuple[dict, dict, Receiver, Background]:
-    rx = Receiver(stall_timeout=10, recovery=recovery)
-    relay, where = start_relay(rx.address, cuts)
+               recovery: RecoveryPolicy | None = DEFAULT_POLICY, stall: float = 0.0,
+               ) -> tuple[dict, dict, Receiver, Background]:
+    """One update of ``nbytes`` from a sender process through the relay, cut (or, with ``stall``, silenced:
+    both ends then use that stall timeout) at ``cuts``."""
+    rx = Receiver(stall_timeout=stall or 10, recovery=recovery)
+    relay, where = start_relay(rx.address, cuts, stall=bool(stall))
     job = Background(rx.receive, timeout=60)
-    proc = child(SENDER, where, str(nbytes), sender_recovery)
+    proc = child(SENDER, where, str(nbytes), sender_recovery, str(stall or 10))
     rc, out, err = finish(proc, timeout=120)
     assert rc == 0, err
     wire = stop_relay(relay)
@@ -103,6 +107,15 @@ def test_one_cut_resumes_only_what_did_not_land(nbytes: int) -> None:
         assert wire["data_bytes"] < 1.2 * nbytes
 
 
+def test_a_link_gone_silent_is_noticed_by_the_stall_timeouts_and_resumed() -> None:
+    nbytes = 64 << 20
+    sent, wire, rx, job = run_update(nbytes, [nbytes // 2], stall=1.5)
+    with rx:
+        region = job.result(timeout=60)
+        assert "error" not in sent and sent["retries"] == 1 and wire["cuts"] == [nbytes // 2], (sent, wire)
+        assert payload_matches(region) and rx.last_stats is not None and rx.last_stats.retries == 1
+
+
 def test_recovery_off_fails_typed_and_the_receiver_serves_the_next_sender() -> None:
     nbytes = 64 << 20
     sent, _, rx, job = run_update(nbytes, [nbytes // 2], recovery=None)
@@ -112,7 +125,7 @@ def test_recovery_off_fails_typed_and_the_receiver_serves_the_next_sender() -> N
         assert rx.version is None and sent["error"] in ("PeerLost", "TransferError"), sent
         # the receiver is usable afterwards: a clean update through no relay
         job = Background(rx.receive, timeout=60)
-        proc = child(SENDER, "{}:{}".format(*rx.address), str(nbytes), "on")
+        proc = child(SENDER, "{}:{}".format(*rx.address), str(nbytes), "on", "10")
         rc, _, err = finish(proc, timeout=60)
         assert rc == 0, err
         assert payload_matches(job.result(timeout=30)) and rx.version is not None
