@@ -188,5 +188,6 @@ def test_100_updates_with_a_cut_every_10th_keep_fds_and_rss_flat() -> None:
     assert len(wire["cuts"]) == 10 and retries >= 10, (wire, retries)
     assert sum(st.retries for st in got) == retries
     (fds0, rss0), (fds1, rss1) = samples
+    print(json.dumps({"fds": [fds0, fds1], "rss": [rss0, rss1], "retries": retries, "cuts": wire["cuts"]}))
     assert fds1 == fds0, f"fds grew over 80 updates with 8 cuts: {fds0} -> {fds1}"
     assert rss1 - rss0 < 16 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB over 80 updates with 8 cuts"

@@ -5,6 +5,7 @@ pair sends anything again (from their stats)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
@@ -87,6 +88,9 @@ def test_one_pair_cut_mid_step_completes_and_no_other_pair_resends() -> None:
             assert torch.equal(tgts[r]["w"].tensor, want), r
         pairs = {(p.source, p.target, "source"): p for s in results[:2] for p in s.pairs}
         pairs.update({(p.source, p.target, "target"): p for t in targets for p in t.last_stats.pairs})
+        print(json.dumps({f"{s}->{t} ({side})": {"bytes": p.bytes, "retries": p.retries, "resent_bytes": p.resent_bytes,
+                                                   "recovery_seconds": p.recovery_seconds}
+                          for (s, t, side), p in sorted(pairs.items())}))
         assert len(pairs) == 8
         for (source, target, side), p in pairs.items():
             if (source, target) == (0, 0):
