@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 #: the model at 16 MiB, 1.07x at 64 MiB, 1.19x at 256 MiB; per tensor (0) 1.03x.
 RELEASE_EVERY_BYTES = 16 << 20
 
-Names = Mapping[str, str] | Callable[[str], str] | None
+Names = Mapping[str, str | None] | Callable[[str], str | None] | None
 """How a received manifest's names map to a module's: a mapping (sender name -> module name; names it
-does not list stay as they are), a callable, or None (the same names)."""
+does not list stay as they are), a callable, or None (the same names).  A sender name mapped to None is
+left out: its bytes land in the received region (``receiver.region``), no module tensor views them (a
+head the module does not have, ``GPT2LMHeadModel``'s ``lm_head.weight`` into a ``GPT2Model``)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class ModuleBinding:
         self.region: Any = None
         self._fits: Manifest | None = None              # the manifest last validated (manifests are immutable)
 
-    def module_name(self, name: str) -> str:
+    def module_name(self, name: str) -> str | None:
+        """The module's name for the sender's ``name`` (None: left out)."""
         names = self.names
         if names is None:
             return name
@@ -139,6 +142,8 @@ class ModuleBinding:
         missing, wrong, gone, seen = [], [], [], set()
         for spec in manifest:
             name = self.module_name(spec.name)
+            if name is None:
+                continue            # left out on purpose
             slot = self._slots.get(name)
             if slot is None:
                 missing.append(spec.name if name == spec.name else f"{spec.name} (as {name})")
@@ -160,7 +165,7 @@ class ModuleBinding:
             parts = ([f"not in the module: {missing[:5]}"] if missing else []) + \
                     ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]
             # a rename map fixes names; a dtype or shape needs the module (or the sender) to change
-            fix = ("give a rename map with names=..." if not wrong else
+            fix = ("give a rename map with names=...; map a sender's name to None to leave it out" if not wrong else
                    "the module must hold the sender's dtypes and shapes (cast it, e.g. model.to(dtype), or send "
                    "in the module's dtype)" if not (missing or extra) else
                    "names differ (give a rename map with names=...) and dtypes or shapes differ (the module "
@@ -175,11 +180,14 @@ class ModuleBinding:
         views: dict[str, Any] = {}
         aliases = region.manifest.aliases
         for spec in region.manifest:
+            name = self.module_name(spec.name)
+            if name is None:
+                continue
             target = aliases.get(spec.name, spec.name)
             view = views.get(target)
             if view is None:
                 view = views[target] = tensor_view(region, region.manifest[target])
-            slot = self._slots[self.module_name(spec.name)]
+            slot = self._slots[name]
             slot.get().data = view
             bound.append((slot, view.data_ptr()))
         self._remember(bound)

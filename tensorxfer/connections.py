@@ -162,6 +162,18 @@ def bind_hint(error: OSError, host: str, port: int) -> str | None:
     return None
 
 
+def connect_words(error: OSError, host: str) -> str:
+    """Why connecting to ``host`` failed, in words with what to do (no ``[Errno -2]``, no ``gaierror``)."""
+    if isinstance(error, socket.gaierror):
+        return (f"the host name {host!r} does not resolve ({error.strerror}); check the address (HOST:PORT, "
+                f"or an IP address)")
+    if isinstance(error, TimeoutError) or error.errno == errno.ETIMEDOUT:
+        return "no answer (a firewall dropping the connection, or a wrong address?)"
+    if error.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return f"no route to {host} ({error.strerror}); check the address and this host's network"
+    return error.strerror or str(error)
+
+
 def is_this_host(host: str) -> bool:
     """Whether ``host`` (a name or an address) may be this host: one of its addresses can be bound here.
     True also when that cannot be told (a name that does not resolve now): callers use it to rule same-host

@@ -92,6 +92,17 @@ class ManifestError(TensorXferError, ValueError):
     """A manifest is malformed, inconsistent, or over a configured limit."""
 
 
+class OfferRefused(ManifestError):
+    """The receiver refused an update before any byte moved: its size limit, its output folder (full, holding
+    another model, not writable), a verify-only receiver, a module the tensors do not fit.  ``reason``: the
+    receiver's words; ``receiver_error``: the type of the error it raised (``OutputError``, ...), or None."""
+
+    def __init__(self, message: str, reason: str | None = None, receiver_error: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
+        self.receiver_error = receiver_error
+
+
 class LayoutError(TensorXferError, ValueError):
     """Tensors do not match a region's layout (names, dtypes or shapes differ)."""
 
@@ -236,6 +247,7 @@ __all__ = [
     "LayoutError",
     "LinkDropped",
     "ManifestError",
+    "OfferRefused",
     "PeerLost",
     "PlanError",
     "ProtocolError",

@@ -39,7 +39,7 @@ import msgpack
 from tensorxfer.errors import (
     AuthError,
     ChecksumMismatch,
-    ManifestError,
+    OfferRefused,
     PeerLost,
     ProtocolError,
     QuantizationError,
@@ -119,7 +119,7 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
     "auth": AuthError,
     "version": ProtocolError,
     "protocol": ProtocolError,
-    "refused": ManifestError,
+    "refused": OfferRefused,
     "transport": TransportUnavailable,
     "checksum": ChecksumMismatch,
     "transfer": TransferError,
@@ -135,6 +135,10 @@ def raise_peer_error(frame: Mapping[str, Any]) -> None:
     cls = _ERROR_TYPES.get(code, TransferError)
     if cls is ChecksumMismatch or cls is QuantizationError:
         raise cls(message, field(frame, "tensor", str, optional=True))
+    if cls is OfferRefused:
+        reason = field(frame, "message", str)
+        raise OfferRefused(f"the receiver refused the offer: {reason}", reason,
+                           field(frame, "error_type", str, optional=True))
     raise cls(message)
 
 

@@ -155,6 +155,32 @@ def test_a_rename_map_binds_a_module_with_other_names() -> None:
         assert torch.equal(dst.proj.weight, src[0].weight) and torch.equal(dst.proj.bias, src[0].bias)
 
 
+def test_a_tensor_mapped_to_none_is_left_out_of_the_module_and_still_lands_in_the_region() -> None:
+    """GPT2LMHeadModel into GPT2Model needed a hand-made map for the tied head, and mapping to None was refused."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    src = transformers.GPT2LMHeadModel(config).eval()
+    dst = transformers.GPT2Model(config).eval()
+    names = {n: None if n == "lm_head.weight" else n.removeprefix("transformer.") for n in src.state_dict()}
+    with tx.TensorRegion.from_module(src) as region, tx.Receiver() as rx:
+        with pytest.raises(tx.LayoutError, match=r"lm_head\.weight"):     # without the None: refused, named
+            got = Background(rx.receive, timeout=20, into=dst, names={**names, "lm_head.weight": "lm_head.weight"})
+            with tx.Sender("{}:{}".format(*rx.address)) as s:
+                with pytest.raises(tx.OfferRefused):
+                    s.send(region)
+            got.result()
+        got = Background(rx.receive, timeout=20, into=dst, names=names)
+        with tx.Sender("{}:{}".format(*rx.address)) as s:
+            s.send(region)
+        got.result()
+        ids = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            assert torch.equal(dst(ids).last_hidden_state, src.transformer(ids).last_hidden_state)
+        landed = rx.region.tensors(framework="torch")
+        assert torch.equal(landed["transformer.wte.weight"], src.lm_head.weight)     # the head's bytes landed
+
+
 def test_an_unsupported_dtype_is_refused_before_anything_moves() -> None:
     model = nn.Linear(2, 2)
     model.register_buffer("c", torch.zeros(2, dtype=torch.complex64))

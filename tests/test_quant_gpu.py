@@ -5,6 +5,8 @@ Also run under ``compute-sanitizer --tool memcheck`` on the device machine (benc
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.helpers import GPU_REASON
@@ -59,3 +61,49 @@ def test_a_huge_tensor_quantizes_without_a_float32_copy() -> None:
     quantize_into(w, grid, (0, 0), q, block_amax(w, grid, (0, 0)), values, scales)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 4 << 20
+
+
+def test_one_table_of_many_mixed_shards_gives_torchs_bytes_in_two_launches() -> None:
+    """A source's table: bf16 and fp32 shards, three formulas, cut along rows and columns anywhere (columns at
+    odd offsets take the kernels' one-element path, the rest 16-byte loads).  The amax launch quantizes the
+    cells a shard holds whole; the quantize launch, given the merged amaxes, the listed shared ones."""
+    from tensorxfer.quant.kernel import ShardTable
+    from tensorxfer.quant.quantize import torch_block_amax
+    from tensorxfer.sync.quantizing import QuantizedShard
+
+    cases = [((1000, 4096), torch.bfloat16, Quantization.blocks(), (333, 667), (0, 2048, 3001)),
+             ((512, 384), torch.float32, Quantization.blocks(128, 128, "deepgemm"), (171,), (0, 128, 200)),
+             ((300, 200), torch.bfloat16, Quantization((128, 128), "deepgemm", "e8m0"), (97,), (0,)),
+             ((640, 256), torch.bfloat16, Quantization((64, 32), "deepgemm"), (100, 101), (0, 37))]
+    shards, wanted = [], []
+    for n, (shape, dtype, q, row_cuts, col_starts) in enumerate(cases):
+        w = weight(shape, dtype, seed=n)
+        wanted.append(quantize(w, q))           # the whole tensor, torch's operations on the CPU
+        grid = q.grid(shape)
+        rows = [0, *row_cuts, shape[0]]
+        cols = [*col_starts, shape[1]]
+        for r0, r1 in itertools.pairwise(rows):
+            for c0, c1 in itertools.pairwise(cols):
+                x = w[r0:r1, c0:c1].contiguous().cuda()
+                count = grid.cells((r0, c0), tuple(x.shape))[1]
+                values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+                scales = torch.empty(count, dtype=torch.uint8 if q.scale == "e8m0" else torch.float32, device="cuda")
+                shards.append((n, QuantizedShard(f"w{n}", shape, (r0, c0), q, x, values, scales)))
+    table = ShardTable([(s.local, s.grid, s.offsets, s.q, s.values, s.scales) for _, s in shards])
+    table.amaxes(quantize_whole=True)
+    torch.cuda.synchronize()
+    shared = []
+    for i, (n, s) in enumerate(shards):
+        assert torch.equal(table.view(i).cpu(), torch_block_amax(s.local.cpu(), s.grid, s.offsets)), s.offsets
+        whole = torch_block_amax(weight(cases[n][0], cases[n][1], seed=n), s.grid, (0, 0))
+        index = tuple(slice(f, f + c) for f, c in zip(s.first, s.count))
+        table.view(i).copy_(whole[index])       # every block's amax over the whole block (the agreed ones)
+        shared += [table.starts[i] + int(p) for p in s.shared_pos]
+    table.quantize(torch.tensor(shared, dtype=torch.int64, device="cuda"))
+    assert shared and len(shared) < table.cells       # both launches had work
+    for n, s in shards:
+        want_values, want_scales = wanted[n]
+        (r0, c0), (h, w) = s.offsets, s.sizes
+        assert same_bytes(s.values.cpu(), want_values[r0:r0 + h, c0:c0 + w]), (n, s.offsets)
+        index = tuple(slice(f, f + c) for f, c in zip(s.first, s.count))
+        assert same_bytes(s.scales.cpu(), want_scales[index].contiguous().view(s.scales.dtype)), (n, s.offsets)

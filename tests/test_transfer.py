@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -91,11 +93,30 @@ def test_empty_and_tiny_regions():
 def test_offer_over_the_limit_is_refused_before_allocating():
     with region_of(8 << 20) as big, Receiver(max_region_bytes=1 << 20) as rx:
         job = Background(rx.receive, timeout=10)
-        with Sender(addr(rx)) as s, pytest.raises(tx.ManifestError, match=r"refused|limit|max"):
+        with Sender(addr(rx)) as s, pytest.raises(tx.OfferRefused, match=r"refused|limit|max") as refused:
             s.send(big)
+        assert refused.value.receiver_error == "ManifestError" and "peer reported" not in str(refused.value)
         with pytest.raises(tx.ManifestError):
             job.result()
         assert rx.region is None, "nothing may be allocated for a refused offer"
+
+
+def test_a_receiver_refusing_an_offer_reaches_the_sender_in_words_with_its_own_type():
+    """It reached the sender as ``ManifestError: ... OutputError: [Errno 28] ...``."""
+    def disk_full(manifest):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/models/out")
+
+    with region_of(1 << 20) as src, Receiver() as rx:
+        job = Background(rx.receive, timeout=10, on_offer=disk_full)
+        with Sender(addr(rx)) as s, pytest.raises(tx.OfferRefused) as refused:
+            s.send(src)
+        e = refused.value
+        assert e.reason == "No space left on device: /models/out" and e.receiver_error == "OSError"
+        assert str(e) == "the receiver refused the offer: No space left on device: /models/out"
+        assert isinstance(e, tx.ManifestError)          # what callers caught before
+        with pytest.raises(OSError):
+            job.result()
+        assert rx.region is None
 
 
 def test_wrong_token_is_refused_and_no_data_moves():
@@ -328,3 +349,12 @@ def test_on_landed_runs_before_the_ack_and_its_failure_reaches_the_sender():
                 tx_.send(src)
         with pytest.raises(OSError, match="No space left"):
             failed.result()
+
+
+def test_a_host_name_that_does_not_resolve_is_said_in_words():
+    """It read ``[Errno -2] Name or service not known`` (the CLI: ``gaierror``)."""
+    with region_of(1 << 10) as src, pytest.raises(tx.PeerLost) as lost, Sender("no-such-host.invalid:5000") as s:
+        s.send(src)
+    message = str(lost.value)
+    assert "'no-such-host.invalid' does not resolve" in message and "check the address" in message
+    assert "Errno" not in message and "gaierror" not in message

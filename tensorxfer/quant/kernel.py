@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,56 +78,126 @@ def _context(device: int) -> tuple[Any, dict[str, Any]]:
             try:
                 module = _check(cu.cuModuleLoadData(_image()), "cuModuleLoadData")
                 kernels = {n: _check(cu.cuModuleGetFunction(module, n.encode()), "cuModuleGetFunction")
-                           for n in ("amax_bf16", "quantize_bf16", "amax_f32", "quantize_f32")}
+                           for n in ("amax_cells", "quantize_cells")}
             finally:
                 _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
             found = _functions[device] = (ctx, kernels)
         return found
 
 
-def _launch(name: str, x: Any, cells: int, args: tuple, types: tuple) -> None:
+WIDTH = 17      # int64 columns of a table row (fp8_quantize.cu's Column)
+_DTYPES = {"torch.bfloat16": 0, "torch.float32": 1}
+
+
+def _launch(name: str, device: int, blocks: int, args: tuple, types: tuple) -> None:
     """One launch on torch's current stream, the context pushed for it: the calling thread (a sync's pair
     or push thread) may have none current (measured on the H100: CUDA_ERROR_INVALID_CONTEXT without)."""
     import torch
 
     cu = _driver()
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     ctx, kernels = _context(device)
-    func = kernels[f"{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f32'}"]
     stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
     _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     try:
-        _check(cu.cuLaunchKernel(func, cells, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0), "cuLaunchKernel")
+        _check(cu.cuLaunchKernel(kernels[name], blocks, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0),
+               "cuLaunchKernel")
     finally:
         _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
-def _geometry(x: Any, grid: Grid, offsets: tuple[int, ...]) -> tuple[tuple, tuple[int, ...], int]:
-    """The kernels' shard arguments, the cells it touches (per dimension) and how many."""
-    first, count = grid.cells(offsets, tuple(x.shape))
-    return ((int(x.shape[0]), int(x.shape[1]), int(offsets[0]), int(offsets[1]), int(first[0]), int(first[1]),
-             int(count[1]), int(grid.block[0]), int(grid.block[1])), count, int(count[0]) * int(count[1]))
+class ShardTable:
+    """Many 2-D shards of one device, quantized in two launches however many there are.
+
+    ``entries``: per shard ``(x, grid, offsets, q, values, scales)`` (shards the kernels :func:`fits`,
+    layouts they :func:`computes`; ``values`` and ``scales`` C-contiguous on the device, or None for a
+    table that only takes amaxes); their cells are numbered one shard after the other from 0 in
+    :attr:`amax` (float32, on the device).  The table (a few int64 per shard) is copied to the device
+    once, and again only where a shard's storage moved (:meth:`refresh`).
+    """
+
+    def __init__(self, entries: list[tuple[Any, Grid, tuple[int, ...], Quantization, Any, Any]]) -> None:
+        import torch
+
+        self.entries = entries
+        self.device = entries[0][0].device
+        self.starts: list[int] = []
+        total = 0
+        for x, grid, offsets, *_ in entries:
+            self.starts.append(total)
+            total += math.prod(grid.cells(offsets, tuple(x.shape))[1])
+        self.cells = total
+        self.amax = torch.empty(total, dtype=torch.float32, device=self.device)
+        self._pointers: list[tuple[int, int, int]] = []
+        self._table: Any = None
+        self.refresh()
+
+    def view(self, i: int) -> Any:
+        """Shard ``i``'s cells' amaxes, in the shape of its cells."""
+        x, grid, offsets, *_ = self.entries[i]
+        count = grid.cells(offsets, tuple(x.shape))[1]
+        return self.amax[self.starts[i]:self.starts[i] + math.prod(count)].view(count)
+
+    def refresh(self) -> None:
+        """Copy the table to the device if a shard's storage moved since (a trainer may swap it)."""
+        import torch
+
+        pointers = [(x.data_ptr(), 0 if v is None else v.data_ptr(), 0 if s is None else s.data_ptr())
+                    for x, _, _, _, v, s in self.entries]
+        if pointers == self._pointers:
+            return
+        rows = []
+        for (x, grid, offsets, q, _, _), (px, pv, ps), start in zip(self.entries, pointers, self.starts):
+            first, count = grid.cells(offsets, tuple(x.shape))
+            if math.prod(count) == 0:
+                continue
+            rows.append([px, pv, ps, int(x.shape[0]), int(x.shape[1]), int(offsets[0]), int(offsets[1]),
+                         first[0], first[1], count[1], grid.block[0], grid.block[1], grid.shape[0], grid.shape[1],
+                         _DTYPES[str(x.dtype)], FORMULAS.get((q.formula, q.scale), 0), start])
+        self._rows = len(rows)
+        self._table = (torch.tensor(rows, dtype=torch.int64).reshape(-1, WIDTH).to(self.device)
+                       if rows else None)
+        self._pointers = pointers
+
+    def amaxes(self, cells: Any = None, quantize_whole: bool = False) -> None:
+        """The amax of each cell listed in ``cells`` (int64 on the device, indices into :attr:`amax`; None:
+        all) over the shard's part of it, into :attr:`amax` (NaN where it holds one); with
+        ``quantize_whole``, those whose whole block the shard holds are quantized at once, unless their amax
+        is not finite (the caller refuses the step)."""
+        count = self.cells if cells is None else int(cells.numel())
+        if self._table is None or count == 0:
+            return
+        _launch("amax_cells", self._index, count,
+                (self._table.data_ptr(), self._rows, 0 if cells is None else cells.data_ptr(), self.amax.data_ptr(),
+                 int(quantize_whole)), (_PTR, _I64, _PTR, _PTR, ctypes.c_int))
+
+    def quantize(self, cells: Any = None) -> None:
+        """Quantize the cells listed in ``cells`` (int64 on the device, indices into :attr:`amax`; None: all),
+        given each one's amax over its whole block in :attr:`amax`."""
+        count = self.cells if cells is None else int(cells.numel())
+        if self._table is None or count == 0:
+            return
+        _launch("quantize_cells", self._index, count,
+                (self._table.data_ptr(), self._rows, 0 if cells is None else cells.data_ptr(), self.amax.data_ptr()),
+                (_PTR, _I64, _PTR, _PTR))
+
+    @property
+    def _index(self) -> int:
+        import torch
+
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
 
 def block_amax(x: Any, grid: Grid, offsets: tuple[int, ...]) -> Any:
     """As :func:`tensorxfer.quant.quantize.block_amax`, in one launch (shards the kernels ``fits``)."""
-    import torch
-
-    geometry, count, cells = _geometry(x, grid, offsets)
-    out = torch.empty(tuple(count), dtype=torch.float32, device=x.device)
-    if cells:
-        _launch("amax", x, cells, (x.data_ptr(), *geometry, out.data_ptr()), (_PTR,) + (_I64,) * 9 + (_PTR,))
-    return out
+    table = ShardTable([(x, grid, offsets, Quantization.blocks(), None, None)])
+    table.amaxes()
+    return table.view(0)
 
 
 def quantize_into(x: Any, grid: Grid, offsets: tuple[int, ...], q: Quantization, amax: Any, values: Any,
                   scales: Any) -> None:
     """As :func:`tensorxfer.quant.quantize.quantize_into`, in one launch (shards the kernels ``fits``, layouts
     it ``computes``; ``values`` and ``scales`` C-contiguous on ``x``'s device)."""
-    geometry, _, cells = _geometry(x, grid, offsets)
-    if not cells:
-        return
-    amax = amax.float().contiguous()
-    _launch("quantize", x, cells, (x.data_ptr(), values.data_ptr(), *geometry, amax.data_ptr(), scales.data_ptr(),
-                                   FORMULAS[(q.formula, q.scale)]),
-            (_PTR, _PTR) + (_I64,) * 9 + (_PTR, _PTR, ctypes.c_int))
+    table = ShardTable([(x, grid, offsets, q, values, scales)])
+    table.amax.copy_(amax.reshape(-1))
+    table.quantize()

@@ -51,8 +51,9 @@ class Receiver:
         Where received regions live (``"cpu"``, ``"cuda:N"``).
     max_region_bytes : int, optional
         Larger offers are refused before anything is allocated (default: half the memory the region lives in).
-    stall_timeout : float
-        Seconds without progress before a transfer fails with :class:`TransferTimeout`.
+    stall_timeout, recovery : float, RecoveryPolicy or None
+        Seconds without progress before a stream fails (:class:`TransferTimeout`); how often and how long a broken
+        tcp stream is resumed within its update (:mod:`tensorxfer.session.recovery`; ``None``: never).
     share : bool
         Same host only (``ipc``; others are refused): the received region *is* the sender's memory, read-only on hosts.
     forwarder : Forwarder, optional
@@ -66,8 +67,6 @@ class Receiver:
     private_memory : bool
         Host regions in this process's own memory (:meth:`HostRegion.allocate` ``private``): cheaper to fill
         and free, not sendable over ipc (a relay's stays shareable).
-    recovery : RecoveryPolicy or None
-        Resume rounds and deadline for data streams that break within an update (tcp); ``None``: never resume.
 
     Raises
     ------
@@ -181,8 +180,9 @@ class Receiver:
         ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
         of the received region (no copy; later updates land in place; with ``share=True`` views of the
         sender's memory).  The offer must fit the module exactly (``state_dict`` names, or ``names``: a
-        mapping or callable from the sender's names to the module's), else it is refused before any byte
-        moves (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
+        mapping or callable from the sender's names to the module's; a name mapped to None is left out of
+        the module, its bytes only in :attr:`region`), else it is refused before any byte moves
+        (:class:`~tensorxfer.errors.LayoutError`); a failed update leaves weights partly written.
 
         A failure ends the session, not the receiver; :meth:`close` ends a blocked ``receive`` (TransferError).
 

@@ -401,4 +401,5 @@ def _connect(host: str, port: int, timeout: float) -> socket.socket:
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
         except OSError as e:
-            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {e}") from None
+            why = connections.connect_words(e, host)
+            raise PeerLost(f"cannot connect to a receiver at {host}:{port}: {why}") from None

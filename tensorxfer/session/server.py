@@ -155,12 +155,13 @@ class ServerSession:
         try:
             return Offer.parse(frame, self.manifests, max_region_bytes)
         except (ManifestError, ProtocolError) as e:
-            self.channel.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e))
+            self.channel.send_error("refused" if isinstance(e, ManifestError) else "protocol", str(e),
+                                    error_type=type(e).__name__)
             raise
 
     def refuse(self, code: str, error: BaseException) -> BaseException:
         """Tell the sender why its update is refused; return ``error`` to raise."""
-        self.channel.send_error(code, str(error))
+        self.channel.send_error(code, _in_words(error), error_type=type(error).__name__)
         return error
 
     # ------------------------------------------------------------ one update
@@ -179,7 +180,7 @@ class ServerSession:
             try:
                 on_offer(offer.manifest)
             except BaseException as e:
-                self.channel.send_error("refused", f"the receiver refused the offer: {type(e).__name__}: {e}")
+                self.channel.send_error("refused", _in_words(e), error_type=type(e).__name__)
                 raise
         # a transport this session already runs is known to work: probing again (rdma opens the device)
         # would cost every warm update more than a small one's data
@@ -343,6 +344,13 @@ class ServerSession:
         for transport in transports.values():
             transport.close()
         self.channel.close()
+
+
+def _in_words(e: BaseException) -> str:
+    """An error as the sender reads it: its message; an OS error's in words, without ``[Errno 28]``."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e)
 
 
 def _expected_sums(region: TensorRegion, done: dict[str, Any]) -> list[int]:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tensorxfer.connections import Gate, listen
+from tensorxfer.connections import Gate, connect_words, listen
 from tensorxfer.errors import (
     LinkDropped,
     PeerLost,
@@ -138,7 +138,7 @@ class SourceLink:
             sock = socket.create_connection(address, timeout=connect_timeout)
         except OSError as e:
             raise PeerLost(f"sync: source {source} cannot reach target rank {target} at {address[0]}:{address[1]}: "
-                           f"{e}") from None
+                           f"{connect_words(e, address[0])}") from None
         ch = Channel(sock)
         try:
             hello, self._key = client_handshake(ch, token_key(token), _sync_caps(group, "source", source),

@@ -14,14 +14,16 @@ source then holds the same whole-block amax, so each quantizes its own rows of a
 scale of that block is the same wherever it is read; the planner takes it from one of them.  Why not
 send those rows in bf16 and let the target finish the block?  It would need staging and a quantizer on
 every target, two paths through every transport, and a target that sees a block only partly; the
-round costs one small store record per source per step, taken before the step's offers go out (a
-NaN anywhere then fails the step before a byte is offered, and every target fed by a source that
-could not quantize gets the same error, naming the tensor); the shards that share no block are
-quantized while the peers' records come, the others once the offers are out.
+round costs one small store record per source per step.  The order of a push (all of it before the
+step's offers go out): the shared cells' amaxes first (a small part of the cells), published at once;
+then the cells no other source shares, amax and values in one kernel launch, while the peers' records
+come; then the shared cells with the agreed amaxes.  A source whose own cells are done posts its data
+while the others still quantize (measured on the H100, 16 GB from 4 sources: ~30 ms a step when every
+source waited for all the amaxes before quantizing anything).
 
-A NaN or an infinity in a shard is found while the amaxes are taken, before any offer goes out: the
-push raises :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds
-fail the step with the same error.
+A NaN or an infinity in a shard is found before any offer goes out: the push raises
+:class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
+with the same error; in a shared block, the peers sharing it fail too (a poisoned record).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from typing import Any
 import numpy as np
 
 from tensorxfer.errors import QuantizationError, StoreError
+from tensorxfer.quant import kernel
+from tensorxfer.quant.kernel import ShardTable
 from tensorxfer.quant.layout import Grid, Quantization, derived_name, parse_derived
-from tensorxfer.quant.quantize import _split, block_amax, check_finite, quantize_into
+from tensorxfer.quant.quantize import _split as _block_lengths
+from tensorxfer.quant.quantize import check_finite, torch_block_amax, torch_quantize_into
 from tensorxfer.sync.records import Amaxes, GroupStore
 from tensorxfer.sync.spec import Box, RankSpec
 
@@ -45,17 +50,20 @@ __all__ = ["QuantStats", "QuantizedShard", "SourceQuantizer"]
 @dataclass(frozen=True)
 class QuantStats:
     """One push's quantization on a source: FP8 bytes written, those of blocks shared with other sources
-    (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes."""
+    (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
+    seconds the whole quantization took (before the step's offers went out)."""
 
     values_bytes: int = 0
     shared_bytes: int = 0
     shared_blocks: int = 0
     peers: int = 0
     wait_seconds: float = 0.0
+    seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"values_bytes": self.values_bytes, "shared_bytes": self.shared_bytes,
-                "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds}
+                "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds,
+                "seconds": self.seconds}
 
 
 class QuantizedShard:
@@ -72,7 +80,6 @@ class QuantizedShard:
         self.key = derived_name(name, q, "scales")
         self.values_name = derived_name(name, q, "values")
         self.empty = math.prod(self.sizes) == 0
-        self._index: dict[Any, Any] = {}
         self._shared_cells()
 
     def _shared_cells(self) -> None:
@@ -102,19 +109,10 @@ class QuantizedShard:
         else:
             inner = 1
             for (first_whole, last_whole), o, s, b in zip(whole, self.offsets, self.sizes, self.grid.block):
-                lengths = _split(o, s, b)
+                lengths = _block_lengths(o, s, b)
                 cut = (0 if first_whole else lengths[0]) + (0 if last_whole or len(lengths) == 1 else lengths[-1])
                 inner *= max(s - cut, 0)
         self.shared_bytes = math.prod(self.sizes) - inner      # FP8: one byte per value
-
-    def index_on(self, device: Any) -> Any:
-        """:attr:`shared_pos` as a tensor on ``device`` (made once per device)."""
-        import torch
-
-        found = self._index.get(device)
-        if found is None:
-            found = self._index[device] = torch.from_numpy(self.shared_pos).to(device)
-        return found
 
     def halo(self) -> Box:
         """The elements of the blocks this shard touches (its box grown to block edges)."""
@@ -137,21 +135,113 @@ def _inside(a: Box, b: Box) -> bool:
     return all(x >= y and x + s <= y + t for x, s, y, t in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
 
+class _DeviceShards:
+    """A source's quantized shards on one device, and their cells' amaxes in one flat float32 tensor there.
+
+    The shards the kernels take come first, in a :class:`~tensorxfer.quant.kernel.ShardTable` (two launches a
+    step for all of them); the others (a CPU, 1-D or 3-D shards, one-row blocks) run torch's operations one
+    by one, their amaxes copied into their slice of the flat tensor.  So checking the amaxes, reading the
+    shared ones out and writing the agreed ones back are one operation each per device, not per shard.
+    """
+
+    def __init__(self, shards: list[QuantizedShard]) -> None:
+        import torch
+
+        fast = [s for s in shards if _takes_kernel(s)]
+        self.shards = fast + [s for s in shards if not _takes_kernel(s)]
+        self.table = (ShardTable([(s.local, s.grid, s.offsets, s.q, s.values, s.scales) for s in fast])
+                      if fast else None)
+        self.fast = len(fast)
+        device = self.shards[0].local.device
+        starts = np.concatenate([[0], np.cumsum([math.prod(s.count) for s in self.shards])]).astype(np.int64)
+        self.amax = torch.empty(int(starts[-1]), dtype=torch.float32, device=device)
+        if self.table is not None:
+            self.table.amax = self.amax[:self.table.cells]     # the kernels write into the flat tensor
+        self.views = [self.amax[starts[i]:starts[i + 1]].view(s.count) for i, s in enumerate(self.shards)]
+        # the shared cells' places in the flat tensor, shard after shard (the order of the amax records)
+        self.shared_shards = [i for i, s in enumerate(self.shards) if not s.empty and len(s.shared_pos)]
+        self.shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards], device)
+        self.fast_shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards
+                                       if i < self.fast], device)
+        self.fast_whole = _positions([starts[i] + np.setdiff1d(np.arange(math.prod(s.count)), s.shared_pos)
+                                      for i, s in enumerate(self.shards[:self.fast])], device)
+
+    def shared_amaxes(self) -> None:
+        """The amaxes of the cells other sources share (the kernels' shards), and every amax of the torch ones."""
+        if self.table is not None:
+            self.table.refresh()
+            self.table.amaxes(self.fast_shared)
+        for s, view in zip(self.shards[self.fast:], self.views[self.fast:]):
+            if not s.empty:
+                view.copy_(torch_block_amax(s.local, s.grid, s.offsets).reshape(view.shape))
+
+    def quantize_whole(self) -> None:
+        """The cells no other source shares: the kernels' take their amaxes and quantize them in one launch
+        (left running), the torch shards that share nothing are quantized."""
+        if self.table is not None:
+            self.table.amaxes(self.fast_whole, quantize_whole=True)
+        for i in range(self.fast, len(self.shards)):
+            s = self.shards[i]
+            if not s.empty and not len(s.shared_pos):
+                torch_quantize_into(s.local, s.grid, s.offsets, s.q, self.views[i], s.values, s.scales)
+
+    def quantize_shared(self) -> None:
+        """The cells shared with other sources, their agreed amaxes in :attr:`amax`: the kernels' in one
+        launch, the torch shards that share any one by one."""
+        if self.table is not None:
+            self.table.quantize(self.fast_shared)
+        for i in range(self.fast, len(self.shards)):
+            s = self.shards[i]
+            if not s.empty and len(s.shared_pos):
+                torch_quantize_into(s.local, s.grid, s.offsets, s.q, self.views[i], s.values, s.scales)
+
+    def finite(self) -> bool:
+        """Whether every amax is finite (a wait for the device's work so far)."""
+        import torch
+
+        return bool(torch.isfinite(self.amax).all())
+
+
+def _refuse_shared(s: QuantizedShard, amax: np.ndarray) -> None:
+    """QuantizationError naming ``s`` and its first shared block whose amax (``amax``, the shared cells')
+    is a NaN or an infinity."""
+    import torch
+
+    cells = torch.zeros(math.prod(s.count), dtype=torch.float32)
+    cells[torch.from_numpy(s.shared_pos)] = torch.from_numpy(np.ascontiguousarray(amax, np.float32))
+    check_finite(cells.view(s.count), s.name, s.grid, s.first)
+
+
+def _positions(parts: list[np.ndarray], device: Any) -> Any:
+    """int64 indices, concatenated, as a tensor on ``device``."""
+    import torch
+
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
+
+
+def _takes_kernel(s: QuantizedShard) -> bool:
+    return (not s.empty and kernel.fits(s.local, s.grid) and kernel.computes(s.q)
+            and s.values.device == s.local.device and s.values.is_contiguous()
+            and s.scales.device == s.local.device and s.scales.is_contiguous())
+
+
 class SourceQuantizer:
     """Quantizes a source's shards at every push, agreeing on shared blocks with the other sources.
 
     :meth:`agree` (before the offers: a step that cannot be quantized offers nothing) takes every shard's
-    block amaxes, checks them and agrees on the shared ones, quantizing the shards that share nothing while
-    the peers' amaxes come; :meth:`quantize` (after the offers, while the targets take them in) writes the
-    rest.
+    block amaxes, checks them and agrees on the shared ones, quantizing the blocks no other source shares
+    while the peers' amaxes come; :meth:`quantize` (after the offers, while the targets take them in)
+    writes the rest.  The device is waited for a fixed number of times a step, and the kernels launched
+    twice, however many shards there are (:class:`_DeviceShards`).
     """
 
     def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float) -> None:
         self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
+        by_device: dict[Any, list[QuantizedShard]] = {}
+        for s in shards:
+            by_device.setdefault(s.local.device, []).append(s)
+        self._devices = [_DeviceShards(group) for group in by_device.values()]
         self._peers: tuple[int, ...] = ()
-        self._amax: list[Any] = []
-        self._done: list[bool] = []
-        self._wait = 0.0
 
     def plan(self, sources: list[RankSpec]) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
@@ -172,66 +262,57 @@ class SourceQuantizer:
                     break
         self._peers = tuple(sorted(peers))
 
-    def agree(self, version: int) -> None:
-        """Every shard's block amaxes for step ``version``, the shared ones agreed with the peers (published,
-        then theirs folded in).  Runs before the offers go out, so that nothing is offered for a step that
-        cannot be quantized: QuantizationError for a NaN or an infinity here or at a peer, naming the tensor.
-
-        The device is waited for a fixed number of times a step, not per shard (measured on the H100: two
-        to four synchronizations per shard of ~550, in six processes sharing the GPU, cost ~1 s a step)."""
-        self._amax = [None if s.empty else block_amax(s.local, s.grid, s.offsets) for s in self.shards]
-        try:
-            self._check_finite()
-        except QuantizationError as e:
-            if self._peers:     # they would wait for amaxes that will not come: they fail with this
-                self.store.put(self._key(version, self.rank), Amaxes({}, str(e), e.tensor).encode())
-            raise
-        self._wait = 0.0
-        self._done = [False] * len(self.shards)
-        later = [(s, a) for s, a in zip(self.shards, self._amax) if a is not None and len(s.shared_pos)]
-        if not later:
-            return
-        mine = _to_host([a.reshape(-1)[s.index_on(a.device)] for s, a in later])
-        self.store.put(self._key(version, self.rank), Amaxes({
-            s.key: (s.shared_ids.astype("<i8").tobytes(), m.astype("<f4").tobytes())
-            for (s, _), m in zip(later, mine)}).encode())
-        # while the peers' records come: the shards that share nothing (GPU kernels run on meanwhile)
-        for i, (s, amax) in enumerate(zip(self.shards, self._amax)):
-            if amax is not None and not len(s.shared_pos):
-                quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
-                self._done[i] = True
+    def quantize(self, version: int) -> QuantStats:
+        """Quantize every shard into the region for step ``version``: the shared cells' amaxes first,
+        published at once; the rest quantized while the peers' records come; then the shared cells with the
+        agreed amaxes.  Runs before the offers go out, so that nothing is offered for a step that cannot
+        be quantized: QuantizationError for a NaN or an infinity here (naming the tensor) or, in a block
+        this source shares, at a peer.  One wait for the device at the start (the shared amaxes) and one
+        at the end (every amax checked)."""
         t0 = time.perf_counter()
-        self._merge(version, later, mine)
-        self._wait = time.perf_counter() - t0
+        for d in self._devices:
+            d.shared_amaxes()
+        shared = [(d, i) for d in self._devices for i in d.shared_shards]
+        mine: list[np.ndarray] = []
+        if shared:
+            mine = _split(_to_host([d.amax[d.shared] for d in self._devices]),
+                          [[len(d.shards[i].shared_pos) for i in d.shared_shards] for d in self._devices])
+            try:
+                for (d, i), m in zip(shared, mine):
+                    if not np.all(np.isfinite(m)):
+                        _refuse_shared(d.shards[i], m)
+            except QuantizationError as e:      # the peers would wait for amaxes that will not come
+                self.store.put(self._key(version, self.rank), Amaxes({}, str(e), e.tensor).encode())
+                raise
+            self.store.put(self._key(version, self.rank), Amaxes({
+                d.shards[i].key: (d.shards[i].shared_ids.astype("<i8").tobytes(), m.astype("<f4").tobytes())
+                for (d, i), m in zip(shared, mine)}).encode())
+        for d in self._devices:             # while the peers' records come (GPU kernels run on meanwhile)
+            d.quantize_whole()
+        wait = 0.0
+        if shared:
+            t1 = time.perf_counter()
+            self._merge(version, [d.shards[i] for d, i in shared], mine)
+            wait = time.perf_counter() - t1
+        for d in self._devices:
+            d.quantize_shared()
+        self._check_finite()
+        live = [s for s in self.shards if not s.empty]
+        return QuantStats(sum(s.values.numel() for s in live), sum(s.shared_bytes for s in live),
+                          sum(len(s.shared_pos) for s in live), len(self._peers), wait, time.perf_counter() - t0)
 
     def _check_finite(self) -> None:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
-        import torch
-
-        live = [amax for amax in self._amax if amax is not None]
-        if all(bool(torch.isfinite(torch.cat([live[j].reshape(-1) for j in js])).all())
-               for js in _by_device(live).values()):
-            return
-        for s, amax in zip(self.shards, self._amax):
-            if amax is not None:
-                check_finite(amax, s.name, s.grid, s.first)
-
-    def quantize(self) -> QuantStats:
-        """Quantize every shard :meth:`agree` left into the region, with the amaxes it found."""
-        values_bytes = shared_bytes = blocks = 0
-        for s, amax, done in zip(self.shards, self._amax, self._done):
-            if amax is None:
+        for d in self._devices:
+            if d.finite():
                 continue
-            values_bytes += s.values.numel()
-            shared_bytes += s.shared_bytes
-            blocks += len(s.shared_pos)
-            if not done:
-                quantize_into(s.local, s.grid, s.offsets, s.q, amax, s.values, s.scales)
-        return QuantStats(values_bytes, shared_bytes, blocks, len(self._peers), self._wait)
+            for s, amax in zip(d.shards, d.views):
+                if not s.empty:
+                    check_finite(amax, s.name, s.grid, s.first)
 
-    def _merge(self, version: int, later: list[tuple[QuantizedShard, Any]], mine: list[np.ndarray]) -> None:
+    def _merge(self, version: int, shared: list[QuantizedShard], mine: list[np.ndarray]) -> None:
         """The peers' partial amaxes of step ``version`` folded into ours (``mine``: the shared cells' own, on
-        the host; then each block's amax over all of it, written back into the shards' amaxes)."""
+        the host, in place; then written back into the devices' amaxes, one copy per device)."""
         import torch
 
         keys = [self._key(version, r) for r in self._peers]
@@ -240,7 +321,7 @@ class SourceQuantizer:
             if record.error is not None:
                 raise QuantizationError(f"source rank {rank} shares blocks with this one and could not quantize: "
                                         f"{record.error}", record.tensor)
-        for (s, _), merged in zip(later, mine):
+        for s, merged in zip(shared, mine):
             for key, record in zip(keys, records):
                 part = record.parts.get(s.key)
                 if part is None:
@@ -253,41 +334,32 @@ class SourceQuantizer:
                 hit = at < len(s.shared_ids)
                 hit[hit] = s.shared_ids[at[hit]] == ids[hit]
                 np.maximum.at(merged, at[hit], theirs[hit])
-        # back where the amaxes live: one copy per device, then a scatter per shard on the device
-        for device, js in _by_device([amax for _, amax in later]).items():
-            back = torch.from_numpy(np.concatenate([mine[j] for j in js])).to(device)
-            start = 0
-            for j in js:
-                s, amax = later[j]
-                n = len(s.shared_pos)
-                amax.reshape(-1)[s.index_on(device)] = back[start:start + n]
-                start += n
+        start = 0
+        for d in self._devices:
+            n = len(d.shared_shards)
+            if n:
+                back = np.concatenate(mine[start:start + n])
+                d.amax[d.shared] = torch.from_numpy(back).to(d.amax.device)
+            start += n
 
     def _key(self, version: int, rank: int) -> str:
         return self.store.key("amax", version, rank)
 
 
-def _by_device(tensors: list[Any]) -> dict[Any, list[int]]:
-    """The tensors' positions, grouped by the device each lives on (one transfer or wait per device)."""
-    out: dict[Any, list[int]] = {}
-    for j, t in enumerate(tensors):
-        out.setdefault(t.device, []).append(j)
+def _split(flat: list[np.ndarray], lengths: list[list[int]]) -> list[np.ndarray]:
+    """Each device's flat array cut into its shards' parts (writable copies), all devices in order."""
+    out = []
+    for host, ns in zip(flat, lengths):
+        at = 0
+        for n in ns:
+            out.append(host[at:at + n].copy())
+            at += n
     return out
 
 
 def _to_host(parts: list[Any]) -> list[np.ndarray]:
-    """Small device tensors as float32 numpy arrays: one copy (one wait) per device."""
-    import torch
-
-    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(parts)
-    for js in _by_device(parts).values():
-        host = torch.cat([parts[j].float() for j in js]).cpu().numpy()
-        at = 0
-        for j in js:
-            n = parts[j].numel()
-            out[j] = host[at:at + n].copy()
-            at += n
-    return out
+    """Device tensors as float32 numpy arrays (one copy, one wait, each)."""
+    return [p.float().cpu().numpy() for p in parts]
 
 
 def requested(targets: list[RankSpec]) -> dict[str, set[Quantization]]:

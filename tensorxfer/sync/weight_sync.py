@@ -426,7 +426,7 @@ class WeightSync:
         fresh = [t for t in self._segments if t not in self._links]
         if self._quantizer is not None:
             try:
-                self._quantizer.agree(version)      # a NaN is found before any offer goes out
+                self._quant_stats = self._quantizer.quantize(version)   # a NaN is found before any offer
             except Exception as e:
                 self._refuse(e)
                 why = f"the source could not quantize its weights: {type(e).__name__}: {e}"
@@ -442,11 +442,6 @@ class WeightSync:
             packed_bytes, pack_error = 0, None
             try:
                 packed_bytes = self._pack()
-                if self._quantizer is not None:
-                    self._quant_stats = self._quantizer.quantize()
-                    if self.region.is_cuda:
-                        import torch
-                        torch.cuda.synchronize(self.region.device)
             except Exception as e:
                 pack_error = e
             packed = time.perf_counter() - t0
