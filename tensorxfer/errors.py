@@ -254,6 +254,7 @@ __all__ = [
     "QuantizationError",
     "RegionClosed",
     "RegionError",
+    "SharedWeightsWarning",
     "StoreError",
     "TensorXferError",
     "TransferError",
@@ -261,3 +262,8 @@ __all__ = [
     "TransportUnavailable",
     "VerbsError",
 ]
+
+
+class SharedWeightsWarning(UserWarning):
+    """A module's weights became another process's memory (``Receiver(share=True)`` with ``into=``), mapped
+    copy-on-write: writes into them stay in this process and the pages written stop following updates."""

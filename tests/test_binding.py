@@ -218,3 +218,29 @@ def test_adopting_frees_as_it_goes_so_memory_peaks_near_one_model() -> None:
         # two models would be +384 MiB; the model plus its largest tensor (and a sampling slack) is far less
         assert grown < 0.35 * n * size, f"adopting grew RSS by {grown >> 20} MiB for a {n * size >> 20} MiB model"
         assert float(model[7].detach()[0]) == 7.0
+
+
+def test_a_write_into_weights_shared_with_the_sender_stays_here_instead_of_crashing() -> None:
+    """``Receiver(share=True)`` + ``receive(into=)``, then an in-place ``add_``: SIGSEGV (a read-only mapping).
+    Now copy-on-write: no crash, the sender's weights untouched, a warning when bound; the pages not written
+    keep following the sender's updates."""
+    src = nn.Linear(1024, 1024)                 # weight 4 MiB, bias on a page of its own
+    dst = nn.Linear(1024, 1024)
+    with tx.TensorRegion.from_module(src) as region, tx.Receiver(share=True) as rx:
+        where = "{}:{}".format(*rx.address)
+        got = Background(rx.receive, timeout=20, into=dst)
+        with tx.Sender(where, transport="ipc") as s, pytest.warns(tx.SharedWeightsWarning, match="copy-on-write"):
+            s.send(region)
+            got.result()
+        before = src.weight.detach().clone()
+        with torch.no_grad():
+            dst.weight.add_(1.0)                # the process lives
+        assert torch.equal(src.weight, before)  # and the trainer never sees it
+        assert torch.equal(dst.weight, before + 1.0)
+        with torch.no_grad():
+            src.bias.mul_(2.0)                  # the next step, in place on the trainer's side
+        got = Background(rx.receive, timeout=20, into=dst)
+        with tx.Sender(where, transport="ipc") as s:
+            s.send(region)
+        got.result()
+        assert torch.equal(dst.bias, src.bias)  # a page the receiver did not write follows the sender

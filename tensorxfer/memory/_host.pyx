@@ -235,7 +235,7 @@ cdef class HostRegion(AllocationMap):
         return self
 
     @classmethod
-    def import_handles(cls, handles, bint writable=False, bint populate=True):
+    def import_handles(cls, handles, bint writable=False, bint populate=True, bint copy_on_write=False):
         """Map another process's chunk memfds contiguously, for IPC.
 
         Every fd is checked before anything is mapped: it must be a regular
@@ -260,6 +260,13 @@ cdef class HostRegion(AllocationMap):
         populate : bool
             ``MAP_POPULATE``: build the page tables now, in one pass, rather
             than one fault per page during the first read.
+        copy_on_write : bool
+            Map ``MAP_PRIVATE`` with write permission (the buffers it exports
+            stay read-only): a write through a raw pointer (a torch tensor
+            over the memory) copies the page it touches into this process --
+            it never reaches the other process and never faults -- and that
+            page no longer follows the other process's writes.  The pages
+            not written do follow them.
 
         Returns
         -------
@@ -297,7 +304,7 @@ cdef class HostRegion(AllocationMap):
         self._readonly = not writable
         try:
             self._map_all([s for s, _ in handles], total, 0, frozenset(), [fd for _, fd in handles],
-                          writable, populate)
+                          writable, populate, copy_on_write)
         except BaseException:
             self._release()
             raise
@@ -370,13 +377,16 @@ cdef class HostRegion(AllocationMap):
         return cls.import_handles(handles, writable, populate)
 
     cdef _map_all(self, list sizes, size_t total, size_t tail, frozenset holes, list import_fds=None,
-                  bint writable=True, bint populate=True):
+                  bint writable=True, bint populate=True, bint copy_on_write=False):
         cdef void* p
         cdef size_t off = 0
         cdef Py_ssize_t i, n = len(sizes)
         cdef Chunk* c
-        cdef int prot = PROT_READ | PROT_WRITE if writable else PROT_READ
-        cdef int flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
+        cdef int prot = PROT_READ | PROT_WRITE if writable or copy_on_write else PROT_READ
+        # copy-on-write: never populated (populating a private writable mapping copies every page) and no
+        # commit charge for the whole model (a private writable mapping of 31 GB is refused on 24 GB otherwise)
+        cdef int flags = ((MAP_PRIVATE | MAP_NORESERVE if copy_on_write else MAP_SHARED) | MAP_FIXED
+                          | (MAP_POPULATE if populate and not copy_on_write else 0))
         self._chunks = <Chunk*>calloc(n, sizeof(Chunk))
         if self._chunks == NULL:
             raise MemoryError()

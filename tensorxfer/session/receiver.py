@@ -55,7 +55,13 @@ class Receiver:
         Seconds without progress before a stream fails (:class:`TransferTimeout`); how often and how long a broken
         tcp stream is resumed within its update (:mod:`tensorxfer.session.recovery`; ``None``: never).
     share : bool
-        Same host only (``ipc``; others are refused): the received region *is* the sender's memory, read-only on hosts.
+        Same host only (``ipc``; others are refused): the received region *is* the sender's memory.  On hosts
+        it is mapped copy-on-write: its numpy views are read-only; a module's tensors (``into=``) may be
+        written in place, but the write stays in this process (the sender never sees it) and the pages it
+        touched stop following the sender's updates (:class:`~tensorxfer.errors.SharedWeightsWarning` when
+        bound).  Why not read-only, as before: torch has no read-only tensors, and one ``add_`` killed the
+        process (SIGSEGV).  Why not detect the written pages at every update: ``/proc/self/smaps`` took
+        38 ms to read in a torch process on the dev VM, ``pagemap`` grows with the model.
     forwarder : Forwarder, optional
         Passes updates on to the receivers an offer's chain names (:mod:`tensorxfer.fanout` fills it;
         without one, chains are refused with ``no_forward`` as the reason).

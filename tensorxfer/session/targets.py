@@ -12,9 +12,11 @@ transport's descriptors), :meth:`while_landing` (the transport has the data on i
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Protocol
 
 from tensorxfer.binding import ModuleBinding, Names
+from tensorxfer.errors import SharedWeightsWarning
 from tensorxfer.manifest import Manifest
 from tensorxfer.region import TensorRegion
 from tensorxfer.transport.base import ReceiverTransport, ShareReceiverTransport
@@ -32,6 +34,7 @@ class RegionSlot:
         self.private = private      # host regions in this process's own memory (none to pass over ipc)
         self.region: TensorRegion | None = None
         self.binding: ModuleBinding | None = None
+        self._warned = False        # SharedWeightsWarning: once per receiver
 
     def bind(self, module: Any, names: Names = None) -> None:
         """Land the next update in ``module``'s tensors (None: in the region alone)."""
@@ -52,6 +55,13 @@ class RegionSlot:
     def attach(self, region: TensorRegion) -> None:
         """Make the bound module's tensors views of ``region`` (again, if one was replaced meanwhile)."""
         if self.binding is not None and not self.binding.attached_to(region):
+            if not region.is_cuda and region.region.readonly and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "the module's weights are now the sender's memory, mapped copy-on-write: an in-place write into "
+                    "them stays in this process (the sender never sees it), and the pages it touched no longer "
+                    "follow the sender's updates; to write into received weights, receive without share=True",
+                    SharedWeightsWarning, stacklevel=2)
             self.binding.attach(region)
 
     def for_manifest(self, manifest: Manifest, shareable: bool = False) -> tuple[TensorRegion, bool]:

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 Handles = list[tuple[int, int]]       # (size, fd) of each chunk, in order
 
 
-def map_handles(handles: Handles, on: int | None, writable: bool = False, populate: bool = True) -> Any:
+def map_handles(handles: Handles, on: int | None, writable: bool = False, populate: bool = True,
+                copy_on_write: bool = False) -> Any:
     """Map a peer's handles contiguously: host memfds (each checked first: a sealed memory file at least as long as
     its chunk), or CUDA handles on device ``on``.  The fds stay the caller's.  ``populate`` (host memory) builds
     the page tables now, in one pass (faster first copy; but it commits a sparse file's every page, holding the
@@ -65,7 +66,8 @@ def map_handles(handles: Handles, on: int | None, writable: bool = False, popula
     """
     if on is None:
         try:
-            return HostRegion.import_handles(handles, writable=writable, populate=populate)
+            return HostRegion.import_handles(handles, writable=writable, populate=populate,
+                                             copy_on_write=copy_on_write)
         except (HandleError, ValueError) as e:     # ValueError: a chunk size that is not a page multiple
             raise ProtocolError(f"ipc: the sender passed an unusable handle: {e}") from None
     from tensorxfer.memory import CudaRegion
@@ -246,9 +248,10 @@ class IpcReceiving(_Half):
 
     # -- the sender's memory
     @staticmethod
-    def _import(incoming: Incoming, handles: Handles, fds: list[int], on: int | None) -> Any:
+    def _import(incoming: Incoming, handles: Handles, fds: list[int], on: int | None,
+                copy_on_write: bool = False) -> Any:
         """Map the sender's handles (``on``: the device for CUDA handles); the fds are closed once mapped."""
-        src = map_handles(handles, on)
+        src = map_handles(handles, on, copy_on_write=copy_on_write)
         close_fds(fds)      # the mappings hold the memory now
         return src
 

@@ -65,7 +65,9 @@ class IpcShareReceiver(IpcReceiving, ShareReceiverTransport):
             on = self._cuda_device(incoming, self._device)
             key, device = incoming.key(on), f"cuda:{on}"
         if handles:
-            src = self._import(incoming, handles, fds, on)
+            # copy-on-write: a write into a module's shared weights (an in-place op) stays in this process,
+            # where a read-only mapping killed it (SIGSEGV) and a shared writable one would reach the trainer
+            src = self._import(incoming, handles, fds, on, copy_on_write=True)
         elif self._reusable_previous(key):
             src = self._previous
         else:
