@@ -173,6 +173,42 @@ class TransferTimeout(TransferError, TimeoutError):
     """The peer stalled for longer than the configured timeout."""
 
 
+class LinkDropped(TransferError):
+    """Some data streams of an update broke (reset, closed, stalled); every other stream finished.
+
+    Raised by a transport half only while the session allows the update to resume
+    (``resumable`` set for it); the session then reconnects the broken streams and sends what did not
+    land, or, when it cannot, raises :attr:`cause` -- the first stream's own :class:`PeerLost` or
+    :class:`TransferTimeout` -- so a caller sees what it saw before recovery existed.
+
+    ``errors`` maps each broken stream's index to its error; ``landed`` maps it to the bytes of its
+    share of the update that were in place when it broke (a receiver's count: exact; a sender's:
+    what it handed to the kernel); ``nbytes`` is the update's byte count; ``resent``: the bytes a sender's
+    resume round had sent again before it broke too.
+    """
+
+    resent = 0
+
+    def __init__(self, errors: dict[int, BaseException], landed: dict[int, int], nbytes: int) -> None:
+        first = errors[min(errors)]
+        super().__init__(f"{len(errors)} data stream(s) broke: {first}")
+        self.errors, self.landed, self.nbytes = errors, landed, nbytes
+
+    @property
+    def cause(self) -> BaseException:
+        return self.errors[min(self.errors)]
+
+    def give_up(self, why: str) -> BaseException:
+        """The first stream's error (its own type), saying why the update was not resumed."""
+        cause = self.cause
+        try:
+            out = type(cause)(f"{cause}; not resumed: {why}")
+        except TypeError:       # an error type that takes other arguments: raise it as it was
+            return cause
+        out.__cause__ = cause
+        return out
+
+
 class UpstreamFailed(TransferError):
     """A fan-out relay stopped forwarding: its own upstream transfer failed or stalled.
 
@@ -209,6 +245,7 @@ __all__ = [
     "ExtentError",
     "HandleError",
     "LayoutError",
+    "LinkDropped",
     "ManifestError",
     "OfferRefused",
     "PeerLost",

@@ -54,6 +54,7 @@ class Offer:
     chain: list[str]            # receivers to forward to (fan-out); empty for a plain update
     chain_transport: str        # how the next hops choose their transport
     relayed: bool               # sent by a relay: a repaired chain may send this update again
+    resume: bool = False        # the sender follows resume frames if data streams break (session.recovery)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +88,8 @@ class Offer:
             raise ProtocolError("offer: a chain needs a version")
         fresh = field(frame, "fresh", bool)     # after the manifest: a refusal of the layout comes first
         return cls(seq, transport, streams, verify, fresh, manifest, version, chain,
-                   _chain_transport(frame, transport) if chain else transport, frame.get("relayed") is True)
+                   _chain_transport(frame, transport) if chain else transport, frame.get("relayed") is True,
+                   frame.get("resume") is True)
 
 
 def _chain_transport(frame: dict[str, Any], used: str) -> str:

@@ -28,6 +28,7 @@ from tensorxfer.protocol import Channel, Version, parse_address, server_handshak
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
+from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
 from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
 from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
@@ -50,8 +51,9 @@ class Receiver:
         Where received regions live (``"cpu"``, ``"cuda:N"``).
     max_region_bytes : int, optional
         Larger offers are refused before anything is allocated (default: half the memory the region lives in).
-    stall_timeout : float
-        Seconds without progress before a transfer fails with :class:`TransferTimeout`.
+    stall_timeout, recovery : float, RecoveryPolicy or None
+        Seconds without progress before a stream fails (:class:`TransferTimeout`); how often and how long a broken
+        tcp stream is resumed within its update (:mod:`tensorxfer.session.recovery`; ``None``: never).
     share : bool
         Same host only (``ipc``): the region *is* the sender's memory (hosts: copy-on-write, SharedWeightsWarning).
     forwarder : Forwarder, optional
@@ -75,11 +77,12 @@ class Receiver:
     """
 
     def __init__(self, listen: str | tuple[str, int] = "127.0.0.1:0", token: str | bytes | None = None,
-                 device: str = "cpu",
-                 max_region_bytes: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
+                 device: str = "cpu", max_region_bytes: int | None = None,
+                 stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
                  handshake_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT, share: bool = False,
                  forwarder: Forwarder | None = None, no_forward: str = "this receiver does not relay",
-                 require_verify: bool = False, prefault: bool = True, private_memory: bool = False) -> None:
+                 require_verify: bool = False, prefault: bool = True, private_memory: bool = False,
+                 recovery: RecoveryPolicy | None = DEFAULT_POLICY) -> None:
         parse_device(device)
         host, port = parse_address(listen)
         self.share = bool(share)
@@ -90,15 +93,13 @@ class Receiver:
         self._token = token
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward
-        self.require_verify = bool(require_verify)
+        self.require_verify, self.recovery = bool(require_verify), recovery
         self._slot = RegionSlot(device, prefault, private_memory)
         self._version: Version | None = None
         self._fed_by_relay = False
         self._session: ServerSession | None = None
         self.last_stats: TransferStats | None = None
-        self._lock = threading.Lock()
-        self._closing = False
-        self._dropped_at_close = 0
+        self._lock, self._closing, self._dropped_at_close = threading.Lock(), False, 0
         self._admission: Admission | None = Admission(host, port, token_key(token), self._capabilities,
                                                       self.handshake_timeout)
 
@@ -106,8 +107,7 @@ class Receiver:
     @property
     def address(self) -> tuple[str, int]:
         """``(host, port)`` this receiver listens on."""
-        host, port = self._door().gate.address[:2]
-        return host, port
+        return tuple(self._door().gate.address[:2])
 
     @property
     def closed(self) -> bool:
@@ -215,7 +215,7 @@ class Receiver:
                     raise TransferTimeout(f"no offer within {timeout} s") from None
                 except PeerLost:
                     self._end_session()
-                    self._check_open()          # close() from another thread wakes us this way
+                    self._check_open()       # close() from another thread wakes us this way
                     log.info("sender %s ended its session", session.peer)
                     left.append(f"{session.peer} connected and left")
                     continue
@@ -250,7 +250,7 @@ class Receiver:
     def _admit(self, deadline: float | None) -> ServerSession:
         ch, key = self._door().admit(deadline, lambda: self._closing)
         self._session = ServerSession(ch, key, self.stall_timeout, self._make_transport, self._unavailable,
-                                      self._forwarder, self._no_forward, self.require_verify)
+                                      self._forwarder, self._no_forward, self.require_verify, self.recovery)
         log.info("session with sender %s", ch.peer)
         return self._session
 

@@ -18,12 +18,21 @@ import numpy as np
 
 from tensorxfer import connections
 from tensorxfer.checksum import ALGORITHM, tensor_checksums
-from tensorxfer.errors import LayoutError, PeerLost, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.errors import (
+    LayoutError,
+    LinkDropped,
+    PeerLost,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+)
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import Channel, Version, client_handshake, field, packed_digest, parse_address, token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session import control
 from tensorxfer.session.hooks import ForwardHooks
+from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy, Resumer
 from tensorxfer.session.stats import TransferStats, UpdateClock
 from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
 from tensorxfer.transport.base import MAX_STREAMS, Progress, SenderTransport, setup_flag
@@ -47,6 +56,9 @@ class Sender:
     connect_timeout : float
         Seconds to keep trying to reach a receiver that is not listening yet (a receiver process still
         starting), and to complete the handshake.
+    recovery : RecoveryPolicy or None
+        How many resume rounds (and how late) this sender follows when data streams break within an
+        update (:mod:`tensorxfer.session.recovery`; tcp); ``None``: a broken stream fails the update.
 
     Raises
     ------
@@ -62,13 +74,15 @@ class Sender:
 
     def __init__(self, connect: str | tuple[str, int], token: str | bytes | None = None, transport: str = "auto",
                  streams: int | None = None, stall_timeout: float = control.DEFAULT_STALL_TIMEOUT,
-                 connect_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT) -> None:
+                 connect_timeout: float = control.DEFAULT_HANDSHAKE_TIMEOUT,
+                 recovery: RecoveryPolicy | None = DEFAULT_POLICY) -> None:
         check_requested(transport)
         if streams is not None and not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be between 1 and {MAX_STREAMS}, got {streams}")
         host, port = parse_address(connect)
         self.streams = streams
         self.stall_timeout = float(stall_timeout)
+        self.recovery = recovery
         self._lock = threading.Lock()
         self._seq = 0
         self._channel: Channel | None = None
@@ -215,13 +229,16 @@ class Sender:
         if relayed:
             extra["relayed"] = True     # the receiver learns a repaired chain may send this update again
         transport = self._transport(ch)
+        # a transport that does not follow a still-landing region got it whole (_send_payload): nothing to follow
+        resumer = Resumer(transport, region, seq, self.recovery, progress,
+                          forward.landing if transport.follows_landing else None)
         fresh = transport.needs_setup(region)
         # A warm plain update over a transport that needs nothing from the accept (ipc) sends its data and
         # done right behind the offer: the receiver finds them waiting once it accepted, so an update costs
         # one round trip of the control channel instead of three.
         early = transport.posts_early and not fresh and not forward.chain and forward.landing is None
         ch.send("offer", seq=seq, manifest=packed, transport=self.transport, streams=self.streams, verify=verify,
-                fresh=fresh, version=version.as_wire(), **extra)
+                fresh=fresh, version=version.as_wire(), resume=resumer.enabled and not early, **extra)
         registered = transport.counters.registrations
         if early:
             posted = time.perf_counter()
@@ -248,20 +265,29 @@ class Sender:
             receiver_setup = accept.get("setup_seconds")
             clock.setup_seconds = time.perf_counter() - t1 + (receiver_setup if isinstance(receiver_setup, float)
                                                               else 0.0)
+            transport.resumable = resumer.enabled
             with clock.wire():
-                nbytes = self._send_payload(transport, region, progress, forward)
+                try:
+                    nbytes = self._send_payload(transport, region, progress, forward)
+                except LinkDropped as e:    # the receiver knows what landed: it asks for the rest after our done
+                    nbytes = resumer.broke(e)
+                finally:
+                    transport.resumable = False
             if relayed and forward.checksums is not None:
                 checksums = forward.checksums()
             elif verify and still_landing:      # the payload went out as it was read: every byte is here now
+                if resumer.dropped is not None and forward.landing is not None:
+                    forward.landing.wait_range(0, region.nbytes)    # unless a broken stream stopped short of it
                 checksums = [ALGORITHM, np.array(tensor_checksums(region), dtype="<u8").tobytes()]
             ch.send("done", seq=seq, bytes=nbytes, checksums=checksums)
         setup = setup or transport.counters.registrations > registered    # ipc: handles passed with the data
-        ack = self._wait_ack(ch, seq, nbytes, verify, forward)
+        ack = self._wait_ack(ch, seq, nbytes, verify, forward, resumer)
         if forward.on_ack is not None:
             forward.on_ack(ack)
         return clock.stats(nbytes, self.transport, field(descriptors, "streams", int, optional=True) or 0,
                            transport.counters, transport.registration, verified=verify,
-                           reallocated=bool(accept.get("reallocated")), update=seq, setup=setup)
+                           reallocated=bool(accept.get("reallocated")), update=seq, setup=setup,
+                           recovery=resumer.recovery)
 
     @staticmethod
     def _send_payload(transport: SenderTransport, region: TensorRegion, progress: Progress | None,
@@ -279,12 +305,14 @@ class Sender:
         finally:
             transport.landing = None
 
-    def _wait_ack(self, ch: Channel, seq: int, nbytes: int, verify: bool, forward: ForwardHooks) -> dict[str, Any]:
+    def _wait_ack(self, ch: Channel, seq: int, nbytes: int, verify: bool, forward: ForwardHooks,
+                  resumer: Resumer) -> dict[str, Any]:
         """The receiver's ack.  While it verifies and runs its on_landed (the CLI writes the files) it sends
         "wait" frames: each resets the stall wait, so only a receiver that stopped answering times out early.
         The whole wait is still bounded (hashing at >= 1 GB/s, writing at >= 100 MB/s, plus a minute, plus,
         for a fan-out, what the rest of the chain may take), so a hanging on_landed cannot hold this sender
-        forever."""
+        forever.  A ``resume`` frame (the receiver lost data streams) is followed (:class:`Resumer`) and
+        starts the wait anew."""
         limit = control.control_timeout(self.stall_timeout)
         waited_from = time.monotonic()
         give_up = waited_from + limit + 60.0 + nbytes / control.ALLOCATION_FLOOR_BYTES_PER_S \
@@ -294,8 +322,15 @@ class Sender:
             if left <= 0:
                 raise TransferTimeout(f"the receiver kept working on transfer {seq} past {give_up - waited_from:.0f} s "
                                       f"without acknowledging it (its on_landed may hang)")
-            ack = ch.recv("ack", "wait", timeout=min(limit, left))
-            if ack["type"] == "ack":
+            try:
+                ack = ch.recv("ack", "wait", "resume", timeout=resumer.wait_limit(min(limit, left), self.stall_timeout))
+            except TensorXferError as e:
+                raise resumer.failed(e) from None
+            if ack["type"] == "resume":
+                resumer.follow(ack)
+                give_up += time.monotonic() - waited_from
+                waited_from = time.monotonic()
+            elif ack["type"] == "ack":
                 break
         if field(ack, "seq", int) != seq or field(ack, "bytes", int) != nbytes:
             raise ProtocolError(f"ack does not match transfer {seq} of {nbytes} bytes")

@@ -38,9 +38,10 @@ from tensorxfer.errors import (
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import Channel, field
 from tensorxfer.region import TensorRegion
-from tensorxfer.session import control
+from tensorxfer.session import control, recovery
 from tensorxfer.session.hooks import Forwarder, ForwardJob
 from tensorxfer.session.offer import ManifestCache, Offer
+from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
 from tensorxfer.session.stats import TransferStats, UpdateClock
 from tensorxfer.session.targets import Target
 from tensorxfer.transport.base import Progress, TransferContext, setup_flag
@@ -97,8 +98,10 @@ class ServerSession:
 
     def __init__(self, ch: Channel, session_key: bytes, stall_timeout: float,
                  make_transport: Callable[[str, TransferContext], Any], available: Callable[[str], str | None],
-                 forwarder: Forwarder | None = None, no_forward: str = "", require_verify: bool = False) -> None:
+                 forwarder: Forwarder | None = None, no_forward: str = "", require_verify: bool = False,
+                 recovery: RecoveryPolicy | None = DEFAULT_POLICY) -> None:
         self.channel = ch
+        self._recovery = recovery
         self._require_verify = require_verify
         self._key = session_key
         self.stall_timeout = stall_timeout
@@ -217,11 +220,15 @@ class ServerSession:
             self.channel.send("accept", seq=offer.seq, transport=offer.transport, descriptors=descriptors,
                               reallocated=target.reallocated, setup_seconds=clock.setup_seconds)
             transport.meanwhile = target.while_landing
+            # broken tcp streams are resumed within the update when the sender follows resume frames
+            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
+                                   and self._recovery is not None)
             try:
                 with clock.wire():
-                    nbytes = transport.wait(progress)
+                    nbytes, recovered = recovery.receive(transport, self.channel, offer.seq, self._recovery, progress)
             finally:
                 transport.meanwhile = None      # the target (and its region) is this update's only
+                transport.resumable = False
             if job is not None:
                 job.all_landed()
             region = target.landed(transport)
@@ -240,7 +247,7 @@ class ServerSession:
             raise
         stats = clock.stats(nbytes, offer.transport, descriptors.get("streams", 1), transport.counters,
                             transport.registration, verified=offer.verify, reallocated=target.reallocated,
-                            update=offer.seq, setup=setup)
+                            update=offer.seq, setup=setup, recovery=recovered)
         self.idle_since = time.monotonic()
         return region, stats
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tensorxfer.session.recovery import Recovery
     from tensorxfer.transport.base import Counters
 
 
@@ -31,7 +32,12 @@ class TransferStats:
     (``"reg_dmabuf_mr"`` / ``"reg_mr"``; empty for transports that register
     nothing).  ``last_byte_seconds`` runs from the offer to the last byte
     (sent, over tcp; landed, over ipc and rdma): in a fan-out chain it
-    shows which hop held the others back.
+    shows which hop held the others back.  ``retries``, ``resent_bytes`` and
+    ``recovery_seconds`` say what recovering broken data streams within the
+    update cost (:mod:`tensorxfer.session.recovery`): reconnect rounds, the
+    bytes the sender sent twice (0 on a receiver: it never takes a landed
+    byte again), and the seconds the resume rounds took (from the first round,
+    once every stream that held had finished, to the last byte).
     """
 
     bytes: int
@@ -47,6 +53,9 @@ class TransferStats:
     registration: str = ""
     counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
     last_byte_seconds: float = 0.0
+    retries: int = 0
+    resent_bytes: int = 0
+    recovery_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -61,7 +70,8 @@ class TransferStats:
                 "streams": self.streams, "verified": self.verified, "reallocated": self.reallocated,
                 "update": self.update, "setup": self.setup, "setup_seconds": self.setup_seconds,
                 "wire_seconds": self.wire_seconds, "wire_gbps": self.wire_gbps, "registration": self.registration,
-                "counters": dict(self.counters), "last_byte_seconds": self.last_byte_seconds}
+                "counters": dict(self.counters), "last_byte_seconds": self.last_byte_seconds,
+                "retries": self.retries, "resent_bytes": self.resent_bytes, "recovery_seconds": self.recovery_seconds}
 
 
 class UpdateClock:
@@ -91,9 +101,14 @@ class UpdateClock:
         self.last_byte_seconds = end - self.start
 
     def stats(self, nbytes: int, transport: str, streams: int, counters: Counters, registration: str = "", *,
-              verified: bool, reallocated: bool, update: int, setup: bool) -> TransferStats:
-        """The update's :class:`TransferStats`, with the transport's counters as they are now."""
+              verified: bool, reallocated: bool, update: int, setup: bool,
+              recovery: Recovery | None = None) -> TransferStats:
+        """The update's :class:`TransferStats`, with the transport's counters as they are now (and what
+        ``recovery`` did, if anything)."""
         return TransferStats(nbytes, self.elapsed(), transport, streams, verified=verified, reallocated=reallocated,
                              update=update, setup=setup, setup_seconds=self.setup_seconds if setup else 0.0,
                              wire_seconds=self.wire_seconds, registration=registration, counters=counters.as_dict(),
-                             last_byte_seconds=self.last_byte_seconds)
+                             last_byte_seconds=self.last_byte_seconds,
+                             retries=recovery.retries if recovery else 0,
+                             resent_bytes=recovery.resent_bytes if recovery else 0,
+                             recovery_seconds=recovery.seconds if recovery else 0.0)

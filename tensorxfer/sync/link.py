@@ -25,10 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorxfer.connections import Gate, connect_words, listen
-from tensorxfer.errors import PeerLost, PlanError, ProtocolError, TensorXferError, TransferError, TransferTimeout
+from tensorxfer.errors import (
+    LinkDropped,
+    PeerLost,
+    PlanError,
+    ProtocolError,
+    TensorXferError,
+    TransferError,
+    TransferTimeout,
+)
 from tensorxfer.protocol import Channel, client_handshake, field, server_handshake, token_key
 from tensorxfer.region import TensorRegion
-from tensorxfer.session import control
+from tensorxfer.session import control, recovery
+from tensorxfer.session.recovery import DEFAULT_POLICY, Resumer
 from tensorxfer.sync.clock import StepClock
 from tensorxfer.sync.workers import Workers
 from tensorxfer.transport import TRANSPORTS, choose, local_capabilities, local_transports
@@ -63,11 +72,14 @@ class FeedStep:
     setup: bool
     runs: int
     t0: float                   # the offer arrived
+    resume: bool = False        # the source follows resume frames when this pair's data streams break
 
 
 @dataclass(frozen=True)
 class PairStats:
-    """What one step moved between one source and one target."""
+    """What one step moved between one source and one target; ``retries``, ``resent_bytes`` and
+    ``recovery_seconds`` say what recovering this pair's broken data streams cost (as for
+    :class:`~tensorxfer.session.TransferStats`; a pair whose streams held shows zeros)."""
 
     source: int
     target: int
@@ -77,6 +89,9 @@ class PairStats:
     runs: int
     transport: str
     setup: bool
+    retries: int = 0
+    resent_bytes: int = 0
+    recovery_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -85,7 +100,8 @@ class PairStats:
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target, "bytes": self.bytes, "seconds": self.seconds,
                 "wire_seconds": self.wire_seconds, "gbps": self.gbps, "runs": self.runs, "transport": self.transport,
-                "setup": self.setup}
+                "setup": self.setup, "retries": self.retries, "resent_bytes": self.resent_bytes,
+                "recovery_seconds": self.recovery_seconds}
 
 
 def _sync_caps(group: str, role: str, rank: int) -> dict[str, Any]:
@@ -162,7 +178,8 @@ class SourceLink:
                 self._transport = TRANSPORTS[self.transport][0](ctx)
             fresh = self._transport.needs_setup(region)
             self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
-                          bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest)
+                          bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest,
+                          resume=self._transport.can_resume)
             # as Sender: a warm ipc step's data goes right behind the offer, before the accept
             return PairStep(region, segments, self._seq, t0, fresh, self._transport.posts_early and not fresh)
 
@@ -190,17 +207,33 @@ class SourceLink:
                     raise ProtocolError(f"sync: the target set the {self.transport} data path up again (step {seq}), "
                                         f"but this warm step's data was already on its way")
                 transport.collect()
-            else:
+            resumer = Resumer(transport, step.region, seq, DEFAULT_POLICY, None)
+            if not step.early:
                 transport.connect(step.region, seq, descriptors, segments=step.segments)
                 step.t1 = time.perf_counter()
-                step.moved = transport.send(step.region)
+                transport.resumable = resumer.enabled
+                try:
+                    step.moved = transport.send(step.region)
+                except LinkDropped as e:    # the target knows what landed: it asks for the rest after our done
+                    step.moved = resumer.broke(e)
+                finally:
+                    transport.resumable = False
                 ch.send("done", seq=seq, bytes=step.moved)
             wire = time.perf_counter() - step.t1
-            ack = ch.recv("ack", timeout=self.clock.reply(setup))
+            while True:
+                try:
+                    ack = ch.recv("ack", "resume", timeout=resumer.wait_limit(self.clock.reply(setup),
+                                                                                self.stall_timeout))
+                except TensorXferError as e:
+                    raise resumer.failed(e) from None
+                if ack["type"] == "ack":
+                    break
+                resumer.follow(ack)
             if field(ack, "seq", int) != seq or field(ack, "bytes", int) != step.moved:
                 raise ProtocolError(f"sync: ack does not match step {seq} of {step.moved} bytes")
+        rec = resumer.recovery
         return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
-                         step.segments.num_runs, self.transport, setup)
+                         step.segments.num_runs, self.transport, setup, rec.retries, rec.resent_bytes, rec.seconds)
 
     def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
         """The three phases at once: one pair's whole step (raises as :meth:`offer`)."""
@@ -281,20 +314,25 @@ class _Feed:
                 transport.copy_host = self.copy_host
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
         ch.send("accept", seq=seq, transport=name, descriptors=descriptors)
-        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0)
+        return FeedStep(seq, version, name, transport, setup_flag(descriptors), segments.num_runs, t0,
+                        offer.get("resume") is True and transport.can_resume)
 
     def land(self, fs: FeedStep) -> tuple[int, PairStats]:
         """Phase 2: the data (landed by the transport), the source's done, the ack: (the version it carried,
         its stats)."""
         t1 = time.perf_counter()
-        moved = fs.transport.wait()
+        fs.transport.resumable = fs.resume
+        try:
+            moved, rec = recovery.receive(fs.transport, self.ch, fs.seq, DEFAULT_POLICY, None)
+        finally:
+            fs.transport.resumable = False
         wire = time.perf_counter() - t1
         done = self.ch.recv("done", timeout=StepClock(self.stall_timeout).reply(fs.setup))
         if field(done, "seq", int) != fs.seq or field(done, "bytes", int) != moved:
             raise ProtocolError(f"sync: done from source {self.source} does not match step {fs.seq} of {moved} bytes")
         self.ch.send("ack", seq=fs.seq, bytes=moved)
         return fs.version, PairStats(self.source, -1, moved, time.perf_counter() - fs.t0, wire, fs.runs, fs.name,
-                                     fs.setup)
+                                     fs.setup, rec.retries, rec.resent_bytes, rec.seconds)
 
     def close(self) -> None:
         for transport in self.transports.values():

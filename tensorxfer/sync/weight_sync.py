@@ -598,8 +598,7 @@ class WeightSync:
             self.version = version
             if self.elastic:
                 self.members.report(step, True, version, {})
-            pairs = tuple(PairStats(s, self.rank, st.bytes, st.seconds, st.wire_seconds, st.runs, st.transport,
-                                    st.setup) for s, (_, st) in sorted(results.items()))
+            pairs = tuple(dataclasses.replace(st, source=s, target=self.rank) for s, (_, st) in sorted(results.items()))
             self.last_stats = SyncStats(version, sum(p.bytes for p in pairs), time.perf_counter() - t0, 0.0, pairs,
                                         epoch=self._planned)
             return version

@@ -28,7 +28,11 @@ twice and from another thread (that is how the engine aborts a stuck
 transfer).  Errors are the engine's: :class:`~tensorxfer.errors.PeerLost`,
 :class:`~tensorxfer.errors.TransferTimeout` (nothing moved for
 ``stall_timeout`` seconds), :class:`~tensorxfer.errors.ProtocolError`.  A
-failed update ends the session, so a transport never resumes after an error.
+failed update ends the session.  The one exception: a transport with ``can_resume`` whose ``resumable``
+hook is set for an update reports broken streams as :class:`~tensorxfer.errors.LinkDropped` (the
+others finish), and the session may reconnect them within that update
+(:meth:`ReceiverTransport.prepare_resume`, :meth:`ReceiverTransport.wait_resume`,
+:meth:`SenderTransport.resume`; :mod:`tensorxfer.session.recovery` drives them).
 
 Hooks a fan-out relay fills (declared here, set by the session around one
 update, never discovered): a receiving half reports every range that landed
@@ -54,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from tensorxfer.errors import PeerLost, ProtocolError
+from tensorxfer.errors import LinkDropped, PeerLost, ProtocolError
 
 if TYPE_CHECKING:
     from tensorxfer.manifest import Manifest
@@ -188,6 +192,8 @@ class ReceiverTransport(_Half):
 
     on_piece: Callable[[int, int], None] | None = None
     meanwhile: Callable[[], None] | None = None
+    can_resume: ClassVar[bool] = False
+    resumable: bool = False     # hook: this update may resume (set by the session before wait())
 
     @abstractmethod
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
@@ -207,6 +213,24 @@ class ReceiverTransport(_Half):
         ------
         PeerLost, TransferTimeout, ProtocolError
         """
+
+    def prepare_resume(self, dropped: LinkDropped) -> dict[str, Any]:
+        """Where ``can_resume``: get ready for new connections replacing the streams ``dropped`` names (it
+        came from :meth:`wait` or :meth:`wait_resume` of this update); return msgpack-able descriptors for
+        the ``resume`` frame -- where to connect and, per broken stream, how many of its bytes landed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume an update")
+
+    def wait_resume(self, progress: Progress | None = None) -> int:
+        """Admit the replacement streams and receive the rest of their shares; return the bytes received.
+
+        Raises
+        ------
+        LinkDropped
+            A replacement stream broke too (its ``landed`` counts on from the first try).
+        TransferTimeout
+            The sender did not reconnect in time.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot resume an update")
 
 
 class ShareReceiverTransport(_Half):
@@ -246,6 +270,8 @@ class SenderTransport(_Half):
     follows_landing: ClassVar[bool] = False
     posts_early: ClassVar[bool] = False
     landing: Landing | None = None
+    can_resume: ClassVar[bool] = False
+    resumable: bool = False     # hook: this update may resume (set by the session around send())
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
@@ -293,6 +319,21 @@ class SenderTransport(_Half):
         ------
         PeerLost, TransferTimeout
         """
+
+    def resume(self, region: TensorRegion, descriptors: dict[str, Any],
+               progress: Progress | None = None) -> tuple[int, int]:
+        """Where ``can_resume``: after :meth:`send` raised :class:`~tensorxfer.errors.LinkDropped`, reconnect
+        the streams the receiver's ``resume`` descriptors name and send each from where it landed.
+        Return ``(bytes sent, bytes sent again)``: the second counts what had been sent before the break.
+
+        Raises
+        ------
+        LinkDropped
+            A replacement stream broke too.
+        ProtocolError
+            The descriptors name a stream or an offset this update does not have.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot resume an update")
 
     def post_early(self, region: TensorRegion, seq: int, segments: Segments | None = None) -> int:
         """Where ``posts_early``: start update ``seq`` of ``region`` (``segments``: only these runs, as for

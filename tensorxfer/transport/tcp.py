@@ -51,13 +51,10 @@ import logging
 import os
 import socket
 import struct
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from tensorxfer.connections import Gate, listen, recv_exact, send_all
-from tensorxfer.errors import PeerLost, ProtocolError, TransferTimeout
+from tensorxfer.errors import LinkDropped, PeerLost, ProtocolError, TransferTimeout
 from tensorxfer.protocol import NONCE_BYTES, field, mac, nonce
 from tensorxfer.staging import open_stager, read_pieces, write_pieces
 from tensorxfer.transport.base import (
@@ -69,6 +66,7 @@ from tensorxfer.transport.base import (
     setup_flag,
 )
 from tensorxfer.transport.segments import Segments
+from tensorxfer.transport.tcp_streams import Streams, close_stagers, move_part, send_counted
 
 if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
@@ -94,6 +92,8 @@ STREAM_MAGIC = b"TXS1"
 STREAM_HEADER = struct.Struct(">4sQII32s")     # once per stream: magic, setup update, index, count, proof
 UPDATE_MAGIC = b"TXU1"
 UPDATE_HEADER = struct.Struct(">4sQ")          # every update, on every stream: magic, update number
+RESUME_MAGIC = b"TXR1"
+RESUME_HEADER = struct.Struct(">4sQQ")         # a replacement stream: magic, update number, where its share resumes
 
 
 def plan_slices(nbytes: int, streams: int) -> list[tuple[int, int]]:
@@ -123,89 +123,6 @@ def _stream_proof(ctx: TransferContext, stream_nonce: bytes, seq: int, index: in
     return mac(ctx.session_key, b"tcp-stream", stream_nonce, struct.pack(">QII", seq, index, count))
 
 
-IOV_BATCH = 512               # buffers per sendmsg / recvmsg_into call (the kernel's IOV_MAX is 1024)
-
-
-def _move_part(sock: socket.socket, region: TensorRegion, part: Segments, index: int, stager: Any, timeout: float,
-               report: Progress, receive: bool) -> None:
-    """Send (gather) or receive (scatter) one stream's part of a weight sync's segments.
-
-    Host regions: the runs' region slices go straight to ``sendmsg`` / ``recvmsg_into``, hundreds per call,
-    so a row-parallel shard's thousands of rows cost a few system calls.  GPU regions: run by run through
-    the stream's pinned buffers (correct, not fast: a GPU weight sync belongs on ipc or rdma).
-    """
-    sock.settimeout(timeout)
-    what = "receive" if receive else "send"
-    try:
-        if region.is_cuda:
-            for src, dst, n in part.runs():
-                pieces = (write_pieces(region, dst, n, PIECE_BYTES, stager=stager) if receive else
-                          read_pieces(region, src, n, PIECE_BYTES, stager=stager))
-                with pieces as it:
-                    for _, piece in it:
-                        _scatter_gather(sock, [piece], receive, index, report)
-            return
-        with memoryview(region.region) as whole, whole.cast("B") as mem:
-            views: list[memoryview] = []
-            for off, n in _extents(part, receive):
-                for p in range(off, off + n, PIECE_BYTES):
-                    views.append(mem[p:min(p + PIECE_BYTES, off + n)])
-                if len(views) >= IOV_BATCH:
-                    _scatter_gather(sock, views, receive, index, report)
-                    views = []
-            if views:
-                _scatter_gather(sock, views, receive, index, report)
-    except TimeoutError:
-        raise TransferTimeout(f"tcp stream {index}: no progress for {timeout} s during a segmented "
-                              f"{what}") from None
-    except ConnectionError as e:
-        if isinstance(e, PeerLost):
-            raise
-        raise PeerLost(f"tcp stream {index}: connection lost during a segmented {what}: {e}") from None
-
-
-def _extents(part: Segments, receive: bool) -> list[tuple[int, int]]:
-    """This side's byte ranges of ``part``, in wire order, with ranges that touch merged into one: the rows of
-    a row-parallel shard are scattered on the source but one block on the target, which receives it with
-    one buffer instead of one per row."""
-    src, dst, n = part.flat()
-    off = dst if receive else src
-    if not len(n):
-        return []
-    starts = np.flatnonzero(np.concatenate(([True], off[1:] != off[:-1] + n[:-1])))
-    ends = np.concatenate((starts[1:], [len(n)]))
-    sizes = np.add.reduceat(n, starts)
-    return list(zip(off[starts].tolist(), sizes.tolist())) if len(ends) else []
-
-
-def _scatter_gather(sock: socket.socket, views: list[memoryview], receive: bool, index: int,
-                    report: Progress) -> None:
-    """Fill (``receive``) or send every view, in order, with as few system calls as the kernel allows."""
-    i, skip = 0, 0
-    while i < len(views):
-        batch = [views[i][skip:], *views[i + 1:i + IOV_BATCH]]
-        k = sock.recvmsg_into(batch)[0] if receive else sock.sendmsg(batch)
-        if k == 0:
-            raise PeerLost(f"tcp stream {index}: the peer closed the connection; the transfer is incomplete")
-        report(k)
-        while k:
-            room = len(views[i]) - skip
-            if k >= room:
-                k -= room
-                i, skip = i + 1, 0
-            else:
-                skip, k = skip + k, 0
-    for v in views:
-        v.release()
-
-
-def _close_stagers(stagers: list[Any]) -> None:
-    while stagers:
-        stager = stagers.pop()
-        if stager is not None:
-            stager.close()
-
-
 def _tune(sock: socket.socket) -> None:
     # Streams stay open between updates: without TCP_NODELAY the last partial segment of a slice can
     # wait for the receiver's delayed ACK (up to 40 ms) before it leaves, on every update.
@@ -215,69 +132,17 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-class _Streams:
-    """Threads moving slices, one per socket; the first error aborts all of them."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.socks: list[socket.socket] = []
-        self.threads: list[threading.Thread] = []
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._progress: Progress | None = None
-
-    def start(self, sock: socket.socket, target: Any, *args: Any) -> None:
-        def run() -> None:
-            try:
-                target(sock, *args)
-            except BaseException as e:
-                with self._lock:
-                    if self.error is None:
-                        self.error = e
-                self.abort()
-        t = threading.Thread(target=run, name=f"tensorxfer-{self.what}-{len(self.threads)}", daemon=True)
-        self.threads.append(t)
-        t.start()
-
-    def report(self, n: int) -> None:
-        if self._progress is not None:
-            self._progress(n)
-
-    def abort(self) -> None:
-        """Wake every thread blocked in a socket call (safe from any thread)."""
-        for s in list(self.socks):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass   # already disconnected: nothing to wake
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join()
-        self.threads.clear()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self.abort()
-        for t in self.threads:
-            t.join()
-        self.threads.clear()
-        socks, self.socks = self.socks, []
-        for s in socks:
-            s.close()
-
-
 class TcpReceiver(ReceiverTransport):
     """Receives a region over parallel TCP streams into region memory; the streams live for the session."""
 
     name: ClassVar[str] = "tcp"
+    can_resume: ClassVar[bool] = True
     _closing = False
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self._gate: Gate | None = None         # open only while a setup waits for its streams
-        self._streams = _Streams("recv")
+        self._streams = Streams("recv")
         self._slices: list[tuple[int, int]] = []
         self._parts: list[Segments] | None = None     # a weight sync's runs, one part per stream (else slices)
         self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
@@ -285,6 +150,8 @@ class TcpReceiver(ReceiverTransport):
         self._nonce = b""
         self._seq = 0
         self._setup_seq = 0
+        self._admit: set[int] = set()          # the stream indices the open gate admits
+        self._resume_from: dict[int, int] = {}     # a resumed update: broken stream -> bytes of its share landed
 
     def prepare(self, region: TensorRegion, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]:
         """Reuse the session's streams, or (first update, new region, ``fresh``) open a listener for new ones.
@@ -313,6 +180,7 @@ class TcpReceiver(ReceiverTransport):
         self._region = region
         self._nonce = nonce()
         self._setup_seq = seq
+        self._admit = set(range(len(self._slices)))
         self._gate = Gate(listen(self.ctx.local_host), self._identify, min(HEADER_TIMEOUT, self.ctx.stall_timeout),
                           "tcp data stream")
         return dict(self._descriptors(True), port=self._gate.address[1], nonce=self._nonce)
@@ -354,41 +222,104 @@ class TcpReceiver(ReceiverTransport):
                 self._stagers.append(open_stager(self._region, PIECE_BYTES))
             self.counters.connects += 1
         self._streams._progress = progress
+        self._streams.begin(self.resumable)
         for index, sock in enumerate(self._streams.socks):
-            self._streams.start(sock, self._recv_update, index)
+            self._streams.start(sock, self._recv_update, index, False, index=index)
         if self.meanwhile is not None:
             self.meanwhile()        # the streams receive in their threads meanwhile
         self._streams.join()
+        total = sum(length for _, length in self._slices)
+        # A GPU region's bytes are landed only once its stager copied them: such a stream resumes from its start.
+        dropped = self._streams.dropped(total, landed_ok=not self._region.is_cuda)
+        if dropped is not None:
+            raise dropped
         self.counters.updates += 1
-        return sum(length for _, length in self._slices)
+        return total
+
+    def prepare_resume(self, dropped: LinkDropped) -> dict[str, Any]:
+        """Open a listener for replacement streams of the broken ones; the descriptors say, per stream, how
+        many bytes of its share landed (the sender sends from there).  Only a new connection that proves
+        itself with the new nonce, this update's number and a broken stream's index is admitted."""
+        if self._region is None or self._gate is not None:
+            raise ProtocolError("TcpReceiver.prepare_resume() outside a broken update")
+        self._resume_from = dict(dropped.landed)
+        for index, landed in self._resume_from.items():
+            self._streams.moved[index] = landed
+        self._nonce, self._setup_seq, self._admit = nonce(), self._seq, set(self._resume_from)
+        self._gate = Gate(listen(self.ctx.local_host), self._identify, min(HEADER_TIMEOUT, self.ctx.stall_timeout),
+                          "tcp data stream (resumed)")
+        return {"port": self._gate.address[1], "nonce": self._nonce,
+                "streams": [[index, landed] for index, landed in sorted(self._resume_from.items())]}
+
+    def wait_resume(self, progress: Progress | None = None) -> int:
+        """Admit the replacement streams, receive the rest of their shares; return the bytes received."""
+        gate = self._gate
+        if gate is None or self._region is None:
+            raise ProtocolError("TcpReceiver.wait_resume() before prepare_resume()")
+        try:
+            admitted = gate.admit(len(self._resume_from), timeout=self.ctx.stall_timeout,
+                                  abort=self.ctx.setup_abort("tcp", lambda: self._closing))
+        finally:
+            gate.close()
+            self._gate = None
+        if len({index for _, index in admitted}) != len(admitted):
+            for conn, _ in admitted:
+                conn.close()
+            raise ProtocolError("tcp: two resumed streams proved the same stream index (a replayed header)")
+        for conn, index in admitted:
+            _tune(conn)
+            self._streams.replace(index, conn)
+        self.counters.connects += 1
+        before = sum(self._streams.moved)
+        self._streams._progress = progress
+        self._streams.broken.clear()
+        for index in sorted(self._resume_from):
+            self._streams.start(self._streams.socks[index], self._recv_update, index, True, index=index)
+        self._streams.join()
+        dropped = self._streams.dropped(sum(length for _, length in self._slices), not self._region.is_cuda)
+        if dropped is not None:
+            raise dropped
+        self.counters.updates += 1
+        return sum(self._streams.moved) - before
 
     def _identify(self, conn: socket.socket) -> int | None:
         """The stream index a new connection proves (None: a stranger, dropped by the gate)."""
         buf = recv_exact(conn, STREAM_HEADER.size, None, "a tcp stream header")
         magic, seq, index, count, proof = STREAM_HEADER.unpack(buf)
-        expected = _stream_proof(self.ctx, self._nonce, seq, index, count) if index < len(self._slices) else b""
+        expected = _stream_proof(self.ctx, self._nonce, seq, index, count) if index in self._admit else b""
         if (magic != STREAM_MAGIC or seq != self._setup_seq or count != len(self._slices)
                 or not hmac.compare_digest(proof, expected)):
             return None
         return int(index)
 
-    def _recv_update(self, sock: socket.socket, index: int) -> None:
-        magic, seq = UPDATE_HEADER.unpack(recv_exact(sock, UPDATE_HEADER.size, self.ctx.stall_timeout,
-                                                     f"tcp stream {index}'s update header"))
-        if magic != UPDATE_MAGIC or seq != self._seq:
-            raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
+    def _recv_update(self, sock: socket.socket, index: int, resumed: bool) -> None:
+        start = 0
+        if resumed:     # a replacement stream says where it resumes: it must be where this side's share ends
+            magic, seq, start = RESUME_HEADER.unpack(recv_exact(sock, RESUME_HEADER.size, self.ctx.stall_timeout,
+                                                                f"tcp stream {index}'s resume header"))
+            if magic != RESUME_MAGIC or seq != self._seq or start != self._streams.moved[index]:
+                raise ProtocolError(f"tcp stream {index}: resume header {magic!r}/{seq}/{start}, expected update "
+                                    f"{self._seq} from byte {self._streams.moved[index]}")
+        else:
+            magic, seq = UPDATE_HEADER.unpack(recv_exact(sock, UPDATE_HEADER.size, self.ctx.stall_timeout,
+                                                         f"tcp stream {index}'s update header"))
+            if magic != UPDATE_MAGIC or seq != self._seq:
+                raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
         if self._parts is not None:
             assert self._region is not None
-            _move_part(sock, self._region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
-                       self._streams.report, receive=True)
+            move_part(sock, self._region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
+                       self._streams.counter(index), receive=True, start=start, piece_bytes=PIECE_BYTES)
             return
-        self._recv_slice(sock, index)
+        self._recv_slice(sock, index, start)
 
-    def _recv_slice(self, sock: socket.socket, index: int) -> None:
-        """Receive stream ``index``'s slice straight into region memory (host) or through its stager (GPU)."""
+    def _recv_slice(self, sock: socket.socket, index: int, start: int) -> None:
+        """Receive stream ``index``'s slice (from byte ``start`` of it) straight into region memory (host) or
+        through its stager (GPU)."""
         assert self._region is not None
         offset, length = self._slices[index]
+        offset, length = offset + start, length - start
         sock.settimeout(self.ctx.stall_timeout)
+        count = self._streams.counter(index)
         pos = offset
         try:
             # A relay (tensorxfer.fanout) forwards host-region bytes as they land; a GPU region's slot is
@@ -405,7 +336,7 @@ class TcpReceiver(ReceiverTransport):
                         if on_piece is not None:
                             on_piece(pos + got, k)
                         got += k
-                        self._streams.report(k)
+                        count(k)
         except TimeoutError:
             raise TransferTimeout(f"tcp stream {index}: no data for {self.ctx.stall_timeout} s at region offset "
                                   f"{pos}; the sender stalled") from None
@@ -420,7 +351,7 @@ class TcpReceiver(ReceiverTransport):
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.close()
-        _close_stagers(self._stagers)
+        close_stagers(self._stagers)
 
     def close(self) -> None:
         """Close the listener and every stream; idempotent, callable from another thread."""
@@ -433,10 +364,11 @@ class TcpSender(SenderTransport):
 
     name: ClassVar[str] = "tcp"
     follows_landing: ClassVar[bool] = True     # each stream waits for every piece of its slice to land
+    can_resume: ClassVar[bool] = True
 
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
-        self._streams = _Streams("send")
+        self._streams = Streams("send")
         self._stagers: list[Any] = []          # one per stream for the session (None for host regions)
         self._count = 0
         self._slice_bytes = 0
@@ -489,7 +421,7 @@ class TcpSender(SenderTransport):
         if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES:
             raise ProtocolError(f"tcp accept descriptors out of range: port {port}, {len(stream_nonce)}-byte nonce")
         self._streams.close()
-        _close_stagers(self._stagers)
+        close_stagers(self._stagers)
         self._region = None
         self._count = count
         self._slice_bytes = slice_bytes
@@ -516,6 +448,8 @@ class TcpSender(SenderTransport):
             The receiver closed or reset a stream.
         TransferTimeout
             A stream made no progress for ``stall_timeout`` seconds.
+        LinkDropped
+            ``resumable``: some streams broke (the others finished); :meth:`resume` may send the rest.
         """
         if self._parts is not None:
             return self._send_parts(region, progress)
@@ -523,18 +457,85 @@ class TcpSender(SenderTransport):
         if len(slices) != self._count or region is not self._region:
             raise ProtocolError(f"receiver asked for {self._count} streams of {self._slice_bytes} bytes; "
                                 f"{region.nbytes} bytes make {len(slices)} such slices")
+        self._streams.begin(self.resumable)
+        self._run_streams(region, progress, {index: None for index in range(self._count)})
+        self.counters.updates += 1
+        return region.nbytes
+
+    def _run_streams(self, region: TensorRegion, progress: Progress | None, starts: dict[int, int | None]) -> None:
+        """Send stream ``i``'s share on its socket for every ``i`` in ``starts`` (``None``: the whole share
+        after an update header; else from that byte after a resume header); a broken stream of a resumable
+        update raises :class:`LinkDropped` once the others finished (their streams stay), anything else
+        closes every stream."""
         self._streams._progress = progress
-        update = UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq)
+        target = self._send_part if self._parts is not None else self._send_update
         try:
-            for index, sock in enumerate(self._streams.socks):
-                self._streams.start(sock, self._send_update, update, region, index, slices[index])
+            for index, start in starts.items():
+                self._streams.start(self._streams.socks[index], target, region, index, start, index=index)
             self._streams.join()
         except BaseException:
             self._streams.close()
             self._region = None
             raise
+        dropped = self._streams.dropped(self._total(region))
+        if dropped is not None:
+            raise dropped
+
+    def _total(self, region: TensorRegion) -> int:
+        return sum(p.total_bytes for p in self._parts) if self._parts is not None else region.nbytes
+
+    def _share(self, region: TensorRegion, index: int) -> int:
+        """Bytes stream ``index`` moves in one update."""
+        if self._parts is not None:
+            return self._parts[index].total_bytes
+        return slices_of(region.nbytes, self._slice_bytes)[index][1]
+
+    def _header(self, sock: socket.socket, index: int, start: int | None) -> None:
+        header = (UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq) if start is None else
+                  RESUME_HEADER.pack(RESUME_MAGIC, self._seq, start))
+        send_all(sock, header, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
+
+    def resume(self, region: TensorRegion, descriptors: dict[str, Any],
+               progress: Progress | None = None) -> tuple[int, int]:
+        """Reconnect each stream the receiver's ``resume`` descriptors name (proved with their nonce) and send
+        its share from where the receiver says it landed; return ``(bytes sent, bytes sent again)``."""
+        if region is not self._region:
+            raise ProtocolError("tcp: resume() for a region this sender is not sending")
+        port = field(descriptors, "port", int)
+        stream_nonce = field(descriptors, "nonce", bytes)
+        wanted = field(descriptors, "streams", list)
+        if not 0 < port < 65536 or len(stream_nonce) != NONCE_BYTES or not 0 < len(wanted) <= self._count:
+            raise ProtocolError(f"tcp resume descriptors out of range: port {port}, {len(wanted)} streams")
+        starts: dict[int, int] = {}
+        for item in wanted:
+            if not (isinstance(item, list) and len(item) == 2 and all(type(v) is int for v in item)
+                    and 0 <= item[0] < self._count and item[0] not in starts
+                    and 0 <= item[1] <= self._share(region, item[0])):
+                raise ProtocolError(f"tcp resume descriptors: {item!r} is no stream of this update and a "
+                                    f"byte of its share")
+            starts[item[0]] = item[1]
+        again = sum(max(0, self._streams.moved[i] - start) for i, start in starts.items())
+        for index, start in starts.items():
+            try:
+                sock = socket.create_connection((self.ctx.peer_host, port), timeout=self.ctx.stall_timeout)
+            except OSError as e:
+                raise PeerLost(f"tcp stream {index}: cannot reconnect to {self.ctx.peer_host}:{port}: {e}") from None
+            self._streams.replace(index, sock)
+            _tune(sock)
+            send_all(sock, STREAM_HEADER.pack(STREAM_MAGIC, self._seq, index, self._count,
+                                              _stream_proof(self.ctx, stream_nonce, self._seq, index, self._count)),
+                     self.ctx.stall_timeout, f"tcp stream {index}'s header")
+            self._streams.moved[index] = start
+        self.counters.connects += 1
+        before = sum(self._streams.moved)
+        self._streams.broken.clear()
+        try:
+            self._run_streams(region, progress, dict(starts))
+        except LinkDropped as e:
+            e.resent = again
+            raise
         self.counters.updates += 1
-        return region.nbytes
+        return sum(self._streams.moved) - before, again
 
     def _send_parts(self, region: TensorRegion, progress: Progress | None) -> int:
         """A weight sync's update: each stream sends its part of the segments, gathered from region memory."""
@@ -542,30 +543,26 @@ class TcpSender(SenderTransport):
         assert parts is not None
         if region is not self._region or len(parts) != len(self._streams.socks):
             raise ProtocolError("tcp: send() of segments before connect() for this region")
-        self._streams._progress = progress
-        update = UPDATE_HEADER.pack(UPDATE_MAGIC, self._seq)
-
-        def one(sock: socket.socket, index: int) -> None:
-            send_all(sock, update, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
-            _move_part(sock, region, parts[index], index, self._stagers[index], self.ctx.stall_timeout,
-                       self._streams.report, receive=False)
-        try:
-            for index, sock in enumerate(self._streams.socks):
-                self._streams.start(sock, one, index)
-            self._streams.join()
-        except BaseException:
-            self._streams.close()
-            self._region = None
-            raise
+        self._streams.begin(self.resumable)
+        self._run_streams(region, progress, {index: None for index in range(len(parts))})
         self.counters.updates += 1
         return sum(p.total_bytes for p in parts)
 
-    def _send_update(self, sock: socket.socket, update: bytes, region: TensorRegion, index: int,
-                     where: tuple[int, int]) -> None:
-        """One stream's part of an update: the update header, then its slice from region memory (or staged)."""
-        send_all(sock, update, self.ctx.stall_timeout, f"tcp stream {index}'s update header")
-        offset, length = where
+    def _send_part(self, sock: socket.socket, region: TensorRegion, index: int, start: int | None) -> None:
+        """One stream's part of a weight sync's segments (from byte ``start`` of it: resumed)."""
+        assert self._parts is not None
+        self._header(sock, index, start)
+        move_part(sock, region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
+                   self._streams.counter(index), receive=False, start=start or 0, piece_bytes=PIECE_BYTES)
+
+    def _send_update(self, sock: socket.socket, region: TensorRegion, index: int, start: int | None) -> None:
+        """One stream's share of an update: the update header (or, resumed, the resume header), then its slice
+        (from byte ``start`` of it) from region memory (or staged)."""
+        self._header(sock, index, start)
+        offset, length = slices_of(region.nbytes, self._slice_bytes)[index]
+        offset, length = offset + (start or 0), length - (start or 0)
         sock.settimeout(self.ctx.stall_timeout)
+        count = self._streams.counter(index)
         pos = offset
         # A relay waits for each piece to land before sending it (in FORWARD_PIECE_BYTES pieces: the chain's
         # delay per hop).  Staged (GPU) reads run ahead of the loop, so there it waits for the whole slice.
@@ -579,8 +576,7 @@ class TcpSender(SenderTransport):
                 for pos, piece in pieces:
                     if wait is not None:
                         wait(pos, len(piece))
-                    sock.sendall(piece)
-                    self._streams.report(len(piece))
+                    send_counted(sock, piece, count)
         except TimeoutError:
             raise TransferTimeout(f"tcp stream {index}: receiver stopped reading for {self.ctx.stall_timeout} s "
                                   f"at region offset {pos}") from None
@@ -593,5 +589,5 @@ class TcpSender(SenderTransport):
     def close(self) -> None:
         """Close every stream; idempotent, callable from another thread."""
         self._streams.close()
-        _close_stagers(self._stagers)
+        close_stagers(self._stagers)
         self._region = None

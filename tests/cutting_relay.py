@@ -1,0 +1,177 @@
+"""A TCP relay that cuts connections for real: the fault injector of the resume tests (no mocks).
+
+Run as a process: ``python -m tests.cutting_relay --to 127.0.0.1:PORT --cut N[,N...]``.  It listens on
+127.0.0.2 (the same host, another loopback address), forwards the control connection to the receiver,
+and mirrors every data listener the receiver opens on the target address: before it passes on any byte
+from the receiver to the sender (an accept or resume frame, which names a data port), it opens a
+listener on 127.0.0.2 with the same port number for each port listening on the target address
+(``/proc/net/tcp``), so the sender's data streams -- which connect to the control connection's peer --
+go through the relay too.
+
+``--cut`` lists byte counts of the data sent from sender to receiver (all data connections together,
+in arrival order at the relay): when a count is reached, the relay forwards exactly up to it and resets
+the connection that carried it (SO_LINGER 0: an RST to both ends, the way a dropped link or a killed
+middlebox ends a connection).  With ``--stall`` it instead stops carrying that connection at that count and
+keeps it open: a link that went silent (no RST, no FIN), which only the ends' stall timeouts notice.
+
+It prints its port on the first line; on SIGTERM (or stdin closing) it prints one JSON line:
+``data_bytes`` (sender -> receiver, data connections), ``control_bytes``, ``cuts`` (byte counts where it
+cut), ``connections``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+
+RELAY_HOST = "127.0.0.2"
+
+
+def listening_ports(host: str) -> set[int]:
+    """Ports listening on ``host`` in this network namespace (from /proc/net/tcp)."""
+    want = "".join(f"{int(p):02X}" for p in reversed(host.split(".")))
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            addr, port = parts[1].split(":")
+            if parts[3] == "0A" and addr == want:
+                ports.add(int(port, 16))
+    return ports
+
+
+def reset(sock: socket.socket) -> None:
+    """Abort ``sock``: linger 0, so closing sends an RST.  The shutdown first wakes the relay's other thread
+    blocked in recv on it: until that call returns, close() would release nothing and send nothing."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+class Relay:
+    def __init__(self, target_host: str, control_port: int, cuts: list[int], stall: bool = False) -> None:
+        self.stall = stall
+        self.stalled: list[socket.socket] = []      # silent connections, kept open (and referenced) until exit
+        self.target_host = target_host
+        self.control_port = control_port
+        self.cuts = sorted(cuts)
+        self.cut_at: list[int] = []
+        self.data_bytes = 0
+        self.control_bytes = 0
+        self.connections = 0
+        self.lock = threading.Lock()
+        self.mirrors: dict[int, socket.socket] = {}
+        self.control = self._listen(control_port, control=True)     # the receiver's port, on RELAY_HOST
+
+    def _listen(self, port: int, control: bool) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((RELAY_HOST, port))
+        s.listen(64)
+        threading.Thread(target=self._accept, args=(s, control), daemon=True).start()
+        return s
+
+    def mirror(self) -> None:
+        """A listener on RELAY_HOST for every port the receiver listens on (new data listeners)."""
+        for port in listening_ports(self.target_host):
+            if port not in self.mirrors and port != self.control_port:
+                try:
+                    self.mirrors[port] = self._listen(port, control=False)
+                except OSError:
+                    pass    # taken on the relay's address (another test's listener): not ours
+
+    def _accept(self, lst: socket.socket, control: bool) -> None:
+        while True:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return
+            port = self.control_port if control else lst.getsockname()[1]
+            try:
+                up = socket.create_connection((self.target_host, port))
+            except OSError:
+                conn.close()
+                continue
+            for s in (conn, up):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._pump, args=(conn, up, control, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn, control, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, control: bool, forward: bool) -> None:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        try:
+            while True:
+                n = src.recv_into(buf)
+                if n == 0:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if control:
+                    if not forward:
+                        self.mirror()       # the frame may name a data port: it must be there first
+                    with self.lock:
+                        self.control_bytes += n
+                    dst.sendall(view[:n])
+                    continue
+                if not forward:
+                    dst.sendall(view[:n])
+                    continue
+                with self.lock:
+                    start = self.data_bytes
+                    cut = next((c for c in self.cuts if start < c <= start + n), None)
+                    take = n if cut is None else cut - start
+                    self.data_bytes += take
+                    if cut is not None:
+                        self.cuts.remove(cut)
+                        self.cut_at.append(cut)
+                dst.sendall(view[:take])
+                if cut is not None:
+                    if self.stall:
+                        with self.lock:
+                            self.stalled += [src, dst]
+                        return
+                    reset(src)
+                    reset(dst)
+                    return
+        except OSError:
+            reset(src)
+            reset(dst)
+
+    def report(self) -> dict[str, object]:
+        with self.lock:
+            return {"data_bytes": self.data_bytes, "control_bytes": self.control_bytes, "cuts": self.cut_at,
+                    "connections": self.connections}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--to", required=True, help="the receiver's HOST:PORT")
+    ap.add_argument("--cut", default="", help="data byte counts to cut at, comma-separated")
+    ap.add_argument("--stall", action="store_true", help="go silent at the cuts instead of resetting")
+    args = ap.parse_args()
+    host, port = args.to.rsplit(":", 1)
+    cuts = [int(c) for c in args.cut.split(",") if c]
+    relay = Relay(host, int(port), cuts, args.stall)
+    print(relay.control.getsockname()[1], flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    done.wait()
+    print(json.dumps(relay.report()), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
