@@ -39,8 +39,12 @@ import subprocess
 import sys
 import tarfile
 import time
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:     # 3.10: run this with 3.11+ (it builds 3.10 wheels all the same)
+    sys.exit("tools/build_wheels.py needs Python 3.11 or newer to run (tomllib); --python picks what it builds for")
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
@@ -116,14 +120,17 @@ def verbs_headers(dest: Path) -> Path:
 
 def build_requires() -> list[str]:
     with open(ROOT / "pyproject.toml", "rb") as f:
-        return list(tomllib.load(f)["build-system"]["requires"]) + ["wheel"]
+        return [*tomllib.load(f)["build-system"]["requires"], "wheel"]
 
 
 def build_sdist(tools_py: Path, out: Path) -> Path:
     log("sdist")
     for old in out.glob("tensorxfer-*.tar.gz"):
         old.unlink()
-    run([str(tools_py), "-m", "build", "--sdist", "--outdir", str(out), str(ROOT)])
+    done = subprocess.run([str(tools_py), "-m", "build", "--sdist", "--outdir", str(out), str(ROOT)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"build_wheels: the sdist failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
     return next(out.glob("tensorxfer-*.tar.gz"))
 
 
@@ -206,7 +213,7 @@ def main() -> int:
                              capture_output=True, text=True)
     sys.stderr.write(checked.stderr)
     findings = json.loads(checked.stdout) if checked.stdout else []
-    twine = subprocess.run([str(tools_py), "-m", "twine", "check", *map(str, wheels),
+    twine = subprocess.run([str(tools_py), "-m", "twine", "--no-color", "check", *map(str, wheels),
                             *([str(sdist)] if sdist else [])], capture_output=True, text=True)
     print(twine.stdout, end="")
     total = time.monotonic() - t0
@@ -233,8 +240,8 @@ def write_report(path: Path, argv: list[str], wheels: list[Path], shows: dict[st
         lines += ["", f"## {w.name}", "", "`auditwheel show`:", "", "```", shows[w.name].strip(), "```", "",
                   "Modules (DT_NEEDED, newest GLIBC) and kernel images (tools/check_wheel.py):", "", "```"]
         lines += [f"{m}: {', '.join(v['needed'])}; GLIBC_{v['glibc']}" for m, v in f.get("modules", {}).items()]
-        lines += [f"{k}: SASS sm_{', sm_'.join(map(str, v['sass']))}; PTX compute_{', compute_'.join(map(str, v['ptx']))}"
-                  for k, v in f.get("kernels", {}).items()]
+        lines += [f"{k}: SASS sm_{', sm_'.join(map(str, v['sass']))}; "
+                  f"PTX compute_{', compute_'.join(map(str, v['ptx']))}" for k, v in f.get("kernels", {}).items()]
         lines += ["```"]
     lines += ["", "`twine check`:", "", "```", twine.strip(), "```", ""]
     path.write_text("\n".join(lines))
