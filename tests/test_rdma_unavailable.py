@@ -29,6 +29,8 @@ def test_rdma_available_gives_a_reason() -> None:
     why = rdma_available(device="no-such-device")[1]
     if rdma._verbs is None:     # a bare machine: the reason is the missing module, named as such
         assert "No module named 'tensorxfer.transport._verbs'" in why and "libibverbs-dev" in why
+    elif rdma._verbs.library_error() is not None:     # a wheel on a machine without rdma-core
+        assert why == rdma._verbs.library_error() and "apt-get install libibverbs1" in why
     else:
         assert "no-such-device" in why or "no RDMA devices" in why
 
@@ -37,7 +39,9 @@ def test_endpoints_raise_transport_unavailable_without_a_device() -> None:
     ok, _ = rdma_available()
     if ok:
         pytest.skip("an RDMA device is present (covered by tests/test_rdma.py)")
-    reason = "no RDMA devices" if rdma._verbs is not None else "the RDMA transport is not built: No module named"
+    reason = ("the RDMA transport is not built: No module named" if rdma._verbs is None
+              else "libibverbs could not be loaded" if rdma._verbs.library_error() is not None
+              else "no RDMA devices")
     with HostRegion.allocate(4096) as r:
         with pytest.raises(TransportUnavailable, match=reason):
             RdmaSenderEndpoint(r)

@@ -176,7 +176,8 @@ def cuda_report() -> dict[str, Any]:
         else:
             what, fix = "tensorxfer.memory._cuda is not built", (
                 "install cuda-bindings and the CUDA headers (cuda.h; set CUDA_HOME), then reinstall tensorxfer")
-        return {"module": False, "error": str(exc), "fix": fix,
+        error = f"{what} ({exc})" if what.startswith("cuda-bindings") else str(exc)
+        return {"module": False, "error": error, "fix": fix,
                 "problems": [_problem(what, "GPU regions (CUDA VMM, dmabuf export) are unavailable", fix)]}
     from tensorxfer.errors import CudaError
 
