@@ -33,9 +33,8 @@ for dir in /usr/local/cuda /usr/include/infiniband /usr/include/rdma; do
   real=$(readlink -f "$dir" || true)
   if [ -n "$real" ] && [ -d "$real" ]; then mount --bind "$EMPTY" "$real"; hidden+=("$dir"); fi
 done
-if [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so ]; then    # libibverbs-dev's link-time symlink
-  mount --bind /dev/null "$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so)"; hidden+=(libibverbs.so)
-fi
+# (libibverbs-dev's libibverbs.so symlink stays: a bind mount would land on the library it points to, the
+# run-time libibverbs.so.1, and with no compiler or linker here nothing can link against it anyway)
 if [ "$MODE" = --no-rdma-core ]; then
   for lib in /usr/lib/x86_64-linux-gnu/libibverbs.so.1 /usr/lib/x86_64-linux-gnu/librdmacm.so.1; do
     [ -e "$lib" ] && { mount --bind /dev/null "$(readlink -f "$lib")"; hidden+=("$lib"); }

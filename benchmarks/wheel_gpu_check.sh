@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The built wheel on the GPU machine: installed into that machine's Python (into a --target directory, so
-# its site-packages stays as it is), then the cuda-marked tests run against it from a directory without
+# The built wheel on the GPU machine: installed into that machine's Python (a venv over it, made with
+# --system-site-packages: its torch is used, its site-packages stays as it is, and the tests' child
+# processes, which run sys.executable, find the wheel too), then the cuda-marked tests run from a directory without
 # the source tree (issue 41: "On the GPU (device), the same wheel installed into the machine's Python:
 # the cuda-marked tests pass").
 #
@@ -25,39 +26,44 @@ if [ "${1:-}" = --prepare ]; then
   du -sh "$DEPS"
   exit 0
 fi
-
 TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 WHEEL=$(ls "$ROOT"/dist/tensorxfer-*-"$TAG"-"$TAG"-manylinux*.whl 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || { echo "no $TAG wheel in dist/ (python3 tools/build_wheels.py --python ${TAG#cp3}...)"; exit 2; }
 WORK=$(mktemp -d /tmp/tensorxfer-gpu-wheel.XXXXXX)
-SITE="$WORK/site"
-echo "[wheel_gpu_check] $($PY -V) at $(command -v "$PY"); installing $(basename "$WHEEL") into $SITE"
-"$PY" -m pip install -q --no-deps --no-index --target "$SITE" "$WHEEL"
-# dependencies the machine's Python lacks, from dist/gpu-deps (prepared above), into the same target
+"$PY" -m venv --system-site-packages "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+echo "[wheel_gpu_check] $($PY -V) at $(command -v "$PY"); installing $(basename "$WHEEL") into a venv over it"
+"$VPY" -m pip install -q --no-deps --no-index "$WHEEL"
+# dependencies the machine's Python lacks, from dist/gpu-deps (prepared above)
 missing=()
 for mod in numpy msgpack ml_dtypes xxhash cuda.bindings pytest hypothesis psutil safetensors; do
-  "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+  "$VPY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[wheel_gpu_check] not in this Python: ${missing[*]}; installing from dist/gpu-deps"
+  # --no-deps with each one's own dependencies named: pip would otherwise bring a second numpy (ml_dtypes
+  # wants one) in front of the one the machine's torch was built with
   pkgs=()
-  for m in "${missing[@]}"; do case $m in cuda.bindings) pkgs+=("cuda-bindings~=13.0.0");; *) pkgs+=("$m");; esac; done
-  "$PY" -m pip install -q --no-index --find-links "$DEPS" --target "$SITE" "${pkgs[@]}"
+  for m in "${missing[@]}"; do
+    case $m in
+      cuda.bindings) pkgs+=("cuda-bindings~=13.0.0" cuda-pathfinder);;
+      pytest) pkgs+=(pytest iniconfig packaging pluggy pygments);;
+      hypothesis) pkgs+=(hypothesis sortedcontainers);;
+      *) pkgs+=("$m");;
+    esac
+  done
+  "$VPY" -m pip install -q --no-index --no-deps --find-links "$DEPS" "${pkgs[@]}"
 fi
 
 # tests and pytest's configuration, no tensorxfer/ beside them
 mkdir -p "$WORK/stage" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/examples" "$WORK/stage/"
 cd "$WORK/stage"
-export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH"
-"$PY" - <<'EOF'
-import tensorxfer
-from tensorxfer.memory import _cuda, _copy   # noqa: F401
-assert tensorxfer.__file__.startswith(__import__("os").environ["PYTHONPATH"]), tensorxfer.__file__
-print("tensorxfer from", tensorxfer.__file__)
-EOF
-"$PY" -m tensorxfer.cli.main doctor || true
+"$VPY" -c 'import sys, tensorxfer; from tensorxfer.memory import _cuda, _copy
+assert tensorxfer.__file__.startswith(sys.prefix), tensorxfer.__file__
+print("tensorxfer from", tensorxfer.__file__)'
+"$WORK/venv/bin/tensorxfer" doctor || true
 set +e
-"$PY" -m pytest -p no:cacheprovider -q -rs -m cuda tests --deselect tests/test_architecture.py \
+"$VPY" -m pytest -p no:cacheprovider -q -rs -m cuda tests --deselect tests/test_architecture.py \
     --deselect tests/test_sourcecode.py 2>&1 | tee "$WORK/pytest.txt"
 rc=${PIPESTATUS[0]}
 set -e
