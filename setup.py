@@ -153,7 +153,8 @@ class BuildWithKernels(build_ext):
                 return
             out = package / image
             out.parent.mkdir(parents=True, exist_ok=True)
-            if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+            # stale when the kernel or this file (its targets) changed since the image was built
+            if out.exists() and out.stat().st_mtime >= max(source.stat().st_mtime, Path(__file__).stat().st_mtime):
                 continue
             subprocess.run([nvcc, "-fatbin", "-O3", *KERNEL_TARGETS, "-o", str(out), str(source)], check=True)
 

@@ -27,10 +27,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-from elftools.elf.dynamic import DynamicSection
-from elftools.elf.elffile import ELFFile
-from elftools.elf.gnuversions import GNUVerNeedSection
-
 EXTENSIONS = ("tensorxfer/memory/_extent", "tensorxfer/memory/_host", "tensorxfer/memory/_hostcopy",
               "tensorxfer/memory/_fence", "tensorxfer/memory/_driver", "tensorxfer/memory/_cuda",
               "tensorxfer/memory/_copy", "tensorxfer/transport/_verbs")
@@ -63,6 +59,11 @@ def fatbin_targets(data: bytes) -> tuple[set[int], set[int]]:
 
 def elf_needs(data: bytes) -> tuple[list[str], str]:
     """(DT_NEEDED libraries, newest GLIBC_x.y version referenced)."""
+    # imported here: the fatbin reader above needs nothing beyond the standard library (tests use it)
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.gnuversions import GNUVerNeedSection
+
     elf = ELFFile(io.BytesIO(data))
     needed: list[str] = []
     newest = (0, 0)
