@@ -96,9 +96,11 @@ def find_python(spec: str) -> str:
 def zig_wrappers(tools_py: Path, bindir: Path) -> dict[str, str]:
     """cc/c++ scripts running zig for glibc 2.28 (one word each, as distutils wants CC/CXX/LDSHARED)."""
     bindir.mkdir(parents=True, exist_ok=True)
+    # TENSORXFER_ZIG_INCLUDE: one more include directory (see python_headers), set per interpreter
+    extra = '${TENSORXFER_ZIG_INCLUDE:+-I"$TENSORXFER_ZIG_INCLUDE"}'
     for name, mode in (("cc", "cc"), ("c++", "c++")):
         script = bindir / name
-        script.write_text(f'#!/bin/sh\nexec "{tools_py}" -m ziglang {mode} -target {ZIG_TARGET} "$@"\n')
+        script.write_text(f'#!/bin/sh\nexec "{tools_py}" -m ziglang {mode} -target {ZIG_TARGET} {extra} "$@"\n')
         script.chmod(0o755)
     cc, cxx = str(bindir / "cc"), str(bindir / "c++")
     return {"CC": cc, "CXX": cxx, "LDSHARED": f"{cc} -shared -s", "LDCXXSHARED": f"{cxx} -shared -s",
@@ -116,6 +118,28 @@ def verbs_headers(dest: Path) -> Path:
         if (src / sub).is_dir():
             shutil.copytree(src / sub, dest / sub)
     return dest
+
+
+def python_headers(python: str, dest: Path) -> str | None:
+    """A directory to add to the include path for ``python``'s headers, or None when they stand alone.
+
+    Debian's and Ubuntu's system Pythons split pyconfig.h: /usr/include/python3.X/pyconfig.h includes
+    <x86_64-linux-gnu/python3.X/pyconfig.h>, which zig (rightly) does not look for in /usr/include. Only
+    that directory is copied: the rest of /usr/include/x86_64-linux-gnu is glibc 2.36's own headers.
+    """
+    probe = ("import json, sysconfig; "
+             "print(json.dumps([sysconfig.get_config_var('MULTIARCH'), sysconfig.get_path('include')]))")
+    multiarch, include = json.loads(subprocess.run([python, "-c", probe], check=True, capture_output=True,
+                                                   text=True).stdout)
+    version_dir = Path(include).name                     # python3.X
+    split = Path("/usr/include") / (multiarch or "-") / version_dir
+    if not multiarch or not split.is_dir():
+        return None
+    if f"{multiarch}/{version_dir}/pyconfig.h" not in (Path(include) / "pyconfig.h").read_text():
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(split, dest / multiarch / version_dir)
+    return str(dest)
 
 
 def build_requires() -> list[str]:
@@ -160,8 +184,9 @@ def build_one(python: str, work: Path, sdist: Path | None, env: dict[str, str], 
     for old in raw.glob(f"tensorxfer-*-{tag}-*.whl"):
         old.unlink()
     t0 = time.monotonic()
+    extra = python_headers(python, work / "wheel-pyinc" / tag)
     run([str(py), "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(raw), str(src)],
-        env={**os.environ, **env, "TENSORXFER_REQUIRE_OPTIONAL": "1"})
+        env={**os.environ, **env, "TENSORXFER_REQUIRE_OPTIONAL": "1", "TENSORXFER_ZIG_INCLUDE": extra or ""})
     log(f"{tag}: built in {time.monotonic() - t0:.0f} s")
     return next(raw.glob(f"tensorxfer-*-{tag}-{tag}-linux_x86_64.whl"))
 
