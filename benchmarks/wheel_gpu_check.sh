@@ -21,7 +21,7 @@ REQUIREMENTS=(numpy msgpack ml_dtypes xxhash "cuda-bindings~=13.0.0" pytest hypo
 if [ "${1:-}" = --prepare ]; then
   ver=${2:-3.12}
   rm -rf "$DEPS" && mkdir -p "$DEPS"
-  pip download -q --only-binary :all: --python-version "$ver" --platform manylinux_2_28_x86_64 \
+  "$PY" -m pip download -q --only-binary :all: --python-version "$ver" --platform manylinux_2_28_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEPS" "${REQUIREMENTS[@]}"
   du -sh "$DEPS"
   exit 0
