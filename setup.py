@@ -16,7 +16,11 @@ headers are found, and can be forced off:
   quantization of sync sources' shards); without it the package falls back
   to the copy engines' pitched copies and torch's operations.
 - ``TENSORXFER_NO_VERBS=1`` skips ``tensorxfer.transport._verbs`` (needs
-  infiniband/verbs.h, from Debian's libibverbs-dev, and links libibverbs).
+  infiniband/verbs.h, from Debian's libibverbs-dev, at build time only: it does
+  not link libibverbs but loads libibverbs.so.1 when first used, see
+  ``tensorxfer/_lib/includes/verbs_dl.h``, so it imports without rdma-core).
+  ``TENSORXFER_VERBS_INCLUDE`` names a directory holding ``infiniband/verbs.h``
+  (tools/build_wheels.py passes a copy of just those headers to its cross compiler).
 
 Set ``TENSORXFER_REQUIRE_OPTIONAL=1`` (CI does) to make a missing optional
 part a build error instead of a silent skip.
@@ -69,8 +73,12 @@ def have_cuda_bindings_pxd() -> bool:
     return True
 
 
-def find_verbs() -> bool:
-    return any(Path(p, "infiniband", "verbs.h").exists() for p in ("/usr/include", "/usr/local/include"))
+def find_verbs() -> str | None:
+    """The include directory holding infiniband/verbs.h, or None."""
+    for root in (os.environ.get("TENSORXFER_VERBS_INCLUDE", ""), "/usr/include", "/usr/local/include"):
+        if root and Path(root, "infiniband", "verbs.h").exists():
+            return root
+    return None
 
 
 def optional(name: str, reason: str | None) -> bool:
@@ -101,19 +109,27 @@ if Path("tensorxfer/memory/_cuda.pyx").exists() and optional(", ".join(CUDA_MODU
     # C++: cydriver.pxd names anonymous struct members through C++ type traits
     extensions += [ext(name, include_dirs=[cuda_include], language="c++") for name in CUDA_MODULES]
 
+verbs_include = find_verbs()
 if Path("tensorxfer/transport/_verbs.pyx").exists() and optional("tensorxfer.transport._verbs",
             "TENSORXFER_NO_VERBS is set" if env_on("TENSORXFER_NO_VERBS")
-            else "infiniband/verbs.h not found (apt-get install libibverbs-dev)" if not find_verbs()
+            else "infiniband/verbs.h not found (apt-get install libibverbs-dev)" if verbs_include is None
             else None):
-    extensions.append(ext("tensorxfer.transport._verbs", libraries=["ibverbs"]))
+    # no libibverbs link: verbs_dl.h dlopens it (libdl: glibc < 2.34 keeps dlopen there). Hidden
+    # visibility keeps its ibv_* trampolines inside the module.
+    extensions.append(ext("tensorxfer.transport._verbs", libraries=["dl"],
+                          include_dirs=["tensorxfer/_lib/includes",
+                                        *([verbs_include] if verbs_include not in ("/usr/include",) else [])],
+                          extra_compile_args=["-fvisibility=hidden"]))
 
 
 # the device kernels: source -> its image beside the package's CUDA modules (built where those are)
 KERNELS = {Path("tensorxfer/memory/strided_copy.cu"): "memory/strided_copy.fatbin",
            Path("tensorxfer/quant/fp8_quantize.cu"): "quant/fp8_quantize.fatbin"}
-# SASS for Ampere and Hopper, PTX that newer drivers compile for newer GPUs
+# SASS for Ampere (sm_80; runs on 8.6/8.9 too), Hopper (sm_90), Blackwell (sm_100: B200/GB200, and 10.3;
+# sm_120: RTX/workstation Blackwell), and PTX of the newest, which a newer driver compiles for GPUs after them.
 KERNEL_TARGETS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-                  "-gencode", "arch=compute_90,code=compute_90"]
+                  "-gencode", "arch=compute_100,code=sm_100", "-gencode", "arch=compute_120,code=sm_120",
+                  "-gencode", "arch=compute_120,code=compute_120"]
 
 
 def find_nvcc() -> str | None:
@@ -137,7 +153,8 @@ class BuildWithKernels(build_ext):
                 return
             out = package / image
             out.parent.mkdir(parents=True, exist_ok=True)
-            if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+            # stale when the kernel or this file (its targets) changed since the image was built
+            if out.exists() and out.stat().st_mtime >= max(source.stat().st_mtime, Path(__file__).stat().st_mtime):
                 continue
             subprocess.run([nvcc, "-fatbin", "-O3", *KERNEL_TARGETS, "-o", str(out), str(source)], check=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ def test_rdma_available_gives_a_reason() -> None:
     why = rdma_available(device="no-such-device")[1]
     if rdma._verbs is None:     # a bare machine: the reason is the missing module, named as such
         assert "No module named 'tensorxfer.transport._verbs'" in why and "libibverbs-dev" in why
+    elif rdma._verbs.library_error() is not None:     # a wheel on a machine without rdma-core
+        assert why == rdma._verbs.library_error() and "apt-get install libibverbs1" in why
     else:
         assert "no-such-device" in why or "no RDMA devices" in why
 
@@ -36,7 +39,9 @@ def test_endpoints_raise_transport_unavailable_without_a_device() -> None:
     ok, _ = rdma_available()
     if ok:
         pytest.skip("an RDMA device is present (covered by tests/test_rdma.py)")
-    reason = "no RDMA devices" if rdma._verbs is not None else "the RDMA transport is not built: No module named"
+    reason = ("the RDMA transport is not built: No module named" if rdma._verbs is None
+              else "libibverbs could not be loaded" if rdma._verbs.library_error() is not None
+              else "no RDMA devices")
     with HostRegion.allocate(4096) as r:
         with pytest.raises(TransportUnavailable, match=reason):
             RdmaSenderEndpoint(r)
@@ -110,3 +115,63 @@ def test_rdma_sender_transport_rejects_malformed_accept_descriptors(mutate: Any,
     c = TransferContext(local_host="127.0.0.1", peer_host="127.0.0.1", session_key=bytes(32), stall_timeout=1.0)
     with RdmaSender(c) as tx, pytest.raises(ProtocolError, match=match):
         tx.connect(None, 1, d)  # type: ignore[arg-type]   # refused before the region is looked at
+
+
+UNLOADABLE = "/nonexistent/libibverbs.so.1"
+
+
+def test_verbs_module_imports_without_libibverbs() -> None:
+    """The verbs module does not link libibverbs (verbs_dl.h loads it when first used): with the library
+    unloadable it imports, never maps libibverbs, and every entry point raises a typed error with the fix;
+    the rdma transport is unavailable and tcp/ipc are not affected."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import errno
+        from tensorxfer.errors import TransportUnavailable, VerbsError
+        from tensorxfer.transport import _verbs, local_transports
+        from tensorxfer.transport.rdma import RdmaSenderEndpoint, rdma_available
+        from tensorxfer import HostRegion
+        maps = lambda: open("/proc/self/maps").read()
+        assert "libibverbs" not in maps(), "importing the verbs module loaded libibverbs"
+        why = _verbs.library_error()
+        assert why and "cannot open shared object file" in why and _verbs.LIBRARY_FIX in why, why
+        for call in (_verbs.device_names, _verbs.Context.open):
+            try:
+                call()
+            except VerbsError as e:
+                assert e.errno == errno.ELIBACC and "apt-get install libibverbs1" in str(e), e
+            else:
+                raise AssertionError(f"{call} did not raise")
+        ok, reason = rdma_available()
+        assert not ok and reason == why
+        with HostRegion.allocate(4096) as r:
+            try:
+                RdmaSenderEndpoint(r)
+            except TransportUnavailable as e:
+                assert "libibverbs could not be loaded" in str(e)
+            else:
+                raise AssertionError("RdmaSenderEndpoint did not raise")
+        assert set(local_transports()) >= {"tcp", "ipc"} and "rdma" not in local_transports()
+        assert "libibverbs" not in maps()
+        print("ok")
+    """)
+    env = {**os.environ, "TENSORXFER_LIBIBVERBS": UNLOADABLE}
+    if rdma._verbs is None:
+        pytest.skip("this build has no verbs module")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_verbs_module_loads_libibverbs_when_present() -> None:
+    if rdma._verbs is None:
+        pytest.skip("this build has no verbs module")
+    if os.environ.get("TENSORXFER_LIBIBVERBS"):
+        pytest.skip("TENSORXFER_LIBIBVERBS is set")
+    info = rdma._verbs.library_info()
+    if not info["loaded"]:
+        pytest.skip(f"libibverbs is not installed here: {rdma._verbs.library_error()}")
+    assert rdma._verbs.library_error() is None and info["library"] == "libibverbs.so.1"
+    assert isinstance(rdma._verbs.device_names(), list)

@@ -1,5 +1,8 @@
 """``tensorxfer doctor``: what this machine can do for transfers, and why not.
 
+First the verdict (doctor_transports.py): tcp, ipc, rdma and GPU regions, usable or not, each missing
+one with the line that fixes it (a wheel on a machine without rdma-core: install rdma-core).
+
 RDMA: devices, ports (state, link layer, MTU, LID), GID tables, whether an MR
 over a multi-handle region registers, whether a dmabuf MR registers.  Device
 and port discovery goes through pyverbs when this interpreter can import it
@@ -22,6 +25,8 @@ import json
 import os
 import struct
 from typing import Any
+
+from tensorxfer.cli.doctor_transports import print_lines, transport_lines
 
 Problem = dict[str, str]
 
@@ -166,11 +171,14 @@ def cuda_report() -> dict[str, Any]:
     try:
         from tensorxfer.memory import _cuda
     except ImportError as exc:
-        return {"module": False, "error": str(exc),
-                "problems": [_problem("tensorxfer.memory._cuda is not built",
-                                      "GPU regions (CUDA VMM, dmabuf export) are unavailable",
-                                      "install cuda-bindings and the CUDA headers (cuda.h; set CUDA_HOME), then "
-                                      "reinstall tensorxfer")]}
+        if (getattr(exc, "name", None) or "").startswith("cuda"):   # built (every wheel is), cuda-bindings absent
+            what, fix = "cuda-bindings is not installed", "pip install 'tensorxfer[cuda]' (cuda-bindings 13.0)"
+        else:
+            what, fix = "tensorxfer.memory._cuda is not built", (
+                "install cuda-bindings and the CUDA headers (cuda.h; set CUDA_HOME), then reinstall tensorxfer")
+        error = f"{what} ({exc})" if what.startswith("cuda-bindings") else str(exc)
+        return {"module": False, "error": error, "fix": fix,
+                "problems": [_problem(what, "GPU regions (CUDA VMM, dmabuf export) are unavailable", fix)]}
     from tensorxfer.errors import CudaError
 
     try:
@@ -215,6 +223,14 @@ def collect(device: str | None = None) -> dict[str, Any]:
                                  "(unset TENSORXFER_NO_VERBS)"))
     else:
         rd["verbs_module"] = {"ok": True}
+        missing = verbs.library_error()     # the module loads libibverbs.so.1 at run time, not at import
+        rd["library"] = verbs.library_info()
+        rd["library"]["ok"] = missing is None
+        if missing is not None:
+            rd["library"].update(error=missing, fix=verbs.LIBRARY_FIX)
+            problems.append(_problem("libibverbs.so.1 cannot be loaded (rdma-core is not installed)",
+                                     "the RDMA transport is unavailable (tcp/ipc still work)", verbs.LIBRARY_FIX))
+            verbs = None                    # nothing below can ask libibverbs anything
     pyverbs: Any
     try:
         pyverbs = importlib.import_module("pyverbs")
@@ -230,7 +246,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
     except Exception as exc:  # a broken provider must not stop the report
         rd["error"] = f"device discovery failed: {exc}"
     rd["devices"] = devices
-    if verbs is not None or pyverbs is not None:
+    if (verbs is not None or pyverbs is not None) and rd.get("library", {}).get("ok", True):
         if not devices:
             problems.append(_problem(
                 "no RDMA devices", "the RDMA transport cannot run on this machine",
@@ -255,13 +271,19 @@ def collect(device: str | None = None) -> dict[str, Any]:
             rd["registration_error"] = str(exc)
     report["cuda"] = cuda_report()
     problems.extend(report["cuda"].pop("problems", []))
+    report["transports"] = transport_lines(report)
     return report
 
 
 def _print_text(r: dict[str, Any]) -> None:
+    print_lines(r["transports"])
     rd = r["rdma"]
     print("RDMA")
     print(f"  verbs module: {'built' if rd['verbs_module']['ok'] else 'missing: ' + rd['verbs_module']['error']}")
+    if "library" in rd:
+        lib = rd["library"]
+        print(f"  libibverbs: {'loaded (' + lib['library'] + ')' if lib['ok'] else 'NOT loadable: ' + lib['error']}"
+              + (f"; lacks {', '.join(lib['missing_optional'])}" if lib.get("missing_optional") else ""))
     print(f"  pyverbs importable: {'yes' if rd['pyverbs'] else 'no'}"
           + (f"  (discovery via {rd['source']})" if "source" in rd else ""))
     for d in rd["devices"]:

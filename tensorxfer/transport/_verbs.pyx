@@ -24,7 +24,7 @@ import warnings
 import weakref
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer
-from libc.errno cimport errno, ENODATA, EINTR
+from libc.errno cimport errno, ENODATA, EINTR, ELIBACC
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy, strerror
@@ -155,10 +155,49 @@ def _warn_unclosed(what):
         pass
 
 
+# --------------------------------------------------------------------- the library
+#: What makes libibverbs loadable, for error messages and ``tensorxfer doctor``.
+LIBRARY_FIX = ("install rdma-core's verbs library and providers: apt-get install libibverbs1 ibverbs-providers "
+               "(Debian/Ubuntu), dnf install libibverbs (RHEL/Fedora)")
+
+
+def library_error():
+    """None when libibverbs.so.1 is loaded (the first call loads it), else why it cannot be.
+
+    The module does not link libibverbs (see _lib/includes/verbs_dl.h): it imports on machines without
+    rdma-core, where tcp and ipc work, and this says what RDMA lacks.
+    """
+    if txv_load() == 1:
+        return None
+    return (f"libibverbs could not be loaded ({txv_load_message().decode(errors='replace')}): the RDMA "
+            f"transport needs rdma-core on this machine; {LIBRARY_FIX}")
+
+
+def library_info():
+    """``{'loaded': bool, 'library': soname or path, 'missing_optional': [names]}`` (for doctor)."""
+    loaded = txv_load() == 1
+    return {"loaded": loaded, "library": txv_load_message().decode(errors="replace") if loaded else None,
+            "missing_optional": [txv_missing_name(i).decode() for i in range(txv_missing_count())]}
+
+
+cdef int _require_library() except -1:
+    """Load libibverbs before the first verbs call; VerbsError(ELIBACC) with the fix when it cannot be."""
+    if txv_load() == 1:
+        return 0
+    raise VerbsError(ELIBACC, library_error())
+
+
 # --------------------------------------------------------------------- devices
 def device_names():
-    """Names of the RDMA devices libibverbs sees (e.g. ``['mlx5_0', 'rxe0']``)."""
+    """Names of the RDMA devices libibverbs sees (e.g. ``['mlx5_0', 'rxe0']``).
+
+    Raises
+    ------
+    VerbsError
+        libibverbs.so.1 cannot be loaded (errno ELIBACC; the message says how to install it).
+    """
     cdef int n = 0, i
+    _require_library()
     cdef ibv_device** lst = ibv_get_device_list(&n)
     if lst == NULL:
         return []
@@ -227,10 +266,12 @@ cdef class Context(_Owned):
         Raises
         ------
         VerbsError
-            No RDMA device exists, ``name`` is not one of them, or opening failed.
+            libibverbs cannot be loaded (ELIBACC), no RDMA device exists, ``name`` is not one of them,
+            or opening failed.
         """
         cdef int n = 0, i, pick = -1
         cdef Context self
+        _require_library()
         cdef ibv_device** lst = ibv_get_device_list(&n)
         if lst == NULL:
             raise VerbsError(errno, f"ibv_get_device_list failed: {strerror(errno).decode()} "

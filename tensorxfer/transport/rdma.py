@@ -95,6 +95,9 @@ def rdma_available(device: str | None = None, port: int = 1) -> tuple[bool, str]
     if _verbs is None:
         return False, (f"tensorxfer.transport._verbs is not built ({_IMPORT_ERROR}); install libibverbs-dev "
                        f"and reinstall tensorxfer")
+    missing = _verbs.library_error()
+    if missing is not None:     # the module is there, rdma-core is not (it is loaded at run time)
+        return False, missing
     names = _verbs.device_names()
     if not names:
         return False, ("no RDMA devices (ibv_get_device_list is empty): no NIC/driver, or for Soft-RoCE "
@@ -117,6 +120,9 @@ def _require_verbs() -> Any:
     if _verbs is None:
         raise TransportUnavailable(f"the RDMA transport is not built: {_IMPORT_ERROR}; install libibverbs-dev "
                                    f"and reinstall tensorxfer (TENSORXFER_NO_VERBS must be unset)")
+    missing = _verbs.library_error()
+    if missing is not None:
+        raise TransportUnavailable(missing)
     return _verbs
 
 
@@ -688,11 +694,5 @@ class _GroupAborted(Exception):
     """Another posting thread's group failed: this one stops (its error is the one reported)."""
 
 
-__all__ = [
-    "DEFAULT_QPS",
-    "DEFAULT_WR_SIZE",
-    "RdmaReceiverEndpoint",
-    "RdmaSenderEndpoint",
-    "rdma_available",
-    "register_region",
-]
+__all__ = ["DEFAULT_QPS", "DEFAULT_WR_SIZE", "RdmaReceiverEndpoint", "RdmaSenderEndpoint", "rdma_available",
+           "register_region"]

@@ -4,11 +4,16 @@
 # Several of these names are macros or static inlines in newer rdma-core
 # (ibv_reg_mr, ibv_query_port, ibv_query_gid_ex): Cython emits plain calls,
 # which the header resolves.
+#
+# The library itself is not linked: verbs_dl.h (beside this file) includes
+# verbs.h and defines every libibverbs function the module calls as a
+# trampoline through a table that txv_load() fills from dlopen("libibverbs.so.1"),
+# so the module imports where rdma-core is absent and says so when used.
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 
-cdef extern from "infiniband/verbs.h" nogil:
+cdef extern from "verbs_dl.h" nogil:
     # ------------------------------------------------------------- enums
     cdef enum ibv_node_type:
         IBV_NODE_UNKNOWN
@@ -266,6 +271,14 @@ cdef extern from "infiniband/verbs.h" nogil:
         uint32_t qp_num
         uint32_t src_qp
         unsigned int wc_flags
+
+    # ------------------------------------------------------------- loading (verbs_dl.h)
+    # 1: libibverbs is loaded; -1: it is not (txv_load_message says why).  Called with the GIL.
+    int txv_load()
+    const char* txv_load_message()
+    # optional functions this rdma-core lacks (their calls fail with EOPNOTSUPP)
+    int txv_missing_count()
+    const char* txv_missing_name(int i)
 
     # ------------------------------------------------------------- functions
     ibv_device** ibv_get_device_list(int* num_devices)
