@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The built wheel on the GPU machine: installed into that machine's Python (a venv over it, made with
-# --system-site-packages: its torch is used, its site-packages stays as it is, and the tests' child
-# processes, which run sys.executable, find the wheel too), then the cuda-marked tests run from a directory without
-# the source tree (issue 41: "On the GPU (device), the same wheel installed into the machine's Python:
+# The built wheel on the GPU machine: installed into that machine's Python (pip, no index: its torch is
+# used, and the tests' child processes, which run sys.executable, find the wheel too), then the cuda-marked
+# tests run from a directory without the source tree (issue 41: "On the GPU (device), the same wheel installed into the machine's Python:
 # the cuda-marked tests pass").
 #
 # Here (a machine with PyPI), once: build the wheels and fetch the run-time dependencies the GPU machine
@@ -30,10 +29,13 @@ TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}
 WHEEL=$(ls "$ROOT"/dist/tensorxfer-*-"$TAG"-"$TAG"-manylinux*.whl 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || { echo "no $TAG wheel in dist/ (python3 tools/build_wheels.py --python ${TAG#cp3}...)"; exit 2; }
 WORK=$(mktemp -d /tmp/tensorxfer-gpu-wheel.XXXXXX)
-"$PY" -m venv --system-site-packages "$WORK/venv"
-VPY="$WORK/venv/bin/python"
-echo "[wheel_gpu_check] $($PY -V) at $(command -v "$PY"); installing $(basename "$WHEEL") into a venv over it"
-"$VPY" -m pip install -q --no-deps --no-index "$WHEEL"
+# installed into the machine's Python itself (the issue's words; the device machine is fresh at every start):
+# a venv over it (itself a venv there) saw neither its torch nor its packages, and a folder on PYTHONPATH was
+# lost in the tests' children, which set PYTHONPATH themselves
+VPY="$PY"
+SITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "[wheel_gpu_check] $($PY -V) at $(command -v "$PY"); installing $(basename "$WHEEL") into $SITE"
+"$VPY" -m pip install -q --no-deps --no-index --force-reinstall "$WHEEL"
 # dependencies the machine's Python lacks, from dist/gpu-deps (prepared above)
 missing=()
 for mod in numpy msgpack ml_dtypes xxhash cuda.bindings pytest hypothesis psutil safetensors; do
@@ -59,9 +61,9 @@ fi
 mkdir -p "$WORK/stage" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/examples" "$WORK/stage/"
 cd "$WORK/stage"
 "$VPY" -c 'import sys, tensorxfer; from tensorxfer.memory import _cuda, _copy
-assert tensorxfer.__file__.startswith(sys.prefix), tensorxfer.__file__
-print("tensorxfer from", tensorxfer.__file__)'
-"$WORK/venv/bin/tensorxfer" doctor || true
+assert tensorxfer.__file__.startswith(sys.argv[1]), tensorxfer.__file__
+print("tensorxfer from", tensorxfer.__file__)' "$SITE"
+"$VPY" -c "import sys; from tensorxfer.cli.main import main; sys.exit(main([\"doctor\"]))" || true
 set +e
 "$VPY" -m pytest -p no:cacheprovider -q -rs -m cuda tests --deselect tests/test_architecture.py \
     --deselect tests/test_sourcecode.py 2>&1 | tee "$WORK/pytest.txt"
