@@ -170,6 +170,7 @@ def test_sending_snippet_runs_verbatim_on_its_own(capsys):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_live_weights_snippet_runs_verbatim():
     """The one-process live-weights block: a trainer's adopted module pushed into a server's module."""
     torch = pytest.importorskip("torch", reason="the live-weights snippet needs PyTorch")

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("auto", marks=pytest.mark.slow)])
 def test_trainer_pushes_weights(transport):
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "trainer_pushes_weights.py"), "--steps", "2",
                         "--transport", transport], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -25,6 +25,7 @@ def _lines(text: str, prefix: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_live_weights_trainer_and_server_processes(transport):
     """The two-process live-weights example: the server process holds each step's weights, in order."""
