@@ -39,6 +39,15 @@ def _start_cuda() -> None:
         torch.empty(1, device="cuda")
 
 
+def pytest_collection_finish(session):
+    """What collecting imported (torch, transformers, ...: ~370k objects) stays alive for the whole run: move
+    it out of the cyclic collector's sight, so that the ``gc.collect()`` after every test (``no_leaks``) walks
+    only what the tests made.  Measured on the 2-core dev VM: that collection took 0.2-0.7 s a test with
+    torch and transformers loaded, a third of the full suite's time (553 s of teardown in 1706 s)."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     """Fail a test that leaves a memfd, socket or dmabuf fd, or a chunk mapping, behind."""

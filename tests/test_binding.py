@@ -36,6 +36,7 @@ def region_views(region: tx.TensorRegion) -> dict[str, torch.Tensor]:
     return region.tensors(framework="torch")
 
 
+@pytest.mark.slow
 def test_an_adopted_module_is_its_region_and_keeps_working() -> None:
     model = Tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}

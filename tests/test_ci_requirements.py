@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -25,6 +27,7 @@ def run_hf_test(tmp_path, require: bool) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_without_torch_the_hf_test_skips_for_a_developer(tmp_path):
     r = run_hf_test(tmp_path, require=False)
     assert r.returncode in (0, 5) and "1 skipped" in r.stdout, r.stdout + r.stderr     # 5: nothing else ran

@@ -57,6 +57,7 @@ def model_dir(d: Path, shards: int = 3, rows: int = 1000) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_send_recv_model_dir_byte_identical(tmp_path):
     src = model_dir(tmp_path / "src")
     out = tmp_path / "out"
@@ -98,6 +99,7 @@ def test_send_single_file_with_token_and_summary(tmp_path):
     assert sha(f) == sha(out / f.name)
 
 
+@pytest.mark.slow
 def test_wrong_token_exit_code_and_no_files(tmp_path):
     f = tmp_path / "one.safetensors"
     safetensors_numpy.save_file({"a": np.arange(10, dtype=np.int64)}, str(f))
@@ -115,6 +117,7 @@ def test_wrong_token_exit_code_and_no_files(tmp_path):
     assert "wrong token" in err_r and sha(f) == sha(out / f.name)
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_transfer_writes_no_output(tmp_path):
     f = tmp_path / "big.safetensors"
     safetensors_numpy.save_file({"w": np.zeros(96 << 20, np.uint8)}, str(f))
@@ -146,6 +149,7 @@ def test_sender_killed_mid_transfer_writes_no_output(tmp_path):
     assert not out.exists() or list(out.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_bad_source_is_usage_error(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 16)
@@ -157,6 +161,7 @@ def test_bad_source_is_usage_error(tmp_path):
 
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "model.pth", "last.ckpt", "tf_model.h5",
                                   "model.gguf", "model.onnx"])
+@pytest.mark.slow
 def test_a_weight_file_in_another_format_is_refused_like_a_directory_of_them(tmp_path, name):
     """Named directly, it used to travel as a "side file": exit 0, "sent 0 bytes"."""
     (tmp_path / name).write_bytes(b"\0" * 64)
@@ -171,12 +176,14 @@ def test_a_weight_file_in_another_format_is_refused_like_a_directory_of_them(tmp
     assert rc == 2 and "only safetensors files carry weights" in err_dir and name in err_dir, err_dir
 
 
+@pytest.mark.slow
 def test_side_files_alone_are_not_a_model(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     rc, _, err = finish(cli("send", str(tmp_path / "config.json"), "--to", "127.0.0.1:1"))
     assert rc == 2 and "no safetensors file" in err, err
 
 
+@pytest.mark.slow
 def test_unreachable_receiver_is_transfer_error(tmp_path):
     f = tmp_path / "one.safetensors"
     safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
@@ -184,6 +191,7 @@ def test_unreachable_receiver_is_transfer_error(tmp_path):
     assert rc == 1 and "PeerLost" in err
 
 
+@pytest.mark.slow
 def test_forced_unavailable_transport_exit_code(tmp_path):
     f = tmp_path / "one.safetensors"
     safetensors_numpy.save_file({"a": np.arange(3, dtype=np.int64)}, str(f))
@@ -191,6 +199,7 @@ def test_forced_unavailable_transport_exit_code(tmp_path):
     assert rc == 4 and "TransportUnavailable" in err
 
 
+@pytest.mark.slow
 def test_listening_beyond_loopback_without_token_warns(tmp_path):
     proc, _ = start_recv(tmp_path / "o", "--listen", "0.0.0.0:0")
     try:
@@ -201,6 +210,7 @@ def test_listening_beyond_loopback_without_token_warns(tmp_path):
     assert "WARNING" in err and "without a token" in err
 
 
+@pytest.mark.slow
 def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     out = tmp_path / "out"
@@ -221,6 +231,7 @@ def test_recv_keeps_serving_after_a_failed_sender(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["main", "send", "recv", "bench"])
+@pytest.mark.slow
 def test_help_is_plain_text_and_version_works(module):
     """--help showed the module docstrings' RST (``x``, :mod:`...`); tensorxfer --version did not exist."""
     import tensorxfer
@@ -287,6 +298,7 @@ def screen(drawn: str) -> list[str]:
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.slow
 def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
     """The bar's rate counted setup time, it showed nothing while files loaded and sat at 100 % while the
     receiver wrote: now each phase has a line of its own."""
@@ -330,6 +342,7 @@ def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
     assert "on the wire" in out_s, out_s                            # the summary gives the data phase's rate
 
 
+@pytest.mark.slow
 def test_demo_runs():
     proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.main", "demo", "--size", str(32 << 20)],
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
@@ -337,6 +350,7 @@ def test_demo_runs():
     assert "digests match the sender's: True" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_small(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tensorxfer.cli.bench", "--size", "5e7", "--repeat", "2", "--json",
                            "--no-iperf"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
@@ -365,6 +379,7 @@ def test_sender_fails_when_the_receiver_cannot_write(tmp_path):
     assert os.listdir(out) == ["model-00002-of-00002.safetensors"]  # nothing else landed
 
 
+@pytest.mark.slow
 def test_a_disk_too_small_is_refused_at_offer_time_with_the_numbers(tmp_path):
     """Disk full used to be reported only after every byte moved, as a bare ENOSPC."""
     src = model_dir(tmp_path / "src", shards=2, rows=2000)             # ~4 MB of files
@@ -383,6 +398,7 @@ def test_a_disk_too_small_is_refused_at_offer_time_with_the_numbers(tmp_path):
     assert left == []
 
 
+@pytest.mark.slow
 def test_out_holding_another_model_is_refused_unless_overwrite(tmp_path):
     """Receiving into an --out of another model silently mixed them (config.json replaced, old shards and
     index kept)."""
@@ -426,6 +442,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_receiver_killed_while_writing_fails_the_sender_and_the_next_run_cleans_up(tmp_path):
     src = model_dir(tmp_path / "src", shards=2, rows=10)
     out = tmp_path / "out"
@@ -448,6 +465,7 @@ def test_receiver_killed_while_writing_fails_the_sender_and_the_next_run_cleans_
         finish(again)
 
 
+@pytest.mark.slow
 def test_files_keep_the_senders_mode_bits(tmp_path):
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     os.chmod(src / "model-00001-of-00001.safetensors", 0o640)
@@ -469,6 +487,7 @@ def test_out_that_is_a_file_is_refused_at_start(tmp_path):
     assert rc == 2 and "not a directory" in err, err
 
 
+@pytest.mark.slow
 def test_second_receiver_on_the_same_out_is_refused(tmp_path):
     first, _ = start_recv(tmp_path / "out")
     try:
@@ -521,6 +540,7 @@ def test_privileged_port_says_it_needs_privileges(tmp_path):
     assert "another process" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_port_scan_does_not_end_once(tmp_path):
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     out = tmp_path / "out"
@@ -566,6 +586,7 @@ def test_deeply_nested_index_is_a_usage_error_for_send(tmp_path):
     assert rc == 2 and "FileFormatError" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_side_files_arrive_and_are_listed(tmp_path):
     src = model_dir(tmp_path / "src", shards=1, rows=10)
     (src / "config.json").write_text('{"model_type": "gpt2"}\n')
@@ -590,6 +611,7 @@ def test_side_files_arrive_and_are_listed(tmp_path):
     assert "not sent: pytorch_model.bin" in err_s, err_s
 
 
+@pytest.mark.slow
 def test_gpu_device_without_a_gpu_fails_cleanly_at_start(tmp_path):
     from tests.helpers import GPU_REASON
 
@@ -631,6 +653,7 @@ def test_recv_takes_max_bytes_with_units_and_says_so_in_help() -> None:
     assert "512MiB" in p.format_help()
 
 
+@pytest.mark.slow
 def test_recv_quiet_prints_nothing_while_it_listens(tmp_path):
     recv, _ = start_recv(tmp_path / "out", "--quiet")
     try:
@@ -653,6 +676,7 @@ def test_one_stream_is_one_stream() -> None:
     assert "(4 streams)" in summary("sent", {**stats, "streams": 4})
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_sender_says_what_was_interrupted_and_what_the_receiver_kept(tmp_path):
     src = model_dir(tmp_path / "model", shards=1, rows=10)
     with socket.socket() as s:          # a port nobody listens on: the sender keeps trying to connect

@@ -445,6 +445,7 @@ def _release_doubts() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_copies_it_itself(device: str) -> None:
     """Case A: the host is SIGSTOPped between steps; the follower's next step revokes the grant after half the
     stall timeout, copies the pair itself and succeeds.  Resumed, the host reads the queued step, finds it given up
@@ -477,6 +478,7 @@ def test_a_host_stopped_before_it_read_the_step_never_writes_it_the_follower_cop
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_a_host_stopped_mid_copy_fails_the_step_and_holds_the_region_until_it_finishes(
         device: str, caplog: pytest.LogCaptureFixture) -> None:
     """Case B: the host is SIGSTOPped while it copies a step (the fence reads RUNNING): the step fails with a
@@ -521,6 +523,7 @@ def test_a_host_stopped_mid_copy_fails_the_step_and_holds_the_region_until_it_fi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("when", ["during the step", "after the step failed"])
+@pytest.mark.slow
 def test_a_host_killed_mid_copy_clears_the_doubt_and_the_follower_copies(when: str, device: str) -> None:
     """Case C: a host SIGKILLed while it holds a step (stopped mid-copy, then killed): its process gone, nothing of
     it can write; the follower copies the pair itself -- in that same step, or (killed after the step failed in
@@ -690,6 +693,7 @@ def test_the_next_election_removes_the_directory_of_a_host_killed_outright() -> 
 
 
 # ---------------------------------------------------------------- close() racing the acceptor
+@pytest.mark.slow
 def test_close_racing_the_acceptor_leaves_no_thread_exception() -> None:
     """Hosts closed while lanes keep connecting: no thread dies of an unhandled error (the acceptor died of EBADF
     when close() closed the listener under its admit), and close() itself raises nothing."""

@@ -113,6 +113,7 @@ def expect_version(targets: list[Peer], version: int) -> list[dict[str, Any]]:
     return lines
 
 
+@pytest.mark.slow
 def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
     everyone: list[Peer] = []
     try:
@@ -183,6 +184,7 @@ def test_targets_join_die_and_leave_while_sources_push(store_url: str) -> None:
             p.stop()
 
 
+@pytest.mark.slow
 def test_a_dead_source_s_replica_carries_the_next_step(tmp_path: Path) -> None:
     need_etcd()
     everyone: list[Peer] = []

@@ -103,6 +103,7 @@ def sha(region: tx.TensorRegion) -> str:
         mv.release()
 
 
+@pytest.mark.slow
 def test_one_to_four_over_tcp_byte_identical_verified(peers):
     ps = peers(4)
     with model(64 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport="tcp") as fan:
@@ -164,12 +165,14 @@ def _chain_with_fault(peers, action: str, stall: float, transport: str = "tcp", 
         return bad, elapsed, ps
 
 
+@pytest.mark.slow
 def test_receiver_killed_mid_chain_others_complete(peers):
     bad, _, _ = _chain_with_fault(peers, "kill", stall=10.0)
     assert bad.error_type in ("PeerLost", "TransferTimeout", "ProtocolError"), bad
     assert bad.error
 
 
+@pytest.mark.slow
 def test_stalled_receiver_cut_out_after_stall_timeout(peers):
     bad, elapsed, _ = _chain_with_fault(peers, "stop", stall=2.0)
     assert bad.error_type == "TransferTimeout", bad
@@ -186,6 +189,7 @@ def fd_report(reports: list[dict]) -> list:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.slow
 def test_repeated_updates_keep_fds_and_rss_flat(peers, transport):
     ps = peers(3, digest=False)
     with model(16 << 20) as region, FanoutSender([p.address for p in ps], token=TOKEN, transport=transport) as fan:
@@ -266,6 +270,7 @@ def test_landed_prefix_grows_only_with_contiguous_bytes():
         bg.result(5)
 
 
+@pytest.mark.slow
 def test_cli_send_to_three_receivers_json(tmp_path):
     from .helpers import finish
     from .test_cli import cli, model_dir, start_recv
@@ -290,6 +295,7 @@ def test_cli_send_to_three_receivers_json(tmp_path):
             assert file_sha(p) == file_sha(tmp_path / f"out{i}" / p.name), p.name
 
 
+@pytest.mark.slow
 def test_cli_once_receiver_waits_for_the_repaired_chain_when_its_relay_dies(tmp_path, peers):
     # Chain A -> B -> C where C is `tensorxfer-recv --once`.  A forwards at 10 MB/s (paced), so B is still
     # forwarding to C when it is killed.  C's session ends with PeerLost; A takes B out and sends C the
@@ -348,6 +354,7 @@ def test_versions_are_explicit_and_checked():
         assert rx.version is None
 
 
+@pytest.mark.slow
 def test_one_to_four_over_ipc_pipelined_byte_identical_verified(peers):
     # The peers sleep 200 ms in every ipc copy piece, and the region is 4 relay pieces per copy thread, so
     # each hop's copy takes ~0.8 s whatever the machine's thread count.  Pipelined, hop k+1 starts copying
@@ -380,6 +387,7 @@ def test_one_to_four_over_ipc_pipelined_byte_identical_verified(peers):
             assert reports[-1]["copy_end"] - reports[0]["copy_start"] < 2.5 * hop, timing
 
 
+@pytest.mark.slow
 def test_relay_killed_mid_update_over_ipc_others_complete(peers):
     # On a warm chain the second receiver (a relay, copying from the first while the first still copies) is
     # killed once the first hop has copied 96 of 256 MiB; the first hop forwards to the third instead.  The
@@ -391,6 +399,7 @@ def test_relay_killed_mid_update_over_ipc_others_complete(peers):
     assert [r["error"] for r in ps[2].reports if "error" in r] == ["PeerLost"], ps[2].reports
 
 
+@pytest.mark.slow
 def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
     # The second receiver stops mid-copy on a warm chain: the first hop's wait for its progress times out (it
     # had not copied all the watermark allowed), and the third, copying from the stopped one, sees its
@@ -403,6 +412,7 @@ def test_stalled_relay_over_ipc_cut_out_after_stall_timeout(peers):
     assert [r["error"] for r in errors] == ["TransferTimeout"] and "did not advance" in errors[0]["message"], errors
 
 
+@pytest.mark.slow
 def test_relay_over_ipc_names_a_receiver_that_never_finishes_its_copy(peers):
     # The second receiver copies every byte from the first (a relay) and then hangs before saying done.  The
     # relay used to wait for it forever (every byte reported reset its stall clock), so the origin timed the
@@ -435,6 +445,7 @@ def _unshare_mount() -> tuple[str, ...] | None:
     return ("unshare", "-m") if ok else None
 
 
+@pytest.mark.slow
 def test_auto_chain_lets_every_hop_choose_its_own_transport(peers):
     # transport="auto": the origin reaches the first receiver over ipc, but the second shares no mount namespace
     # with anyone (as a receiver on another machine would), so ipc cannot reach it.  The relay used to forward
@@ -452,6 +463,7 @@ def test_auto_chain_lets_every_hop_choose_its_own_transport(peers):
         assert far.wait_oks(1)[0]["sha256"] == sha(region)
 
 
+@pytest.mark.slow
 def test_slow_receiver_is_moved_to_the_tail_of_the_chain(peers):
     # The second of four receivers copies slowly (400 ms per ipc piece, two pieces per copy thread: about
     # 0.8 s a copy, the others a few tens of ms).  It holds back the two after it; the sender names it in

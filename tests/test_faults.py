@@ -55,6 +55,7 @@ def start_receiver_child(sig: str):
     return proc, f"127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_transfer_receiver_raises_peer_lost_promptly():
     with Receiver(stall_timeout=30) as rx:
         proc = child(SELF_HARMING_SENDER, "{}:{}".format(*rx.address), str(SIZE), "SIGKILL")
@@ -68,6 +69,7 @@ def test_sender_killed_mid_transfer_receiver_raises_peer_lost_promptly():
         assert rc == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_receiver_killed_mid_transfer_sender_raises_peer_lost():
     proc, where = start_receiver_child("SIGKILL")
     try:
@@ -81,6 +83,7 @@ def test_receiver_killed_mid_transfer_sender_raises_peer_lost():
     assert rc == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_receiver_that_stops_reading_times_out_the_sender():
     proc, where = start_receiver_child("SIGSTOP")
     try:
@@ -94,6 +97,7 @@ def test_receiver_that_stops_reading_times_out_the_sender():
         finish(proc)
 
 
+@pytest.mark.slow
 def test_sender_that_stops_sending_times_out_the_receiver():
     with Receiver(stall_timeout=1.0) as rx:
         proc = child(SELF_HARMING_SENDER, "{}:{}".format(*rx.address), str(SIZE), "SIGSTOP")
@@ -107,6 +111,7 @@ def test_sender_that_stops_sending_times_out_the_receiver():
             finish(proc)
 
 
+@pytest.mark.slow
 def test_wrong_token_between_processes_is_auth_error():
     # The sender is told; for the receiver it is a stranger, dropped and counted, and receive() goes on waiting.
     code = """

@@ -73,6 +73,7 @@ def test_mirror_refuses_files_that_place_a_tensor_less_aligned_than_its_elements
 
 @pytest.mark.parametrize("transport, read", [("tcp", "mapped"), ("ipc", "while sending"),
                                              ("tcp --verify", "while sending")])
+@pytest.mark.slow
 def test_the_cli_sends_from_its_files_over_tcp_and_reads_them_otherwise(tmp_path, transport, read):
     """Over tcp the sender's region is its files; over ipc the receiver maps the sender's memory, which must
     be memory the sender owns (memfds), and with --verify the sender reads every byte itself to hash it."""
@@ -88,6 +89,7 @@ def test_the_cli_sends_from_its_files_over_tcp_and_reads_them_otherwise(tmp_path
     assert not [p for p in os.listdir(out) if p.startswith(TEMP_PREFIX)]
 
 
+@pytest.mark.slow
 def test_the_cli_sends_a_model_its_files_cannot_mirror_by_reading_it(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -96,6 +96,7 @@ def test_a_receiver_that_demands_checksums_refuses_an_unverified_offer_before_by
         got.result()
 
 
+@pytest.mark.slow
 def test_cli_recv_verify_refuses_a_send_without_verify_and_send_waits_for_recv(tmp_path) -> None:
     pytest.importorskip("safetensors")
     from safetensors.numpy import save_file

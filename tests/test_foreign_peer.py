@@ -38,6 +38,7 @@ def test_sender_to_an_http_server_is_told_it_is_not_a_tensorxfer_receiver(http_s
     assert "<!DOCTYPE HTML>" in msg or "HTTP/" in msg, msg
 
 
+@pytest.mark.slow
 def test_receiver_reached_by_an_http_client_names_it(caplog):
     # A stranger to the receiver: dropped and counted (never an error of receive()), and the log names it.
     with tx.Receiver() as rx:

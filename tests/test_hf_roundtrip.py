@@ -41,6 +41,7 @@ def tiny_model_dir(d):
     return model
 
 
+@pytest.mark.slow
 def test_hf_model_dir_arrives_loadable_with_identical_logits(tmp_path):
     src, out = tmp_path / "gpt2-tiny", tmp_path / "received"
     model = tiny_model_dir(src)

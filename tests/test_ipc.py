@@ -139,6 +139,7 @@ def addr(rx: Receiver) -> str:
 
 # ---------------------------------------------------------------- copy mode
 @pytest.mark.parametrize("chunk", [0, 1 << 16], ids=["default-chunks", "600-chunks"])
+@pytest.mark.slow
 def test_copy_between_processes_is_byte_exact_and_leaves_no_fds(chunk):
     # 1<<16 chunks: ~600 memfds, more than one SCM_RIGHTS batch, laid out unlike the receiver's chunks
     with Receiver() as rx:
@@ -159,6 +160,7 @@ def test_copy_between_processes_is_byte_exact_and_leaves_no_fds(chunk):
             peer.close()
 
 
+@pytest.mark.slow
 def test_copy_ignores_later_sender_writes_and_the_sender_may_free_after_send():
     with Receiver() as rx:
         peer = Peer(rx.address)
@@ -175,6 +177,7 @@ def test_copy_ignores_later_sender_writes_and_the_sender_may_free_after_send():
 
 
 # ---------------------------------------------------------------- share mode
+@pytest.mark.slow
 def test_share_maps_the_senders_memory_read_only_and_sees_updates_in_place():
     with Receiver(share=True) as rx:
         peer = Peer(rx.address, nbytes=16 << 20)
@@ -213,6 +216,7 @@ def test_share_maps_the_senders_memory_read_only_and_sees_updates_in_place():
         assert not [line for line in maps if "memfd:tensorxfer" in line]
 
 
+@pytest.mark.slow
 def test_share_refuses_a_forced_tcp_sender():
     with Receiver(share=True) as rx:
         job = Background(rx.receive, timeout=3)
@@ -358,6 +362,7 @@ def test_a_sender_that_stalls_after_authenticating_times_out_the_receiver():
                 job.result(timeout=10)
 
 
+@pytest.mark.slow
 def test_a_sender_killed_between_updates_ends_its_session_cleanly():
     """The receiver keeps the last copy, drops the session's cached mapping, and waits for the next sender."""
     with Receiver(stall_timeout=5) as rx:

@@ -85,11 +85,13 @@ def check_steps(sent: list[dict], got: list[dict], transport: str) -> None:
 
 
 @pytest.mark.parametrize("transport, optimizer", [("tcp", "foreach"), ("ipc", "fused"), ("tcp", "plain")])
+@pytest.mark.slow
 def test_an_adopted_trainer_pushes_each_step_into_a_bound_receiver(transport: str, optimizer: str) -> None:
     sent, got = train_and_receive("cpu", transport, optimizer)
     check_steps(sent, got, transport)
 
 
+@pytest.mark.slow
 def test_a_sharing_receiver_binds_its_model_to_the_trainers_memory() -> None:
     sent, got = train_and_receive("cpu", "ipc", "foreach", share=True)
     check_steps(sent, got, "ipc")

@@ -122,6 +122,7 @@ def assert_viewable(m: Manifest) -> None:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 2**20) | st.just(0), min_size=1, max_size=6),
        st.sampled_from(sorted(DTYPES)))
+@pytest.mark.slow
 def test_fuzz_shapes_are_refused_or_viewable(shape, dtype):
     obj = raw(Manifest.layout([("a", "U8", (0,))]))
     size = int(np.prod([float(d) for d in shape])) * DTYPES[dtype].itemsize if 0 not in shape else 0
@@ -178,6 +179,7 @@ def assert_disjoint(m: Manifest) -> None:
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 600) | st.just(0), st.integers(-3, 3) | st.integers(-700, 700)),
                 min_size=2, max_size=6))
+@pytest.mark.slow
 def test_fuzz_placements_are_accepted_exactly_when_disjoint(placements):
     """Tensors placed at, just before and just after the end of the one before them (alignment 1): the
     manifest is accepted if and only if no two non-empty tensors share a byte (an off-by-one either way in
@@ -228,6 +230,7 @@ VALID = sample().with_checksums("crc32c", range(len(SAMPLE))).pack()
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
        st.integers(0, len(VALID)))
+@pytest.mark.slow
 def test_fuzz_mutated_valid_manifests(flips, cut):
     data = bytearray(VALID)
     for pos, value in flips:
@@ -253,6 +256,7 @@ msgpack_values = st.recursive(
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(raw(sample()))), msgpack_values)
+@pytest.mark.slow
 def test_fuzz_fields_replaced_by_arbitrary_values(key, value):
     obj = raw(sample())
     obj[key] = value
@@ -264,6 +268,7 @@ def test_fuzz_fields_replaced_by_arbitrary_values(key, value):
     assert_disjoint(m)
 
 
+@pytest.mark.slow
 def test_large_manifest_round_trips():
     n = 100_000
     m = Manifest.layout((f"layers.{i}.w", "F16", (i % 7, 3)) for i in range(n))

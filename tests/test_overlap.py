@@ -35,6 +35,7 @@ def model(d: Path, files: int = 3, rows: int = 300_000) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_a_background_load_lands_in_order_and_equals_a_plain_load(tmp_path: Path) -> None:
     d = model(tmp_path / "m", rows=(3 * UNIT_BYTES) // 16 + 7)        # several units per file
     with tx.TensorRegion.from_safetensors(d) as whole:
@@ -51,6 +52,7 @@ def test_a_background_load_lands_in_order_and_equals_a_plain_load(tmp_path: Path
         assert bytes(memoryview(region.region)[:region.nbytes]) == expected
 
 
+@pytest.mark.slow
 def test_a_file_that_shrinks_while_loading_fails_the_landing_with_the_read_error(tmp_path: Path) -> None:
     d = model(tmp_path / "m", files=1, rows=UNIT_BYTES // 4)
     region, loader = tx.TensorRegion.for_safetensors(discover([d]))
@@ -117,6 +119,7 @@ def test_the_cli_writes_the_files_while_they_land_and_reads_while_it_sends(tmp_p
 
 @pytest.mark.parametrize("transport, when", [("auto", "load.plan_load"), ("tcp", "load.plan_load"),
                                              ("tcp", "mapped.map_sources")])
+@pytest.mark.slow
 def test_a_file_that_shrinks_before_it_is_sent_fails_the_sender_naming_it_and_writes_nothing(
         tmp_path: Path, transport: str, when: str) -> None:
     """Truncated after its header was read: over ipc (auto) the loader reads a short file; over tcp the files

@@ -258,6 +258,7 @@ msgpack_values = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(msgpack_values, st.booleans())
+@pytest.mark.slow
 def test_scan_counts_every_object_msgpack_decodes(obj, single_float):
     body = msgpack.packb(obj, use_bin_type=True, use_single_float=single_float)
     assert P.scan_msgpack(body, 1 << 20, 64) == count_objects(obj)
@@ -265,6 +266,7 @@ def test_scan_counts_every_object_msgpack_decodes(obj, single_float):
 
 @settings(max_examples=300, deadline=None)
 @given(msgpack_values)
+@pytest.mark.slow
 def test_scan_refuses_every_truncation(obj):
     body = msgpack.packb(obj, use_bin_type=True)
     for cut in range(len(body)):

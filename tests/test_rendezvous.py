@@ -66,6 +66,7 @@ def test_every_store_keeps_the_same_promises(url: str) -> None:
         b.close()
 
 
+@pytest.mark.slow
 def test_an_etcd_member_that_dies_is_gone_when_its_lease_expires(tmp_path: Path) -> None:
     need_etcd()
     with etcd_server(tmp_path) as u:
@@ -97,6 +98,7 @@ def _spec(role: str, rank: int) -> RankSpec:
     return RankSpec("target", rank, [TargetTensor("w", (4,), "F32", 0, (Piece("w", replicate_box((4,)), (0,)),))])
 
 
+@pytest.mark.slow
 def test_membership_decisions(url: str) -> None:
     """Joiners come in at the next step, the dead go out (named ones after a short grace, silent ones after
     the stall timeout, departed ones at once), a dropped incarnation never comes back, the lowest source
@@ -151,6 +153,7 @@ def test_membership_decisions(url: str) -> None:
             r.close()
 
 
+@pytest.mark.slow
 def test_sync_status_prints_the_group_from_the_store_alone(url: str) -> None:
     import subprocess
     import sys

@@ -595,6 +595,7 @@ def test_a_failed_rollback_keeps_the_backup_and_says_where(tmp_path, monkeypatch
     assert bak.read_text() == "old a"
 
 
+@pytest.mark.slow
 def test_a_large_side_file_survives_the_manifest_limits(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -185,6 +185,7 @@ def test_a_sender_gets_through_200_idle_and_trickling_strangers_within_2_s() -> 
                 c.close()
 
 
+@pytest.mark.slow
 def test_a_trickling_handshake_is_cut_at_its_overall_deadline() -> None:
     with Receiver(handshake_timeout=1.0) as rx, socket.create_connection(rx.address, timeout=5) as c:
         c.sendall(struct.pack(">I", 60000))
@@ -271,6 +272,7 @@ def test_close_from_another_thread_during_a_session_ends_receive_with_a_typed_er
                 job.result(timeout=5)
 
 
+@pytest.mark.slow
 def test_close_from_another_thread_ends_a_send_in_flight() -> None:
     """A Sender closed while its send() waits on the receiver (here: for the accept, while the receiver's
     on_offer takes its time) wakes at once with a typed error; closing the socket alone left the waiting
@@ -363,6 +365,7 @@ def test_memory_a_vanished_sender_left_behind_is_released() -> None:
 
 
 # ---------------------------------------------------------------- the receiver's own work
+@pytest.mark.slow
 def test_a_long_on_landed_keeps_the_sender_waiting_and_a_stalled_one_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     from tensorxfer.session import control
 
@@ -412,6 +415,7 @@ def test_an_idle_token_less_session_yields_to_a_waiting_sender() -> None:
             idle.close()
 
 
+@pytest.mark.slow
 def test_a_single_idle_sender_is_never_cut_off() -> None:
     """A trainer between steps keeps its session as long as nobody else waits."""
     with region_of(1 << 20) as src, Receiver(handshake_timeout=0.3) as rx:
@@ -443,6 +447,7 @@ def test_more_strangers_than_the_pending_limit_do_not_lock_out_a_sender(monkeypa
 
 
 @pytest.mark.parametrize("how", ["goodbye", "killed"])
+@pytest.mark.slow
 def test_a_receive_that_times_out_after_a_sender_came_and_went_says_so(how: str) -> None:
     """Not "no sender connected": one did, and left before it offered (its side failed, or it was stopped)."""
     with Receiver() as rx:

@@ -24,6 +24,7 @@ def test_ruff():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_mypy():
     pytest.importorskip("mypy", reason="mypy is not installed (pip install -e '.[test]')")
     r = run(sys.executable, "-m", "mypy")

@@ -372,6 +372,7 @@ def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_t
             t.close()
 
 
+@pytest.mark.slow
 def test_a_target_waiting_for_a_group_that_never_forms_gives_up_after_its_timeout_not_twice_it() -> None:
     stores = Stores()
     t0 = time.monotonic()

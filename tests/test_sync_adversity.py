@@ -106,6 +106,7 @@ def key(*parts: object) -> str:
 
 # ---------------------------------------------------------------- the store, written by someone without the token
 @pytest.mark.parametrize("token", ["el", "none"])
+@pytest.mark.slow
 def test_garbage_in_the_store_is_named_and_a_bad_record_stops_no_one(url: str, token: str, group: list[Peer],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Member records that are not msgpack, named ``x``, with a port that is no number, a ``latest`` that is no
@@ -148,6 +149,7 @@ def test_garbage_in_the_store_is_named_and_a_bad_record_stops_no_one(url: str, t
         rdv.close()
 
 
+@pytest.mark.slow
 def test_a_rewritten_description_steers_no_byte(url: str, group: list[Peer]) -> None:
     """A writer without the token rewrites a joining target's description (a validly hashed body, its tensors'
     region offsets swapped) before the group plans it: no rank plans from it (StoreError naming the key), no
@@ -199,6 +201,7 @@ def test_a_record_sealed_for_one_key_is_refused_under_another() -> None:
 
 
 # ---------------------------------------------------------------- stalls
+@pytest.mark.slow
 def test_a_target_stalled_for_a_while_gets_no_healthy_source_dropped(url: str, group: list[Peer],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Two sharded sources each feeding one target (target r holds chunk r).  Target 1 stops for 7 s (stall
@@ -237,6 +240,7 @@ def test_a_target_stalled_for_a_while_gets_no_healthy_source_dropped(url: str, g
     assert sorted(p for s in stats for p in s["targets"]) == [0, 1], stats
 
 
+@pytest.mark.slow
 def test_wait_without_a_timeout_names_a_source_that_stalled_before_offering(url: str, group: list[Peer],
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The targets' wait() has no timeout; source 1 stops before its offer of step 2: each target names it within
@@ -264,6 +268,7 @@ def test_wait_without_a_timeout_names_a_source_that_stalled_before_offering(url:
         reaches(t, r, 4)
 
 
+@pytest.mark.slow
 def test_a_region_a_stalled_copy_host_may_still_write_takes_no_bytes_over_any_transport() -> None:
     """A target's memory is in doubt (a copy host took a step into it and stalled mid-copy: its fence reads
     RUNNING, its process lives): a step over tcp fails within the stall timeout naming the host, and no

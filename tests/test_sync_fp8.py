@@ -73,6 +73,7 @@ def reassemble(parts: list[dict[str, torch.Tensor]], shapes: dict[str, tuple[int
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.slow
 def test_fp32_fsdp2_trainer_to_fp8_tp_inference_bytes_scales_and_logits_after_each_step(tmp_path,
                                                                                       transport: str) -> None:
     fsdp2_to_fp8(tmp_path, transport, "cpu")

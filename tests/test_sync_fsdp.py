@@ -47,6 +47,7 @@ def reassemble(parts: list[dict[str, torch.Tensor]], shapes: dict[str, tuple[int
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.slow
 def test_fsdp2_trainer_to_tp_inference_logits_equal_after_each_step(tmp_path, transport: str) -> None:
     fsdp2_to_tp(tmp_path, transport, "cpu")
 

@@ -251,6 +251,7 @@ def build(scenario):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
+@pytest.mark.slow
 def test_plan_matches_numpy_reference(scenario):
     sources, targets, data, fused = build(scenario)
     pl = plan(sources, targets)

@@ -1,6 +1,6 @@
 """What tensorxfer-send and tensorxfer-recv share: flags, tokens, exit codes, progress, summaries.
 
-The exit codes are :data:`EXIT_CODES_HELP` (shown by --help; the README and docs/cli.md give the same
+The exit codes are :data:`EXIT_CODES_HELP` (shown by --help; docs/cli.md gives the same
 table).  Help texts are plain text: they are read in a terminal, not rendered.
 """
 
