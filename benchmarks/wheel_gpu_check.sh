@@ -58,7 +58,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # tests and pytest's configuration, no tensorxfer/ beside them
-mkdir -p "$WORK/stage" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/examples" "$WORK/stage/"
+mkdir -p "$WORK/stage" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/docs" "$ROOT/examples" "$WORK/stage/"
 cd "$WORK/stage"
 "$VPY" -c 'import sys, tensorxfer; from tensorxfer.memory import _cuda, _copy
 assert tensorxfer.__file__.startswith(sys.argv[1]), tensorxfer.__file__

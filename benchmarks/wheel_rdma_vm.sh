@@ -24,7 +24,7 @@ log "venv $BASE/venv: $(basename "$WHEEL") and the test tools (binary wheels onl
 rm -rf "$BASE" && mkdir -p "$BASE/stage"
 "$PY" -m venv "$BASE/venv"
 "$BASE/venv/bin/pip" install -q --only-binary :all: "$WHEEL" pytest hypothesis psutil
-cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/examples" "$BASE/stage/"   # test_readme reads README at collection
+cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/docs" "$ROOT/examples" "$BASE/stage/"   # test_docs reads them at collection
 find "$BASE/stage" -name __pycache__ -prune -exec rm -rf {} +
 
 GUEST=$(cat <<EOF

@@ -33,11 +33,12 @@ if [ "${WHEEL_TORCH:-0}" = 1 ]; then
 fi
 
 # The stage: tests/ and pyproject.toml (pytest's markers and options; tests read its scripts), README.md
-# and examples/ (their snippets are run against the installed package) - and no tensorxfer/.
-rm -rf "$STAGE/tests" && mkdir -p "$STAGE"
+# with docs/ and examples/ (their snippets are run against the installed package) - and no tensorxfer/.
+rm -rf "$STAGE/tests" "$STAGE/docs" "$STAGE/examples" && mkdir -p "$STAGE"
 cp -r "$ROOT/tests" "$STAGE/tests"
 cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$STAGE/"
 cp -r "$ROOT/examples" "$STAGE/examples"
+cp -r "$ROOT/docs" "$STAGE/docs"
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 cd "$STAGE"
 "$VENV/bin/python" - <<'EOF'
@@ -53,7 +54,7 @@ EOF
 FAST=(tests/test_host_region.py tests/test_extent.py tests/test_region.py tests/test_manifest.py
       tests/test_staging.py tests/test_strided.py tests/test_transfer.py tests/test_ipc.py tests/test_cli.py
       tests/test_doctor.py tests/test_rdma_unavailable.py tests/test_bare_machine.py tests/test_first_hour.py
-      tests/test_sessions.py tests/test_safetensors_io.py tests/test_readme.py tests/test_cuda.py)
+      tests/test_sessions.py tests/test_safetensors_io.py tests/test_docs.py tests/test_cuda.py)
 # these read tensorxfer's source files (the layers, ruff/mypy over the package): the source-tree run has them
 SOURCE_ONLY=(--deselect tests/test_architecture.py --deselect tests/test_sourcecode.py
              --deselect tests/test_sync_plan.py::test_planner_modules_do_no_io_imports)
