@@ -15,26 +15,12 @@ Set ``TENSORXFER_TOKEN`` on both sides to authenticate the trainer.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 
 import torch
+from live_weights_model import build_model, weights_digest  # beside this file
 
 import tensorxfer as tx
-
-
-def build_model() -> torch.nn.Module:
-    """The same architecture on both sides (``state_dict`` names and shapes must match the trainer's)."""
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """A short hash of every weight's bytes, to compare with what the trainer printed."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def main() -> None:
