@@ -98,6 +98,33 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def server_and_trainer(server: list[str], trainer: Any, timeout: float = 120) -> tuple[subprocess.CompletedProcess,
+                                                                                    subprocess.CompletedProcess]:
+    """A server process, then a trainer process run to its end against it, then the server's end: the two
+    processes users run (examples, the README's tour).  ``server`` and ``trainer`` are argument lists after
+    ``python``; ``trainer`` may instead be a function of the running server (``Popen``, stdout piped) that
+    returns them, for a trainer that needs what the server printed first (its address).  Whatever fails, the
+    server is not left running.  Returns the two processes' results (the server's stdout without what
+    ``trainer`` read)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, *server], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        args = trainer(proc) if callable(trainer) else trainer
+        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=ROOT)
+        out, err = proc.communicate(timeout=60 if done.returncode == 0 else 5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the server did not end after its trainer: {err[-2000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return done, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @contextlib.contextmanager
 def small_filesystem(where: Path, size: int) -> Iterator[Path]:
     """A real ``size``-byte file system (tmpfs) mounted at ``where``, for disk-full tests; skips the test

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import tensorxfer_mappings
-from .helpers import GPU_REASON, ROOT
+from .helpers import GPU_REASON, ROOT, server_and_trainer
 
 DOCS = Path(ROOT) / "docs"
 README = Path(ROOT) / "README.md"
@@ -230,18 +230,11 @@ def test_readme_tour_server_and_trainer_run_as_two_processes():
     server_code, trainer_code = python_blocks("README.md", TOUR)
     assert "tx.Receiver(" in server_code and "tx.Sender(" in trainer_code
     address = f"127.0.0.1:{_free_port()}"
-    server = subprocess.Popen([sys.executable, "-c", server_code.replace("127.0.0.1:7700", address)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    try:
-        trainer = subprocess.run([sys.executable, "-c", trainer_code.replace("127.0.0.1:7700", address)],
-                                 capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
-        assert trainer.returncode == 0, trainer.stderr
-        out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    assert server.returncode == 0, err
+    trainer, server = server_and_trainer(["-c", server_code.replace("127.0.0.1:7700", address)],
+                                         ["-c", trainer_code.replace("127.0.0.1:7700", address)])
+    assert trainer.returncode == 0, trainer.stderr
+    assert server.returncode == 0, server.stderr
+    out = server.stdout
     assert out.splitlines() == [f"server: holds update {n} over ipc" for n in (1, 2, 3)], out
     assert trainer.stdout.count(" bytes over ipc") == 3, trainer.stdout
 

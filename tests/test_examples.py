@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import server_and_trainer
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,29 +33,25 @@ def test_live_weights_trainer_and_server_processes(transport):
     """The two-process live-weights example: the server process holds each step's weights, in order."""
     pytest.importorskip("torch", reason="the live-weights example needs PyTorch")
     steps = 3
-    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "live_weights_server.py"),
-                               "--listen", "127.0.0.1:0", "--steps", str(steps), "--timeout", "60"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
+    first = []
+
+    def trainer(server: subprocess.Popen) -> list[str]:
         assert server.stdout is not None
-        first = server.stdout.readline()         # printed once it listens
-        assert first.startswith("server: listening on "), first + server.stderr.read()
-        address = first.split()[-1]
-        trainer = subprocess.run([sys.executable, str(ROOT / "examples" / "live_weights_trainer.py"),
-                                  "--to", address, "--steps", str(steps), "--transport", transport],
-                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert trainer.returncode == 0, trainer.stderr
-        out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    assert server.returncode == 0, err
+        first.append(server.stdout.readline())         # printed once it listens
+        assert first[0].startswith("server: listening on "), first[0] + server.stderr.read()
+        return [str(ROOT / "examples" / "live_weights_trainer.py"), "--to", first[0].split()[-1], "--steps",
+                str(steps), "--transport", transport]
+
+    trainer_run, server = server_and_trainer([str(ROOT / "examples" / "live_weights_server.py"), "--listen",
+                                              "127.0.0.1:0", "--steps", str(steps), "--timeout", "60"], trainer)
+    assert trainer_run.returncode == 0, trainer_run.stderr
+    assert server.returncode == 0, server.stderr
+    out = server.stdout
     expected = "ipc" if transport == "auto" else "tcp"      # one host, one user: auto picks ipc
-    assert f"transport {expected} (asked for {transport})" in trainer.stdout
+    assert f"transport {expected} (asked for {transport})" in trainer_run.stdout
     if transport == "auto":
-        assert "chose 'ipc'" in trainer.stderr           # auto's pick is logged at INFO
-    sent = [line.split("weights ")[1] for line in _lines(trainer.stdout, "trainer: step")]
+        assert "chose 'ipc'" in trainer_run.stderr           # auto's pick is logged at INFO
+    sent = [line.split("weights ")[1] for line in _lines(trainer_run.stdout, "trainer: step")]
     got = _lines(out, "server: version")
     assert len(sent) == len(got) == steps
     for step, (digest, line) in enumerate(zip(sent, got), start=1):
