@@ -307,8 +307,10 @@ class TcpReceiver(ReceiverTransport):
                 raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
         if self._parts is not None:
             assert self._region is not None
+            # (a host region's landed ranges go to on_piece: a partial update of tensorxfer-recv writes them)
             move_part(sock, self._region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
-                       self._streams.counter(index), receive=True, start=start, piece_bytes=PIECE_BYTES)
+                       self._streams.counter(index), receive=True, start=start, piece_bytes=PIECE_BYTES,
+                       on_piece=None if self._region.is_cuda else self.on_piece)
             return
         self._recv_slice(sock, index, start)
 
