@@ -25,10 +25,11 @@ import xxhash
 from tensorxfer.files.layout import FilePlan
 from tensorxfer.manifest import Manifest
 
-#: 8 MiB: a 2 GB model is 256 pieces (a killed run loses at most a few partly landed ones per stream),
-#: a 600 GB checkpoint 75k (a journal of ~1 MB, a held-pieces frame of ~900 KB).
-PIECE_BYTES = 8 << 20
-#: The most pieces one transfer may have: bounds the journal and the held/skip frames (8 PiB at 8 MiB).
+#: 2 MiB: a killed run loses at most the partly landed piece of each stream (and what was not journaled
+#: yet); a 2 GB model is 1k pieces, a 600 GB checkpoint 300k (a journal of ~5 MB, a held frame of ~3.6 MB,
+#: and ~a second of Python per run to match them).
+PIECE_BYTES = 2 << 20
+#: The most pieces one transfer may have: bounds the journal and the held/skip frames (2 PiB at 2 MiB).
 MAX_PIECES = 1 << 30
 
 
