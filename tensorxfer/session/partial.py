@@ -107,14 +107,19 @@ def receiver_settle(ch: Channel, seq: int, partial: bool, holder: Holder | None,
         raise ProtocolError(f"skip frame: the sender moves {skip.get('bytes')} bytes in runs "
                             f"{str(skip.get('runs'))[:16]}; this receiver expects {moved} in {runs[:16]} "
                             f"(the two ends cut the pieces differently)")
-    kept = region.nbytes - moved if region is not None and moved is not None else 0
+    kept = max(0, _tensor_bytes(region) - moved) if region is not None and moved is not None else 0
     return segments, kept
 
 
-def sender_settle(ch: Channel, seq: int, checker: Checker, nbytes: int, stall_timeout: float
+def _tensor_bytes(region: TensorRegion) -> int:
+    """The bytes of the region's tensors (not the padding between them): what kept bytes are counted of."""
+    return int(region.manifest.sizes.sum())
+
+
+def sender_settle(ch: Channel, seq: int, checker: Checker, region: TensorRegion, stall_timeout: float
                   ) -> tuple[Segments | None, int]:
     """The sender's side, after a partial offer: confirm what the receiver holds, say so.  Returns the
-    segments to move (None: the whole region) and the bytes the receiver keeps.
+    segments to move (None: the whole region) and the tensor bytes the receiver keeps.
 
     Raises
     ------
@@ -122,7 +127,7 @@ def sender_settle(ch: Channel, seq: int, checker: Checker, nbytes: int, stall_ti
         A malformed held frame, or one naming pieces that do not exist.
     """
     # the receiver reads back and hashes what it holds before it answers
-    held = ch.recv("held", timeout=control.control_timeout(stall_timeout) + nbytes / CHECK_FLOOR_BYTES_PER_S)
+    held = ch.recv("held", timeout=control.control_timeout(stall_timeout) + region.nbytes / CHECK_FLOOR_BYTES_PER_S)
     if field(held, "seq", int) != seq:
         raise ProtocolError(f"held frame for update {held.get('seq')}; this is update {seq}")
     pieces, sums = _ids(held, "pieces", "<u4"), _ids(held, "sums", "<u8")
@@ -133,7 +138,7 @@ def sender_settle(ch: Channel, seq: int, checker: Checker, nbytes: int, stall_ti
     ch.send("skip", seq=seq, pieces=np.asarray(confirmed, dtype="<u4").tobytes(),
             bytes=segments.total_bytes if segments is not None else None,
             runs=segments.digest if segments is not None else "")
-    return segments, (nbytes - segments.total_bytes if segments is not None else 0)
+    return segments, (max(0, _tensor_bytes(region) - segments.total_bytes) if segments is not None else 0)
 
 
 __all__ = ["Checker", "Holder", "receiver_settle", "sender_settle"]

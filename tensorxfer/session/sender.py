@@ -251,7 +251,7 @@ class Sender:
         segments, kept = None, 0
         if partial_offer:
             assert pieces is not None
-            segments, kept = partial.sender_settle(ch, seq, pieces, region.nbytes, self.stall_timeout)
+            segments, kept = partial.sender_settle(ch, seq, pieces, region, self.stall_timeout)
         if early:
             posted = time.perf_counter()
             nbytes = transport.post_early(region, seq)

@@ -38,7 +38,7 @@ class TransferStats:
     bytes the sender sent twice (0 on a receiver: it never takes a landed
     byte again), and the seconds the resume rounds took (from the first round,
     once every stream that held had finished, to the last byte).
-    ``kept_bytes``: region bytes that did not move because the receiver
+    ``kept_bytes``: tensor bytes that did not move because the receiver
     already held them, confirmed by the sender (a resumed
     ``tensorxfer-send``: :mod:`tensorxfer.session.partial`); ``bytes`` is
     then what moved.
