@@ -38,7 +38,7 @@ BIG_SHARD_BYTES = int(os.environ.get("TENSORXFER_RESTART_SHARD_MB", "256")) << 2
 
 # The receiver journals landed pieces at least every FLUSH_SECONDS (1 s) while the data is held: a kill a
 # moment after the pause finds the journal caught up with what landed (a kill sooner loses up to that second).
-KILL_AFTER = 1.5
+KILL_AFTER = float(os.environ.get("TENSORXFER_RESTART_KILL_AFTER", "1.5"))
 
 
 def pausing_relay(to: str, at: int) -> tuple[subprocess.Popen, str]:

@@ -14,7 +14,11 @@ While the update lands, :meth:`written` (the :class:`~tensorxfer.files.write.Mod
 writer thread) counts each piece's bytes into the temporary files; a complete piece is hashed from the
 region and, every :data:`FLUSH_BYTES` or :data:`FLUSH_SECONDS` (a timer thread flushes a stalled transfer's
 last pieces too), the temporary files are fdatasynced and the pieces appended to the journal (fsynced): a
-receiver killed then loses only what was not flushed.
+receiver killed then loses only what was not flushed, and what had landed in memory but was not yet in
+its temporary files (the writer trails the network by the disk's rate: on the dev VM, 0.4 GB of 1.29 GB
+landed 1.5 s before the kill; none after 6 s -- benchmarks/results/2026-12-06-resume-restart).  The data is
+fdatasynced before its pieces are journaled (measured: journaling without it kept no more there, since the
+writes themselves trail); the read-back check at the next start (:meth:`claim`) would catch it anyway.
 """
 
 from __future__ import annotations
