@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorxfer.files.journal import JOURNAL_NAME, MAGIC, FRAME, JournalError, read_journal
+from tensorxfer.files.journal import FRAME, JOURNAL_NAME, MAGIC, JournalError, read_journal
 from tensorxfer.files.pieces import PIECE_BYTES
 from tests.helpers import finish
 from tests.test_cli import ROOT, cli, sha, start_recv
@@ -265,6 +265,7 @@ def test_changed_source_with_the_same_mtime_is_caught_by_the_checksums(tmp_path)
     sent, got, _ = resend(src, out)
     resume = next(g for g in got if g["event"] == "resume")
     dropped = [d for d in resume["discarded"] if d["name"] == name]
+    assert sent["kept_bytes"] == resume["kept_bytes"]
     assert dropped and dropped[0]["reason"] == f"{held} piece(s) differ from the sender's source now", resume
 
 

@@ -164,7 +164,7 @@ def read_journal(out_dir: str | os.PathLike[str], piece_bytes: int) -> Journal |
         os.close(fd)
     if not data.startswith(MAGIC):
         raise JournalError("it does not start with the journal's magic line (not a journal, or truncated)")
-    pos, frames = len(MAGIC), []
+    pos, frames = len(MAGIC), list[bytes | None]()
     while pos < len(data):
         if pos + FRAME.size > len(data):
             frames.append(None)         # torn: the length was cut off
@@ -186,12 +186,12 @@ def read_journal(out_dir: str | os.PathLike[str], piece_bytes: int) -> Journal |
         raise JournalError("its header is missing or torn")
     pb, files = _header(_unpack(frames[0], "its header"), piece_bytes)
     j = Journal(pb, files)
-    for k, body in enumerate(frames[1:], 1):
-        if body is None:
-            j.notes.append(f"its last record was torn (the receiver was killed while writing it): the pieces "
-                           f"it named are not claimed")
+    for k, record in enumerate(frames[1:], 1):
+        if record is None:
+            j.notes.append("its last record was torn (the receiver was killed while writing it): the pieces "
+                           "it named are not claimed")
             break
-        _records(_unpack(body, f"record frame {k}"), j)
+        _records(_unpack(record, f"record frame {k}"), j)
     return j
 
 

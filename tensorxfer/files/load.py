@@ -80,7 +80,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     meta: dict[str, str] = {}
     records: list[dict[str, Any]] = []
-    sources: list[list[int] | None] = [None] * len(found.files)
+    source_stats: list[list[int] | None] = [None] * len(found.files)
     plan: list[tuple[Path, int, Header]] = []
     seen: dict[str, str] = {}
     for i, src in enumerate(found.files):
@@ -95,7 +95,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
             parsed, data_at = read_header(src.path)
             st = src.path.stat()
             mode = stat.S_IMODE(st.st_mode) & 0o777
-            sources[i] = [st.st_size, st.st_mtime_ns]       # a resumed receiver tells a changed source by them
+            source_stats[i] = [st.st_size, st.st_mtime_ns]       # a resumed receiver tells a changed source by them
             text, kind, entries = parsed.text, "safetensors", parsed.entries
             plan.append((src.path, data_at, parsed))
         for ent in entries:
@@ -111,7 +111,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
                         "mode": mode})
         meta.update({f"tensorxfer.file.{i}.{j}": c for j, c in enumerate(chunks)})
     meta[FILES_KEY] = json.dumps(records)
-    meta[SOURCES_KEY] = json.dumps(sources)
+    meta[SOURCES_KEY] = json.dumps(source_stats)
     if len(meta) > MAX_METADATA_ITEMS or len(meta[FILES_KEY].encode("utf-8")) >= MAX_METADATA_STR \
             or len(meta[SOURCES_KEY]) >= MAX_METADATA_STR:
         raise FileFormatError(f"{len(records)} files whose headers and side files need {len(meta)} metadata "

@@ -9,7 +9,8 @@ them from its source file, the receiver from its temporary file or its region, a
 before a held piece is kept.
 
 :class:`PieceMap` is the geometry (pure: no I/O): piece -> its byte runs in the file's data and in the
-region, and a set of pieces -> the region ranges a partial update moves.  Both ends build it from the same manifest, so they cut the same runs.
+region, and a set of pieces -> the region ranges a partial update moves.  Both ends build it from the same
+manifest, so they cut the same runs.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def _umask() -> int:
     return mask
 
 
-def clean_leftovers(out_dir: str | os.PathLike[str], keep: frozenset[str] = frozenset()) -> tuple[list[Path], list[Path]]:
+def clean_leftovers(out_dir: str | os.PathLike[str],
+                    keep: frozenset[str] = frozenset()) -> tuple[list[Path], list[Path]]:
     """Remove the ``.tensorxfer-*.part`` files a killed writer left in ``out_dir``.
 
     Only regular files with that name are removed (never symlinks or

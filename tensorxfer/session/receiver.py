@@ -172,14 +172,12 @@ class Receiver:
         ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.  ``held`` (:class:`~tensorxfer.session.partial.Holder`): pieces of the
-        offered region this receiver already has (a resumed ``tensorxfer-recv``); a sender that offers a
-        partial update confirms them and sends only the rest.
+        error naming it instead.  ``held``: pieces already here, not sent again (:mod:`tensorxfer.session.partial`).
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
-        offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
-        and acks its sender once the rest of its chain finished (the next ``receive()``,
-        :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region meanwhile.
+        offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked, and
+        acks its sender once the rest of its chain finished (the next ``receive()``, :meth:`wait_relayed` or
+        :meth:`close` waits for that): do not write into the region meanwhile.
 
         ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
         of the received region (no copy; later updates land in place; with ``share=True`` views of the

@@ -265,15 +265,15 @@ class ServerSession:
         return transport
 
     def _finish(self, offer: Offer, region: TensorRegion, nbytes: int, verb: str, on_landed: OnLanded | None,
-                job: ForwardJob | None, expected: int) -> None:
-        """The end of every update: the sender's done frame must match (``expected`` bytes: the manifest's,
+                job: ForwardJob | None, expected_bytes: int) -> None:
+        """The end of every update: the sender's done frame must match (``expected_bytes``: the manifest's,
         or a partial update's segments'), checksums if asked, the caller's ``on_landed``, then ack (a relay's
         once the rest of its chain finished)."""
         ch, seq = self.channel, offer.seq
         done = ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
-        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != expected:
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != expected_bytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
-                                f"{nbytes} {verb}, {expected} expected (the manifest has {offer.nbytes})")
+                                f"{nbytes} {verb}, {expected_bytes} expected (the manifest has {offer.nbytes})")
         expected = _expected_sums(region, done) if offer.verify else None
         if job is not None:
             # Every byte is here: the next hop may finish.  It checks its own copy against the origin's
