@@ -402,3 +402,16 @@ def test_stream_parts_of_a_few_large_runs_are_the_cut_the_sender_makes():
     seg = Segments.of([0, 64 * mib, 100 * mib, 140 * mib], [0, 64 * mib, 100 * mib, 140 * mib],
                       [30 * mib, 2 * mib, 2 * mib, 30 * mib])
     assert len(seg.split(4)) != 4 or len(seg.split(3)) != 3, "the case the cut must settle"
+
+
+def test_resume_over_ipc_moves_only_the_missing_segments(tmp_path):
+    """The same host picks ipc: a partial update there copies only the segments the receiver lacks."""
+    src, out = interrupted(tmp_path)
+    recv, where = start_recv(out, "--once", "--stall-timeout", "10")
+    rc, o, e = finish(cli("send", str(src), "--to", where, "--transport", "ipc", "--json"), timeout=120)
+    rc_r, _, e_r = finish(recv, timeout=60)
+    assert rc == 0 and rc_r == 0, (e, e_r)
+    sent = json.loads(o.splitlines()[-1])
+    assert sent["transport"] == "ipc" and sent["kept_bytes"] > 0, sent
+    assert sent["bytes"] + sent["kept_bytes"] == payload_of(SHARDS, SHARD_BYTES)
+    identical(src, out)

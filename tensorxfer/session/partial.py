@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 #: The most pieces one held frame may name (8 PiB of 8 MiB pieces); a larger frame is a protocol error.
 MAX_HELD = 1 << 30
+#: Transports a sender offers partial updates over.  rdma takes segments too (weight syncs), but a partial
+#: update over it has not run yet (only Soft-RoCE in a VM here): over rdma the whole region moves.
+PARTIAL_TRANSPORTS = ("tcp", "ipc")
 #: Slowest rate at which a live peer is assumed to hash pieces it reads back from disk.
 CHECK_FLOOR_BYTES_PER_S = 50e6
 

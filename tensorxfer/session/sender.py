@@ -243,7 +243,7 @@ class Sender:
         # one round trip of the control channel instead of three.
         early = transport.posts_early and not fresh and not forward.chain and forward.landing is None \
             and pieces is None
-        partial_offer = pieces is not None and not forward.chain
+        partial_offer = pieces is not None and not forward.chain and self.transport in partial.PARTIAL_TRANSPORTS
         ch.send("offer", seq=seq, manifest=packed, transport=self.transport, streams=self.streams, verify=verify,
                 fresh=fresh, version=version.as_wire(), resume=resumer.enabled and not early, partial=partial_offer,
                 **extra)
