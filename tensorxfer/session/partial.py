@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from tensorxfer.region import TensorRegion
     from tensorxfer.transport.segments import Segments
 
-#: The most pieces one held frame may name (8 PiB of 8 MiB pieces); a larger frame is a protocol error.
-MAX_HELD = 1 << 30
+#: A held frame may name at most one piece per this many bytes of the region (pieces are larger): a peer
+#: cannot make the other end build more numbers than the region justifies.
+MIN_PIECE_BYTES = 64 << 10
 #: Transports a sender offers partial updates over.  rdma takes segments too (weight syncs), but a partial
 #: update over it has not run yet (only Soft-RoCE in a VM here): over rdma the whole region moves.
 PARTIAL_TRANSPORTS = ("tcp", "ipc")
@@ -67,11 +68,11 @@ class Checker(Protocol):
         ...
 
 
-def _ids(frame: dict[str, object], name: str, dtype: str) -> list[int]:
+def _ids(frame: dict[str, object], name: str, dtype: str, most: int) -> list[int]:
     raw = field(frame, name, bytes)
     size = np.dtype(dtype).itemsize
-    if len(raw) % size or len(raw) // size > MAX_HELD:
-        raise ProtocolError(f"{frame.get('type')} frame: {name} must be {size}-byte values, at most {MAX_HELD}")
+    if len(raw) % size or len(raw) // size > most:
+        raise ProtocolError(f"{frame.get('type')} frame: {name} must be {size}-byte values, at most {most}")
     return np.frombuffer(raw, dtype).tolist()
 
 
@@ -96,7 +97,7 @@ def receiver_settle(ch: Channel, seq: int, partial: bool, holder: Holder | None,
     # the sender reads and hashes every held piece of its source before it answers
     held_bytes = region.nbytes if region is not None and len(ids) else 0
     skip = ch.recv("skip", timeout=control.control_timeout(stall_timeout) + held_bytes / CHECK_FLOOR_BYTES_PER_S)
-    confirmed = _ids(skip, "pieces", "<u4")
+    confirmed = _ids(skip, "pieces", "<u4", len(ids))
     if field(skip, "seq", int) != seq:
         raise ProtocolError(f"skip frame for update {skip.get('seq')}; this is update {seq}")
     if len(set(confirmed)) != len(confirmed) or not set(confirmed) <= set(claimed[0]):
@@ -133,7 +134,8 @@ def sender_settle(ch: Channel, seq: int, checker: Checker, region: TensorRegion,
     held = ch.recv("held", timeout=control.control_timeout(stall_timeout) + region.nbytes / CHECK_FLOOR_BYTES_PER_S)
     if field(held, "seq", int) != seq:
         raise ProtocolError(f"held frame for update {held.get('seq')}; this is update {seq}")
-    pieces, sums = _ids(held, "pieces", "<u4"), _ids(held, "sums", "<u8")
+    most = region.nbytes // MIN_PIECE_BYTES + 1
+    pieces, sums = _ids(held, "pieces", "<u4", most), _ids(held, "sums", "<u8", most)
     if len(pieces) != len(sums) or len(set(pieces)) != len(pieces):
         raise ProtocolError("held frame: pieces and checksums differ in number, or a piece appears twice")
     confirmed = checker.confirm(pieces, sums) if pieces else []
@@ -144,4 +146,4 @@ def sender_settle(ch: Channel, seq: int, checker: Checker, region: TensorRegion,
     return segments, (max(0, _tensor_bytes(region) - segments.total_bytes) if segments is not None else 0)
 
 
-__all__ = ["Checker", "Holder", "receiver_settle", "sender_settle"]
+__all__ = ["PARTIAL_TRANSPORTS", "Checker", "Holder", "receiver_settle", "sender_settle"]
