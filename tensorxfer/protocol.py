@@ -58,7 +58,8 @@ AUTH_CONTEXT = b"tensorxfer-auth-v1"
 #: travels as one bin.  4096 objects cost at most ~0.5 MiB of Python objects, whatever the frame size.
 MAX_FRAME_OBJECTS = 4096
 MAX_FRAME_DEPTH = 16
-FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "wait", "ack", "error", "bye", "resume"))
+FRAME_TYPES = frozenset(("hello", "auth", "offer", "accept", "done", "wait", "ack", "error", "bye", "resume",
+                         "held", "skip"))
 
 T = TypeVar("T")
 

@@ -14,6 +14,13 @@ the connection that carried it (SO_LINGER 0: an RST to both ends, the way a drop
 middlebox ends a connection).  With ``--stall`` it instead stops carrying that connection at that count and
 keeps it open: a link that went silent (no RST, no FIN), which only the ends' stall timeouts notice.
 
+``--pause-at N`` holds every data connection once N data bytes went through (it forwards exactly up to N,
+then prints ``paused`` on a line of its own) until it gets SIGUSR1 or SIGUSR2: a test kills a sender or
+receiver process there -- at a chosen point of the transfer, with data in flight -- and then lets the relay
+carry on (SIGUSR1: what the dead process's kernel still holds is delivered, then its close or reset), or
+(SIGUSR2) resets every data connection at once, dropping what it holds: the machine went away with its
+socket buffers (a pre-empted node), so what landed is what had landed at the pause.
+
 It prints its port on the first line; on SIGTERM (or stdin closing) it prints one JSON line:
 ``data_bytes`` (sender -> receiver, data connections), ``control_bytes``, ``cuts`` (byte counts where it
 cut), ``connections``.
@@ -59,8 +66,13 @@ def reset(sock: socket.socket) -> None:
 
 
 class Relay:
-    def __init__(self, target_host: str, control_port: int, cuts: list[int], stall: bool = False) -> None:
+    def __init__(self, target_host: str, control_port: int, cuts: list[int], stall: bool = False,
+                 pause_at: int | None = None) -> None:
         self.stall = stall
+        self.pause_at = pause_at
+        self.gate = threading.Event()       # cleared while paused
+        self.gate.set()
+        self.drop = False                   # SIGUSR2: held data connections are reset, not carried on
         self.stalled: list[socket.socket] = []      # silent connections, kept open (and referenced) until exit
         self.target_host = target_host
         self.control_port = control_port
@@ -128,6 +140,12 @@ class Relay:
                 if not forward:
                     dst.sendall(view[:n])
                     continue
+                n = self._pause(dst, view, n)
+                self.gate.wait()
+                if self.drop:
+                    reset(src)
+                    reset(dst)
+                    return
                 with self.lock:
                     start = self.data_bytes
                     cut = next((c for c in self.cuts if start < c <= start + n), None)
@@ -149,6 +167,23 @@ class Relay:
             reset(src)
             reset(dst)
 
+    def _pause(self, dst: socket.socket, view: memoryview, n: int) -> int:
+        """Forward up to the pause point and hold there (``--pause-at``); return the bytes of ``view`` left."""
+        with self.lock:
+            start = self.data_bytes
+            hit = self.pause_at is not None and start < self.pause_at <= start + n
+            if hit:
+                assert self.pause_at is not None
+                first, self.pause_at = self.pause_at - start, None
+                self.data_bytes += first
+                self.gate.clear()
+        if not hit:
+            return n
+        dst.sendall(view[:first])
+        print("paused", flush=True)
+        view[:n - first] = view[first:n]
+        return n - first
+
     def report(self) -> dict[str, object]:
         with self.lock:
             return {"data_bytes": self.data_bytes, "control_bytes": self.control_bytes, "cuts": self.cut_at,
@@ -160,10 +195,17 @@ def main() -> None:
     ap.add_argument("--to", required=True, help="the receiver's HOST:PORT")
     ap.add_argument("--cut", default="", help="data byte counts to cut at, comma-separated")
     ap.add_argument("--stall", action="store_true", help="go silent at the cuts instead of resetting")
+    ap.add_argument("--pause-at", type=int, default=None, help="hold the data at this byte count until SIGUSR1")
     args = ap.parse_args()
     host, port = args.to.rsplit(":", 1)
     cuts = [int(c) for c in args.cut.split(",") if c]
-    relay = Relay(host, int(port), cuts, args.stall)
+    relay = Relay(host, int(port), cuts, args.stall, args.pause_at)
+    signal.signal(signal.SIGUSR1, lambda *_: relay.gate.set())
+
+    def drop(*_: object) -> None:
+        relay.drop = True
+        relay.gate.set()
+    signal.signal(signal.SIGUSR2, drop)
     print(relay.control.getsockname()[1], flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

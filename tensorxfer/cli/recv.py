@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-relay", action="store_true",
                    help="refuse to forward fan-out updates to the next receivers a sender names (with a token, "
                         "forwarding is allowed by default; without one it is always refused)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="do not keep an interrupted transfer's partial output: by default its temporary files and a "
+                        "journal of their verified pieces stay in DIR (hidden .tensorxfer-* files), and a sender "
+                        "offering the same files again sends only what is missing; with this flag they are removed "
+                        "at start and whenever a transfer fails, and every transfer moves every byte")
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
                    help=f"refuse offers larger than this ({SIZE_HELP}; default: half of this machine's memory, "
                         f"or of the GPU's with --device cuda:N)")
@@ -92,8 +97,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def claim_output_dir(out: str) -> tuple[Path, int]:
-    """Create/check ``out``, lock it against a second tensorxfer-recv, and remove a killed one's leftovers.
+def claim_output_dir(out: str, resume: bool = True) -> tuple[Path, int]:
+    """Create/check ``out``, lock it against a second tensorxfer-recv, and remove a killed one's leftovers --
+    except, with ``resume``, the temporary files a trusted resume journal names (see :func:`held_journal`).
 
     Returns the resolved directory and the locked fd (held for the life of the process).
 
@@ -113,13 +119,41 @@ def claim_output_dir(out: str) -> tuple[Path, int]:
     except BlockingIOError:
         os.close(fd)
         raise ValueError(f"another tensorxfer-recv is writing into {real}; pick another --out") from None
-    removed, backups = clean_leftovers(real)
+    removed, backups = clean_leftovers(real, held_journal(real, resume))
     for p in removed:
         logging.getLogger(PROG).info("removed %s, left behind by an interrupted receiver", p.name)
     for p in backups:
         logging.getLogger(PROG).warning("kept %s: the previous content of a file an interrupted receiver was "
                                         "replacing; check it and remove it", p)
     return real, fd
+
+
+def held_journal(real: Path, resume: bool) -> frozenset[str]:
+    """The temporary files the resume journal in ``real`` names, if it is trusted and ``resume``; a journal
+    that is not (malformed, edited, another version) is removed, saying why."""
+    from tensorxfer.files.journal import JournalError, read_journal, remove_journal
+    from tensorxfer.files.pieces import PIECE_BYTES
+
+    log = logging.getLogger(PROG)
+    if not resume:
+        if remove_journal(real):
+            log.info("--no-resume: removed the partial output an interrupted transfer left in %s", real)
+        return frozenset()
+    try:
+        journal = read_journal(real, PIECE_BYTES)
+    except JournalError as e:
+        remove_journal(real)
+        log.warning("discarded the resume journal in %s: %s; the partial output it described is removed and the "
+                    "next transfer sends every byte", real, e)
+        return frozenset()
+    if journal is None:
+        return frozenset()
+    for note in journal.notes:
+        log.warning("resume journal in %s: %s", real, note)
+    held = sum(1 for _ in journal.pieces)
+    log.info("kept the partial output of an interrupted transfer in %s (%d verified pieces of %d files); a sender "
+             "offering the same files again sends only the rest", real, held, len(journal.files))
+    return frozenset(f.temp for f in journal.files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         token = read_token(args)
         host, port = parse_address(args.listen)
         check_device(args.device)
-        _, lock_fd = claim_output_dir(args.out)
+        _, lock_fd = claim_output_dir(args.out, resume=not args.no_resume and args.device == "cpu")
     except (TensorXferError, OSError, ValueError) as e:
         # an --out that cannot be used is bad usage, found before anyone connects
         return report_error(PROG, e, args.json, EXIT_USAGE if isinstance(e, OSError) else None)
@@ -178,6 +212,8 @@ class _Transfer:
         self.removed: list[Path] = []
         self.files: dict[str, Any] = {}
         self.writer: Any = None
+        self.partial: Any = None        # the partial output this transfer resumes and journals (PartialOutput)
+        self.held: Any = None           # the session's holder (cli.resume.HeldOutput), with resume on
 
     def on_offer(self, manifest: Any) -> None:
         from tensorxfer.files import ModelWriter, plan_files
@@ -191,10 +227,59 @@ class _Transfer:
                                             f"arrive in; {available:,} are available here (MemAvailable)")
         # refused before anything is allocated or moves: a hostile or unusable file layout, another model's
         # files in --out (unless --overwrite), a disk without room for the files
+        plans = plan_files(manifest)
+        partial = self._partial_output(manifest, plans)
         self.writer = ModelWriter(manifest, self.args.out, overwrite=self.args.overwrite, progress=self.bar,
-                                  check_space=True)
+                                  check_space=True, reuse=partial.reuse if partial else None,
+                                  on_written=partial.written if partial else None)
+        if partial is not None:
+            from tensorxfer.cli.resume import HeldOutput
+
+            partial.attach(self.writer)
+            self.partial, self.held = partial, HeldOutput(partial, self._report_resume)
         self.removed = self.writer.others
-        self.files = files_record(plan_files(manifest), len(manifest))
+        self.files = files_record(plans, len(manifest))
+
+    def _partial_output(self, manifest: Any, plans: Any) -> Any:
+        """What an interrupted transfer left in --out, matched against this offer (None: resume is off)."""
+        from tensorxfer.files import check_output_dir, clean_leftovers
+        from tensorxfer.files.journal import JournalError, read_journal, remove_journal
+        from tensorxfer.files.pieces import PIECE_BYTES
+        from tensorxfer.files.resume import PartialOutput
+
+        if self.args.no_resume or self.args.device != "cpu":
+            return None
+        out = check_output_dir(self.args.out)
+        try:
+            journal = read_journal(out, PIECE_BYTES)
+        except JournalError as e:
+            remove_journal(out)
+            clean_leftovers(out)        # the temporary files it named: no writer is open here
+            logging.getLogger(PROG).warning("discarded the resume journal in %s: %s; this transfer sends every "
+                                            "byte", out, e)
+            journal = None
+        return PartialOutput(out, manifest, plans, journal)
+
+    # the session's holder (session.partial): known only once the offer came, so this receive delegates
+    def claim(self, region: Any) -> tuple[list[int], list[int]]:
+        return self.held.claim(region) if self.held is not None else ([], [])
+
+    def keep(self, region: Any, confirmed: list[int]) -> Any:
+        return self.held.keep(region, confirmed) if self.held is not None else None
+
+    def _report_resume(self, record: dict[str, Any]) -> None:
+        """Say what this transfer kept from an interrupted one, and what it discarded and why."""
+        if self.args.json:
+            emit_json({"event": "resume", **record})
+        if not self.args.quiet:
+            log = logging.getLogger(PROG)
+            if record["kept_pieces"]:
+                log.info("resuming an interrupted transfer: kept %d pieces (%s bytes) its journal, its temporary "
+                         "files and the sender's source agree on; only the rest is sent",
+                         record["kept_pieces"], f"{record['kept_bytes']:,}")
+            for d in record["discarded"]:
+                log.info("discarded the partial output of %s (%s bytes): %s", d["name"], f"{d['bytes']:,}",
+                         d["reason"])
 
     def on_piece(self, region: Any, offset: int, length: int) -> None:
         if self.writer is not None:
@@ -204,15 +289,48 @@ class _Transfer:
         # what did not reach the disk while landing, then the last fsync, the renames and the directory's fsync
         self.bar.plan([Phase("writing files", self.files["file_bytes"]), Phase("syncing, renaming into place")])
         writer, self.writer = self.writer, None
+        partial, self.partial = self.partial, None
+        if partial is not None:
+            partial.suspend()       # journaling ends before the writer closes its files (killed here: resumable)
         # before the ack: the sender learns if this fails
-        self.written = writer.finish(region)
+        try:
+            self.written = writer.finish(region)
+        finally:
+            if partial is not None:
+                partial.close()     # in place, or failed for good (finish removed the temporary files)
         self.files["written_while_landing"] = writer.written_while_landing
 
-    def abort(self) -> None:
-        """The update failed: its temporary files go."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """The update failed: its temporary files go -- unless it was interrupted (the sender or the link
+        was lost, or Ctrl-C) and resume is on: then what landed is journaled and kept for the next run."""
+        from tensorxfer.errors import LinkDropped, PeerLost, TransferTimeout, UpstreamFailed
+
         writer, self.writer = self.writer, None
-        if writer is not None:
+        partial, self.partial = self.partial, None
+        interrupted = isinstance(error, (PeerLost, TransferTimeout, LinkDropped, UpstreamFailed, KeyboardInterrupt))
+        if writer is None:
+            return
+        if partial is None or not interrupted:
             writer.abort()
+            if partial is not None:
+                partial.close()
+            return
+        try:
+            writer.drain()          # every landed range into the files, then journaled
+            partial.suspend()
+        except OSError as e:
+            logging.getLogger(PROG).warning("could not journal the partial output (%s): it is removed", e)
+            writer.abort()
+            partial.close()
+            return
+        writer.abort(keep=True)
+        if self.args.json:
+            emit_json({"event": "partial_kept", "bytes": partial.journaled_bytes})
+        if not self.args.quiet:
+            logging.getLogger(PROG).warning(
+                "kept %s bytes of this interrupted transfer in %s (hidden .tensorxfer-* files and a journal): "
+                "send the same files again to this --out and only the rest moves (--no-resume drops them)",
+                f"{partial.journaled_bytes:,}", self.args.out)
 
 
 def upstream_failed(rx: Any, e: BaseException) -> bool:
@@ -238,14 +356,15 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Pr
     while True:
         t = _Transfer(args, bar)
         try:
-            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed, on_piece=t.on_piece)
+            rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed, on_piece=t.on_piece,
+                       held=t)
             bar.finish()
-        except KeyboardInterrupt:
-            t.abort()
+        except KeyboardInterrupt as e:
+            t.abort(e)
             bar.finish(ok=False)
             return EXIT_INTERRUPTED
         except (TensorXferError, OSError, ValueError) as e:
-            t.abort()
+            t.abort(e)
             bar.finish(ok=False)
             if not t.offered:
                 # An authenticated sender that made no offer.  Not a transfer; never ends --once.

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         emit_json({"event": "sent", **files, "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
                    **stats})
     elif not args.quiet:
+        if stats.get("kept_bytes"):
+            print(f"{PROG}: resumed an interrupted transfer: the receiver kept {stats['kept_bytes']:,} bytes it "
+                  f"already had (checked against these files); {stats['bytes']:,} bytes were sent", file=sys.stderr)
         print(summary("sent", stats, f"; {len(files['files'])} files ({len(files['tensor_files'])} safetensors, "
                                      f"{files['tensors']} tensors; side files: "
                                      f"{', '.join(files['side_files']) or 'none'})"))
@@ -123,6 +126,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
     transport sends from the page cache, nothing is read into memory of this process); otherwise each byte
     goes as soon as it was read (the loader is the send's ``landing``).  Returns the stats and the manifest."""
     from tensorxfer import Sender, TensorRegion
+    from tensorxfer.cli.resume import SourcePieces
     from tensorxfer.files import load
     from tensorxfer.files.mapped import changed_files, map_sources, mirror
     from tensorxfer.session.hooks import ForwardHooks
@@ -141,7 +145,8 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             plan, bases = mirrored
             region = map_sources(plan, bases)
             try:
-                stats = sender.send(region, verify=args.verify, progress=bar).as_dict()
+                stats = sender.send(region, verify=args.verify, progress=bar,
+                                    pieces=SourcePieces(plan, log)).as_dict()
             except BaseException:
                 changed = changed_files(plan)
                 if changed:
@@ -159,7 +164,8 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             loader.start()
             try:
                 stats = sender.send(region, verify=args.verify, progress=bar,
-                                    forward=ForwardHooks(landing=loader, loading=True)).as_dict()
+                                    forward=ForwardHooks(landing=loader, loading=True),
+                                    pieces=SourcePieces(plan, log)).as_dict()
             except BaseException as e:
                 read_error = loader.abandon()       # the readers stop before the region is closed
                 if isinstance(e, UpstreamFailed) and read_error is not None:

@@ -22,6 +22,9 @@ from tensorxfer.manifest import Manifest
 
 CHUNK_BYTES = 60_000                # UTF-8 bytes per metadata string, under the manifest's 64 KiB limit
 FILES_KEY = "tensorxfer.files"
+#: JSON list, per file of the layout, ``[size, mtime_ns]`` of the sender's source (null for a side file): how a
+#: resumed receiver tells a source that changed between two runs (tensorxfer.files.resume).
+SOURCES_KEY = "tensorxfer.sources"
 DEFAULT_MODE = 0o644
 _KINDS = ("safetensors", "text", "base64")
 _RECORD_KEYS = frozenset(("name", "kind", "tensors", "chunks"))

@@ -29,7 +29,7 @@ from typing import Any
 from tensorxfer.dtypes import DTYPES
 from tensorxfer.errors import UpstreamFailed
 from tensorxfer.files.format import Entry, FileFormatError, Header, read_header
-from tensorxfer.files.layout import CHUNK_BYTES, FILES_KEY, split_chunks
+from tensorxfer.files.layout import CHUNK_BYTES, FILES_KEY, SOURCES_KEY, split_chunks
 from tensorxfer.files.sources import MAX_SIDE_FILE_BYTES, Discovery, discover
 from tensorxfer.manifest import MAX_METADATA_ITEMS, MAX_METADATA_STR, Manifest
 from tensorxfer.staging import open_stager, write_pieces
@@ -80,6 +80,7 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     meta: dict[str, str] = {}
     records: list[dict[str, Any]] = []
+    source_stats: list[list[int] | None] = [None] * len(found.files)
     plan: list[tuple[Path, int, Header]] = []
     seen: dict[str, str] = {}
     for i, src in enumerate(found.files):
@@ -92,7 +93,9 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
                 text, kind = base64.b64encode(data).decode("ascii"), "base64"
         else:
             parsed, data_at = read_header(src.path)
-            mode = stat.S_IMODE(src.path.stat().st_mode) & 0o777
+            st = src.path.stat()
+            mode = stat.S_IMODE(st.st_mode) & 0o777
+            source_stats[i] = [st.st_size, st.st_mtime_ns]       # a resumed receiver tells a changed source by them
             text, kind, entries = parsed.text, "safetensors", parsed.entries
             plan.append((src.path, data_at, parsed))
         for ent in entries:
@@ -108,7 +111,9 @@ def plan_load(sources: Sequence[str | os.PathLike[str]] | Discovery) -> LoadPlan
                         "mode": mode})
         meta.update({f"tensorxfer.file.{i}.{j}": c for j, c in enumerate(chunks)})
     meta[FILES_KEY] = json.dumps(records)
-    if len(meta) > MAX_METADATA_ITEMS or len(meta[FILES_KEY].encode("utf-8")) >= MAX_METADATA_STR:
+    meta[SOURCES_KEY] = json.dumps(source_stats)
+    if len(meta) > MAX_METADATA_ITEMS or len(meta[FILES_KEY].encode("utf-8")) >= MAX_METADATA_STR \
+            or len(meta[SOURCES_KEY]) >= MAX_METADATA_STR:
         raise FileFormatError(f"{len(records)} files whose headers and side files need {len(meta)} metadata "
                               f"strings (limit {MAX_METADATA_ITEMS} of {CHUNK_BYTES} bytes, and one file list "
                               f"under {MAX_METADATA_STR} bytes): send fewer files at once")

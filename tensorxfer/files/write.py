@@ -49,13 +49,15 @@ def _umask() -> int:
     return mask
 
 
-def clean_leftovers(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+def clean_leftovers(out_dir: str | os.PathLike[str],
+                    keep: frozenset[str] = frozenset()) -> tuple[list[Path], list[Path]]:
     """Remove the ``.tensorxfer-*.part`` files a killed writer left in ``out_dir``.
 
     Only regular files with that name are removed (never symlinks or
     directories).  ``.tensorxfer-*.bak`` files — what a file being replaced
     held, left only if a writer died in the middle of its renames or a
-    rollback failed — are kept: they may be the only copy.  Returns
+    rollback failed — are kept: they may be the only copy; so are the ``keep``
+    names (the temporary files a resume journal names).  Returns
     ``(removed, kept backups)``; a missing directory has nothing to clean.
     """
     removed: list[Path] = []
@@ -65,7 +67,7 @@ def clean_leftovers(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[P
     except FileNotFoundError:
         return removed, backups
     for n in names:
-        if not n.startswith(TEMP_PREFIX):
+        if not n.startswith(TEMP_PREFIX) or n in keep:
             continue
         p = Path(out_dir) / n
         with contextlib.suppress(FileNotFoundError):
@@ -246,11 +248,19 @@ class ModelWriter:
     them) and a writer thread copies their tensor bytes to their places in the files -- the disk works
     while the network does.  :meth:`finish` writes whatever was not written yet (everything, for a GPU
     region or a transport that reports no pieces), fsyncs, and renames all into place, all or nothing;
-    :meth:`abort` removes the temporary files.  One owner; after either, the writer is spent.
+    :meth:`abort` removes the temporary files (or, ``keep``, leaves them for a resumed run).  One owner;
+    after either, the writer is spent.
+
+    ``reuse`` (file index -> path): temporary files an interrupted run left (:mod:`tensorxfer.files.resume`
+    checked them), reopened instead of made, cut to the file's size, their bytes kept; ``on_written(view,
+    file index, file position, n)`` is told, in the writer thread, of tensor bytes written while landing
+    (``view``: the region's memory).
     """
 
     def __init__(self, manifest: Any, out_dir: str | os.PathLike[str], overwrite: bool = False,
-                 progress: Callable[[int], None] | None = None, check_space: bool = False) -> None:
+                 progress: Callable[[int], None] | None = None, check_space: bool = False,
+                 reuse: dict[int, str] | None = None,
+                 on_written: Callable[[memoryview, int, int, int], None] | None = None) -> None:
         self._plans = plan_files(manifest)
         self._real = real = check_output_dir(out_dir)
         self.targets = [real / fp.name for fp in self._plans]
@@ -262,6 +272,7 @@ class ModelWriter:
         if check_space:
             check_free_space(self._plans, real)
         self._progress = progress or _no_progress
+        self._on_written = on_written
         self._temps: list[tuple[str, int]] = []     # (name, fd) per file
         # every tensor's bytes: (region offset, n, file index, position in the file), by region offset
         spans: list[tuple[int, int, int, int]] = []
@@ -274,8 +285,16 @@ class ModelWriter:
         umask = _umask()
         try:
             for i, fp in enumerate(self._plans):
-                fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
-                self._temps.append((tmp, fd))
+                if reuse and i in reuse:
+                    tmp = reuse[i]
+                    fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    self._temps.append((tmp, fd))
+                    if not stat.S_ISREG(os.fstat(fd).st_mode) or Path(tmp).parent != real:
+                        raise OutputError(f"{tmp}: not a temporary file of this receiver; nothing was written")
+                    self._guarded(i, os.ftruncate, fd, fp.size)    # what lies beyond the file never stays
+                else:
+                    fd, tmp = tempfile.mkstemp(dir=real, prefix=TEMP_PREFIX, suffix=".part")
+                    self._temps.append((tmp, fd))
                 self._guarded(i, os.fchmod, fd, fp.mode & ~umask)
                 if fp.header is None:
                     assert fp.data is not None
@@ -336,7 +355,29 @@ class ModelWriter:
                 self._guarded(i, _pwrite_all, self._temps[i][1], view[lo:hi], pos + lo - off)
                 _start_writeback(self._temps[i][1], pos + lo - off, hi - lo)
                 self._written[k] += hi - lo     # reported by finish(): the caller's bar is on the data meanwhile
+                if self._on_written is not None:
+                    self._on_written(view, i, pos + lo - off, hi - lo)
             k += 1
+
+    def mark_written(self, offset: int, length: int) -> None:
+        """``[offset, offset+length)`` of the region is in the temporary files already (kept from an
+        interrupted run, before any byte lands): :meth:`finish` does not write it again."""
+        k = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        end = offset + length
+        while k < len(self._spans) and self._spans[k][0] < end:
+            off, n, _, _ = self._spans[k]
+            lo, hi = max(offset, off), min(end, off + n)
+            if lo < hi:
+                self._written[k] += hi - lo
+            k += 1
+
+    def temp_path(self, i: int) -> str:
+        """File ``i``'s temporary file."""
+        return self._temps[i][0]
+
+    def sync(self, i: int) -> None:
+        """fdatasync file ``i``'s temporary file (before a journal names its bytes)."""
+        self._guarded(i, os.fdatasync, self._temps[i][1])
 
     def _guarded(self, i: int, write: Callable[..., object], *args: Any) -> None:
         """``write(*args)`` on file ``i``; an OSError becomes an OutputError naming the file and the space left."""
@@ -387,14 +428,22 @@ class ModelWriter:
         self._close_fds()
         return self._commit()
 
-    def abort(self) -> None:
-        """Remove the temporary files (an update that failed); idempotent."""
+    def abort(self, keep: bool = False) -> None:
+        """Remove the temporary files (an update that failed), or with ``keep`` leave them for a resumed
+        run (every landed byte queued is written first); idempotent."""
         self._stop_thread()
         self._close_fds()
         temps, self._temps = self._temps, []
+        if keep:
+            return
         for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def drain(self) -> None:
+        """Stop the writer thread once every range queued so far is in the files (before a resumable abort
+        journals them)."""
+        self._stop_thread()
 
     def _stop_thread(self) -> None:
         with self._lock:

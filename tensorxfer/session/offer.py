@@ -55,6 +55,7 @@ class Offer:
     chain_transport: str        # how the next hops choose their transport
     relayed: bool               # sent by a relay: a repaired chain may send this update again
     resume: bool = False        # the sender follows resume frames if data streams break (session.recovery)
+    partial: bool = False       # the sender confirms pieces the receiver holds (session.partial)
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +90,7 @@ class Offer:
         fresh = field(frame, "fresh", bool)     # after the manifest: a refusal of the layout comes first
         return cls(seq, transport, streams, verify, fresh, manifest, version, chain,
                    _chain_transport(frame, transport) if chain else transport, frame.get("relayed") is True,
-                   frame.get("resume") is True)
+                   frame.get("resume") is True, frame.get("partial") is True and not chain)
 
 
 def _chain_transport(frame: dict[str, Any], used: str) -> str:

@@ -28,6 +28,7 @@ from tensorxfer.protocol import Channel, Version, parse_address, server_handshak
 from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
+from tensorxfer.session.partial import Holder
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
 from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
@@ -162,7 +163,8 @@ class Receiver:
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
-                into: Any = None, names: Names = None, on_piece: OnPiece | None = None) -> TensorRegion:
+                into: Any = None, names: Names = None, on_piece: OnPiece | None = None,
+                held: Holder | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
@@ -170,12 +172,12 @@ class Receiver:
         ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.
+        error naming it instead.  ``held``: pieces already here, not sent again (:mod:`tensorxfer.session.partial`).
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
-        offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
-        and acks its sender once the rest of its chain finished (the next ``receive()``,
-        :meth:`wait_relayed` or :meth:`close` waits for that): do not write into the region meanwhile.
+        offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked, and
+        acks its sender once the rest of its chain finished (the next ``receive()``, :meth:`wait_relayed` or
+        :meth:`close` waits for that): do not write into the region meanwhile.
 
         ``into`` (a ``torch.nn.Module``): the update lands in the module's own tensors, which become views
         of the received region (no copy; later updates land in place; with ``share=True`` views of the
@@ -227,7 +229,7 @@ class Receiver:
                     left += [f"{session.peer} connected and said goodbye"] if frame is not None else []
                     continue
                 try:
-                    return self._update(session, frame, progress, on_offer, on_landed, on_piece)
+                    return self._update(session, frame, progress, on_offer, on_landed, on_piece, held)
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -237,13 +239,13 @@ class Receiver:
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
                 on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
-                on_piece: OnPiece | None) -> TensorRegion:
+                on_piece: OnPiece | None, held: Holder | None = None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
         target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
         region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
-                                                     on_offer, on_landed, on_piece)
+                                                     on_offer, on_landed, on_piece, held)
         self._version = offer.version
         return region
 

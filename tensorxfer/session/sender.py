@@ -30,8 +30,9 @@ from tensorxfer.errors import (
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import Channel, Version, client_handshake, field, packed_digest, parse_address, token_key
 from tensorxfer.region import TensorRegion
-from tensorxfer.session import control
+from tensorxfer.session import control, partial
 from tensorxfer.session.hooks import ForwardHooks
+from tensorxfer.session.partial import Checker
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy, Resumer
 from tensorxfer.session.stats import TransferStats, UpdateClock
 from tensorxfer.transport import TRANSPORTS, check_requested, choose, local_capabilities, local_transports
@@ -123,7 +124,8 @@ class Sender:
                 return True
 
     def send(self, region: TensorRegion | Mapping[str, Any], verify: bool = False,
-             progress: Progress | None = None, forward: ForwardHooks | None = None) -> TransferStats:
+             progress: Progress | None = None, forward: ForwardHooks | None = None,
+             pieces: Checker | None = None) -> TransferStats:
         """Send ``region`` (its manifest and payload) and wait for the receiver's ack.
 
         Parameters
@@ -138,6 +140,9 @@ class Sender:
             Called with byte counts as data goes out (from stream threads).
         forward : ForwardHooks, optional
             Makes this send a hop of a fan-out (:mod:`tensorxfer.fanout` fills it).
+        pieces : Checker, optional
+            Offer a partial update (:mod:`tensorxfer.session.partial`): pieces the receiver already holds
+            and this checker confirms are not sent (``tensorxfer-send`` resuming an interrupted transfer).
 
         Raises
         ------
@@ -165,7 +170,7 @@ class Sender:
             region = self._region_of(region)
             region.ensure_current()
             try:
-                return self._send(ch, region, verify, progress, forward or ForwardHooks())
+                return self._send(ch, region, verify, progress, forward or ForwardHooks(), pieces)
             except BaseException as e:
                 self._broken = f"an earlier transfer failed ({type(e).__name__})"
                 self.close()
@@ -214,7 +219,7 @@ class Sender:
         return transport
 
     def _send(self, ch: Channel, region: TensorRegion, verify: bool, progress: Progress | None,
-              forward: ForwardHooks) -> TransferStats:
+              forward: ForwardHooks, pieces: Checker | None = None) -> TransferStats:
         clock = UpdateClock()
         self._seq += 1
         seq = self._seq
@@ -236,10 +241,17 @@ class Sender:
         # A warm plain update over a transport that needs nothing from the accept (ipc) sends its data and
         # done right behind the offer: the receiver finds them waiting once it accepted, so an update costs
         # one round trip of the control channel instead of three.
-        early = transport.posts_early and not fresh and not forward.chain and forward.landing is None
+        early = transport.posts_early and not fresh and not forward.chain and forward.landing is None \
+            and pieces is None
+        partial_offer = pieces is not None and not forward.chain and self.transport in partial.PARTIAL_TRANSPORTS
         ch.send("offer", seq=seq, manifest=packed, transport=self.transport, streams=self.streams, verify=verify,
-                fresh=fresh, version=version.as_wire(), resume=resumer.enabled and not early, **extra)
+                fresh=fresh, version=version.as_wire(), resume=resumer.enabled and not early, partial=partial_offer,
+                **extra)
         registered = transport.counters.registrations
+        segments, kept = None, 0
+        if partial_offer:
+            assert pieces is not None
+            segments, kept = partial.sender_settle(ch, seq, pieces, region, self.stall_timeout)
         if early:
             posted = time.perf_counter()
             nbytes = transport.post_early(region, seq)
@@ -261,14 +273,17 @@ class Sender:
                 transport.collect(progress)
         else:
             t1 = time.perf_counter()
-            transport.connect(region, seq, descriptors)
+            if segments is None:
+                transport.connect(region, seq, descriptors)
+            else:
+                transport.connect(region, seq, descriptors, segments=segments)
             receiver_setup = accept.get("setup_seconds")
             clock.setup_seconds = time.perf_counter() - t1 + (receiver_setup if isinstance(receiver_setup, float)
                                                               else 0.0)
             transport.resumable = resumer.enabled
             with clock.wire():
                 try:
-                    nbytes = self._send_payload(transport, region, progress, forward)
+                    nbytes = self._send_payload(transport, region, progress, forward, segments is not None)
                 except LinkDropped as e:    # the receiver knows what landed: it asks for the rest after our done
                     nbytes = resumer.broke(e)
                 finally:
@@ -287,16 +302,17 @@ class Sender:
         return clock.stats(nbytes, self.transport, field(descriptors, "streams", int, optional=True) or 0,
                            transport.counters, transport.registration, verified=verify,
                            reallocated=bool(accept.get("reallocated")), update=seq, setup=setup,
-                           recovery=resumer.recovery)
+                           recovery=resumer.recovery, kept_bytes=kept)
 
     @staticmethod
     def _send_payload(transport: SenderTransport, region: TensorRegion, progress: Progress | None,
-                      forward: ForwardHooks) -> int:
-        """Move the payload; a relay's region goes only as far as it landed (see ``SenderTransport.landing``)."""
+                      forward: ForwardHooks, segmented: bool = False) -> int:
+        """Move the payload; a relay's region goes only as far as it landed (see ``SenderTransport.landing``).
+        A partial update's segments go once the whole region landed (they follow no landing)."""
         landing = forward.landing
         if landing is None:
             return transport.send(region, progress)
-        if not transport.follows_landing:
+        if not transport.follows_landing or segmented:
             landing.wait_range(0, region.nbytes)    # store and forward
             return transport.send(region, progress)
         transport.landing = landing

@@ -38,9 +38,10 @@ from tensorxfer.errors import (
 from tensorxfer.manifest import Manifest
 from tensorxfer.protocol import Channel, field
 from tensorxfer.region import TensorRegion
-from tensorxfer.session import control, recovery
+from tensorxfer.session import control, partial, recovery
 from tensorxfer.session.hooks import Forwarder, ForwardJob
 from tensorxfer.session.offer import ManifestCache, Offer
+from tensorxfer.session.partial import Holder
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
 from tensorxfer.session.stats import TransferStats, UpdateClock
 from tensorxfer.session.targets import Target
@@ -168,7 +169,7 @@ class ServerSession:
     def run_update(self, offer: Offer, target: Target, me: str, progress: Progress | None = None,
                    on_offer: Callable[[Manifest], None] | None = None,
                    on_landed: OnLanded | None = None, on_piece: OnPiece | None = None,
-                   ) -> tuple[TensorRegion, TransferStats]:
+                   holder: Holder | None = None) -> tuple[TensorRegion, TransferStats]:
         """Receive ``offer`` into ``target``: the update sequence of the module docstring.
 
         Raises whatever ended the update (the sender was told when it still listens); the caller ends
@@ -214,7 +215,10 @@ class ServerSession:
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
             registered, used = transport.counters.registrations, transport.counters.updates
-            descriptors = target.prepare(transport, offer.seq, offer.fresh)
+            # a partial update: the receiver's held pieces the sender confirmed do not move
+            segments, kept = partial.receiver_settle(self.channel, offer.seq, offer.partial, holder, target.region,
+                                                     self.stall_timeout)
+            descriptors = target.prepare(transport, offer.seq, offer.fresh, segments)
             setup = setup_flag(descriptors)
             clock.setup_seconds = clock.elapsed()
             self.channel.send("accept", seq=offer.seq, transport=offer.transport, descriptors=descriptors,
@@ -237,7 +241,8 @@ class ServerSession:
                 log.info("update %d: the %s transport was set up again (%s): %d registrations, %d connects so far",
                          offer.seq, offer.transport, "the layout changed" if target.reallocated else
                          "the sender's region changed", transport.counters.registrations, transport.counters.connects)
-            self._finish(offer, region, nbytes, target.verb, on_landed, job)
+            self._finish(offer, region, nbytes, target.verb, on_landed, job,
+                         segments.total_bytes if segments is not None else offer.nbytes)
         except BaseException as e:
             if job is not None:
                 job.abort(f"{type(e).__name__}: {e}")
@@ -247,7 +252,7 @@ class ServerSession:
             raise
         stats = clock.stats(nbytes, offer.transport, descriptors.get("streams", 1), transport.counters,
                             transport.registration, verified=offer.verify, reallocated=target.reallocated,
-                            update=offer.seq, setup=setup, recovery=recovered)
+                            update=offer.seq, setup=setup, recovery=recovered, kept_bytes=kept)
         self.idle_since = time.monotonic()
         return region, stats
 
@@ -260,14 +265,15 @@ class ServerSession:
         return transport
 
     def _finish(self, offer: Offer, region: TensorRegion, nbytes: int, verb: str, on_landed: OnLanded | None,
-                job: ForwardJob | None) -> None:
-        """The end of every update: the sender's done frame must match, checksums if asked, the caller's
-        ``on_landed``, then ack (a relay's once the rest of its chain finished)."""
+                job: ForwardJob | None, expected_bytes: int) -> None:
+        """The end of every update: the sender's done frame must match (``expected_bytes``: the manifest's,
+        or a partial update's segments'), checksums if asked, the caller's ``on_landed``, then ack (a relay's
+        once the rest of its chain finished)."""
         ch, seq = self.channel, offer.seq
         done = ch.recv("done", timeout=control.control_timeout(self.stall_timeout))
-        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != offer.nbytes:
+        if field(done, "seq", int) != seq or field(done, "bytes", int) != nbytes or nbytes != expected_bytes:
             raise ProtocolError(f"done frame does not match transfer {seq}: sender says {done.get('bytes')} bytes, "
-                                f"{nbytes} {verb}, the manifest has {offer.nbytes}")
+                                f"{nbytes} {verb}, {expected_bytes} expected (the manifest has {offer.nbytes})")
         expected = _expected_sums(region, done) if offer.verify else None
         if job is not None:
             # Every byte is here: the next hop may finish.  It checks its own copy against the origin's

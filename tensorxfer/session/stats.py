@@ -38,6 +38,10 @@ class TransferStats:
     bytes the sender sent twice (0 on a receiver: it never takes a landed
     byte again), and the seconds the resume rounds took (from the first round,
     once every stream that held had finished, to the last byte).
+    ``kept_bytes``: tensor bytes that did not move because the receiver
+    already held them, confirmed by the sender (a resumed
+    ``tensorxfer-send``: :mod:`tensorxfer.session.partial`); ``bytes`` is
+    then what moved.
     """
 
     bytes: int
@@ -56,6 +60,7 @@ class TransferStats:
     retries: int = 0
     resent_bytes: int = 0
     recovery_seconds: float = 0.0
+    kept_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -71,7 +76,8 @@ class TransferStats:
                 "update": self.update, "setup": self.setup, "setup_seconds": self.setup_seconds,
                 "wire_seconds": self.wire_seconds, "wire_gbps": self.wire_gbps, "registration": self.registration,
                 "counters": dict(self.counters), "last_byte_seconds": self.last_byte_seconds,
-                "retries": self.retries, "resent_bytes": self.resent_bytes, "recovery_seconds": self.recovery_seconds}
+                "retries": self.retries, "resent_bytes": self.resent_bytes, "recovery_seconds": self.recovery_seconds,
+                "kept_bytes": self.kept_bytes}
 
 
 class UpdateClock:
@@ -102,7 +108,7 @@ class UpdateClock:
 
     def stats(self, nbytes: int, transport: str, streams: int, counters: Counters, registration: str = "", *,
               verified: bool, reallocated: bool, update: int, setup: bool,
-              recovery: Recovery | None = None) -> TransferStats:
+              recovery: Recovery | None = None, kept_bytes: int = 0) -> TransferStats:
         """The update's :class:`TransferStats`, with the transport's counters as they are now (and what
         ``recovery`` did, if anything)."""
         return TransferStats(nbytes, self.elapsed(), transport, streams, verified=verified, reallocated=reallocated,
@@ -111,4 +117,4 @@ class UpdateClock:
                              last_byte_seconds=self.last_byte_seconds,
                              retries=recovery.retries if recovery else 0,
                              resent_bytes=recovery.resent_bytes if recovery else 0,
-                             recovery_seconds=recovery.seconds if recovery else 0.0)
+                             recovery_seconds=recovery.seconds if recovery else 0.0, kept_bytes=kept_bytes)

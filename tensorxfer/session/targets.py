@@ -20,6 +20,7 @@ from tensorxfer.errors import SharedWeightsWarning
 from tensorxfer.manifest import Manifest
 from tensorxfer.region import TensorRegion
 from tensorxfer.transport.base import ReceiverTransport, ShareReceiverTransport
+from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Target(Protocol):
 
     def begin(self, manifest: Manifest, shareable: bool = False) -> None: ...
 
-    def prepare(self, transport: Any, seq: int, fresh: bool) -> dict[str, Any]: ...
+    def prepare(self, transport: Any, seq: int, fresh: bool, segments: Segments | None = None) -> dict[str, Any]: ...
 
     def while_landing(self) -> None: ...
 
@@ -142,9 +143,13 @@ class CopyTarget:
         self._slot.check_fit(manifest)
         self.region, self.reallocated = self._slot.for_manifest(manifest, shareable)
 
-    def prepare(self, transport: ReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
+    def prepare(self, transport: ReceiverTransport, seq: int, fresh: bool,
+                segments: Segments | None = None) -> dict[str, Any]:
+        """The transport's descriptors; ``segments``: only those move (a partial update, session.partial)."""
         assert self.region is not None
-        return transport.prepare(self.region, seq, fresh)
+        if segments is None:
+            return transport.prepare(self.region, seq, fresh)
+        return transport.prepare(self.region, seq, fresh, segments=segments)
 
     def while_landing(self) -> None:
         """Check, while the device copies run, that the bound module still is the region's views: that
@@ -196,8 +201,9 @@ class ShareTarget:
         self._slot.check_fit(manifest)
         self._manifest = manifest
 
-    def prepare(self, transport: ShareReceiverTransport, seq: int, fresh: bool) -> dict[str, Any]:
-        assert self._manifest is not None
+    def prepare(self, transport: ShareReceiverTransport, seq: int, fresh: bool,
+                segments: Segments | None = None) -> dict[str, Any]:
+        assert self._manifest is not None and segments is None     # nothing is held where nothing is copied
         return transport.prepare_share(self._manifest, self._slot.device, seq, fresh, previous=self._slot.region)
 
     def while_landing(self) -> None:

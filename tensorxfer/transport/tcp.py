@@ -110,6 +110,19 @@ def plan_slices(nbytes: int, streams: int) -> list[tuple[int, int]]:
     return slices_of(nbytes, _ceil_div(_ceil_div(nbytes, k), SLICE_ALIGN) * SLICE_ALIGN)
 
 
+def stream_parts(segments: Segments, streams: int) -> list[Segments]:
+    """The receiver's cut of ``segments`` into one part per stream (at most ``streams``, each at least about
+    MIN_SLICE_BYTES); the sender, told the count k, cuts ``segments.split(k)`` and must get the same parts.
+    ``split(k)`` cuts between whole runs, so a few large runs (a resumed transfer's ranges) can make fewer
+    than k parts, and ``split`` of that smaller count may cut elsewhere: settle on a k that makes k parts."""
+    k = max(1, min(streams, _ceil_div(segments.total_bytes, MIN_SLICE_BYTES)))
+    parts = segments.split(k)
+    while len(parts) != k:
+        k = len(parts)
+        parts = segments.split(k)
+    return parts
+
+
 def slices_of(nbytes: int, slice_bytes: int) -> list[tuple[int, int]]:
     """``[0, nbytes)`` in consecutive slices of ``slice_bytes`` (the last one shorter)."""
     return [(off, min(slice_bytes, nbytes - off)) for off in range(0, nbytes, slice_bytes)]
@@ -165,7 +178,7 @@ class TcpReceiver(ReceiverTransport):
         parts = None
         if segments is not None:
             segments.check_within(1 << 63, region.nbytes)
-            parts = segments.split(max(1, min(requested, _ceil_div(segments.total_bytes, MIN_SLICE_BYTES))))
+            parts = stream_parts(segments, requested)
         if not fresh and region is self._region and self._gate is None and self._streams.socks \
                 and (parts is None) == (self._parts is None) and (parts is None or len(parts) == len(self._slices)):
             self._parts = parts
@@ -307,8 +320,10 @@ class TcpReceiver(ReceiverTransport):
                 raise ProtocolError(f"tcp stream {index}: update header {magic!r}/{seq}, expected update {self._seq}")
         if self._parts is not None:
             assert self._region is not None
+            # (a host region's landed ranges go to on_piece: a partial update of tensorxfer-recv writes them)
             move_part(sock, self._region, self._parts[index], index, self._stagers[index], self.ctx.stall_timeout,
-                       self._streams.counter(index), receive=True, start=start, piece_bytes=PIECE_BYTES)
+                       self._streams.counter(index), receive=True, start=start, piece_bytes=PIECE_BYTES,
+                       on_piece=None if self._region.is_cuda else self.on_piece)
             return
         self._recv_slice(sock, index, start)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,14 +27,16 @@ IOV_BATCH = 512               # buffers per sendmsg / recvmsg_into call (the ker
 
 
 def move_part(sock: socket.socket, region: TensorRegion, part: Segments, index: int, stager: Any, timeout: float,
-              report: Progress, receive: bool, start: int = 0, piece_bytes: int = 8 << 20) -> None:
+              report: Progress, receive: bool, start: int = 0, piece_bytes: int = 8 << 20,
+              on_piece: Callable[[int, int], None] | None = None) -> None:
     """Send (gather) or receive (scatter) one stream's part of a weight sync's segments.
 
     Host regions: the runs' region slices go straight to ``sendmsg`` / ``recvmsg_into``, hundreds per call,
     so a row-parallel shard's thousands of rows cost a few system calls.  GPU regions: run by run through
     the stream's pinned buffers (correct, not fast: a GPU weight sync belongs on ipc or rdma).
     ``start``: the first ``start`` bytes of this part (in wire order) landed before (a resumed stream; host
-    regions only: a GPU region's stream resumes from its start).
+    regions only: a GPU region's stream resumes from its start).  ``on_piece(offset, length)``: a received
+    host range landed (the receiver's hook: tensorxfer-recv writes and journals it).
     """
     sock.settimeout(timeout)
     what = "receive" if receive else "send"
@@ -50,14 +53,17 @@ def move_part(sock: socket.socket, region: TensorRegion, part: Segments, index: 
             return
         with memoryview(region.region) as whole, whole.cast("B") as mem:
             views: list[memoryview] = []
+            offsets: list[int] = []
+            landed = (lambda i: on_piece(offsets[i], len(views[i]))) if on_piece is not None and receive else None
             for off, n in skip_bytes(_extents(part, receive), start):
                 for p in range(off, off + n, piece_bytes):
                     views.append(mem[p:min(p + piece_bytes, off + n)])
+                    offsets.append(p)
                 if len(views) >= IOV_BATCH:
-                    _scatter_gather(sock, views, receive, index, report)
-                    views = []
+                    _scatter_gather(sock, views, receive, index, report, landed)
+                    views, offsets = [], []
             if views:
-                _scatter_gather(sock, views, receive, index, report)
+                _scatter_gather(sock, views, receive, index, report, landed)
     except TimeoutError:
         raise TransferTimeout(f"tcp stream {index}: no progress for {timeout} s during a segmented "
                               f"{what}") from None
@@ -94,8 +100,9 @@ def skip_bytes(extents: list[tuple[int, int]], start: int) -> list[tuple[int, in
 
 
 def _scatter_gather(sock: socket.socket, views: list[memoryview], receive: bool, index: int,
-                    report: Progress) -> None:
-    """Fill (``receive``) or send every view, in order, with as few system calls as the kernel allows."""
+                    report: Progress, landed: Callable[[int], None] | None = None) -> None:
+    """Fill (``receive``) or send every view, in order, with as few system calls as the kernel allows;
+    ``landed(i)`` once view ``i`` is complete."""
     i, skip = 0, 0
     while i < len(views):
         batch = [views[i][skip:], *views[i + 1:i + IOV_BATCH]]
@@ -107,6 +114,8 @@ def _scatter_gather(sock: socket.socket, views: list[memoryview], receive: bool,
             room = len(views[i]) - skip
             if k >= room:
                 k -= room
+                if landed is not None:
+                    landed(i)
                 i, skip = i + 1, 0
             else:
                 skip, k = skip + k, 0
