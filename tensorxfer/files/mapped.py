@@ -61,10 +61,13 @@ def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     return LoadPlan(manifest, jobs, plan.sizes), bases
 
 
-def map_sources(plan: LoadPlan, bases: Sequence[int]) -> TensorRegion:
+def map_sources(plan: LoadPlan, bases: Sequence[int], keep_files: bool = False) -> TensorRegion:
     """A read-only region whose memory is the files of a :func:`mirror`-ed ``plan``, file ``i`` at
-    ``bases[i]``.  Only for a transport that reads it in the kernel (tcp): a file cut short meanwhile then fails
-    the send (EFAULT), where a read of the mapping in this process would die of SIGBUS.
+    ``bases[i]``.  Only for a transport that reads it in the kernel: tcp (a file cut short meanwhile then
+    fails the send, EFAULT, where a read of the mapping in this process would die of SIGBUS), or ipc with
+    ``keep_files``: the region then also owns the files' fds (:attr:`TensorRegion.source_files`), which ipc
+    passes to the receiver instead of memory handles; the receiver copies from them with ``copy_file_range``
+    (a file cut short meanwhile fails the transfer there, with a short copy, never a SIGBUS).
 
     Raises
     ------
@@ -86,10 +89,18 @@ def map_sources(plan: LoadPlan, bases: Sequence[int]) -> TensorRegion:
         # are read while they are sent (measured on the dev VM, 2 GB from a cold cache: 3.8 s end to end
         # against 4.0-5.4 s when MAP_POPULATE read them all first; the same warm)
         region = HostRegion.map_files(list(zip(bases, plan.sizes, fds, strict=True)), end)
+        try:
+            kept = list(zip(bases, plan.sizes, fds, strict=True)) if keep_files else None
+            out = TensorRegion(region, plan.manifest, source_files=kept)
+        except BaseException:
+            region.close()
+            raise
+        if keep_files:
+            fds = []            # the region owns them now
+        return out
     finally:
         for fd in fds:
             os.close(fd)
-    return TensorRegion(region, plan.manifest)
 
 
 def changed_files(plan: LoadPlan) -> list[str]:

@@ -29,7 +29,7 @@ from tensorxfer.region import TensorRegion, parse_device
 from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
-from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
+from tensorxfer.session.server import OnFiles, OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
 from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
 from tensorxfer.transport import SHARE_RECEIVERS, TRANSPORTS, local_capabilities, local_transports
@@ -162,7 +162,8 @@ class Receiver:
     # ------------------------------------------------------------ receiving
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
-                into: Any = None, names: Names = None, on_piece: OnPiece | None = None) -> TensorRegion:
+                into: Any = None, names: Names = None, on_piece: OnPiece | None = None,
+                on_files: OnFiles | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
@@ -170,7 +171,11 @@ class Receiver:
         ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.
+        error naming it instead.  ``on_files(files, report)``: a sender on this host that passes its files
+        over ipc (``tensorxfer-send``) has them copied by this hook instead of into the region, which is then
+        left unwritten (:attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`; never for a verified
+        update, a relay's, or a GPU region: those land in the region); ``tensorxfer-recv`` copies them into
+        its output files.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
         offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
@@ -199,6 +204,9 @@ class Receiver:
             The offer asked for a transport or a region this receiver cannot have, or does not fit the module
             given as ``into`` (the sender is told).
         """
+        if on_files is not None and into is not None:
+            raise ValueError("receive(on_files=...) leaves the region unwritten when the sender passes files; "
+                             "it cannot land in a module (into=): give one or the other")
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._slot.bind(into, names)
@@ -227,7 +235,7 @@ class Receiver:
                     left += [f"{session.peer} connected and said goodbye"] if frame is not None else []
                     continue
                 try:
-                    return self._update(session, frame, progress, on_offer, on_landed, on_piece)
+                    return self._update(session, frame, progress, on_offer, on_landed, on_piece, on_files)
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -237,13 +245,13 @@ class Receiver:
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
                 on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
-                on_piece: OnPiece | None) -> TensorRegion:
+                on_piece: OnPiece | None, on_files: OnFiles | None = None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
         target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
         region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
-                                                     on_offer, on_landed, on_piece)
+                                                     on_offer, on_landed, on_piece, on_files)
         self._version = offer.version
         return region
 
@@ -257,7 +265,11 @@ class Receiver:
     def _capabilities(self) -> dict[str, Any]:
         """What this receiver offers in its hello (asked anew for each connection)."""
         names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
-        return {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
+        caps = local_capabilities()
+        if self.share and isinstance(caps.get("ipc"), dict):
+            # a sharing receiver maps memory handles; a sender's files cannot be its region
+            caps["ipc"] = {k: v for k, v in caps["ipc"].items() if k != "files"}
+        return {"transports": names, "device": self.device, "transport_caps": caps}
 
     def _make_transport(self, name: str, ctx: TransferContext) -> Any:
         return SHARE_RECEIVERS[name](ctx) if self.share else TRANSPORTS[name][1](ctx)

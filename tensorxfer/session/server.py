@@ -18,7 +18,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 OnLanded = Callable[[TensorRegion], None]
 OnPiece = Callable[[TensorRegion, int, int], None]     # (region, offset, length) of a landed host range
+#: (files, report): a same-host sender's files, copied by the caller instead of landing in the region
+#: (:attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`)
+OnFiles = Callable[[Sequence[tuple[int, int, int]], Callable[[int], None]], None]
 
 
 class State(enum.Enum):
@@ -168,7 +171,7 @@ class ServerSession:
     def run_update(self, offer: Offer, target: Target, me: str, progress: Progress | None = None,
                    on_offer: Callable[[Manifest], None] | None = None,
                    on_landed: OnLanded | None = None, on_piece: OnPiece | None = None,
-                   ) -> tuple[TensorRegion, TransferStats]:
+                   on_files: OnFiles | None = None) -> tuple[TensorRegion, TransferStats]:
         """Receive ``offer`` into ``target``: the update sequence of the module docstring.
 
         Raises whatever ended the update (the sender was told when it still listens); the caller ends
@@ -213,6 +216,11 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
+            # the caller copies a sender's files itself only where nothing reads the region afterwards: no
+            # relay forwarding it, no checksums to check over it, a host region (a module binding is refused
+            # by Receiver.receive)
+            transport.on_files = (on_files if job is None and not offer.verify and target.region is not None
+                                  and not target.region.is_cuda else None)
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = target.prepare(transport, offer.seq, offer.fresh)
             setup = setup_flag(descriptors)
