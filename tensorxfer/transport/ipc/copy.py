@@ -337,6 +337,8 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
                 except OSError as e:
                     raise PeerLost(f"ipc: connection to the sender lost during the copy: {e}") from None
             self.on_files(files, report)
+            if progress is not None and nbytes > done:
+                progress(nbytes - done)     # the headers and the gaps between files: the region's, no file's
             return nbytes
         if dst.is_cuda:
             def piece(off: int, n: int) -> None:
