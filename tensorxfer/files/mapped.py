@@ -1,8 +1,9 @@
-"""A sender's region that is its model files: a model sent over tcp without a copy of it in memory.
+"""A sender's region that is its model files: a model sent over tcp or ipc without a copy of it in memory.
 
 The files are in the page cache already (or one read away).  When every safetensors file sits in the region at
 a page-aligned base -- each byte of the file at ``base + its position in the file`` -- the region can *be* the
-files, mapped read-only (:meth:`HostRegion.map_files`): ``tensorxfer-send`` then sends from the page cache,
+files, mapped read-only (:meth:`HostRegion.map_files`): ``tensorxfer-send`` then sends from the page cache
+(tcp), or passes the files themselves to a receiver on its host (ipc: :func:`map_sources` ``keep_files``),
 and nothing is read into memory of its own first.  On a machine whose fresh memory is slow to touch (a VM that
 hands freed memory back to its host) that saves the most: the dev VM's first touch of 2 GB costs 0.4-2.5 s.
 

@@ -12,8 +12,8 @@ region, or ``copy_file_range`` straight into output files where the receiver's c
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 import os
+from collections.abc import Sequence
 
 from tensorxfer.errors import TransferError
 
