@@ -152,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"cli_{transport}_transport"] = records["sent"].get("transport")
                 row[f"cli_{transport}_sender_read"] = records["sent"].get("read")    # mapped | passed | while sending
                 row[f"cli_{transport}_written_while_landing"] = records["received"].get("written_while_landing")
+                # where the time went: offer to ack (the rest of cli_s is two processes starting, reading
+                # headers, connecting, exiting), of it setting up and the data phase (the copy; the receiver's
+                # last writes, fsync and renames come after it)
+                for key in ("seconds", "setup_seconds", "wire_seconds"):
+                    row[f"cli_{transport}_sender_{key}"] = records["sent"].get(key)
                 shutil.rmtree(out)
             row["cp_sync_s"] = cp_sync(model, work / f"cp{r}")
             row["write_s"] = write_floor(work, file_bytes)
