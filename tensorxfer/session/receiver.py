@@ -171,11 +171,7 @@ class Receiver:
         ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.  ``on_files(files, report)``: a sender on this host that passes its files
-        over ipc (``tensorxfer-send``) has them copied by this hook instead of into the region, which is then
-        left unwritten (:attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`; never for a verified
-        update, a relay's, or a GPU region: those land in the region); ``tensorxfer-recv`` copies them into
-        its output files.
+        error naming it instead.  ``on_files``: :attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
         offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked,
@@ -204,12 +200,9 @@ class Receiver:
             The offer asked for a transport or a region this receiver cannot have, or does not fit the module
             given as ``into`` (the sender is told).
         """
-        if on_files is not None and into is not None:
-            raise ValueError("receive(on_files=...) leaves the region unwritten when the sender passes files; "
-                             "it cannot land in a module (into=): give one or the other")
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
-            self._slot.bind(into, names)
+            self._slot.bind(into, names, copies_files=on_files is not None)
             self._settle(deadline)
             left: list[str] = []            # senders that came and went without an offer, for the timeout's message
             while True:
@@ -265,11 +258,7 @@ class Receiver:
     def _capabilities(self) -> dict[str, Any]:
         """What this receiver offers in its hello (asked anew for each connection)."""
         names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
-        caps = local_capabilities()
-        if self.share and isinstance(caps.get("ipc"), dict):
-            # a sharing receiver maps memory handles; a sender's files cannot be its region
-            caps["ipc"] = {k: v for k, v in caps["ipc"].items() if k != "files"}
-        return {"transports": names, "device": self.device, "transport_caps": caps}
+        return {"transports": names, "device": self.device, "transport_caps": local_capabilities(self.share)}
 
     def _make_transport(self, name: str, ctx: TransferContext) -> Any:
         return SHARE_RECEIVERS[name](ctx) if self.share else TRANSPORTS[name][1](ctx)

@@ -190,7 +190,9 @@ class ReceiverTransport(_Half):
     during the call; read them through the kernel only -- ``copy_file_range``, ``pread`` -- never mapped: a
     file cut short would raise SIGBUS), ``report(n)`` to call as bytes are copied.  It copies the bytes
     where they go (``tensorxfer-recv``: into its output files, one copy, as ``cp`` does) and raises if it
-    cannot; the region is then *not* written.  Host regions only; unset, the files are read into the region.
+    cannot; the region is then *not* written.  The session sets it (``Receiver.receive(on_files=...)``) only
+    where nothing reads the region afterwards: a host region, no checksums to check, no relay forwarding
+    it, no module bound; unset, the files are read into the region.
 
     ``meanwhile`` (hook): when set, :meth:`wait` calls it once, in its own thread, when the data is on its
     way and this end has nothing left to do but wait for it (ipc: the device copies queued; tcp: the
