@@ -373,6 +373,8 @@ class ModelWriter:
         """
         starts = [f[0] for f in files]
         for k, (off, n, i, pos) in enumerate(self._spans):
+            if n == 0:
+                continue        # an empty tensor has no bytes to find in any file
             j = bisect.bisect_right(starts, off) - 1
             if j < 0 or off + n > files[j][0] + files[j][1]:
                 raise ProtocolError(f"ipc: the sender's files do not hold the bytes of {self._plans[i].name} "
