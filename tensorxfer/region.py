@@ -11,7 +11,7 @@ values into the same memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,10 +51,17 @@ class TensorRegion:
     dropped, never under a live view.
     """
 
-    def __init__(self, region: Any, manifest: Manifest, device: str = "cpu") -> None:
+    def __init__(self, region: Any, manifest: Manifest, device: str = "cpu",
+                 source_files: Sequence[tuple[int, int, int]] | None = None) -> None:
         if manifest.nbytes > region.size:
             raise ValueError(f"manifest needs {manifest.nbytes} bytes, region has {region.size}")
         self.region = region
+        #: ``(offset, length, fd)`` of regular files whose first ``length`` bytes the region maps at
+        #: ``offset`` (:meth:`HostRegion.map_files`), or None.  The region owns the fds (:meth:`close` closes
+        #: them): ipc passes them instead of memory handles, so a receiver on this host copies from the files
+        #: in the kernel (``copy_file_range``, as ``cp`` does) rather than from mapped memory.
+        self.source_files: tuple[tuple[int, int, int], ...] | None = (
+            tuple((int(o), int(n), int(fd)) for o, n, fd in source_files) if source_files is not None else None)
         self.manifest = manifest
         self.device = device
         self.is_cuda = parse_device(device)[0] == "cuda"
@@ -505,6 +512,9 @@ class TensorRegion:
         if self._copier is not None:
             self._copier.close()   # drains its stream before the memory can go
             self._copier = None
+        files, self.source_files = self.source_files, None
+        for _, _, fd in files or ():
+            os.close(fd)
         self.region.close()
 
     def __enter__(self) -> TensorRegion:

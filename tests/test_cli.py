@@ -326,9 +326,9 @@ def test_progress_shows_each_phase_with_its_own_progress(tmp_path, transport):
     def phases(lines: list[str], label: str) -> list[str]:
         return [m.group(1) for m in (re.match(rf"{label}: (\S.*?)  +(\[.*|done in .*)$", x) for x in lines) if m]
 
-    # one receiver: over tcp the region is the files, mapped (nothing to read); over ipc (auto, one host) they
-    # are read while the sender sends (each byte once it was read)
-    moving = "moving data" if transport == "tcp" else "reading and moving data"
+    # one receiver: over tcp the region is the files, mapped (nothing to read); over ipc (auto, one host) the
+    # receiver is passed the files and copies them into its output: nothing is read here either
+    moving = "moving data"
     assert phases(sent, "send") == ["setting up (connecting, preparing)", moving,
                                     "receiver writing the files"], sent
     assert phases(got, "recv") == ["setting up (allocating, connecting)", "receiving data", "checking the data",

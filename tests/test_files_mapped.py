@@ -71,12 +71,13 @@ def test_mirror_refuses_files_that_place_a_tensor_less_aligned_than_its_elements
     assert (mirror(plan_load([f])) is None) == (head % 4 != 0)
 
 
-@pytest.mark.parametrize("transport, read", [("tcp", "mapped"), ("ipc", "while sending"),
-                                             ("tcp --verify", "while sending")])
+@pytest.mark.parametrize("transport, read", [("tcp", "mapped"), ("ipc", "passed"),
+                                             ("tcp --verify", "while sending"), ("ipc --verify", "while sending")])
 @pytest.mark.slow
 def test_the_cli_sends_from_its_files_over_tcp_and_reads_them_otherwise(tmp_path, transport, read):
-    """Over tcp the sender's region is its files; over ipc the receiver maps the sender's memory, which must
-    be memory the sender owns (memfds), and with --verify the sender reads every byte itself to hash it."""
+    """Over tcp the sender's region is its files; over ipc the receiver is passed the files and copies them
+    into its output; with --verify the sender reads every byte itself to hash it (and over ipc the receiver
+    copies the sender's memory, and checks it)."""
     src = model_dir(tmp_path / "src", shards=3, rows=20_000)
     out = tmp_path / "out"
     recv, where = start_recv(out, "--once")

@@ -285,6 +285,12 @@ class _Transfer:
         if self.writer is not None:
             self.writer.land(region, offset, length)
 
+    def on_files(self, files: Any, report: Any) -> None:
+        # a sender on this host passed its files (ipc): copied straight into the temporary files, in the
+        # kernel; the region stays unwritten and finish() below only fsyncs and renames
+        if self.writer is not None:
+            self.writer.copy_files(files, report)
+
     def on_landed(self, region: Any) -> None:
         # what did not reach the disk while landing, then the last fsync, the renames and the directory's fsync
         self.bar.plan([Phase("writing files", self.files["file_bytes"]), Phase("syncing, renaming into place")])
@@ -357,7 +363,7 @@ def serve(args: argparse.Namespace, rx: Any, has_token: bool, host: str, bar: Pr
         t = _Transfer(args, bar)
         try:
             rx.receive(progress=bar, on_offer=t.on_offer, on_landed=t.on_landed, on_piece=t.on_piece,
-                       held=t)
+                       held=t, on_files=t.on_files)
             bar.finish()
         except KeyboardInterrupt as e:
             t.abort(e)

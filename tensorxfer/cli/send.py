@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Progress) -> tuple[dict[str, Any], Any]:
-    """One receiver: send the files.  Over tcp from a host, the region *is* the files (mapped read-only: the
-    transport sends from the page cache, nothing is read into memory of this process); otherwise each byte
-    goes as soon as it was read (the loader is the send's ``landing``).  Returns the stats and the manifest."""
+    """One receiver: send the files.  From a host, over tcp or ipc, the region *is* the files (mapped
+    read-only, :func:`files_path`): over tcp the kernel sends from the page cache, over ipc the receiver is
+    passed the files themselves and copies them into its output in the kernel, as ``cp`` does; nothing is
+    read into memory of this process.  Otherwise each byte goes as soon as it was read (the loader is the
+    send's ``landing``).  Returns the stats and the manifest."""
     from tensorxfer import Sender, TensorRegion
     from tensorxfer.cli.resume import SourcePieces
     from tensorxfer.files import load
@@ -138,12 +140,14 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
     bar.plan([Phase("setting up (connecting, preparing)"), data, Phase("receiver writing the files")])
     with Sender(args.to[0], token=token, transport=args.transport, streams=args.streams,
                 stall_timeout=args.stall_timeout, connect_timeout=args.connect_timeout) as sender:
-        # Mapped only where the kernel reads it (tcp): a file cut short meanwhile then fails the send, where a
-        # read of the mapping here (checksums for --verify, a copy for ipc) would die of SIGBUS.
-        mirrored = mirror(plan) if sender.transport == "tcp" and args.device == "cpu" and not args.verify else None
+        path = files_path(args, sender)
+        mirrored = mirror(plan) if path else None
+        if path and mirrored is None:
+            log.info("%s: the files place a tensor less aligned than its element size, so the region cannot be "
+                     "the files: reading them into memory", sender.transport)
         if mirrored is not None:
             plan, bases = mirrored
-            region = map_sources(plan, bases)
+            region = map_sources(plan, bases, keep_files=path == "passed")
             try:
                 stats = sender.send(region, verify=args.verify, progress=bar,
                                     pieces=SourcePieces(plan, log)).as_dict()
@@ -155,7 +159,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
                 raise
             finally:
                 region.close()
-            return {**stats, "read": "mapped"}, region.manifest
+            return {**stats, "read": path}, region.manifest
         data.name = "reading and moving data"       # not drawn yet: it starts with the first bytes sent
         # A region no ipc receiver maps lives in this process's own memory, on huge pages: reading into it and
         # freeing it at exit cost a fraction of memfd pages (0.35 s to free 2 GB otherwise).
@@ -175,6 +179,33 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             return {**stats, "read": "while sending"}, region.manifest
         finally:
             region.close()
+
+
+def files_path(args: argparse.Namespace, sender: Any) -> str | None:
+    """How a single send reads its files without a copy in this process, logged with the reason: ``mapped``
+    (tcp: the kernel sends from the files mapped), ``passed`` (ipc: the receiver on this host is passed the
+    files and copies them into its output with copy_file_range, one copy in the kernel as ``cp -r`` makes;
+    measured on the 2-core dev VM with a 2 GB, 8-file model, benchmarks/results/2026-12-06-cli-files/, it is
+    the fastest path there, where reading the files into shared memory for ipc's memory copy was the
+    slowest), or None: the files are read into memory while they are sent (a GPU region; --verify, which
+    hashes every byte here; rdma, whose NIC reads registered memory; a receiver whose ipc takes no files).
+    Only the kernel reads the mapped files (a send, a copy_file_range, a pread): a file cut short meanwhile
+    fails the send, where a read of the mapping in this process would die of SIGBUS."""
+    if args.device != "cpu" or args.verify:
+        if sender.transport in ("tcp", "ipc"):
+            log.info("%s: %s, so the files are read into memory while they are sent", sender.transport,
+                     "--verify hashes every byte here" if args.verify else f"the region is on {args.device}")
+        return None
+    if sender.transport == "tcp":
+        return "mapped"
+    if sender.transport == "ipc":
+        if sender.peer_caps.get("files") is True:
+            log.info("ipc: the receiver is on this host: it is passed the files themselves and copies them into "
+                     "its output in the kernel (copy_file_range: one copy, as cp makes)")
+            return "passed"
+        log.info("ipc: the receiver (an older tensorxfer) cannot take the files themselves: reading them into "
+                 "memory for it to copy")
+    return None
 
 
 def fanout_record(fanned: Any) -> dict[str, Any]:

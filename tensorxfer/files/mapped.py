@@ -1,8 +1,9 @@
-"""A sender's region that is its model files: a model sent over tcp without a copy of it in memory.
+"""A sender's region that is its model files: a model sent over tcp or ipc without a copy of it in memory.
 
 The files are in the page cache already (or one read away).  When every safetensors file sits in the region at
 a page-aligned base -- each byte of the file at ``base + its position in the file`` -- the region can *be* the
-files, mapped read-only (:meth:`HostRegion.map_files`): ``tensorxfer-send`` then sends from the page cache,
+files, mapped read-only (:meth:`HostRegion.map_files`): ``tensorxfer-send`` then sends from the page cache
+(tcp), or passes the files themselves to a receiver on its host (ipc: :func:`map_sources` ``keep_files``),
 and nothing is read into memory of its own first.  On a machine whose fresh memory is slow to touch (a VM that
 hands freed memory back to its host) that saves the most: the dev VM's first touch of 2 GB costs 0.4-2.5 s.
 
@@ -61,10 +62,13 @@ def mirror(plan: LoadPlan) -> tuple[LoadPlan, list[int]] | None:
     return LoadPlan(manifest, jobs, plan.sizes), bases
 
 
-def map_sources(plan: LoadPlan, bases: Sequence[int]) -> TensorRegion:
+def map_sources(plan: LoadPlan, bases: Sequence[int], keep_files: bool = False) -> TensorRegion:
     """A read-only region whose memory is the files of a :func:`mirror`-ed ``plan``, file ``i`` at
-    ``bases[i]``.  Only for a transport that reads it in the kernel (tcp): a file cut short meanwhile then fails
-    the send (EFAULT), where a read of the mapping in this process would die of SIGBUS.
+    ``bases[i]``.  Only for a transport that reads it in the kernel: tcp (a file cut short meanwhile then
+    fails the send, EFAULT, where a read of the mapping in this process would die of SIGBUS), or ipc with
+    ``keep_files``: the region then also owns the files' fds (:attr:`TensorRegion.source_files`), which ipc
+    passes to the receiver instead of memory handles; the receiver copies from them with ``copy_file_range``
+    (a file cut short meanwhile fails the transfer there, with a short copy, never a SIGBUS).
 
     Raises
     ------
@@ -86,10 +90,18 @@ def map_sources(plan: LoadPlan, bases: Sequence[int]) -> TensorRegion:
         # are read while they are sent (measured on the dev VM, 2 GB from a cold cache: 3.8 s end to end
         # against 4.0-5.4 s when MAP_POPULATE read them all first; the same warm)
         region = HostRegion.map_files(list(zip(bases, plan.sizes, fds, strict=True)), end)
+        try:
+            kept = list(zip(bases, plan.sizes, fds, strict=True)) if keep_files else None
+            out = TensorRegion(region, plan.manifest, source_files=kept)
+        except BaseException:
+            region.close()
+            raise
+        if keep_files:
+            fds = []            # the region owns them now
+        return out
     finally:
         for fd in fds:
             os.close(fd)
-    return TensorRegion(region, plan.manifest)
 
 
 def changed_files(plan: LoadPlan) -> list[str]:

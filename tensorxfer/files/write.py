@@ -27,13 +27,14 @@ from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tensorxfer.errors import TensorXferError
+from tensorxfer.errors import ProtocolError, TensorXferError, TransferError
 from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
 from tensorxfer.files.layout import FilePlan, plan_files
 from tensorxfer.files.sources import is_model_file
 from tensorxfer.staging import open_stager, read_pieces
 
 STAGE_BYTES = 32 << 20              # each of the two pinned buffers for GPU regions
+COPY_STEP = 64 << 20                # copy_files: bytes per copy_file_range call (progress, writeback start)
 
 
 def _umask() -> int:
@@ -393,6 +394,44 @@ class ModelWriter:
             raise OutputError(e.errno, f"writing {fp.name} ({fp.size:,} bytes) into {self._real} failed: "
                                        f"{e.strerror}{free}; nothing was written") from e
 
+    def copy_files(self, files: Sequence[tuple[int, int, int]], report: Callable[[int], None]) -> None:
+        """Copy every tensor's bytes straight from the sender's files into the temporary files: ``files``
+        is ``(region offset, length, fd)`` of each (a same-host sender whose region is its files mapped; the
+        transport's ``on_files`` hook), ``report(n)`` is called as bytes are copied.  One copy in the kernel
+        (``copy_file_range``, as ``cp`` does; ``pread``/``pwrite`` where the two files' file systems do not
+        allow it): no page of the model passes through this process, and the fds are never mapped, so a
+        file cut short meanwhile fails the copy instead of raising SIGBUS.  :meth:`finish` then only fsyncs
+        and renames.
+
+        Raises
+        ------
+        ProtocolError
+            A tensor lies outside every file (the sender's placements do not hold its manifest).
+        TransferError
+            A file ended before a tensor's bytes did (it shrank while being sent).
+        OutputError
+            Writing a temporary file failed (e.g. ENOSPC), naming it.
+        """
+        starts = [f[0] for f in files]
+        for k, (off, n, i, pos) in enumerate(self._spans):
+            if n == 0:
+                continue        # an empty tensor has no bytes to find in any file
+            j = bisect.bisect_right(starts, off) - 1
+            if j < 0 or off + n > files[j][0] + files[j][1]:
+                raise ProtocolError(f"ipc: the sender's files do not hold the bytes of {self._plans[i].name} "
+                                    f"at region offset {off} ({n} bytes): its placements do not match its "
+                                    f"manifest")
+            base, _, src = files[j]
+            done = self._written[k]
+            while done < n:
+                step = min(n - done, COPY_STEP)
+                self._guarded(i, _copy_range, src, off - base + done, self._temps[i][1], pos + done, step,
+                              self._plans[i].name)
+                _start_writeback(self._temps[i][1], pos + done, step)
+                done += step
+                self._written[k] = done
+                report(step)
+
     @property
     def written_while_landing(self) -> int:
         """Tensor bytes already in the files before :meth:`finish` (read it after finish: the writer thread
@@ -528,6 +567,33 @@ def _start_writeback(fd: int, pos: int, n: int) -> None:
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, pos, n, 2)
+
+
+def _copy_range(src: int, src_pos: int, dst: int, dst_pos: int, n: int, name: str) -> None:
+    """Copy ``n`` bytes of file ``src`` at ``src_pos`` into file ``dst`` at ``dst_pos`` in the kernel.
+
+    Raises TransferError when ``src`` ends first (named ``name``: the file these bytes are for), OSError
+    when writing fails."""
+    in_kernel = hasattr(os, "copy_file_range")
+    while n > 0:
+        if in_kernel:
+            try:
+                got = os.copy_file_range(src, dst, n, src_pos, dst_pos)
+            except OSError as e:
+                # another file system, an old kernel, a file system without it: the same bytes by pread/pwrite
+                if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                    raise
+                in_kernel = False
+                continue
+        else:
+            data = os.pread(src, min(n, 8 << 20), src_pos)
+            got = len(data)
+            if got:
+                _pwrite_all(dst, data, dst_pos)
+        if got <= 0:
+            raise TransferError(f"the sender's file for {name} ended {n:,} bytes short of its tensors: it shrank "
+                                f"while being sent; send it again once it is written")
+        src_pos, dst_pos, n = src_pos + got, dst_pos + got, n - got
 
 
 def _pwrite_all(fd: int, data: Any, pos: int) -> None:

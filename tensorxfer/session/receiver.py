@@ -30,7 +30,7 @@ from tensorxfer.session import control
 from tensorxfer.session.hooks import Forwarder
 from tensorxfer.session.partial import Holder
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
-from tensorxfer.session.server import OnLanded, OnPiece, ServerSession, State
+from tensorxfer.session.server import OnFiles, OnLanded, OnPiece, ServerSession, State
 from tensorxfer.session.stats import TransferStats
 from tensorxfer.session.targets import CopyTarget, RegionSlot, ShareTarget, Target
 from tensorxfer.transport import SHARE_RECEIVERS, TRANSPORTS, local_capabilities, local_transports
@@ -164,7 +164,8 @@ class Receiver:
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
                 into: Any = None, names: Names = None, on_piece: OnPiece | None = None,
-                held: Holder | None = None) -> TensorRegion:
+                held: Holder | None = None,
+                on_files: OnFiles | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
@@ -173,6 +174,7 @@ class Receiver:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
         error naming it instead.  ``held``: pieces already here, not sent again (:mod:`tensorxfer.session.partial`).
+        ``on_files``: :attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
         offers overwrite it in place).  A fan-out relay returns once its own copy is complete and checked, and
@@ -203,7 +205,7 @@ class Receiver:
         """
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
-            self._slot.bind(into, names)
+            self._slot.bind(into, names, copies_files=on_files is not None)
             self._settle(deadline)
             left: list[str] = []            # senders that came and went without an offer, for the timeout's message
             while True:
@@ -229,7 +231,7 @@ class Receiver:
                     left += [f"{session.peer} connected and said goodbye"] if frame is not None else []
                     continue
                 try:
-                    return self._update(session, frame, progress, on_offer, on_landed, on_piece, held)
+                    return self._update(session, frame, progress, on_offer, on_landed, on_piece, held, on_files)
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -239,13 +241,14 @@ class Receiver:
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
                 on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
-                on_piece: OnPiece | None, held: Holder | None = None) -> TensorRegion:
+                on_piece: OnPiece | None, held: Holder | None = None,
+                on_files: OnFiles | None = None) -> TensorRegion:
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
         target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
         region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
-                                                     on_offer, on_landed, on_piece, held)
+                                                     on_offer, on_landed, on_piece, held, on_files)
         self._version = offer.version
         return region
 
@@ -259,7 +262,7 @@ class Receiver:
     def _capabilities(self) -> dict[str, Any]:
         """What this receiver offers in its hello (asked anew for each connection)."""
         names = [t for t in local_transports() if t in SHARE_RECEIVERS or not self.share]
-        return {"transports": names, "device": self.device, "transport_caps": local_capabilities()}
+        return {"transports": names, "device": self.device, "transport_caps": local_capabilities(self.share)}
 
     def _make_transport(self, name: str, ctx: TransferContext) -> Any:
         return SHARE_RECEIVERS[name](ctx) if self.share else TRANSPORTS[name][1](ctx)

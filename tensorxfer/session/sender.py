@@ -99,8 +99,12 @@ class Sender:
                 connect_timeout)
             caps = field(hello, "capabilities", dict)
             peer = field(caps, "transports", list)
-            self.transport = choose(transport, [t for t in peer if isinstance(t, str)],
-                                    field(caps, "transport_caps", dict, optional=True) or {})
+            transport_caps = field(caps, "transport_caps", dict, optional=True) or {}
+            self.transport = choose(transport, [t for t in peer if isinstance(t, str)], transport_caps)
+            #: what the receiver said of the chosen transport in its hello (ipc: ``files`` when it takes a
+            #: sender's files, :attr:`TensorRegion.source_files`); untrusted, only a hint for what to send
+            self.peer_caps: dict[str, Any] = dict(transport_caps.get(self.transport) or {}) \
+                if isinstance(transport_caps.get(self.transport), dict) else {}
         except BaseException:
             ch.close()
             raise

@@ -18,7 +18,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 OnLanded = Callable[[TensorRegion], None]
 OnPiece = Callable[[TensorRegion, int, int], None]     # (region, offset, length) of a landed host range
+#: (files, report): a same-host sender's files, copied by the caller instead of landing in the region
+#: (:attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`)
+OnFiles = Callable[[Sequence[tuple[int, int, int]], Callable[[int], None]], None]
 
 
 class State(enum.Enum):
@@ -169,7 +172,8 @@ class ServerSession:
     def run_update(self, offer: Offer, target: Target, me: str, progress: Progress | None = None,
                    on_offer: Callable[[Manifest], None] | None = None,
                    on_landed: OnLanded | None = None, on_piece: OnPiece | None = None,
-                   holder: Holder | None = None) -> tuple[TensorRegion, TransferStats]:
+                   holder: Holder | None = None,
+                   on_files: OnFiles | None = None) -> tuple[TensorRegion, TransferStats]:
         """Receive ``offer`` into ``target``: the update sequence of the module docstring.
 
         Raises whatever ended the update (the sender was told when it still listens); the caller ends
@@ -214,6 +218,11 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
+            # the caller copies a sender's files itself only where nothing reads the region afterwards: no
+            # relay forwarding it, no checksums to check over it, a host region (a module binding is refused
+            # by Receiver.receive)
+            transport.on_files = (on_files if job is None and not offer.verify and target.region is not None
+                                  and not target.region.is_cuda else None)
             registered, used = transport.counters.registrations, transport.counters.updates
             # a partial update: the receiver's held pieces the sender confirmed do not move
             segments, kept = partial.receiver_settle(self.channel, offer.seq, offer.partial, holder, target.region,

@@ -37,8 +37,12 @@ class RegionSlot:
         self.binding: ModuleBinding | None = None
         self._warned = False        # SharedWeightsWarning: once per receiver
 
-    def bind(self, module: Any, names: Names = None) -> None:
-        """Land the next update in ``module``'s tensors (None: in the region alone)."""
+    def bind(self, module: Any, names: Names = None, copies_files: bool = False) -> None:
+        """Land the next update in ``module``'s tensors (None: in the region alone).  ``copies_files``: the
+        caller copies a same-host sender's files itself (``receive(on_files=)``), leaving the region -- and
+        so a module's tensors -- unwritten: refused with a module (ValueError)."""
+        if module is not None and copies_files:
+            raise ValueError("receive(): give on_files= (files copied, region unwritten) or into=, not both")
         if module is None:
             self.binding = None
         elif self.binding is None or self.binding.module is not module or self.binding.names is not names:

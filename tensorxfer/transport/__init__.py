@@ -95,9 +95,13 @@ def check_requested(requested: str) -> None:
             raise TransportUnavailable(f"transport {requested!r} was requested but cannot run: {reason}")
 
 
-def local_capabilities() -> dict[str, Any]:
-    """Per-transport capability maps of this side, for ``hello`` (e.g. ipc's host identity)."""
-    return {name: caps for name in local_transports() if (caps := TRANSPORTS[name][0].capabilities())}
+def local_capabilities(share: bool = False) -> dict[str, Any]:
+    """Per-transport capability maps of this side, for ``hello`` (e.g. ipc's host identity); ``share``: of a
+    sharing receiver, which maps memory handles and so takes no sender's files (ipc's ``files``)."""
+    out = {name: caps for name in local_transports() if (caps := TRANSPORTS[name][0].capabilities())}
+    if share and "ipc" in out:
+        out["ipc"] = {k: v for k, v in out["ipc"].items() if k != "files"}
+    return out
 
 
 def peer_reasons(peer_caps: Mapping[str, Any]) -> dict[str, str]:

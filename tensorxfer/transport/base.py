@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -184,6 +184,16 @@ class ReceiverTransport(_Half):
     are in the region (device copies: finished, not queued), from the transport's threads, so a fan-out
     relay can forward it before the whole update landed.  Set before :meth:`prepare`.
 
+    ``on_files`` (hook; ipc): when set, an update whose sender passes its *files* rather than memory (a
+    sender on this host whose region is its model files mapped, chunk table kind ``files``) is handed to it as
+    ``on_files(files, report)``: ``files`` the ``(region offset, length, fd)`` of each file (the fds valid
+    during the call; read them through the kernel only -- ``copy_file_range``, ``pread`` -- never mapped: a
+    file cut short would raise SIGBUS), ``report(n)`` to call as bytes are copied.  It copies the bytes
+    where they go (``tensorxfer-recv``: into its output files, one copy, as ``cp`` does) and raises if it
+    cannot; the region is then *not* written.  The session sets it (``Receiver.receive(on_files=...)``) only
+    where nothing reads the region afterwards: a host region, no checksums to check, no relay forwarding
+    it, no module bound; unset, the files are read into the region.
+
     ``meanwhile`` (hook): when set, :meth:`wait` calls it once, in its own thread, when the data is on its
     way and this end has nothing left to do but wait for it (ipc: the device copies queued; tcp: the
     streams receiving), so the receiver's own per-update work overlaps with the data.  A transport that
@@ -191,6 +201,7 @@ class ReceiverTransport(_Half):
     """
 
     on_piece: Callable[[int, int], None] | None = None
+    on_files: Callable[[Sequence[tuple[int, int, int]], Callable[[int], None]], None] | None = None
     meanwhile: Callable[[], None] | None = None
     can_resume: ClassVar[bool] = False
     resumable: bool = False     # hook: this update may resume (set by the session before wait())

@@ -1,4 +1,4 @@
-"""The same-host data path: memory handles passed over a Unix socket.
+r"""The same-host data path: memory handles passed over a Unix socket.
 
 When sender and receiver run on one machine as one user, nothing needs to
 cross a network stack: the sender passes the *handles* of its region — one
@@ -26,6 +26,15 @@ Security
   never shrink a file under the receiver's mapping, which would turn a read
   into ``SIGBUS``.  No chunk may end past the payload rounded up to
   ``CHUNK_TAIL``, so a small update cannot make the receiver map a huge file.
+
+A sender's files
+----------------
+A region that is regular files mapped read-only (``TensorRegion.source_files``: ``tensorxfer-send``'s)
+passes the files' fds instead (chunk table kind ``files``, :mod:`.sourcefiles`), to receivers whose
+hello lists ``files`` in their ipc capabilities.  They are never mapped on the receiving side (a file
+cut short under a mapping raises SIGBUS, and regular files take no seals): the receiver's caller copies
+them into output files with ``copy_file_range`` (``on_files``), or the receiver ``pread``\ s them into its
+region.
 
 Same host
 ---------

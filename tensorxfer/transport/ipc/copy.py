@@ -31,12 +31,14 @@ from tensorxfer.transport.base import Progress, ReceiverTransport
 from tensorxfer.transport.ipc import messages
 from tensorxfer.transport.ipc.lane import IN_DOUBT, CopyLane
 from tensorxfer.transport.ipc.messages import (
+    FILES,
     U64,
     Watermark,
     env_int,
 )
 from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
+from tensorxfer.transport.ipc.sourcefiles import fill_from_files
 from tensorxfer.transport.segments import Segments
 
 if TYPE_CHECKING:
@@ -159,6 +161,10 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         # a copy host that took a step into this memory and did not finish it may still write there: no copy
         # into it may start meanwhile (half the stall timeout: a copy after it still fits in the sender's wait)
         IN_DOUBT.wait_clear(self._region, self.ctx.stall_timeout / 2)
+        if incoming.kind == FILES:
+            if self._segments is not None:
+                raise ProtocolError("ipc: a weight sync's sender passes memory handles, not files")
+            return self._from_files(conn, incoming, watermark, progress)
         if self._segments is not None:
             self._copy_segments(conn, incoming, handles, fds, self._segments, progress)
             return incoming.nbytes      # "D" names the sender's payload, as for a whole region
@@ -307,6 +313,43 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             ok = True
         finally:
             self._release_source(key, src, ok)
+        return nbytes
+
+    # -- the sender's files
+    def _from_files(self, conn: socket.socket, incoming: Incoming, watermark: Watermark,
+                    progress: Progress | None) -> int:
+        """The sender's region is its files: hand them to :attr:`on_files` when the caller takes them (it
+        copies them where they go, the region stays unwritten), else read them into the region with
+        ``pread`` (:mod:`.sourcefiles`), in pieces reported like a memory copy's."""
+        assert self._region is not None
+        dst, files, nbytes = self._region, incoming.files, incoming.nbytes
+        watermark.wait(nbytes)                  # a region of files is complete when it is offered
+        if self.on_files is not None and not dst.is_cuda:
+            done = 0
+
+            def report(n: int) -> None:
+                nonlocal done
+                done += n
+                if progress is not None:
+                    progress(n)
+                try:
+                    conn.send(b"P" + U64.pack(done))     # the sender's stall timer measures a stall, not a copy
+                except OSError as e:
+                    raise PeerLost(f"ipc: connection to the sender lost during the copy: {e}") from None
+            self.on_files(files, report)
+            if progress is not None and nbytes > done:
+                progress(nbytes - done)     # the headers and the gaps between files: the region's, no file's
+            return nbytes
+        if dst.is_cuda:
+            def piece(off: int, n: int) -> None:
+                buf = bytearray(n)
+                fill_from_files(memoryview(buf), [(o - off, m, fd) for o, m, fd in files], 0, n)
+                htod(dst._get_copier(), dst.region.ptr + off, buf)
+            self._copy_pieces(nbytes, progress, conn, piece, threads=1, sync=dst._get_copier().synchronize)
+            return nbytes
+        with memoryview(dst.region) as view:
+            self._copy_pieces(nbytes, progress, conn, lambda off, n: fill_from_files(view, files, off, n),
+                              COPY_THREADS, landed=self.on_piece)
         return nbytes
 
     @staticmethod

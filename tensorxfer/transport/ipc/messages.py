@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,14 @@ CHUNK_TAIL = 2 << 20           # a region's last handle ends at most here past i
 PIECE_BYTES = 64 << 20         # host copy granularity: progress, abort checks, work split across threads
 CUDA_PIECE_BYTES = 1 << 30     # device copies are queued, not waited for: few large ones, few progress messages
 FORWARD_POLL_S = 0.2           # a relaying sender looks at its forwarder this often while the receiver is quiet
+
+
+#: What a chunk table may describe: host memfds, CUDA handles, or regular files (a sender whose region is
+#: its model files mapped, :attr:`TensorRegion.source_files`: the receiver copies from the files with
+#: ``copy_file_range``/``pread``, never through a mapping, so a file cut short fails the copy instead of
+#: raising SIGBUS; passed anew with every update, never ``cached``).
+FILES = "files"
+KINDS = ("host", "cuda", FILES)
 
 
 def env_int(name: str, default: int) -> int:
@@ -104,8 +113,9 @@ def parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int
     ready = nbytes if ready is None else ready
     if not 0 <= ready <= nbytes:
         raise ProtocolError(f"ipc: the chunk table says {ready} of {nbytes} payload bytes are ready")
-    if kind not in ("host", "cuda") or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
-            or (count == 0) != (nbytes == 0 or cached) or (cached and nbytes == 0) or len(token) != 16:
+    if kind not in KINDS or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
+            or (count == 0) != (nbytes == 0 or cached) or (cached and nbytes == 0) or len(token) != 16 \
+            or (kind == FILES and cached):
         raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
                             f"{count} chunks, cached {cached}, {len(token)}-byte token")
     return kind, device, nbytes, token, count, cached, seq, ready
@@ -132,6 +142,23 @@ def add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
         end += item[1]
 
 
+def add_files(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:
+    """Append one batch of ``[offset, length]`` file placements: increasing, not overlapping, each starting
+    inside the payload (a file may hold bytes past it; only the payload's are read).  Unlike memory handles
+    they need not tile the payload: what lies between files is no tensor's (headers, alignment)."""
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("ipc: a file message must carry a non-empty list of [offset, length] pairs")
+    end = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2 or not all(type(x) is int for x in item)
+                or item[0] < end or item[1] <= 0 or item[0] >= nbytes):
+            raise ProtocolError(f"ipc: file {len(chunks)} is placed at {item!r}; files must be [offset, length] "
+                                f"pairs in increasing order, not overlapping (next offset at least {end}), each "
+                                f"starting inside the {nbytes}-byte payload")
+        chunks.append((item[0], item[1]))
+        end = item[0] + item[1]
+
+
 def send_handles(sock: socket.socket, chunks: list[tuple[int, int, int]]) -> None:
     """Pass ``(offset, size, fd)`` chunks in ``F`` messages of at most ``FD_BATCH`` fds (the fds stay the
     caller's)."""
@@ -145,6 +172,35 @@ def receive_handles(sock: socket.socket, count: int, nbytes: int, fds: list[int]
                     timeout: float) -> list[tuple[int, int]]:
     """``count`` (size, fd) handles tiling ``[0, nbytes)`` from ``F`` messages (none when ``count`` is 0); the
     fds also go into ``fds`` (the caller closes them)."""
+    chunks, mine = _receive_batches(sock, count, nbytes, fds, timeout, add_chunks)
+    if chunks and chunks[-1][0] + chunks[-1][1] < nbytes:
+        raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
+                            f"{nbytes}-byte payload does")
+    return [(size, fd) for (_, size), fd in zip(chunks, mine)]
+
+
+def receive_files(sock: socket.socket, count: int, nbytes: int, fds: list[int],
+                  timeout: float) -> list[tuple[int, int, int]]:
+    """``count`` ``(offset, length, fd)`` file placements (:func:`add_files`) from ``F`` messages, for a chunk
+    table of kind :data:`FILES`; the fds also go into ``fds`` (the caller closes them).  Each fd is checked
+    to be a regular file (not a pipe or socket that would block a copy).
+
+    Raises
+    ------
+    ProtocolError
+        A malformed placement list, or an fd that is not a regular file."""
+    chunks, mine = _receive_batches(sock, count, nbytes, fds, timeout, add_files)
+    for i, fd in enumerate(mine):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ProtocolError(f"ipc: the sender passed file {i} as an fd that is not a regular file "
+                                f"(mode {mode:#o})")
+    return [(off, n, fd) for (off, n), fd in zip(chunks, mine)]
+
+
+def _receive_batches(sock: socket.socket, count: int, nbytes: int, fds: list[int], timeout: float,
+                     add: Any) -> tuple[list[tuple[int, int]], list[int]]:
+    """``count`` chunks and their fds from ``F`` messages, each batch checked by ``add``."""
     chunks: list[tuple[int, int]] = []
     mine: list[int] = []
     while len(mine) < count:
@@ -168,14 +224,11 @@ def receive_handles(sock: socket.socket, count: int, nbytes: int, fds: list[int]
             raise ProtocolError(f"ipc: bad handle message ({data[:8]!r}, {len(got)} fds, flags {flags:#x}; "
                                 f"{len(mine)} of {count} handles so far)")
         before = len(chunks)
-        add_chunks(chunks, unpack(data[1:], "a handle message"), nbytes)
+        add(chunks, unpack(data[1:], "a handle message"), nbytes)
         if len(chunks) - before != len(got) or len(chunks) > count:
             raise ProtocolError(f"ipc: a handle message lists {len(chunks) - before} chunks but carries "
                                 f"{len(got)} fds ({len(chunks)} of {count} chunks so far)")
-    if chunks and chunks[-1][0] + chunks[-1][1] < nbytes:
-        raise ProtocolError(f"ipc: {count} chunks end at {chunks[-1][0] + chunks[-1][1]}, before the "
-                            f"{nbytes}-byte payload does")
-    return [(size, fd) for (_, size), fd in zip(chunks, mine)]
+    return chunks, mine
 
 
 def close_fds(fds: list[int]) -> None:

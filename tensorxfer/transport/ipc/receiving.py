@@ -36,12 +36,14 @@ from tensorxfer.transport.ipc.identity import check_peer, host_identity, unavail
 from tensorxfer.transport.ipc.messages import (
     AUTH,
     AUTH_MAGIC,
+    FILES,
     HEADER_TIMEOUT,
     U64,
     Watermark,
     close_fds,
     parse_header,
     proof,
+    receive_files,
     receive_handles,
     recv_message,
     send_message,
@@ -80,6 +82,8 @@ class Incoming:
 
     def __init__(self, kind: str, device: int, nbytes: int, token: bytes, peer_pid: int) -> None:
         self.kind, self.device, self.nbytes, self.token, self.peer_pid = kind, device, nbytes, token, peer_pid
+        #: kind FILES: ``(region offset, length, fd)`` of the sender's files (the fds are the caller's)
+        self.files: list[tuple[int, int, int]] = []
 
     def key(self, on: int | None = None) -> tuple:
         """Identifies the sender's memory: its pid, its random token for the region, and (device memory)
@@ -222,12 +226,16 @@ class IpcReceiving(_Half):
             return self._empty()
         fds: list[int] = []
         watermark = Watermark(conn, nbytes, ready, timeout)
+        incoming = Incoming(kind, device, nbytes, token, self._peer_pid)
         try:
-            handles = [] if cached else receive_handles(conn, count, nbytes, fds, self.ctx.stall_timeout)
-            if handles:
+            if kind == FILES:
+                incoming.files = receive_files(conn, count, nbytes, fds, self.ctx.stall_timeout)
+                handles: Handles = []
+            else:
+                handles = [] if cached else receive_handles(conn, count, nbytes, fds, self.ctx.stall_timeout)
+            if handles or incoming.files:
                 self.counters.registrations += 1
-            return self._land(conn, Incoming(kind, device, nbytes, token, self._peer_pid), handles, fds, watermark,
-                              progress)
+            return self._land(conn, incoming, handles, fds, watermark, progress)
         finally:
             close_fds(fds)
 

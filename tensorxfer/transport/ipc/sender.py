@@ -70,7 +70,9 @@ class IpcSender(SenderTransport):
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
-        return {"identity": host_identity()}
+        # "files": this end's receiver takes a sender's files (chunk table kind "files"), so a sender whose
+        # region is its files mapped may pass them (tensorxfer-send checks it before mapping them)
+        return {"identity": host_identity(), "files": True}
 
     @classmethod
     def peer_reason(cls, peer_caps: dict[str, Any] | None) -> str | None:
@@ -171,8 +173,21 @@ class IpcSender(SenderTransport):
         # would make one of them pass the handles again next step
         token = _TOKENS.setdefault(region, os.urandom(16))
         ready = self._ready_now(nbytes)
-        cached = nbytes > 0 and token == self._passed
-        chunks = [] if cached or not nbytes else export_handles(region)
+        files = region.source_files
+        if files is not None:
+            if self.share:
+                raise TransportUnavailable("ipc: this region is files mapped read-only, and the receiver shares "
+                                           "(maps) the sender's memory, which only memory handles allow; send "
+                                           "it over tcp, or read the files into a region first")
+            kind = messages.FILES
+        # files are passed again with every update: nothing on the receiver keeps them between updates
+        cached = nbytes > 0 and token == self._passed and files is None
+        if not nbytes or cached:
+            chunks = []
+        elif files is not None:
+            chunks = _dup_files(files, nbytes)
+        else:
+            chunks = export_handles(region)
         owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
             table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
@@ -183,7 +198,7 @@ class IpcSender(SenderTransport):
         finally:
             close_fds(owned)
         if chunks:
-            self._passed = token
+            self._passed = token if files is None else None
             self.counters.registrations += 1
         forward = None
         if ready < nbytes and self.landing is not None:
@@ -293,6 +308,20 @@ class IpcSender(SenderTransport):
             except OSError:
                 pass    # never connected: closing is enough
             sock.close()
+
+
+def _dup_files(files: Any, nbytes: int) -> list[tuple[int, int, int]]:
+    """``(offset, length, fd)`` of the files holding ``[0, nbytes)`` of a region of files, each fd a new
+    duplicate (the caller closes them; the region keeps its own)."""
+    out: list[tuple[int, int, int]] = []
+    try:
+        for off, length, fd in files:
+            if off < nbytes:
+                out.append((off, length, os.dup(fd)))
+    except BaseException:
+        close_fds([fd for _, _, fd in out])
+        raise
+    return out
 
 
 def export_handles(region: TensorRegion) -> list[tuple[int, int, int]]:

@@ -13,9 +13,9 @@ import socket
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tensorxfer.errors import ProtocolError
+from tensorxfer.errors import ProtocolError, TransportUnavailable
 from tensorxfer.transport.base import Progress, ShareReceiverTransport
-from tensorxfer.transport.ipc.messages import Watermark
+from tensorxfer.transport.ipc.messages import FILES, Watermark
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 
 if TYPE_CHECKING:
@@ -58,6 +58,11 @@ class IpcShareReceiver(IpcReceiving, ShareReceiverTransport):
 
     def _land(self, conn: socket.socket, incoming: Incoming, handles: Handles, fds: list[int],
               watermark: Watermark, progress: Progress | None) -> int:
+        if incoming.kind == FILES:
+            # the sender checks the share flag of the accept first; this is a sender that did not
+            raise TransportUnavailable("ipc: the sender's region is files mapped in its process; a sharing "
+                                       "receiver maps only memory handles (memfds, CUDA): send with "
+                                       "transport='tcp' or read the files into a region first")
         watermark.wait(incoming.nbytes)     # the sender's memory is the region, once all of it is there
         if incoming.kind == "host":
             key, device, on = incoming.key(), "cpu", None
