@@ -146,7 +146,8 @@ def test_sender_killed_mid_transfer_writes_no_output(tmp_path):
     assert rc_s == -signal.SIGKILL
     assert rc_r == 1 and "PeerLost" in err_r, err_r
     assert time.monotonic() - t0 < 10
-    assert not out.exists() or list(out.iterdir()) == []
+    # no output file: at most the hidden partial output a run of the same send resumes (test_cli_restart.py)
+    assert not out.exists() or all(p.name.startswith(".tensorxfer-") for p in out.iterdir())
 
 
 @pytest.mark.slow
@@ -456,10 +457,11 @@ def test_receiver_killed_while_writing_fails_the_sender_and_the_next_run_cleans_
     assert rc_r == -signal.SIGKILL
     assert rc_s == 1 and "PeerLost" in err_s, err_s
     left = os.listdir(out)
-    assert left and all(n.startswith(".tensorxfer-") and n.endswith(".part") for n in left), left
-    again, _ = start_recv(out)
+    assert left and all(n.startswith(".tensorxfer-") for n in left), left
+    assert any(n.endswith(".part") for n in left), left     # kept for a resumed run (test_cli_restart.py)
+    again, _ = start_recv(out, "--no-resume")
     try:
-        assert os.listdir(out) == []            # cleaned before listening
+        assert os.listdir(out) == []            # --no-resume: cleaned before listening
     finally:
         again.send_signal(signal.SIGINT)
         finish(again)

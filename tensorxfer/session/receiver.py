@@ -164,8 +164,7 @@ class Receiver:
     def receive(self, timeout: float | None = None, progress: Progress | None = None,
                 on_offer: Callable[[Manifest], None] | None = None, on_landed: OnLanded | None = None,
                 into: Any = None, names: Names = None, on_piece: OnPiece | None = None,
-                held: Holder | None = None,
-                on_files: OnFiles | None = None) -> TensorRegion:
+                held: Holder | None = None, on_files: OnFiles | None = None) -> TensorRegion:
         """Wait for the next offer (from the current sender, or the next one) and receive it.
 
         ``timeout`` bounds the wait for an offer to *start* (``None``: forever; then ``stall_timeout``);
@@ -173,7 +172,7 @@ class Receiver:
         ``on_piece(region, offset, length)`` ranges of a host region as they land (from transport threads:
         quick, never writing the region; ``tensorxfer-recv`` writes files then); ``on_landed`` the region
         once every byte landed (and was verified), *before* the ack -- if it raises, the sender gets an
-        error naming it instead.  ``held``: pieces already here, not sent again (:mod:`tensorxfer.session.partial`).
+        error naming it instead.  ``held``: pieces already here, not sent again (:mod:`~.session.partial`);
         ``on_files``: :attr:`~tensorxfer.transport.base.ReceiverTransport.on_files`.
 
         Returns the region, owned by the receiver, valid until the next ``receive`` or ``close`` (same-layout
@@ -231,7 +230,7 @@ class Receiver:
                     left += [f"{session.peer} connected and said goodbye"] if frame is not None else []
                     continue
                 try:
-                    return self._update(session, frame, progress, on_offer, on_landed, on_piece, held, on_files)
+                    return self._update(session, frame, progress, (on_offer, on_landed, on_piece, held, on_files))
                 except BaseException as e:
                     # After a failed transfer the control stream's state is unknown: end the session.
                     self._end_session()
@@ -240,15 +239,13 @@ class Receiver:
                     raise
 
     def _update(self, session: ServerSession, frame: dict[str, Any], progress: Progress | None,
-                on_offer: Callable[[Manifest], None] | None, on_landed: OnLanded | None,
-                on_piece: OnPiece | None, held: Holder | None = None,
-                on_files: OnFiles | None = None) -> TensorRegion:
+                hooks: tuple) -> TensorRegion:
+        """One update; ``hooks``: receive()'s, in :meth:`ServerSession.run_update`'s order."""
         self._fed_by_relay = frame.get("relayed") is True
         self._version = None            # the region is about to be written: no complete version in it
         offer = session.offer(frame, self.max_region_bytes)
         target: Target = ShareTarget(self._slot) if self.share else CopyTarget(self._slot)
-        region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress,
-                                                     on_offer, on_landed, on_piece, held, on_files)
+        region, self.last_stats = session.run_update(offer, target, "{}:{}".format(*self.address), progress, *hooks)
         self._version = offer.version
         return region
 

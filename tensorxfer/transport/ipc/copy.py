@@ -163,7 +163,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         IN_DOUBT.wait_clear(self._region, self.ctx.stall_timeout / 2)
         if incoming.kind == FILES:
             if self._segments is not None:
-                raise ProtocolError("ipc: a weight sync's sender passes memory handles, not files")
+                return self._segments_from_files(incoming, watermark, self._segments, progress)
             return self._from_files(conn, incoming, watermark, progress)
         if self._segments is not None:
             self._copy_segments(conn, incoming, handles, fds, self._segments, progress)
@@ -351,6 +351,27 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             self._copy_pieces(nbytes, progress, conn, lambda off, n: fill_from_files(view, files, off, n),
                               COPY_THREADS, landed=self.on_piece)
         return nbytes
+
+    def _segments_from_files(self, incoming: Incoming, watermark: Watermark, segments: Segments,
+                             progress: Progress | None) -> int:
+        """A partial update (a transfer resumed across restarts: only the runs the receiver lacks) from a
+        sender whose region is its files: each run read from the files with ``pread`` where a memory copy's
+        would land in the region, and reported landed (the caller writes it out as it does tcp's pieces)."""
+        assert self._region is not None
+        dst, files = self._region, incoming.files
+        if dst.is_cuda:
+            raise TransportUnavailable("ipc: a partial update from a sender's files lands in host memory only")
+        segments.check_within(incoming.nbytes, dst.nbytes)
+        watermark.wait(incoming.nbytes)          # a region of files is complete when it is offered
+        with memoryview(dst.region) as view:
+            for src_off, dst_off, n in segments.runs():
+                # the files placed relative to this run, so that view[dst_off:] receives region bytes src_off..
+                fill_from_files(view[dst_off:dst_off + n], [(o - src_off, m, fd) for o, m, fd in files], 0, n)
+                if self.on_piece is not None:
+                    self.on_piece(dst_off, n)
+                if progress is not None:
+                    progress(n)
+        return incoming.nbytes
 
     @staticmethod
     def _host_to_cuda(dst: TensorRegion, view: memoryview, off: int, n: int) -> None:
