@@ -213,6 +213,10 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
+            # broken data streams are resumed within the update when the sender follows resume frames; set before
+            # prepare, where a transport may ask for what resuming needs (rdma: a mark on every request)
+            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
+                                   and self._recovery is not None)
             registered, used = transport.counters.registrations, transport.counters.updates
             descriptors = target.prepare(transport, offer.seq, offer.fresh)
             setup = setup_flag(descriptors)
@@ -220,9 +224,6 @@ class ServerSession:
             self.channel.send("accept", seq=offer.seq, transport=offer.transport, descriptors=descriptors,
                               reallocated=target.reallocated, setup_seconds=clock.setup_seconds)
             transport.meanwhile = target.while_landing
-            # broken tcp streams are resumed within the update when the sender follows resume frames
-            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
-                                   and self._recovery is not None)
             try:
                 with clock.wire():
                     nbytes, recovered = recovery.receive(transport, self.channel, offer.seq, self._recovery, progress)

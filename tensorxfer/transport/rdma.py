@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -262,18 +263,58 @@ class _Endpoint:
             cq_groups = min(cq_groups, qps)
             self._groups = [(g * qps // cq_groups, (g + 1) * qps // cq_groups - g * qps // cq_groups)
                             for g in range(cq_groups)]
-            self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
-                         for _, count in self._groups]
-            self._cq = self._cqs[0]
-            self._qps = [self._pd.create_qp(cq, cq, max_send_wr, max_recv_wr)
-                         for cq, (_, count) in zip(self._cqs, self._groups) for _ in range(count)]
-            self._psns = [int.from_bytes(os.urandom(3), "little") for _ in range(qps)]
-            for qp in self._qps:
-                qp.to_init(port, self._remote_access())
+            self._wr_depth = (max_send_wr, max_recv_wr)
+            self._make_qps()
         except BaseException:
             self._ctx.close()  # closes children first: QPs, MR, CQ, PD
             raise
         self._closed = False
+
+    def _make_qps(self) -> None:
+        """CQs (one per group) and QPs in INIT, under the PD and MR this endpoint keeps for its life."""
+        max_send_wr, max_recv_wr = self._wr_depth
+        self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
+                     for _, count in self._groups]
+        self._cq = self._cqs[0]
+        self._qps = [self._pd.create_qp(cq, cq, max_send_wr, max_recv_wr)
+                     for cq, (_, count) in zip(self._cqs, self._groups) for _ in range(count)]
+        self._psns = [int.from_bytes(os.urandom(3), "little") for _ in self._qps]
+        for qp in self._qps:
+            qp.to_init(self.port, self._remote_access())
+
+    def qp_index(self, qp_num: int) -> int | None:
+        """The index of this endpoint's QP numbered ``qp_num`` (None: not one of ours)."""
+        for i, qp in enumerate(self._qps):
+            if not qp.closed and qp.qp_num == qp_num:
+                return i
+        return None
+
+    def break_qp(self, index: int) -> None:
+        """Move QP ``index`` to the error state now (a test's fault, made for real; see ``rdma_engine.Fault``)."""
+        self._qps[index % len(self._qps)].to_error()
+
+    def halt(self) -> None:
+        """Move every QP to the error state: nothing more is sent or lands through them (a broken update)."""
+        self._check_open()
+        for qp in self._qps:
+            if not qp.closed:
+                qp.to_error()
+
+    def renew(self) -> None:
+        """New QPs (and CQs: no completion of the old QPs can be mistaken for a new one's) after a broken
+        update, under the same PD and MR: the registration is kept, only the connection is made again.
+        :meth:`connect` to the peer's new descriptors next.  On failure the endpoint is closed (nothing
+        half-built is left) and the error raised."""
+        self._check_open()
+        old_qps, old_cqs = self._qps, self._cqs
+        self._qps, self._cqs, self._peer, self._broken = [], [], None, None
+        try:
+            for obj in (*old_qps, *old_cqs):    # children first: a CQ is not destroyed under its QPs
+                obj.close()
+            self._make_qps()
+        except BaseException:
+            self.close()
+            raise
 
     def _remote_access(self) -> int:
         return 0
@@ -333,7 +374,7 @@ class _Endpoint:
             return
         self._closed = True
         first: VerbsError | None = None
-        for obj in (*self._qps, self._mr, *self._cqs, self._pd, self._ctx):
+        for obj in (*getattr(self, "_qps", ()), self._mr, *getattr(self, "_cqs", ()), self._pd, self._ctx):
             try:
                 obj.close()
             except VerbsError as exc:  # keep releasing the rest; report the first failure
@@ -380,15 +421,42 @@ class RdmaReceiverEndpoint(_Endpoint):
                  qps: int = DEFAULT_QPS, recv_depth: int = DEFAULT_RECV_DEPTH) -> None:
         v = _require_verbs()
         self._access = v.ACCESS_LOCAL_WRITE | v.ACCESS_REMOTE_WRITE
+        self._recv_depth = recv_depth
         super().__init__(region, device, port, gid_index, qps, max_send_wr=1, max_recv_wr=recv_depth)
         try:
-            for i, qp in enumerate(self._qps):
-                qp.post_recv(recv_depth, i)
-            self._waiter = v.ImmWaiter(self._qps, self._cq)
+            self._arm()
         except BaseException:
             self.close()
             raise
         self.updates = 0
+
+    def _arm(self) -> None:
+        for i, qp in enumerate(self._qps):
+            qp.post_recv(self._recv_depth, i)
+        self._waiter = _verbs.ImmWaiter(self._qps, self._cq)
+
+    def renew(self) -> None:
+        """As :meth:`_Endpoint.renew`, with the new QPs' receives posted."""
+        super().renew()
+        try:
+            self._arm()
+        except BaseException:
+            self.close()
+            raise
+
+    def landed_requests(self) -> list[int]:
+        """Per QP, its requests of the update under way known to have landed (marks)."""
+        return list(self._waiter.landed())
+
+    def halt_and_count(self, timeout: float = 2.0) -> list[int]:
+        """A broken update: stop every QP (error state), take what landed before, and return per QP how many
+        of its requests landed (exact when every QP's receives flushed within ``timeout``; a lower bound,
+        and logged, otherwise)."""
+        self.halt()
+        if not self._waiter.drain(timeout):
+            log.warning("rdma: not every QP flushed its receives within %.1f s; counting what landed from "
+                        "the marks taken so far (some landed bytes will be sent again)", timeout)
+        return list(self._waiter.landed())
 
     def _remote_access(self) -> int:
         return int(_verbs.ACCESS_REMOTE_WRITE | _verbs.ACCESS_LOCAL_WRITE)
@@ -412,7 +480,8 @@ class RdmaReceiverEndpoint(_Endpoint):
 
     def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None,
                       update: int | None = None, *, marks: int = 0, wr_size: int = 0,
-                      on_piece: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                      on_piece: Callable[[int, int], None] | None = None,
+                      starts: list[int] | None = None) -> dict[str, Any]:
         """Block until the next update fully landed (every QP's immediate arrived).
 
         ``marks`` > 0 (the sender writes with the same ``marks`` and ``wr_size``): ``on_piece(offset,
@@ -425,6 +494,9 @@ class RdmaReceiverEndpoint(_Endpoint):
 
         ``update`` is the number the sender's immediates carry (default: this
         endpoint's count of updates + 1; the engine passes its offer's number).
+
+        ``starts`` (with ``marks``): the update resumes after a break on new QPs, QP ``q``'s first
+        ``starts[q]`` requests having landed before (:meth:`halt_and_count`); the sender writes the rest.
 
         Raises
         ------
@@ -443,15 +515,15 @@ class RdmaReceiverEndpoint(_Endpoint):
         if self._broken is not None:
             raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
-        self._waiter.reset(seq, marks, wr_size, self.nbytes)
+        self._waiter.reset(seq, marks, wr_size, self.nbytes, starts)
         t0 = time.perf_counter()
         deadline = t0 + timeout
         reported = 0
         try:
             while True:
                 done = self._waiter.poll(_POLL_SLICE)
-                if on_piece is not None:
-                    landed = self._report(reported, on_piece)
+                if marks:
+                    landed = self._report(reported, on_piece) if on_piece is not None else int(self._waiter.prefix())
                     if landed > reported:       # marks show progress: the timeout counts from the last one
                         deadline = max(deadline, time.perf_counter() + timeout)
                     reported = landed
@@ -516,6 +588,7 @@ class RdmaSenderEndpoint(_Endpoint):
         if len(self._groups) > 1:
             self._pool = ThreadPoolExecutor(len(self._groups) - 1, thread_name_prefix="tensorxfer-rdma-post")
         self.updates = 0
+        self._states: list[array[int]] = []
         self._local_ptr = int(self._region.resolve_extent(0, self.nbytes).ptr)
 
     def connect(self, peer: dict[str, Any], scatter: bool = False) -> None:
@@ -539,8 +612,15 @@ class RdmaSenderEndpoint(_Endpoint):
               wr_size: int | None = None, max_outstanding: int | None = None,
               signal_every: int | None = None, post_batch: int | None = None,
               peer_alive: Callable[[], bool] | None = None, update: int | None = None,
-              marks: int = 0, ready: Any = None, runs: Any = None) -> dict[str, Any]:
+              marks: int = 0, ready: Any = None, runs: Any = None, starts: list[int] | None = None,
+              on_slice: Callable[[], None] | None = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        Resumed (the update broke; the receiver counted what landed): ``starts`` gives per QP the first of
+        its requests to write (see :func:`share_bytes`); the stripe, marks and final immediates are those of
+        the whole write.  Whether it completes or raises, :attr:`last_state` then holds per QP the requests
+        posted and known completed, so a broken write says what it had handed to the NIC.  ``on_slice``
+        (e.g. a test's fault) is called with ``peer_alive`` every slice.
 
         ``runs`` (a weight sync): ``(local offsets, remote offsets, bytes)``, three equal-length uint64 arrays:
         those runs are written instead, each to its own place in the receiver's region (cut into requests
@@ -594,9 +674,18 @@ class RdmaSenderEndpoint(_Endpoint):
         if runs is not None:
             table, length = scatter_table(runs, wr, self.nbytes, int(self._peer["length"]))
             offset = 0
+        if starts is not None and (len(starts) != len(self._qps) or runs is not None or ready is not None):
+            raise ValueError("starts needs one request index per QP, and no runs or ready gate")
+        if on_slice is not None:
+            alive_first = peer_alive
+
+            def peer_alive() -> bool:
+                on_slice()
+                return alive_first is None or alive_first()
         t0 = time.perf_counter()
         try:
-            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table)
+            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table,
+                            starts)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
@@ -611,17 +700,26 @@ class RdmaSenderEndpoint(_Endpoint):
                   max_outstanding=mo, signal_every=se, post_batch=pb, update=seq, post_threads=len(self._groups))
         return dict(st)
 
+    @property
+    def last_state(self) -> list[tuple[int, int]]:
+        """Per QP, (requests posted, requests known completed) of the last :meth:`write`, live while it runs."""
+        return [(int(st[2 * k]), int(st[2 * k + 1])) for st in self._states for k in range(len(st) // 2)]
+
     def _post(self, offset: int, length: int, wr: int, mo: int, se: int, seq: int, timeout: float, pb: int,
-              peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None) -> dict[str, Any]:
+              peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None,
+              starts: list[int] | None = None) -> dict[str, Any]:
         """Run the write loop, one group of QPs per posting thread (this one takes the first group)."""
         peer = self._peer
         assert peer is not None
+        self._states = [array("Q", bytes(16 * count)) for _, count in self._groups]
+        states = {first: st for (first, _), st in zip(self._groups, self._states)}
 
         def group(first: int, count: int, cq: Any, alive: Callable[[], bool] | None) -> dict[str, Any]:
             return dict(_verbs.write_striped(self._qps[first:first + count], cq, self._local_ptr + offset,
                                              self._mr.lkey, peer["addr"] + offset, peer["rkey"], length,
                                              wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps),
-                                             table))
+                                             table, None if starts is None else starts[first:first + count],
+                                             states[first]))
 
         if self._pool is None:
             return group(0, len(self._qps), self._cq, peer_alive)
@@ -665,6 +763,24 @@ class RdmaSenderEndpoint(_Endpoint):
         super().close()
 
 
+def qp_requests(q: int, nq: int, wr_size: int, length: int) -> int:
+    """Requests QP ``q`` of ``nq`` carries in a striped write of ``length`` bytes (at least its final immediate)."""
+    nwr = -(-length // wr_size)
+    return max(1, (nwr - q + nq - 1) // nq if q < nwr else 0)
+
+
+def share_bytes(q: int, k: int, nq: int, wr_size: int, length: int) -> int:
+    """Bytes in the first ``k`` requests of QP ``q``'s share of a striped write (request ``i`` of the range is
+    ``[i * wr_size, min((i + 1) * wr_size, length))``, on QP ``i % nq``; data-less final immediates carry 0)."""
+    nwr = -(-length // wr_size)
+    data = (nwr - q + nq - 1) // nq if q < nwr else 0
+    n = min(k, data)
+    out = n * wr_size
+    if n and (nwr - 1) % nq == q and n == data:     # the region's last, short request is among them
+        out -= nwr * wr_size - length
+    return out
+
+
 def scatter_table(runs: Any, wr_size: int, local_size: int, remote_size: int) -> tuple[np.ndarray, int]:
     """The write loop's request table for ``runs`` = (local offsets, remote offsets, bytes): each run cut into
     requests of at most ``wr_size``, as (local, remote, bytes) triples; and the byte count.
@@ -694,5 +810,5 @@ class _GroupAborted(Exception):
     """Another posting thread's group failed: this one stops (its error is the one reported)."""
 
 
-__all__ = ["DEFAULT_QPS", "DEFAULT_WR_SIZE", "RdmaReceiverEndpoint", "RdmaSenderEndpoint", "rdma_available",
-           "register_region"]
+__all__ = ["DEFAULT_QPS", "DEFAULT_WR_SIZE", "RdmaReceiverEndpoint", "RdmaSenderEndpoint", "qp_requests",
+           "rdma_available", "register_region", "share_bytes"]

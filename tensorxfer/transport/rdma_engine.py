@@ -67,7 +67,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgpack
 
 from tensorxfer.connections import Gate, listen, readable_now, recv_exact, send_all
-from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
+from tensorxfer.errors import (
+    LinkDropped,
+    PeerLost,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    UpstreamFailed,
+    VerbsError,
+)
 from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, int_in, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import (
     PrefixFollower,
@@ -83,7 +91,9 @@ from tensorxfer.transport.rdma import (
     RdmaReceiverEndpoint,
     RdmaSenderEndpoint,
     _check_peer,
+    qp_requests,
     rdma_available,
+    share_bytes,
 )
 from tensorxfer.transport.segments import Segments
 
@@ -109,6 +119,52 @@ RELAY_PIECE_BYTES = 4 << 20
 RELAY_WR_SIZE = DEFAULT_WR_SIZE          # the request size a relay asks its sender for (marks count requests)
 MAX_MARK_EVERY = 1 << 20
 MIN_MARK_WR_SIZE = 4 << 10
+#: A resumable update (``resumable`` set on the receiver before ``prepare``): the receiver asks for a mark on
+#: every request, so when a QP breaks it knows to the request what landed on each QP (RC delivers in order),
+#: and the sender sends again at most what it had in flight.  Measured cost in the Soft-RoCE VM: see
+#: benchmarks/results/2026-12-06-resume-rdma/.
+RESUME_MARKS = 1
+RESUME_WR_SIZE = DEFAULT_WR_SIZE
+#: After a break: how long the receiver waits for its stopped QPs to flush (what landed is final then).
+DRAIN_SECONDS = 2.0
+#: A break, told to the peer on the side connection (the QPs of a broken update cannot carry it): update
+#: number and resume attempt, so a notice that crossed the peer's own is recognised as stale.
+BROKE = b"B"
+BROKE_MSG = struct.Struct(">cQI")
+#: Completion statuses that are facts about memory or the request, not about the link: a new QP would fail
+#: the same way, so they are raised as they are, never resumed.
+NOT_A_LINK_FAULT = frozenset({"IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_PROT_ERR",
+                              "IBV_WC_LOC_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR", "IBV_WC_REM_ACCESS_ERR",
+                              "IBV_WC_MW_BIND_ERR"})
+
+
+class Fault:
+    """Test switch (``rdma_engine._FAULT``): break a QP for real mid-update -- ``ibv_modify_qp`` to the error
+    state -- on the ``side`` ("sender" or "receiver"), once ``after`` bytes of the update are known landed
+    (sender: completed), ``times`` times (one per update or resume round that reaches it).  Never set outside
+    tests."""
+
+    def __init__(self, side: str, after: int, qp: int = 0, times: int = 1) -> None:
+        if side not in ("sender", "receiver"):
+            raise ValueError(f"side must be 'sender' or 'receiver', got {side!r}")
+        self.side, self.after, self.qp, self.left = side, after, qp, times
+        self.fired: list[int] = []      # bytes landed when each break was made
+        self._lock = threading.Lock()
+
+    def due(self, side: str, done: int) -> bool:
+        with self._lock:
+            if side != self.side or self.left <= 0 or done < self.after:
+                return False
+            self.left -= 1
+            self.fired.append(done)
+            return True
+
+
+_FAULT: Fault | None = None
+
+
+class _PeerBroke(PeerLost):
+    """The peer said on the side connection that its QPs broke in this update (it stopped them)."""
 
 
 def relay_marks(qps: int) -> int:
@@ -137,6 +193,10 @@ class _Owned:
         self._closing = False
         self._busy = 0
         self._side: socket.socket | None = None
+        self._side_lock = threading.Lock()     # posting threads check the side connection concurrently
+        self._seq = 0               # the update under way
+        self._attempt = 0           # its resume round (0: the first pass)
+        self._peer_broke = False    # the peer's break notice for this round was read
 
     def _enter(self) -> None:
         with self._lock:
@@ -152,10 +212,69 @@ class _Owned:
             self._release()
 
     def _peer_alive(self) -> bool:
+        """False when the side connection closed (the peer died).  After the setup only break notices travel on
+        it (:data:`BROKE`): one for this round raises :class:`_PeerBroke`, a stale one (a round the two ends
+        left behind) is skipped; any other byte is as wrong as its closing (counting it as alive let a peer
+        that wrote some and died hold us until the deadline)."""
         side = self._side
-        # After the setup nothing more travels on the side socket: bytes there are as wrong as its closing
-        # (counting them as alive let a peer that wrote some and died hold us until the deadline).
-        return not self._closing and side is not None and not readable_now(side)
+        if self._closing or side is None:
+            return False
+        with self._side_lock:
+            while True:
+                if self._peer_broke:
+                    raise _PeerBroke(f"rdma: the peer's QPs broke in update {self._seq} (it said so and stopped them)")
+                if not readable_now(side):
+                    return True
+                try:
+                    first = side.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return True
+                except OSError:
+                    return False
+                if first != BROKE:
+                    return False
+                _, seq, attempt = BROKE_MSG.unpack(recv_exact(side, BROKE_MSG.size, 1.0, "a break notice"))
+                if seq == self._seq and attempt == self._attempt:
+                    self._peer_broke = True
+
+    def _tell_broke(self) -> None:
+        """Tell the peer this end's QPs broke (best effort: a dead side connection says more than this would)."""
+        side = self._side
+        if side is None:
+            return
+        try:
+            send_all(side, BROKE_MSG.pack(BROKE, self._seq, self._attempt), 1.0, "a break notice")
+        except TransferError:
+            pass        # the peer is gone: it learns from the closed side connection instead
+
+    def _read_side(self, n: int, timeout: float, what: str) -> bytes:
+        """The next ``n`` bytes of a resume exchange on the side connection, skipping break notices (both ends
+        may have told the other of the same break before the exchange began)."""
+        side = self._side
+        if side is None:
+            raise PeerLost("rdma: the side connection is gone")
+        while True:
+            first = recv_exact(side, 1, timeout, what)
+            if first != BROKE:
+                return first + (recv_exact(side, n - 1, timeout, what) if n > 1 else b"")
+            recv_exact(side, BROKE_MSG.size - 1, timeout, "a break notice")
+
+    def _is_break(self, e: BaseException) -> bool:
+        """Whether ``e`` is a broken link of this update (a new QP may carry on), not the peer gone or a fault
+        that a new QP would repeat."""
+        if self._closing:
+            return False
+        if isinstance(e, _PeerBroke | TransferTimeout):
+            return True
+        if isinstance(e, PeerLost) or not isinstance(e, VerbsError):
+            return False
+        if e.status in NOT_A_LINK_FAULT:    # ours, unless the peer broke its QP first and ours saw the effect
+            try:
+                self._peer_alive()
+            except _PeerBroke:
+                return True
+            return False
+        return e.qp_num is not None or e.status is not None
 
     def close(self) -> None:
         """Release the endpoint and sockets; idempotent, callable from another thread."""
@@ -181,10 +300,14 @@ class RdmaReceiver(_Owned, ReceiverTransport):
     """Lets the sender RDMA-WRITE the region into its memory (registered once per session); waits per update."""
 
     name: ClassVar[str] = "rdma"
+    can_resume: ClassVar[bool] = True
 
     def __init__(self, ctx: TransferContext) -> None:
         ReceiverTransport.__init__(self, ctx)
         _Owned.__init__(self)
+        self._resume = False        # this update asked for a mark on every request: it can resume
+        self._landed: list[int] = []    # a broken update: per QP, its requests that landed
+        self._resume_nonce = b""
         self._endpoint: RdmaReceiverEndpoint | None = None
         self._gate: Gate | None = None
         self._region: TensorRegion | None = None
@@ -207,10 +330,13 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         nothing changes here but the byte count."""
         self._enter()
         try:
-            self._seq = seq
+            self._seq, self._attempt, self._peer_broke = seq, 0, False
             if segments is not None:
                 segments.check_within(1 << 63, region.nbytes)
             self._moving = segments.total_bytes if segments is not None else None
+            # resumable (set by the session before prepare): a plain update, not a relay's or a weight sync's
+            self._resume = self.resumable and self.on_piece is None and segments is None
+            self._landed, self._resume_nonce = [], b""
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
                 return {"setup": False, **self._ask_marks(endpoint.qp_count)}
@@ -231,6 +357,9 @@ class RdmaReceiver(_Owned, ReceiverTransport):
     def _ask_marks(self, qps: int) -> dict[str, Any]:
         """``streams``, and for a relay the marks it asks the sender for: one-sided writes tell a receiver
         nothing until the last immediate per QP, so without marks it could forward only once all landed."""
+        if self._resume:
+            self._marks = RESUME_MARKS
+            return {"streams": qps, "marks": self._marks, "wr_size": RESUME_WR_SIZE, "resume": True}
         self._marks = relay_marks(qps) if self.on_piece is not None else 0
         if not self._marks:
             return {"streams": qps}
@@ -249,6 +378,9 @@ class RdmaReceiver(_Owned, ReceiverTransport):
             The authenticated sender's descriptors are malformed or do not match.
         CompletionError
             A receive work completion failed (its status, QP named).
+        LinkDropped
+            A resumable update broke (a QP in the error state here or at the sender, or no mark for
+            ``stall_timeout``): every QP was stopped and what landed counted, per QP; see :meth:`prepare_resume`.
         """
         self._enter()
         try:
@@ -260,9 +392,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 assert self._side is not None
                 send_all(self._side, READY, self.ctx.stall_timeout, "READY")
                 self.counters.connects += 1
-            timeout = self.ctx.stall_timeout + self._nbytes / RATE_FLOOR_BYTES_PER_S
-            endpoint.wait_complete(timeout, peer_alive=self._peer_alive, update=self._seq, marks=self._marks,
-                                   wr_size=RELAY_WR_SIZE, on_piece=self.on_piece if self._marks else None)
+            self._land(endpoint, None)
         finally:
             self._exit()
         self.counters.updates += 1
@@ -270,6 +400,106 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         if progress is not None:
             progress(moved)
         return moved
+
+    def _land(self, endpoint: RdmaReceiverEndpoint, starts: list[int] | None) -> None:
+        """Wait for the update (resumed: for the rest of it, QP ``q`` from request ``starts[q]``)."""
+        # With a mark per request the timeout counts from the last one; without, the whole region must fit.
+        timeout = self.ctx.stall_timeout + (0 if self._resume else self._nbytes / RATE_FLOOR_BYTES_PER_S)
+        try:
+            endpoint.wait_complete(timeout, peer_alive=self._alive, update=self._seq, marks=self._marks,
+                                   wr_size=RESUME_WR_SIZE if self._resume else RELAY_WR_SIZE,
+                                   on_piece=self.on_piece if self._marks and not self._resume else None,
+                                   starts=starts)
+        except (VerbsError, TransferError) as e:
+            if not self._is_break(e):
+                raise
+            if not isinstance(e, _PeerBroke):
+                self._tell_broke()      # the sender's QPs see nothing of a break here: say it
+            if not self._resume:
+                raise
+            raise self._dropped(endpoint, e) from None
+
+    def _alive(self) -> bool:
+        fault, endpoint = _FAULT, self._endpoint
+        if fault is not None and endpoint is not None and fault.due("receiver", self._landed_bytes(
+                endpoint.landed_requests())):
+            endpoint.break_qp(fault.qp)
+        return self._peer_alive()
+
+    def _landed_bytes(self, landed: list[int]) -> int:
+        return sum(share_bytes(q, k, len(landed), RESUME_WR_SIZE, self._nbytes) for q, k in enumerate(landed))
+
+    def _dropped(self, endpoint: RdmaReceiverEndpoint, e: BaseException) -> LinkDropped:
+        """Stop every QP, count what landed on each (exact: a mark per request, RC in order), keep it for the
+        resume; the :class:`LinkDropped` names the broken QP and the landed bytes of each unfinished share."""
+        landed = self._landed = endpoint.halt_and_count(DRAIN_SECONDS)
+        nq = len(landed)
+        qpn = getattr(e, "qp_num", None)
+        index = endpoint.qp_index(qpn) if qpn is not None else None
+        left = {q: share_bytes(q, k, nq, RESUME_WR_SIZE, self._nbytes) for q, k in enumerate(landed)
+                if k < qp_requests(q, nq, RESUME_WR_SIZE, self._nbytes)}
+        if index is None:
+            index = min(left) if left else 0
+        return LinkDropped({index: e}, left, self._nbytes)
+
+    def prepare_resume(self, dropped: LinkDropped) -> dict[str, Any]:
+        """New QPs under the same MR (registration is not paid again); descriptors: theirs, ``attempt``, a fresh
+        ``nonce`` the sender proves its new QPs' descriptors with, and ``from``: per QP the requests of its share
+        that landed (the sender writes the rest)."""
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or not self._resume or not self._landed:
+                raise ProtocolError("RdmaReceiver.prepare_resume() outside a broken resumable update")
+            endpoint.renew()
+            self._attempt += 1
+            self._peer_broke = False
+            self._resume_nonce = nonce()
+            return {**endpoint.descriptors(), "attempt": self._attempt, "nonce": self._resume_nonce,
+                    "from": list(self._landed)}
+        finally:
+            self._exit()
+
+    def wait_resume(self, progress: Progress | None = None) -> int:
+        """Take the sender's new QPs (proved on the side connection), connect, say READY, and wait for the rest;
+        return the bytes that landed in this round.
+
+        Raises
+        ------
+        LinkDropped
+            It broke again (what landed is counted on from the earlier rounds).
+        TransferTimeout, PeerLost
+            The sender did not send its new QPs within ``stall_timeout`` or its side connection closed.
+        """
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or not self._resume_nonce:
+                raise ProtocolError("RdmaReceiver.wait_resume() before prepare_resume()")
+            endpoint.connect(self._resumed_sender())
+            assert self._side is not None
+            send_all(self._side, READY, self.ctx.stall_timeout, "READY")
+            self.counters.connects += 1
+            before = self._landed_bytes(self._landed)
+            self._land(endpoint, self._landed)
+        finally:
+            self._exit()
+        self.counters.updates += 1
+        moved = self._nbytes - before
+        if progress is not None:
+            progress(moved)
+        return moved
+
+    def _resumed_sender(self) -> dict[str, Any]:
+        """The sender's new descriptors from the side connection, proved with this round's nonce."""
+        wait = self.ctx.stall_timeout
+        magic, seq, length, proof = SIDE_HEADER.unpack(self._read_side(SIDE_HEADER.size, wait, "the resume header"))
+        if magic != SIDE_MAGIC or seq != self._seq or length > MAX_DESCRIPTOR_BYTES:
+            raise ProtocolError(f"rdma: resume header {magic!r}/{seq}/{length}, expected update {self._seq}")
+        body = self._read_side(length, wait, "the resumed sender's descriptors")
+        if not hmac.compare_digest(proof, _proof(self.ctx, self._resume_nonce, seq, body)):
+            raise ProtocolError("rdma: the resumed sender's descriptors do not carry this round's proof")
+        return self._decode_sender(body)
 
     def _admit(self) -> dict[str, Any]:
         """The first side connection that proves itself; its decoded descriptors."""
@@ -291,6 +521,10 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 conn.close()
                 raise PeerLost("rdma: the transport was closed while the sender connected")
             self._side = conn
+        return self._decode_sender(body)
+
+    @staticmethod
+    def _decode_sender(body: bytes) -> dict[str, Any]:
         try:
             scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what="rdma: the sender's descriptors")
             peer = msgpack.unpackb(body, raw=False)
@@ -328,10 +562,14 @@ class RdmaSender(_Owned, SenderTransport):
 
     name: ClassVar[str] = "rdma"
     follows_landing: ClassVar[bool] = True     # the write loop posts nothing past the landed prefix
+    can_resume: ClassVar[bool] = True
 
     def __init__(self, ctx: TransferContext) -> None:
         SenderTransport.__init__(self, ctx)
         _Owned.__init__(self)
+        self._resume = False        # the receiver asked for resume marks: a break is LinkDropped
+        self._posted: list[int] = []    # a broken write: per QP, the requests it had posted
+        self._mr_peer: tuple[int, int, int] | None = None    # the receiver's (addr, rkey, length): kept on resume
         self._endpoint: RdmaSenderEndpoint | None = None
         self._region: TensorRegion | None = None
         self._seq = 0               # the update being sent: the immediates carry it
@@ -367,9 +605,11 @@ class RdmaSender(_Owned, SenderTransport):
         """
         self._enter()
         try:
-            self._seq = seq
+            self._seq, self._attempt, self._peer_broke = seq, 0, False
             self._runs = segments.flat() if segments is not None else None
             self._marks, self._wr_size = _marks_asked(descriptors)
+            self._resume = descriptors.get("resume") is True and self._marks == RESUME_MARKS and self._runs is None
+            self._posted = []
             if self._runs is not None and self._marks:
                 raise ProtocolError("rdma: a weight sync's segments cannot be relayed with piece marks")
             if not setup_flag(descriptors):
@@ -389,6 +629,7 @@ class RdmaSender(_Owned, SenderTransport):
             self.counters.registrations += 1
             self.registration = self._endpoint.mr_path
             self._endpoint.connect(peer, scatter=self._runs is not None)
+            self._mr_peer = (peer["addr"], peer["rkey"], peer["length"])
             self._check_wr_size()
             side = self._open_side(side_port)
             body = msgpack.packb(self._endpoint.descriptors())
@@ -432,6 +673,10 @@ class RdmaSender(_Owned, SenderTransport):
             No completion for ``stall_timeout`` seconds.
         CompletionError
             A work completion failed: ``status`` (e.g. ``IBV_WC_LOC_PROT_ERR``), QP, offset, length.
+        LinkDropped
+            ``resumable`` and the receiver asked for resume marks: a QP broke (error state here or at the
+            receiver, a link fault's completion error, no completion for ``stall_timeout``); every QP was
+            stopped, and :meth:`resume` sends what the receiver says did not land.
         """
         self._enter()
         try:
@@ -440,8 +685,7 @@ class RdmaSender(_Owned, SenderTransport):
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
             landing = self.landing
             if landing is None:
-                st = endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
-                                    wr_size=self._wr_size, marks=self._marks, runs=self._runs)
+                st = self._write(endpoint, None)
                 moved = int(st["bytes"])
             else:       # no request reaching past the landed prefix is posted
                 self._relay(endpoint, region.nbytes, landing.wait_prefix)
@@ -452,6 +696,108 @@ class RdmaSender(_Owned, SenderTransport):
         if progress is not None:
             progress(moved)
         return moved
+
+    def _write(self, endpoint: RdmaSenderEndpoint, starts: list[int] | None) -> dict[str, Any]:
+        """The update's write (resumed: QP ``q`` from request ``starts[q]``); a break becomes LinkDropped."""
+        try:
+            return endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
+                                  wr_size=self._wr_size, marks=self._marks, runs=self._runs, starts=starts,
+                                  on_slice=self._fault if _FAULT is not None else None)
+        except (VerbsError, TransferError) as e:
+            if not self._is_break(e):
+                raise
+            endpoint.halt()         # nothing more leaves; the receiver counts what landed
+            if not isinstance(e, _PeerBroke):
+                self._tell_broke()
+            if not (self.resumable and self._resume):
+                raise
+            raise self._dropped(endpoint, e) from None
+
+    def _fault(self) -> None:
+        fault, endpoint = _FAULT, self._endpoint
+        if fault is not None and endpoint is not None:
+            done = self._bytes_of([c for _, c in endpoint.last_state])
+            if fault.due("sender", done):
+                endpoint.break_qp(fault.qp)
+
+    def _bytes_of(self, requests: list[int]) -> int:
+        assert self._region is not None
+        n = self._region.nbytes
+        return sum(share_bytes(q, k, len(requests), RESUME_WR_SIZE, n) for q, k in enumerate(requests))
+
+    def _dropped(self, endpoint: RdmaSenderEndpoint, e: BaseException) -> LinkDropped:
+        """What the break left: per QP the requests posted (kept: :meth:`resume` counts what it sends again)."""
+        assert self._region is not None
+        state = endpoint.last_state
+        self._posted = [p for p, _ in state]
+        in_flight = self._bytes_of(self._posted) - self._bytes_of([c for _, c in state])
+        qpn = getattr(e, "qp_num", None)
+        index = endpoint.qp_index(qpn) if qpn is not None else None
+        nq, n = len(state), self._region.nbytes
+        log.warning("rdma update %d (round %d): the write broke with %d bytes posted and not known landed "
+                    "(in flight): %s", self._seq, self._attempt, in_flight, e,
+                    extra={"rdma_break": {"update": self._seq, "attempt": self._attempt, "in_flight": in_flight,
+                                          "posted": self._bytes_of(self._posted)}})
+        posted = {q: share_bytes(q, k, nq, RESUME_WR_SIZE, n) for q, k in enumerate(self._posted)}
+        return LinkDropped({index if index is not None else 0: e}, posted, n)
+
+    def resume(self, region: TensorRegion, descriptors: dict[str, Any],
+               progress: Progress | None = None) -> tuple[int, int]:
+        """New QPs under the same MR, connected to the receiver's new ones (ours proved on the side connection
+        with its nonce); then each QP's share from the request the receiver says it landed to.  Return
+        ``(bytes sent, bytes sent again)``: the second counts requests posted before the break that did not
+        land (what was in flight).
+
+        Raises
+        ------
+        LinkDropped
+            It broke again (``resent``: what this round had sent again).
+        ProtocolError
+            Descriptors for another round, another registration, or requests this update does not have.
+        """
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or region is not self._region or not self._resume or not self._posted:
+                raise ProtocolError("rdma: resume() outside a broken resumable update of this region")
+            attempt = field(descriptors, "attempt", int)
+            side_nonce = field(descriptors, "nonce", bytes)
+            starts = field(descriptors, "from", list)
+            peer = _check_peer(descriptors, "receiver")
+            nq, n = len(self._posted), region.nbytes
+            if attempt != self._attempt + 1 or len(side_nonce) != NONCE_BYTES or len(peer["qps"]) != nq:
+                raise ProtocolError(f"rdma resume descriptors: attempt {attempt} (expected {self._attempt + 1}), "
+                                    f"{len(side_nonce)}-byte nonce, {len(peer['qps'])} QPs (this update has {nq})")
+            if (peer["addr"], peer["rkey"], peer["length"]) != self._mr_peer:
+                raise ProtocolError("rdma resume descriptors name another memory registration than this session's")
+            if not all(type(k) is int and 0 <= k <= qp_requests(q, nq, RESUME_WR_SIZE, n)
+                       for q, k in enumerate(starts)) or len(starts) != nq:
+                raise ProtocolError(f"rdma resume descriptors: 'from' {starts!r} is not a request index per QP "
+                                    f"of this update")
+            again = sum(max(0, share_bytes(q, p, nq, RESUME_WR_SIZE, n) - share_bytes(q, k, nq, RESUME_WR_SIZE, n))
+                        for q, (p, k) in enumerate(zip(self._posted, starts)))
+            self._attempt, self._peer_broke = attempt, False
+            endpoint.renew()
+            endpoint.connect(peer)
+            assert self._side is not None
+            body = msgpack.packb(endpoint.descriptors())
+            header = SIDE_HEADER.pack(SIDE_MAGIC, self._seq, len(body), _proof(self.ctx, side_nonce, self._seq, body))
+            send_all(self._side, header + body, self.ctx.stall_timeout, "the resumed rdma descriptors")
+            if self._read_side(1, self.ctx.stall_timeout, "READY") != READY:
+                raise ProtocolError("rdma: the receiver answered something other than READY to the resume")
+            self.counters.connects += 1
+            try:
+                self._write(endpoint, starts)
+            except LinkDropped as e:
+                e.resent = again
+                raise
+        finally:
+            self._exit()
+        self.counters.updates += 1
+        sent = n - self._bytes_of(starts)
+        if progress is not None:
+            progress(sent)
+        return sent, again
 
     def _relay(self, endpoint: RdmaSenderEndpoint, nbytes: int, ready_after: Callable[[int], int]) -> None:
         """Write while this relay's own copy lands: a thread raises the write's gate as the landed prefix
