@@ -17,6 +17,7 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer import Manifest, Receiver, Sender, TensorRegion
+from tensorxfer.errors import CompletionError
 from tensorxfer.session.recovery import RecoveryPolicy
 from tensorxfer.transport import rdma_engine
 from tensorxfer.transport.rdma import rdma_available
@@ -35,10 +36,10 @@ SIZE = int(os.environ.get("TENSORXFER_RDMA_RESUME_MB", "64")) * MIB
 BIG = max(SIZE, 256 * MIB)
 
 
-def region(nbytes: int, seed: int = 0) -> TensorRegion:
+def region(nbytes: int, seed: int = 0, **kw: int) -> TensorRegion:
     """``nbytes`` in 16 tensors (odd tail: the last RDMA request is short), words numbered from ``seed``."""
     r = TensorRegion.from_manifest(Manifest.layout([(f"t{i}", "U8", (nbytes // 16,)) for i in range(15)]
-                                                   + [("tail", "U8", (nbytes - 15 * (nbytes // 16) - 3,))]))
+                                                   + [("tail", "U8", (nbytes - 15 * (nbytes // 16) - 3,))]), **kw)
     with memoryview(r.region) as mv:
         words = np.frombuffer(mv, dtype=np.uint64, count=r.nbytes // 8)
         words[:] = (np.arange(len(words), dtype=np.uint64) + np.uint64(seed)) * np.uint64(PATTERN)
@@ -142,10 +143,10 @@ def test_a_fault_of_memory_is_not_resumed(monkeypatch: pytest.MonkeyPatch) -> No
     """IBV_WC_LOC_PROT_ERR (the sender's MR covers its first chunk only) would fail on a new QP too: raised as it
     is, with recovery on (the default)."""
     monkeypatch.setattr(rdma_engine, "_FIRST_CHUNK_ONLY", True)
-    with region(8 * MIB) as src, Receiver(stall_timeout=10) as rx:
+    with region(8 * MIB, chunk_size=MIB) as src, Receiver(stall_timeout=10) as rx:
         job = Background(rx.receive, timeout=60)
         with Sender(addr(rx), transport="rdma", stall_timeout=10) as s:
-            with pytest.raises(tx.CompletionError, match="IBV_WC_LOC_PROT_ERR"):
+            with pytest.raises(CompletionError, match="IBV_WC_LOC_PROT_ERR"):
                 s.send(src)
         with pytest.raises(Exception):  # noqa: B017  (the receiver sees the sender give up, whatever its form)
             job.result(timeout=60)
@@ -158,7 +159,7 @@ def test_updates_with_a_break_every_5th_register_once_and_leak_nothing(monkeypat
     size, n = 8 * MIB, 20
     me = psutil.Process()
     with region(size) as src, Receiver(stall_timeout=20) as rx:
-        job = Background(lambda: [rx.receive(timeout=120) and rx.last_stats for _ in range(n)], timeout=600)
+        job = Background(lambda: [rx.receive(timeout=120) and rx.last_stats for _ in range(n)])
         retries, samples = 0, []
         with Sender(addr(rx), transport="rdma", streams=2, stall_timeout=20) as s:
             for i in range(n):

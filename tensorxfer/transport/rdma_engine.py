@@ -685,7 +685,7 @@ class RdmaSender(_Owned, SenderTransport):
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
             landing = self.landing
             if landing is None:
-                st = self._write(endpoint, None)
+                st = self._write(endpoint, None, self.resumable)
                 moved = int(st["bytes"])
             else:       # no request reaching past the landed prefix is posted
                 self._relay(endpoint, region.nbytes, landing.wait_prefix)
@@ -697,8 +697,9 @@ class RdmaSender(_Owned, SenderTransport):
             progress(moved)
         return moved
 
-    def _write(self, endpoint: RdmaSenderEndpoint, starts: list[int] | None) -> dict[str, Any]:
-        """The update's write (resumed: QP ``q`` from request ``starts[q]``); a break becomes LinkDropped."""
+    def _write(self, endpoint: RdmaSenderEndpoint, starts: list[int] | None, resumable: bool) -> dict[str, Any]:
+        """The update's write (resumed: QP ``q`` from request ``starts[q]``); a break of a ``resumable`` update
+        becomes LinkDropped (the session clears ``resumable`` once send() returned: a resume round passes True)."""
         try:
             return endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
                                   wr_size=self._wr_size, marks=self._marks, runs=self._runs, starts=starts,
@@ -709,7 +710,7 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint.halt()         # nothing more leaves; the receiver counts what landed
             if not isinstance(e, _PeerBroke):
                 self._tell_broke()
-            if not (self.resumable and self._resume):
+            if not (resumable and self._resume):
                 raise
             raise self._dropped(endpoint, e) from None
 
@@ -787,7 +788,7 @@ class RdmaSender(_Owned, SenderTransport):
                 raise ProtocolError("rdma: the receiver answered something other than READY to the resume")
             self.counters.connects += 1
             try:
-                self._write(endpoint, starts)
+                self._write(endpoint, starts, True)
             except LinkDropped as e:
                 e.resent = again
                 raise
