@@ -320,6 +320,19 @@ class _Endpoint:
         return 0
 
     @property
+    def ready(self) -> bool:
+        """Whether every QP is ready to send (none was moved to the error state by :meth:`halt` or a fault)."""
+        return all(not qp.closed and qp.state == "RTS" for qp in self._qps)
+
+    def mark_broken(self, why: BaseException) -> None:
+        self._broken = why
+
+    @property
+    def broken(self) -> bool:
+        """Whether a failed update left the QPs unusable (:meth:`renew` or a new endpoint)."""
+        return self._broken is not None
+
+    @property
     def device(self) -> str:
         return str(self._ctx.name)
 
@@ -613,14 +626,15 @@ class RdmaSenderEndpoint(_Endpoint):
               signal_every: int | None = None, post_batch: int | None = None,
               peer_alive: Callable[[], bool] | None = None, update: int | None = None,
               marks: int = 0, ready: Any = None, runs: Any = None, starts: list[int] | None = None,
-              on_slice: Callable[[], None] | None = None) -> dict[str, Any]:
+              on_slice: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
 
         Resumed (the update broke; the receiver counted what landed): ``starts`` gives per QP the first of
         its requests to write (see :func:`share_bytes`); the stripe, marks and final immediates are those of
         the whole write.  Whether it completes or raises, :attr:`last_state` then holds per QP the requests
         posted and known completed, so a broken write says what it had handed to the NIC.  ``on_slice``
-        (e.g. a test's fault) is called with ``peer_alive`` every slice.
+        (e.g. a test's fault) is called every slice by each posting thread, in it, with ``(first, count)``: the
+        QPs it posts to (:attr:`last_state` is fresh for those then).
 
         ``runs`` (a weight sync): ``(local offsets, remote offsets, bytes)``, three equal-length uint64 arrays:
         those runs are written instead, each to its own place in the receiver's region (cut into requests
@@ -676,16 +690,10 @@ class RdmaSenderEndpoint(_Endpoint):
             offset = 0
         if starts is not None and (len(starts) != len(self._qps) or runs is not None or ready is not None):
             raise ValueError("starts needs one request index per QP, and no runs or ready gate")
-        if on_slice is not None:
-            alive_first = peer_alive
-
-            def peer_alive() -> bool:
-                on_slice()
-                return alive_first is None or alive_first()
         t0 = time.perf_counter()
         try:
             st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table,
-                            starts)
+                            starts, on_slice)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
@@ -700,6 +708,10 @@ class RdmaSenderEndpoint(_Endpoint):
                   max_outstanding=mo, signal_every=se, post_batch=pb, update=seq, post_threads=len(self._groups))
         return dict(st)
 
+    def clear_state(self) -> None:
+        """Nothing posted yet in this update (:attr:`last_state` all zero)."""
+        self._states = [array("Q", bytes(16 * count)) for _, count in self._groups]
+
     @property
     def last_state(self) -> list[tuple[int, int]]:
         """Per QP, (requests posted, requests known completed) of the last :meth:`write`, live while it runs."""
@@ -707,7 +719,8 @@ class RdmaSenderEndpoint(_Endpoint):
 
     def _post(self, offset: int, length: int, wr: int, mo: int, se: int, seq: int, timeout: float, pb: int,
               peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None,
-              starts: list[int] | None = None) -> dict[str, Any]:
+              starts: list[int] | None = None,
+              on_slice: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Run the write loop, one group of QPs per posting thread (this one takes the first group)."""
         peer = self._peer
         assert peer is not None
@@ -715,6 +728,12 @@ class RdmaSenderEndpoint(_Endpoint):
         states = {first: st for (first, _), st in zip(self._groups, self._states)}
 
         def group(first: int, count: int, cq: Any, alive: Callable[[], bool] | None) -> dict[str, Any]:
+            if on_slice is not None:
+                outer = alive
+
+                def alive() -> bool:
+                    on_slice(first, count)
+                    return outer is None or outer()
             return dict(_verbs.write_striped(self._qps[first:first + count], cq, self._local_ptr + offset,
                                              self._mr.lkey, peer["addr"] + offset, peer["rkey"], length,
                                              wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps),

@@ -588,7 +588,11 @@ class RdmaSender(_Owned, SenderTransport):
         return min(region.nbytes, relay_marks(qps) * RELAY_WR_SIZE * qps)
 
     def needs_setup(self, region: TensorRegion) -> bool:
-        return region is not self._region or self._endpoint is None or self._side is None
+        # broken: an update whose QPs broke after every byte landed was acked as it was; its QPs are in the
+        # error state and nothing resumes it, so the next update sets up again (rare: the window between the
+        # last request landing and its completion)
+        return (region is not self._region or self._endpoint is None or self._side is None
+                or self._endpoint.broken)
 
     def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
                 segments: Segments | None = None) -> None:
@@ -701,9 +705,24 @@ class RdmaSender(_Owned, SenderTransport):
         """The update's write (resumed: QP ``q`` from request ``starts[q]``); a break of a ``resumable`` update
         becomes LinkDropped (the session clears ``resumable`` once send() returned: a resume round passes True)."""
         try:
-            return endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
-                                  wr_size=self._wr_size, marks=self._marks, runs=self._runs, starts=starts,
-                                  on_slice=self._fault if _FAULT is not None else None)
+            if starts is None and not endpoint.ready:
+                # a QP broke after the last update had landed (its requests all completed, then it went to the
+                # error state): replaced through a resume round, nothing posted yet, or else set up again
+                endpoint.clear_state()
+                stale = VerbsError(5, "rdma: a QP was left in the error state after the last update",
+                                   status="IBV_QPS_ERR")
+                if not (resumable and self._resume):
+                    endpoint.mark_broken(stale)
+                    raise TransferError(f"{stale}; the next update sets the connection up again")
+                raise stale
+            st = endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
+                                wr_size=self._wr_size, marks=self._marks, runs=self._runs, starts=starts,
+                                on_slice=self._fault if _FAULT is not None else None)
+            # all posted and completed; kept because the receiver may still ask to resume: its QP can break
+            # after its last request landed and before it took that request's immediate (it then asks for
+            # nothing, and the resume round only connects new QPs)
+            self._posted = [p for p, _ in endpoint.last_state]
+            return st
         except (VerbsError, TransferError) as e:
             if not self._is_break(e):
                 raise
@@ -714,12 +733,17 @@ class RdmaSender(_Owned, SenderTransport):
                 raise
             raise self._dropped(endpoint, e) from None
 
-    def _fault(self) -> None:
-        fault, endpoint = _FAULT, self._endpoint
-        if fault is not None and endpoint is not None:
-            done = self._bytes_of([c for _, c in endpoint.last_state])
-            if fault.due("sender", done):
-                endpoint.break_qp(fault.qp)
+    def _fault(self, first: int, count: int) -> None:
+        """The test fault, in the posting thread of the faulted QP and only while that QP still has requests
+        to post: breaking a QP whose share had all gone out would leave the update complete and the QP dead."""
+        fault, endpoint, region = _FAULT, self._endpoint, self._region
+        if fault is None or endpoint is None or region is None or not first <= fault.qp < first + count:
+            return
+        state = endpoint.last_state
+        posted = state[fault.qp][0]
+        if posted < qp_requests(fault.qp, len(state), RESUME_WR_SIZE, region.nbytes) and \
+                fault.due("sender", self._bytes_of([c for _, c in state])):
+            endpoint.break_qp(fault.qp)
 
     def _bytes_of(self, requests: list[int]) -> int:
         assert self._region is not None
