@@ -141,8 +141,8 @@ NOT_A_LINK_FAULT = frozenset({"IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV
 class Fault:
     """Test switch (``rdma_engine._FAULT``): break a QP for real mid-update -- ``ibv_modify_qp`` to the error
     state -- on the ``side`` ("sender" or "receiver"), once ``after`` bytes of the update are known landed
-    (sender: completed), ``times`` times (one per update or resume round that reaches it).  Never set outside
-    tests."""
+    (sender: posted, while the QP has more to post), ``times`` times (one per update or resume round that
+    reaches it).  Never set outside tests."""
 
     def __init__(self, side: str, after: int, qp: int = 0, times: int = 1) -> None:
         if side not in ("sender", "receiver"):
@@ -742,7 +742,7 @@ class RdmaSender(_Owned, SenderTransport):
         state = endpoint.last_state
         posted = state[fault.qp][0]
         if posted < qp_requests(fault.qp, len(state), RESUME_WR_SIZE, region.nbytes) and \
-                fault.due("sender", self._bytes_of([c for _, c in state])):
+                fault.due("sender", self._bytes_of([p for p, _ in state])):
             endpoint.break_qp(fault.qp)
 
     def _bytes_of(self, requests: list[int]) -> int:
