@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
-from tensorxfer.connections import Gate, listen, readable_now, recv_exact, send_all
+from tensorxfer.connections import Gate, listen, recv_exact, send_all
 from tensorxfer.errors import (
     LinkDropped,
     PeerLost,
@@ -76,7 +76,7 @@ from tensorxfer.errors import (
     UpstreamFailed,
     VerbsError,
 )
-from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, int_in, mac, nonce, scan_msgpack
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import (
     PrefixFollower,
     Progress,
@@ -91,9 +91,19 @@ from tensorxfer.transport.rdma import (
     RdmaReceiverEndpoint,
     RdmaSenderEndpoint,
     _check_peer,
-    qp_requests,
     rdma_available,
-    share_bytes,
+)
+from tensorxfer.transport.rdma_breaks import (
+    DRAIN_SECONDS,
+    RESUME_MARKS,
+    RESUME_WR_SIZE,
+    BreakNotices,
+    Fault,
+    PeerBroke,
+    check_resume,
+    dropped_at,
+    marks_asked,
+    requests_bytes,
 )
 from tensorxfer.transport.segments import Segments
 
@@ -117,54 +127,7 @@ RATE_FLOOR_BYTES_PER_S = 10e6
 #: per QP (at least every one), so its next hop may be sent up to the landed prefix in steps this big.
 RELAY_PIECE_BYTES = 4 << 20
 RELAY_WR_SIZE = DEFAULT_WR_SIZE          # the request size a relay asks its sender for (marks count requests)
-MAX_MARK_EVERY = 1 << 20
-MIN_MARK_WR_SIZE = 4 << 10
-#: A resumable update (``resumable`` set on the receiver before ``prepare``): the receiver asks for a mark on
-#: every request, so when a QP breaks it knows to the request what landed on each QP (RC delivers in order),
-#: and the sender sends again at most what it had in flight.  Measured cost in the Soft-RoCE VM: see
-#: benchmarks/results/2026-12-06-resume-rdma/.
-RESUME_MARKS = 1
-RESUME_WR_SIZE = DEFAULT_WR_SIZE
-#: After a break: how long the receiver waits for its stopped QPs to flush (what landed is final then).
-DRAIN_SECONDS = 2.0
-#: A break, told to the peer on the side connection (the QPs of a broken update cannot carry it): update
-#: number and resume attempt, so a notice that crossed the peer's own is recognised as stale.
-BROKE = b"B"
-BROKE_MSG = struct.Struct(">cQI")
-#: Completion statuses that are facts about memory or the request, not about the link: a new QP would fail
-#: the same way, so they are raised as they are, never resumed.
-NOT_A_LINK_FAULT = frozenset({"IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_PROT_ERR",
-                              "IBV_WC_LOC_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR", "IBV_WC_REM_ACCESS_ERR",
-                              "IBV_WC_MW_BIND_ERR"})
-
-
-class Fault:
-    """Test switch (``rdma_engine._FAULT``): break a QP for real mid-update -- ``ibv_modify_qp`` to the error
-    state -- on the ``side`` ("sender" or "receiver"), once ``after`` bytes of the update are known landed
-    (sender: posted, while the QP has more to post), ``times`` times (one per update or resume round that
-    reaches it).  Never set outside tests."""
-
-    def __init__(self, side: str, after: int, qp: int = 0, times: int = 1) -> None:
-        if side not in ("sender", "receiver"):
-            raise ValueError(f"side must be 'sender' or 'receiver', got {side!r}")
-        self.side, self.after, self.qp, self.left = side, after, qp, times
-        self.fired: list[int] = []      # bytes landed when each break was made
-        self._lock = threading.Lock()
-
-    def due(self, side: str, done: int) -> bool:
-        with self._lock:
-            if side != self.side or self.left <= 0 or done < self.after:
-                return False
-            self.left -= 1
-            self.fired.append(done)
-            return True
-
-
-_FAULT: Fault | None = None
-
-
-class _PeerBroke(PeerLost):
-    """The peer said on the side connection that its QPs broke in this update (it stopped them)."""
+_FAULT: Fault | None = None     # test switch: break a QP for real mid-update (see Fault)
 
 
 def relay_marks(qps: int) -> int:
@@ -185,7 +148,7 @@ def _proof(ctx: TransferContext, side_nonce: bytes, seq: int, body: bytes) -> by
     return mac(ctx.session_key, b"rdma-side", side_nonce, struct.pack(">Q", seq), body)
 
 
-class _Owned:
+class _Owned(BreakNotices):
     """close() from any thread: it wakes the owner, who releases on its way out (one owner per resource)."""
 
     def __init__(self) -> None:
@@ -210,71 +173,6 @@ class _Owned:
             release = self._closing and self._busy == 0
         if release:
             self._release()
-
-    def _peer_alive(self) -> bool:
-        """False when the side connection closed (the peer died).  After the setup only break notices travel on
-        it (:data:`BROKE`): one for this round raises :class:`_PeerBroke`, a stale one (a round the two ends
-        left behind) is skipped; any other byte is as wrong as its closing (counting it as alive let a peer
-        that wrote some and died hold us until the deadline)."""
-        side = self._side
-        if self._closing or side is None:
-            return False
-        with self._side_lock:
-            while True:
-                if self._peer_broke:
-                    raise _PeerBroke(f"rdma: the peer's QPs broke in update {self._seq} (it said so and stopped them)")
-                if not readable_now(side):
-                    return True
-                try:
-                    first = side.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    return True
-                except OSError:
-                    return False
-                if first != BROKE:
-                    return False
-                _, seq, attempt = BROKE_MSG.unpack(recv_exact(side, BROKE_MSG.size, 1.0, "a break notice"))
-                if seq == self._seq and attempt == self._attempt:
-                    self._peer_broke = True
-
-    def _tell_broke(self) -> None:
-        """Tell the peer this end's QPs broke (best effort: a dead side connection says more than this would)."""
-        side = self._side
-        if side is None:
-            return
-        try:
-            send_all(side, BROKE_MSG.pack(BROKE, self._seq, self._attempt), 1.0, "a break notice")
-        except TransferError:
-            pass        # the peer is gone: it learns from the closed side connection instead
-
-    def _read_side(self, n: int, timeout: float, what: str) -> bytes:
-        """The next ``n`` bytes of a resume exchange on the side connection, skipping break notices (both ends
-        may have told the other of the same break before the exchange began)."""
-        side = self._side
-        if side is None:
-            raise PeerLost("rdma: the side connection is gone")
-        while True:
-            first = recv_exact(side, 1, timeout, what)
-            if first != BROKE:
-                return first + (recv_exact(side, n - 1, timeout, what) if n > 1 else b"")
-            recv_exact(side, BROKE_MSG.size - 1, timeout, "a break notice")
-
-    def _is_break(self, e: BaseException) -> bool:
-        """Whether ``e`` is a broken link of this update (a new QP may carry on), not the peer gone or a fault
-        that a new QP would repeat."""
-        if self._closing:
-            return False
-        if isinstance(e, _PeerBroke | TransferTimeout):
-            return True
-        if isinstance(e, PeerLost) or not isinstance(e, VerbsError):
-            return False
-        if e.status in NOT_A_LINK_FAULT:    # ours, unless the peer broke its QP first and ours saw the effect
-            try:
-                self._peer_alive()
-            except _PeerBroke:
-                return True
-            return False
-        return e.qp_num is not None or e.status is not None
 
     def close(self) -> None:
         """Release the endpoint and sockets; idempotent, callable from another thread."""
@@ -413,34 +311,22 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         except (VerbsError, TransferError) as e:
             if not self._is_break(e):
                 raise
-            if not isinstance(e, _PeerBroke):
+            if not isinstance(e, PeerBroke):
                 self._tell_broke()      # the sender's QPs see nothing of a break here: say it
             if not self._resume:
                 raise
             raise self._dropped(endpoint, e) from None
 
     def _alive(self) -> bool:
-        fault, endpoint = _FAULT, self._endpoint
-        if fault is not None and endpoint is not None and fault.due("receiver", self._landed_bytes(
-                endpoint.landed_requests())):
-            endpoint.break_qp(fault.qp)
+        if _FAULT is not None and self._endpoint is not None:
+            _FAULT.on_receiver(self._endpoint, self._nbytes)
         return self._peer_alive()
-
-    def _landed_bytes(self, landed: list[int]) -> int:
-        return sum(share_bytes(q, k, len(landed), RESUME_WR_SIZE, self._nbytes) for q, k in enumerate(landed))
 
     def _dropped(self, endpoint: RdmaReceiverEndpoint, e: BaseException) -> LinkDropped:
         """Stop every QP, count what landed on each (exact: a mark per request, RC in order), keep it for the
         resume; the :class:`LinkDropped` names the broken QP and the landed bytes of each unfinished share."""
-        landed = self._landed = endpoint.halt_and_count(DRAIN_SECONDS)
-        nq = len(landed)
-        qpn = getattr(e, "qp_num", None)
-        index = endpoint.qp_index(qpn) if qpn is not None else None
-        left = {q: share_bytes(q, k, nq, RESUME_WR_SIZE, self._nbytes) for q, k in enumerate(landed)
-                if k < qp_requests(q, nq, RESUME_WR_SIZE, self._nbytes)}
-        if index is None:
-            index = min(left) if left else 0
-        return LinkDropped({index: e}, left, self._nbytes)
+        self._landed = endpoint.halt_and_count(DRAIN_SECONDS)
+        return dropped_at(endpoint, e, self._landed, self._nbytes, unfinished=True)
 
     def prepare_resume(self, dropped: LinkDropped) -> dict[str, Any]:
         """New QPs under the same MR (registration is not paid again); descriptors: theirs, ``attempt``, a fresh
@@ -462,15 +348,8 @@ class RdmaReceiver(_Owned, ReceiverTransport):
 
     def wait_resume(self, progress: Progress | None = None) -> int:
         """Take the sender's new QPs (proved on the side connection), connect, say READY, and wait for the rest;
-        return the bytes that landed in this round.
-
-        Raises
-        ------
-        LinkDropped
-            It broke again (what landed is counted on from the earlier rounds).
-        TransferTimeout, PeerLost
-            The sender did not send its new QPs within ``stall_timeout`` or its side connection closed.
-        """
+        return the bytes that landed in this round.  Raises LinkDropped (it broke again: what landed is counted
+        on), TransferTimeout / PeerLost (no new QPs from the sender within ``stall_timeout``, or it is gone)."""
         self._enter()
         try:
             endpoint = self._endpoint
@@ -480,7 +359,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
             assert self._side is not None
             send_all(self._side, READY, self.ctx.stall_timeout, "READY")
             self.counters.connects += 1
-            before = self._landed_bytes(self._landed)
+            before = requests_bytes(self._landed, self._nbytes)
             self._land(endpoint, self._landed)
         finally:
             self._exit()
@@ -611,7 +490,7 @@ class RdmaSender(_Owned, SenderTransport):
         try:
             self._seq, self._attempt, self._peer_broke = seq, 0, False
             self._runs = segments.flat() if segments is not None else None
-            self._marks, self._wr_size = _marks_asked(descriptors)
+            self._marks, self._wr_size = marks_asked(descriptors)
             self._resume = descriptors.get("resume") is True and self._marks == RESUME_MARKS and self._runs is None
             self._posted = []
             if self._runs is not None and self._marks:
@@ -727,80 +606,43 @@ class RdmaSender(_Owned, SenderTransport):
             if not self._is_break(e):
                 raise
             endpoint.halt()         # nothing more leaves; the receiver counts what landed
-            if not isinstance(e, _PeerBroke):
+            if not isinstance(e, PeerBroke):
                 self._tell_broke()
             if not (resumable and self._resume):
                 raise
             raise self._dropped(endpoint, e) from None
 
     def _fault(self, first: int, count: int) -> None:
-        """The test fault, in the posting thread of the faulted QP and only while that QP still has requests
-        to post: breaking a QP whose share had all gone out would leave the update complete and the QP dead."""
-        fault, endpoint, region = _FAULT, self._endpoint, self._region
-        if fault is None or endpoint is None or region is None or not first <= fault.qp < first + count:
-            return
-        state = endpoint.last_state
-        posted = state[fault.qp][0]
-        if posted < qp_requests(fault.qp, len(state), RESUME_WR_SIZE, region.nbytes) and \
-                fault.due("sender", self._bytes_of([p for p, _ in state])):
-            endpoint.break_qp(fault.qp)
-
-    def _bytes_of(self, requests: list[int]) -> int:
-        assert self._region is not None
-        n = self._region.nbytes
-        return sum(share_bytes(q, k, len(requests), RESUME_WR_SIZE, n) for q, k in enumerate(requests))
+        if _FAULT is not None and self._endpoint is not None and self._region is not None:
+            _FAULT.on_sender(self._endpoint, first, count, self._region.nbytes)
 
     def _dropped(self, endpoint: RdmaSenderEndpoint, e: BaseException) -> LinkDropped:
         """What the break left: per QP the requests posted (kept: :meth:`resume` counts what it sends again)."""
         assert self._region is not None
-        state = endpoint.last_state
+        state, n = endpoint.last_state, self._region.nbytes
         self._posted = [p for p, _ in state]
-        in_flight = self._bytes_of(self._posted) - self._bytes_of([c for _, c in state])
-        qpn = getattr(e, "qp_num", None)
-        index = endpoint.qp_index(qpn) if qpn is not None else None
-        nq, n = len(state), self._region.nbytes
+        in_flight = requests_bytes(self._posted, n) - requests_bytes([c for _, c in state], n)
         log.warning("rdma update %d (round %d): the write broke with %d bytes posted and not known landed "
                     "(in flight): %s", self._seq, self._attempt, in_flight, e,
                     extra={"rdma_break": {"update": self._seq, "attempt": self._attempt, "in_flight": in_flight,
-                                          "posted": self._bytes_of(self._posted)}})
-        posted = {q: share_bytes(q, k, nq, RESUME_WR_SIZE, n) for q, k in enumerate(self._posted)}
-        return LinkDropped({index if index is not None else 0: e}, posted, n)
+                                          "posted": requests_bytes(self._posted, n)}})
+        return dropped_at(endpoint, e, self._posted, n, unfinished=False)
 
     def resume(self, region: TensorRegion, descriptors: dict[str, Any],
                progress: Progress | None = None) -> tuple[int, int]:
         """New QPs under the same MR, connected to the receiver's new ones (ours proved on the side connection
         with its nonce); then each QP's share from the request the receiver says it landed to.  Return
         ``(bytes sent, bytes sent again)``: the second counts requests posted before the break that did not
-        land (what was in flight).
-
-        Raises
-        ------
-        LinkDropped
-            It broke again (``resent``: what this round had sent again).
-        ProtocolError
-            Descriptors for another round, another registration, or requests this update does not have.
-        """
+        land.  Raises LinkDropped (it broke again; ``resent``: what this round sent again), ProtocolError
+        (:func:`~tensorxfer.transport.rdma_breaks.check_resume`)."""
         self._enter()
         try:
             endpoint = self._endpoint
             if endpoint is None or region is not self._region or not self._resume or not self._posted:
                 raise ProtocolError("rdma: resume() outside a broken resumable update of this region")
-            attempt = field(descriptors, "attempt", int)
-            side_nonce = field(descriptors, "nonce", bytes)
-            starts = field(descriptors, "from", list)
             peer = _check_peer(descriptors, "receiver")
-            nq, n = len(self._posted), region.nbytes
-            if attempt != self._attempt + 1 or len(side_nonce) != NONCE_BYTES or len(peer["qps"]) != nq:
-                raise ProtocolError(f"rdma resume descriptors: attempt {attempt} (expected {self._attempt + 1}), "
-                                    f"{len(side_nonce)}-byte nonce, {len(peer['qps'])} QPs (this update has {nq})")
-            if (peer["addr"], peer["rkey"], peer["length"]) != self._mr_peer:
-                raise ProtocolError("rdma resume descriptors name another memory registration than this session's")
-            if not all(type(k) is int and 0 <= k <= qp_requests(q, nq, RESUME_WR_SIZE, n)
-                       for q, k in enumerate(starts)) or len(starts) != nq:
-                raise ProtocolError(f"rdma resume descriptors: 'from' {starts!r} is not a request index per QP "
-                                    f"of this update")
-            again = sum(max(0, share_bytes(q, p, nq, RESUME_WR_SIZE, n) - share_bytes(q, k, nq, RESUME_WR_SIZE, n))
-                        for q, (p, k) in enumerate(zip(self._posted, starts)))
+            attempt, side_nonce, starts, again = check_resume(descriptors, peer, self._posted, self._attempt,
+                                                              self._mr_peer, region.nbytes)
             self._attempt, self._peer_broke = attempt, False
             endpoint.renew()
             endpoint.connect(peer)
@@ -819,7 +661,7 @@ class RdmaSender(_Owned, SenderTransport):
         finally:
             self._exit()
         self.counters.updates += 1
-        sent = n - self._bytes_of(starts)
+        sent = region.nbytes - requests_bytes(starts, region.nbytes)
         if progress is not None:
             progress(sent)
         return sent, again
@@ -855,15 +697,3 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint.close()
 
     _release = _teardown
-
-
-def _marks_asked(descriptors: dict[str, Any]) -> tuple[int, int | None]:
-    """The piece marks (every how many requests per QP) and request size a relaying receiver asked for."""
-    marks = descriptors.get("marks", 0)
-    if marks == 0 or marks is None:
-        return 0, None
-    wr_size = descriptors.get("wr_size")
-    if not int_in(marks, 1, MAX_MARK_EVERY + 1) or not int_in(wr_size, MIN_MARK_WR_SIZE, (1 << 30) + 1):
-        raise ProtocolError(f"rdma accept descriptors: 'marks' must be an int in [1, {MAX_MARK_EVERY}] with an "
-                            f"int 'wr_size' in [{MIN_MARK_WR_SIZE}, 1 GiB], got {marks!r}, {wr_size!r}")
-    return marks, wr_size
