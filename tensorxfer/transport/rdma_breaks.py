@@ -50,8 +50,8 @@ NOT_A_LINK_FAULT = frozenset({"IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV
 class Fault:
     """Test switch (``rdma_engine._FAULT``): break a QP for real mid-update -- ``ibv_modify_qp`` to the error
     state -- on the ``side`` ("sender" or "receiver"), once ``after`` bytes of the update are known landed
-    (sender: posted, while the QP has more to post), ``times`` times (one per update or resume round that
-    reaches it).  Never set outside tests."""
+    (sender: the QP's posted share times the QP count, while it has more to post), ``times`` times (one per
+    update or resume round that reaches it).  Never set outside tests."""
 
     def __init__(self, side: str, after: int, qp: int = 0, times: int = 1) -> None:
         if side not in ("sender", "receiver"):
@@ -66,9 +66,11 @@ class Fault:
         could leave the update complete and the QP dead."""
         if not first <= self.qp < first + count:
             return
-        state = endpoint.last_state
-        if state[self.qp][0] < qp_requests(self.qp, len(state), RESUME_WR_SIZE, nbytes) and \
-                self.due("sender", requests_bytes([p for p, _ in state], nbytes)):
+        # progress from this QP's own count (fresh in its thread; another group's is a slice old): its posted
+        # share times the QP count, as the stripe is even
+        nq, posted = len(endpoint.last_state), endpoint.last_state[self.qp][0]
+        if posted < qp_requests(self.qp, nq, RESUME_WR_SIZE, nbytes) and \
+                self.due("sender", share_bytes(self.qp, posted, nq, RESUME_WR_SIZE, nbytes) * nq):
             endpoint.break_qp(self.qp)
 
     def on_receiver(self, endpoint: RdmaReceiverEndpoint, nbytes: int) -> None:
