@@ -1,14 +1,20 @@
 """Recovery within one update: broken data streams reconnected, and only what did not land sent again.
 
-A transport that can (``can_resume``: tcp) is told per update that it may resume (its ``resumable``
-hook); a stream that then loses its connection -- reset, closed, or no progress for ``stall_timeout`` --
-breaks alone, the others finish, and the transport raises :class:`~tensorxfer.errors.LinkDropped`
-naming the broken streams and how many bytes of each stream's share had landed.
+A transport that can (``can_resume``: tcp, rdma) is told per update that it may resume (its ``resumable``
+hook, set on a receiver before ``prepare``); a stream that then loses its connection -- reset, closed, or no
+progress for ``stall_timeout`` -- breaks, and the transport raises :class:`~tensorxfer.errors.LinkDropped`
+naming the broken streams and how many bytes of each stream's share had landed.  tcp: a stream is a
+connection, it breaks alone and the others finish.  rdma: a stream is a QP; a resumable update carries a mark
+on every request, so the receiver knows per QP which requests landed, and a QP that breaks (a completion
+error, the error state, no mark for ``stall_timeout``) stops them all: the end that saw it tells the other on
+the side connection, the receiver counts what landed, and the resume round connects new QPs under the same
+memory registration and writes each QP's share from the request where it stopped.
 
 The receiver decides (it alone knows what landed): :func:`receive` opens a listener for replacement
 streams and sends a ``resume`` frame (update number, attempt, the transport's descriptors: where to
-connect, and per broken stream the byte it resumes from); the sender (:class:`Resumer`, inside its wait
-for the ack) reconnects exactly those streams and sends each share from there.  That repeats, bounded
+connect, and per broken stream where it resumes: a byte over tcp, a request per QP over rdma); the sender
+(:class:`Resumer`, inside its wait for the ack) reconnects exactly those streams and sends each share from
+there.  That repeats, bounded
 by :class:`RecoveryPolicy` (reconnect rounds and a deadline from the first break); the update then
 completes as the same version, with the same checks (the done frame's byte count, checksums when
 verified).  When recovery is off, spent, past its deadline, or the peer's control connection is gone,

@@ -218,6 +218,10 @@ class ServerSession:
                 job = self._forwarder.start(target.region, offer.chain, offer.version, offer.verify,
                                             offer.chain_transport, offer.streams, me)
             transport.on_piece = _pieces_to(job, on_piece, target.region)
+            # broken data streams are resumed within the update when the sender follows resume frames; set before
+            # prepare, where a transport may ask for what resuming needs (rdma: a mark on every request)
+            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
+                                   and self._recovery is not None)
             # the caller copies a sender's files itself only where nothing reads the region afterwards: no
             # relay forwarding it, no checksums to check over it, a host region (a module binding is refused
             # by Receiver.receive)
@@ -233,9 +237,6 @@ class ServerSession:
             self.channel.send("accept", seq=offer.seq, transport=offer.transport, descriptors=descriptors,
                               reallocated=target.reallocated, setup_seconds=clock.setup_seconds)
             transport.meanwhile = target.while_landing
-            # broken tcp streams are resumed within the update when the sender follows resume frames
-            transport.resumable = (offer.resume and getattr(transport, "can_resume", False) and not offer.chain
-                                   and self._recovery is not None)
             try:
                 with clock.wire():
                     nbytes, recovered = recovery.receive(transport, self.channel, offer.seq, self._recovery, progress)

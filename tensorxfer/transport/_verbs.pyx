@@ -23,7 +23,7 @@ handle in ``__dealloc__`` (never raising) and emits a ``ResourceWarning``.
 import warnings
 import weakref
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer
 from libc.errno cimport errno, ENODATA, EINTR, ELIBACC
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
@@ -798,6 +798,17 @@ cdef class QP(_Owned):
                  b"ibv_modify_qp(RTS)")
         self.state = "RTS"
 
+    def to_error(self):
+        """Any state → ERR: outstanding requests and receives complete with ``IBV_WC_WR_FLUSH_ERR`` and nothing
+        more is sent or accepted on this QP.  A broken update stops its QPs this way before it counts what
+        landed (a resumed update then connects new QPs); tests use it to break a QP mid-update for real."""
+        cdef ibv_qp_attr a
+        self._check_open()
+        memset(&a, 0, sizeof(a))
+        a.qp_state = IBV_QPS_ERR
+        check_rc(ibv_modify_qp(self.qp, &a, IBV_QP_STATE), b"ibv_modify_qp(ERR)")
+        self.state = "ERR"
+
     def post_recv(self, int count, uint64_t wr_id):
         """Post ``count`` zero-SGE receives (what WRITE_WITH_IMM consumes)."""
         cdef ibv_recv_wr wr
@@ -996,6 +1007,10 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
         if n > 0:
             st.empty = 0
             st.last = _now()
+            # a busy CQ must not keep the caller's slice from ending (its peer check, a relay's gate): on
+            # Soft-RoCE every post runs the device inline, so completions are there at nearly every poll
+            if slice_s > 0 and st.last - t_start > slice_s:
+                return 1
         else:
             st.empty += 1
             if ready != NULL and _nothing_in_flight(qs, nq):
@@ -1023,10 +1038,20 @@ cdef int _write_loop(QPState* qs, int nq, int q0, int ntot, ibv_cq* cq, ibv_comp
     return 0
 
 
+cdef void _save_state(QPState* qs, int nq, uint64_t* out) noexcept nogil:
+    cdef int q
+    if out == NULL:
+        return
+    for q in range(nq):
+        out[2 * q] = qs[q].posted
+        out[2 * q + 1] = qs[q].completed
+
+
 def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
                   uint64_t length, uint64_t wr_size, uint64_t max_outstanding, uint64_t signal_every,
                   uint32_t imm, double timeout, uint64_t post_batch=POST_BATCH, peer_alive=None,
-                  uint64_t marks=0, ready=None, int first_qp=0, int stripe_qps=0, table=None):
+                  uint64_t marks=0, ready=None, int first_qp=0, int stripe_qps=0, table=None, starts=None,
+                  state=None):
     """RDMA-WRITE ``length`` bytes from ``local_addr`` to ``remote_addr`` over ``qps``.
 
     The range is cut into ``wr_size`` requests; request ``i`` goes to QP
@@ -1067,6 +1092,14 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     they replace the cut of ``length`` (which is then only the byte count reported).  Not with ``marks`` or
     ``ready``.
 
+    Resumed (an update that broke): ``starts`` (a sequence of one int per QP in ``qps``) is the first request
+    of each QP's share to write -- its earlier ones landed -- in the same numbering as a whole write (request
+    ``j`` of QP ``q`` is request ``j * stripe + first_qp + q`` of the range), so marks name the same
+    requests and a QP whose share all landed posts nothing.  ``state`` (a writable buffer of 2 x len(qps)
+    native uint64) receives, per QP, the requests posted and known completed (this call's ``starts``
+    included): refreshed every slice and when the call returns or raises, so a broken write says what it
+    had handed to the NIC.
+
     Several posting threads: ``qps`` may be QPs ``first_qp ..`` of a stripe over ``stripe_qps`` QPs
     (default: ``qps`` alone); this call then posts only their requests of the stripe (``wrs`` counts
     those), and waits on ``cq``, which only they may use.  Each thread calls it with its own group
@@ -1077,8 +1110,11 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
     cdef int g
     cdef Py_buffer view
     cdef Py_buffer tview
+    cdef Py_buffer sview
     cdef bint have_view = False
     cdef bint have_tview = False
+    cdef bint have_sview = False
+    cdef uint64_t* out = NULL
     cdef const uint64_t* gate = NULL
     cdef const uint64_t* tab = NULL
     cdef uint64_t nreq = 0
@@ -1099,6 +1135,8 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
         raise ValueError(f"too many QPs ({ntot})")
     if first_qp < 0 or first_qp + nq > ntot:
         raise ValueError(f"QPs {first_qp}..{first_qp + nq - 1} are not within a stripe of {ntot}")
+    if starts is not None and len(starts) != nq:
+        raise ValueError(f"starts needs one request index per QP ({nq}), got {len(starts)}")
     if wr_size == 0 or wr_size > 0x80000000:
         raise ValueError(f"wr_size must be in [1, 2 GiB], got {wr_size}")
     if post_batch == 0 or post_batch > POST_BATCH:
@@ -1138,6 +1176,17 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             PyBuffer_Release(&view)
             raise ValueError("ready must be an aligned buffer of one uint64 (e.g. array('Q', [0]))")
         gate = <const uint64_t*>view.buf
+    if state is not None:
+        PyObject_GetBuffer(state, &sview, PyBUF_WRITABLE)
+        have_sview = True
+        if sview.len < 16 * nq or (<uintptr_t>sview.buf) % 8 != 0:
+            PyBuffer_Release(&sview)
+            if have_view:
+                PyBuffer_Release(&view)
+            if have_tview:
+                PyBuffer_Release(&tview)
+            raise ValueError("state must be an aligned writable buffer of 2 x len(qps) uint64")
+        out = <uint64_t*>sview.buf
     memset(&err, 0, sizeof(err))
     memset(&st, 0, sizeof(st))
     try:
@@ -1154,12 +1203,21 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
             mine += qs[q].total
             if qs[q].total == 0:
                 qs[q].total = 1
+            if starts is not None:
+                if starts[q] < 0 or starts[q] > qs[q].total:
+                    raise ValueError(f"QP {g} resumes at request {starts[q]}; its share has {qs[q].total}")
+                qs[q].posted = qs[q].completed = <uint64_t>starts[q]
+                mine -= min(<uint64_t>starts[q], mine)
+                if qs[q].completed == qs[q].total:
+                    st.done += 1        # all of it landed before: nothing to post, not even the immediate
+        _save_state(qs, nq, out)
         st.last = _now()
         while True:
             with nogil:
                 rc = _write_loop(qs, nq, first_qp, ntot, cq.cq, cq.channel, &cq.armed, local_addr, lkey, remote_addr, rkey,
                                  length, wr_size, max_outstanding, signal_every, htonl(imm), timeout, post_batch, wrs, sges, wcs,
                                  &err, &st, slice_s, marks, gate, tab, nreq)
+            _save_state(qs, nq, out)
             if rc != 1:
                 break
             if peer_alive is not None and not peer_alive():
@@ -1191,10 +1249,14 @@ def write_striped(list qps, CQ cq, uint64_t local_addr, uint32_t lkey, uint64_t 
                               f"({done} of {sum(qs[q].total for q in range(nq))} requests completed); "
                               f"the peer may be gone")
     finally:
+        if qs != NULL:
+            _save_state(qs, nq, out)
         if have_view:
             PyBuffer_Release(&view)
         if have_tview:
             PyBuffer_Release(&tview)
+        if have_sview:
+            PyBuffer_Release(&sview)
         free(qs)
         free(wrs)
         free(sges)
@@ -1223,6 +1285,7 @@ cdef class ImmWaiter:
     cdef ibv_qp** qpp
     cdef uint32_t* qpn
     cdef uint8_t* got
+    cdef uint8_t* flushed     # a QP whose receives were seen completing in error (it broke): drain stops there
     cdef int ngot
     cdef uint32_t expect
     cdef ibv_wc* wcs
@@ -1235,6 +1298,7 @@ cdef class ImmWaiter:
         self.qpp = NULL
         self.qpn = NULL
         self.got = NULL
+        self.flushed = NULL
         self.wcs = NULL
         self.total = NULL
         self.prog = NULL
@@ -1248,11 +1312,12 @@ cdef class ImmWaiter:
         self.qpp = <ibv_qp**>calloc(self.nq, sizeof(ibv_qp*))
         self.qpn = <uint32_t*>calloc(self.nq, sizeof(uint32_t))
         self.got = <uint8_t*>calloc(self.nq, 1)
+        self.flushed = <uint8_t*>calloc(self.nq, 1)
         self.wcs = <ibv_wc*>calloc(WC_BATCH, sizeof(ibv_wc))
         self.total = <uint64_t*>calloc(self.nq, sizeof(uint64_t))
         self.prog = <uint64_t*>calloc(self.nq, sizeof(uint64_t))
         if self.qpp == NULL or self.qpn == NULL or self.got == NULL or self.wcs == NULL or self.total == NULL \
-                or self.prog == NULL:
+                or self.prog == NULL or self.flushed == NULL:
             raise MemoryError()
         for i in range(self.nq):
             qp = <QP?>qps[i]
@@ -1263,17 +1328,26 @@ cdef class ImmWaiter:
         free(self.qpp)
         free(self.qpn)
         free(self.got)
+        free(self.flushed)
         free(self.wcs)
         free(self.total)
         free(self.prog)
 
-    def reset(self, uint32_t imm, uint64_t marks=0, uint64_t wr_size=0, uint64_t length=0):
+    def reset(self, uint32_t imm, uint64_t marks=0, uint64_t wr_size=0, uint64_t length=0, starts=None):
         """Start waiting for the update whose immediate is ``imm``; with ``marks`` > 0, also for a mark every
-        ``marks``-th request per QP of ``length`` bytes written in ``wr_size`` requests."""
+        ``marks``-th request per QP of ``length`` bytes written in ``wr_size`` requests.
+
+        ``starts`` (marks only; one int per QP): the update resumes after a break, and QP ``q``'s first
+        ``starts[q]`` requests landed before (what :meth:`landed` said then); a QP whose share all landed
+        (its final immediate included) waits for nothing more."""
         cdef int q
+        cdef uint64_t s0
         if marks != 0 and wr_size == 0:
             raise ValueError("marks need the sender's wr_size")
+        if starts is not None and (marks == 0 or len(starts) != self.nq):
+            raise ValueError(f"starts need marks and one request index per QP ({self.nq})")
         memset(self.got, 0, self.nq)
+        memset(self.flushed, 0, self.nq)
         memset(self.prog, 0, self.nq * sizeof(uint64_t))
         self.ngot = 0
         self.expect = imm
@@ -1287,6 +1361,74 @@ cdef class ImmWaiter:
                 self.total[q] = 1
             if marks != 0:
                 self.pending += (self.total[q] - 1) // marks
+            if starts is not None:
+                s0 = <uint64_t>starts[q]
+                if s0 > self.total[q] or s0 % marks != 0 and s0 != self.total[q]:
+                    raise ValueError(f"QP {q} resumes at request {s0}: not a mark of its {self.total[q]}")
+                self.prog[q] = s0
+                if s0 == self.total[q]:
+                    self.got[q] = 1
+                    self.ngot += 1
+                    self.pending -= 1 + (self.total[q] - 1) // marks
+                else:
+                    self.pending -= s0 // marks
+
+    def landed(self):
+        """Per QP, how many of its requests are known to have landed (marks, or its final immediate)."""
+        return [int(self.prog[q]) for q in range(self.nq)]
+
+    def drain(self, double timeout):
+        """After every QP was moved to the error state: take what is left in the CQ, so :meth:`landed` is final.
+
+        Receives complete in order per QP, so once a QP's first flushed receive is taken every immediate that
+        landed before its error is counted.  Nothing is re-posted.  Returns True when every QP showed its
+        flush within ``timeout`` seconds (else :meth:`landed` is still a lower bound: resuming from it sends
+        some landed bytes again, never skips one).
+        """
+        cdef int n, i, q, left
+        cdef uint32_t imm
+        cdef uint64_t j
+        cdef double t0
+        cdef timespec pause
+        cdef uint8_t* flushed = self.flushed
+        pause.tv_sec = 0
+        pause.tv_nsec = IDLE_MAX_NS
+        self.cq._check_open()
+        left = self.nq
+        for q in range(self.nq):
+            left -= flushed[q]       # its error already taken (by poll): everything before it was counted
+        if True:
+            with nogil:
+                t0 = _now()
+                while left > 0 and _now() - t0 < timeout:
+                    n = ibv_poll_cq(self.cq.cq, WC_BATCH, self.wcs)
+                    if n < 0:
+                        break
+                    if n == 0:
+                        nanosleep(&pause, NULL)
+                        continue
+                    for i in range(n):
+                        q = <int>self.wcs[i].wr_id
+                        if q < 0 or q >= self.nq:
+                            continue
+                        if self.wcs[i].status != IBV_WC_SUCCESS:
+                            if not flushed[q]:
+                                flushed[q] = 1
+                                left -= 1
+                            continue
+                        if flushed[q] or not (self.wcs[i].wc_flags & IBV_WC_WITH_IMM):
+                            continue
+                        imm = ntohl(self.wcs[i].imm_data)
+                        if imm & C_MARK_BIT:
+                            j = imm & C_IMM_MASK
+                            if self.marks != 0 and not self.got[q] and j + 1 < self.total[q] \
+                                    and j + 1 == self.prog[q] + self.marks:
+                                self.prog[q] = j + 1
+                        elif imm == self.expect and not self.got[q]:
+                            self.got[q] = 1
+                            self.ngot += 1
+                            self.prog[q] = self.total[q]
+        return left == 0
 
     def prefix(self):
         """Bytes landed contiguously from offset 0 (the whole ``length`` once complete; 0 without marks)."""
@@ -1350,6 +1492,9 @@ cdef class ImmWaiter:
                             kind = 1
                             bad_status = self.wcs[i].status
                             bad_qpn = self.wcs[i].qp_num
+                        q = <int>self.wcs[i].wr_id
+                        if 0 <= q < self.nq:
+                            self.flushed[q] = 1    # receives complete in order: none of its marks is still to come
                         continue
                     q = <int>self.wcs[i].wr_id
                     if q < 0 or q >= self.nq:

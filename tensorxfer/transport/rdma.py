@@ -31,14 +31,12 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from tensorxfer.errors import (
-    CudaError,
     PeerLost,
     ProtocolError,
     TransferError,
@@ -46,7 +44,9 @@ from tensorxfer.errors import (
     TransportUnavailable,
     VerbsError,
 )
-from tensorxfer.protocol import int_in
+from tensorxfer.transport.rdma_mr import register_region
+from tensorxfer.transport.rdma_wire import PROTOCOL_VERSION, qp_requests, scatter_table, share_bytes
+from tensorxfer.transport.rdma_wire import check_peer as _check_peer
 
 log = logging.getLogger("tensorxfer.rdma")
 
@@ -58,7 +58,6 @@ except ImportError as exc:  # built without libibverbs-dev, or TENSORXFER_NO_VER
 else:
     _IMPORT_ERROR = None
 
-PROTOCOL_VERSION = 1
 #: QPs per peer.  On Soft-RoCE 2–4 QPs beat 1 (the kernel's per-QP tasklets
 #: run in parallel); on ConnectX-7 4 QPs saturate 400 Gbps with 1 MiB WRs.
 #: benchmarks/bench_rdma.py sweeps this; see docs/rdma.md.
@@ -136,97 +135,6 @@ def _raw_region(region: Any) -> tuple[Any, int]:
     return region, int(region.size)
 
 
-def register_region(pd: Any, region: Any, nbytes: int, access: int, *, _first_chunk_only: bool = False) -> Any:
-    """Register ONE MR over the resolved extent of ``region[0:nbytes]``.
-
-    The extent comes from ``region.resolve_extent``, which walks every
-    backing handle, so the MR covers all of them (the UCX bug registered
-    only the handle holding the first address).  ``_first_chunk_only``
-    reproduces that bug on purpose, for tests only.
-
-    Device regions offering ``export_dmabuf()`` (returning an fd over the
-    resolved extent) go through ``ibv_reg_dmabuf_mr`` first and fall back to
-    ``ibv_reg_mr`` on the device address; the returned MR's ``path`` says
-    which was used, and a fallback is logged with the dmabuf error.
-
-    Raises
-    ------
-    ExtentError
-        ``[0, nbytes)`` is not fully mapped.
-    VerbsError
-        Registration failed.
-    """
-    ext = region.resolve_extent(0, nbytes)
-    ptr, length = int(ext.ptr), int(ext.length)
-    if _first_chunk_only:
-        base, size = region.allocation_at(0)
-        length = min(length, base + size - ptr)
-        log.warning("TEST SWITCH: registering only the first handle (%d of %d bytes), as UCX did", length, nbytes)
-    export = getattr(region, "export_dmabuf", None)
-    if export is not None and getattr(region, "device", "cpu") != "cpu":
-        fd = -1
-        try:
-            fd = int(export(0, length)) if _accepts_range(export) else int(export())
-            mr = pd.reg_dmabuf_mr(fd, 0, length, ptr, access, owner=region)
-        except (VerbsError, CudaError, OSError, ValueError) as exc:   # CudaError: no dmabuf export here
-            log.warning("dmabuf registration failed (%s); falling back to ibv_reg_mr on the device address "
-                        "(needs nvidia-peermem)", exc)
-        else:
-            log.info("registered %d bytes with ibv_reg_dmabuf_mr", length)
-            return mr
-        finally:
-            if fd >= 0:
-                os.close(fd)  # the MR holds its own reference to the dmabuf
-    mr = pd.reg_mr(ptr, length, access, owner=region)
-    log.info("registered %d bytes over %d handle(s) with ibv_reg_mr", length, len(ext.segments))
-    return mr
-
-
-def _accepts_range(fn: Callable[..., Any]) -> bool:
-    try:
-        import inspect
-
-        return len(inspect.signature(fn).parameters) >= 2
-    except (TypeError, ValueError):
-        return False
-
-
-def _check_peer(peer: Any, role: str) -> dict[str, Any]:
-    """Validate a peer's descriptors dict; a malformed one is a ProtocolError."""
-    if not isinstance(peer, dict):
-        raise ProtocolError(f"RDMA {role} descriptors must be a dict, got {type(peer).__name__}")
-    if peer.get("transport") != "rdma" or peer.get("version") != PROTOCOL_VERSION:
-        raise ProtocolError(f"not RDMA v{PROTOCOL_VERSION} descriptors: transport={peer.get('transport')!r} "
-                            f"version={peer.get('version')!r}")
-    need: dict[str, type | tuple[type, ...]] = {"qps": list, "lid": int, "gid": bytes, "mtu": int,
-                                               "link_layer": str, "role": str}
-    for key, typ in need.items():
-        if not isinstance(peer.get(key), typ):
-            raise ProtocolError(f"RDMA descriptors: {key!r} missing or not {typ}")
-    if peer["role"] != role:
-        raise ProtocolError(f"expected {role} descriptors, got {peer['role']!r}")
-    for q in peer["qps"]:
-        if not (isinstance(q, dict) and int_in(q.get("qp_num"), 1, 1 << 24) and int_in(q.get("psn"), 0, 1 << 24)):
-            raise ProtocolError("RDMA descriptors: every QP needs 'qp_num' in [1, 2^24) and 'psn' in [0, 2^24)")
-    if len(peer["gid"]) != 16:
-        raise ProtocolError("RDMA descriptors: 'gid' must be 16 bytes")
-    if not int_in(peer["lid"], 0, 1 << 16):
-        raise ProtocolError(f"RDMA descriptors: 'lid' must be in [0, 65536), got {peer['lid']}")
-    if peer["mtu"] not in MTU_BYTES:
-        raise ProtocolError(f"RDMA descriptors: 'mtu' must be one of {MTU_BYTES} (bytes), got {peer['mtu']}")
-    if role == "receiver":
-        for key, end in (("addr", 1 << 64), ("rkey", 1 << 32), ("length", 1 << 64)):
-            if not int_in(peer.get(key), 0, end):
-                raise ProtocolError(f"RDMA receiver descriptors: {key!r} missing or not an int in [0, {end:#x})")
-        if peer["addr"] + peer["length"] > 1 << 64:
-            raise ProtocolError("RDMA receiver descriptors: 'addr' + 'length' is past the end of the address space")
-    return peer
-
-
-#: Path MTUs a port can report (``ibv_mtu``), in bytes: what descriptors carry.
-MTU_BYTES = (256, 512, 1024, 2048, 4096)
-
-
 class _Endpoint:
     """Shared setup: context, PD, CQ, QPs, one MR over the region; children closed first."""
 
@@ -262,21 +170,74 @@ class _Endpoint:
             cq_groups = min(cq_groups, qps)
             self._groups = [(g * qps // cq_groups, (g + 1) * qps // cq_groups - g * qps // cq_groups)
                             for g in range(cq_groups)]
-            self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
-                         for _, count in self._groups]
-            self._cq = self._cqs[0]
-            self._qps = [self._pd.create_qp(cq, cq, max_send_wr, max_recv_wr)
-                         for cq, (_, count) in zip(self._cqs, self._groups) for _ in range(count)]
-            self._psns = [int.from_bytes(os.urandom(3), "little") for _ in range(qps)]
-            for qp in self._qps:
-                qp.to_init(port, self._remote_access())
+            self._wr_depth = (max_send_wr, max_recv_wr)
+            self._make_qps()
         except BaseException:
             self._ctx.close()  # closes children first: QPs, MR, CQ, PD
             raise
         self._closed = False
 
+    def _make_qps(self) -> None:
+        """CQs (one per group) and QPs in INIT, under the PD and MR this endpoint keeps for its life."""
+        max_send_wr, max_recv_wr = self._wr_depth
+        self._cqs = [self._ctx.create_cq(count * (max(max_send_wr, max_recv_wr) + 1) + 16)
+                     for _, count in self._groups]
+        self._cq = self._cqs[0]
+        self._qps = [self._pd.create_qp(cq, cq, max_send_wr, max_recv_wr)
+                     for cq, (_, count) in zip(self._cqs, self._groups) for _ in range(count)]
+        self._psns = [int.from_bytes(os.urandom(3), "little") for _ in self._qps]
+        for qp in self._qps:
+            qp.to_init(self.port, self._remote_access())
+
+    def qp_index(self, qp_num: int) -> int | None:
+        """The index of this endpoint's QP numbered ``qp_num`` (None: not one of ours)."""
+        for i, qp in enumerate(self._qps):
+            if not qp.closed and qp.qp_num == qp_num:
+                return i
+        return None
+
+    def break_qp(self, index: int) -> None:
+        """Move QP ``index`` to the error state now (a test's fault, made for real; see ``rdma_engine.Fault``)."""
+        self._qps[index % len(self._qps)].to_error()
+
+    def halt(self) -> None:
+        """Move every QP to the error state: nothing more is sent or lands through them (a broken update)."""
+        self._check_open()
+        for qp in self._qps:
+            if not qp.closed:
+                qp.to_error()
+
+    def renew(self) -> None:
+        """New QPs (and CQs: no completion of the old QPs can be mistaken for a new one's) after a broken
+        update, under the same PD and MR: the registration is kept, only the connection is made again.
+        :meth:`connect` to the peer's new descriptors next.  On failure the endpoint is closed (nothing
+        half-built is left) and the error raised."""
+        self._check_open()
+        old_qps, old_cqs = self._qps, self._cqs
+        self._qps, self._cqs, self._peer, self._broken = [], [], None, None
+        try:
+            for obj in (*old_qps, *old_cqs):    # children first: a CQ is not destroyed under its QPs
+                obj.close()
+            self._make_qps()
+        except BaseException:
+            self.close()
+            raise
+
     def _remote_access(self) -> int:
         return 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether every QP is ready to send (none was moved to the error state by :meth:`halt` or a fault)."""
+        return all(not qp.closed and qp.state == "RTS" for qp in self._qps)
+
+    def mark_broken(self, why: BaseException) -> None:
+        self._broken = why
+
+    @property
+    def broken(self) -> bool:
+        """Whether a failed update left the QPs unusable (:meth:`renew` or a new endpoint)."""
+        return self._broken is not None
 
     @property
     def device(self) -> str:
@@ -333,7 +294,7 @@ class _Endpoint:
             return
         self._closed = True
         first: VerbsError | None = None
-        for obj in (*self._qps, self._mr, *self._cqs, self._pd, self._ctx):
+        for obj in (*getattr(self, "_qps", ()), self._mr, *getattr(self, "_cqs", ()), self._pd, self._ctx):
             try:
                 obj.close()
             except VerbsError as exc:  # keep releasing the rest; report the first failure
@@ -380,15 +341,42 @@ class RdmaReceiverEndpoint(_Endpoint):
                  qps: int = DEFAULT_QPS, recv_depth: int = DEFAULT_RECV_DEPTH) -> None:
         v = _require_verbs()
         self._access = v.ACCESS_LOCAL_WRITE | v.ACCESS_REMOTE_WRITE
+        self._recv_depth = recv_depth
         super().__init__(region, device, port, gid_index, qps, max_send_wr=1, max_recv_wr=recv_depth)
         try:
-            for i, qp in enumerate(self._qps):
-                qp.post_recv(recv_depth, i)
-            self._waiter = v.ImmWaiter(self._qps, self._cq)
+            self._arm()
         except BaseException:
             self.close()
             raise
         self.updates = 0
+
+    def _arm(self) -> None:
+        for i, qp in enumerate(self._qps):
+            qp.post_recv(self._recv_depth, i)
+        self._waiter = _verbs.ImmWaiter(self._qps, self._cq)
+
+    def renew(self) -> None:
+        """As :meth:`_Endpoint.renew`, with the new QPs' receives posted."""
+        super().renew()
+        try:
+            self._arm()
+        except BaseException:
+            self.close()
+            raise
+
+    def landed_requests(self) -> list[int]:
+        """Per QP, its requests of the update under way known to have landed (marks)."""
+        return list(self._waiter.landed())
+
+    def halt_and_count(self, timeout: float = 2.0) -> list[int]:
+        """A broken update: stop every QP (error state), take what landed before, and return per QP how many
+        of its requests landed (exact when every QP's receives flushed within ``timeout``; a lower bound,
+        and logged, otherwise)."""
+        self.halt()
+        if not self._waiter.drain(timeout):
+            log.warning("rdma: not every QP flushed its receives within %.1f s; counting what landed from "
+                        "the marks taken so far (some landed bytes will be sent again)", timeout)
+        return list(self._waiter.landed())
 
     def _remote_access(self) -> int:
         return int(_verbs.ACCESS_REMOTE_WRITE | _verbs.ACCESS_LOCAL_WRITE)
@@ -412,7 +400,8 @@ class RdmaReceiverEndpoint(_Endpoint):
 
     def wait_complete(self, timeout: float = 60.0, peer_alive: Callable[[], bool] | None = None,
                       update: int | None = None, *, marks: int = 0, wr_size: int = 0,
-                      on_piece: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                      on_piece: Callable[[int, int], None] | None = None,
+                      starts: list[int] | None = None) -> dict[str, Any]:
         """Block until the next update fully landed (every QP's immediate arrived).
 
         ``marks`` > 0 (the sender writes with the same ``marks`` and ``wr_size``): ``on_piece(offset,
@@ -425,6 +414,9 @@ class RdmaReceiverEndpoint(_Endpoint):
 
         ``update`` is the number the sender's immediates carry (default: this
         endpoint's count of updates + 1; the engine passes its offer's number).
+
+        ``starts`` (with ``marks``): the update resumes after a break on new QPs, QP ``q``'s first
+        ``starts[q]`` requests having landed before (:meth:`halt_and_count`); the sender writes the rest.
 
         Raises
         ------
@@ -443,15 +435,15 @@ class RdmaReceiverEndpoint(_Endpoint):
         if self._broken is not None:
             raise TransportUnavailable(f"this RDMA session is broken ({self._broken}); open a new one")
         seq = (self.updates + 1 if update is None else update) & _verbs.IMM_MASK
-        self._waiter.reset(seq, marks, wr_size, self.nbytes)
+        self._waiter.reset(seq, marks, wr_size, self.nbytes, starts)
         t0 = time.perf_counter()
         deadline = t0 + timeout
         reported = 0
         try:
             while True:
                 done = self._waiter.poll(_POLL_SLICE)
-                if on_piece is not None:
-                    landed = self._report(reported, on_piece)
+                if marks:
+                    landed = self._report(reported, on_piece) if on_piece is not None else int(self._waiter.prefix())
                     if landed > reported:       # marks show progress: the timeout counts from the last one
                         deadline = max(deadline, time.perf_counter() + timeout)
                     reported = landed
@@ -516,6 +508,7 @@ class RdmaSenderEndpoint(_Endpoint):
         if len(self._groups) > 1:
             self._pool = ThreadPoolExecutor(len(self._groups) - 1, thread_name_prefix="tensorxfer-rdma-post")
         self.updates = 0
+        self._states: list[array[int]] = []
         self._local_ptr = int(self._region.resolve_extent(0, self.nbytes).ptr)
 
     def connect(self, peer: dict[str, Any], scatter: bool = False) -> None:
@@ -539,8 +532,16 @@ class RdmaSenderEndpoint(_Endpoint):
               wr_size: int | None = None, max_outstanding: int | None = None,
               signal_every: int | None = None, post_batch: int | None = None,
               peer_alive: Callable[[], bool] | None = None, update: int | None = None,
-              marks: int = 0, ready: Any = None, runs: Any = None) -> dict[str, Any]:
+              marks: int = 0, ready: Any = None, runs: Any = None, starts: list[int] | None = None,
+              on_slice: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Write ``[offset, offset+length)`` of the region (default: all of it) as one update.
+
+        Resumed (the update broke; the receiver counted what landed): ``starts`` gives per QP the first of
+        its requests to write (see :func:`share_bytes`); the stripe, marks and final immediates are those of
+        the whole write.  Whether it completes or raises, :attr:`last_state` then holds per QP the requests
+        posted and known completed, so a broken write says what it had handed to the NIC.  ``on_slice``
+        (e.g. a test's fault) is called every slice by each posting thread, in it, with ``(first, count)``: the
+        QPs it posts to (:attr:`last_state` is fresh for those then).
 
         ``runs`` (a weight sync): ``(local offsets, remote offsets, bytes)``, three equal-length uint64 arrays:
         those runs are written instead, each to its own place in the receiver's region (cut into requests
@@ -594,9 +595,12 @@ class RdmaSenderEndpoint(_Endpoint):
         if runs is not None:
             table, length = scatter_table(runs, wr, self.nbytes, int(self._peer["length"]))
             offset = 0
+        if starts is not None and (len(starts) != len(self._qps) or runs is not None or ready is not None):
+            raise ValueError("starts needs one request index per QP, and no runs or ready gate")
         t0 = time.perf_counter()
         try:
-            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table)
+            st = self._post(offset, length, wr, mo, se, seq, float(timeout), pb, peer_alive, marks, ready, table,
+                            starts, on_slice)
         except VerbsError as exc:
             self._broken = exc
             if exc.offset is not None:
@@ -611,17 +615,37 @@ class RdmaSenderEndpoint(_Endpoint):
                   max_outstanding=mo, signal_every=se, post_batch=pb, update=seq, post_threads=len(self._groups))
         return dict(st)
 
+    def clear_state(self) -> None:
+        """Nothing posted yet in this update (:attr:`last_state` all zero)."""
+        self._states = [array("Q", bytes(16 * count)) for _, count in self._groups]
+
+    @property
+    def last_state(self) -> list[tuple[int, int]]:
+        """Per QP, (requests posted, requests known completed) of the last :meth:`write`, live while it runs."""
+        return [(int(st[2 * k]), int(st[2 * k + 1])) for st in self._states for k in range(len(st) // 2)]
+
     def _post(self, offset: int, length: int, wr: int, mo: int, se: int, seq: int, timeout: float, pb: int,
-              peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None) -> dict[str, Any]:
+              peer_alive: Callable[[], bool] | None, marks: int, ready: Any, table: Any = None,
+              starts: list[int] | None = None,
+              on_slice: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Run the write loop, one group of QPs per posting thread (this one takes the first group)."""
         peer = self._peer
         assert peer is not None
+        self._states = [array("Q", bytes(16 * count)) for _, count in self._groups]
+        states = {first: st for (first, _), st in zip(self._groups, self._states)}
 
         def group(first: int, count: int, cq: Any, alive: Callable[[], bool] | None) -> dict[str, Any]:
+            if on_slice is not None:
+                outer = alive
+
+                def alive() -> bool:
+                    on_slice(first, count)
+                    return outer is None or outer()
             return dict(_verbs.write_striped(self._qps[first:first + count], cq, self._local_ptr + offset,
                                              self._mr.lkey, peer["addr"] + offset, peer["rkey"], length,
                                              wr, mo, se, seq, timeout, pb, alive, marks, ready, first, len(self._qps),
-                                             table))
+                                             table, None if starts is None else starts[first:first + count],
+                                             states[first]))
 
         if self._pool is None:
             return group(0, len(self._qps), self._cq, peer_alive)
@@ -665,34 +689,9 @@ class RdmaSenderEndpoint(_Endpoint):
         super().close()
 
 
-def scatter_table(runs: Any, wr_size: int, local_size: int, remote_size: int) -> tuple[np.ndarray, int]:
-    """The write loop's request table for ``runs`` = (local offsets, remote offsets, bytes): each run cut into
-    requests of at most ``wr_size``, as (local, remote, bytes) triples; and the byte count.
-
-    Raises
-    ------
-    ValueError
-        A run reaches past either region (the two ends planned different transfers).
-    """
-    src, dst, n = (np.asarray(a, dtype=np.uint64) for a in runs)
-    keep = n > 0
-    src, dst, n = src[keep], dst[keep], n[keep]
-    if len(n) and (int((src + n).max()) > local_size or int((dst + n).max()) > remote_size):
-        raise ValueError(f"a run reaches past the regions ({local_size} bytes here, {remote_size} there)")
-    pieces = ((n + np.uint64(wr_size - 1)) // np.uint64(wr_size)).astype(np.int64)
-    group = np.repeat(np.arange(len(n)), pieces)
-    k = (np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)).astype(np.uint64)
-    step = k * np.uint64(wr_size)
-    table = np.empty((len(group), 3), dtype=np.uint64)
-    table[:, 0] = src[group] + step
-    table[:, 1] = dst[group] + step
-    table[:, 2] = np.minimum(np.uint64(wr_size), n[group] - step)
-    return np.ascontiguousarray(table.reshape(-1)), int(n.sum())
-
-
 class _GroupAborted(Exception):
     """Another posting thread's group failed: this one stops (its error is the one reported)."""
 
 
-__all__ = ["DEFAULT_QPS", "DEFAULT_WR_SIZE", "RdmaReceiverEndpoint", "RdmaSenderEndpoint", "rdma_available",
-           "register_region"]
+__all__ = ["DEFAULT_QPS", "DEFAULT_WR_SIZE", "RdmaReceiverEndpoint", "RdmaSenderEndpoint", "qp_requests",
+           "rdma_available", "register_region", "share_bytes"]

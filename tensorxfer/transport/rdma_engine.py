@@ -66,9 +66,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
-from tensorxfer.connections import Gate, listen, readable_now, recv_exact, send_all
-from tensorxfer.errors import PeerLost, ProtocolError, TransferError, TransferTimeout, UpstreamFailed
-from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, int_in, mac, nonce, scan_msgpack
+from tensorxfer.connections import Gate, listen, recv_exact, send_all
+from tensorxfer.errors import (
+    LinkDropped,
+    PeerLost,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    UpstreamFailed,
+    VerbsError,
+)
+from tensorxfer.protocol import MAX_FRAME_DEPTH, MAX_FRAME_OBJECTS, NONCE_BYTES, field, mac, nonce, scan_msgpack
 from tensorxfer.transport.base import (
     PrefixFollower,
     Progress,
@@ -84,6 +92,18 @@ from tensorxfer.transport.rdma import (
     RdmaSenderEndpoint,
     _check_peer,
     rdma_available,
+)
+from tensorxfer.transport.rdma_breaks import (
+    DRAIN_SECONDS,
+    RESUME_MARKS,
+    RESUME_WR_SIZE,
+    BreakNotices,
+    Fault,
+    PeerBroke,
+    check_resume,
+    dropped_at,
+    marks_asked,
+    requests_bytes,
 )
 from tensorxfer.transport.segments import Segments
 
@@ -107,8 +127,7 @@ RATE_FLOOR_BYTES_PER_S = 10e6
 #: per QP (at least every one), so its next hop may be sent up to the landed prefix in steps this big.
 RELAY_PIECE_BYTES = 4 << 20
 RELAY_WR_SIZE = DEFAULT_WR_SIZE          # the request size a relay asks its sender for (marks count requests)
-MAX_MARK_EVERY = 1 << 20
-MIN_MARK_WR_SIZE = 4 << 10
+_FAULT: Fault | None = None     # test switch: break a QP for real mid-update (see Fault)
 
 
 def relay_marks(qps: int) -> int:
@@ -129,7 +148,7 @@ def _proof(ctx: TransferContext, side_nonce: bytes, seq: int, body: bytes) -> by
     return mac(ctx.session_key, b"rdma-side", side_nonce, struct.pack(">Q", seq), body)
 
 
-class _Owned:
+class _Owned(BreakNotices):
     """close() from any thread: it wakes the owner, who releases on its way out (one owner per resource)."""
 
     def __init__(self) -> None:
@@ -137,6 +156,10 @@ class _Owned:
         self._closing = False
         self._busy = 0
         self._side: socket.socket | None = None
+        self._side_lock = threading.Lock()     # posting threads check the side connection concurrently
+        self._seq = 0               # the update under way
+        self._attempt = 0           # its resume round (0: the first pass)
+        self._peer_broke = False    # the peer's break notice for this round was read
 
     def _enter(self) -> None:
         with self._lock:
@@ -150,12 +173,6 @@ class _Owned:
             release = self._closing and self._busy == 0
         if release:
             self._release()
-
-    def _peer_alive(self) -> bool:
-        side = self._side
-        # After the setup nothing more travels on the side socket: bytes there are as wrong as its closing
-        # (counting them as alive let a peer that wrote some and died hold us until the deadline).
-        return not self._closing and side is not None and not readable_now(side)
 
     def close(self) -> None:
         """Release the endpoint and sockets; idempotent, callable from another thread."""
@@ -181,10 +198,14 @@ class RdmaReceiver(_Owned, ReceiverTransport):
     """Lets the sender RDMA-WRITE the region into its memory (registered once per session); waits per update."""
 
     name: ClassVar[str] = "rdma"
+    can_resume: ClassVar[bool] = True
 
     def __init__(self, ctx: TransferContext) -> None:
         ReceiverTransport.__init__(self, ctx)
         _Owned.__init__(self)
+        self._resume = False        # this update asked for a mark on every request: it can resume
+        self._landed: list[int] = []    # a broken update: per QP, its requests that landed
+        self._resume_nonce = b""
         self._endpoint: RdmaReceiverEndpoint | None = None
         self._gate: Gate | None = None
         self._region: TensorRegion | None = None
@@ -207,10 +228,13 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         nothing changes here but the byte count."""
         self._enter()
         try:
-            self._seq = seq
+            self._seq, self._attempt, self._peer_broke = seq, 0, False
             if segments is not None:
                 segments.check_within(1 << 63, region.nbytes)
             self._moving = segments.total_bytes if segments is not None else None
+            # resumable (set by the session before prepare): a plain update, not a relay's or a weight sync's
+            self._resume = self.resumable and self.on_piece is None and segments is None
+            self._landed, self._resume_nonce = [], b""
             endpoint = self._endpoint
             if not fresh and region is self._region and endpoint is not None and self._side is not None:
                 return {"setup": False, **self._ask_marks(endpoint.qp_count)}
@@ -231,6 +255,9 @@ class RdmaReceiver(_Owned, ReceiverTransport):
     def _ask_marks(self, qps: int) -> dict[str, Any]:
         """``streams``, and for a relay the marks it asks the sender for: one-sided writes tell a receiver
         nothing until the last immediate per QP, so without marks it could forward only once all landed."""
+        if self._resume:
+            self._marks = RESUME_MARKS
+            return {"streams": qps, "marks": self._marks, "wr_size": RESUME_WR_SIZE, "resume": True}
         self._marks = relay_marks(qps) if self.on_piece is not None else 0
         if not self._marks:
             return {"streams": qps}
@@ -249,6 +276,9 @@ class RdmaReceiver(_Owned, ReceiverTransport):
             The authenticated sender's descriptors are malformed or do not match.
         CompletionError
             A receive work completion failed (its status, QP named).
+        LinkDropped
+            A resumable update broke (a QP in the error state here or at the sender, or no mark for
+            ``stall_timeout``): every QP was stopped and what landed counted, per QP; see :meth:`prepare_resume`.
         """
         self._enter()
         try:
@@ -260,9 +290,7 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 assert self._side is not None
                 send_all(self._side, READY, self.ctx.stall_timeout, "READY")
                 self.counters.connects += 1
-            timeout = self.ctx.stall_timeout + self._nbytes / RATE_FLOOR_BYTES_PER_S
-            endpoint.wait_complete(timeout, peer_alive=self._peer_alive, update=self._seq, marks=self._marks,
-                                   wr_size=RELAY_WR_SIZE, on_piece=self.on_piece if self._marks else None)
+            self._land(endpoint, None)
         finally:
             self._exit()
         self.counters.updates += 1
@@ -270,6 +298,87 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         if progress is not None:
             progress(moved)
         return moved
+
+    def _land(self, endpoint: RdmaReceiverEndpoint, starts: list[int] | None) -> None:
+        """Wait for the update (resumed: for the rest of it, QP ``q`` from request ``starts[q]``)."""
+        # With a mark per request the timeout counts from the last one; without, the whole region must fit.
+        timeout = self.ctx.stall_timeout + (0 if self._resume else self._nbytes / RATE_FLOOR_BYTES_PER_S)
+        try:
+            endpoint.wait_complete(timeout, peer_alive=self._alive, update=self._seq, marks=self._marks,
+                                   wr_size=RESUME_WR_SIZE if self._resume else RELAY_WR_SIZE,
+                                   on_piece=self.on_piece if self._marks and not self._resume else None,
+                                   starts=starts)
+        except (VerbsError, TransferError) as e:
+            if not self._is_break(e):
+                raise
+            if not isinstance(e, PeerBroke):
+                self._tell_broke()      # the sender's QPs see nothing of a break here: say it
+            if not self._resume:
+                raise
+            raise self._dropped(endpoint, e) from None
+
+    def _alive(self) -> bool:
+        if _FAULT is not None and self._endpoint is not None:
+            _FAULT.on_receiver(self._endpoint, self._nbytes)
+        return self._peer_alive()
+
+    def _dropped(self, endpoint: RdmaReceiverEndpoint, e: BaseException) -> LinkDropped:
+        """Stop every QP, count what landed on each (exact: a mark per request, RC in order), keep it for the
+        resume; the :class:`LinkDropped` names the broken QP and the landed bytes of each unfinished share."""
+        self._landed = endpoint.halt_and_count(DRAIN_SECONDS)
+        return dropped_at(endpoint, e, self._landed, self._nbytes, unfinished=True)
+
+    def prepare_resume(self, dropped: LinkDropped) -> dict[str, Any]:
+        """New QPs under the same MR (registration is not paid again); descriptors: theirs, ``attempt``, a fresh
+        ``nonce`` the sender proves its new QPs' descriptors with, and ``from``: per QP the requests of its share
+        that landed (the sender writes the rest)."""
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or not self._resume or not self._landed:
+                raise ProtocolError("RdmaReceiver.prepare_resume() outside a broken resumable update")
+            endpoint.renew()
+            self._attempt += 1
+            self._peer_broke = False
+            self._resume_nonce = nonce()
+            return {**endpoint.descriptors(), "attempt": self._attempt, "nonce": self._resume_nonce,
+                    "from": list(self._landed)}
+        finally:
+            self._exit()
+
+    def wait_resume(self, progress: Progress | None = None) -> int:
+        """Take the sender's new QPs (proved on the side connection), connect, say READY, and wait for the rest;
+        return the bytes that landed in this round.  Raises LinkDropped (it broke again: what landed is counted
+        on), TransferTimeout / PeerLost (no new QPs from the sender within ``stall_timeout``, or it is gone)."""
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or not self._resume_nonce:
+                raise ProtocolError("RdmaReceiver.wait_resume() before prepare_resume()")
+            endpoint.connect(self._resumed_sender())
+            assert self._side is not None
+            send_all(self._side, READY, self.ctx.stall_timeout, "READY")
+            self.counters.connects += 1
+            before = requests_bytes(self._landed, self._nbytes)
+            self._land(endpoint, self._landed)
+        finally:
+            self._exit()
+        self.counters.updates += 1
+        moved = self._nbytes - before
+        if progress is not None:
+            progress(moved)
+        return moved
+
+    def _resumed_sender(self) -> dict[str, Any]:
+        """The sender's new descriptors from the side connection, proved with this round's nonce."""
+        wait = self.ctx.stall_timeout
+        magic, seq, length, proof = SIDE_HEADER.unpack(self._read_side(SIDE_HEADER.size, wait, "the resume header"))
+        if magic != SIDE_MAGIC or seq != self._seq or length > MAX_DESCRIPTOR_BYTES:
+            raise ProtocolError(f"rdma: resume header {magic!r}/{seq}/{length}, expected update {self._seq}")
+        body = self._read_side(length, wait, "the resumed sender's descriptors")
+        if not hmac.compare_digest(proof, _proof(self.ctx, self._resume_nonce, seq, body)):
+            raise ProtocolError("rdma: the resumed sender's descriptors do not carry this round's proof")
+        return self._decode_sender(body)
 
     def _admit(self) -> dict[str, Any]:
         """The first side connection that proves itself; its decoded descriptors."""
@@ -291,6 +400,10 @@ class RdmaReceiver(_Owned, ReceiverTransport):
                 conn.close()
                 raise PeerLost("rdma: the transport was closed while the sender connected")
             self._side = conn
+        return self._decode_sender(body)
+
+    @staticmethod
+    def _decode_sender(body: bytes) -> dict[str, Any]:
         try:
             scan_msgpack(body, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what="rdma: the sender's descriptors")
             peer = msgpack.unpackb(body, raw=False)
@@ -328,10 +441,14 @@ class RdmaSender(_Owned, SenderTransport):
 
     name: ClassVar[str] = "rdma"
     follows_landing: ClassVar[bool] = True     # the write loop posts nothing past the landed prefix
+    can_resume: ClassVar[bool] = True
 
     def __init__(self, ctx: TransferContext) -> None:
         SenderTransport.__init__(self, ctx)
         _Owned.__init__(self)
+        self._resume = False        # the receiver asked for resume marks: a break is LinkDropped
+        self._posted: list[int] = []    # a broken write: per QP, the requests it had posted
+        self._mr_peer: tuple[int, int, int] | None = None    # the receiver's (addr, rkey, length): kept on resume
         self._endpoint: RdmaSenderEndpoint | None = None
         self._region: TensorRegion | None = None
         self._seq = 0               # the update being sent: the immediates carry it
@@ -350,7 +467,11 @@ class RdmaSender(_Owned, SenderTransport):
         return min(region.nbytes, relay_marks(qps) * RELAY_WR_SIZE * qps)
 
     def needs_setup(self, region: TensorRegion) -> bool:
-        return region is not self._region or self._endpoint is None or self._side is None
+        # broken: an update whose QPs broke after every byte landed was acked as it was; its QPs are in the
+        # error state and nothing resumes it, so the next update sets up again (rare: the window between the
+        # last request landing and its completion)
+        return (region is not self._region or self._endpoint is None or self._side is None
+                or self._endpoint.broken)
 
     def connect(self, region: TensorRegion, seq: int, descriptors: dict[str, Any],
                 segments: Segments | None = None) -> None:
@@ -367,9 +488,11 @@ class RdmaSender(_Owned, SenderTransport):
         """
         self._enter()
         try:
-            self._seq = seq
+            self._seq, self._attempt, self._peer_broke = seq, 0, False
             self._runs = segments.flat() if segments is not None else None
-            self._marks, self._wr_size = _marks_asked(descriptors)
+            self._marks, self._wr_size = marks_asked(descriptors)
+            self._resume = descriptors.get("resume") is True and self._marks == RESUME_MARKS and self._runs is None
+            self._posted = []
             if self._runs is not None and self._marks:
                 raise ProtocolError("rdma: a weight sync's segments cannot be relayed with piece marks")
             if not setup_flag(descriptors):
@@ -389,6 +512,7 @@ class RdmaSender(_Owned, SenderTransport):
             self.counters.registrations += 1
             self.registration = self._endpoint.mr_path
             self._endpoint.connect(peer, scatter=self._runs is not None)
+            self._mr_peer = (peer["addr"], peer["rkey"], peer["length"])
             self._check_wr_size()
             side = self._open_side(side_port)
             body = msgpack.packb(self._endpoint.descriptors())
@@ -432,6 +556,10 @@ class RdmaSender(_Owned, SenderTransport):
             No completion for ``stall_timeout`` seconds.
         CompletionError
             A work completion failed: ``status`` (e.g. ``IBV_WC_LOC_PROT_ERR``), QP, offset, length.
+        LinkDropped
+            ``resumable`` and the receiver asked for resume marks: a QP broke (error state here or at the
+            receiver, a link fault's completion error, no completion for ``stall_timeout``); every QP was
+            stopped, and :meth:`resume` sends what the receiver says did not land.
         """
         self._enter()
         try:
@@ -440,8 +568,7 @@ class RdmaSender(_Owned, SenderTransport):
                 raise ProtocolError("RdmaSender.send() before connect() for this region")
             landing = self.landing
             if landing is None:
-                st = endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
-                                    wr_size=self._wr_size, marks=self._marks, runs=self._runs)
+                st = self._write(endpoint, None, self.resumable)
                 moved = int(st["bytes"])
             else:       # no request reaching past the landed prefix is posted
                 self._relay(endpoint, region.nbytes, landing.wait_prefix)
@@ -452,6 +579,92 @@ class RdmaSender(_Owned, SenderTransport):
         if progress is not None:
             progress(moved)
         return moved
+
+    def _write(self, endpoint: RdmaSenderEndpoint, starts: list[int] | None, resumable: bool) -> dict[str, Any]:
+        """The update's write (resumed: QP ``q`` from request ``starts[q]``); a break of a ``resumable`` update
+        becomes LinkDropped (the session clears ``resumable`` once send() returned: a resume round passes True)."""
+        try:
+            if starts is None and not endpoint.ready:
+                # a QP broke after the last update had landed (its requests all completed, then it went to the
+                # error state): replaced through a resume round, nothing posted yet, or else set up again
+                endpoint.clear_state()
+                stale = VerbsError(5, "rdma: a QP was left in the error state after the last update",
+                                   status="IBV_QPS_ERR")
+                if not (resumable and self._resume):
+                    endpoint.mark_broken(stale)
+                    raise TransferError(f"{stale}; the next update sets the connection up again")
+                raise stale
+            st = endpoint.write(timeout=self.ctx.stall_timeout, peer_alive=self._peer_alive, update=self._seq,
+                                wr_size=self._wr_size, marks=self._marks, runs=self._runs, starts=starts,
+                                on_slice=self._fault if _FAULT is not None else None)
+            # all posted and completed; kept because the receiver may still ask to resume: its QP can break
+            # after its last request landed and before it took that request's immediate (it then asks for
+            # nothing, and the resume round only connects new QPs)
+            self._posted = [p for p, _ in endpoint.last_state]
+            return st
+        except (VerbsError, TransferError) as e:
+            if not self._is_break(e):
+                raise
+            endpoint.halt()         # nothing more leaves; the receiver counts what landed
+            if not isinstance(e, PeerBroke):
+                self._tell_broke()
+            if not (resumable and self._resume):
+                raise
+            raise self._dropped(endpoint, e) from None
+
+    def _fault(self, first: int, count: int) -> None:
+        if _FAULT is not None and self._endpoint is not None and self._region is not None:
+            _FAULT.on_sender(self._endpoint, first, count, self._region.nbytes)
+
+    def _dropped(self, endpoint: RdmaSenderEndpoint, e: BaseException) -> LinkDropped:
+        """What the break left: per QP the requests posted (kept: :meth:`resume` counts what it sends again)."""
+        assert self._region is not None
+        state, n = endpoint.last_state, self._region.nbytes
+        self._posted = [p for p, _ in state]
+        in_flight = requests_bytes(self._posted, n) - requests_bytes([c for _, c in state], n)
+        log.warning("rdma update %d (round %d): the write broke with %d bytes posted and not known landed "
+                    "(in flight): %s", self._seq, self._attempt, in_flight, e,
+                    extra={"rdma_break": {"update": self._seq, "attempt": self._attempt, "in_flight": in_flight,
+                                          "posted": requests_bytes(self._posted, n)}})
+        return dropped_at(endpoint, e, self._posted, n, unfinished=False)
+
+    def resume(self, region: TensorRegion, descriptors: dict[str, Any],
+               progress: Progress | None = None) -> tuple[int, int]:
+        """New QPs under the same MR, connected to the receiver's new ones (ours proved on the side connection
+        with its nonce); then each QP's share from the request the receiver says it landed to.  Return
+        ``(bytes sent, bytes sent again)``: the second counts requests posted before the break that did not
+        land.  Raises LinkDropped (it broke again; ``resent``: what this round sent again), ProtocolError
+        (:func:`~tensorxfer.transport.rdma_breaks.check_resume`)."""
+        self._enter()
+        try:
+            endpoint = self._endpoint
+            if endpoint is None or region is not self._region or not self._resume or not self._posted:
+                raise ProtocolError("rdma: resume() outside a broken resumable update of this region")
+            peer = _check_peer(descriptors, "receiver")
+            attempt, side_nonce, starts, again = check_resume(descriptors, peer, self._posted, self._attempt,
+                                                              self._mr_peer, region.nbytes)
+            self._attempt, self._peer_broke = attempt, False
+            endpoint.renew()
+            endpoint.connect(peer)
+            assert self._side is not None
+            body = msgpack.packb(endpoint.descriptors())
+            header = SIDE_HEADER.pack(SIDE_MAGIC, self._seq, len(body), _proof(self.ctx, side_nonce, self._seq, body))
+            send_all(self._side, header + body, self.ctx.stall_timeout, "the resumed rdma descriptors")
+            if self._read_side(1, self.ctx.stall_timeout, "READY") != READY:
+                raise ProtocolError("rdma: the receiver answered something other than READY to the resume")
+            self.counters.connects += 1
+            try:
+                self._write(endpoint, starts, True)
+            except LinkDropped as e:
+                e.resent = again
+                raise
+        finally:
+            self._exit()
+        self.counters.updates += 1
+        sent = region.nbytes - requests_bytes(starts, region.nbytes)
+        if progress is not None:
+            progress(sent)
+        return sent, again
 
     def _relay(self, endpoint: RdmaSenderEndpoint, nbytes: int, ready_after: Callable[[int], int]) -> None:
         """Write while this relay's own copy lands: a thread raises the write's gate as the landed prefix
@@ -484,15 +697,3 @@ class RdmaSender(_Owned, SenderTransport):
             endpoint.close()
 
     _release = _teardown
-
-
-def _marks_asked(descriptors: dict[str, Any]) -> tuple[int, int | None]:
-    """The piece marks (every how many requests per QP) and request size a relaying receiver asked for."""
-    marks = descriptors.get("marks", 0)
-    if marks == 0 or marks is None:
-        return 0, None
-    wr_size = descriptors.get("wr_size")
-    if not int_in(marks, 1, MAX_MARK_EVERY + 1) or not int_in(wr_size, MIN_MARK_WR_SIZE, (1 << 30) + 1):
-        raise ProtocolError(f"rdma accept descriptors: 'marks' must be an int in [1, {MAX_MARK_EVERY}] with an "
-                            f"int 'wr_size' in [{MIN_MARK_WR_SIZE}, 1 GiB], got {marks!r}, {wr_size!r}")
-    return marks, wr_size
