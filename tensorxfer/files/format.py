@@ -11,7 +11,8 @@ data offsets tile the data section exactly (no holes, no overlaps, no
 trailing bytes — the format forbids them).
 
 :func:`check_name` is the one rule for file names, on both ends: plain,
-printable names only.
+printable names only; :func:`fsync_dir` makes names written in a directory
+durable.
 """
 
 from __future__ import annotations
@@ -221,3 +222,13 @@ def check_name(name: object) -> str:
     return name
 
 
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the names written in directory ``path`` durable (a rename or a new file is in the directory's
+    data, which a file's own fsync does not flush)."""
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from tensorxfer.files.format import TEMP_PREFIX, FileFormatError, check_name
+from tensorxfer.files.format import TEMP_PREFIX, FileFormatError, check_name, fsync_dir
 from tensorxfer.protocol import scan_msgpack
 
 JOURNAL_NAME = f"{TEMP_PREFIX}resume.journal"
@@ -236,7 +236,7 @@ class JournalWriter:
             _write_all(fd, data)
             os.fsync(fd)
             os.replace(new, out_dir / JOURNAL_NAME)
-            _fsync_dir(out_dir)
+            fsync_dir(out_dir)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -276,14 +276,6 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _fsync_dir(path: Path) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 __all__ = ["JOURNAL_NAME", "Journal", "JournalError", "JournalFile", "JournalWriter", "read_journal",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorxfer.errors import ProtocolError, TensorXferError, TransferError
-from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError
+from tensorxfer.files.format import HEADER_LENGTH, TEMP_PREFIX, FileFormatError, OutputError, fsync_dir
 from tensorxfer.files.layout import FilePlan, plan_files
 from tensorxfer.files.sources import is_model_file
 from tensorxfer.staging import open_stager, read_pieces
@@ -192,14 +192,6 @@ def _check_target(path: Path) -> bool:
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
         raise OutputError(f"{path} exists and is not a regular file; nothing was written")
     return True
-
-
-def _fsync_dir(path: Path) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def write_files(region: Any, out_dir: str | os.PathLike[str], overwrite: bool = False,
@@ -527,7 +519,7 @@ class ModelWriter:
             for _, backup, _ in undo:
                 if backup is not None:
                     os.unlink(backup)
-            _fsync_dir(real)
+            fsync_dir(real)
         except BaseException as e:
             lost = _roll_back(undo)
             for tmp in temps:
@@ -535,7 +527,7 @@ class ModelWriter:
                     os.unlink(tmp)
             self._temps = []
             with contextlib.suppress(OSError):
-                _fsync_dir(real)
+                fsync_dir(real)
             if lost:
                 raise OutputError(f"writing the files failed ({type(e).__name__}: {e}) and rolling back failed "
                                   f"too: the previous contents are kept in {'; '.join(lost)}") from e
