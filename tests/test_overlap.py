@@ -135,8 +135,8 @@ def test_a_file_that_shrinks_before_it_is_sent_fails_the_sender_naming_it_and_wr
         "import os, sys\n"
         f"import tensorxfer.files.{module} as patched\n"
         f"real = patched.{fn}\n"
-        "def wrapper(*args):\n"
-        "    p = real(*args)\n"
+        "def wrapper(*args, **kw):\n"
+        "    p = real(*args, **kw)\n"
         f"    os.truncate({str(victim)!r}, 4096)\n"
         "    return p\n"
         f"patched.{fn} = wrapper\n"
@@ -154,4 +154,6 @@ def test_a_file_that_shrinks_before_it_is_sent_fails_the_sender_naming_it_and_wr
     rc_r, _, err_r = finish(recv)
     assert rc_s != 0 and "shrank" in err_s and victim.name in err_s, err_s
     assert rc_r != 0, err_r
-    assert not out.exists() or list(out.iterdir()) == [], list(out.iterdir())
+    # nothing at a final name: at most the hidden partial output a resumed send would check against the
+    # changed file's size and mtime (and discard)
+    assert not out.exists() or all(p.name.startswith(".tensorxfer-") for p in out.iterdir()), list(out.iterdir())
