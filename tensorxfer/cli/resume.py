@@ -93,8 +93,7 @@ class SourcePieces:
         return sorted(confirmed)
 
     def missing(self, confirmed: list[int]) -> Segments | None:
-        kept = set(confirmed)
-        return _segments(self.pmap.region_runs(p for p in range(self.pmap.count) if p not in kept))
+        return _segments(self.pmap.runs_without(confirmed))
 
 
 __all__ = ["HeldOutput", "SourcePieces"]

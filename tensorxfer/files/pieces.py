@@ -124,6 +124,12 @@ class PieceMap:
                 merged.append([off, n])
         return [(off, n) for off, n in merged]
 
+    def runs_without(self, kept: Iterable[int]) -> list[tuple[int, int]]:
+        """The region ranges of every piece not in ``kept``: what a partial update moves.  The sender (its
+        confirmed pieces) and the receiver (what it keeps) both call this, so they cut the same segments."""
+        keep = set(kept)
+        return self.region_runs(p for p in range(self.count) if p not in keep)
+
     def file_pieces(self, i: int) -> range:
         first, count, _, _ = self.files[i]
         return range(first, first + count)

@@ -179,9 +179,10 @@ class PartialOutput:
                 fd = os.open(self.reuse[i], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     for p in pieces:
-                        views = [mem[r.region_off:r.region_off + r.nbytes] for r in self.pmap.runs(p)]
+                        runs = self.pmap.runs(p)
+                        views = [mem[r.region_off:r.region_off + r.nbytes] for r in runs]
                         ok = all(os.preadv(fd, [v], data_at + r.data_pos) == r.nbytes
-                                 for v, r in zip(views, self.pmap.runs(p), strict=True))
+                                 for v, r in zip(views, runs, strict=True))
                         digest = hash_runs(views) if ok else None
                         for v in views:
                             v.release()
@@ -230,7 +231,7 @@ class PartialOutput:
         self._timer.start()
         if not kept:
             return None
-        return self.pmap.region_runs(p for p in range(self.pmap.count) if p not in kept)
+        return self.pmap.runs_without(kept)
 
     # ------------------------------------------------------------ while landing
     def written(self, view: memoryview, i: int, file_pos: int, n: int) -> None:

@@ -3,7 +3,7 @@
 
 An offer with ``partial: true`` says the sender can check pieces.  Before its accept the receiver sends
 ``held{seq, pieces, sums}`` -- the piece ids it holds (``<u4`` bytes) and their checksums (``<u8`` bytes);
-what a piece is, is the caller's (``tensorxfer.files.pieces``: 8 MiB of a file's tensor data) -- and the
+what a piece is, is the caller's (``tensorxfer.files.pieces``: 2 MiB of a file's tensor data) -- and the
 sender answers ``skip{seq, pieces, bytes, runs}``: the held pieces whose checksums match its own bytes
 (the others are sent again), and the byte count and digest of the segments that then move, which the
 receiver must have computed alike.  Both ends turn the confirmed pieces into the same
