@@ -1,13 +1,12 @@
 """A weight sync step (2 sources -> 2 targets over tcp) in which one pair's data link is cut for real: the
-kernel kills that pair's sockets (``ss -K``: an RST to the peer, the local end aborted) while the step is
-moving its bytes.  The pair resumes within the step, the step completes for both targets, and no other
-pair sends anything again (from their stats)."""
+kernel kills that pair's sockets (``SOCK_DESTROY``, as ``ss -K``: an RST to the peer, the local end aborted)
+while the step is moving its bytes.  The pair resumes within the step, the step completes for both targets,
+and no other pair sends anything again (from their stats)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
+import os
 import threading
 import time
 
@@ -15,10 +14,11 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer.sync import Source, Target
+from tests.helpers import destroy_tcp_sockets
 from tests.test_sync import Stores, run_ranks
 
 torch = pytest.importorskip("torch", reason="the weight sync's examples are torch tensors")
-pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to kill sockets")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="destroying sockets (SOCK_DESTROY) needs root")
 
 ROWS, COLS = 8192, 8192         # 256 MiB of float32: 64 MiB per pair
 
@@ -31,14 +31,6 @@ def sources_of(step: int) -> list[dict[str, Source]]:
         box = tx.sync.chunk_box((ROWS, COLS), 0, r, 2)
         out.append({"w": Source(w[box.offsets[0]:box.offsets[0] + box.sizes[0]].clone(), (ROWS, COLS), box)})
     return out
-
-
-def killer(ports: list[int]) -> subprocess.Popen:
-    """A shell that kills the TCP sockets on ``ports`` (this host's side) once it reads a line: started before
-    the step, so the cut comes within a millisecond of the trigger."""
-    filt = " or ".join(f"sport = :{p}" for p in ports)
-    return subprocess.Popen(["sh", "-c", f"read x; exec ss -K -tn state established '( {filt} )'"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def test_one_pair_cut_mid_step_completes_and_no_other_pair_resends() -> None:
@@ -55,13 +47,12 @@ def test_one_pair_cut_mid_step_completes_and_no_other_pair_resends() -> None:
         run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])   # set up
         # the pair source 0 -> target 0: its data streams (set up once, reused by every step) on the target
         feed = targets[0]._port._feeds[0].transports["tcp"]
-        ports = sorted({s.getsockname()[1] for s in feed._streams.socks})
+        socks = list(feed._streams.socks)
         pair_bytes = ROWS // 2 * COLS // 2 * 4
         fresh = sources_of(1)
         for r in range(2):
             srcs[r]["w"].tensor.copy_(fresh[r]["w"].tensor)
-        kill = killer(ports)
-        cut = threading.Event()
+        cut: list[int] = []
 
         last = feed._streams.moved      # the counts of the step before: a new list once this step begins
 
@@ -69,19 +60,15 @@ def test_one_pair_cut_mid_step_completes_and_no_other_pair_resends() -> None:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 moved = feed._streams.moved
-                if moved is not last and sum(moved) >= pair_bytes // 16:     # early: the kill takes a few ms
-                    assert kill.stdin is not None
-                    kill.stdin.write("\n")
-                    kill.stdin.flush()
-                    cut.set()
+                if moved is not last and sum(moved) >= pair_bytes // 16:
+                    cut.extend(destroy_tcp_sockets(socks))
                     return
                 time.sleep(0.0002)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
         watcher.join(5)
-        killed = kill.communicate(timeout=10)[0]
-        assert cut.is_set() and all(f":{p} " in killed for p in ports), killed       # ss lists what it killed
+        assert cut == [0] * len(socks), cut         # the kernel destroyed every one of the pair's sockets
         assert results[2:] == [2, 2]            # the step completed, as one version, for both targets
         for r in range(2):
             want = torch.chunk(torch.cat([fresh[0]["w"].tensor, fresh[1]["w"].tensor]), 2, 1)[r]
