@@ -120,3 +120,19 @@ def test_the_ticker_redraws_while_waiting_and_stops_with_the_transfer():
         bar.finish()
         assert draws >= 5, term.getvalue()
         assert not [t for t in threading.enumerate() if t.name == "tensorxfer-progress"]
+
+
+def test_a_resumed_transfer_fills_the_bar_with_the_bytes_that_move():
+    """A resume keeps 1.5 GB of the 2 GB planned: the data phase moves 0.5 GB and ends at 100 % when they
+    landed, instead of sitting at 25 % until the next phase."""
+    term, clock = Terminal(), Clock()
+    bar = transfer_bar(term, clock)
+    bar.moving(500_000_000)         # known once the sender confirmed the receiver's pieces
+    clock.now = 1.0
+    bar(100_000_000)
+    clock.now = 2.0
+    bar(400_000_000)
+    screen = term.screen()
+    assert re.search(r"^send: moving data +\[#{24}\] 100\.0% 0\.50 GB at 3\.2 Gbps$", screen[1]), screen
+    assert screen[2].startswith("send: receiver writing the files"), screen
+    bar.finish()

@@ -127,6 +127,15 @@ class Progress:
         self.plan([Phase("setting up (allocating, connecting)"), Phase("receiving data", manifest.nbytes, "Gbps"),
                    Phase("checking the data")])
 
+    def moving(self, nbytes: int) -> None:
+        """The phase moving bytes (the one running, else the next) moves ``nbytes`` rather than what it was
+        planned with: a resumed transfer, whose kept pieces do not move."""
+        with self._lock:
+            for p in ([self._phase] if self._phase is not None else []) + list(self._queue):
+                if p.total:
+                    p.total = max(nbytes, p.done, 1)
+                    break
+
     # ---------------------------------------------------------------- bytes
     def __call__(self, n: int) -> None:
         with self._lock:

@@ -236,7 +236,7 @@ class _Transfer:
             from tensorxfer.cli.resume import HeldOutput
 
             partial.attach(self.writer)
-            self.partial, self.held = partial, HeldOutput(partial, self._report_resume)
+            self.partial, self.held = partial, HeldOutput(partial, self._report_resume, self.bar.moving)
         self.removed = self.writer.others
         self.files = files_record(plans, len(manifest))
 

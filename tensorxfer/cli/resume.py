@@ -30,11 +30,13 @@ def _segments(runs: list[tuple[int, int]]) -> Segments:
 
 
 class HeldOutput:
-    """The receiver's holder for one offer: ``report(record)`` is told what was kept and discarded."""
+    """The receiver's holder for one offer: ``report(record)`` is told what was kept and discarded,
+    ``moving(nbytes)`` how many bytes move (the progress bar's data phase)."""
 
-    def __init__(self, partial: PartialOutput, report: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, partial: PartialOutput, report: Callable[[dict[str, Any]], None],
+                 moving: Callable[[int], None]) -> None:
         self.partial = partial
-        self._report = report
+        self._report, self._moving = report, moving
 
     def claim(self, region: Any) -> tuple[list[int], list[int]]:
         return self.partial.claim(region)
@@ -43,14 +45,19 @@ class HeldOutput:
         runs = self.partial.keep(confirmed)
         if self.partial.kept or self.partial.discarded:
             self._report(self.partial.report())
-        return _segments(runs) if runs is not None else None
+        if runs is None:
+            return None
+        segments = _segments(runs)
+        self._moving(segments.total_bytes)
+        return segments
 
 
 class SourcePieces:
-    """The sender's checker: held pieces against the source files of ``plan`` (whose manifest was offered)."""
+    """The sender's checker: held pieces against the source files of ``plan`` (whose manifest was offered);
+    ``moving(nbytes)`` is told how many bytes move once the confirmed pieces are known."""
 
-    def __init__(self, plan: LoadPlan, log: logging.Logger) -> None:
-        self.manifest = plan.manifest
+    def __init__(self, plan: LoadPlan, log: logging.Logger, moving: Callable[[int], None]) -> None:
+        self.manifest, self._moving = plan.manifest, moving
         plans = plan_files(plan.manifest)
         self.pmap = PieceMap(plan.manifest, plans)
         self.sources = source_stats(plan.manifest, len(plans))
@@ -93,7 +100,9 @@ class SourcePieces:
         return sorted(confirmed)
 
     def missing(self, confirmed: list[int]) -> Segments | None:
-        return _segments(self.pmap.runs_without(confirmed))
+        segments = _segments(self.pmap.runs_without(confirmed))
+        self._moving(segments.total_bytes)
+        return segments
 
 
 __all__ = ["HeldOutput", "SourcePieces"]

@@ -150,7 +150,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             region = map_sources(plan, bases, keep_files=path == "passed")
             try:
                 stats = sender.send(region, verify=args.verify, progress=bar,
-                                    pieces=SourcePieces(plan, log)).as_dict()
+                                    pieces=SourcePieces(plan, log, bar.moving)).as_dict()
             except BaseException:
                 changed = changed_files(plan)
                 if changed:
@@ -169,7 +169,7 @@ def send_while_reading(args: argparse.Namespace, token: Any, found: Any, bar: Pr
             try:
                 stats = sender.send(region, verify=args.verify, progress=bar,
                                     forward=ForwardHooks(landing=loader, loading=True),
-                                    pieces=SourcePieces(plan, log)).as_dict()
+                                    pieces=SourcePieces(plan, log, bar.moving)).as_dict()
             except BaseException as e:
                 read_error = loader.abandon()       # the readers stop before the region is closed
                 if isinstance(e, UpstreamFailed) and read_error is not None:
