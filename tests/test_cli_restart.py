@@ -23,7 +23,7 @@ import pytest
 
 from tensorxfer.files.journal import FRAME, JOURNAL_NAME, MAGIC, JournalError, read_journal
 from tensorxfer.files.pieces import PIECE_BYTES
-from tests.helpers import finish
+from tests.helpers import finish, wait_until
 from tests.test_cli import ROOT, cli, sha, start_recv
 from tests.test_cli_resume import random_model_dir
 from tests.test_resume import start_relay, stop_relay
@@ -122,8 +122,19 @@ def kill_sender_then_resume(tmp_path: Path, shard_bytes: int, *extra: str) -> di
             "total_over_payload": (wire1["data_bytes"] + wire2["data_bytes"]) / payload}
 
 
-def kill_receiver_then_resume(tmp_path: Path, shard_bytes: int, *extra: str) -> dict:
-    """The receiver SIGKILLed at 60 % and started again; the sender (it failed) run again."""
+def journaled(out: Path) -> int:
+    """The bytes of the pieces the receiver's journal in ``out`` names now (read while it is written)."""
+    try:
+        journal = read_journal(out, PIECE_BYTES)
+    except JournalError:
+        return 0
+    return len(journal.pieces) * PIECE_BYTES if journal is not None else 0
+
+
+def kill_receiver_then_resume(tmp_path: Path, shard_bytes: int, *extra: str, caught_up: bool = True) -> dict:
+    """The receiver SIGKILLed at 60 % and started again; the sender (it failed) run again.  ``caught_up``:
+    killed once its journal names what landed (but the last piece of each stream), else KILL_AFTER seconds
+    after the relay held the data (the journal trails the wire by up to a flush interval and the disk)."""
     tmp_path.mkdir(exist_ok=True)
     src = random_model_dir(tmp_path / "src", shards=SHARDS, shard_bytes=shard_bytes)
     out, payload = tmp_path / "out", payload_of(SHARDS, shard_bytes)
@@ -131,7 +142,10 @@ def kill_receiver_then_resume(tmp_path: Path, shard_bytes: int, *extra: str) -> 
     relay, via = pausing_relay(where, int(payload * 0.6))
     first = send(src, via, *extra)
     wait_paused(relay)
-    time.sleep(KILL_AFTER)
+    if caught_up:
+        wait_until(lambda: journaled(out) >= int(payload * 0.6) - 4 * PIECE_BYTES, 60, "the journal catching up")
+    else:
+        time.sleep(KILL_AFTER)
     recv.send_signal(signal.SIGKILL)
     finish(recv)
     relay.send_signal(signal.SIGUSR2)
@@ -190,7 +204,7 @@ def test_big_model_dir_sender_then_receiver_killed(tmp_path):
     """The issue's measurement (TENSORXFER_RESTART_SHARD_MB=512: 2 GiB): both kills, bytes reported."""
     a = kill_sender_then_resume(tmp_path / "a", BIG_SHARD_BYTES)
     check_bounded(a)
-    b = kill_receiver_then_resume(tmp_path / "b", BIG_SHARD_BYTES)
+    b = kill_receiver_then_resume(tmp_path / "b", BIG_SHARD_BYTES, caught_up=False)
     check_bounded(b, caught_up=KILL_AFTER >= 6)      # 1.29 GB landed: the writer trails it by seconds here
 
 
@@ -203,7 +217,7 @@ def interrupted(tmp_path: Path) -> tuple[Path, Path]:
     relay, via = pausing_relay(where, int(payload_of(SHARDS, SHARD_BYTES) * 0.6))
     first = send(src, via)
     wait_paused(relay)
-    time.sleep(KILL_AFTER)
+    wait_until(lambda: journaled(out) > 0, 60, "a piece journaled")
     recv.send_signal(signal.SIGKILL)
     finish(recv)
     relay.send_signal(signal.SIGUSR2)

@@ -263,10 +263,13 @@ class PartialOutput:
     def _flush_every(self) -> None:
         """Flush pieces that wait longer than FLUSH_SECONDS (the transfer stalled, or ends slowly).  A failed
         flush stops journaling (the writer's own error, if any, is the transfer's to report)."""
-        while not self._stop.wait(FLUSH_SECONDS):
+        wait = FLUSH_SECONDS
+        while not self._stop.wait(wait):
             with self._lock:
-                if time.monotonic() - self._flushed_at < FLUSH_SECONDS:
+                wait = self._flushed_at + FLUSH_SECONDS - time.monotonic()
+                if wait > 0:        # flushed since: wake when that flush is FLUSH_SECONDS old
                     continue
+                wait = FLUSH_SECONDS
                 try:
                     self._flush()
                 except OSError as e:
