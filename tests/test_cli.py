@@ -681,12 +681,14 @@ def test_one_stream_is_one_stream() -> None:
 @pytest.mark.slow
 def test_ctrl_c_on_the_sender_says_what_was_interrupted_and_what_the_receiver_kept(tmp_path):
     src = model_dir(tmp_path / "model", shards=1, rows=10)
-    with socket.socket() as s:          # a port nobody listens on: the sender keeps trying to connect
+    with socket.socket() as s:          # a peer that never answers: the sender waits in its handshake
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    send = cli("send", str(src), "--to", f"127.0.0.1:{port}", "--connect-timeout", "30")
-    time.sleep(1.5)
-    send.send_signal(signal.SIGINT)
-    rc, _, err = finish(send, timeout=30)
+        s.listen()
+        s.settimeout(60)
+        send = cli("send", str(src), "--to", "127.0.0.1:{}".format(s.getsockname()[1]), "--connect-timeout", "30")
+        conn, _ = s.accept()            # it connected: it is well inside the send (not still starting up)
+        with conn:
+            send.send_signal(signal.SIGINT)
+            rc, _, err = finish(send, timeout=30)
     assert rc == 130, err
     assert "interrupted (Ctrl-C)" in err and "keeps none of it" in err, err

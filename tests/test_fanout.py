@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from tensorxfer.errors import ManifestError, ProtocolError, UpstreamFailed
 from tensorxfer.fanout import FanoutSender, Landed, ReceiverResult, Version, parse_chain, slowest_hop
 from tensorxfer.transport import ipc, tcp
 
-from .helpers import ROOT, Background, needs_gpu
+from .helpers import ROOT, Background, needs_gpu, wait_until
 
 TOKEN = "fan-s3cret"
 PEER = os.path.join(ROOT, "tests", "fanout_peer.py")
@@ -311,7 +312,7 @@ def test_cli_once_receiver_waits_for_the_repaired_chain_when_its_relay_dies(tmp_
     c, c_addr = start_recv(tmp_path / "out", "--once", "--transport", "tcp", env=env)
     send = cli("send", str(src), "--to", a.address, "--to", b.address, "--to", c_addr, "--transport", "tcp",
                "--verify", "--json", env=env)
-    time.sleep(3.0)                 # B is receiving from A and forwarding to C
+    wait_until(lambda: landed(tmp_path / "out"), 60, "C landing bytes from B")  # B is forwarding to C
     assert send.poll() is None and not b.reports, "the update ended before B could be killed mid-forward"
     b.proc.kill()
     rc_s, out_s, err_s = finish(send, timeout=120)
@@ -330,6 +331,15 @@ def test_cli_once_receiver_waits_for_the_repaired_chain_when_its_relay_dies(tmp_
     for p in src.iterdir():
         assert file_sha(p) == file_sha(tmp_path / "out" / p.name), p.name
     assert a.wait_oks(1)[-1]["ok"]
+
+
+def landed(out: Path) -> bool:
+    """Whether a receiver writing into ``out`` has bytes in one of its temporary files."""
+    try:
+        return any(p.name.startswith(".tensorxfer-") and p.name.endswith(".part") and p.stat().st_blocks > 0
+                   for p in out.iterdir())
+    except FileNotFoundError:       # not made yet, or a file renamed while listed
+        return False
 
 
 def test_versions_are_explicit_and_checked():

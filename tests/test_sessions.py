@@ -451,14 +451,26 @@ def test_more_strangers_than_the_pending_limit_do_not_lock_out_a_sender(monkeypa
 def test_a_receive_that_times_out_after_a_sender_came_and_went_says_so(how: str) -> None:
     """Not "no sender connected": one did, and left before it offered (its side failed, or it was stopped)."""
     with Receiver() as rx:
-        got = Background(rx.receive, timeout=2)
         if how == "goodbye":
+            got = Background(rx.receive, timeout=2)
             s = Sender("{}:{}".format(*rx.address))
             time.sleep(0.3)
             s.close()
         else:       # a sender process SIGKILLed after its handshake: the connection just drops
             code = ("import os, signal, sys, time, tensorxfer as tx\n"
+                    "print('ready', flush=True); sys.stdin.readline()\n"
                     "s = tx.Sender(sys.argv[1]); time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)\n")
-            subprocess.run([sys.executable, "-c", code, "{}:{}".format(*rx.address)], timeout=30)
+            child = subprocess.Popen([sys.executable, "-c", code, "{}:{}".format(*rx.address)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                assert child.stdout is not None and child.stdin is not None
+                assert child.stdout.readline().strip() == "ready"      # started and imported: no part of 2 s
+                got = Background(rx.receive, timeout=2)
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                child.wait(30)
+            finally:
+                child.kill()
+                child.communicate()
         with pytest.raises(tx.TransferTimeout, match=r"connected and (said goodbye|left) without an offer"):
             got.result()

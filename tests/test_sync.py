@@ -378,5 +378,5 @@ def test_a_target_waiting_for_a_group_that_never_forms_gives_up_after_its_timeou
     t0 = time.monotonic()
     with pytest.raises(tx.TransferTimeout):
         tx.WeightSync(stores.client(), "alone", "target", 0, (1, 1), {"w": Target.whole(torch.zeros(4), "w")},
-                      token="k", transport="tcp", timeout=2)
-    assert time.monotonic() - t0 < 3.5
+                      token="k", transport="tcp", timeout=4)
+    assert 3.9 <= time.monotonic() - t0 < 2 * 4 - 0.5     # its timeout, not twice it (a loaded machine's slack)
