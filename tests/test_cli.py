@@ -685,7 +685,7 @@ def test_ctrl_c_on_the_sender_says_what_was_interrupted_and_what_the_receiver_ke
         s.bind(("127.0.0.1", 0))
         s.listen()
         s.settimeout(60)
-        send = cli("send", str(src), "--to", "127.0.0.1:{}".format(s.getsockname()[1]), "--connect-timeout", "30")
+        send = cli("send", str(src), "--to", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "30")
         conn, _ = s.accept()            # it connected: it is well inside the send (not still starting up)
         with conn:
             send.send_signal(signal.SIGINT)
