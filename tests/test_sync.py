@@ -309,19 +309,23 @@ def test_the_offers_go_out_before_the_pack_and_a_failed_pack_ends_the_step_not_t
     srcs = source_tensors(0, 1, g)
     tgts = [target_tensors(r, 2, torch.float32) for r in range(2)]
     events: list[tuple[str, float]] = []
+    offers_in = threading.Event()           # both targets hold the first step's offer
     real_recv = link_mod.Channel.recv
 
     def recv(self: Any, kind: str, *a: Any, **k: Any) -> Any:
         frame = real_recv(self, kind, *a, **k)
         if kind == "offer":
             events.append(("offer", time.monotonic()))
+            if sum(what == "offer" for what, _ in events) == 2:
+                offers_in.set()
         return frame
     monkeypatch.setattr(link_mod.Channel, "recv", recv)
     real_pack = WeightSync._pack
     fail = [False]
 
     def pack(self: Any) -> int:
-        time.sleep(0.2)     # long enough that an offer sent after the pack would come after its end
+        # the pack waits for the offers: were they sent after it (or by it), this would time out
+        assert offers_in.wait(10), "the offers did not go out before the pack"
         if fail[0]:
             raise RuntimeError("the shard's shape changed")
         out = real_pack(self)
