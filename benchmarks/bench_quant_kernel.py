@@ -4,10 +4,9 @@ torch casting the same bytes once (the memory bound) on the same GPU, in the sam
 The shards are one source's share of a Llama-shaped bf16 (or fp32) model, cut at uneven rows as FSDP2 cuts
 them (block rows shared with the neighbouring shards), 128 x 128 blocks.  Timed: a sync
 step's three launches (the shared cells' amaxes; the others' amaxes and values; the shared cells' values);
-``--image`` runs another build of ``fp8_quantize.cu`` (a fatbin; ``a.fatbin:N`` launches N thread blocks a
-multiprocessor, 0 one a cell: the build's QUANT_BLOCKS), to compare builds side by side.
+``--image`` runs another build of ``fp8_quantize.cu`` (a fatbin), to compare builds side by side.
 
-    python3 benchmarks/bench_quant_kernel.py --size 4.5e9 --image a.fatbin:0 --image b.fatbin:2 --out $OUT
+    python3 benchmarks/bench_quant_kernel.py --size 4.5e9 --image a.fatbin --image b.fatbin --out $OUT
 """
 
 from __future__ import annotations
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=4.5e9)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--image", action="append", default=[],
-                   help="another fatbin of fp8_quantize.cu, PATH[:BLOCKS_PER_SM]")
+    p.add_argument("--image", type=Path, action="append", default=[], help="another fatbin of fp8_quantize.cu")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -90,16 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     in_bytes = sum(s.local.numel() * s.local.element_size() for s in parts)
     out_bytes = sum(s.values.numel() for s in parts)
     result: dict[str, Any] = {"input_bytes": in_bytes, "fp8_bytes": out_bytes, "bound_s": bound(parts, args.repeat)}
-    builds: dict[str, tuple[Path | None, int]] = {"built": (None, kernel.BLOCKS_PER_SM)}
-    for spec in args.image:
-        path, _, per_sm = spec.partition(":")
-        builds[spec] = (Path(path), int(per_sm) if per_sm else kernel.BLOCKS_PER_SM)
+    builds = {"built": None, **{str(i): i for i in args.image}}
     built = kernel._image
-    for name, (image, per_sm) in builds.items():
+    for name, image in builds.items():
         built.cache_clear()
         kernel._functions.clear()      # the next launch loads this build's image
         kernel._image = built if image is None else _constant(image.read_bytes())  # type: ignore[assignment]
-        kernel.BLOCKS_PER_SM = per_sm
         r = run(parts, args.repeat)
         r["over_bound"] = r["seconds"] / result["bound_s"]
         r["gbps"] = (in_bytes + out_bytes) / r["seconds"] / 1e9

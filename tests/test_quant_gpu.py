@@ -63,16 +63,11 @@ def test_a_huge_tensor_quantizes_without_a_float32_copy() -> None:
     assert torch.cuda.max_memory_allocated() - before < 4 << 20
 
 
-@pytest.mark.parametrize("blocks_per_sm", [0, 1, kernel.BLOCKS_PER_SM])
-def test_one_table_of_many_mixed_shards_gives_torchs_bytes_in_two_launches(blocks_per_sm, monkeypatch) -> None:
+def test_one_table_of_many_mixed_shards_gives_torchs_bytes_in_two_launches() -> None:
     """A source's table: bf16 and fp32 shards, three formulas, cut along rows and columns anywhere (columns at
     odd offsets take the kernels' one-element path, the rest 16-byte loads).  The amax launch quantizes the
-    cells a shard holds whole; the quantize launch, given the merged amaxes, the listed shared ones.  With
-    one thread block a multiprocessor, each block walks many cells, tiles and loops in turn (a tile's loads
-    issued before the cell before it is done); with 0, one block a cell."""
+    cells a shard holds whole; the quantize launch, given the merged amaxes, the listed shared ones."""
     from tensorxfer.quant.kernel import ShardTable
-
-    monkeypatch.setattr(kernel, "BLOCKS_PER_SM", blocks_per_sm)
     from tensorxfer.quant.quantize import torch_block_amax
     from tensorxfer.sync.quantizing import QuantizedShard
 

@@ -14,7 +14,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,7 @@ FORMULAS = {("transformers", "float"): 0, ("deepgemm", "float"): 1, ("deepgemm",
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _lock = threading.Lock()
-_functions: dict[int, tuple[Any, dict[str, Any], int]] = {}    # device -> (primary context, name -> CUfunction, SMs)
-#: Thread blocks a multiprocessor that walk the cells (fp8_quantize.cu's QUANT_BLOCKS); 0: one block a cell.
-BLOCKS_PER_SM = int(os.environ.get("TENSORXFER_QUANT_BLOCKS_PER_SM", "2"))
+_functions: dict[int, tuple[Any, dict[str, Any]]] = {}     # device -> (primary context, name -> CUfunction)
 
 
 @functools.cache
@@ -67,18 +64,16 @@ def _check(result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-def _context(device: int) -> tuple[Any, dict[str, Any], int]:
-    """The device's primary context (torch's; retained once for the process's life), the kernels loaded
-    into it and its multiprocessors."""
+def _context(device: int) -> tuple[Any, dict[str, Any]]:
+    """The device's primary context (torch's; retained once for the process's life) and the kernels loaded
+    into it."""
     cu = _driver()
     with _lock:
         found = _functions.get(device)
         if found is None:
             _check(cu.cuInit(0), "cuInit")
-            dev = _check(cu.cuDeviceGet(device), "cuDeviceGet")
-            sms = _check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-                         "cuDeviceGetAttribute")
-            ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            ctx = _check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
+                         "cuDevicePrimaryCtxRetain")
             _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
             try:
                 module = _check(cu.cuModuleLoadData(_image()), "cuModuleLoadData")
@@ -86,7 +81,7 @@ def _context(device: int) -> tuple[Any, dict[str, Any], int]:
                            for n in ("amax_cells", "quantize_cells")}
             finally:
                 _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
-            found = _functions[device] = (ctx, kernels, int(sms))
+            found = _functions[device] = (ctx, kernels)
         return found
 
 
@@ -94,16 +89,13 @@ WIDTH = 17      # int64 columns of a table row (fp8_quantize.cu's Column)
 _DTYPES = {"torch.bfloat16": 0, "torch.float32": 1}
 
 
-def _launch(name: str, device: int, count: int, args: tuple, types: tuple) -> None:
-    """One launch over ``count`` cells on torch's current stream, the context pushed for it: the calling
-    thread (a sync's pair or push thread) may have none current (measured on the H100:
-    CUDA_ERROR_INVALID_CONTEXT without)."""
+def _launch(name: str, device: int, blocks: int, args: tuple, types: tuple) -> None:
+    """One launch on torch's current stream, the context pushed for it: the calling thread (a sync's pair
+    or push thread) may have none current (measured on the H100: CUDA_ERROR_INVALID_CONTEXT without)."""
     import torch
 
     cu = _driver()
-    ctx, kernels, sms = _context(device)
-    blocks = min(count, sms * BLOCKS_PER_SM) if BLOCKS_PER_SM else count
-    args, types = (*args, count), (*types, _I64)
+    ctx, kernels = _context(device)
     stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
     _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     try:
