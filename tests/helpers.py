@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -277,7 +278,6 @@ def destroy_tcp_sockets(socks: list[socket.socket]) -> list[int]:
     local end's next call fails with ECONNABORTED), from this process and within microseconds: ``ss`` in a
     subprocess took longer to start on a loaded CI machine than a 64 MiB pair took to finish.  Returns the
     kernel's answer for each socket (0: destroyed, else a negative errno)."""
-    import struct
     answers = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
         for seq, s in enumerate(socks, 1):
