@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import pytest
 
 import tensorxfer as tx
 from tensorxfer.sync import Source, Target
+from tensorxfer.transport.tcp_streams import Streams
 from tests.helpers import destroy_tcp_sockets
 from tests.test_sync import Stores, run_ranks
 
@@ -53,21 +53,20 @@ def test_one_pair_cut_mid_step_completes_and_no_other_pair_resends() -> None:
         for r in range(2):
             srcs[r]["w"].tensor.copy_(fresh[r]["w"].tensor)
         cut: list[int] = []
+        streams, once = feed._streams, threading.Lock()
+        last = streams.moved            # the counts of the step before: a new list once this step begins
 
-        last = feed._streams.moved      # the counts of the step before: a new list once this step begins
-
-        def watch() -> None:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                moved = feed._streams.moved
-                if moved is not last and sum(moved) >= pair_bytes // 16:
-                    cut.extend(destroy_tcp_sockets(socks))
-                    return
-                time.sleep(0.0002)
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
-        watcher.join(5)
+        def report(n: int) -> None:
+            """Each stream's receive reports its bytes here, in its own thread: the first report past 1/16 of
+            the pair has the kernel destroy the sockets before that stream reads on (no race with the step)."""
+            Streams.report(streams, n)
+            if streams.moved is not last and sum(streams.moved) >= pair_bytes // 16 and once.acquire(False):
+                cut.extend(destroy_tcp_sockets(socks))
+        streams.report = report  # type: ignore[method-assign]
+        try:
+            results = run_ranks([s.push for s in sources] + [lambda t=t: t.wait(timeout=60) for t in targets])
+        finally:
+            del streams.report
         assert cut == [0] * len(socks), cut         # the kernel destroyed every one of the pair's sockets
         assert results[2:] == [2, 2]            # the step completed, as one version, for both targets
         for r in range(2):
