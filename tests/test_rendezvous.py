@@ -138,7 +138,7 @@ def test_membership_decisions(url: str) -> None:
             m.report(2, True, 2, {})
         t = time.monotonic()
         three = s0.decide(3, two)
-        assert time.monotonic() - t < 1.0, "everyone reported: no waiting"
+        assert time.monotonic() - t < 1.4, "everyone reported: no waiting (a wait is the 1.5 s stall timeout)"
         assert three.targets == {0: t0.uid, 1: t1.uid} and t1.uid != old
         # a source that leaves is out at once; a non-lowest source decides itself when the lowest is silent
         s0.leave()
