@@ -312,7 +312,8 @@ cdef class HostRegion(AllocationMap):
         bytes (rounded up to a page), holding every file's pages.  ``writable``: writes go to the files, and
         the caller must have allocated their blocks (``fallocate``: a write the disk has no room for faults
         with SIGBUS); else the region is read-only.  ``populate``: ``MAP_POPULATE`` (cached pages map in one
-        pass).  The region owns the mappings and has no handles to pass (ipc cannot send it).
+        pass).  The region owns the mappings and has no memory handles to pass: over ipc a sender passes the
+        files themselves instead (``transport/ipc/sourcefiles.py``).
 
         Raises ValueError (no files, misplaced or overlapping files, a file past ``size``), HandleError (an
         fd that is not a regular file or holds fewer than ``length`` bytes: its pages past the end would
