@@ -156,6 +156,7 @@ def test_a_rename_map_binds_a_module_with_other_names() -> None:
         assert torch.equal(dst.proj.weight, src[0].weight) and torch.equal(dst.proj.bias, src[0].bias)
 
 
+@pytest.mark.slow
 def test_a_tensor_mapped_to_none_is_left_out_of_the_module_and_still_lands_in_the_region() -> None:
     """GPT2LMHeadModel into GPT2Model needed a hand-made map for the tied head, and mapping to None was refused."""
     transformers = pytest.importorskip("transformers")

@@ -185,14 +185,17 @@ def check_bounded(r: dict, caught_up: bool = True) -> None:
     assert r["total_over_payload"] < 1.25, r
 
 
+@pytest.mark.slow
 def test_sender_killed_at_60_percent_resumes(tmp_path):
     check_bounded(kill_sender_then_resume(tmp_path, SHARD_BYTES))
 
 
+@pytest.mark.slow
 def test_receiver_killed_at_60_percent_restarts_and_resumes(tmp_path):
     check_bounded(kill_receiver_then_resume(tmp_path, SHARD_BYTES))
 
 
+@pytest.mark.slow
 def test_verified_send_resumes_too(tmp_path):
     """--verify reads the files into memory (not mapped) and checks every tensor at the end: the kept
     pieces pass that end-to-end check too."""
@@ -259,6 +262,7 @@ def rewrite_shard(path: Path, keep_mtime: bool) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+@pytest.mark.slow
 def test_changed_source_is_detected_by_mtime_and_sent_again(tmp_path):
     src, out = interrupted(tmp_path)
     name = max(held_files(out).items(), key=lambda kv: kv[1])[0]
@@ -271,6 +275,7 @@ def test_changed_source_is_detected_by_mtime_and_sent_again(tmp_path):
     assert sent["kept_bytes"] > 0 and sent["bytes"] + sent["kept_bytes"] == payload_of(SHARDS, SHARD_BYTES)
 
 
+@pytest.mark.slow
 def test_changed_source_with_the_same_mtime_is_caught_by_the_checksums(tmp_path):
     src, out = interrupted(tmp_path)
     name = max(held_files(out).items(), key=lambda kv: kv[1])[0]
@@ -284,6 +289,7 @@ def test_changed_source_with_the_same_mtime_is_caught_by_the_checksums(tmp_path)
 
 
 # ---------------------------------------------------------------- the journal is hostile input
+@pytest.mark.slow
 def test_truncated_journal_is_refused_and_everything_is_sent(tmp_path):
     src, out = interrupted(tmp_path)
     j = out / JOURNAL_NAME
@@ -293,6 +299,7 @@ def test_truncated_journal_is_refused_and_everything_is_sent(tmp_path):
     assert sent["kept_bytes"] == 0 and not [g for g in got if g["event"] == "resume"]
 
 
+@pytest.mark.slow
 def test_edited_journal_record_is_refused(tmp_path):
     src, out = interrupted(tmp_path)
     j = out / JOURNAL_NAME
@@ -310,6 +317,7 @@ def test_edited_journal_record_is_refused(tmp_path):
     assert "discarded the resume journal" in err and sent["kept_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_temp_file_that_does_not_match_the_journal_is_discarded(tmp_path):
     src, out = interrupted(tmp_path)
     journal = read_journal(out, PIECE_BYTES)
@@ -387,6 +395,7 @@ def test_receiver_refuses_a_forged_journal_at_start_and_removes_its_files(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_no_resume_removes_the_partial_output(tmp_path):
     src, out = interrupted(tmp_path)
     recv, where = start_recv(out, "--once", "--no-resume", "--stall-timeout", "10")
@@ -418,6 +427,7 @@ def test_stream_parts_of_a_few_large_runs_are_the_cut_the_sender_makes():
     assert len(seg.split(4)) != 4 or len(seg.split(3)) != 3, "the case the cut must settle"
 
 
+@pytest.mark.slow
 def test_resume_over_ipc_moves_only_the_missing_segments(tmp_path):
     """The same host picks ipc: a partial update there copies only the segments the receiver lacks."""
     src, out = interrupted(tmp_path)

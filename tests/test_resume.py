@@ -107,6 +107,7 @@ def test_one_cut_resumes_only_what_did_not_land(nbytes: int) -> None:
         assert wire["data_bytes"] < 1.2 * nbytes
 
 
+@pytest.mark.slow
 def test_a_link_gone_silent_is_noticed_by_the_stall_timeouts_and_resumed() -> None:
     nbytes = 64 << 20
     sent, wire, rx, job = run_update(nbytes, [nbytes // 2], stall=1.5)
@@ -116,6 +117,7 @@ def test_a_link_gone_silent_is_noticed_by_the_stall_timeouts_and_resumed() -> No
         assert payload_matches(region) and rx.last_stats is not None and rx.last_stats.retries == 1
 
 
+@pytest.mark.slow
 def test_recovery_off_fails_typed_and_the_receiver_serves_the_next_sender() -> None:
     nbytes = 64 << 20
     sent, _, rx, job = run_update(nbytes, [nbytes // 2], recovery=None)
