@@ -24,9 +24,13 @@ from tensorxfer.files.resume import PartialOutput, source_stats
 from tensorxfer.transport.segments import Segments
 
 
-def _segments(runs: list[tuple[int, int]]) -> Segments:
+def _moving_segments(runs: list[tuple[int, int]], moving: Callable[[int], None]) -> Segments:
+    """The segments a partial update moves (region ``runs``, the same offsets on both ends); ``moving`` (the
+    progress bar) is told their bytes."""
     offsets = [off for off, _ in runs]
-    return Segments.of(offsets, offsets, [n for _, n in runs])
+    segments = Segments.of(offsets, offsets, [n for _, n in runs])
+    moving(segments.total_bytes)
+    return segments
 
 
 class HeldOutput:
@@ -45,11 +49,7 @@ class HeldOutput:
         runs = self.partial.keep(confirmed)
         if self.partial.kept or self.partial.discarded:
             self._report(self.partial.report())
-        if runs is None:
-            return None
-        segments = _segments(runs)
-        self._moving(segments.total_bytes)
-        return segments
+        return _moving_segments(runs, self._moving) if runs is not None else None
 
 
 class SourcePieces:
@@ -100,9 +100,7 @@ class SourcePieces:
         return sorted(confirmed)
 
     def missing(self, confirmed: list[int]) -> Segments | None:
-        segments = _segments(self.pmap.runs_without(confirmed))
-        self._moving(segments.total_bytes)
-        return segments
+        return _moving_segments(self.pmap.runs_without(confirmed), self._moving)
 
 
 __all__ = ["HeldOutput", "SourcePieces"]
