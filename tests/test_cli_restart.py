@@ -139,11 +139,12 @@ def kill_receiver_then_resume(tmp_path: Path, shard_bytes: int, *extra: str, cau
     src = random_model_dir(tmp_path / "src", shards=SHARDS, shard_bytes=shard_bytes)
     out, payload = tmp_path / "out", payload_of(SHARDS, shard_bytes)
     recv, where = start_recv(out, "--once", "--stall-timeout", "10")
-    relay, via = pausing_relay(where, int(payload * 0.6))
+    pause_at = int(payload * 0.6)
+    relay, via = pausing_relay(where, pause_at)
     first = send(src, via, *extra)
     wait_paused(relay)
     if caught_up:
-        wait_until(lambda: journaled(out) >= int(payload * 0.6) - 4 * PIECE_BYTES, 60, "the journal catching up")
+        wait_until(lambda: journaled(out) >= pause_at - 4 * PIECE_BYTES, 60, "the journal catching up")
     else:
         time.sleep(KILL_AFTER)
     recv.send_signal(signal.SIGKILL)
@@ -439,3 +440,25 @@ def test_resume_over_ipc_moves_only_the_missing_segments(tmp_path):
     assert sent["transport"] == "ipc" and sent["kept_bytes"] > 0, sent
     assert sent["bytes"] + sent["kept_bytes"] == payload_of(SHARDS, SHARD_BYTES)
     identical(src, out)
+
+
+def test_both_ends_tell_the_progress_bar_what_moves(tmp_path):
+    """The sender's checker and the receiver's holder say how many bytes a partial update moves (the bar's
+    data phase): the bytes of the segments they return, nothing when the whole region moves."""
+    import logging
+    from types import SimpleNamespace
+
+    from tensorxfer.cli.resume import HeldOutput, SourcePieces
+    from tensorxfer.files.load import plan_load
+
+    src = random_model_dir(tmp_path / "src", shards=2, shard_bytes=4 * PIECE_BYTES)
+    told: list[int] = []
+    checker = SourcePieces(plan_load([src]), logging.getLogger("test"), told.append)
+    segments = checker.missing([0, 1, 2])
+    assert told == [segments.total_bytes] and segments.total_bytes == 8 * PIECE_BYTES - 3 * PIECE_BYTES, told
+    runs = checker.pmap.runs_without([0, 1, 2])
+    partial = SimpleNamespace(keep=lambda confirmed: runs if confirmed else None, kept=0, discarded=[])
+    told.clear()
+    holder = HeldOutput(partial, lambda record: None, told.append)     # type: ignore[arg-type]
+    assert holder.keep(None, []) is None and told == []
+    assert holder.keep(None, [0, 1, 2]).total_bytes == told[0] == segments.total_bytes
