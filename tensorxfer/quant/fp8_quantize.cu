@@ -312,3 +312,156 @@ quantize_cells(const int64_t* __restrict__ table, int64_t shards, const int64_t*
     const int64_t g = cells ? cells[blockIdx.x] : (int64_t)blockIdx.x;
     quantize_cell(locate(table, shards, g), amax[g]);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// quantize_tiles: FP8 made on the way, by the process that copies a weight-sync pair on one GPU
+// (tensorxfer.quant.tiles).  A tile is one block that a source shard holds whole: its elements are read from
+// the source's region (bf16 or float32, rows of src_pitch bytes), its amax taken, and its FP8 values written
+// straight into the target's region -- only the part of the block the target holds (rows [r0, r1), columns
+// [c0, c1) of the block, to dst + (r - r0) * dst_pitch + (c - c0)) -- with its scale (at scale, or none:
+// -1).  One read of the bf16 and one write of the FP8 bytes, where quantizing at the source and copying the
+// FP8 bytes costs a write and a read more.  A block holding a NaN or an infinity writes nothing, and the
+// lowest such tile's index lands in *status (set to all ones before the launch): the caller fails the step.
+enum TileColumn { T_SRC, T_SRC_PITCH, T_ROWS, T_COLS, T_DST, T_DST_PITCH, T_R0, T_R1, T_C0, T_C1, T_SCALE, T_DTYPE,
+                  T_FORMULA, T_WIDTH };
+
+// Every element of rows [r_lo, r_hi) x columns [c_lo, c_hi) of a block at src (rows of pitch bytes), VEC at a
+// time: a row of threads at a time, as each() does
+template <typename T, int VEC, typename F>
+__device__ __forceinline__ void walk(const char* src, int64_t pitch, int64_t r_lo, int64_t r_hi, int64_t c_lo,
+                                     int64_t c_hi, F f) {
+    const int lanes = (int)((c_hi - c_lo) / VEC), tw = lanes < 1 ? 1 : lanes < THREADS ? lanes : THREADS;
+    const int per = THREADS / tw, tr = threadIdx.x / tw, tc = threadIdx.x % tw;
+    if (tr >= per) return;
+    for (int64_t r = r_lo + tr; r < r_hi; r += per)
+        for (int64_t k = c_lo + (int64_t)tc * VEC; k < c_hi; k += (int64_t)tw * VEC) {
+            float v[VEC];
+            Load<T, VEC>::at(reinterpret_cast<const T*>(src + r * pitch) + k, v);
+            f(r, k, v);
+        }
+}
+
+// The factor values are multiplied by, from a block's amax; the scale stored at scale (unless null)
+__device__ __forceinline__ float tile_scale(int formula, float amax, char* scale) {
+    float mult, stored;
+    uint8_t byte = 0;
+    if (formula == TRANSFORMERS) {
+        mult = amax > 0.0f ? FP8_MAX * (1.0f / amax) : 1.0f;
+        stored = 1.0f / mult;
+    } else {
+        float sf = fmaxf(amax, 1e-4f) / FP8_MAX;
+        if (formula == DEEPGEMM_E8M0) sf = ceil_pow2(sf, &byte);
+        mult = 1.0f / sf;
+        stored = sf;
+    }
+    if (threadIdx.x == 0 && scale != nullptr) {
+        if (formula == DEEPGEMM_E8M0) *reinterpret_cast<uint8_t*>(scale) = byte;
+        else *reinterpret_cast<float*>(scale) = stored;
+    }
+    return mult;
+}
+
+// A block 128 columns wide, at most 128 rows high, aligned for 16-byte loads, its values written whole rows
+// of 8-byte words (the layout FP8 checkpoints use, TP shards on block edges): one read into registers, one write
+template <typename T>
+__device__ __forceinline__ bool tile_fast(const int64_t* t, uint64_t src, uint64_t dst) {
+    return t[T_COLS] == 128 && t[T_ROWS] <= 128 && t[T_C0] == 0 && t[T_C1] == 128 && (src + t[T_SRC]) % 16 == 0 &&
+           t[T_SRC_PITCH] % 16 == 0 && (dst + t[T_DST]) % 8 == 0 && t[T_DST_PITCH] % 8 == 0;
+}
+
+template <typename T>
+__device__ void tile_registers(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
+                               unsigned long long* status) {
+    constexpr int VEC = 16 / sizeof(T), LANES = 128 / VEC, ROWS = THREADS / LANES, PASSES = 128 / ROWS;
+    const int tr = threadIdx.x / LANES, tc = threadIdx.x % LANES;
+    const int64_t rows = t[T_ROWS], pitch = t[T_SRC_PITCH];
+    const char* src = reinterpret_cast<const char*>(src_base + t[T_SRC]) + tc * 16;
+    uint4 raw[PASSES];
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int64_t r = tr + p * ROWS;
+        if (r < rows) raw[p] = *reinterpret_cast<const uint4*>(src + r * pitch);
+    }
+    float m = 0.0f;
+    int nan = 0;
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        if (tr + p * ROWS >= rows) continue;
+        float v[VEC];
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+            nan |= v[i] != v[i];
+            m = fmaxf(m, fabsf(v[i]));
+        }
+    }
+    m = block_max(m, &nan);
+    if (nan || !isfinite(m)) {
+        if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
+        return;
+    }
+    char* scale = t[T_SCALE] >= 0 ? reinterpret_cast<char*>(dst_base + t[T_SCALE]) : nullptr;
+    const float s = tile_scale((int)t[T_FORMULA], m, scale);
+    const int64_t r0 = t[T_R0], r1 = t[T_R1], dpitch = t[T_DST_PITCH];
+    uint8_t* values = reinterpret_cast<uint8_t*>(dst_base + t[T_DST]) + tc * VEC;
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int64_t r = tr + p * ROWS;
+        if (r < r0 || r >= r1) continue;
+        float v[VEC];
+        uint8_t b[VEC];
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) b[i] = to_fp8(v[i], s);
+        store<VEC>(values + (r - r0) * dpitch, b);
+    }
+}
+
+// Any other tile: a pass for the amax, a second (from L2) for the values of the target's part
+template <typename T, int VEC>
+__device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
+                          unsigned long long* status) {
+    const char* src = reinterpret_cast<const char*>(src_base + t[T_SRC]);
+    const int64_t pitch = t[T_SRC_PITCH];
+    float m = 0.0f;
+    int nan = 0;
+    walk<T, VEC>(src, pitch, 0, t[T_ROWS], 0, t[T_COLS], [&](int64_t, int64_t, const float* v) {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+            nan |= v[i] != v[i];
+            m = fmaxf(m, fabsf(v[i]));
+        }
+    });
+    m = block_max(m, &nan);
+    if (nan || !isfinite(m)) {
+        if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
+        return;
+    }
+    char* scale = t[T_SCALE] >= 0 ? reinterpret_cast<char*>(dst_base + t[T_SCALE]) : nullptr;
+    const float s = tile_scale((int)t[T_FORMULA], m, scale);
+    const int64_t r0 = t[T_R0], c0 = t[T_C0], dpitch = t[T_DST_PITCH];
+    uint8_t* values = reinterpret_cast<uint8_t*>(dst_base + t[T_DST]);
+    walk<T, 1>(src, pitch, r0, t[T_R1], c0, t[T_C1], [&](int64_t r, int64_t c, const float* v) {
+        values[(r - r0) * dpitch + (c - c0)] = to_fp8(v[0], s);
+    });
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+quantize_tiles(const int64_t* __restrict__ tiles, uint64_t src_base, uint64_t dst_base,
+               unsigned long long* __restrict__ status) {
+    const int64_t index = blockIdx.x;
+    const int64_t* t = tiles + index * T_WIDTH;
+    if (t[T_DTYPE] == BF16) {
+        if (tile_fast<__nv_bfloat16>(t, src_base, dst_base))
+            tile_registers<__nv_bfloat16>(t, src_base, dst_base, index, status);
+        else if ((src_base + t[T_SRC]) % 16 == 0 && t[T_SRC_PITCH] % 16 == 0 && t[T_COLS] % 8 == 0)
+            tile_loop<__nv_bfloat16, 8>(t, src_base, dst_base, index, status);
+        else
+            tile_loop<__nv_bfloat16, 1>(t, src_base, dst_base, index, status);
+    } else {
+        if ((src_base + t[T_SRC]) % 16 == 0 && t[T_SRC_PITCH] % 16 == 0 && t[T_COLS] % 4 == 0)
+            tile_loop<float, 4>(t, src_base, dst_base, index, status);
+        else
+            tile_loop<float, 1>(t, src_base, dst_base, index, status);
+    }
+}

@@ -78,7 +78,7 @@ def _context(device: int) -> tuple[Any, dict[str, Any]]:
             try:
                 module = _check(cu.cuModuleLoadData(_image()), "cuModuleLoadData")
                 kernels = {n: _check(cu.cuModuleGetFunction(module, n.encode()), "cuModuleGetFunction")
-                           for n in ("amax_cells", "quantize_cells")}
+                           for n in ("amax_cells", "quantize_cells", "quantize_tiles")}
             finally:
                 _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
             found = _functions[device] = (ctx, kernels)

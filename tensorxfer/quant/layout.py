@@ -61,7 +61,7 @@ FP8_MAX = 448.0                 # float8_e4m3fn's largest finite value
 FORMULAS = ("transformers", "deepgemm")
 SCALES = {"float": "F32", "e8m0": "F8_E8M0"}    # scale encoding -> the scale tensor's dtype
 SEP = "\x00"                    # derived names: never part of a name a user gives (spec refuses it)
-PARTS = ("values", "scales")
+PARTS = ("values", "scales", "input")     # input: a source's shard in its region, for tiles (sync.fusing)
 
 
 def _block_size(value: Any) -> int | None:

@@ -4,13 +4,17 @@
   targets read it in (fp32 masters cast to bf16 at every push), and where targets want a tensor
   quantized (:mod:`tensorxfer.sync.quantizing`), its FP8 values and the scales of the blocks its shard
   touches go there too, described under their derived names (:func:`tensorxfer.quant.derived_name`).
-  A tensor the targets want only quantized needs no plain copy: it is quantized from the trainer's own.
+  A tensor the targets want only quantized needs no plain copy: it is quantized from the trainer's own --
+  unless the source's region is on a GPU that targets may share (``inputs``): then the trainer's shard
+  (bf16 or float32, 2-D) is adopted into the region too, described as the tensor's ``input``, so that a
+  pair on that GPU can quantize it on the way (:mod:`tensorxfer.sync.fusing`); adopted, it costs no memory.
 - A **target**'s region holds its live tensors; a quantized one's scales (``<name>_scale_inv``) beside
   its FP8 values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,11 @@ class SourceLayout:
     manifest: Manifest
     plain: dict[str, Source]
     quantized: list[tuple[str, Quantization, Source]]
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # global name -> its input's entry
+
+    def input_layout(self, name: str) -> Quantization:
+        """The layout under whose derived name tensor ``name``'s input is described (its first one)."""
+        return next(q for n, q, _ in self.quantized if n == name)
 
     @staticmethod
     def local(index: int, part: str) -> str:
@@ -53,11 +62,16 @@ class SourceLayout:
             tensors += [SourceTensor(derived_name(n, q, "values"), s.global_shape, values.dtype, s.box, values.offset),
                         SourceTensor(derived_name(n, q, "scales"), grid.scale_shape, scales.dtype, Box(first, count),
                                      scales.offset)]
+        for n, entry in self.inputs.items():
+            s = next(s for name, _, s in self.quantized if name == n)
+            tensors.append(SourceTensor(derived_name(n, self.input_layout(n), "input"), s.global_shape, m[entry].dtype,
+                                        s.box, m[entry].offset))
         return RankSpec("source", rank, tensors)
 
 
-def source_layout(shards: Mapping[str, Source], targets: list[RankSpec]) -> SourceLayout:
-    """The region layout of a source holding ``shards``, for the ``targets`` that formed the group.
+def source_layout(shards: Mapping[str, Source], targets: list[RankSpec], inputs: bool = False) -> SourceLayout:
+    """The region layout of a source holding ``shards``, for the ``targets`` that formed the group; with
+    ``inputs``, the adoptable 2-D bf16 / float32 shards that targets want quantized get an input entry.
 
     Raises PlanError where targets disagree on a tensor's dtype, or ask FP8 of a tensor that cannot be
     (an integer one; blocks that do not fit its shape), naming it.
@@ -90,7 +104,15 @@ def source_layout(shards: Mapping[str, Source], targets: list[RankSpec]) -> Sour
             entries += [(SourceLayout.local(len(quantized), "values"), q.values_dtype, s.box.sizes),
                         (SourceLayout.local(len(quantized), "scales"), q.scale_dtype, cells)]
             quantized.append((n, q, s))
-    return SourceLayout(Manifest.layout(entries), plain, quantized)
+    names: dict[str, str] = {}
+    if inputs:
+        for n in dict.fromkeys(n for n, _, _ in quantized):
+            s = shards[n]
+            dtype = _dt.from_torch(s.tensor.dtype).name
+            if s.adopt and dtype in ("BF16", "F32") and len(s.box.sizes) == 2:
+                names[n] = f"#quantized.input.{len(names)}"
+                entries.append((names[n], dtype, s.box.sizes))
+    return SourceLayout(Manifest.layout(entries), plain, quantized, names)
 
 
 def target_tensors(shards: Mapping[str, Target]) -> dict[str, Any]:

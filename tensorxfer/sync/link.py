@@ -30,6 +30,7 @@ from tensorxfer.errors import (
     PeerLost,
     PlanError,
     ProtocolError,
+    QuantizationError,
     TensorXferError,
     TransferError,
     TransferTimeout,
@@ -324,6 +325,9 @@ class _Feed:
         fs.transport.resumable = fs.resume
         try:
             moved, rec = recovery.receive(fs.transport, self.ch, fs.seq, DEFAULT_POLICY, None)
+        except QuantizationError as e:      # the pair quantized on the way and met a NaN: the source hears why
+            self.ch.send_error("quantization", str(e), tensor=e.tensor)
+            raise
         finally:
             fs.transport.resumable = False
         wire = time.perf_counter() - t1

@@ -88,7 +88,8 @@ class Membership:
         self._joined = False
         self._spec: RankSpec | None = None
         self._address: tuple[str, int] | None = None
-        self._specs: dict[tuple[str, int, str], tuple[RankSpec, tuple[str, int] | None]] = {}
+        self._device: str | None = None
+        self._specs: dict[tuple[str, int, str], tuple[RankSpec, tuple[str, int] | None, str | None]] = {}
         self._memo: dict[bytes, Any] = {}
         self._bodies: dict[str, bytes] = {}     # content digest -> description body
         self._live: dict[str, tuple[int, dict[int, str]]] = {}     # role -> (members version, members)
@@ -105,8 +106,10 @@ class Membership:
         return group_key(self.group, *parts)
 
     # ------------------------------------------------------------ this rank
-    def register(self, spec: RankSpec, address: tuple[str, int] | None = None, timeout: float = 0.0) -> None:
-        """Publish this rank's shard description and join the group.
+    def register(self, spec: RankSpec, address: tuple[str, int] | None = None, timeout: float = 0.0,
+                 device: str | None = None) -> None:
+        """Publish this rank's shard description (and ``device``: see :class:`~tensorxfer.sync.records.SpecRef`)
+        and join the group.
 
         A rank another live process holds is waited for up to ``timeout`` seconds (a restarted rank whose
         old incarnation the group has not dropped yet: its lease expires, or the next step drops it).
@@ -125,12 +128,12 @@ class Membership:
                     f"is not dropped yet (a lease expires after its TTL; a TCPStore group drops it at its next "
                     f"step)")
             time.sleep(0.05)
-        self._spec, self._address = spec, address
+        self._spec, self._address, self._device = spec, address, device
         content = spec.content_digest.hex()
         body_key = self.key("body", content)
         if not self.store.has(body_key):                  # a replica may have put it already
             self.store.put_content(body_key, zlib.compress(spec.body, 3))
-        self.store.put(self.key("spec", self.role, self.rank, self.uid), SpecRef(content, address).encode())
+        self.store.put(self.key("spec", self.role, self.rank, self.uid), SpecRef(content, address, device).encode())
         self.store.join(self.key("member", self.role), str(self.rank), Member(self.uid, address).encode())
         self._joined = True
 
@@ -140,7 +143,7 @@ class Membership:
         assert self._spec is not None, "register() first"
         self.leave()
         self.uid = secrets.token_hex(8)
-        self.register(self._spec, self._address)     # its own old incarnation just left
+        self.register(self._spec, self._address, device=self._device)     # its own old incarnation just left
 
     def leave(self) -> None:
         """Deregister (a clean exit: the next step's membership leaves this rank out)."""
@@ -332,8 +335,8 @@ class Membership:
             mine = w == (self.role, self.rank, self.uid)
             try:
                 ref = SpecRef.decode(k, self.store.seal.open(k, v))
-                if mine and self._spec is not None and \
-                        (ref.content != self._spec.content_digest.hex() or ref.address != self._address):
+                if mine and self._spec is not None and (ref.content != self._spec.content_digest.hex()
+                                                        or ref.address != self._address or ref.device != self._device):
                     raise StoreError(f"the store's {k!r} is not the description this rank published", k)
             except StoreError as e:
                 if not mine:
@@ -357,8 +360,17 @@ class Membership:
                                       memo=self._memo, content_digest=bytes.fromhex(ref.content))   # checked
             if spec.role != w[0]:
                 raise PlanError(f"sync {self.group!r}: {w[0]} rank {w[1]} registered a {spec.role}'s description")
-            self._specs[w] = (spec, ref.address)
+            self._specs[w] = (spec, ref.address, ref.device)
         return [self._specs[w][0] for w in wanted], [self._specs[w][1] for w in wanted]
+
+    def devices(self, record: StepRecord) -> dict[tuple[str, int], str | None]:
+        """(role, rank) -> the GPU each member of ``record`` registered (after :meth:`specs` read them)."""
+        out = {}
+        for role, ranks in (("source", record.sources), ("target", record.targets)):
+            for rank, uid in ranks.items():
+                found = self._specs.get((role, rank, uid))
+                out[(role, rank)] = found[2] if found is not None else None
+        return out
 
     def _inflate(self, content: str, packed: bytes) -> bytes:
         inflate = zlib.decompressobj()

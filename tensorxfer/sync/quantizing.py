@@ -49,9 +49,10 @@ __all__ = ["QuantStats", "QuantizedShard", "SourceQuantizer"]
 
 @dataclass(frozen=True)
 class QuantStats:
-    """One push's quantization on a source: FP8 bytes written, those of blocks shared with other sources
+    """One push's quantization on a source: FP8 bytes it wrote, those of blocks shared with other sources
     (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
-    seconds the whole quantization took (before the step's offers went out)."""
+    seconds the whole quantization took (before the step's offers went out); and the FP8 bytes its pairs on
+    its GPU made on the way from its input instead (``fused_bytes``: :mod:`tensorxfer.sync.fusing`)."""
 
     values_bytes: int = 0
     shared_bytes: int = 0
@@ -59,11 +60,12 @@ class QuantStats:
     peers: int = 0
     wait_seconds: float = 0.0
     seconds: float = 0.0
+    fused_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"values_bytes": self.values_bytes, "shared_bytes": self.shared_bytes,
                 "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "fused_bytes": self.fused_bytes}
 
 
 class QuantizedShard:
@@ -154,7 +156,9 @@ class _DeviceShards:
         self.fast = len(fast)
         device = self.shards[0].local.device
         starts = np.concatenate([[0], np.cumsum([math.prod(s.count) for s in self.shards])]).astype(np.int64)
-        self.amax = torch.empty(int(starts[-1]), dtype=torch.float32, device=device)
+        self._starts = starts
+        # zeros: the cells a pair quantizes on the way are never taken here, and stay finite
+        self.amax = torch.zeros(int(starts[-1]), dtype=torch.float32, device=device)
         if self.table is not None:
             self.table.amax = self.amax[:self.table.cells]     # the kernels write into the flat tensor
         self.views = [self.amax[starts[i]:starts[i + 1]].view(s.count) for i, s in enumerate(self.shards)]
@@ -163,8 +167,19 @@ class _DeviceShards:
         self.shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards], device)
         self.fast_shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards
                                        if i < self.fast], device)
-        self.fast_whole = _positions([starts[i] + np.setdiff1d(np.arange(math.prod(s.count)), s.shared_pos)
-                                      for i, s in enumerate(self.shards[:self.fast])], device)
+        self.skipped: frozenset[str] = frozenset()
+        self.skip(frozenset())
+
+    def skip(self, fused: frozenset[str]) -> None:
+        """Leave out the whole cells of the kernels' shards named in ``fused`` (values names): pairs on this
+        GPU quantize those on the way (:mod:`tensorxfer.sync.fusing`); their shared cells are still made here."""
+        if fused == self.skipped and hasattr(self, "fast_whole"):
+            return
+        self.skipped = fused
+        self.amax.zero_()       # no amax of an earlier epoch's cells is checked again
+        self.fast_whole = _positions([self._starts[i] + np.setdiff1d(np.arange(math.prod(s.count)), s.shared_pos)
+                                      for i, s in enumerate(self.shards[:self.fast]) if s.values_name not in fused],
+                                     self.amax.device)
 
     def shared_amaxes(self) -> None:
         """The amaxes of the cells other sources share (the kernels' shards), and every amax of the torch ones."""
@@ -219,6 +234,11 @@ def _positions(parts: list[np.ndarray], device: Any) -> Any:
     return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
 
 
+def _takes_kernel_name(d: _DeviceShards, name: str) -> bool:
+    """Whether ``name`` is one of ``d``'s kernel shards (the ones :meth:`_DeviceShards.skip` leaves out)."""
+    return any(s.values_name == name for s in d.shards[:d.fast])
+
+
 def _takes_kernel(s: QuantizedShard) -> bool:
     return (not s.empty and kernel.fits(s.local, s.grid) and kernel.computes(s.q)
             and s.values.device == s.local.device and s.values.is_contiguous()
@@ -243,9 +263,12 @@ class SourceQuantizer:
         self._devices = [_DeviceShards(group) for group in by_device.values()]
         self._peers: tuple[int, ...] = ()
 
-    def plan(self, sources: list[RankSpec]) -> None:
+    def plan(self, sources: list[RankSpec], fused: set[str] | frozenset[str] = frozenset()) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
-        that one of ours shares."""
+        that one of ours shares; and leave the whole blocks of the ``fused`` tensors (values names: every
+        pair reading them quantizes them on the way) to those pairs."""
+        for d in self._devices:
+            d.skip(frozenset(fused))
         wanted = {s.values_name: s for s in self.shards if len(s.shared_ids)}
         peers: set[int] = set()
         for spec in sources:
@@ -298,7 +321,9 @@ class SourceQuantizer:
             d.quantize_shared()
         self._check_finite()
         live = [s for s in self.shards if not s.empty]
-        return QuantStats(sum(s.values.numel() for s in live), sum(s.shared_bytes for s in live),
+        skipped = {n for d in self._devices for n in d.skipped if _takes_kernel_name(d, n)}
+        return QuantStats(sum(s.values.numel() if s.values_name not in skipped else s.shared_bytes for s in live),
+                          sum(s.shared_bytes for s in live),
                           sum(len(s.shared_pos) for s in live), len(self._peers), wait, time.perf_counter() - t0)
 
     def _check_finite(self) -> None:

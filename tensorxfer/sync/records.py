@@ -45,6 +45,7 @@ MAX_TENSORS = 1 << 20               # tensors a record of amaxes may name
 _PUBLIC_KEY = b"tensorxfer-sync-store-without-token"      # a tokenless group: detects corruption, not forgery
 _UID = re.compile(r"[0-9a-f]{16}\Z")
 _DIGEST = re.compile(r"[0-9a-f]{64}\Z")
+_DEVICE = re.compile(r"[0-9a-f]{24}\Z")       # sync.copy_host.device_identity
 
 
 def group_key(group: str, *parts: object) -> str:
@@ -167,20 +168,27 @@ class Member:
 
 @dataclass(frozen=True)
 class SpecRef:
-    """``spec/<role>/<rank>/<uid>``: an incarnation's description (by the sha256 of its body) and address."""
+    """``spec/<role>/<rank>/<uid>``: an incarnation's description (by the sha256 of its body), address, and the
+    GPU its region is on where pairs on that GPU may quantize on the way (``device``: a digest of the machine,
+    user, mount namespace and GPU, :func:`tensorxfer.sync.copy_host.device_identity`; None: no such pair)."""
 
     content: str
     address: tuple[str, int] | None
+    device: str | None = None
 
     def encode(self) -> bytes:
-        return pack({"content": self.content, "address": list(self.address) if self.address else None})
+        return pack({"content": self.content, "address": list(self.address) if self.address else None,
+                     "device": self.device})
 
     @classmethod
     def decode(cls, key: str, value: bytes) -> SpecRef:
         d = _fields(key, value, ("content", "address"))
         if not isinstance(d["content"], str) or not _DIGEST.match(d["content"]):
             raise _bad(key, f"names body {d['content']!r}, not a sha256")
-        return cls(d["content"], _address(key, d["address"]))
+        device = d.get("device")
+        if device is not None and (not isinstance(device, str) or not _DEVICE.match(device)):
+            raise _bad(key, f"names device {device!r}, not a device digest")
+        return cls(d["content"], _address(key, d["address"]), device)
 
 
 @dataclass(frozen=True)

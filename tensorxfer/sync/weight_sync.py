@@ -56,7 +56,8 @@ from tensorxfer.errors import (
 from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
-from tensorxfer.sync.copy_host import elect
+from tensorxfer.sync.copy_host import device_identity, elect
+from tensorxfer.sync.fusing import Fusable, fusable, fuse, fused_names
 from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
@@ -190,6 +191,8 @@ class WeightSync:
         self.adopted = 0                                # sources: local shards moved into the region
         self._quantizer: SourceQuantizer | None = None  # sources: the shards targets want in FP8
         self._quant_stats = QuantStats()
+        self._device_id: str | None = None              # the GPU this rank's pairs there may quantize on
+        self._fusable: dict[str, Fusable] = {}          # sources: the shards such pairs can quantize
         self.last_stats: SyncStats | None = None
         try:
             if role == "target":
@@ -231,17 +234,25 @@ class WeightSync:
         # the newest step before this rank registered: a later one may include it already (the group does not
         # wait for its constructor to end), and one it never read would leave it waiting for good
         self._before_joining = self.members.latest()
-        self.members.register(spec, self._port.address, self._timeout)
+        from tensorxfer.quant import tiles
+
+        if self._fuses_on(self.region.is_cuda) and tiles.available():
+            self._device_id = device_identity(self.region)
+        self.members.register(spec, self._port.address, self._timeout, device=self._device_id)
 
     def _init_source(self, tensors: Mapping[str, Any], device: str | None, timeout: float) -> None:
         shards = {name: source_of(t) for name, t in tensors.items()}
-        layout = source_layout(shards, self.members.initial_targets(self.world[1], timeout))
-        manifest = layout.manifest
         where = device or next((f"cuda:{s.tensor.device.index or 0}" for s in shards.values()
                                 if s.tensor.device.type == "cuda"), "cpu")
+        fuses = self._fuses_on(where.startswith("cuda"))
+        layout = source_layout(shards, self.members.initial_targets(self.world[1], timeout), inputs=fuses)
+        manifest = layout.manifest
         self.region = TensorRegion.from_manifest(manifest, device=where)
         self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()]
-        self.adopted = self._adopt([s.adopt for s in layout.plain.values()])
+        # a quantized tensor's input, where pairs on this GPU may quantize it on the way (sync.fusing)
+        self._shards += [(shards[n].tensor, tensor_view(self.region, manifest[entry]))
+                         for n, entry in layout.inputs.items()]
+        self.adopted = self._adopt([s.adopt for s in layout.plain.values()] + [True] * len(layout.inputs))
         self._view_ptrs = [view.data_ptr() for _, view in self._shards]
         self._locals = [local for local, _ in self._shards]     # the trainer's tensor objects (it may re-point them)
         if layout.quantized:
@@ -250,7 +261,16 @@ class WeightSync:
                                tensor_view(self.region, manifest[layout.local(i, "values")]),
                                tensor_view(self.region, manifest[layout.local(i, "scales")]))
                 for i, (n, q, s) in enumerate(layout.quantized)], self.members.store, self.rank, self.stall_timeout)
-        self.members.register(layout.describe(self.rank), timeout=timeout)
+        spec = layout.describe(self.rank)
+        if fuses and layout.inputs:
+            self._device_id = device_identity(self.region)
+            self._fusable = fusable(spec)
+        self.members.register(spec, timeout=timeout, device=self._device_id)
+
+    def _fuses_on(self, cuda: bool) -> bool:
+        """Whether this rank's pairs may quantize on the way on its GPU: a GPU region, and ipc allowed and
+        working (such a pair needs a device-local ipc copy)."""
+        return cuda and self._transport in ("auto", "ipc") and ipc_unavailable() is None
 
     def _enter(self, record: StepRecord, timeout: float, agree: bool = False) -> None:
         """Take part in ``record``'s step: plan its epoch if this rank has not yet (sources connect to new
@@ -266,19 +286,29 @@ class WeightSync:
         if agree:
             self._agree(record, p, timeout)
         self.plan, self._planned = p, record.epoch
+        devices = self.members.devices(record)
         if self.role == "source":
-            if self._quantizer is not None:
-                self._quantizer.plan(sources)
             order = p.send_order.get(self.rank, ())
             for t in [t for t in self._links if t not in order]:
                 self._links.pop(t).close()
-            self._segments = {t: segments_of(p, self.rank, t) for t in order}
+            mine = self._device_id
+            pairs = {t: fuse(segments_of(p, self.rank, t), self._fusable,
+                             mine is not None and devices.get(("target", t)) == mine) for t in order}
+            self._segments = {t: fp.segments for t, fp in pairs.items()}
+            if self._quantizer is not None:
+                self._quantizer.plan(sources, fused_names(list(pairs.values())))
             if agree:       # the group forms: a target it cannot reach fails the construction
                 self._connect(order)
             # a later epoch connects as the push runs: a new target that cannot be reached fails its own pair
         else:
             assert self._port is not None
-            self._feeds = {s: segments_of(p, s, self.rank) for s in p.sources_of.get(self.rank, ())}
+            by_rank = {spec.rank: spec for spec in sources}
+            self._feeds = {}
+            for s in p.sources_of.get(self.rank, ()):
+                segments = segments_of(p, s, self.rank)
+                if self._device_id is not None and devices.get(("source", s)) == self._device_id:
+                    segments = fuse(segments, fusable(by_rank[s])).segments
+                self._feeds[s] = segments
             self._port.expect(set(self._feeds))
             self._port.admit(timeout)
         log.info("sync %r: %s rank %d planned epoch %d (%d sources, %d targets, digest %s)", self.group, self.role,
@@ -426,7 +456,9 @@ class WeightSync:
         fresh = [t for t in self._segments if t not in self._links]
         if self._quantizer is not None:
             try:
-                self._quant_stats = self._quantizer.quantize(version)   # a NaN is found before any offer
+                self._quant_stats = dataclasses.replace(    # a NaN is found before any offer
+                    self._quantizer.quantize(version),
+                    fused_bytes=sum(s.tiles.values_bytes for s in self._segments.values() if s.tiles is not None))
             except Exception as e:
                 self._refuse(e)
                 why = f"the source could not quantize its weights: {type(e).__name__}: {e}"

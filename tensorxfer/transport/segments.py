@@ -7,6 +7,11 @@ shard is a block of rows, each a run).  :class:`Segments` holds them as strided 
 region and ``dst_off[i] + j*dst_stride[i]`` in the receiver's -- in the order the bytes travel.  Both ends
 of a pair compute the same Segments (from the same plan), so no offsets cross the wire.
 
+A pair whose two ends share a GPU may also carry quantizing tiles (``tiles``: a
+:class:`~tensorxfer.quant.tiles.QuantTiles`): FP8 blocks the copy makes from the sender's input as it goes
+(:mod:`tensorxfer.sync.fusing`).  Only a device-local ipc copy runs them; every other transport refuses
+segments that carry any.
+
 Transports take ``segments`` where they otherwise move ``[0, nbytes)`` (``None``): tcp cuts them into one
 part per stream (:meth:`Segments.split`, the same cut on both ends) and moves each part with scatter /
 gather socket calls; ipc copies them out of the sender's mapped memory (host: one strided numpy copy per
@@ -20,6 +25,7 @@ import hashlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +44,7 @@ class Segments:
     count: np.ndarray
     src_stride: np.ndarray
     dst_stride: np.ndarray
+    tiles: Any = None       # QuantTiles, or None
 
     @classmethod
     def of(cls, src_off: object, dst_off: object, nbytes: object, count: object = None, src_stride: object = None,
@@ -64,7 +71,8 @@ class Segments:
     # step: computed once (the columns are never written after construction).
     @functools.cached_property
     def total_bytes(self) -> int:
-        return int((self.nbytes * self.count).sum())
+        """Bytes written into the receiver: the runs', and the quantizing tiles' (FP8 values and scales)."""
+        return int((self.nbytes * self.count).sum()) + (self.tiles.written_bytes if self.tiles is not None else 0)
 
     @functools.cached_property
     def num_runs(self) -> int:
@@ -86,6 +94,8 @@ class Segments:
         h = hashlib.sha256(b"tensorxfer.segments/1\0")
         for name in _FIELDS:
             h.update(np.ascontiguousarray(getattr(self, name)).astype("<u8", copy=False).data)
+        if self.tiles is not None and len(self.tiles):
+            h.update(b"tiles\0" + self.tiles.digest)
         return h.hexdigest()
 
     def check_within(self, src_size: int, dst_size: int) -> None:
@@ -100,6 +110,23 @@ class Segments:
         if src_end > src_size or dst_end > dst_size:
             raise ProtocolError(f"segments reach past the regions ({src_end} > {src_size} or "
                                 f"{dst_end} > {dst_size}): the two ends did not plan the same transfer")
+        if self.tiles is not None:
+            self.tiles.check_within(src_size, dst_size)
+
+    def without_tiles(self) -> None:
+        """Refuse quantizing tiles: for every transport but a device-local ipc copy.
+
+        Raises
+        ------
+        TransportUnavailable
+            These segments carry tiles (their pair was planned for one GPU, and is not on one).
+        """
+        if self.tiles is not None and len(self.tiles):
+            from tensorxfer.errors import TransportUnavailable
+
+            raise TransportUnavailable("this pair was planned to quantize on the way on one GPU (its source and "
+                                       "target registered the same device), which only an ipc copy between GPU "
+                                       "regions does: run the pair over ipc (transport 'auto' or 'ipc')")
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """Every run ``(src_off, dst_off, nbytes)``, in wire order."""

@@ -206,7 +206,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         segments.check_within(incoming.nbytes, dst.nbytes)
         on = self._cuda_device(incoming, dst.device) if dst.is_cuda else None
         key = incoming.key(on)
-        lane = self._lane(key, incoming, handles, segments) if self.copy_host is not None else None
+        # a pair that quantizes on the way runs here: a copy lane serves byte copies only
+        lane = (self._lane(key, incoming, handles, segments)
+                if self.copy_host is not None and segments.tiles is None else None)
         src = self._source(key, incoming, handles, fds, on)
         ok = False
         try:
@@ -215,9 +217,12 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             elif dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
-                self._strided_copy(segments, on).launch(copier, dst.region.ptr, src.ptr)
+                work = self._strided_copy(segments, on)
+                work.launch(copier, dst.region.ptr, src.ptr)
                 copier.synchronize()
+                work.check_quantized()
             else:
+                segments.without_tiles()
                 copy_segments_in_host_memory(src, dst.region, segments, COPY_THREADS)
             # a step of another pair into this region went in doubt meanwhile: the target's step must not succeed
             IN_DOUBT.wait_clear(dst, 0)

@@ -3,7 +3,9 @@
 Both the copying ipc receiver (:mod:`.copy`, in the target's own process) and a copy host (:mod:`.delegate`,
 copying for the other targets on its GPU) run the same copies: on the host every row of every group by
 ``copy_groups`` on a few threads without the GIL; on a GPU one launch of the strided-copy kernel over the
-pair's tiles (uploaded once: the plan is static), or one 2-D copy per group where the kernel was not built.
+pair's tiles (uploaded once: the plan is static), or one 2-D copy per group where the kernel was not built;
+and, for a pair that quantizes on the way (:mod:`tensorxfer.sync.fusing`), one launch of its quantizing tiles
+after it on the same stream.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorxfer.errors import QuantizationError
 from tensorxfer.memory import strided
 from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.transport.segments import Segments
@@ -37,6 +40,11 @@ class DeviceSegments:
     def __init__(self, segments: Segments, device: int) -> None:
         self.segments, self.device = segments, device
         self._kernel: Any = None
+        self._tiles: Any = None
+        if segments.tiles is not None and len(segments.tiles):
+            from tensorxfer.quant.tiles import DeviceTiles
+
+            self._tiles = DeviceTiles(segments.tiles, device)
         image = strided.kernel_image()
         if image is not None:
             from tensorxfer.memory._copy import StridedCopy
@@ -48,10 +56,29 @@ class DeviceSegments:
     def launch(self, copier: Any, dst_ptr: int, src_ptr: int) -> None:
         if self._kernel is not None:
             self._kernel.launch(copier, dst_ptr, src_ptr)
-        else:   # one 2-D copy per strided group (a block of rows), not one copy per row
+        elif len(self.segments):   # one 2-D copy per strided group (a block of rows), not one copy per row
             sg = self.segments
             copier.dtod_groups(sg.dst_off + np.uint64(dst_ptr), sg.src_off + np.uint64(src_ptr), sg.nbytes, sg.count,
                                sg.dst_stride, sg.src_stride)
+        if self._tiles is not None:
+            self._tiles.launch(copier.stream, dst_ptr, src_ptr)
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether this pair's copy runs quantizing tiles (a copy lane cannot serve it)."""
+        return self._tiles is not None
+
+    def check_quantized(self) -> None:
+        """After the copier's stream synchronized: QuantizationError naming the tensor of the first block that
+        held a NaN or an infinity (nothing of that block was written; the step must fail)."""
+        if self._tiles is None:
+            return
+        bad = self._tiles.failed()
+        if bad is not None:
+            name = self.segments.tiles.tensor_of(bad)
+            raise QuantizationError(f"a block of {name!r} holds a NaN or an infinity in the source's weights (found "
+                                    f"as this pair quantized it on the way): the step fails; fix the weights, and "
+                                    f"the next push goes on", name)
 
     def serve_lane(self, copier: Any, dst_ptr: int, src_ptr: int, fd: int, fence: int) -> tuple[int, bytes] | None:
         """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``), each taken and finished on the
@@ -62,6 +89,9 @@ class DeviceSegments:
         return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd, fence)
 
     def close(self) -> None:
+        if self._tiles is not None:
+            self._tiles.close()
+            self._tiles = None
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
             kernel.close()

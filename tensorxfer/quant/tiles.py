@@ -1,0 +1,169 @@
+"""Quantizing tiles: FP8 made on the way by the process that copies a weight-sync pair on one GPU.
+
+Where a source and a target share a GPU, the pair's copy already runs there (the target, or its copy host,
+maps the source's region).  For the blocks the source holds whole, that copy can quantize as it goes: read
+the source's bf16 (or float32) block from the source's region, take its amax, and write its FP8 values and
+its scale straight into the target's region -- one read of the input and one write of the FP8 bytes, the
+least memory traffic FP8 targets can cost (quantizing at the source and then copying the FP8 bytes reads
+and writes them once more, and the six processes of a 4-to-2 sync time-slice the GPU for it).
+:mod:`tensorxfer.sync.fusing` turns a pair's planned FP8 runs into these tiles; the blocks that straddle
+sources still come quantized from the sources (their amaxes agreed through the store), as byte runs.
+
+A tile is one block of one source shard: a row of :data:`WIDTH` int64 (the kernel's ``TileColumn``,
+``fp8_quantize.cu``), byte offsets relative to the two regions' bases:
+
+``src, src_pitch, rows, cols``
+    the whole block in the source's region (its first element; bytes per shard row; its extent);
+``dst, dst_pitch, r0, r1, c0, c1``
+    the part of the block the target holds (rows ``[r0, r1)``, columns ``[c0, c1)`` of the block) and where
+    its first element goes in the target's region (bytes per target row);
+``scale``
+    where the block's scale goes in the target's region (-1: this tile writes none);
+``dtype, formula``
+    the input's dtype (0 bf16, 1 float32) and the layout's formula (:data:`tensorxfer.quant.kernel.FORMULAS`).
+
+The formula is the source path's, so the bytes are the same (``tests/test_fusing.py``; on the GPU
+``tests/test_quant_gpu.py``).  A block with a NaN or an infinity writes nothing and fails the pair naming
+its tensor (:meth:`DeviceTiles.failed`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorxfer.errors import ProtocolError
+
+__all__ = ["COLUMNS", "WIDTH", "DeviceTiles", "QuantTiles", "available"]
+
+COLUMNS = ("src", "src_pitch", "rows", "cols", "dst", "dst_pitch", "r0", "r1", "c0", "c1", "scale", "dtype",
+           "formula")
+WIDTH = len(COLUMNS)
+(SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA) = range(WIDTH)
+INPUT_SIZES = (2, 4)        # bytes per input element, by the dtype column
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this process can run quantizing tiles: the kernel image built and cuda-bindings importable."""
+    from tensorxfer.quant import kernel
+
+    return kernel._image() is not None and kernel._driver() is not None
+
+
+@dataclass(frozen=True, eq=False)
+class QuantTiles:
+    """A pair's quantizing tiles: ``table`` (n x :data:`WIDTH` int64, read-only), the tensor each tile
+    belongs to (``tensor``: indices into ``names``), and its scale's size in bytes (``scale_bytes``)."""
+
+    table: np.ndarray
+    tensor: np.ndarray
+    names: tuple[str, ...]
+    scale_bytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        for a in (self.table, self.tensor, self.scale_bytes):
+            a.setflags(write=False)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @functools.cached_property
+    def values_bytes(self) -> int:
+        """FP8 bytes the tiles write."""
+        t = self.table
+        return int(((t[:, R1] - t[:, R0]) * (t[:, C1] - t[:, C0])).sum())
+
+    @functools.cached_property
+    def written_bytes(self) -> int:
+        """Every byte the tiles write into the target: values and scales."""
+        return self.values_bytes + int(self.scale_bytes[self.table[:, SCALE] >= 0].sum())
+
+    @functools.cached_property
+    def input_bytes(self) -> int:
+        """Bytes of the source's input the tiles read."""
+        t = self.table
+        return int((t[:, ROWS] * t[:, COLS] * np.take(INPUT_SIZES, t[:, DTYPE])).sum())
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        h = hashlib.sha256(b"tensorxfer.tiles/1\0")
+        h.update(np.ascontiguousarray(self.table).astype("<i8", copy=False).data)
+        return h.digest()
+
+    def tensor_of(self, index: int) -> str:
+        return self.names[int(self.tensor[index])]
+
+    def check_within(self, src_size: int, dst_size: int) -> None:
+        """Every tile reads inside the source's region and writes inside the target's.
+
+        Raises
+        ------
+        ProtocolError
+            A tile reaches past a region or names a column out of range (the ends planned differently).
+        """
+        t = self.table
+        if not len(t):
+            return
+        size = np.take(INPUT_SIZES, np.clip(t[:, DTYPE], 0, 1))
+        ok = ((t[:, DTYPE] >= 0) & (t[:, DTYPE] <= 1) & (t[:, ROWS] >= 1) & (t[:, COLS] >= 1)
+              & (t[:, SRC] >= 0) & (t[:, SRC_PITCH] >= t[:, COLS] * size)
+              & (0 <= t[:, R0]) & (t[:, R0] <= t[:, R1]) & (t[:, R1] <= t[:, ROWS])
+              & (0 <= t[:, C0]) & (t[:, C0] <= t[:, C1]) & (t[:, C1] <= t[:, COLS]) & (t[:, DST] >= 0)
+              & (t[:, SCALE] >= -1))
+        src_end = t[:, SRC] + (t[:, ROWS] - 1) * t[:, SRC_PITCH] + t[:, COLS] * size
+        rows = t[:, R1] - t[:, R0]
+        dst_end = np.where(rows > 0, t[:, DST] + (rows - 1) * t[:, DST_PITCH] + (t[:, C1] - t[:, C0]), 0)
+        ok &= (src_end <= src_size) & (dst_end <= dst_size) & (t[:, SCALE] + self.scale_bytes <= dst_size)
+        ok &= (rows <= 1) | (t[:, DST_PITCH] >= t[:, C1] - t[:, C0])
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise ProtocolError(f"quantizing tile {i} of {self.tensor_of(i)!r} reaches past the regions "
+                                f"({dict(zip(COLUMNS, t[i].tolist()))}; regions of {src_size} and {dst_size} "
+                                f"bytes): the two ends did not plan the same transfer")
+
+
+class DeviceTiles:
+    """A pair's tiles on ``device``: the table uploaded once; :meth:`launch` queues the kernel on a stream,
+    :meth:`failed` (once that stream is synchronized) names the first tile that found a NaN or an infinity."""
+
+    def __init__(self, tiles: QuantTiles, device: int) -> None:
+        import torch
+
+        self.tiles, self.device = tiles, device
+        self._table = torch.from_numpy(np.ascontiguousarray(tiles.table)).to(f"cuda:{device}")
+        self._status = torch.empty(1, dtype=torch.int64, device=f"cuda:{device}")
+
+    def launch(self, stream: int, dst_base: int, src_base: int) -> None:
+        """Queue the tiles (the failure word reset first) on CUDA stream handle ``stream``."""
+        from tensorxfer.quant import kernel
+
+        if not len(self.tiles):
+            return
+        cu = kernel._driver()
+        ctx, kernels = kernel._context(self.device)
+        handle = cu.CUstream(stream)
+        kernel._check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        try:
+            kernel._check(cu.cuMemsetD32Async(self._status.data_ptr(), 0xFFFFFFFF, 2, handle), "cuMemsetD32Async")
+            args = (self._table.data_ptr(), src_base, dst_base, self._status.data_ptr())
+            types = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
+            kernel._check(cu.cuLaunchKernel(kernels["quantize_tiles"], len(self.tiles), 1, 1, kernel.THREADS, 1, 1,
+                                            0, handle, (args, types), 0), "cuLaunchKernel(quantize_tiles)")
+        finally:
+            kernel._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def failed(self) -> int | None:
+        """The lowest tile whose block held a NaN or an infinity in the last launch (its stream synchronized),
+        or None."""
+        if not len(self.tiles):
+            return None
+        word = int(self._status.item())      # all ones (-1 as int64): none failed
+        return None if word < 0 else word
+
+    def close(self) -> None:
+        self._table = self._status = None     # type: ignore[assignment]

@@ -1,0 +1,343 @@
+"""A weight-sync pair on one GPU quantizes on the way: its planned FP8 runs become quantizing tiles.
+
+The planner moves FP8 bytes that a source quantized into its own region (:mod:`tensorxfer.sync.quantizing`).
+Where the source and the target share a GPU, the pair's copy runs there anyway (:mod:`tensorxfer.transport.ipc`
+maps the source's region), so for every block the source holds whole, the copy reads the source's input
+(the trainer's bf16 or float32 shard, adopted into the source's region) and writes the FP8 values and the
+scale straight into the target (:mod:`tensorxfer.quant.tiles`): the source never writes them, nothing reads
+them back.  Blocks that straddle sources keep the source path (their amaxes are agreed between the sources
+first), as byte runs beside the tiles.
+
+:func:`fuse` is pure and runs on both ends of a pair, from the same plan and the same source description, so
+both make the same tiles (the pair's runs digest covers them: a disagreement fails the step, never a byte).
+A tensor whose runs in this pair do not map to boxes of the source's shard (never, for plans of 2-D shards)
+stays whole on the source path; :attr:`FusedPair.fused` names the tensors a pair fused, and a source
+quantizes the whole blocks of a tensor only if some pair reading it did not fuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorxfer import dtypes as _dt
+from tensorxfer.quant import kernel, tiles
+from tensorxfer.quant.layout import Grid, Quantization, parse_derived
+from tensorxfer.sync.spec import RankSpec, SourceTensor
+from tensorxfer.transport.segments import Segments
+
+__all__ = ["Fusable", "FusedPair", "fusable", "fuse", "fused_names"]
+
+INPUT_DTYPES = {"BF16": 0, "F32": 1}
+
+
+@dataclass(frozen=True)
+class Fusable:
+    """One quantized shard of a source whose whole blocks a pair on its GPU can quantize: where its input,
+    FP8 values and scales lie in the source's region, and its block grid."""
+
+    values_name: str
+    q: Quantization
+    grid: Grid
+    offsets: tuple[int, int]            # the shard's global offsets
+    sizes: tuple[int, int]
+    input_offset: int
+    input_dtype: int                    # 0 bf16, 1 float32 (the tile's dtype column)
+    values_offset: int
+    scales_offset: int
+    scale_bytes: int
+    first: tuple[int, int]              # the first cell the shard touches (global cell coordinates)
+    count: tuple[int, int]
+    whole_cells: tuple[tuple[int, int], tuple[int, int]]    # per dimension, [first, end) of the whole cells (local)
+
+    @property
+    def values_end(self) -> int:
+        return self.values_offset + self.sizes[0] * self.sizes[1]
+
+    @property
+    def scales_end(self) -> int:
+        return self.scales_offset + self.count[0] * self.count[1] * self.scale_bytes
+
+    def whole_elements(self, d: int) -> tuple[int, int]:
+        """[first, end) of the shard's elements (local) along ``d`` that lie in whole cells."""
+        a, b = self.whole_cells[d]
+        o, n, blk = self.offsets[d], self.grid.shape[d], self.grid.block[d]
+        lo = (self.first[d] + a) * blk - o
+        hi = min((self.first[d] + b) * blk, n) - o
+        return (lo, hi) if b > a else (0, 0)
+
+
+def _whole_range(o: int, s: int, b: int, n: int, first: int) -> tuple[int, int]:
+    """[first, end) of the cells (counted from ``first``) that a shard at ``o`` of ``s`` elements holds whole."""
+    lo = -(-o // b)
+    hi = -(-n // b) if o + s == n else (o + s) // b
+    return (lo - first, hi - first) if hi > lo else (0, 0)
+
+
+def fusable(spec: RankSpec) -> dict[str, Fusable]:
+    """The source's quantized shards (by their values' derived name) that quantizing tiles can make: 2-D, blocks
+    of at least 8 rows, a formula the kernel computes, a bf16 or float32 input in the region."""
+    parts: dict[tuple[str, str], dict[str, SourceTensor]] = {}
+    inputs: dict[str, SourceTensor] = {}
+    for t in spec.tensors:
+        found = parse_derived(t.name)
+        if found is None:
+            continue
+        base, q, part = found
+        if part == "input":
+            inputs[base] = t
+        else:
+            parts.setdefault((base, q.tag), {})[part] = t
+    out: dict[str, Fusable] = {}
+    for (base, tag), got in parts.items():
+        values, scales, inp = got.get("values"), got.get("scales"), inputs.get(base)
+        if values is None or scales is None or inp is None:
+            continue
+        q = Quantization.from_tag(tag)
+        shape = tuple(values.global_shape)
+        if len(shape) != 2 or (q.formula, q.scale) not in kernel.FORMULAS or inp.dtype not in INPUT_DTYPES:
+            continue
+        grid = q.grid(shape)
+        if grid.per_tensor or grid.block[0] < 8 or inp.box != values.box:
+            continue
+        box = values.box
+        first, count = grid.cells(box.offsets, box.sizes)
+        whole = tuple(_whole_range(o, s, b, n, f) for o, s, b, n, f in zip(box.offsets, box.sizes, grid.block,
+                                                                             grid.shape, first))
+        (o0, o1), (s0, s1) = box.offsets, box.sizes
+        out[values.name] = Fusable(
+            values.name, q, grid, (o0, o1), (s0, s1), inp.region_offset,
+            INPUT_DTYPES[inp.dtype], values.region_offset, scales.region_offset,
+            _dt.DTYPES[q.scale_dtype].itemsize, tuple(first), tuple(count), whole)  # type: ignore[arg-type]
+    return out
+
+
+@dataclass(frozen=True)
+class FusedPair:
+    """A pair's segments with its quantizing tiles; the quantized tensors (values names) the pair reads,
+    and those it fused (their whole blocks made by the tiles)."""
+
+    segments: Segments
+    read: frozenset[str]
+    fused: frozenset[str]
+
+
+# A box of a shard's values (or of its cells): rows [r, r + h) x columns [c, c + w), its first element at
+# byte dst of the target, rows dst_pitch bytes apart.
+_Box = tuple[int, int, int, int, int, int]
+
+
+def _box(off: int, nbytes: int, count: int, src_stride: int, dst: int, dst_stride: int, cols: int,
+         size: int) -> _Box | None:
+    """The box a group covers in an entry of ``cols`` columns of ``size``-byte elements (``off``: bytes from
+    its start); None if the group is not a box of it."""
+    if off % size or nbytes % size or (count > 1 and src_stride % size):
+        return None
+    r, c = divmod(off // size, cols)
+    n = nbytes // size
+    if c + n <= cols:
+        if count == 1:
+            return r, c, 1, n, dst, nbytes
+        return (r, c, count, n, dst, dst_stride) if src_stride == cols * size else None
+    if c == 0 and n % cols == 0:
+        rows = n // cols
+        if count == 1:
+            return r, 0, rows, cols, dst, cols * size
+        if src_stride == nbytes and dst_stride == nbytes:
+            return r, 0, rows * count, cols, dst, cols * size
+    return None
+
+
+def _split_box(b: _Box, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[_Box | None, list[_Box]]:
+    """``b`` cut into its part inside rows x cols (None: empty) and the up to four boxes around it."""
+    r, c, h, w, dst, pitch = b
+    r0, r1 = max(r, rows[0]), min(r + h, rows[1])
+    c0, c1 = max(c, cols[0]), min(c + w, cols[1])
+    if r0 >= r1 or c0 >= c1:
+        return None, [b]
+
+    def sub(a: int, z: int, x: int, y: int) -> _Box:
+        return a, x, z - a, y - x, dst + (a - r) * pitch + (x - c), pitch
+    around = [sub(r, r0, c, c + w), sub(r1, r + h, c, c + w), sub(r0, r1, c, c0), sub(r0, r1, c1, c + w)]
+    return sub(r0, r1, c0, c1), [a for a in around if a[2] > 0 and a[3] > 0]
+
+
+def _groups(boxes: list[_Box], entry_offset: int, cols: int, size: int) -> list[tuple[int, ...]]:
+    """Byte groups copying ``boxes`` of an entry (``cols`` columns of ``size`` bytes) at ``entry_offset``."""
+    return [(entry_offset + (r * cols + c) * size, dst, w * size, h, cols * size, pitch)
+            for r, c, h, w, dst, pitch in boxes]
+
+
+def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
+    """The tiles (rows of the tile table, plus the cell's flat local index and tensor index) of interior box
+    ``b`` (local elements, whole cells only)."""
+    r, c, h, w, dst, pitch = b
+    (bm, bn), (o0, o1), (n0, n1) = f.grid.block, f.offsets, f.grid.shape
+    gi = np.arange((o0 + r) // bm, (o0 + r + h - 1) // bm + 1, dtype=np.int64)
+    gj = np.arange((o1 + c) // bn, (o1 + c + w - 1) // bn + 1, dtype=np.int64)
+    gi, gj = (a.reshape(-1) for a in np.meshgrid(gi, gj, indexing="ij"))
+    top, left = gi * bm, gj * bn
+    rows, cols = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
+    size = tiles.INPUT_SIZES[f.input_dtype]
+    lr0 = np.maximum(o0 + r, top)                # the clip's first global row / column
+    lc0 = np.maximum(o1 + c, left)
+    lr1 = np.minimum(o0 + r + h, top + rows)
+    lc1 = np.minimum(o1 + c + w, left + cols)
+    t = np.empty((len(gi), tiles.WIDTH + 2), np.int64)
+    t[:, tiles.SRC] = f.input_offset + ((top - o0) * f.sizes[1] + (left - o1)) * size
+    t[:, tiles.SRC_PITCH] = f.sizes[1] * size
+    t[:, tiles.ROWS], t[:, tiles.COLS] = rows, cols
+    t[:, tiles.DST] = dst + (lr0 - o0 - r) * pitch + (lc0 - o1 - c)
+    t[:, tiles.DST_PITCH] = pitch
+    t[:, tiles.R0], t[:, tiles.R1] = lr0 - top, lr1 - top
+    t[:, tiles.C0], t[:, tiles.C1] = lc0 - left, lc1 - left
+    t[:, tiles.SCALE] = -1
+    t[:, tiles.DTYPE] = f.input_dtype
+    t[:, tiles.FORMULA] = kernel.FORMULAS[(f.q.formula, f.q.scale)]
+    t[:, tiles.WIDTH] = (gi - f.first[0]) * f.count[1] + (gj - f.first[1])
+    t[:, tiles.WIDTH + 1] = index
+    return t
+
+
+def _scale_only(f: Fusable, index: int, cells: np.ndarray) -> np.ndarray:
+    """Tiles that write only the scale of ``cells`` (flat local indices): the block read for its amax."""
+    (bm, bn), (o0, o1), (n0, n1) = f.grid.block, f.offsets, f.grid.shape
+    gi, gj = cells // f.count[1] + f.first[0], cells % f.count[1] + f.first[1]
+    top, left = gi * bm, gj * bn
+    t = np.zeros((len(cells), tiles.WIDTH + 2), np.int64)
+    size = tiles.INPUT_SIZES[f.input_dtype]
+    t[:, tiles.SRC] = f.input_offset + ((top - o0) * f.sizes[1] + (left - o1)) * size
+    t[:, tiles.SRC_PITCH] = f.sizes[1] * size
+    t[:, tiles.ROWS], t[:, tiles.COLS] = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
+    t[:, tiles.SCALE] = -1
+    t[:, tiles.DTYPE] = f.input_dtype
+    t[:, tiles.FORMULA] = kernel.FORMULAS[(f.q.formula, f.q.scale)]
+    t[:, tiles.WIDTH] = cells
+    t[:, tiles.WIDTH + 1] = index
+    return t
+
+
+def _cut_at(segments: Segments, edges: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The groups' columns (int64), each plain run that crosses one of ``edges`` (source offsets) cut there:
+    the planner merges runs contiguous in both regions, across tensors too (a tensor's FP8 values and its
+    scales, laid end to end on both sides, are one run)."""
+    cols = [a.astype(np.int64) for a in (segments.src_off, segments.dst_off, segments.nbytes, segments.count,
+                                         segments.src_stride, segments.dst_stride)]
+    so, do, nb, ct = cols[:4]
+    first = np.searchsorted(edges, so, side="right")
+    last = np.searchsorted(edges, so + nb, side="left")
+    crossing = np.flatnonzero((ct == 1) & (last > first))
+    if not len(crossing):
+        return tuple(cols)
+    keep = np.ones(len(so), bool)
+    keep[crossing] = False
+    pieces = []
+    for i in crossing:
+        cut = [int(so[i]), *edges[first[i]:last[i]].tolist(), int(so[i] + nb[i])]
+        for a, b in zip(cut, cut[1:]):
+            pieces.append((a, int(do[i]) + a - int(so[i]), b - a, 1, 0, 0))
+    extra = np.array(pieces, np.int64).T
+    return tuple(np.concatenate([c[keep], e]) for c, e in zip(cols, extra))
+
+
+def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) -> FusedPair:
+    """Pair ``segments`` (source region -> target region) with the runs of the fusable shards ``found``
+    (:func:`fusable` of the pair's source) that fall in whole blocks turned into quantizing tiles (not
+    ``enabled``: the segments as they are, and which of ``found`` they read)."""
+    entries = sorted([(f.values_offset, f.values_end, f, "values") for f in found.values()] +
+                     [(f.scales_offset, f.scales_end, f, "scales") for f in found.values()], key=lambda e: e[0])
+    if not entries or not len(segments):
+        return FusedPair(segments, frozenset(), frozenset())
+    starts = np.array([e[0] for e in entries], np.int64)
+    ends = np.array([e[1] for e in entries], np.int64)
+    so, do, nb, ct, ss, ds = _cut_at(segments, np.unique(np.concatenate([starts, ends])))
+    last = so + (ct - 1) * ss + nb
+    at = np.searchsorted(starts, so, side="right") - 1
+    inside = (at >= 0) & (last <= ends[np.maximum(at, 0)])
+    nxt = np.searchsorted(starts, so, side="right")
+    touches = inside | ((at >= 0) & (so < ends[np.maximum(at, 0)])) | \
+        ((nxt < len(starts)) & (last > starts[np.minimum(nxt, len(starts) - 1)]))
+    read: set[str] = set()
+    broken: set[str] = set()
+    boxes: dict[str, dict[str, list[_Box]]] = {}
+    for i in np.flatnonzero(touches):
+        if not inside[i]:       # a run across an entry's edge: every entry it touches stays on the source path
+            for k in range(len(entries)):
+                if so[i] < ends[k] and last[i] > starts[k]:
+                    read.add(entries[k][2].values_name)
+                    broken.add(entries[k][2].values_name)
+            continue
+        start, _, f, part = entries[int(at[i])]
+        read.add(f.values_name)
+        cols, size = (f.sizes[1], 1) if part == "values" else (f.count[1], f.scale_bytes)
+        b = _box(int(so[i] - start), int(nb[i]), int(ct[i]), int(ss[i]), int(do[i]), int(ds[i]), cols, size)
+        if b is None:
+            broken.add(f.values_name)
+        else:
+            boxes.setdefault(f.values_name, {"values": [], "scales": []})[part].append(b)
+    fused = sorted(set(boxes) - broken) if enabled else []
+    if not fused:
+        return FusedPair(segments, frozenset(read), frozenset())
+    keep = ~touches
+    for i in np.flatnonzero(touches):       # the groups of tensors left on the source path stay as they were
+        if inside[i] and entries[int(at[i])][2].values_name in broken:
+            keep[i] = True
+    keep |= touches & ~inside
+    groups: list[tuple[int, ...]] = []
+    made: list[np.ndarray] = []
+    names = tuple(fused)
+    scale_bytes: list[int] = []
+    for index, name in enumerate(names):
+        f = found[name]
+        scale_bytes.append(f.scale_bytes)
+        rows_in, cols_in = f.whole_elements(0), f.whole_elements(1)
+        mine: list[np.ndarray] = []
+        for b in boxes[name]["values"]:
+            inner, around = _split_box(b, rows_in, cols_in)
+            groups += _groups(around, f.values_offset, f.sizes[1], 1)
+            if inner is not None:
+                mine.append(_value_tiles(f, index, inner))
+        t = np.concatenate(mine) if mine else np.zeros((0, tiles.WIDTH + 2), np.int64)
+        for b in boxes[name]["scales"]:
+            inner, around = _split_box(b, f.whole_cells[0], f.whole_cells[1])
+            groups += _groups(around, f.scales_offset, f.count[1], f.scale_bytes)
+            if inner is None:
+                continue
+            r, c, h, w, dst, pitch = inner
+            ci, cj = (a.reshape(-1) for a in np.meshgrid(np.arange(r, r + h), np.arange(c, c + w), indexing="ij"))
+            cells = ci * f.count[1] + cj
+            where = dst + (ci - r) * pitch + (cj - c) * f.scale_bytes
+            order = np.argsort(t[:, tiles.WIDTH], kind="stable")
+            pos = np.searchsorted(t[order, tiles.WIDTH], cells)
+            hit = pos < len(t)
+            hit[hit] = t[order[pos[hit]], tiles.WIDTH] == cells[hit]
+            hit[hit] = t[order[pos[hit]], tiles.SCALE] < 0      # one scale per tile (a repeat makes its own)
+            t[order[pos[hit]], tiles.SCALE] = where[hit]
+            if (~hit).any():
+                extra = _scale_only(f, index, cells[~hit])
+                extra[:, tiles.SCALE] = where[~hit]
+                t = np.concatenate([t, extra])
+        made.append(t)
+    table = np.concatenate(made)
+    kept = [a[keep] for a in (so, do, nb, ct, ss, ds)]
+    if groups:
+        extra_cols = np.array(groups, np.int64).T
+        kept = [np.concatenate([k, e]) for k, e in zip(kept, extra_cols)]
+    bases = tuple(str(parse_derived(n)[0]) for n in names)     # type: ignore[index]
+    qt = tiles.QuantTiles(np.ascontiguousarray(table[:, :tiles.WIDTH]), table[:, tiles.WIDTH + 1].astype(np.int32),
+                          bases, np.array(scale_bytes, np.int64)[table[:, tiles.WIDTH + 1]])
+    final = [np.ascontiguousarray(k.astype(np.uint64)) for k in kept]
+    out = Segments(final[0], final[1], final[2], final[3], final[4], final[5], tiles=qt)
+    return FusedPair(out, frozenset(read), frozenset(fused))
+
+
+def fused_names(pairs: Sequence[FusedPair]) -> set[str]:
+    """The tensors (values names) every pair that reads them fused: their whole blocks need no source work."""
+    read: set[str] = set()
+    unfused: set[str] = set()
+    for p in pairs:
+        read |= p.read
+        unfused |= p.read - p.fused
+    return read - unfused

@@ -1,0 +1,242 @@
+"""A pair on one GPU quantizes on the way: the tiles :func:`tensorxfer.sync.fusing.fuse` makes of a plan.
+
+The planner's FP8 runs (the sources' quantized bytes) and the fused pair (byte runs left + quantizing
+tiles, run here by a reference executor in torch's operations, the formula of the source path) must put the
+same bytes into every target -- for uneven row cuts anywhere, column- and row-parallel targets, fused
+targets, bf16 and float32 inputs, every formula the kernel computes.  The GPU kernel runs the same tiles on
+the device (``tests/test_quant_gpu.py``, ``tests/test_sync_fp8.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="the sync's tensors are torch tensors")
+
+from tensorxfer.errors import ProtocolError  # noqa: E402
+from tensorxfer.manifest import Manifest  # noqa: E402
+from tensorxfer.quant import kernel, tiles  # noqa: E402
+from tensorxfer.quant.layout import FP8_MAX, Quantization  # noqa: E402
+from tensorxfer.quant.quantize import block_amax, quantize_into, scales_of  # noqa: E402
+from tensorxfer.sync import Box, Source, Target, chunk_box  # noqa: E402
+from tensorxfer.sync.fusing import fusable, fuse, fused_names  # noqa: E402
+from tensorxfer.sync.layout import source_layout, target_description, target_tensors  # noqa: E402
+from tensorxfer.sync.plan import plan  # noqa: E402
+from tensorxfer.sync.weight_sync import segments_of  # noqa: E402
+from tensorxfer.transport.segments import Segments  # noqa: E402
+
+FORMULA_OF = {code: pair for pair, code in kernel.FORMULAS.items()}
+TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def run_groups(s: Segments, src: np.ndarray, dst: np.ndarray) -> None:
+    for a, b, n in s.runs():
+        dst[b:b + n] = src[a:a + n]
+
+
+def run_tiles(t: tiles.QuantTiles, src: np.ndarray, dst: np.ndarray, block: tuple[int, int]) -> list[int]:
+    """The tiles in torch's operations on the host (what the kernel computes): the tiles that failed."""
+    failed = []
+    for i, row in enumerate(t.table.tolist()):
+        size = tiles.INPUT_SIZES[row[tiles.DTYPE]]
+        rows = [src[row[tiles.SRC] + r * row[tiles.SRC_PITCH]:][:row[tiles.COLS] * size] for r in range(row[tiles.ROWS])]
+        x = torch.frombuffer(bytearray(np.concatenate(rows).tobytes()),
+                             dtype=torch.bfloat16 if row[tiles.DTYPE] == 0 else torch.float32)
+        x = x.reshape(row[tiles.ROWS], row[tiles.COLS]).float()
+        amax = x.abs().max()
+        if not torch.isfinite(amax):
+            failed.append(i)
+            continue
+        formula, scale = FORMULA_OF[row[tiles.FORMULA]]
+        mult, stored = scales_of(amax.reshape(1), Quantization(block, formula, scale))
+        part = x[row[tiles.R0]:row[tiles.R1], row[tiles.C0]:row[tiles.C1]]
+        fp8 = (part * mult).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        for r in range(fp8.shape[0]):
+            at = row[tiles.DST] + r * row[tiles.DST_PITCH]
+            dst[at:at + fp8.shape[1]] = fp8[r]
+        if row[tiles.SCALE] >= 0:
+            raw = stored.contiguous().view(torch.uint8).numpy()
+            dst[row[tiles.SCALE]:row[tiles.SCALE] + len(raw)] = raw
+    return failed
+
+
+def reference(w: torch.Tensor, q: Quantization) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = q.grid(tuple(w.shape))
+    values = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(grid.scale_shape, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32)
+    quantize_into(w, grid, (0, 0), q, block_amax(w, grid, (0, 0)), values, scales)
+    return values, scales
+
+
+def put(region: np.ndarray, offset: int, t: torch.Tensor) -> None:
+    raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+    region[offset:offset + len(raw)] = raw
+
+
+def build(shapes: dict[str, tuple[int, int]], q: Quantization, cuts: list[int], dtype: str, m: int,
+          split: dict[str, int], seed: int) -> dict[str, Any]:
+    """Sources cut along rows at ``cuts`` (fractions of 1000), ``m`` targets split per tensor along ``split``."""
+    g = torch.Generator().manual_seed(seed)
+    full = {n: (torch.randn(s, generator=g) * 0.05).to(TORCH[dtype]) for n, s in shapes.items()}
+    sources = []
+    for a, b in zip([0, *cuts], [*cuts, 1000]):
+        mine = {}
+        for n, (rows, cols) in shapes.items():
+            lo, hi = rows * a // 1000, rows * b // 1000
+            mine[n] = Source(full[n][lo:hi].clone(), (rows, cols), Box((lo, 0), (hi - lo, cols)))
+        sources.append(mine)
+    targets = []
+    for t in range(m):
+        mine_t = {}
+        for n, shape in shapes.items():
+            d = split[n]
+            box = chunk_box(shape, d, t, m)
+            grid = q.grid(shape)
+            cells = tuple(-(-box.sizes[k] // grid.block[k]) for k in range(2))
+            scales = torch.zeros(cells, dtype=torch.float8_e8m0fnu if q.scale == "e8m0" else torch.float32)
+            mine_t[n] = Target.shard(torch.zeros(box.sizes, dtype=torch.float8_e4m3fn), n, shape, d, t,
+                                     m).quantized(q, scales)
+        targets.append(mine_t)
+    tmanifests = [Manifest.layout([(n, "F8_E4M3" if v.dtype == torch.float8_e4m3fn else
+                                    ("F8_E8M0" if v.dtype == torch.float8_e8m0fnu else "F32"), tuple(v.shape))
+                                   for n, v in target_tensors(tt).items()]) for tt in targets]
+    tspecs = [target_description(tt, man, r) for r, (tt, man) in enumerate(zip(targets, tmanifests))]
+    layouts = [source_layout(s, tspecs, inputs=True) for s in sources]
+    sspecs = [lay.describe(r) for r, lay in enumerate(layouts)]
+    return {"full": full, "sources": sources, "targets": targets, "tmanifests": tmanifests, "tspecs": tspecs,
+            "layouts": layouts, "sspecs": sspecs}
+
+
+def source_regions(case: dict[str, Any], q: Quantization) -> list[np.ndarray]:
+    """Each source's region as the source path leaves it: its input, and its FP8 values and scales (the
+    agreed ones: the global reference's, cut to its shard)."""
+    out = []
+    for lay, shards in zip(case["layouts"], case["sources"]):
+        region = np.zeros(lay.manifest.nbytes, np.uint8)
+        for n, entry in lay.inputs.items():
+            put(region, lay.manifest[entry].offset, shards[n].tensor)
+        for i, (n, _, s) in enumerate(lay.quantized):
+            values, scales = reference(case["full"][n], q)
+            (r0, c0), (h, w) = s.box.offsets, s.box.sizes
+            put(region, lay.manifest[lay.local(i, "values")].offset, values[r0:r0 + h, c0:c0 + w])
+            grid = q.grid(s.global_shape)
+            first, count = grid.cells(s.box.offsets, s.box.sizes)
+            put(region, lay.manifest[lay.local(i, "scales")].offset,
+                scales[first[0]:first[0] + count[0], first[1]:first[1] + count[1]])
+        out.append(region)
+    return out
+
+
+@st.composite
+def cases(draw: Any) -> tuple[Any, ...]:
+    block = draw(st.sampled_from([(128, 128), (8, 16), (16, 8)]))
+    pair = draw(st.sampled_from(sorted(kernel.FORMULAS)))
+    q = Quantization(block, *pair)
+    m = draw(st.integers(1, 3))
+    shapes = {}
+    split = {}
+    for k in range(draw(st.integers(1, 3))):
+        d = draw(st.integers(0, 1))
+        whole = [draw(st.integers(1, 3)) * m * block[e] if e == d else
+                 draw(st.integers(1, 3)) * block[e] - draw(st.sampled_from([0, 0, 3])) for e in range(2)]
+        shapes[f"w{k}"] = (max(whole[0], 1), max(whole[1], 1))
+        split[f"w{k}"] = d
+    cuts = sorted(set(draw(st.lists(st.integers(1, 999), max_size=3))))
+    return q, shapes, split, m, cuts, draw(st.sampled_from(["BF16", "F32"])), draw(st.integers(0, 1 << 16))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases())
+def test_fused_pairs_land_the_same_bytes_as_the_source_path(case: Any) -> None:
+    q, shapes, split, m, cuts, dtype, seed = case
+    c = build(shapes, q, cuts, dtype, m, split, seed)
+    p = plan(c["sspecs"], c["tspecs"])
+    srcs = source_regions(c, q)
+    made = 0
+    for t, (tt, man) in enumerate(zip(c["targets"], c["tmanifests"])):
+        plain, fused = np.zeros(man.nbytes, np.uint8), np.zeros(man.nbytes, np.uint8)
+        for s, spec in enumerate(c["sspecs"]):
+            segments = segments_of(p, s, t)
+            run_groups(segments, srcs[s], plain)
+            pair = fuse(segments, fusable(spec))
+            assert pair.fused <= pair.read
+            pair.segments.check_within(len(srcs[s]), man.nbytes)
+            run_groups(pair.segments, srcs[s], fused)
+            if pair.segments.tiles is not None:
+                assert not run_tiles(pair.segments.tiles, srcs[s], fused, q.block)   # type: ignore[arg-type]
+                made += pair.segments.tiles.values_bytes
+                assert pair.segments.total_bytes == segments.total_bytes
+        assert np.array_equal(plain, fused), t
+        for n in shapes:        # and both are the reference's bytes
+            want_values, _ = reference(c["full"][n], q)
+            box = chunk_box(shapes[n], split[n], t, m)
+            got = torch.frombuffer(bytearray(fused[man[n].offset:man[n].offset + man[n].nbytes].tobytes()),
+                                   dtype=torch.uint8).reshape(box.sizes)
+            (r0, c0), (h, w) = box.offsets, box.sizes
+            assert torch.equal(got, want_values[r0:r0 + h, c0:c0 + w].contiguous().view(torch.uint8)), (t, n)
+    whole_rows = any(s.box.sizes[0] >= 2 * q.block[0] for src in c["sources"] for s in src.values())
+    if whole_rows:
+        assert made > 0
+
+
+def test_a_tensor_every_pair_fuses_needs_no_whole_blocks_from_its_source() -> None:
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48), "u": (40, 32)}, q, [300, 700], "BF16", 2, {"w": 0, "u": 1}, 1)
+    p = plan(c["sspecs"], c["tspecs"])
+    for s, spec in enumerate(c["sspecs"]):
+        pairs = [fuse(segments_of(p, s, t), fusable(spec)) for t in range(2)]
+        assert fused_names(pairs) == {pair for fp in pairs for pair in fp.read}
+        # a target that does not fuse (another GPU) leaves every tensor it reads to the source
+        mixed = [pairs[0], fuse(segments_of(p, s, 1), fusable(spec), enabled=False)]
+        assert fused_names(mixed) == pairs[0].read - mixed[1].read
+        assert mixed[1].segments.tiles is None and mixed[1].segments.digest == segments_of(p, s, 1).digest
+
+
+def test_the_tiles_change_the_pairs_runs_digest_and_a_nan_block_is_named() -> None:
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48)}, q, [500], "F32", 1, {"w": 0}, 2)
+    p = plan(c["sspecs"], c["tspecs"])
+    spec = c["sspecs"][0]
+    plain = segments_of(p, 0, 0)
+    pair = fuse(plain, fusable(spec))
+    assert pair.segments.tiles is not None and len(pair.segments.tiles)
+    assert pair.segments.digest != plain.digest
+    srcs = source_regions(c, q)
+    lay = c["layouts"][0]
+    entry = lay.manifest[lay.inputs["w"]]
+    srcs[0][entry.offset + 4 * (48 * 9 + 5):][:4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    failed = run_tiles(pair.segments.tiles, srcs[0], np.zeros(c["tmanifests"][0].nbytes, np.uint8), q.block)
+    assert failed and {pair.segments.tiles.tensor_of(i) for i in failed} == {"w"}
+
+
+def test_a_tile_reaching_past_a_region_is_refused() -> None:
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48)}, q, [500], "BF16", 1, {"w": 0}, 3)
+    p = plan(c["sspecs"], c["tspecs"])
+    pair = fuse(segments_of(p, 0, 0), fusable(c["sspecs"][0]))
+    t = pair.segments.tiles
+    assert t is not None
+    t.check_within(c["layouts"][0].manifest.nbytes, c["tmanifests"][0].nbytes)
+    with pytest.raises(ProtocolError, match="reaches past"):
+        t.check_within(c["layouts"][0].manifest.nbytes, int(t.table[:, tiles.DST].max()))
+    with pytest.raises(ProtocolError, match="reaches past"):
+        pair.segments.check_within(int(t.table[:, tiles.SRC].max()), c["tmanifests"][0].nbytes)
+
+
+def test_host_sources_and_tcp_never_carry_tiles() -> None:
+    from tensorxfer.errors import TransportUnavailable
+
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48)}, q, [500], "BF16", 1, {"w": 0}, 4)
+    shards = c["sources"][0]
+    assert not source_layout(shards, c["tspecs"]).inputs          # inputs only where pairs may fuse
+    p = plan(c["sspecs"], c["tspecs"])
+    pair = fuse(segments_of(p, 0, 0), fusable(c["sspecs"][0]))
+    with pytest.raises(TransportUnavailable, match="ipc"):
+        pair.segments.without_tiles()
+    segments_of(p, 0, 0).without_tiles()
