@@ -8,8 +8,10 @@ o_proj and down_proj) are FP8 with ``weight_scale_inv`` of 128 x 128 blocks, the
 
 Measured in the same run, same machine:
 
-- ``fp8_sync``: :class:`tensorxfer.WeightSync` steps with FP8 targets: the sources quantize their shards
-  (one amax round through the store for the blocks they share) and send FP8 and scales.
+- ``fp8_sync``: :class:`tensorxfer.WeightSync` steps with FP8 targets: the sources quantize the blocks
+  they share (one amax round through the store) and send FP8 and scales; on one GPU the pairs make every
+  other block's FP8 on the way from the sources' bf16 (:mod:`tensorxfer.sync.fusing`), elsewhere the sources
+  quantize those too.  ``paths`` says how many bytes took each way.
 - ``today``: what RL frameworks do today (verl's and slime's FP8 rollouts): the targets receive bf16 (the
   same sync, bf16 targets: the fastest honest way to get bf16 there) into a staging copy of their shard,
   then quantize each tensor with torch operations into their FP8 weights and scales (the same formula in
@@ -204,8 +206,10 @@ def run(args: argparse.Namespace, store: Any, what: str) -> dict[str, Any]:
                                                                  (("source", n), ("target", m)) for i in range(c)])
     ranks = {f"{role}{r}": json.loads(store.get(f"{prefix}stats/{role}/{r}"))
              for role, count in (("source", n), ("target", m)) for r in range(count)}
+    paths = {k: sum(ranks[f"source{s}"]["quantized"][k] for s in range(n))
+             for k in ("values_bytes", "shared_bytes", "fused_bytes", "fused_input_bytes")}
     return {"runs_s": times[1:], "cold_s": times[0], "median_s": statistics.median(times[1:]),
-            "wire_bytes": sum(ranks[f"source{s}"]["bytes"] for s in range(n)), "ranks": ranks}
+            "wire_bytes": sum(ranks[f"source{s}"]["bytes"] for s in range(n)), "paths": paths, "ranks": ranks}
 
 
 def bound(layout: list[tuple[str, tuple[int, ...]]], device: str, repeat: int) -> float:
@@ -245,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     bf16_bytes = sum(2 * torch.Size(s).numel() for _, s in layout)
     result: dict[str, Any] = {"model_bf16_bytes": bf16_bytes}
     result["fp8_sync"] = run(args, store, "fp8")
+    paths = result["fp8_sync"]["paths"]
     print("fp8 sync", f"{result['fp8_sync']['median_s'] * 1e3:.2f} ms, wire",
-          f"{result['fp8_sync']['wire_bytes'] / 1e9:.3f} GB", flush=True)
+          f"{result['fp8_sync']['wire_bytes'] / 1e9:.3f} GB; FP8 made on the way",
+          f"{paths['fused_bytes'] / 1e9:.3f} GB (from {paths['fused_input_bytes'] / 1e9:.3f} GB of input), by the "
+          f"sources {paths['values_bytes'] / 1e9:.3f} GB (shared blocks {paths['shared_bytes'] / 1e9:.3f} GB)",
+          flush=True)
     result["today"] = run(args, store, "today")
     print("today (bf16 sync, targets quantize)", f"{result['today']['median_s'] * 1e3:.2f} ms, wire",
           f"{result['today']['wire_bytes'] / 1e9:.3f} GB", flush=True)

@@ -34,8 +34,8 @@ from bench_sync import specs  # noqa: E402
 from tensorxfer.cli.bench import machine_facts  # noqa: E402
 from tensorxfer.memory import strided  # noqa: E402
 from tensorxfer.memory._copy import Copier, StridedCopy  # noqa: E402
+from tensorxfer.sync.fusing import segments_of  # noqa: E402
 from tensorxfer.sync.plan import plan  # noqa: E402
-from tensorxfer.sync.weight_sync import segments_of  # noqa: E402
 
 
 def timed(fn: Any, streams: list[Any], repeat: int) -> float:

@@ -426,7 +426,7 @@ def schedule_copy_floor(size: float, n: int, m: int, repeat: int) -> float:
     row, read at a fraction of a flat copy's speed: this, not the flat floor, is what the schedule's bytes
     cost on this machine's memory."""
     from tensorxfer.memory._hostcopy import copy_groups
-    from tensorxfer.sync.weight_sync import segments_of
+    from tensorxfer.sync.fusing import segments_of
 
     with plan_in_host_regions(size, n, m) as (pl, views, _):
         pairs = [(views[s], views[n + t], segments_of(pl, s, t)) for t in range(m) for s in pl.sources_of.get(t, ())]

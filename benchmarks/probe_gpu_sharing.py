@@ -40,8 +40,8 @@ def _schedule(nbytes: int, rank: int, procs: int, hybrid: bool, fused: bool = Fa
 
     from tensorxfer.memory import strided
     from tensorxfer.memory._copy import Copier, StridedCopy
+    from tensorxfer.sync.fusing import segments_of
     from tensorxfer.sync.plan import plan
-    from tensorxfer.sync.weight_sync import segments_of
 
     sources, targets, src_bytes, tgt_bytes = specs(nbytes, 4, 2)
     pl = plan(sources, targets)

@@ -46,8 +46,8 @@ def worker(fatbin: Path, tile_bytes: int | None, size: float, repeat: int) -> di
 
     from tensorxfer.memory import strided
     from tensorxfer.memory._copy import Copier, StridedCopy
+    from tensorxfer.sync.fusing import segments_of
     from tensorxfer.sync.plan import plan
-    from tensorxfer.sync.weight_sync import segments_of
 
     sources, targets, src_bytes, tgt_bytes = specs(size, 4, 2)
     pl = plan(sources, targets)

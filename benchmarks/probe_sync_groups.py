@@ -22,7 +22,7 @@ import numpy as np
 from bench_sync import all_at_once, plan_in_host_regions
 
 from tensorxfer.memory._hostcopy import copy_groups
-from tensorxfer.sync.weight_sync import segments_of
+from tensorxfer.sync.fusing import segments_of
 
 
 def main() -> int:

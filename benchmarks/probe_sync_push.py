@@ -29,7 +29,7 @@ import numpy as np
 from bench_sync import all_at_once, plan_in_host_regions
 
 from tensorxfer.memory._hostcopy import copy_groups
-from tensorxfer.sync.weight_sync import segments_of
+from tensorxfer.sync.fusing import segments_of
 
 U64 = np.uint64
 

@@ -24,10 +24,14 @@ from tensorxfer.quant import kernel, tiles  # noqa: E402
 from tensorxfer.quant.layout import FP8_MAX, Quantization  # noqa: E402
 from tensorxfer.quant.quantize import block_amax, quantize_into, scales_of  # noqa: E402
 from tensorxfer.sync import Box, Source, Target, chunk_box  # noqa: E402
-from tensorxfer.sync.fusing import fusable, fuse, fused_names  # noqa: E402
+from tensorxfer.sync.fusing import (  # noqa: E402
+    fusable,
+    fuse,
+    fused_names,
+    segments_of,
+)
 from tensorxfer.sync.layout import source_layout, target_description, target_tensors  # noqa: E402
 from tensorxfer.sync.plan import plan  # noqa: E402
-from tensorxfer.sync.weight_sync import segments_of  # noqa: E402
 from tensorxfer.transport.segments import Segments  # noqa: E402
 
 FORMULA_OF = {code: pair for pair, code in kernel.FORMULAS.items()}
@@ -44,7 +48,8 @@ def run_tiles(t: tiles.QuantTiles, src: np.ndarray, dst: np.ndarray, block: tupl
     failed = []
     for i, row in enumerate(t.table.tolist()):
         size = tiles.INPUT_SIZES[row[tiles.DTYPE]]
-        rows = [src[row[tiles.SRC] + r * row[tiles.SRC_PITCH]:][:row[tiles.COLS] * size] for r in range(row[tiles.ROWS])]
+        rows = [src[row[tiles.SRC] + r * row[tiles.SRC_PITCH]:][:row[tiles.COLS] * size]
+                for r in range(row[tiles.ROWS])]
         x = torch.frombuffer(bytearray(np.concatenate(rows).tobytes()),
                              dtype=torch.bfloat16 if row[tiles.DTYPE] == 0 else torch.float32)
         x = x.reshape(row[tiles.ROWS], row[tiles.COLS]).float()
@@ -158,7 +163,7 @@ def test_fused_pairs_land_the_same_bytes_as_the_source_path(case: Any) -> None:
     p = plan(c["sspecs"], c["tspecs"])
     srcs = source_regions(c, q)
     made = 0
-    for t, (tt, man) in enumerate(zip(c["targets"], c["tmanifests"])):
+    for t, man in enumerate(c["tmanifests"]):
         plain, fused = np.zeros(man.nbytes, np.uint8), np.zeros(man.nbytes, np.uint8)
         for s, spec in enumerate(c["sspecs"]):
             segments = segments_of(p, s, t)
@@ -240,3 +245,108 @@ def test_host_sources_and_tcp_never_carry_tiles() -> None:
     with pytest.raises(TransportUnavailable, match="ipc"):
         pair.segments.without_tiles()
     segments_of(p, 0, 0).without_tiles()
+
+
+# ---- on the GPU: the kernel against the reference executor, and a sync that quantizes on the way ---------------
+
+
+def _gpu() -> None:
+    from tests.helpers import GPU_REASON
+
+    if GPU_REASON is not None or not torch.cuda.is_available() or not tiles.available():
+        pytest.skip(f"needs a CUDA GPU and the kernel image: {GPU_REASON or 'torch sees none, or no fatbin'}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block, shapes, dtype", [
+    ((128, 128), {"w": (640, 384), "u": (300, 256)}, "BF16"),     # register tiles; a partial last block row
+    ((128, 128), {"w": (512, 384)}, "F32"),
+    ((8, 16), {"w": (64, 48), "u": (40, 35)}, "BF16"),            # small blocks; odd widths: the byte loops
+    ((16, 8), {"w": (64, 48)}, "F32"),
+], ids=["bf16-128", "f32-128", "bf16-small-odd", "f32-small"])
+@pytest.mark.parametrize("formula", sorted(kernel.FORMULAS), ids=lambda f: "-".join(f))
+def test_the_kernel_writes_the_reference_executors_bytes(block: Any, shapes: Any, dtype: str, formula: Any) -> None:
+    _gpu()
+    q = Quantization(block, *formula)
+    c = build(shapes, q, [333, 700], dtype, 2, {n: i % 2 for i, n in enumerate(shapes)}, 5)
+    p = plan(c["sspecs"], c["tspecs"])
+    srcs = source_regions(c, q)
+    stream = torch.cuda.current_stream()
+    for s, spec in enumerate(c["sspecs"]):
+        src = torch.from_numpy(srcs[s]).cuda()
+        if s == 1:      # a NaN in one whole block, an infinity in another: both named, nothing of them written
+            lay = c["layouts"][1]
+            entry = lay.manifest[lay.inputs["w"]]
+            size = 2 if dtype == "BF16" else 4
+            bad = torch.tensor([float("nan"), float("inf")], dtype=TORCH[dtype]).view(torch.uint8).cuda()
+            rows = c["sources"][1]["w"].box.sizes[0]
+            src[entry.offset + size * (shapes["w"][1] * (rows // 2)):][:size] = bad[:size]
+        for t in range(2):
+            pair = fuse(segments_of(p, s, t), fusable(spec))
+            if pair.segments.tiles is None:
+                continue
+            want = np.zeros(c["tmanifests"][t].nbytes, np.uint8)
+            host_src = src.cpu().numpy()
+            failed = run_tiles(pair.segments.tiles, host_src, want, block)
+            got = torch.zeros(len(want), dtype=torch.uint8, device="cuda")
+            dev = tiles.DeviceTiles(pair.segments.tiles, torch.cuda.current_device())
+            dev.launch(stream.cuda_stream, got.data_ptr(), src.data_ptr())
+            torch.cuda.synchronize()
+            assert dev.failed() == (min(failed) if failed else None)
+            assert np.array_equal(got.cpu().numpy(), want), (s, t)
+            dev.close()
+
+
+@pytest.mark.cuda
+def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_way() -> None:
+    _gpu()
+    from tensorxfer.errors import QuantizationError
+    from tests.test_sync import _catch, run_ranks
+    from tests.test_sync_quantized import close, group, reference, same, step
+
+    q = Quantization.blocks()
+    shapes = {"w": (1024, 512), "u": (512, 1536)}
+    n, m = 3, 2
+    g = torch.Generator().manual_seed(7)
+    w = {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+
+    def shard(k: str, r: int) -> torch.Tensor:
+        box = chunk_box(shapes[k], 0, r, n)
+        return w[k][box.offsets[0]:box.offsets[0] + box.sizes[0]]
+    sources = [{k: Source(shard(k, r).cuda(), shapes[k], chunk_box(shapes[k], 0, r, n)) for k in shapes}
+               for r in range(n)]
+    targets = [{k: Target.shard(torch.zeros(chunk_box(s, 0, t, m).sizes, dtype=torch.float8_e4m3fn, device="cuda"),
+                                k, s, 0, t, m).quantized(q, torch.zeros(s[0] // m // 128, -(-s[1] // 128),
+                                                                        device="cuda"))
+                for k, s in shapes.items()} for t in range(m)]
+    syncs = group(sources, targets, "ipc")
+    try:
+        for version in (1, 2):
+            if version == 2:
+                for r in range(n):
+                    for k in shapes:
+                        sources[r][k].tensor.mul_(-1.5)
+                w = {k: t * -1.5 for k, t in w.items()}
+            results = step(syncs, n)
+            assert results[n:] == [version] * m
+            for k in shapes:
+                want_values, want_scales = reference(w[k], q)
+                assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
+                assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
+        for st in results[:n]:     # the sources made only the blocks they share
+            qs = st.quantized
+            assert qs.fused_bytes > 0 and qs.values_bytes == qs.shared_bytes, qs
+        # a NaN in a whole block of source 1: the step fails naming the tensor, and the next push lands
+        sources[1]["w"].tensor[200, 7] = float("nan")
+        got = [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:n]] +
+                                       [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
+        assert any(isinstance(r, QuantizationError) and r.tensor == "w" for r in got), got
+        sources[1]["w"].tensor.copy_(shard("w", 1).cuda() * -1.5)
+        results = step(syncs, n)
+        assert all(isinstance(v, int) for v in results[n:]), results
+        for k in shapes:
+            want_values, want_scales = reference(w[k], q)
+            assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
+            assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
+    finally:
+        close(syncs)

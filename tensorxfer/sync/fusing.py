@@ -17,6 +17,7 @@ quantizes the whole blocks of a tensor only if some pair reading it did not fuse
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,10 +26,12 @@ import numpy as np
 from tensorxfer import dtypes as _dt
 from tensorxfer.quant import kernel, tiles
 from tensorxfer.quant.layout import Grid, Quantization, parse_derived
+from tensorxfer.sync.plan import Plan
 from tensorxfer.sync.spec import RankSpec, SourceTensor
+from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
 from tensorxfer.transport.segments import Segments
 
-__all__ = ["Fusable", "FusedPair", "fusable", "fuse", "fused_names"]
+__all__ = ["Fusable", "FusedPair", "feeds", "fusable", "fuse", "fused_names", "fuses_on", "pairs_of", "segments_of"]
 
 INPUT_DTYPES = {"BF16": 0, "F32": 1}
 
@@ -236,7 +239,7 @@ def _cut_at(segments: Segments, edges: np.ndarray) -> tuple[np.ndarray, ...]:
     pieces = []
     for i in crossing:
         cut = [int(so[i]), *edges[first[i]:last[i]].tolist(), int(so[i] + nb[i])]
-        for a, b in zip(cut, cut[1:]):
+        for a, b in itertools.pairwise(cut):
             pieces.append((a, int(do[i]) + a - int(so[i]), b - a, 1, 0, 0))
     extra = np.array(pieces, np.int64).T
     return tuple(np.concatenate([c[keep], e]) for c, e in zip(cols, extra))
@@ -341,3 +344,38 @@ def fused_names(pairs: Sequence[FusedPair]) -> set[str]:
         read |= p.read
         unfused |= p.read - p.fused
     return read - unfused
+
+
+def fuses_on(cuda: bool, transport: str, run_tiles: bool = False) -> bool:
+    """Whether a rank's pairs may quantize on the way on its GPU: a GPU region, ipc allowed and working (such a
+    pair needs a device-local ipc copy), and with ``run_tiles`` (a target: it runs them) the kernel here."""
+    return (cuda and transport in ("auto", "ipc") and ipc_unavailable() is None
+            and (not run_tiles or tiles.available()))
+
+
+def segments_of(p: Plan, source: int, target: int) -> Segments:
+    """A pair's runs in plan ``p``, as the transports take them."""
+    runs = p.runs(source, target)
+    return Segments(runs.src_off, runs.dst_off, runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
+
+
+def pairs_of(p: Plan, source: int, order: Sequence[int], found: dict[str, Fusable],
+             devices: dict[tuple[str, int], str | None], mine: str | None) -> tuple[dict[int, Segments], set[str]]:
+    """A source's segments to each target in ``order`` (fused where the target registered this source's GPU,
+    ``mine``), and the tensors every pair reading them fused (their whole blocks need no work at the source)."""
+    pairs = {t: fuse(segments_of(p, source, t), found, mine is not None and devices.get(("target", t)) == mine)
+             for t in order}
+    return {t: fp.segments for t, fp in pairs.items()}, fused_names(list(pairs.values()))
+
+
+def feeds(p: Plan, target: int, sources: Sequence[RankSpec], devices: dict[tuple[str, int], str | None],
+          mine: str | None) -> dict[int, Segments]:
+    """A target's segments from each source that feeds it, fused from those on its GPU (``mine``)."""
+    by_rank = {spec.rank: spec for spec in sources}
+    out = {}
+    for s in p.sources_of.get(target, ()):
+        segments = segments_of(p, s, target)
+        if mine is not None and devices.get(("source", s)) == mine:
+            segments = fuse(segments, fusable(by_rank[s])).segments
+        out[s] = segments
+    return out

@@ -177,6 +177,8 @@ class SourceLink:
             if self._transport is None:
                 ctx = control.transfer_context(self._ch, self._key, self.stall_timeout, self.streams)
                 self._transport = TRANSPORTS[self.transport][0](ctx)
+            if self.transport != "ipc":
+                segments.without_tiles()
             fresh = self._transport.needs_setup(region)
             self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
                           bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest,
@@ -301,6 +303,8 @@ class _Feed:
         if msg:
             ch.send_error("protocol", msg)
             raise PlanError(f"sync: {msg}")
+        if name != "ipc":
+            segments.without_tiles()
         if name not in self.transports and name not in local_transports():
             msg = f"transport {name!r} is not available on this target (it has {local_transports()})"
             ch.send_error("transport", msg)

@@ -52,7 +52,8 @@ class QuantStats:
     """One push's quantization on a source: FP8 bytes it wrote, those of blocks shared with other sources
     (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
     seconds the whole quantization took (before the step's offers went out); and the FP8 bytes its pairs on
-    its GPU made on the way from its input instead (``fused_bytes``: :mod:`tensorxfer.sync.fusing`)."""
+    its GPU made on the way from its input instead (``fused_bytes``, reading ``fused_input_bytes`` of the
+    input: :mod:`tensorxfer.sync.fusing`)."""
 
     values_bytes: int = 0
     shared_bytes: int = 0
@@ -61,11 +62,13 @@ class QuantStats:
     wait_seconds: float = 0.0
     seconds: float = 0.0
     fused_bytes: int = 0
+    fused_input_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"values_bytes": self.values_bytes, "shared_bytes": self.shared_bytes,
                 "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds,
-                "seconds": self.seconds, "fused_bytes": self.fused_bytes}
+                "seconds": self.seconds, "fused_bytes": self.fused_bytes,
+                "fused_input_bytes": self.fused_input_bytes}
 
 
 class QuantizedShard:

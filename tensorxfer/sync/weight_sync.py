@@ -41,13 +41,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from tensorxfer.binding import adopt_tensors, tensor_view
 from tensorxfer.errors import (
     PlanError,
     ProtocolError,
+    QuantizationError,
     StoreError,
     TensorXferError,
     TransferError,
@@ -57,14 +57,15 @@ from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.copy_host import device_identity, elect
-from tensorxfer.sync.fusing import Fusable, fusable, fuse, fused_names
+from tensorxfer.sync.fusing import Fusable, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
-from tensorxfer.sync.link import PairStats, PairStep, SourceLink, TargetPort
+from tensorxfer.sync.link import PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.plan import Plan, plan
 from tensorxfer.sync.quantizing import QuantizedShard, QuantStats, SourceQuantizer
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
+from tensorxfer.sync.stats import SyncStats
 from tensorxfer.sync.workers import Workers
 from tensorxfer.transport.ipc.delegate import CopyHost
 from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
@@ -74,44 +75,6 @@ from tensorxfer.transport.segments import Segments
 log = logging.getLogger(__name__)
 
 FOREVER = 1e9       # seconds: a wait without a timeout
-
-
-@dataclass(frozen=True)
-class SyncStats:
-    """One step of a weight sync as this rank saw it: its pairs, and the totals.
-
-    ``failed`` names the peers whose part of the step failed (rank -> why): on a source, targets that
-    died or stalled (the step went on for the others); ``epoch`` is the group's membership epoch.
-    """
-
-    version: int
-    bytes: int
-    seconds: float
-    pack_seconds: float         # sources: from push() until the pack ended (it runs once the offers are out)
-    pairs: tuple[PairStats, ...]
-    packed_bytes: int = 0       # sources: bytes copied into the region this push (0 when all are adopted)
-    failed: dict[int, str] = field(default_factory=dict)
-    epoch: int = 1
-    quantized: QuantStats = field(default_factory=QuantStats)     # sources: FP8 written this push
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    @property
-    def transport(self) -> str:
-        return ",".join(sorted({p.transport for p in self.pairs}))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "epoch": self.epoch, "bytes": self.bytes, "seconds": self.seconds,
-                "gbps": self.gbps, "pack_seconds": self.pack_seconds, "packed_bytes": self.packed_bytes,
-                "transport": self.transport, "failed": dict(self.failed), "quantized": self.quantized.as_dict(),
-                "pairs": [p.as_dict() for p in self.pairs]}
-
-
-def segments_of(p: Plan, source: int, target: int) -> Segments:
-    runs = p.runs(source, target)
-    return Segments(runs.src_off, runs.dst_off, runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
 
 
 class WeightSync:
@@ -234,9 +197,7 @@ class WeightSync:
         # the newest step before this rank registered: a later one may include it already (the group does not
         # wait for its constructor to end), and one it never read would leave it waiting for good
         self._before_joining = self.members.latest()
-        from tensorxfer.quant import tiles
-
-        if self._fuses_on(self.region.is_cuda) and tiles.available():
+        if fuses_on(self.region.is_cuda, self._transport, run_tiles=True):
             self._device_id = device_identity(self.region)
         self.members.register(spec, self._port.address, self._timeout, device=self._device_id)
 
@@ -244,7 +205,7 @@ class WeightSync:
         shards = {name: source_of(t) for name, t in tensors.items()}
         where = device or next((f"cuda:{s.tensor.device.index or 0}" for s in shards.values()
                                 if s.tensor.device.type == "cuda"), "cpu")
-        fuses = self._fuses_on(where.startswith("cuda"))
+        fuses = fuses_on(where.startswith("cuda"), self._transport)
         layout = source_layout(shards, self.members.initial_targets(self.world[1], timeout), inputs=fuses)
         manifest = layout.manifest
         self.region = TensorRegion.from_manifest(manifest, device=where)
@@ -267,11 +228,6 @@ class WeightSync:
             self._fusable = fusable(spec)
         self.members.register(spec, timeout=timeout, device=self._device_id)
 
-    def _fuses_on(self, cuda: bool) -> bool:
-        """Whether this rank's pairs may quantize on the way on its GPU: a GPU region, and ipc allowed and
-        working (such a pair needs a device-local ipc copy)."""
-        return cuda and self._transport in ("auto", "ipc") and ipc_unavailable() is None
-
     def _enter(self, record: StepRecord, timeout: float, agree: bool = False) -> None:
         """Take part in ``record``'s step: plan its epoch if this rank has not yet (sources connect to new
         targets and close links no longer planned; targets admit new sources), else just follow it."""
@@ -291,24 +247,15 @@ class WeightSync:
             order = p.send_order.get(self.rank, ())
             for t in [t for t in self._links if t not in order]:
                 self._links.pop(t).close()
-            mine = self._device_id
-            pairs = {t: fuse(segments_of(p, self.rank, t), self._fusable,
-                             mine is not None and devices.get(("target", t)) == mine) for t in order}
-            self._segments = {t: fp.segments for t, fp in pairs.items()}
+            self._segments, fused = pairs_of(p, self.rank, order, self._fusable, devices, self._device_id)
             if self._quantizer is not None:
-                self._quantizer.plan(sources, fused_names(list(pairs.values())))
+                self._quantizer.plan(sources, fused)
             if agree:       # the group forms: a target it cannot reach fails the construction
                 self._connect(order)
             # a later epoch connects as the push runs: a new target that cannot be reached fails its own pair
         else:
             assert self._port is not None
-            by_rank = {spec.rank: spec for spec in sources}
-            self._feeds = {}
-            for s in p.sources_of.get(self.rank, ()):
-                segments = segments_of(p, s, self.rank)
-                if self._device_id is not None and devices.get(("source", s)) == self._device_id:
-                    segments = fuse(segments, fusable(by_rank[s])).segments
-                self._feeds[s] = segments
+            self._feeds = feeds(p, self.rank, sources, devices, self._device_id)
             self._port.expect(set(self._feeds))
             self._port.admit(timeout)
         log.info("sync %r: %s rank %d planned epoch %d (%d sources, %d targets, digest %s)", self.group, self.role,
@@ -375,6 +322,15 @@ class WeightSync:
                 if self.elastic:
                     self.members.report(version, False, version - 1, {})
                 raise pack_error
+            poisoned = next((e for _, e in sorted(failed.items()) if isinstance(e, QuantizationError)), None)
+            if poisoned is not None:
+                # a pair that quantized on the way met a NaN or an infinity in this source's weights: the step
+                # fails at the trainer, naming the tensor (the targets whose blocks hold it failed it too, and
+                # report; they stay members)
+                self.version = version
+                if self.elastic:        # as a NaN found before the offers: the step is spent, nobody is named
+                    self.members.report(version, False, version - 1, {})
+                raise poisoned
             if failed and not self.elastic:
                 first = failed[min(failed)]
                 raise first if isinstance(first, TransferError) else TransferError(
@@ -456,9 +412,10 @@ class WeightSync:
         fresh = [t for t in self._segments if t not in self._links]
         if self._quantizer is not None:
             try:
+                fused = [s.tiles for s in self._segments.values() if s.tiles is not None]
                 self._quant_stats = dataclasses.replace(    # a NaN is found before any offer
-                    self._quantizer.quantize(version),
-                    fused_bytes=sum(s.tiles.values_bytes for s in self._segments.values() if s.tiles is not None))
+                    self._quantizer.quantize(version), fused_bytes=sum(t.values_bytes for t in fused),
+                    fused_input_bytes=sum(t.input_bytes for t in fused))
             except Exception as e:
                 self._refuse(e)
                 why = f"the source could not quantize its weights: {type(e).__name__}: {e}"

@@ -226,8 +226,6 @@ class RdmaReceiver(_Owned, ReceiverTransport):
         endpoint's and ``side_port``, ``nonce``; for a relay (``on_piece`` set) ``marks`` and ``wr_size``.
         With ``segments`` (a weight sync) the sender writes just those runs, wherever they go in ``region``:
         nothing changes here but the byte count."""
-        if segments is not None:
-            segments.without_tiles()
         self._enter()
         try:
             self._seq, self._attempt, self._peer_broke = seq, 0, False
@@ -488,8 +486,6 @@ class RdmaSender(_Owned, SenderTransport):
         PeerLost, TransferTimeout
             The side connection failed or READY did not come.
         """
-        if segments is not None:
-            segments.without_tiles()
         self._enter()
         try:
             self._seq, self._attempt, self._peer_broke = seq, 0, False

@@ -173,8 +173,6 @@ class TcpReceiver(ReceiverTransport):
         ``segments`` (a weight sync's runs into this region) each stream receives one part of them
         (:meth:`Segments.split`, cut the same way by the sender) and ``parts`` is true.
         """
-        if segments is not None:
-            segments.without_tiles()
         self._seq = seq
         requested = min(max(self.ctx.streams or DEFAULT_STREAMS, 1), MAX_STREAMS)
         parts = None
@@ -414,8 +412,6 @@ class TcpSender(SenderTransport):
         PeerLost
             A stream could not connect.
         """
-        if segments is not None:
-            segments.without_tiles()
         self._seq = seq
         count = field(descriptors, "streams", int)
         slice_bytes = field(descriptors, "slice_bytes", int)
