@@ -45,6 +45,7 @@ COLUMNS = ("src", "src_pitch", "rows", "cols", "dst", "dst_pitch", "r0", "r1", "
 WIDTH = len(COLUMNS)
 (SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA) = range(WIDTH)
 INPUT_SIZES = (2, 4)        # bytes per input element, by the dtype column
+E8M0 = 2                    # the formula column of power-of-two scales (kernel.FORMULAS): one byte each
 
 
 @functools.cache
@@ -57,16 +58,15 @@ def available() -> bool:
 
 @dataclass(frozen=True, eq=False)
 class QuantTiles:
-    """A pair's quantizing tiles: ``table`` (n x :data:`WIDTH` int64, read-only), the tensor each tile
-    belongs to (``tensor``: indices into ``names``), and its scale's size in bytes (``scale_bytes``)."""
+    """A pair's quantizing tiles: ``table`` (n x :data:`WIDTH` int64, read-only) and the tensor each tile
+    belongs to (``tensor``: indices into ``names``)."""
 
     table: np.ndarray
     tensor: np.ndarray
     names: tuple[str, ...]
-    scale_bytes: np.ndarray
 
     def __post_init__(self) -> None:
-        for a in (self.table, self.tensor, self.scale_bytes):
+        for a in (self.table, self.tensor):
             a.setflags(write=False)
 
     def __len__(self) -> int:
@@ -77,6 +77,11 @@ class QuantTiles:
         """FP8 bytes the tiles write."""
         t = self.table
         return int(((t[:, R1] - t[:, R0]) * (t[:, C1] - t[:, C0])).sum())
+
+    @functools.cached_property
+    def scale_bytes(self) -> np.ndarray:
+        """Each tile's scale's size: an e8m0 byte, or a float32."""
+        return np.where(self.table[:, FORMULA] == E8M0, 1, 4)
 
     @functools.cached_property
     def written_bytes(self) -> int:

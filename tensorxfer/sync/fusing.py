@@ -291,10 +291,8 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
     groups: list[tuple[int, ...]] = []
     made: list[np.ndarray] = []
     names = tuple(fused)
-    scale_bytes: list[int] = []
     for index, name in enumerate(names):
         f = found[name]
-        scale_bytes.append(f.scale_bytes)
         rows_in, cols_in = f.whole_elements(0), f.whole_elements(1)
         mine: list[np.ndarray] = []
         for b in boxes[name]["values"]:
@@ -330,7 +328,7 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
         kept = [np.concatenate([k, e]) for k, e in zip(kept, extra_cols)]
     bases = tuple(str(parse_derived(n)[0]) for n in names)     # type: ignore[index]
     qt = tiles.QuantTiles(np.ascontiguousarray(table[:, :tiles.WIDTH]), table[:, tiles.WIDTH + 1].astype(np.int32),
-                          bases, np.array(scale_bytes, np.int64)[table[:, tiles.WIDTH + 1]])
+                          bases)
     final = [np.ascontiguousarray(k.astype(np.uint64)) for k in kept]
     out = Segments(final[0], final[1], final[2], final[3], final[4], final[5], tiles=qt)
     return FusedPair(out, frozenset(read), frozenset(fused))
