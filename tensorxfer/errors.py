@@ -163,6 +163,7 @@ class QuantizationError(TransferError, ValueError):
     def __init__(self, message: str, tensor: str | None = None) -> None:
         super().__init__(message)
         self.tensor = tensor
+        self.tile: int | None = None    # found as a pair quantized on the way: its quantizing tile (sync.fusing)
 
 
 class PeerLost(TransferError, ConnectionError):

@@ -20,6 +20,7 @@ import numpy as np
 from tensorxfer.errors import (
     PeerLost,
     ProtocolError,
+    QuantizationError,
     TensorXferError,
     TransferError,
     TransferTimeout,
@@ -36,7 +37,7 @@ from tensorxfer.transport.ipc.messages import (
     Watermark,
     env_int,
 )
-from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory, poisoned
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.ipc.sourcefiles import fill_from_files
 from tensorxfer.transport.segments import Segments
@@ -206,9 +207,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
         segments.check_within(incoming.nbytes, dst.nbytes)
         on = self._cuda_device(incoming, dst.device) if dst.is_cuda else None
         key = incoming.key(on)
-        # a pair that quantizes on the way runs here: a copy lane serves byte copies only
-        lane = (self._lane(key, incoming, handles, segments)
-                if self.copy_host is not None and segments.tiles is None else None)
+        lane = self._lane(key, incoming, handles, segments) if self.copy_host is not None else None
         src = self._source(key, incoming, handles, fds, on)
         ok = False
         try:
@@ -265,6 +264,9 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             fails and the region is in doubt until the host finishes or ends (:data:`.lane.IN_DOUBT`)."""
         try:
             copied = lane.copy(self._seq)
+        except QuantizationError as e:      # the host copied it but for blocks with a NaN: name the tensor
+            assert self._segments is not None
+            raise poisoned(self._segments, -1 if e.tile is None else e.tile) from None
         except TransferTimeout as e:
             self._give_up_lane(e)
             raise TransferTimeout(f"ipc: {e}") from None

@@ -90,11 +90,13 @@ from tensorxfer.errors import (
     HandleError,
     PeerLost,
     ProtocolError,
+    QuantizationError,
     TensorXferError,
     TransferTimeout,
 )
 from tensorxfer.memory._fence import Fence
 from tensorxfer.protocol import field, nonce
+from tensorxfer.quant.tiles import WIDTH, QuantTiles
 from tensorxfer.transport.ipc.identity import BOOT_ID_PATH, check_peer
 from tensorxfer.transport.ipc.lane import COLUMNS, IN_DOUBT, CopyLane, HostProcess, InDoubt, proof
 from tensorxfer.transport.ipc.messages import (
@@ -327,7 +329,14 @@ class CopyHost:
                         conn.send(b"K")
                     elif msg[:1] == b"G" and len(msg) == 9 and pair is not None:
                         seq = U64.unpack(msg[1:])[0]
-                        if pair.step(seq, fence, self.threads):
+                        try:
+                            took = pair.step(seq, fence, self.threads)
+                        except QuantizationError as e:      # copied but for blocks with a NaN: the follower names it
+                            with self._lock:
+                                self.copies += 1
+                            conn.send(b"Q" + msg[1:] + U64.pack(e.tile or 0))
+                            continue
+                        if took:
                             with self._lock:
                                 self.copies += 1
                             try:
@@ -380,6 +389,20 @@ class CopyHost:
         for lane in lanes.values():
             lane.join(self.stall_timeout)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _receive_tiles(conn: socket.socket, count: int, timeout: float) -> QuantTiles | None:
+    """A setup's quantizing tiles (``Q`` messages: ``count`` rows of the table), after its segments."""
+    if not count:
+        return None
+    raw = bytearray()
+    while len(raw) < count * WIDTH * 8:
+        msg = recv_message(conn, "the lane's quantizing tiles", timeout)
+        if msg[:1] != b"Q" or len(raw) + len(msg) - 1 > count * WIDTH * 8:
+            raise ProtocolError(f"copy host: bad tiles message {msg[:8]!r}")
+        raw += msg[1:]
+    table = np.frombuffer(bytes(raw), dtype=">i8").astype(np.int64).reshape(count, WIDTH)
+    return QuantTiles(table, np.zeros(count, np.int32), ("(a follower's tensor)",))
 
 
 def _drain(conn: socket.socket) -> None:
@@ -458,9 +481,11 @@ class _HostedPair:
         if not isinstance(head, dict):
             raise ProtocolError("copy host: the lane's setup is not a map")
         kind, groups = field(head, "kind", str), field(head, "groups", int)
+        count = field(head, "tiles", int, optional=True) or 0
         src_nbytes, src_count, dst_nbytes, dst_count = (field(head, k, int) for k in (
             "src_nbytes", "src_count", "dst_nbytes", "dst_count"))
         if kind not in ("host", "cuda") or (kind == "cuda") != (device is not None) or not 0 <= groups <= MAX_GROUPS \
+                or not 0 <= count <= (MAX_GROUPS if kind == "cuda" else 0) \
                 or min(src_nbytes, dst_nbytes) <= 0 or not 0 <= min(src_count, dst_count) <= MAX_CHUNKS \
                 or max(src_count, dst_count) > MAX_CHUNKS:
             raise ProtocolError(f"copy host: a lane's setup out of range ({kind!r} memory, {groups} groups, "
@@ -483,8 +508,11 @@ class _HostedPair:
                     raise ProtocolError(f"copy host: bad segments message {msg[:8]!r}")
                 raw += msg[1:]
             cols = np.frombuffer(bytes(raw), dtype=">u8").astype(np.uint64).reshape(COLUMNS, groups)
-            segments = Segments(*(np.ascontiguousarray(c) for c in cols))
+            c = [np.ascontiguousarray(col) for col in cols]
+            segments = Segments(c[0], c[1], c[2], c[3], c[4], c[5], tiles=_receive_tiles(conn, count, timeout))
             check_lane_segments(segments, src_nbytes, dst_nbytes)
+            if segments.tiles is not None:     # each reads inside the source's region and writes inside the follower's
+                segments.tiles.check_within(src_nbytes, dst_nbytes)
             if (src_count == 0 or dst_count == 0) and (old is None or (src_count == 0 and old.src_nbytes != src_nbytes)
                                                        or (dst_count == 0 and old.dst_nbytes != dst_nbytes)):
                 raise ProtocolError("copy host: a lane's setup without handles, but this lane maps no such region")
@@ -507,8 +535,9 @@ class _HostedPair:
 
     def serve(self, conn: socket.socket, fence: Fence) -> tuple[int, bytes] | None:
         """Serve the lane's steps without the GIL where this is a device pair with the kernel (the fence taken
-        and finished in the same loop): ``(steps served, the next other message)``; else None."""
-        if self._device_copy is None:
+        and finished in the same loop): ``(steps served, the next other message)``; else None (a pair that
+        quantizes on the way is served step by step: :meth:`step` checks its tiles)."""
+        if self._device_copy is None or self._device_copy.quantizes:
             return None
         return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno(), fence.address)
 
@@ -524,6 +553,8 @@ class _HostedPair:
             done = True
         finally:
             fence.finish(seq, done)
+        if self._device_copy is not None:
+            self._device_copy.check_quantized()     # QuantizationError (.tile): a block held a NaN, not written
         return True
 
     def copy(self, threads: int) -> None:

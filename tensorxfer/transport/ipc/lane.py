@@ -17,9 +17,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from tensorxfer.errors import AuthError, PeerLost, ProtocolError, TransferError, TransferTimeout
+from tensorxfer.errors import AuthError, PeerLost, ProtocolError, QuantizationError, TransferError, TransferTimeout
 from tensorxfer.memory._fence import DONE, REVOKED, RUNNING, STATE_NAMES, Fence, word
 from tensorxfer.protocol import mac, nonce
+from tensorxfer.quant.tiles import WIDTH
 from tensorxfer.transport.ipc.identity import check_peer
 from tensorxfer.transport.ipc.messages import (
     HEADER_TIMEOUT,
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 _NO_TOKEN = b"tensorxfer-copy-host-without-token"    # a tokenless group: the uid check is the guard
 COLUMNS = 6                                          # src_off, dst_off, nbytes, count, src_stride, dst_stride
 _T_BYTES = (MAX_MESSAGE - 64) // (8 * COLUMNS) * (8 * COLUMNS)       # segment bytes per "T" message
+_Q_BYTES = (MAX_MESSAGE - 64) // (8 * WIDTH) * (8 * WIDTH)           # tile bytes per "Q" message
 
 
 def proof(key: bytes | None, who: bytes, challenge: bytes) -> bytes:
@@ -256,7 +258,8 @@ class CopyLane:
                 src_chunks.append((pos, size, fd))
                 pos += size
             send_message(sock, b"S" + msgpack.packb(
-                {"kind": kind, "groups": len(segments), "src_nbytes": src_nbytes, "src_count": len(src_chunks),
+                {"kind": kind, "groups": len(segments), "tiles": len(segments.tiles or ()), "src_nbytes": src_nbytes,
+                 "src_count": len(src_chunks),
                  "dst_nbytes": dst.nbytes, "dst_count": len(dst_chunks)}), "the lane's setup")
             send_handles(sock, src_chunks)
             send_handles(sock, dst_chunks)
@@ -266,6 +269,9 @@ class CopyLane:
                          segments.dst_stride]).astype(">u8").tobytes()
         for i in range(0, len(cols), _T_BYTES):
             send_message(sock, b"T" + cols[i:i + _T_BYTES], "the lane's segments")
+        table = b"" if segments.tiles is None else np.ascontiguousarray(segments.tiles.table).astype(">i8").tobytes()
+        for i in range(0, len(table), _Q_BYTES):        # a pair that quantizes on the way: its tiles
+            send_message(sock, b"Q" + table[i:i + _Q_BYTES], "the lane's quantizing tiles")
         self._expect(sock, b"K", "the copy host's setup", self.timeout)
         self.ready_for, self._dst = ready_for, dst
 
@@ -299,6 +305,13 @@ class CopyLane:
         except BaseException as e:
             self._give_up(seq, f"{type(e).__name__}: {e}")
             raise
+        if len(answer) == 17 and answer[:9] == b"Q" + U64.pack(seq) and self._settled(seq, fence.state) == DONE:
+            # copied but for the blocks that held a NaN or an infinity: the step fails (the caller names the
+            # tensor), and the lane serves on
+            tile = U64.unpack(answer[9:])[0]
+            poisoned = QuantizationError(f"copy host: step {seq} met a NaN or an infinity in quantizing tile {tile}")
+            poisoned.tile = tile
+            raise poisoned
         try:
             if answer == b"K" + U64.pack(seq) and self._settled(seq, fence.state) == DONE:
                 return True         # the fast path: one load

@@ -75,10 +75,7 @@ class DeviceSegments:
             return
         bad = self._tiles.failed()
         if bad is not None:
-            name = self.segments.tiles.tensor_of(bad)
-            raise QuantizationError(f"a block of {name!r} holds a NaN or an infinity in the source's weights (found "
-                                    f"as this pair quantized it on the way): the step fails; fix the weights, and "
-                                    f"the next push goes on", name)
+            raise poisoned(self.segments, bad)
 
     def serve_lane(self, copier: Any, dst_ptr: int, src_ptr: int, fd: int, fence: int) -> tuple[int, bytes] | None:
         """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``), each taken and finished on the
@@ -95,6 +92,17 @@ class DeviceSegments:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
             kernel.close()
+
+
+def poisoned(segments: Segments, tile: int) -> QuantizationError:
+    """The error of a pair whose quantizing tile ``tile`` met a NaN or an infinity, naming its tensor (the
+    tile's index kept as ``.tile``: a copy host answers with it)."""
+    name = segments.tiles.tensor_of(tile) if segments.tiles is not None and 0 <= tile < len(segments.tiles) else None
+    e = QuantizationError(f"a block of {name!r} holds a NaN or an infinity in the source's weights (found as this "
+                          f"pair quantized it on the way): the step fails; fix the weights, and the next push goes on",
+                          name)
+    e.tile = tile
+    return e
 
 
 def run_threads(count: int, work: Callable[[int], Any]) -> None:
