@@ -226,6 +226,40 @@ def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on
         dst.close()
 
 
+def test_quantizing_tiles_offered_for_host_memory_are_refused_and_the_host_serves_on() -> None:
+    import numpy as np
+
+    from tensorxfer.memory import HostRegion
+    from tensorxfer.quant.tiles import WIDTH, QuantTiles
+    from tensorxfer.transport.segments import Segments
+
+    src, dst = HostRegion.allocate(4096), tx.TensorRegion.from_tensors({"d": torch.zeros(4096, dtype=torch.uint8)})
+    host = CopyHost(None, None, stall_timeout=5)
+    try:
+        table = np.zeros((1, WIDTH), np.int64)
+        table[0, :4] = (0, 256, 8, 128)        # one 8 x 128 bf16 block; its values and scale go nowhere
+        table[0, 10] = -1
+        tiles = QuantTiles(table, np.zeros(1, np.int32), ("w",))
+        plain = Segments.of([0], [0], [64])
+        segments = Segments(plain.src_off, plain.dst_off, plain.nbytes, plain.count, plain.src_stride,
+                            plain.dst_stride, tiles=tiles)
+        lane = CopyLane(host.path, None, timeout=5)
+        handles = [(sz, fd) for _, sz, fd in src.export_handles()]
+        try:
+            with pytest.raises(TransferError, match=r"setup out of range"):       # only a GPU pair quantizes
+                lane.setup(handles, 4096, dst, segments, "host", "x")
+        finally:
+            for _, fd in handles:
+                os.close(fd)
+            lane.close()
+        lane = CopyLane(host.path, None, timeout=5)     # the host still takes lanes
+        lane.close()
+    finally:
+        host.close()
+        src.close()
+        dst.close()
+
+
 # ---------------------------------------------------------------- a copy host in a process of its own
 import json  # noqa: E402
 import signal  # noqa: E402

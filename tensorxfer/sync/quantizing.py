@@ -21,9 +21,16 @@ come; then the shared cells with the agreed amaxes.  A source whose own cells ar
 while the others still quantize (measured on the H100, 16 GB from 4 sources: ~30 ms a step when every
 source waited for all the amaxes before quantizing anything).
 
+Where a target shares the source's GPU, the pair quantizes on the way instead (:mod:`tensorxfer.sync.fusing`):
+the blocks this source holds whole are read from its input and written into the target by the pair's copy,
+and a tensor every pair reading it fuses is left out here but for its shared blocks
+(:meth:`SourceQuantizer.plan`).
+
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
-with the same error; in a shared block, the peers sharing it fail too (a poisoned record).
+with the same error; in a shared block, the peers sharing it fail too (a poisoned record).  In a block a pair
+quantizes on the way, the pair finds it (writing nothing of that block): that target's step fails with the
+error, and so does this source's push; targets whose blocks hold none land the step.
 """
 
 from __future__ import annotations
