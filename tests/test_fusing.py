@@ -350,3 +350,21 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
             assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
     finally:
         close(syncs)
+
+
+def test_a_tensor_also_served_plain_is_quantized_on_the_way_from_its_plain_entry() -> None:
+    q = Quantization.blocks(8, 16)
+    shape = (64, 48)
+    w = torch.randn(shape).to(torch.bfloat16)
+    sources = [{"w": Source(w[:40].clone(), shape, Box((0, 0), (40, 48)))},
+               {"w": Source(w[40:].clone(), shape, Box((40, 0), (24, 48)))}]
+    targets = [{"w": Target.shard(torch.zeros(32, 48, dtype=torch.float8_e4m3fn), "w", shape, 0, 0, 2)
+                .quantized(q, torch.zeros(4, 3))},
+               {"w": Target.shard(torch.zeros(64, 48, dtype=torch.bfloat16), "w", shape, 0, 0, 1)}]
+    mans = [Manifest.layout([("w", "F8_E4M3", (32, 48)), ("w_scale_inv", "F32", (4, 3))]),
+            Manifest.layout([("w", "BF16", (64, 48))])]
+    tspecs = [target_description(t, m, r) for r, (t, m) in enumerate(zip(targets, mans))]
+    lay = source_layout(sources[0], tspecs, inputs=True)
+    assert lay.inputs == {"w": "w"} and "w" in lay.plain      # one entry, adopted once: the plain one
+    found = fusable(lay.describe(0))
+    assert len(found) == 1 and next(iter(found.values())).input_offset == lay.manifest["w"].offset

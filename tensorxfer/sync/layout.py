@@ -41,7 +41,8 @@ class SourceLayout:
     manifest: Manifest
     plain: dict[str, Source]
     quantized: list[tuple[str, Quantization, Source]]
-    inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # global name -> its input's entry
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # global name -> its input's entry (own,
+    #                                                                    or its plain one)
 
     def input_layout(self, name: str) -> Quantization:
         """The layout under whose derived name tensor ``name``'s input is described (its first one)."""
@@ -109,9 +110,14 @@ def source_layout(shards: Mapping[str, Source], targets: list[RankSpec], inputs:
         for n in dict.fromkeys(n for n, _, _ in quantized):
             s = shards[n]
             dtype = _dt.from_torch(s.tensor.dtype).name
-            if s.adopt and dtype in ("BF16", "F32") and len(s.box.sizes) == 2:
-                names[n] = f"#quantized.input.{len(names)}"
-                entries.append((names[n], dtype, s.box.sizes))
+            if not (s.adopt and dtype in ("BF16", "F32") and len(s.box.sizes) == 2):
+                continue
+            if n in plain:      # also served plain: its entry is the input where it holds the trainer's dtype
+                if wire.get(n, dtype) == dtype:
+                    names[n] = n
+                continue
+            names[n] = f"#quantized.input.{len(names)}"
+            entries.append((names[n], dtype, s.box.sizes))
     return SourceLayout(Manifest.layout(entries), plain, quantized, names)
 
 

@@ -211,9 +211,9 @@ class WeightSync:
         self.region = TensorRegion.from_manifest(manifest, device=where)
         self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()]
         # a quantized tensor's input, where pairs on this GPU may quantize it on the way (sync.fusing)
-        self._shards += [(shards[n].tensor, tensor_view(self.region, manifest[entry]))
-                         for n, entry in layout.inputs.items()]
-        self.adopted = self._adopt([s.adopt for s in layout.plain.values()] + [True] * len(layout.inputs))
+        own = {n: entry for n, entry in layout.inputs.items() if entry not in layout.plain}
+        self._shards += [(shards[n].tensor, tensor_view(self.region, manifest[entry])) for n, entry in own.items()]
+        self.adopted = self._adopt([s.adopt for s in layout.plain.values()] + [True] * len(own))
         self._view_ptrs = [view.data_ptr() for _, view in self._shards]
         self._locals = [local for local, _ in self._shards]     # the trainer's tensor objects (it may re-point them)
         if layout.quantized:
