@@ -259,10 +259,10 @@ def _gpu() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("block, shapes, dtype", [
-    ((128, 128), {"w": (640, 384), "u": (300, 256)}, "BF16"),     # register tiles; a partial last block row
+    ((128, 128), {"w": (768, 384), "u": (300, 256)}, "BF16"),     # register tiles; a partial last block row
     ((128, 128), {"w": (512, 384)}, "F32"),
-    ((8, 16), {"w": (64, 48), "u": (40, 35)}, "BF16"),            # small blocks; odd widths: the byte loops
-    ((16, 8), {"w": (64, 48)}, "F32"),
+    ((8, 16), {"w": (64, 35), "u": (40, 96)}, "BF16"),            # small blocks; an odd width: the byte loops
+    ((16, 8), {"w": (64, 45)}, "F32"),
 ], ids=["bf16-128", "f32-128", "bf16-small-odd", "f32-small"])
 @pytest.mark.parametrize("formula", sorted(kernel.FORMULAS), ids=lambda f: "-".join(f))
 def test_the_kernel_writes_the_reference_executors_bytes(block: Any, shapes: Any, dtype: str, formula: Any) -> None:

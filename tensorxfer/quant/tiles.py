@@ -142,6 +142,8 @@ class DeviceTiles:
         self.tiles, self.device = tiles, device
         self._table = torch.from_numpy(np.ascontiguousarray(tiles.table)).to(f"cuda:{device}")
         self._status = torch.empty(1, dtype=torch.int64, device=f"cuda:{device}")
+        # read back on the launch's own stream (no wait on torch's streams), into pinned memory
+        self._word = torch.empty(1, dtype=torch.int64, pin_memory=True)
 
     def launch(self, stream: int, dst_base: int, src_base: int) -> None:
         """Queue the tiles (the failure word reset first) on CUDA stream handle ``stream``."""
@@ -159,6 +161,8 @@ class DeviceTiles:
             types = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
             kernel._check(cu.cuLaunchKernel(kernels["quantize_tiles"], len(self.tiles), 1, 1, kernel.THREADS, 1, 1,
                                             0, handle, (args, types), 0), "cuLaunchKernel(quantize_tiles)")
+            kernel._check(cu.cuMemcpyDtoHAsync(self._word.data_ptr(), self._status.data_ptr(), 8, handle),
+                          "cuMemcpyDtoHAsync")
         finally:
             kernel._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
@@ -167,8 +171,8 @@ class DeviceTiles:
         or None."""
         if not len(self.tiles):
             return None
-        word = int(self._status.item())      # all ones (-1 as int64): none failed
+        word = int(self._word[0])       # all ones (-1 as int64): none failed
         return None if word < 0 else word
 
     def close(self) -> None:
-        self._table = self._status = None     # type: ignore[assignment]
+        self._table = self._status = self._word = None     # type: ignore[assignment]
