@@ -231,6 +231,12 @@ def test_a_tile_reaching_past_a_region_is_refused() -> None:
         t.check_within(c["layouts"][0].manifest.nbytes, int(t.table[:, tiles.DST].max()))
     with pytest.raises(ProtocolError, match="reaches past"):
         pair.segments.check_within(int(t.table[:, tiles.SRC].max()), c["tmanifests"][0].nbytes)
+    for column, value in ((tiles.SRC_PITCH, 1 << 62), (tiles.ROWS, 1 << 40), (tiles.DST, -8), (tiles.SCALE, -2),
+                          (tiles.DTYPE, 7), (tiles.R1, 10**6)):     # hostile columns: refused, never wrapped
+        bad = t.table.copy()
+        bad[0, column] = value
+        with pytest.raises(ProtocolError, match="reaches past"):
+            tiles.QuantTiles(bad, t.tensor, t.names).check_within(1 << 62, 1 << 62)
 
 
 def test_host_sources_and_tcp_never_carry_tiles() -> None:

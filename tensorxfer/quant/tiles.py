@@ -46,6 +46,8 @@ WIDTH = len(COLUMNS)
 (SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA) = range(WIDTH)
 INPUT_SIZES = (2, 4)        # bytes per input element, by the dtype column
 E8M0 = 2                    # the formula column of power-of-two scales (kernel.FORMULAS): one byte each
+_MAX_EXTENT = 1 << 24       # a block's rows or columns, at most
+_MAX_PLACE = 1 << 40        # an offset or a pitch, at most (1 TiB): (rows - 1) * pitch stays far from wrapping
 
 
 @functools.cache
@@ -104,32 +106,42 @@ class QuantTiles:
         return self.names[int(self.tensor[index])]
 
     def check_within(self, src_size: int, dst_size: int) -> None:
-        """Every tile reads inside the source's region and writes inside the target's.
+        """Every tile reads inside the source's region and writes inside the target's (each step: the reach is
+        computed once).  Exact in int64: every column is bounded first, so no product wraps (a copy host takes
+        a follower's table as it came).
 
         Raises
         ------
         ProtocolError
             A tile reaches past a region or names a column out of range (the ends planned differently).
         """
-        t = self.table
-        if not len(t):
+        bad, src_ends, dst_ends = self._reach
+        if bad is None and (not len(src_ends) or (int(src_ends.max()) <= src_size
+                                                   and int(dst_ends.max()) <= dst_size)):
             return
-        size = np.take(INPUT_SIZES, np.clip(t[:, DTYPE], 0, 1))
-        ok = ((t[:, DTYPE] >= 0) & (t[:, DTYPE] <= 1) & (t[:, ROWS] >= 1) & (t[:, COLS] >= 1)
-              & (t[:, SRC] >= 0) & (t[:, SRC_PITCH] >= t[:, COLS] * size)
-              & (0 <= t[:, R0]) & (t[:, R0] <= t[:, R1]) & (t[:, R1] <= t[:, ROWS])
-              & (0 <= t[:, C0]) & (t[:, C0] <= t[:, C1]) & (t[:, C1] <= t[:, COLS]) & (t[:, DST] >= 0)
-              & (t[:, SCALE] >= -1))
-        src_end = t[:, SRC] + (t[:, ROWS] - 1) * t[:, SRC_PITCH] + t[:, COLS] * size
+        i = bad if bad is not None else int(np.argmax((src_ends > src_size) | (dst_ends > dst_size)))
+        raise ProtocolError(f"quantizing tile {i} of {self.tensor_of(i)!r} reaches past the regions "
+                            f"({dict(zip(COLUMNS, self.table[i].tolist()))}; regions of {src_size} and {dst_size} "
+                            f"bytes): the two ends did not plan the same transfer")
+
+    @functools.cached_property
+    def _reach(self) -> tuple[int | None, np.ndarray, np.ndarray]:
+        """(the first tile with a column out of range, or None; each tile's furthest byte read, and written)."""
+        t = self.table
+        extents, places = t[:, [ROWS, COLS, R0, R1, C0, C1]], t[:, [SRC, SRC_PITCH, DST, DST_PITCH]]
+        sane = (((extents >= 0) & (extents <= _MAX_EXTENT)).all(axis=1)
+                & ((places >= 0) & (places <= _MAX_PLACE)).all(axis=1) & (t[:, SCALE] >= -1)
+                & (t[:, SCALE] <= _MAX_PLACE) & (t[:, DTYPE] >= 0) & (t[:, DTYPE] <= 1))
+        t = np.where(sane[:, None], t, 0)       # no arithmetic on the insane rows (they are refused)
+        size = np.take(INPUT_SIZES, t[:, DTYPE])
+        ok = (sane & (t[:, ROWS] >= 1) & (t[:, COLS] >= 1) & (t[:, SRC_PITCH] >= t[:, COLS] * size)
+              & (t[:, R0] <= t[:, R1]) & (t[:, R1] <= t[:, ROWS]) & (t[:, C0] <= t[:, C1]) & (t[:, C1] <= t[:, COLS]))
         rows = t[:, R1] - t[:, R0]
-        dst_end = np.where(rows > 0, t[:, DST] + (rows - 1) * t[:, DST_PITCH] + (t[:, C1] - t[:, C0]), 0)
-        ok &= (src_end <= src_size) & (dst_end <= dst_size) & (t[:, SCALE] + self.scale_bytes <= dst_size)
         ok &= (rows <= 1) | (t[:, DST_PITCH] >= t[:, C1] - t[:, C0])
-        if not ok.all():
-            i = int(np.argmin(ok))
-            raise ProtocolError(f"quantizing tile {i} of {self.tensor_of(i)!r} reaches past the regions "
-                                f"({dict(zip(COLUMNS, t[i].tolist()))}; regions of {src_size} and {dst_size} "
-                                f"bytes): the two ends did not plan the same transfer")
+        src_end = t[:, SRC] + np.maximum(t[:, ROWS] - 1, 0) * t[:, SRC_PITCH] + t[:, COLS] * size
+        dst_end = np.where(rows > 0, t[:, DST] + np.maximum(rows - 1, 0) * t[:, DST_PITCH] + (t[:, C1] - t[:, C0]), 0)
+        dst_end = np.maximum(dst_end, t[:, SCALE] + self.scale_bytes)
+        return (None if ok.all() else int(np.argmin(ok))), src_end, dst_end
 
 
 class DeviceTiles:

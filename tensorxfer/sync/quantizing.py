@@ -244,11 +244,6 @@ def _positions(parts: list[np.ndarray], device: Any) -> Any:
     return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
 
 
-def _takes_kernel_name(d: _DeviceShards, name: str) -> bool:
-    """Whether ``name`` is one of ``d``'s kernel shards (the ones :meth:`_DeviceShards.skip` leaves out)."""
-    return any(s.values_name == name for s in d.shards[:d.fast])
-
-
 def _takes_kernel(s: QuantizedShard) -> bool:
     return (not s.empty and kernel.fits(s.local, s.grid) and kernel.computes(s.q)
             and s.values.device == s.local.device and s.values.is_contiguous()
@@ -272,6 +267,7 @@ class SourceQuantizer:
             by_device.setdefault(s.local.device, []).append(s)
         self._devices = [_DeviceShards(group) for group in by_device.values()]
         self._peers: tuple[int, ...] = ()
+        self._made_bytes = sum(s.values.numel() for s in shards if not s.empty)
 
     def plan(self, sources: list[RankSpec], fused: set[str] | frozenset[str] = frozenset()) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
@@ -279,6 +275,9 @@ class SourceQuantizer:
         pair reading them quantizes them on the way) to those pairs."""
         for d in self._devices:
             d.skip(frozenset(fused))
+        # the FP8 bytes a push writes here: all of a shard's, or of a left-out one only its shared blocks'
+        self._made_bytes = sum(s.shared_bytes if i < d.fast and s.values_name in d.skipped else s.values.numel()
+                               for d in self._devices for i, s in enumerate(d.shards) if not s.empty)
         wanted = {s.values_name: s for s in self.shards if len(s.shared_ids)}
         peers: set[int] = set()
         for spec in sources:
@@ -331,9 +330,7 @@ class SourceQuantizer:
             d.quantize_shared()
         self._check_finite()
         live = [s for s in self.shards if not s.empty]
-        skipped = {n for d in self._devices for n in d.skipped if _takes_kernel_name(d, n)}
-        return QuantStats(sum(s.values.numel() if s.values_name not in skipped else s.shared_bytes for s in live),
-                          sum(s.shared_bytes for s in live),
+        return QuantStats(self._made_bytes, sum(s.shared_bytes for s in live),
                           sum(len(s.shared_pos) for s in live), len(self._peers), wait, time.perf_counter() - t0)
 
     def _check_finite(self) -> None:
