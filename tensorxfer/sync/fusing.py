@@ -132,25 +132,32 @@ class FusedPair:
 _Box = tuple[int, int, int, int, int, int]
 
 
-def _box(off: int, nbytes: int, count: int, src_stride: int, dst: int, dst_stride: int, cols: int,
-         size: int) -> _Box | None:
-    """The box a group covers in an entry of ``cols`` columns of ``size``-byte elements (``off``: bytes from
-    its start); None if the group is not a box of it."""
+def _boxes(off: int, nbytes: int, count: int, src_stride: int, dst: int, dst_stride: int, cols: int,
+           size: int) -> list[_Box] | None:
+    """The boxes a group covers in an entry of ``cols`` columns of ``size``-byte elements (``off``: bytes from
+    its start): a plain run is cut into its partial first row, its whole rows and its partial last row (the
+    planner shares a replicated row of scales between sources anywhere); None if the group is no such thing."""
     if off % size or nbytes % size or (count > 1 and src_stride % size):
         return None
     r, c = divmod(off // size, cols)
     n = nbytes // size
-    if c + n <= cols:
-        if count == 1:
-            return r, c, 1, n, dst, nbytes
-        return (r, c, count, n, dst, dst_stride) if src_stride == cols * size else None
-    if c == 0 and n % cols == 0:
-        rows = n // cols
-        if count == 1:
-            return r, 0, rows, cols, dst, cols * size
-        if src_stride == nbytes and dst_stride == nbytes:
-            return r, 0, rows * count, cols, dst, cols * size
-    return None
+    if count > 1:
+        if c + n <= cols and src_stride == cols * size:
+            return [(r, c, count, n, dst, dst_stride)]
+        if c == 0 and n % cols == 0 and src_stride == nbytes and dst_stride == nbytes:
+            return [(r, 0, n // cols * count, cols, dst, cols * size)]
+        return None
+    out = []
+    if c:       # the partial first row
+        k = min(n, cols - c)
+        out.append((r, c, 1, k, dst, k * size))
+        r, n, dst = r + 1, n - k, dst + k * size
+    if n >= cols:
+        out.append((r, 0, n // cols, cols, dst, cols * size))
+        r, dst, n = r + n // cols, dst + n // cols * cols * size, n % cols
+    if n:
+        out.append((r, 0, 1, n, dst, n * size))
+    return out
 
 
 def _split_box(b: _Box, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[_Box | None, list[_Box]]:
@@ -275,11 +282,12 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
         start, _, f, part = entries[int(at[i])]
         read.add(f.values_name)
         cols, size = (f.sizes[1], 1) if part == "values" else (f.count[1], f.scale_bytes)
-        b = _box(int(so[i] - start), int(nb[i]), int(ct[i]), int(ss[i]), int(do[i]), int(ds[i]), cols, size)
-        if b is None:
+        found_boxes = _boxes(int(so[i] - start), int(nb[i]), int(ct[i]), int(ss[i]), int(do[i]), int(ds[i]), cols,
+                             size)
+        if found_boxes is None:
             broken.add(f.values_name)
         else:
-            boxes.setdefault(f.values_name, {"values": [], "scales": []})[part].append(b)
+            boxes.setdefault(f.values_name, {"values": [], "scales": []})[part].extend(found_boxes)
     fused = sorted(set(boxes) - broken) if enabled else []
     if not fused:
         return FusedPair(segments, frozenset(read), frozenset())
