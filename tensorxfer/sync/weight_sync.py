@@ -58,6 +58,7 @@ from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.copy_host import device_identity, elect
 from tensorxfer.sync.fusing import Fusable, feeds, fusable, fuses_on, pairs_of
+from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
 from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStep, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
