@@ -180,29 +180,16 @@ def _groups(boxes: list[_Box], entry_offset: int, cols: int, size: int) -> list[
             for r, c, h, w, dst, pitch in boxes]
 
 
-def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
-    """The tiles (rows of the tile table, plus the cell's flat local index and tensor index) of interior box
-    ``b`` (local elements, whole cells only)."""
-    r, c, h, w, dst, pitch = b
+def _block_tiles(f: Fusable, index: int, gi: np.ndarray, gj: np.ndarray) -> np.ndarray:
+    """Tiles of cells (``gi``, ``gj``: global cell coordinates) that write nothing yet: each reads its whole
+    block; plus, past the table's columns, the cell's flat local index and the tensor's index."""
     (bm, bn), (o0, o1), (n0, n1) = f.grid.block, f.offsets, f.grid.shape
-    gi = np.arange((o0 + r) // bm, (o0 + r + h - 1) // bm + 1, dtype=np.int64)
-    gj = np.arange((o1 + c) // bn, (o1 + c + w - 1) // bn + 1, dtype=np.int64)
-    gi, gj = (a.reshape(-1) for a in np.meshgrid(gi, gj, indexing="ij"))
     top, left = gi * bm, gj * bn
-    rows, cols = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
     size = tiles.INPUT_SIZES[f.input_dtype]
-    lr0 = np.maximum(o0 + r, top)                # the clip's first global row / column
-    lc0 = np.maximum(o1 + c, left)
-    lr1 = np.minimum(o0 + r + h, top + rows)
-    lc1 = np.minimum(o1 + c + w, left + cols)
-    t = np.empty((len(gi), tiles.WIDTH + 2), np.int64)
+    t = np.zeros((len(gi), tiles.WIDTH + 2), np.int64)
     t[:, tiles.SRC] = f.input_offset + ((top - o0) * f.sizes[1] + (left - o1)) * size
     t[:, tiles.SRC_PITCH] = f.sizes[1] * size
-    t[:, tiles.ROWS], t[:, tiles.COLS] = rows, cols
-    t[:, tiles.DST] = dst + (lr0 - o0 - r) * pitch + (lc0 - o1 - c)
-    t[:, tiles.DST_PITCH] = pitch
-    t[:, tiles.R0], t[:, tiles.R1] = lr0 - top, lr1 - top
-    t[:, tiles.C0], t[:, tiles.C1] = lc0 - left, lc1 - left
+    t[:, tiles.ROWS], t[:, tiles.COLS] = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
     t[:, tiles.SCALE] = -1
     t[:, tiles.DTYPE] = f.input_dtype
     t[:, tiles.FORMULA] = kernel.FORMULAS[(f.q.formula, f.q.scale)]
@@ -211,22 +198,30 @@ def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
     return t
 
 
+def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
+    """The tiles of interior box ``b`` (local elements, whole cells only): each writes the part of its block
+    inside ``b``."""
+    r, c, h, w, dst, pitch = b
+    (bm, bn), (o0, o1) = f.grid.block, f.offsets
+    gi = np.arange((o0 + r) // bm, (o0 + r + h - 1) // bm + 1, dtype=np.int64)
+    gj = np.arange((o1 + c) // bn, (o1 + c + w - 1) // bn + 1, dtype=np.int64)
+    gi, gj = (a.reshape(-1) for a in np.meshgrid(gi, gj, indexing="ij"))
+    t = _block_tiles(f, index, gi, gj)
+    top, left = gi * bm, gj * bn
+    lr0 = np.maximum(o0 + r, top)                # the clip's first global row / column
+    lc0 = np.maximum(o1 + c, left)
+    lr1 = np.minimum(o0 + r + h, top + t[:, tiles.ROWS])
+    lc1 = np.minimum(o1 + c + w, left + t[:, tiles.COLS])
+    t[:, tiles.DST] = dst + (lr0 - o0 - r) * pitch + (lc0 - o1 - c)
+    t[:, tiles.DST_PITCH] = pitch
+    t[:, tiles.R0], t[:, tiles.R1] = lr0 - top, lr1 - top
+    t[:, tiles.C0], t[:, tiles.C1] = lc0 - left, lc1 - left
+    return t
+
+
 def _scale_only(f: Fusable, index: int, cells: np.ndarray) -> np.ndarray:
     """Tiles that write only the scale of ``cells`` (flat local indices): the block read for its amax."""
-    (bm, bn), (o0, o1), (n0, n1) = f.grid.block, f.offsets, f.grid.shape
-    gi, gj = cells // f.count[1] + f.first[0], cells % f.count[1] + f.first[1]
-    top, left = gi * bm, gj * bn
-    t = np.zeros((len(cells), tiles.WIDTH + 2), np.int64)
-    size = tiles.INPUT_SIZES[f.input_dtype]
-    t[:, tiles.SRC] = f.input_offset + ((top - o0) * f.sizes[1] + (left - o1)) * size
-    t[:, tiles.SRC_PITCH] = f.sizes[1] * size
-    t[:, tiles.ROWS], t[:, tiles.COLS] = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
-    t[:, tiles.SCALE] = -1
-    t[:, tiles.DTYPE] = f.input_dtype
-    t[:, tiles.FORMULA] = kernel.FORMULAS[(f.q.formula, f.q.scale)]
-    t[:, tiles.WIDTH] = cells
-    t[:, tiles.WIDTH + 1] = index
-    return t
+    return _block_tiles(f, index, cells // f.count[1] + f.first[0], cells % f.count[1] + f.first[1])
 
 
 def _cut_at(segments: Segments, edges: np.ndarray) -> tuple[np.ndarray, ...]:
