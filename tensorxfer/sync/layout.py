@@ -44,10 +44,6 @@ class SourceLayout:
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # global name -> its input's entry (own,
     #                                                                    or its plain one)
 
-    def input_layout(self, name: str) -> Quantization:
-        """The layout under whose derived name tensor ``name``'s input is described (its first one)."""
-        return next(q for n, q, _ in self.quantized if n == name)
-
     @staticmethod
     def local(index: int, part: str) -> str:
         """The region entry of the ``index``-th quantized shard's ``part`` (a region's names hold no NUL)."""
@@ -63,10 +59,13 @@ class SourceLayout:
             tensors += [SourceTensor(derived_name(n, q, "values"), s.global_shape, values.dtype, s.box, values.offset),
                         SourceTensor(derived_name(n, q, "scales"), grid.scale_shape, scales.dtype, Box(first, count),
                                      scales.offset)]
+        asked: dict[str, tuple[Quantization, Source]] = {}     # an input is described under its first layout
+        for n, q, s in self.quantized:
+            asked.setdefault(n, (q, s))
         for n, entry in self.inputs.items():
-            s = next(s for name, _, s in self.quantized if name == n)
-            tensors.append(SourceTensor(derived_name(n, self.input_layout(n), "input"), s.global_shape, m[entry].dtype,
-                                        s.box, m[entry].offset))
+            q, s = asked[n]
+            tensors.append(SourceTensor(derived_name(n, q, "input"), s.global_shape, m[entry].dtype, s.box,
+                                        m[entry].offset))
         return RankSpec("source", rank, tensors)
 
 
