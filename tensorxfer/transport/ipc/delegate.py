@@ -395,14 +395,20 @@ def _receive_tiles(conn: socket.socket, count: int, timeout: float) -> QuantTile
     """A setup's quantizing tiles (``Q`` messages: ``count`` rows of the table), after its segments."""
     if not count:
         return None
-    raw = bytearray()
-    while len(raw) < count * WIDTH * 8:
-        msg = recv_message(conn, "the lane's quantizing tiles", timeout)
-        if msg[:1] != b"Q" or len(raw) + len(msg) - 1 > count * WIDTH * 8:
-            raise ProtocolError(f"copy host: bad tiles message {msg[:8]!r}")
-        raw += msg[1:]
-    table = np.frombuffer(bytes(raw), dtype=">i8").astype(np.int64).reshape(count, WIDTH)
+    raw = _receive_batches(conn, b"Q", count * WIDTH * 8, "tiles", timeout)
+    table = np.frombuffer(raw, dtype=">i8").astype(np.int64).reshape(count, WIDTH)
     return QuantTiles(table, np.zeros(count, np.int32), ("(a follower's tensor)",))
+
+
+def _receive_batches(conn: socket.socket, tag: bytes, nbytes: int, what: str, timeout: float) -> bytes:
+    """``nbytes`` of a setup's table, sent as messages ``tag`` + bytes (never more than announced)."""
+    raw = bytearray()
+    while len(raw) < nbytes:
+        msg = recv_message(conn, f"the lane's {what}", timeout)
+        if msg[:1] != tag or len(raw) + len(msg) - 1 > nbytes:
+            raise ProtocolError(f"copy host: bad {what} message {msg[:8]!r}")
+        raw += msg[1:]
+    return bytes(raw)
 
 
 def _drain(conn: socket.socket) -> None:
@@ -501,13 +507,8 @@ class _HostedPair:
         try:
             src_chunks = receive_handles(conn, src_count, src_nbytes, fds, timeout)
             dst_chunks = receive_handles(conn, dst_count, dst_nbytes, fds, timeout)
-            raw = bytearray()
-            while len(raw) < groups * COLUMNS * 8:
-                msg = recv_message(conn, "the lane's segments", timeout)
-                if msg[:1] != b"T" or len(raw) + len(msg) - 1 > groups * COLUMNS * 8:
-                    raise ProtocolError(f"copy host: bad segments message {msg[:8]!r}")
-                raw += msg[1:]
-            cols = np.frombuffer(bytes(raw), dtype=">u8").astype(np.uint64).reshape(COLUMNS, groups)
+            raw = _receive_batches(conn, b"T", groups * COLUMNS * 8, "segments", timeout)
+            cols = np.frombuffer(raw, dtype=">u8").astype(np.uint64).reshape(COLUMNS, groups)
             c = [np.ascontiguousarray(col) for col in cols]
             segments = Segments(c[0], c[1], c[2], c[3], c[4], c[5], tiles=_receive_tiles(conn, count, timeout))
             check_lane_segments(segments, src_nbytes, dst_nbytes)

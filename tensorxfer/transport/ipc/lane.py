@@ -190,6 +190,12 @@ class InDoubt:
 IN_DOUBT = InDoubt()
 
 
+def _send_batches(sock: socket.socket, tag: bytes, data: bytes, batch: int, what: str) -> None:
+    """A setup's table as messages ``tag`` + at most ``batch`` bytes (whole rows: ``batch`` is a row multiple)."""
+    for i in range(0, len(data), batch):
+        send_message(sock, tag + data[i:i + batch], f"the lane's {what}")
+
+
 class CopyLane:
     """A follower's lane for one pair (see the module docstring).
 
@@ -267,11 +273,9 @@ class CopyLane:
             close_fds([fd for *_, fd in dst_chunks])
         cols = np.stack([segments.src_off, segments.dst_off, segments.nbytes, segments.count, segments.src_stride,
                          segments.dst_stride]).astype(">u8").tobytes()
-        for i in range(0, len(cols), _T_BYTES):
-            send_message(sock, b"T" + cols[i:i + _T_BYTES], "the lane's segments")
+        _send_batches(sock, b"T", cols, _T_BYTES, "segments")
         table = b"" if segments.tiles is None else np.ascontiguousarray(segments.tiles.table).astype(">i8").tobytes()
-        for i in range(0, len(table), _Q_BYTES):        # a pair that quantizes on the way: its tiles
-            send_message(sock, b"Q" + table[i:i + _Q_BYTES], "the lane's quantizing tiles")
+        _send_batches(sock, b"Q", table, _Q_BYTES, "quantizing tiles")     # a pair that quantizes on the way
         self._expect(sock, b"K", "the copy host's setup", self.timeout)
         self.ready_for, self._dst = ready_for, dst
 
