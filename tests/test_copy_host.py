@@ -196,23 +196,19 @@ def test_a_lane_copies_each_step_and_keeps_what_a_new_setup_does_not_replace() -
             r.close()
 
 
-def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on() -> None:
+def _refused_setups(cases: list[tuple[Any, str]]) -> None:
+    """Each ``(segments, message)`` offered over a fresh lane to one copy host of host memory is refused with
+    ``message``; the host still takes lanes afterwards."""
     from tensorxfer.memory import HostRegion
-    from tensorxfer.transport.segments import Segments
 
     src, dst = HostRegion.allocate(4096), tx.TensorRegion.from_tensors({"d": torch.zeros(4096, dtype=torch.uint8)})
     host = CopyHost(None, None, stall_timeout=5)
     try:
-        wrap = 1 << 63
-        for segments in (Segments.of([4090], [0], [64]), Segments.of([0], [4090], [64]),
-                         Segments.of([0], [0], [8], [3], [wrap], [wrap]),         # steps that wrap around
-                         Segments.of([2**64 - 8], [2**64 - 8], [16]),             # an end that wraps
-                         Segments.of([0], [0], [8], [2**40], [0], [8]),           # a count past the region
-                         Segments.of([0, 0], [0, 0], [4096, 4096])):              # the region written twice
+        for segments, message in cases:
             lane = CopyLane(host.path, None, timeout=5)
             handles = [(sz, fd) for _, sz, fd in src.export_handles()]
             try:
-                with pytest.raises(TransferError, match=r"copy host: segments (reach past the regions|write)"):
+                with pytest.raises(TransferError, match=message):
                     lane.setup(handles, 4096, dst, segments, "host", "x")
             finally:
                 for _, fd in handles:
@@ -226,38 +222,32 @@ def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on
         dst.close()
 
 
+def test_a_setup_that_reaches_outside_a_region_is_refused_and_the_host_serves_on() -> None:
+    from tensorxfer.transport.segments import Segments
+
+    wrap = 1 << 63
+    outside = r"copy host: segments (reach past the regions|write)"
+    _refused_setups([(segments, outside) for segments in (
+        Segments.of([4090], [0], [64]), Segments.of([0], [4090], [64]),
+        Segments.of([0], [0], [8], [3], [wrap], [wrap]),         # steps that wrap around
+        Segments.of([2**64 - 8], [2**64 - 8], [16]),             # an end that wraps
+        Segments.of([0], [0], [8], [2**40], [0], [8]),           # a count past the region
+        Segments.of([0, 0], [0, 0], [4096, 4096]))])             # the region written twice
+
+
 def test_quantizing_tiles_offered_for_host_memory_are_refused_and_the_host_serves_on() -> None:
     import numpy as np
 
-    from tensorxfer.memory import HostRegion
     from tensorxfer.quant.tiles import WIDTH, QuantTiles
     from tensorxfer.transport.segments import Segments
 
-    src, dst = HostRegion.allocate(4096), tx.TensorRegion.from_tensors({"d": torch.zeros(4096, dtype=torch.uint8)})
-    host = CopyHost(None, None, stall_timeout=5)
-    try:
-        table = np.zeros((1, WIDTH), np.int64)
-        table[0, :4] = (0, 256, 8, 128)        # one 8 x 128 bf16 block; its values and scale go nowhere
-        table[0, 10] = -1
-        tiles = QuantTiles(table, np.zeros(1, np.int32), ("w",))
-        plain = Segments.of([0], [0], [64])
-        segments = Segments(plain.src_off, plain.dst_off, plain.nbytes, plain.count, plain.src_stride,
-                            plain.dst_stride, tiles=tiles)
-        lane = CopyLane(host.path, None, timeout=5)
-        handles = [(sz, fd) for _, sz, fd in src.export_handles()]
-        try:
-            with pytest.raises(TransferError, match=r"setup out of range"):       # only a GPU pair quantizes
-                lane.setup(handles, 4096, dst, segments, "host", "x")
-        finally:
-            for _, fd in handles:
-                os.close(fd)
-            lane.close()
-        lane = CopyLane(host.path, None, timeout=5)     # the host still takes lanes
-        lane.close()
-    finally:
-        host.close()
-        src.close()
-        dst.close()
+    table = np.zeros((1, WIDTH), np.int64)
+    table[0, :4] = (0, 256, 8, 128)        # one 8 x 128 bf16 block; its values and scale go nowhere
+    table[0, 10] = -1
+    plain = Segments.of([0], [0], [64])
+    segments = Segments(plain.src_off, plain.dst_off, plain.nbytes, plain.count, plain.src_stride, plain.dst_stride,
+                        tiles=QuantTiles(table, np.zeros(1, np.int32), ("w",)))
+    _refused_setups([(segments, r"setup out of range")])       # only a GPU pair quantizes
 
 
 # ---------------------------------------------------------------- a copy host in a process of its own

@@ -248,6 +248,12 @@ def test_the_tiles_change_the_pairs_runs_digest_and_a_nan_block_is_named() -> No
     pair = fuse(plain, fusable(spec))
     assert pair.segments.tiles is not None and len(pair.segments.tiles)
     assert pair.segments.digest != plain.digest
+    other = pair.segments.tiles.table.copy()      # the same runs, one tile written elsewhere: another digest
+    other[0, tiles.DST] += 1
+    s = pair.segments
+    moved = Segments(s.src_off, s.dst_off, s.nbytes, s.count, s.src_stride, s.dst_stride,
+                     tiles=tiles.QuantTiles(other, s.tiles.tensor, s.tiles.names))
+    assert moved.digest != s.digest
     srcs = source_regions(c, q)
     lay = c["layouts"][0]
     entry = lay.manifest[lay.inputs["w"]]
@@ -264,12 +270,23 @@ def test_a_tile_reaching_past_a_region_is_refused() -> None:
     t = pair.segments.tiles
     assert t is not None
     t.check_within(c["layouts"][0].manifest.nbytes, c["tmanifests"][0].nbytes)
+    # exactly at the ends of both regions: fits; a byte short of either: refused
+    rows, cols = t.table[:, tiles.R1] - t.table[:, tiles.R0], t.table[:, tiles.C1] - t.table[:, tiles.C0]
+    src_end = int((t.table[:, tiles.SRC] + (t.table[:, tiles.ROWS] - 1) * t.table[:, tiles.SRC_PITCH]
+                   + t.table[:, tiles.COLS] * 2).max())
+    dst_end = int(max((t.table[:, tiles.DST] + (rows - 1) * t.table[:, tiles.DST_PITCH] + cols).max(),
+                      (t.table[:, tiles.SCALE] + 4).max()))
+    t.check_within(src_end, dst_end)
+    for sizes in ((src_end - 1, dst_end), (src_end, dst_end - 1)):
+        with pytest.raises(ProtocolError, match="reaches past"):
+            t.check_within(*sizes)
     with pytest.raises(ProtocolError, match="reaches past"):
         t.check_within(c["layouts"][0].manifest.nbytes, int(t.table[:, tiles.DST].max()))
     with pytest.raises(ProtocolError, match="reaches past"):
         pair.segments.check_within(int(t.table[:, tiles.SRC].max()), c["tmanifests"][0].nbytes)
     for column, value in ((tiles.SRC_PITCH, 1 << 62), (tiles.ROWS, 1 << 40), (tiles.DST, -8), (tiles.SCALE, -2),
-                          (tiles.DTYPE, 7), (tiles.R1, 10**6)):     # hostile columns: refused, never wrapped
+                          (tiles.DTYPE, 7), (tiles.R1, 10**6),      # hostile columns: refused, never wrapped
+                          (tiles.DST_PITCH, 0)):                    # rows written over each other
         bad = t.table.copy()
         bad[0, column] = value
         with pytest.raises(ProtocolError, match="reaches past"):
@@ -411,3 +428,15 @@ def test_a_tensor_also_served_plain_is_quantized_on_the_way_from_its_plain_entry
     assert lay.inputs == {"w": "w"} and "w" in lay.plain      # one entry, adopted once: the plain one
     found = fusable(lay.describe(0))
     assert len(found) == 1 and next(iter(found.values())).input_offset == lay.manifest["w"].offset
+
+
+def test_a_member_record_carries_its_device_and_refuses_one_that_is_no_device_digest() -> None:
+    from tensorxfer.errors import StoreError
+    from tensorxfer.sync.records import SpecRef
+
+    ref = SpecRef("ab" * 32, ("127.0.0.1", 5), "0123456789abcdef01234567")
+    assert SpecRef.decode("k", ref.encode()) == ref
+    assert SpecRef.decode("k", SpecRef("ab" * 32, None).encode()).device is None      # no GPU pair: none
+    for device in ("0123", "../../etc", 7, "0123456789ABCDEF01234567"):
+        with pytest.raises(StoreError, match="device"):
+            SpecRef.decode("k", SpecRef("ab" * 32, None, device).encode())      # type: ignore[arg-type]
