@@ -25,9 +25,11 @@ from tensorxfer.quant.layout import FP8_MAX, Quantization  # noqa: E402
 from tensorxfer.quant.quantize import block_amax, quantize_into, scales_of  # noqa: E402
 from tensorxfer.sync import Box, Source, Target, chunk_box  # noqa: E402
 from tensorxfer.sync.fusing import (  # noqa: E402
+    early,
     fusable,
     fuse,
     fused_names,
+    parts,
     segments_of,
 )
 from tensorxfer.sync.layout import source_layout, target_description, target_tensors  # noqa: E402
@@ -239,6 +241,34 @@ def test_a_tensor_every_pair_fuses_needs_no_whole_blocks_from_its_source() -> No
         assert mixed[1].segments.tiles is None and mixed[1].segments.digest == segments_of(p, s, 1).digest
 
 
+def test_a_fused_pairs_step_is_its_tiles_then_its_runs() -> None:
+    """``parts``: a pair with tiles and runs is two parts -- the tiles alone (offered before the source
+    quantizes), then the runs alone -- which together write what the pair did; any other pair is one part."""
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48), "u": (40, 32)}, q, [300, 700], "BF16", 2, {"w": 0, "u": 1}, 1)
+    p = plan(c["sspecs"], c["tspecs"])
+    split = 0
+    for s, spec in enumerate(c["sspecs"]):
+        for t in range(2):
+            whole = fuse(segments_of(p, s, t), fusable(spec)).segments
+            steps = parts(whole)
+            if whole.tiles is None or not len(whole):
+                assert steps == (whole,) and early(steps) == (whole.tiles is not None), (s, t)
+                continue
+            split += 1
+            tiles_part, runs_part = steps
+            assert early(steps) and not early((runs_part,))
+            assert len(tiles_part) == 0 and tiles_part.tiles is whole.tiles and runs_part.tiles is None
+            assert all(np.array_equal(getattr(runs_part, f), getattr(whole, f)) for f in
+                       ("src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride"))
+            assert tiles_part.total_bytes + runs_part.total_bytes == whole.total_bytes
+            assert len({tiles_part.digest, runs_part.digest, whole.digest}) == 3
+            assert tiles_part.num_runs + runs_part.num_runs == whole.num_runs
+    assert split, "no pair of the case had both tiles and runs"
+    plain = segments_of(p, 0, 0)
+    assert parts(plain) == (plain,) and not early((plain,))
+
+
 def test_the_tiles_change_the_pairs_runs_digest_and_a_nan_block_is_named() -> None:
     q = Quantization.blocks(8, 16)
     c = build({"w": (64, 48)}, q, [500], "F32", 1, {"w": 0}, 2)
@@ -402,6 +432,22 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
                                        [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
         assert any(isinstance(r, QuantizationError) and r.tensor == "w" for r in got), got
         sources[1]["w"].tensor.copy_(shard("w", 1).cuda() * -1.5)
+        results = step(syncs, n)
+        assert all(isinstance(v, int) for v in results[n:]), results
+        for k in shapes:
+            want_values, want_scales = reference(w[k], q)
+            assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
+            assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
+        # each fused pair's step is its tiles (offered before the sources' amax round), then its runs
+        assert any(len(p) == 2 and early(p) for sync in syncs[:n] for p in sync._segments.values())
+        # a NaN in a block source 0 shares with source 1 (rows 256-383; source 0 ends at row 342): found in the
+        # round, after the tiles went out; the targets those sources feed fail naming it, the next push lands
+        sources[0]["w"].tensor[300, 7] = float("nan")
+        got = [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:n]] +
+                                       [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
+        assert isinstance(got[0], QuantizationError) and got[0].tensor == "w", got
+        assert all(isinstance(r, QuantizationError) and r.tensor == "w" for r in got[n:]), got[n:]
+        sources[0]["w"].tensor.copy_(shard("w", 0).cuda() * -1.5)
         results = step(syncs, n)
         assert all(isinstance(v, int) for v in results[n:]), results
         for k in shapes:

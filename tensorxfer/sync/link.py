@@ -20,8 +20,8 @@ import math
 import select
 import socket
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensorxfer.connections import Gate, connect_words, listen
@@ -48,6 +48,20 @@ from tensorxfer.transport.segments import Segments
 log = logging.getLogger(__name__)
 
 
+#: A pair's step in parts: the segments of each, landed in order.  A first part that needs nothing the source
+#: computes at push time (a fused pair's quantizing tiles read the trainer's own shard:
+#: :mod:`tensorxfer.sync.fusing`) is offered at once, and lands while the source makes the next part's bytes
+#: (its FP8 blocks shared with other sources, after their amax round).  Each part has a transport of its own at
+#: both ends -- its own ipc socket, copy lane and device tables, set up once -- so parts that alternate every
+#: step set nothing up again.
+Parts = tuple[Segments, ...]
+
+
+def parts_of(segments: Segments | Sequence[Segments]) -> Parts:
+    """``segments`` as a step's parts (one Segments: a step of one part)."""
+    return (segments,) if isinstance(segments, Segments) else tuple(segments)
+
+
 @dataclass
 class PairStep:
     """One step of one pair between :class:`SourceLink`'s phases: what was offered, and when."""
@@ -58,6 +72,7 @@ class PairStep:
     t0: float                   # the offer
     fresh: bool                 # the offer sets the data path up
     early: bool                 # the data goes out at post(), before the accept
+    transport: Any              # the part's transport (each part of a step has its own: see Parts)
     t1: float = 0.0             # the data went out
     moved: int = 0
 
@@ -98,6 +113,15 @@ class PairStats:
     def gbps(self) -> float:
         return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def then(self, later: PairStats, seconds: float) -> PairStats:
+        """This part of a step followed by ``later`` (the next part): one pair's stats, ``seconds`` from the
+        first part's offer to the last part's end."""
+        return replace(self, bytes=self.bytes + later.bytes, seconds=seconds,
+                       wire_seconds=self.wire_seconds + later.wire_seconds, runs=self.runs + later.runs,
+                       setup=self.setup or later.setup, retries=self.retries + later.retries,
+                       resent_bytes=self.resent_bytes + later.resent_bytes,
+                       recovery_seconds=self.recovery_seconds + later.recovery_seconds)
+
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target, "bytes": self.bytes, "seconds": self.seconds,
                 "wire_seconds": self.wire_seconds, "gbps": self.gbps, "runs": self.runs, "transport": self.transport,
@@ -134,7 +158,7 @@ class SourceLink:
         # One stream per pair unless asked: a step runs every pair at once, which is parallel enough.
         self.streams = streams or 1
         self._seq = 0
-        self._transport: Any = None
+        self._transports: dict[int, Any] = {}      # part -> its transport (one part: just 0)
         try:
             sock = socket.create_connection(address, timeout=connect_timeout)
         except OSError as e:
@@ -156,13 +180,17 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStep:
+    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str, part: int = 0) -> PairStep:
         """Phase 1 of a step: offer this pair's segments of ``region`` for ``version`` (planned as ``digest``).
 
         A step is :meth:`offer`, then :meth:`post` once ``region`` holds the step's bytes, then :meth:`finish`:
         the source offers every target first, packs its region while they take the offers in, and posts
         every warm ipc pair's data before it waits for any (no thread handoff between the phases).  An
         offer that is never posted stays unanswered: the caller must then close this link.
+
+        A step in parts (:data:`Parts`) offers each ``part`` in order, the next one once the region holds its
+        bytes and the part before it was posted early (:attr:`PairStep.early`: its data and done are on their
+        way) or finished, and finishes them in the same order.
 
         Raises (each phase, the message naming the target rank)
         ------
@@ -174,17 +202,18 @@ class SourceLink:
         with self._named():
             self._seq += 1
             t0 = time.perf_counter()
-            if self._transport is None:
+            transport = self._transports.get(part)
+            if transport is None:
                 ctx = control.transfer_context(self._ch, self._key, self.stall_timeout, self.streams)
-                self._transport = TRANSPORTS[self.transport][0](ctx)
+                transport = self._transports[part] = TRANSPORTS[self.transport][0](ctx)
             if self.transport != "ipc":
                 segments.without_tiles()
-            fresh = self._transport.needs_setup(region)
+            fresh = transport.needs_setup(region)
             self._ch.send("offer", seq=self._seq, transport=self.transport, fresh=fresh, version=version,
                           bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest,
-                          resume=self._transport.can_resume)
+                          resume=transport.can_resume, part=part)
             # as Sender: a warm ipc step's data goes right behind the offer, before the accept
-            return PairStep(region, segments, self._seq, t0, fresh, self._transport.posts_early and not fresh)
+            return PairStep(region, segments, self._seq, t0, fresh, transport.posts_early and not fresh, transport)
 
     def post(self, step: PairStep) -> None:
         """Phase 2: where the pair is warm and its transport posts early (ipc), pass the data now (the
@@ -192,14 +221,14 @@ class SourceLink:
         if step.early:
             with self._named():
                 step.t1 = time.perf_counter()
-                step.moved = self._transport.post_early(step.region, step.seq, step.segments)
+                step.moved = step.transport.post_early(step.region, step.seq, step.segments)
                 self._ch.send("done", seq=step.seq, bytes=step.moved)
 
     def finish(self, step: PairStep) -> PairStats:
         """Phase 3: take the target's accept (and send the data, unless it was posted), its ack; the pair's
         stats."""
         with self._named():
-            ch, transport, seq = self._ch, self._transport, step.seq
+            ch, transport, seq = self._ch, step.transport, step.seq
             accept = ch.recv("accept", timeout=self.clock.reply(step.fresh))
             if field(accept, "seq", int) != seq:
                 raise ProtocolError(f"sync: accept for step {accept.get('seq')}, expected {seq}")
@@ -238,11 +267,18 @@ class SourceLink:
         return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
                          step.segments.num_runs, self.transport, setup, rec.retries, rec.resent_bytes, rec.seconds)
 
-    def push(self, region: TensorRegion, segments: Segments, version: int, digest: str) -> PairStats:
-        """The three phases at once: one pair's whole step (raises as :meth:`offer`)."""
-        step = self.offer(region, segments, version, digest)
-        self.post(step)
-        return self.finish(step)
+    def push(self, region: TensorRegion, segments: Segments | Parts, version: int, digest: str) -> PairStats:
+        """The three phases at once: one pair's whole step, every part of it in turn (raises as :meth:`offer`)."""
+        steps = parts_of(segments)
+        t0 = time.perf_counter()
+        stats: PairStats | None = None
+        for part, seg in enumerate(steps):
+            step = self.offer(region, seg, version, digest, part)
+            self.post(step)
+            done = self.finish(step)
+            stats = done if stats is None else stats.then(done, time.perf_counter() - t0)
+        assert stats is not None
+        return stats
 
     def refuse(self, code: str, message: str, tensor: str | None = None) -> None:
         """Answer the target's wait for this step with an error instead of an offer (``tensor``: the one at
@@ -259,8 +295,8 @@ class SourceLink:
             raise
 
     def close(self) -> None:
-        transport, self._transport = self._transport, None
-        if transport is not None:
+        transports, self._transports = self._transports, {}
+        for transport in transports.values():
             transport.close()
         self._ch.close()
 
@@ -273,11 +309,13 @@ class _Feed:
         self.ch, self.key, self.source, self.stall_timeout = ch, key, source, stall_timeout
         self.copy_host = copy_host      # where this target's ipc copies go (None: copied in this process)
         self.seq = 0
-        self.transports: dict[str, Any] = {}
+        self.transports: dict[str, Any] = {}       # by name ("ipc"; a later part of a step: "ipc#1")
 
-    def take_offer(self, region: TensorRegion, segments: Segments, digest: str, step: int | None) -> FeedStep:
+    def take_offer(self, region: TensorRegion, segments: Segments, digest: str, step: int | None,
+                   part: int = 0) -> FeedStep:
         """Phase 1 of a step from this source (planned as ``digest``; ``step``: the version it must carry, if
-        known): take its offer (its first bytes are here), check it, get the data path ready and accept."""
+        known; ``part``: which part of the step, :data:`Parts`): take its offer (its first bytes are here),
+        check it, get the data path ready and accept."""
         ch = self.ch
         offer = ch.recv("offer", timeout=self.stall_timeout)
         t0 = time.perf_counter()
@@ -292,6 +330,9 @@ class _Feed:
         if theirs != digest:
             msg = (f"source {self.source} planned this step as {theirs[:16]}, this target as {digest[:16]}: the "
                    f"ranks disagree on the group's members or shard descriptions")
+        elif offer.get("part", 0) != part:
+            msg = (f"source {self.source} offers part {offer.get('part')!r} of its step where this target expects "
+                   f"part {part}: the ranks cut the pair's step differently (versions?)")
         elif step is not None and version != step:
             msg = f"source {self.source} sends version {version} for step {step}: the sources are out of step"
         elif field(offer, "bytes", int) != segments.total_bytes:
@@ -309,12 +350,13 @@ class _Feed:
             msg = f"transport {name!r} is not available on this target (it has {local_transports()})"
             ch.send_error("transport", msg)
             raise TransferError(f"sync: {msg}")
-        transport = self.transports.get(name)
+        key = name if not part else f"{name}#{part}"       # each part its own transport (Parts)
+        transport = self.transports.get(key)
         if transport is None:
             streams = field(offer, "streams", int, optional=True)
             ctx = control.transfer_context(ch, self.key, self.stall_timeout,
                                            max(1, min(streams or 1, 64)))
-            transport = self.transports[name] = TRANSPORTS[name][1](ctx)
+            transport = self.transports[key] = TRANSPORTS[name][1](ctx)
             if self.copy_host is not None and hasattr(transport, "copy_host"):
                 transport.copy_host = self.copy_host
         descriptors = transport.prepare(region, seq, field(offer, "fresh", bool), segments=segments)
@@ -418,10 +460,12 @@ class TargetPort:
                 old.close()
             self._feeds[source] = _Feed(ch, key, source, self.stall_timeout, self.copy_host)
 
-    def step(self, region: TensorRegion, segments: dict[int, Segments], deadline: float | None, digest: str,
+    def step(self, region: TensorRegion, segments: Mapping[int, Segments | Parts], deadline: float | None, digest: str,
              step: int | None) -> dict[int, Any]:
         """Receive one step from every source in ``segments``: source rank -> (version, PairStats) or the
-        exception that ended its part (the caller decides what the step is).
+        exception that ended its part (the caller decides what the step is).  A source's step in parts
+        (:data:`Parts`) lands them in order on one thread: each later offer within the stall timeout of the
+        part before it.
 
         The offers must come by ``deadline`` (``time.monotonic()``; None: the first may take as long as the
         trainer does), and the rest within the stall timeout of the first: a source that stalled before it
@@ -432,10 +476,19 @@ class TargetPort:
         offers and chunk tables took turns for the GIL: on the H200 machine the copies were launched
         0.75-1.0 ms into a step, 0.2-0.5 ms after their chunk tables had arrived (this way: not yet measured)."""
         results: dict[int, Any] = {}
+        parts = {s: parts_of(seg) for s, seg in segments.items()}
 
         def land(source: int, fs: FeedStep) -> None:
             try:
-                results[source] = self._feeds[source].land(fs)
+                feed = self._feeds[source]
+                version, stats = feed.land(fs)
+                for part, later in enumerate(parts[source][1:], 1):
+                    got, more = feed.land(feed.take_offer(region, later, digest, step, part))
+                    if got != version:
+                        raise ProtocolError(f"sync: source {source} sent part {part} of its step as version {got}, "
+                                            f"its part 0 as {version}")
+                    stats = stats.then(more, time.perf_counter() - fs.t0)
+                results[source] = (version, stats)
             except BaseException as e:
                 results[source] = e
         for s in sorted(set(segments) - set(self._feeds)):
@@ -463,7 +516,7 @@ class TargetPort:
                     source = waiting.pop(fd)
                     poller.unregister(fd)
                     try:
-                        fs = self._feeds[source].take_offer(region, segments[source], digest, step)
+                        fs = self._feeds[source].take_offer(region, parts[source][0], digest, step)
                     except BaseException as e:
                         results[source] = e
                         continue

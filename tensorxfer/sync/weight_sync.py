@@ -57,11 +57,12 @@ from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from tensorxfer.sync.copy_host import device_identity, elect
-from tensorxfer.sync.fusing import Fusable, feeds, fusable, fuses_on, pairs_of
+from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
 from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
-from tensorxfer.sync.link import PairStep, SourceLink, TargetPort
+from tensorxfer.sync.link import PairStats, PairStep, Parts, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
+from tensorxfer.sync.packing import LocalShards
 from tensorxfer.sync.plan import Plan, plan
 from tensorxfer.sync.quantizing import QuantizedShard, QuantStats, SourceQuantizer
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
@@ -71,7 +72,6 @@ from tensorxfer.sync.workers import Workers
 from tensorxfer.transport.ipc.delegate import CopyHost
 from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
 from tensorxfer.transport.ipc.lane import IN_DOUBT
-from tensorxfer.transport.segments import Segments
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ class WeightSync:
         self._lock = threading.Lock()
         self._links: dict[int, SourceLink] = {}
         self._workers = Workers(f"tensorxfer-sync-push-{rank}")     # one step's pairs at once
-        self._segments: dict[int, Segments] = {}       # a source's runs to each target
-        self._feeds: dict[int, Segments] = {}          # a target's runs from each source
+        self._segments: dict[int, Parts] = {}          # a source's runs to each target (a step's parts)
+        self._feeds: dict[int, Parts] = {}             # a target's runs from each source
         self._addresses: dict[int, tuple[str, int]] = {}
         self._port: TargetPort | None = None
         self._copy_host: CopyHost | None = None         # targets: the copy host this rank runs for its device
@@ -210,13 +210,13 @@ class WeightSync:
         layout = source_layout(shards, self.members.initial_targets(self.world[1], timeout), inputs=fuses)
         manifest = layout.manifest
         self.region = TensorRegion.from_manifest(manifest, device=where)
-        self._shards = [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()]
-        # a quantized tensor's input, where pairs on this GPU may quantize it on the way (sync.fusing)
+        # with a quantized tensor's input, where pairs on this GPU may quantize it on the way (sync.fusing)
         own = {n: entry for n, entry in layout.inputs.items() if entry not in layout.plain}
-        self._shards += [(shards[n].tensor, tensor_view(self.region, manifest[entry])) for n, entry in own.items()]
-        self.adopted = self._adopt([s.adopt for s in layout.plain.values()] + [True] * len(own))
-        self._view_ptrs = [view.data_ptr() for _, view in self._shards]
-        self._locals = [local for local, _ in self._shards]     # the trainer's tensor objects (it may re-point them)
+        self._local = LocalShards(
+            [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()] +
+            [(shards[n].tensor, tensor_view(self.region, manifest[entry])) for n, entry in own.items()],
+            [s.adopt for s in layout.plain.values()] + [True] * len(own))
+        self.adopted = self._local.adopted
         if layout.quantized:
             self._quantizer = SourceQuantizer([
                 QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
@@ -396,7 +396,8 @@ class WeightSync:
 
     def _run_pairs(self, version: int, t0: float) -> tuple[dict[int, Any], int, float, BaseException | None]:
         """Pack the region and send every planned target its segments: (target -> PairStats or the exception
-        that ended it, the bytes packed, seconds from ``t0`` until the pack ended, the pack's error or None).
+        that ended it, the bytes packed, seconds from ``t0`` until the pack ended, the pack's or the
+        quantization's error, or None).
 
         This thread offers every target, packs while they take the offers in, and posts every warm ipc
         pair's data (:class:`~tensorxfer.sync.link.SourceLink`'s phases); only the waiting for the targets
@@ -404,46 +405,68 @@ class WeightSync:
         threads instead put the data out 0.74-0.83 ms into a step on the H200 machine, 0.46-0.52 ms this
         way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
 
+        The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
+        pair whose first part needs none of it (a fused pair's tiles: :func:`~tensorxfer.sync.fusing.parts`)
+        is offered, and its data posted, before: the pack comes first then.  A quantization that fails is
+        told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
+
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
         a stalled one) holds up its own pair only, never the others' offers."""
         assert self.plan is not None and self.region is not None
         results: dict[int, Any] = {}
-        steps: dict[int, PairStep] = {}
+        steps: dict[int, list[PairStep]] = {}
         fresh = [t for t in self._segments if t not in self._links]
-        if self._quantizer is not None:
-            try:
-                fused = [s.tiles for s in self._segments.values() if s.tiles is not None]
-                self._quant_stats = dataclasses.replace(    # a NaN is found before any offer
-                    self._quantizer.quantize(version), fused_bytes=sum(t.values_bytes for t in fused),
-                    fused_input_bytes=sum(t.input_bytes for t in fused))
-            except Exception as e:
-                self._refuse(e)
-                why = f"the source could not quantize its weights: {type(e).__name__}: {e}"
-                return {t: TransferError(why) for t in self._segments}, 0, time.perf_counter() - t0, e
+        first = [t for t, ps in self._segments.items() if t not in fresh and early(ps)]
+        region, digest = self.region, self.plan.digest
+
+        def offer(targets: list[int], only_first: bool) -> list[tuple[int, PairStep]]:
+            """Offer each target its parts not yet offered (``only_first``: its first part only)."""
+            offered = []
+            for target in [t for t in targets if t not in results]:
+                mine, parts = steps.setdefault(target, []), self._segments[target]
+                try:
+                    for part in range(len(mine), 1 if only_first else len(parts)):
+                        if mine and not mine[-1].early:
+                            break       # its data goes after the accept: the next part follows its finish
+                        mine.append(self._links[target].offer(region, parts[part], version, digest, part))
+                        offered.append((target, mine[-1]))
+                except Exception as e:
+                    results[target] = e
+            return offered
+
+        def post(offered: list[tuple[int, PairStep]]) -> None:
+            for target, step in offered:
+                if target not in results:
+                    try:
+                        self._links[target].post(step)
+                    except Exception as e:
+                        results[target] = e
+
+        def failed(why: str, error: BaseException) -> tuple[dict[int, Any], int, float, BaseException | None]:
+            results.update({t: TransferError(f"{why}: {type(error).__name__}: {error}")
+                            for t in self._segments if t not in results})
+            return results, 0, time.perf_counter() - t0, error
+
+        packed_bytes, packed = 0, 0.0
         try:
-            for target, segments in self._segments.items():
-                if target in fresh:
-                    continue
+            if first:       # parts that read nothing the quantizer makes: offered, packed and posted first
+                offered = offer(first, only_first=True)
                 try:
-                    steps[target] = self._links[target].offer(self.region, segments, version, self.plan.digest)
+                    packed_bytes, packed = self._pack(), time.perf_counter() - t0
                 except Exception as e:
-                    results[target] = e
-            packed_bytes, pack_error = 0, None
-            try:
-                packed_bytes = self._pack()
-            except Exception as e:
-                pack_error = e
-            packed = time.perf_counter() - t0
-            if pack_error is not None:
-                why = f"the source's pack failed before its data was posted: {type(pack_error).__name__}: {pack_error}"
-                results.update({t: TransferError(why) for t in [*steps, *fresh]})
-                return results, 0, packed, pack_error
-            for target, step in steps.items():
+                    return failed("the source's pack failed before its data was posted", e)
+                post(offered)
+            error = self._quantize(version)
+            if error is not None:
+                return failed("the source could not quantize its weights", error)
+            offered = offer([t for t in self._segments if t not in fresh], only_first=False)
+            if not first:
                 try:
-                    self._links[target].post(step)
+                    packed_bytes, packed = self._pack(), time.perf_counter() - t0
                 except Exception as e:
-                    results[target] = e
+                    return failed("the source's pack failed before its data was posted", e)
+            post(offered)
         except BaseException:       # interrupted mid-step: the offered pairs are in no known state
             for target in steps:
                 link = self._links.pop(target, None)
@@ -451,11 +474,17 @@ class WeightSync:
                     link.close()
             raise
 
-        digest, region = self.plan.digest, self.region
-
         def finish(target: int) -> None:
             try:
-                results[target] = self._links[target].finish(steps[target])
+                link, mine, parts = self._links[target], steps[target], self._segments[target]
+                stats: PairStats | None = None
+                for part, segments in enumerate(parts):
+                    if part == len(mine):       # not offered: the part before it was not posted early
+                        mine.append(link.offer(region, segments, version, digest, part))
+                        link.post(mine[-1])
+                    done = link.finish(mine[part])
+                    stats = done if stats is None else stats.then(done, time.perf_counter() - mine[0].t0)
+                results[target] = stats
             except BaseException as e:
                 results[target] = e
 
@@ -465,9 +494,24 @@ class WeightSync:
                 results[target] = link.push(region, self._segments[target], version, digest)
             except BaseException as e:
                 results[target] = e
-        jobs: list[Callable[[], None]] = [functools.partial(finish, t) for t in steps if t not in results]
+        jobs: list[Callable[[], None]] = [functools.partial(finish, t) for t in steps if steps[t] and t not in results]
         self._workers.run(jobs + [functools.partial(connect_and_push, t) for t in fresh])
         return results, packed_bytes, packed, None
+
+    def _quantize(self, version: int) -> Exception | None:
+        """Quantize this step's shards (:class:`SourceQuantizer`), keeping its stats; the error that stops the
+        step (a NaN names its tensor: every target is told, :meth:`_refuse`), or None."""
+        if self._quantizer is None:
+            return None
+        try:
+            fused = [s.tiles for steps in self._segments.values() for s in steps if s.tiles is not None]
+            self._quant_stats = dataclasses.replace(
+                self._quantizer.quantize(version), fused_bytes=sum(t.values_bytes for t in fused),
+                fused_input_bytes=sum(t.input_bytes for t in fused))
+            return None
+        except Exception as e:
+            self._refuse(e)
+            return e
 
     def _refuse(self, error: Exception) -> None:
         """Tell every connected target why this step will not come (its wait raises the same error; a NaN
@@ -476,57 +520,10 @@ class WeightSync:
         for link in self._links.values():
             link.refuse("quantization" if tensor is not None else "transfer", str(error), tensor)
 
-    def _adopt(self, allowed: list[bool]) -> int:
-        """Move the adoptable local shards into the region and re-point them there (their old storage is
-        freed with its last reference); the number adopted.  A push then copies only the others."""
-        import torch
-
-        adopted = 0
-        with torch.no_grad():
-            for (local, view), ok in zip(self._shards, allowed):
-                if (ok and local.dtype == view.dtype and local.device == view.device and local.is_contiguous()
-                        and tuple(local.shape) == tuple(view.shape)):
-                    view.copy_(local)
-                    local.data = view
-                    adopted += 1
-        return adopted
-
     def _pack(self) -> int:
-        """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
-        may have re-pointed an adopted one); the bytes copied.  On a GPU the device is synchronized (the
-        optimizer's step on adopted shards) on a worker thread while this one checks the shards' storage
-        (~0.25 ms for ~800 shards on the H200 machine, ~0.08 ms for the synchronize)."""
-        import torch
-
+        """The local shards not in the region copied in (:meth:`LocalShards.pack`); the bytes copied."""
         assert self.region is not None
-        packed = 0
-        device = self.region.device if self.region.is_cuda else None
-        failed: list[BaseException] = []
-
-        def synchronize() -> None:
-            try:
-                torch.cuda.synchronize(device)
-            except BaseException as e:
-                failed.append(e)
-        waited = self._workers.batch(1) if device is not None else None
-        if waited is not None:
-            waited.submit(synchronize)
-        try:
-            stale = list(map(torch.Tensor.data_ptr, self._locals)) != self._view_ptrs  # one C pass
-        finally:
-            if waited is not None:
-                waited.join()
-        if failed:
-            raise failed[0]
-        if stale:
-            with torch.no_grad():
-                for local, view in self._shards:
-                    if local.data_ptr() != view.data_ptr():
-                        view.copy_(local.reshape(view.shape))
-                        packed += view.numel() * view.element_size()
-            if device is not None:
-                torch.cuda.synchronize(device)     # the copies just queued
-        return packed
+        return self._local.pack(self.region.device if self.region.is_cuda else None, self._workers)
 
     def wait(self, timeout: float | None = None) -> int:
         """Targets: wait for the next update from every source that feeds this rank; return its version.

@@ -1,0 +1,66 @@
+"""A source rank's local shards and their places in its region: adopted once where they can be, packed at
+each push where they are not (:class:`LocalShards`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tensorxfer.sync.workers import Workers
+
+
+class LocalShards:
+    """The trainer's tensors (``pairs``: (local tensor, its view in the region)).  Construction moves the
+    adoptable ones (``allowed``, same dtype, device, shape, contiguous) into the region and re-points them
+    there (their old storage is freed with its last reference): a push then copies only the others."""
+
+    def __init__(self, pairs: Sequence[tuple[Any, Any]], allowed: Sequence[bool]) -> None:
+        import torch
+
+        self.pairs = list(pairs)
+        self.adopted = 0
+        with torch.no_grad():
+            for (local, view), ok in zip(self.pairs, allowed):
+                if (ok and local.dtype == view.dtype and local.device == view.device and local.is_contiguous()
+                        and tuple(local.shape) == tuple(view.shape)):
+                    view.copy_(local)
+                    local.data = view
+                    self.adopted += 1
+        self._view_ptrs = [view.data_ptr() for _, view in self.pairs]
+        self._locals = [local for local, _ in self.pairs]     # the trainer's tensor objects (it may re-point them)
+
+    def pack(self, device: Any, workers: Workers) -> int:
+        """Copy (and cast) the local shards that are not views of the region into it (each push: the trainer
+        may have re-pointed an adopted one); the bytes copied.  On a GPU (``device``; None: host memory) the
+        device is synchronized (the optimizer's step on adopted shards) on a worker thread while this one
+        checks the shards' storage (~0.25 ms for ~800 shards on the H200 machine, ~0.08 ms for the
+        synchronize)."""
+        import torch
+
+        packed = 0
+        failed: list[BaseException] = []
+
+        def synchronize() -> None:
+            try:
+                torch.cuda.synchronize(device)
+            except BaseException as e:
+                failed.append(e)
+        waited = workers.batch(1) if device is not None else None
+        if waited is not None:
+            waited.submit(synchronize)
+        try:
+            stale = list(map(torch.Tensor.data_ptr, self._locals)) != self._view_ptrs  # one C pass
+        finally:
+            if waited is not None:
+                waited.join()
+        if failed:
+            raise failed[0]
+        if stale:
+            with torch.no_grad():
+                for local, view in self.pairs:
+                    if local.data_ptr() != view.data_ptr():
+                        view.copy_(local.reshape(view.shape))
+                        packed += view.numel() * view.element_size()
+            if device is not None:
+                torch.cuda.synchronize(device)     # the copies just queued
+        return packed

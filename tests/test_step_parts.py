@@ -1,0 +1,156 @@
+"""A pair's step in parts (``tensorxfer.sync.link.Parts``): a fused pair's tiles are offered before the source
+quantizes, its byte runs after.  Here the parts are plain byte runs on host memory (tiles need a GPU), over
+real loopback sessions (tcp) and real same-host ipc: each part lands where it goes and its transport is set up
+once; a source that cuts the step otherwise, refuses between the parts or stalls there fails the step at the
+target, naming it, with nothing of the missing part written."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import tensorxfer as tx
+from tensorxfer.transport.segments import Segments
+from tests.helpers import region_of
+
+N = 64 * 1024
+HALF = N // 2
+FIRST = Segments.of([0], [HALF], [HALF])          # the source's first half lands in the target's second
+SECOND = Segments.of([HALF], [0], [HALF])
+STALL = 2.0
+
+
+@contextmanager
+def _pair(transport: str) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """A real TargetPort and the SourceLink of source rank 3 to it, and their regions."""
+    from tensorxfer.sync.link import SourceLink, TargetPort
+
+    with region_of(N) as src, region_of(N, fill=0) as dst:
+        port = TargetPort("127.0.0.1", "t", "g", 0, STALL, 5.0)
+        try:
+            port.expect({3})
+            admitting = threading.Thread(target=port.admit, args=(5.0,))
+            admitting.start()
+            link = SourceLink(port.address, "t", "g", 3, 0, transport, 1, STALL, 5.0)
+            admitting.join(10)
+            assert not admitting.is_alive()
+            try:
+                yield port, link, src, dst
+            finally:
+                link.close()
+        finally:
+            port.close()
+
+
+def _fill(region: Any, first: int, second: int) -> None:
+    with memoryview(region.region) as mv:
+        mv[:HALF] = bytes([first]) * HALF
+        mv[HALF:N] = bytes([second]) * HALF
+
+
+def _halves(region: Any) -> tuple[set[int], set[int]]:
+    with memoryview(region.region) as mv:
+        return set(bytes(mv[:HALF])), set(bytes(mv[HALF:N]))
+
+
+def _receive(port: Any, dst: Any, parts: Any, step: int) -> tuple[dict[int, Any], threading.Thread]:
+    got: dict[int, Any] = {}
+    thread = threading.Thread(target=lambda: got.update(port.step(dst, {3: parts}, None, "d", step)), daemon=True)
+    thread.start()
+    return got, thread
+
+
+def _send(link: Any, src: Any, version: int) -> tuple[list[Any], bool]:
+    """Both parts as a push sends them: the second offered before the first is acked where the first was
+    posted early (a warm ipc pair), else after it finished (its data follows the accept).  (The parts' stats,
+    whether the second went out before the first was acked.)"""
+    first = link.offer(src, FIRST, version, "d", 0)
+    link.post(first)
+    done = [] if first.early else [link.finish(first)]
+    second = link.offer(src, SECOND, version, "d", 1)
+    link.post(second)
+    return [*done, *([link.finish(first)] if first.early else []), link.finish(second)], first.early
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_step_in_two_parts_lands_both_and_sets_each_part_up_once(transport: str) -> None:
+    """Three steps of two parts, the source's bytes changing each step: after each, the target holds both
+    halves of that step; the first step sets both parts' data paths up, the later ones none (each part keeps
+    its own transport: alternating parts would otherwise set one up again every step)."""
+    with _pair(transport) as (port, link, src, dst):
+        for step in (1, 2, 3):
+            _fill(src, 10 + step, 20 + step)
+            got, receiving = _receive(port, dst, (FIRST, SECOND), step)
+            stats, overlapped = _send(link, src, step)
+            receiving.join(20)
+            assert not receiving.is_alive(), "the target hung"
+            version, pair = got[3]
+            assert version == step
+            assert _halves(dst) == ({20 + step}, {10 + step}), f"step {step}: the parts did not land where planned"
+            assert pair.bytes == N and pair.runs == 2, pair
+            assert [s.setup for s in stats] == [step == 1] * 2, (step, stats)
+            assert overlapped == (transport == "ipc" and step > 1), "a warm ipc step's parts overlap, no other's"
+            assert pair.setup == (step == 1)
+        # the target keeps one transport per part, the second under its own name
+        assert sorted(port._feeds[3].transports) == [transport, f"{transport}#1"]
+
+
+def test_push_runs_every_part_in_turn_and_adds_their_stats() -> None:
+    with _pair("tcp") as (port, link, src, dst):
+        _fill(src, 5, 6)
+        got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
+        stats = link.push(src, (FIRST, SECOND), 1, "d")
+        receiving.join(20)
+        assert got[3][0] == 1 and _halves(dst) == ({6}, {5})
+        assert stats.bytes == N and stats.runs == 2 and stats.seconds >= 0
+
+
+def test_a_source_that_cuts_the_step_otherwise_is_refused_before_its_part_lands() -> None:
+    """The target expects two parts; the source offers the second half as part 0 (one cut of the step
+    less): PlanError naming the part, and nothing of it written."""
+    with _pair("tcp") as (port, link, src, dst):
+        _fill(src, 1, 2)
+        got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
+        step = link.offer(src, FIRST, 1, "d", 1)
+        link.post(step)
+        with pytest.raises(tx.TensorXferError):
+            link.finish(step)
+        receiving.join(20)
+        assert isinstance(got[3], tx.PlanError) and "part 1 of its step where this target expects part 0" in \
+            str(got[3]), got[3]
+        assert _halves(dst) == ({0}, {0})
+
+
+def test_a_refusal_between_the_parts_fails_the_step_naming_the_tensor() -> None:
+    """The first part lands; then the source cannot make the second (its quantization met a NaN): it
+    refuses instead of offering, and the target's step ends with that QuantizationError, the second half
+    untouched."""
+    with _pair("tcp") as (port, link, src, dst):
+        _fill(src, 3, 4)
+        got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
+        first = link.offer(src, FIRST, 1, "d", 0)
+        link.post(first)
+        link.finish(first)
+        link.refuse("quantization", "a block of 'w' holds a NaN", "w")
+        receiving.join(20)
+        assert isinstance(got[3], tx.QuantizationError) and got[3].tensor == "w", got[3]
+        assert _halves(dst) == ({0}, {3}), "the first part landed, nothing of the second"
+
+
+def test_a_source_that_stalls_between_the_parts_is_named_within_the_stall_timeout() -> None:
+    with _pair("tcp") as (port, link, src, dst):
+        _fill(src, 3, 4)
+        t0 = time.monotonic()
+        got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
+        first = link.offer(src, FIRST, 1, "d", 0)
+        link.post(first)
+        link.finish(first)
+        receiving.join(STALL + 10)
+        assert not receiving.is_alive(), "the target waited for the second part for good"
+        assert isinstance(got[3], tx.TransferTimeout), got[3]
+        assert time.monotonic() - t0 < STALL + 5
