@@ -24,7 +24,8 @@ source waited for all the amaxes before quantizing anything).
 Where a target shares the source's GPU, the pair quantizes on the way instead (:mod:`tensorxfer.sync.fusing`):
 the blocks this source holds whole are read from its input and written into the target by the pair's copy,
 and a tensor every pair reading it fuses is left out here but for its shared blocks
-(:meth:`SourceQuantizer.plan`).
+(:meth:`SourceQuantizer.plan`).  Such a pair's step comes in two parts: its tiles are offered before this
+round begins (they read only the trainer's shard), its byte runs -- these shared blocks among them -- after.
 
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
@@ -58,7 +59,8 @@ __all__ = ["QuantStats", "QuantizedShard", "SourceQuantizer"]
 class QuantStats:
     """One push's quantization on a source: FP8 bytes it wrote, those of blocks shared with other sources
     (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
-    seconds the whole quantization took (before the step's offers went out); and the FP8 bytes its pairs on
+    seconds the whole quantization took (before anything that reads what it makes was offered; a fused
+    pair's tiles were offered before it began); and the FP8 bytes its pairs on
     its GPU made on the way from its input instead (``fused_bytes``, reading ``fused_input_bytes`` of the
     input: :mod:`tensorxfer.sync.fusing`)."""
 
