@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import torch
 
 import tensorxfer as tx
 from tensorxfer.transport.segments import Segments
@@ -154,3 +155,74 @@ def test_a_source_that_stalls_between_the_parts_is_named_within_the_stall_timeou
         assert not receiving.is_alive(), "the target waited for the second part for good"
         assert isinstance(got[3], tx.TransferTimeout), got[3]
         assert time.monotonic() - t0 < STALL + 5
+
+
+def test_a_target_refuses_a_second_part_of_another_version() -> None:
+    """A fixed group (no step number to check against): part 0 as version 1, part 1 as version 2 -- the
+    target refuses the step (ProtocolError naming both), instead of reporting either version."""
+    with _pair("tcp") as (port, link, src, dst):
+        _fill(src, 3, 4)
+        got: dict[int, Any] = {}
+        receiving = threading.Thread(target=lambda: got.update(port.step(dst, {3: (FIRST, SECOND)}, None, "d", None)),
+                                     daemon=True)
+        receiving.start()
+        first = link.offer(src, FIRST, 1, "d", 0)
+        link.post(first)
+        link.finish(first)
+        second = link.offer(src, SECOND, 2, "d", 1)
+        link.post(second)
+        try:
+            link.finish(second)
+        except tx.TensorXferError:
+            pass
+        receiving.join(20)
+        assert isinstance(got[3], tx.ProtocolError) and "as version 2, its part 0 as 1" in str(got[3]), got[3]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_weight_sync_whose_pairs_come_in_parts_lands_every_step(monkeypatch: Any, transport: str) -> None:
+    """The weight sync's own push and wait with every pair's step in two parts (on a GPU only a fused pair's
+    are: its tiles, then its runs; here any pair of two groups or more is cut in half, and its first half
+    offered as if it read nothing the source makes): after each of 3 steps every target holds the step's
+    weights.  Over ipc (warm pairs post early) a pair's second part is offered before its first is acked;
+    over tcp (the data follows the accept) only after the first finished."""
+    from tensorxfer.sync import fusing, weight_sync
+    from tensorxfer.sync.link import SourceLink
+    from tests.test_sync import test_sources_sharded_one_way_land_in_targets_sharded_another as sync_three_steps
+
+    columns = ("src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride")
+    split: list[int] = []
+
+    def halves(segments: Segments) -> tuple[Segments, ...]:
+        if len(segments) < 2:
+            return (segments,)
+        k = len(segments) // 2
+        split.append(k)
+        return tuple(Segments(*(getattr(segments, c)[a:b] for c in columns)) for a, b in ((0, k), (k, len(segments))))
+    monkeypatch.setattr(fusing, "parts", halves)
+    monkeypatch.setattr(weight_sync, "early", lambda steps: len(steps) == 2)
+    events: list[tuple[int, str, int, int]] = []       # (link, what, seq, part)
+    offer, finish = SourceLink.offer, SourceLink.finish
+
+    def offered(self: Any, *a: Any, **kw: Any) -> Any:
+        step = offer(self, *a, **kw)
+        events.append((id(self), "offer", step.seq, a[4] if len(a) > 4 else kw.get("part", 0)))
+        return step
+
+    def finished(self: Any, step: Any) -> Any:
+        events.append((id(self), "finish", step.seq, -1))
+        return finish(self, step)
+    monkeypatch.setattr(SourceLink, "offer", offered)
+    monkeypatch.setattr(SourceLink, "finish", finished)
+
+    sync_three_steps(transport, 2, 2, torch.float32)
+    assert split, "no pair was cut in parts"
+    overlapped = 0
+    for link in {e[0] for e in events}:
+        mine = [e for e in events if e[0] == link]
+        for i, (_, what, seq, part) in enumerate(mine):
+            if what == "offer" and part == 1:
+                first_done = any(e[1] == "finish" and e[2] == seq - 1 for e in mine[:i])
+                assert first_done or transport == "ipc", "a tcp pair's second part offered before its first finished"
+                overlapped += not first_done
+    assert (overlapped > 0) == (transport == "ipc"), overlapped
