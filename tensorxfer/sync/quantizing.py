@@ -80,6 +80,17 @@ class QuantStats:
                 "fused_input_bytes": self.fused_input_bytes}
 
 
+@dataclass(frozen=True)
+class _Round:
+    """A push's quantization between :meth:`SourceQuantizer.begin` and :meth:`SourceQuantizer.finish`: the
+    step, when it began, the shards with shared cells and their own amaxes of those (on the host)."""
+
+    version: int
+    t0: float
+    shared: list[QuantizedShard]
+    mine: list[np.ndarray]
+
+
 class QuantizedShard:
     """One quantized shard of a source: the trainer's tensor ``local`` (a box of global tensor ``name`` at
     ``offsets``), and the region views it is quantized into (``values``; ``scales``: the blocks it
@@ -299,10 +310,23 @@ class SourceQuantizer:
     def quantize(self, version: int) -> QuantStats:
         """Quantize every shard into the region for step ``version``: the shared cells' amaxes first,
         published at once; the rest quantized while the peers' records come; then the shared cells with the
-        agreed amaxes.  Runs before the offers go out, so that nothing is offered for a step that cannot
-        be quantized: QuantizationError for a NaN or an infinity here (naming the tensor) or, in a block
-        this source shares, at a peer.  One wait for the device at the start (the shared amaxes) and one
-        at the end (every amax checked)."""
+        agreed amaxes (:meth:`begin`, then :meth:`finish`).  Runs before the offers of what it makes go out,
+        so that nothing reading it is offered for a step that cannot be quantized: QuantizationError for a
+        NaN or an infinity here (naming the tensor) or, in a block this source shares, at a peer.  One wait
+        for the device at the start (the shared amaxes) and one at the end (every amax checked)."""
+        return self.finish(self.begin(version))
+
+    def begin(self, version: int) -> _Round:
+        """The first half of :meth:`quantize`: the shared cells' amaxes taken, checked and published, the
+        cells no other source shares launched.  A source whose pairs quantize on the way calls it before it
+        offers their tiles: its one short wait for the device then comes before the tiles fill the GPU, and
+        the peers' records are in the store by the time it reads them (:meth:`finish`).
+
+        Raises
+        ------
+        QuantizationError
+            A NaN or an infinity in a shared block of this source's (the peers are told: a poisoned record).
+        """
         t0 = time.perf_counter()
         for d in self._devices:
             d.shared_amaxes()
@@ -323,17 +347,23 @@ class SourceQuantizer:
                 for (d, i), m in zip(shared, mine)}).encode())
         for d in self._devices:             # while the peers' records come (GPU kernels run on meanwhile)
             d.quantize_whole()
+        return _Round(version, t0, [d.shards[i] for d, i in shared], mine)
+
+    def finish(self, begun: _Round) -> QuantStats:
+        """The second half of :meth:`quantize`: the peers' amaxes merged, the shared cells quantized, every
+        amax checked (raises as :meth:`quantize`); the push's stats."""
         wait = 0.0
-        if shared:
+        if begun.shared:
             t1 = time.perf_counter()
-            self._merge(version, [d.shards[i] for d, i in shared], mine)
+            self._merge(begun.version, begun.shared, begun.mine)
             wait = time.perf_counter() - t1
         for d in self._devices:
             d.quantize_shared()
         self._check_finite()
         live = [s for s in self.shards if not s.empty]
         return QuantStats(self._made_bytes, sum(s.shared_bytes for s in live),
-                          sum(len(s.shared_pos) for s in live), len(self._peers), wait, time.perf_counter() - t0)
+                          sum(len(s.shared_pos) for s in live), len(self._peers), wait,
+                          time.perf_counter() - begun.t0)
 
     def _check_finite(self) -> None:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
@@ -373,7 +403,10 @@ class SourceQuantizer:
             n = len(d.shared_shards)
             if n:
                 back = np.concatenate(mine[start:start + n])
-                d.amax[d.shared] = torch.from_numpy(back).to(d.amax.device)
+                merged = torch.from_numpy(back)
+                if d.amax.is_cuda:      # queued, not waited for: the GPU may be busy with other processes' pairs,
+                    merged = merged.pin_memory().to(d.amax.device, non_blocking=True)   # one wait a push suffices
+                d.amax[d.shared] = merged
             start += n
 
     def _key(self, version: int, rank: int) -> str:

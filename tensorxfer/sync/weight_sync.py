@@ -407,8 +407,10 @@ class WeightSync:
 
         The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
         pair whose first part needs none of it (a fused pair's tiles: :func:`~tensorxfer.sync.fusing.parts`)
-        is offered, and its data posted, before: the pack comes first then.  A quantization that fails is
-        told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
+        is offered, and its data posted, before -- after the quantizer's first half (its shared blocks'
+        amaxes, published: the one wait for the GPU before the tiles fill it), its second half (the peers'
+        amaxes, the shared blocks) while they land.  The pack comes before those offers then.  A quantization
+        that fails is told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
@@ -448,8 +450,12 @@ class WeightSync:
                             for t in self._segments if t not in results})
             return results, 0, time.perf_counter() - t0, error
 
-        packed_bytes, packed = 0, 0.0
+        packed_bytes, packed, quantizer, begun = 0, 0.0, self._quantizer, None
         try:
+            if first and quantizer is not None:     # its short wait for the GPU before the tiles fill it
+                begun, error = self._quantize(lambda: quantizer.begin(version))
+                if error is not None:
+                    return failed("the source could not quantize its weights", error)
             if first:       # parts that read nothing the quantizer makes: offered, packed and posted first
                 offered = offer(first, only_first=True)
                 try:
@@ -457,9 +463,14 @@ class WeightSync:
                 except Exception as e:
                     return failed("the source's pack failed before its data was posted", e)
                 post(offered)
-            error = self._quantize(version)
-            if error is not None:
-                return failed("the source could not quantize its weights", error)
+            if quantizer is not None:
+                made, error = self._quantize(lambda: quantizer.finish(begun) if begun is not None else
+                                             quantizer.quantize(version))
+                if error is not None:
+                    return failed("the source could not quantize its weights", error)
+                fused = [s.tiles for steps in self._segments.values() for s in steps if s.tiles is not None]
+                self._quant_stats = dataclasses.replace(made, fused_bytes=sum(t.values_bytes for t in fused),
+                                                        fused_input_bytes=sum(t.input_bytes for t in fused))
             offered = offer([t for t in self._segments if t not in fresh], only_first=False)
             if not first:
                 try:
@@ -498,20 +509,14 @@ class WeightSync:
         self._workers.run(jobs + [functools.partial(connect_and_push, t) for t in fresh])
         return results, packed_bytes, packed, None
 
-    def _quantize(self, version: int) -> Exception | None:
-        """Quantize this step's shards (:class:`SourceQuantizer`), keeping its stats; the error that stops the
-        step (a NaN names its tensor: every target is told, :meth:`_refuse`), or None."""
-        if self._quantizer is None:
-            return None
+    def _quantize(self, work: Callable[[], Any]) -> tuple[Any, Exception | None]:
+        """``work`` (a part of this push's quantization: :class:`SourceQuantizer`): its result, or the error that
+        stops the step (a NaN names its tensor), told to every connected target first (:meth:`_refuse`)."""
         try:
-            fused = [s.tiles for steps in self._segments.values() for s in steps if s.tiles is not None]
-            self._quant_stats = dataclasses.replace(
-                self._quantizer.quantize(version), fused_bytes=sum(t.values_bytes for t in fused),
-                fused_input_bytes=sum(t.input_bytes for t in fused))
-            return None
+            return work(), None
         except Exception as e:
             self._refuse(e)
-            return e
+            return None, e
 
     def _refuse(self, error: Exception) -> None:
         """Tell every connected target why this step will not come (its wait raises the same error; a NaN
