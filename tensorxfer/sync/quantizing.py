@@ -403,10 +403,10 @@ class SourceQuantizer:
             n = len(d.shared_shards)
             if n:
                 back = np.concatenate(mine[start:start + n])
-                merged = torch.from_numpy(back)
+                agreed = torch.from_numpy(back)
                 if d.amax.is_cuda:      # queued, not waited for: the GPU may be busy with other processes' pairs,
-                    merged = merged.pin_memory().to(d.amax.device, non_blocking=True)   # one wait a push suffices
-                d.amax[d.shared] = merged
+                    agreed = agreed.pin_memory().to(d.amax.device, non_blocking=True)   # one wait a push suffices
+                d.amax[d.shared] = agreed
             start += n
 
     def _key(self, version: int, rank: int) -> str:
