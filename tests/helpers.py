@@ -50,6 +50,29 @@ def region_of(nbytes: int, name: str = "w", fill: int | None = None) -> TensorRe
     return r
 
 
+@contextlib.contextmanager
+def sync_pair(nbytes: int, transport: str = "tcp", stall_timeout: float = 5.0,
+              src_fill: int | None = None) -> Iterator[tuple[Any, Any, TensorRegion, TensorRegion]]:
+    """A real weight-sync TargetPort (target rank 0 of group "g", token "t") and the SourceLink of source rank 3
+    to it over ``transport`` (loopback), and their regions of ``nbytes`` (the target's zeroed)."""
+    from tensorxfer.sync.link import SourceLink, TargetPort
+
+    with region_of(nbytes, fill=src_fill) as src, region_of(nbytes, fill=0) as dst:
+        port = TargetPort("127.0.0.1", "t", "g", 0, stall_timeout, 5.0)
+        try:
+            port.expect({3})
+            admitting = threading.Thread(target=port.admit, args=(5.0,))
+            admitting.start()
+            link = SourceLink(port.address, "t", "g", 3, 0, transport, 1, stall_timeout, 5.0)
+            admitting.join(10)
+            assert not admitting.is_alive()
+            try:
+                yield port, link, src, dst
+            finally:
+                link.close()
+        finally:
+            port.close()
+
 class Background:
     """Run ``fn`` in a thread; ``result()`` returns its value or raises its exception."""
 

@@ -11,8 +11,6 @@ import dataclasses
 import hashlib
 import importlib
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ import pytest
 
 import tensorxfer as tx
 from tensorxfer.sync import Piece, RankSpec, SourceTensor, TargetTensor, plan, replicate_box
+from tests.helpers import sync_pair
 
 plan_module = importlib.import_module("tensorxfer.sync.plan")   # the module (tensorxfer.sync.plan is the function)
 
@@ -82,29 +81,6 @@ def test_plans_that_differ_only_in_who_sends_a_balanced_cut_have_different_diges
 # ---- a target refuses an offer of another version or another plan ---------------------------------------------
 
 
-@contextmanager
-def _pair(nbytes: int = 16) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """A real TargetPort and the SourceLink of source rank 3 to it (loopback, tcp), and their regions."""
-    from tensorxfer.sync.link import SourceLink, TargetPort
-    from tests.helpers import region_of
-
-    with region_of(nbytes, fill=7) as src, region_of(nbytes, fill=0) as dst:
-        port = TargetPort("127.0.0.1", "t", "g", 0, 5.0, 5.0)
-        try:
-            port.expect({3})
-            admitting = threading.Thread(target=port.admit, args=(5.0,))
-            admitting.start()
-            link = SourceLink(port.address, "t", "g", 3, 0, "tcp", 1, 5.0, 5.0)
-            admitting.join(10)
-            assert not admitting.is_alive()
-            try:
-                yield port, link, src, dst
-            finally:
-                link.close()
-        finally:
-            port.close()
-
-
 def _step(port: Any, link: Any, src: Any, dst: Any, segments: Any, *, planned: str, step: int, offered: str,
           version: int) -> tuple[Any, BaseException | None]:
     """One step: the target expects ``step`` of the plan ``planned``, the source offers ``version`` as
@@ -145,7 +121,7 @@ def test_an_offer_of_another_version_or_another_plan_is_refused_before_any_byte_
     from tensorxfer.transport.segments import Segments
 
     segments = Segments.of([0, 8], [0, 8], [8, 8])
-    with _pair() as (port, link, src, dst):
+    with sync_pair(16, src_fill=7) as (port, link, src, dst):
         outcome, error = _step(port, link, src, dst, segments, planned="d", step=1, offered="d", version=1)
         assert error is None and outcome[0] == 1, outcome
         assert _first16(dst) == bytes([7]) * 16, "the honest step lands"

@@ -8,43 +8,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 import tensorxfer as tx
 from tensorxfer.transport.segments import Segments
-from tests.helpers import region_of
+from tests.helpers import sync_pair
 
 N = 64 * 1024
 HALF = N // 2
 FIRST = Segments.of([0], [HALF], [HALF])          # the source's first half lands in the target's second
 SECOND = Segments.of([HALF], [0], [HALF])
 STALL = 2.0
-
-
-@contextmanager
-def _pair(transport: str) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """A real TargetPort and the SourceLink of source rank 3 to it, and their regions."""
-    from tensorxfer.sync.link import SourceLink, TargetPort
-
-    with region_of(N) as src, region_of(N, fill=0) as dst:
-        port = TargetPort("127.0.0.1", "t", "g", 0, STALL, 5.0)
-        try:
-            port.expect({3})
-            admitting = threading.Thread(target=port.admit, args=(5.0,))
-            admitting.start()
-            link = SourceLink(port.address, "t", "g", 3, 0, transport, 1, STALL, 5.0)
-            admitting.join(10)
-            assert not admitting.is_alive()
-            try:
-                yield port, link, src, dst
-            finally:
-                link.close()
-        finally:
-            port.close()
 
 
 def _fill(region: Any, first: int, second: int) -> None:
@@ -82,7 +58,7 @@ def test_a_step_in_two_parts_lands_both_and_sets_each_part_up_once(transport: st
     """Three steps of two parts, the source's bytes changing each step: after each, the target holds both
     halves of that step; the first step sets both parts' data paths up, the later ones none (each part keeps
     its own transport: alternating parts would otherwise set one up again every step)."""
-    with _pair(transport) as (port, link, src, dst):
+    with sync_pair(N, transport, STALL) as (port, link, src, dst):
         for step in (1, 2, 3):
             _fill(src, 10 + step, 20 + step)
             got, receiving = _receive(port, dst, (FIRST, SECOND), step)
@@ -101,7 +77,7 @@ def test_a_step_in_two_parts_lands_both_and_sets_each_part_up_once(transport: st
 
 
 def test_push_runs_every_part_in_turn_and_adds_their_stats() -> None:
-    with _pair("tcp") as (port, link, src, dst):
+    with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 5, 6)
         got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
         stats = link.push(src, (FIRST, SECOND), 1, "d")
@@ -113,7 +89,7 @@ def test_push_runs_every_part_in_turn_and_adds_their_stats() -> None:
 def test_a_source_that_cuts_the_step_otherwise_is_refused_before_its_part_lands() -> None:
     """The target expects two parts; the source offers the second half as part 0 (one cut of the step
     less): PlanError naming the part, and nothing of it written."""
-    with _pair("tcp") as (port, link, src, dst):
+    with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 1, 2)
         got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
         step = link.offer(src, FIRST, 1, "d", 1)
@@ -130,7 +106,7 @@ def test_a_refusal_between_the_parts_fails_the_step_naming_the_tensor() -> None:
     """The first part lands; then the source cannot make the second (its quantization met a NaN): it
     refuses instead of offering, and the target's step ends with that QuantizationError, the second half
     untouched."""
-    with _pair("tcp") as (port, link, src, dst):
+    with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 3, 4)
         got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
         first = link.offer(src, FIRST, 1, "d", 0)
@@ -143,7 +119,7 @@ def test_a_refusal_between_the_parts_fails_the_step_naming_the_tensor() -> None:
 
 
 def test_a_source_that_stalls_between_the_parts_is_named_within_the_stall_timeout() -> None:
-    with _pair("tcp") as (port, link, src, dst):
+    with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 3, 4)
         t0 = time.monotonic()
         got, receiving = _receive(port, dst, (FIRST, SECOND), 1)
@@ -159,7 +135,7 @@ def test_a_source_that_stalls_between_the_parts_is_named_within_the_stall_timeou
 def test_a_target_refuses_a_second_part_of_another_version() -> None:
     """A fixed group (no step number to check against): part 0 as version 1, part 1 as version 2 -- the
     target refuses the step (ProtocolError naming both), instead of reporting either version."""
-    with _pair("tcp") as (port, link, src, dst):
+    with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 3, 4)
         got: dict[int, Any] = {}
         receiving = threading.Thread(target=lambda: got.update(port.step(dst, {3: (FIRST, SECOND)}, None, "d", None)),
