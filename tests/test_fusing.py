@@ -410,6 +410,20 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
                                                                         device="cuda"))
                 for k, s in shapes.items()} for t in range(m)]
     syncs = group(sources, targets, "ipc")
+
+    def failing_step() -> list[Any]:
+        """Every rank's outcome of a step expected to fail (the sources', then the targets')."""
+        return [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:n]] +
+                                        [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
+
+    def clean_step() -> None:
+        """A step every target lands, with the reference's FP8 bytes and scales of the weights ``w``."""
+        results = step(syncs, n)
+        assert all(isinstance(v, int) for v in results[n:]), results
+        for k in shapes:
+            want_values, want_scales = reference(w[k], q)
+            assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
+            assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
     try:
         for version in (1, 2):
             if version == 2:
@@ -428,32 +442,20 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
             assert qs.fused_bytes > 0 and qs.values_bytes == qs.shared_bytes, qs
         # a NaN in a whole block of source 1: the step fails naming the tensor, and the next push lands
         sources[1]["w"].tensor[200, 7] = float("nan")
-        got = [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:n]] +
-                                       [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
+        got = failing_step()
         assert any(isinstance(r, QuantizationError) and r.tensor == "w" for r in got), got
         sources[1]["w"].tensor.copy_(shard("w", 1).cuda())     # w is the step's weights already
-        results = step(syncs, n)
-        assert all(isinstance(v, int) for v in results[n:]), results
-        for k in shapes:
-            want_values, want_scales = reference(w[k], q)
-            assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
-            assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
+        clean_step()
         # each fused pair's step is its tiles (offered before the sources' amax round), then its runs
         assert any(len(p) == 2 and early(p) for sync in syncs[:n] for p in sync._segments.values())
         # a NaN in a block source 0 shares with source 1 (rows 256-383; source 0 ends at row 342): found in the
         # round, after the tiles went out; the targets those sources feed fail naming it, the next push lands
         sources[0]["w"].tensor[300, 7] = float("nan")
-        got = [r[0] for r in run_ranks([lambda s=s: [_catch(s.push)] for s in syncs[:n]] +
-                                       [lambda t=t: [_catch(lambda: t.wait(timeout=30))] for t in syncs[n:-1]])]
+        got = failing_step()
         assert isinstance(got[0], QuantizationError) and got[0].tensor == "w", got
         assert all(isinstance(r, QuantizationError) and r.tensor == "w" for r in got[n:]), got[n:]
         sources[0]["w"].tensor.copy_(shard("w", 0).cuda())
-        results = step(syncs, n)
-        assert all(isinstance(v, int) for v in results[n:]), results
-        for k in shapes:
-            want_values, want_scales = reference(w[k], q)
-            assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
-            assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
+        clean_step()
     finally:
         close(syncs)
 
