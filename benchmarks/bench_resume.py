@@ -34,7 +34,7 @@ def one(nbytes: int, cut: float | None) -> dict:
                                   "--cut", cuts], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                  env=env)
         assert relay.stdout is not None
-        where = f"127.0.0.2:{int(relay.stdout.readline())}"
+        where = relay.stdout.readline().strip()         # the relay's HOST:PORT
         sender = subprocess.Popen([sys.executable, "-c", SENDER, where, str(nbytes), "on", "10"],
                                   stdout=subprocess.PIPE, text=True, env=env)
         t0 = time.perf_counter()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import os
+import signal
+import sys
 
 import pytest
 
@@ -46,6 +49,51 @@ def pytest_collection_finish(session):
     torch and transformers loaded, a third of the full suite's time (553 s of teardown in 1706 s)."""
     gc.collect()
     gc.freeze()
+
+
+#: Seconds any one phase of a test (setup, call, teardown) may take before it fails (``TENSORXFER_TEST_TIMEOUT``;
+#: 0: no limit). The slowest tests take about a minute on the 2-core CI machine; a test that blocks for good
+#: (a pipe read nobody answers) would otherwise hold CI until its 90 minutes are up and say nothing of where.
+TEST_TIMEOUT = float(os.environ.get("TENSORXFER_TEST_TIMEOUT", "600"))
+
+
+class TestTimeout(Exception):
+    """A test phase ran past ``TEST_TIMEOUT``: raised in the main thread from SIGALRM."""
+
+
+def _timed_out(signum, frame):
+    sys.stderr.write(f"\n--- a test phase ran past {TEST_TIMEOUT:g} s; every thread's stack:\n")
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    raise TestTimeout(f"ran past {TEST_TIMEOUT:g} s (TENSORXFER_TEST_TIMEOUT); the stacks are on stderr")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _bounded())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _bounded())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _bounded())
+
+
+def _bounded():
+    """Run one phase with an alarm set: a blocked system call is interrupted and the phase fails, naming
+    itself, and the run goes on to the next test."""
+    if TEST_TIMEOUT <= 0:
+        return (yield)
+    previous = signal.signal(signal.SIGALRM, _timed_out)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT)
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,14 @@
 """A TCP relay that cuts connections for real: the fault injector of the resume tests (no mocks).
 
-Run as a process: ``python -m tests.cutting_relay --to 127.0.0.1:PORT --cut N[,N...]``.  It listens on
-127.0.0.2 (the same host, another loopback address), forwards the control connection to the receiver,
-and mirrors every data listener the receiver opens on the target address: before it passes on any byte
-from the receiver to the sender (an accept or resume frame, which names a data port), it opens a
-listener on 127.0.0.2 with the same port number for each port listening on the target address
-(``/proc/net/tcp``), so the sender's data streams -- which connect to the control connection's peer --
-go through the relay too.
+Run as a process: ``python -m tests.cutting_relay --to 127.0.0.1:PORT --cut N[,N...]``.  It listens on a
+loopback address of its own (:func:`relay_host`: the same host, another address, one no other live relay
+has), forwards the control connection to the receiver, and mirrors every data listener the receiver opens
+on the target address: before it passes on any byte from the receiver to the sender (an accept or resume
+frame, which names a data port), it opens a listener on its address with the same port number for each
+port listening on the target address (``/proc/net/tcp``), so the sender's data streams -- which connect to
+the control connection's peer -- go through the relay too.  (With one address for every relay, a relay that
+outlived its test could hold another's mirror port, and that sender's data would go around the relay it is
+measured by: a hang where that relay waits for bytes it never sees.)
 
 ``--cut`` lists byte counts of the data sent from sender to receiver (all data connections together,
 in arrival order at the relay): when a count is reached, the relay forwards exactly up to it and resets
@@ -21,7 +23,7 @@ carry on (SIGUSR1: what the dead process's kernel still holds is delivered, then
 (SIGUSR2) resets every data connection at once, dropping what it holds: the machine went away with its
 socket buffers (a pre-empted node), so what landed is what had landed at the pause.
 
-It prints its port on the first line; on SIGTERM (or stdin closing) it prints one JSON line:
+It prints its address (``HOST:PORT``) on the first line; on SIGTERM (or stdin closing) it prints one JSON line:
 ``data_bytes`` (sender -> receiver, data connections), ``control_bytes``, ``cuts`` (byte counts where it
 cut), ``connections``.
 """
@@ -37,7 +39,11 @@ import struct
 import sys
 import threading
 
-RELAY_HOST = "127.0.0.2"
+
+def relay_host(pid: int) -> str:
+    """A loopback address for the relay of process ``pid``: 127.A.B.C with A >= 1 (never the receiver's
+    127.0.0.1), one-to-one with pids below 2**24 -- two live relays never share one."""
+    return f"127.{1 + (pid >> 16)}.{(pid >> 8) & 255}.{pid & 255}"
 
 
 def listening_ports(host: str) -> set[int]:
@@ -83,24 +89,25 @@ class Relay:
         self.connections = 0
         self.lock = threading.Lock()
         self.mirrors: dict[int, socket.socket] = {}
-        self.control = self._listen(control_port, control=True)     # the receiver's port, on RELAY_HOST
+        self.host = relay_host(os.getpid())
+        self.control = self._listen(control_port, control=True)     # the receiver's port, on self.host
 
     def _listen(self, port: int, control: bool) -> socket.socket:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((RELAY_HOST, port))
+        s.bind((self.host, port))
         s.listen(64)
         threading.Thread(target=self._accept, args=(s, control), daemon=True).start()
         return s
 
     def mirror(self) -> None:
-        """A listener on RELAY_HOST for every port the receiver listens on (new data listeners)."""
+        """A listener on this relay's address for every port the receiver listens on (new data listeners)."""
         for port in listening_ports(self.target_host):
             if port not in self.mirrors and port != self.control_port:
                 try:
                     self.mirrors[port] = self._listen(port, control=False)
                 except OSError:
-                    pass    # taken on the relay's address (another test's listener): not ours
+                    pass    # not free on this relay's address
 
     def _accept(self, lst: socket.socket, control: bool) -> None:
         while True:
@@ -206,7 +213,7 @@ def main() -> None:
         relay.drop = True
         relay.gate.set()
     signal.signal(signal.SIGUSR2, drop)
-    print(relay.control.getsockname()[1], flush=True)
+    print("{}:{}".format(*relay.control.getsockname()), flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()

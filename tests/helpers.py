@@ -118,8 +118,26 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=30)
     return proc.returncode, out, err
+
+
+def line_within(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The next line of ``proc``'s (text) stdout, or the test fails after ``timeout`` seconds, saying
+    ``what`` it waited for and what the process wrote on stderr: a line that never comes (a peer that took
+    another path, a relay that never saw the bytes it waits for) must fail the test, not hold the run.  The
+    process is killed then -- that ends the blocked read."""
+    assert proc.stdout is not None
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(timeout)
+    if not got:
+        proc.kill()
+        reader.join(10)
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        raise AssertionError(f"{what}: no line from pid {proc.pid} within {timeout:g} s; its stderr: {err[-2000:]!r}")
+    return got[0]
 
 
 def server_and_trainer(server: list[str], trainer: Any, timeout: float = 120) -> tuple[subprocess.CompletedProcess,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, Background, finish, small_filesystem
+from tests.helpers import ROOT, Background, finish, line_within, small_filesystem
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="cross-check needs the safetensors package")
 
@@ -32,8 +32,7 @@ def cli(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
 
 def start_recv(out: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     proc = cli("recv", "--out", str(out), "--json", *extra, env=env)
-    assert proc.stdout is not None
-    line = json.loads(proc.stdout.readline())
+    line = json.loads(line_within(proc, 60, "the receiver's listening event"))
     assert line["event"] == "listening"
     return proc, f"{line['host']}:{line['port']}"
 

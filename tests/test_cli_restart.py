@@ -23,7 +23,7 @@ import pytest
 
 from tensorxfer.files.journal import FRAME, JOURNAL_NAME, MAGIC, JournalError, read_journal
 from tensorxfer.files.pieces import PIECE_BYTES
-from tests.helpers import finish, wait_until
+from tests.helpers import finish, line_within, wait_until
 from tests.test_cli import ROOT, cli, sha, start_recv
 from tests.test_cli_resume import random_model_dir
 from tests.test_resume import start_relay, stop_relay
@@ -45,24 +45,25 @@ def pausing_relay(to: str, at: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "tests.cutting_relay", "--to", to, "--pause-at", str(at)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.stdout is not None
-    return proc, f"127.0.0.2:{int(proc.stdout.readline())}"
+    return proc, line_within(proc, 30, "the relay's address").strip()
 
 
-def wait_paused(relay: subprocess.Popen, timeout: float = 120) -> None:
-    """Block until the relay holds the data at its pause point."""
-    assert relay.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = relay.stdout.readline()      # the relay prints "paused" once there (or exits: empty)
-    assert line.strip() == "paused" and time.monotonic() < deadline, line
+def wait_paused(relay: subprocess.Popen, sender: subprocess.Popen, timeout: float = 120) -> None:
+    """Block until the relay holds the data at its pause point (it prints "paused" there); fail, naming
+    what the sender did, if it does not within ``timeout``."""
+    try:
+        line = line_within(relay, timeout, "the relay holding the data at its pause point")
+    except AssertionError as e:
+        rc, _, err = finish(sender, 5)
+        raise AssertionError(f"{e}; the sender: rc={rc}, stderr {err[-2000:]!r}") from None
+    assert line.strip() == "paused", line
 
 
 def events(proc: subprocess.Popen, until: str, timeout: float = 60) -> list[dict]:
     """JSON lines from a --json process up to and including the first event ``until``."""
-    assert proc.stdout is not None
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = line_within(proc, max(deadline - time.monotonic(), 0.1), f"the {until!r} event")
         if not line:
             break
         out.append(json.loads(line))
@@ -94,7 +95,7 @@ def kill_sender_then_resume(tmp_path: Path, shard_bytes: int, *extra: str) -> di
     try:
         relay, via = pausing_relay(where, int(payload * 0.6))
         first = send(src, via, *extra)
-        wait_paused(relay)
+        wait_paused(relay, first)
         first.send_signal(signal.SIGKILL)
         finish(first)           # closes its pipes too
         relay.send_signal(signal.SIGUSR2)
@@ -142,7 +143,7 @@ def kill_receiver_then_resume(tmp_path: Path, shard_bytes: int, *extra: str, cau
     pause_at = int(payload * 0.6)
     relay, via = pausing_relay(where, pause_at)
     first = send(src, via, *extra)
-    wait_paused(relay)
+    wait_paused(relay, first)
     if caught_up:
         wait_until(lambda: journaled(out) >= pause_at - 4 * PIECE_BYTES, 60, "the journal catching up")
     else:
@@ -220,7 +221,7 @@ def interrupted(tmp_path: Path) -> tuple[Path, Path]:
     recv, where = start_recv(out, "--once", "--stall-timeout", "10")
     relay, via = pausing_relay(where, int(payload_of(SHARDS, SHARD_BYTES) * 0.6))
     first = send(src, via)
-    wait_paused(relay)
+    wait_paused(relay, first)
     wait_until(lambda: journaled(out) > 0, 60, "a piece journaled")
     recv.send_signal(signal.SIGKILL)
     finish(recv)

@@ -21,7 +21,7 @@ import pytest
 import tensorxfer as tx
 from tensorxfer import Receiver, Sender
 from tensorxfer.session.recovery import DEFAULT_POLICY, RecoveryPolicy
-from tests.helpers import ROOT, Background, child, finish, region_of
+from tests.helpers import ROOT, Background, child, finish, line_within, region_of
 
 PATTERN = 0x9E3779B97F4A7C15
 
@@ -53,8 +53,7 @@ def start_relay(to: tuple[str, int], cuts: list[int], stall: bool = False) -> tu
                              "--cut", ",".join(map(str, cuts)), *(["--stall"] if stall else [])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.stdout is not None
-    return proc, f"127.0.0.2:{int(proc.stdout.readline())}"
+    return proc, line_within(proc, 30, "the relay's address").strip()
 
 
 def stop_relay(proc: subprocess.Popen) -> dict:
