@@ -236,6 +236,23 @@ def bound_with_copy(layout: list[tuple[str, tuple[int, ...]]], device: str, repe
     return bench_sync.median_seconds(lambda: (dst.copy_(src), landed.copy_(dst), dst2.copy_(src2)), device, repeat)
 
 
+def timeline(ranks: dict[str, Any]) -> list[str]:
+    """Each source's last step, in ms from its push's start: its quantizer's first half and its whole round
+    (the part waiting for peers' amaxes), and when each of its pairs' parts ended (from the pair's first offer)."""
+    ms = lambda x: f"{x * 1e3:.2f}"       # noqa: E731
+    out = []
+    for name, r in sorted(ranks.items()):
+        q = r.get("quantized")
+        if not name.startswith("source") or q is None:
+            continue
+        pairs = "; ".join(f"target {p['target']}: " + " / ".join(ms(x) for x in (p.get("part_seconds") or
+                                                                                 [p["seconds"]]))
+                          for p in r["pairs"])
+        out.append(f"  {name}: quantizer first half {ms(q.get('begin_seconds', 0.0))}, round {ms(q['seconds'])} "
+                   f"(waiting for peers {ms(q['wait_seconds'])}); parts ended at {pairs}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=["bench", "fp8", "today"], default="bench")
@@ -255,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{paths['fused_bytes'] / 1e9:.3f} GB (from {paths['fused_input_bytes'] / 1e9:.3f} GB of input), by the "
           f"sources {paths['values_bytes'] / 1e9:.3f} GB (shared blocks {paths['shared_bytes'] / 1e9:.3f} GB)",
           flush=True)
+    for line in timeline(result["fp8_sync"]["ranks"]):
+        print(line, flush=True)
     result["today"] = run(args, store, "today")
     print("today (bf16 sync, targets quantize)", f"{result['today']['median_s'] * 1e3:.2f} ms, wire",
           f"{result['today']['wire_bytes'] / 1e9:.3f} GB", flush=True)

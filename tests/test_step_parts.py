@@ -84,6 +84,14 @@ def test_push_runs_every_part_in_turn_and_adds_their_stats() -> None:
         receiving.join(20)
         assert got[3][0] == 1 and _halves(dst) == ({6}, {5})
         assert stats.bytes == N and stats.runs == 2 and stats.seconds >= 0
+        # when each part ended, from the first part's offer: in order, the last at the step's end
+        first, second = stats.part_seconds
+        assert 0 < first <= second == stats.seconds, stats
+        assert stats.as_dict()["part_seconds"] == [first, second]
+        got, receiving = _receive(port, dst, (FIRST,), 2)
+        one = link.push(src, FIRST, 2, "d")     # a step of one part says its end in ``seconds`` alone
+        receiving.join(20)
+        assert got[3][0] == 2 and one.part_seconds == () and one.bytes == N // 2
 
 
 def test_a_source_that_cuts_the_step_otherwise_is_refused_before_its_part_lands() -> None:

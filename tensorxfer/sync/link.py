@@ -95,7 +95,9 @@ class FeedStep:
 class PairStats:
     """What one step moved between one source and one target; ``retries``, ``resent_bytes`` and
     ``recovery_seconds`` say what recovering this pair's broken data streams cost (as for
-    :class:`~tensorxfer.session.TransferStats`; a pair whose streams held shows zeros)."""
+    :class:`~tensorxfer.session.TransferStats`; a pair whose streams held shows zeros).  A step in parts
+    (:data:`Parts`) also says when each part ended, in seconds from the first part's offer
+    (``part_seconds``; one part: empty, ``seconds`` says it)."""
 
     source: int
     target: int
@@ -108,6 +110,7 @@ class PairStats:
     retries: int = 0
     resent_bytes: int = 0
     recovery_seconds: float = 0.0
+    part_seconds: tuple[float, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -120,13 +123,14 @@ class PairStats:
                        wire_seconds=self.wire_seconds + later.wire_seconds, runs=self.runs + later.runs,
                        setup=self.setup or later.setup, retries=self.retries + later.retries,
                        resent_bytes=self.resent_bytes + later.resent_bytes,
-                       recovery_seconds=self.recovery_seconds + later.recovery_seconds)
+                       recovery_seconds=self.recovery_seconds + later.recovery_seconds,
+                       part_seconds=(self.part_seconds or (self.seconds,)) + (seconds,))
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target, "bytes": self.bytes, "seconds": self.seconds,
                 "wire_seconds": self.wire_seconds, "gbps": self.gbps, "runs": self.runs, "transport": self.transport,
                 "setup": self.setup, "retries": self.retries, "resent_bytes": self.resent_bytes,
-                "recovery_seconds": self.recovery_seconds}
+                "recovery_seconds": self.recovery_seconds, "part_seconds": list(self.part_seconds)}
 
 
 def _sync_caps(group: str, role: str, rank: int) -> dict[str, Any]:

@@ -60,7 +60,8 @@ class QuantStats:
     """One push's quantization on a source: FP8 bytes it wrote, those of blocks shared with other sources
     (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
     seconds the whole quantization took (before anything that reads what it makes was offered; a fused
-    pair's tiles were offered before it began); and the FP8 bytes its pairs on
+    pair's tiles were offered after its first half, ``begin_seconds``: the shared amaxes taken and
+    published); and the FP8 bytes its pairs on
     its GPU made on the way from its input instead (``fused_bytes``, reading ``fused_input_bytes`` of the
     input: :mod:`tensorxfer.sync.fusing`)."""
 
@@ -72,23 +73,26 @@ class QuantStats:
     seconds: float = 0.0
     fused_bytes: int = 0
     fused_input_bytes: int = 0
+    begin_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"values_bytes": self.values_bytes, "shared_bytes": self.shared_bytes,
                 "shared_blocks": self.shared_blocks, "peers": self.peers, "wait_seconds": self.wait_seconds,
                 "seconds": self.seconds, "fused_bytes": self.fused_bytes,
-                "fused_input_bytes": self.fused_input_bytes}
+                "fused_input_bytes": self.fused_input_bytes, "begin_seconds": self.begin_seconds}
 
 
 @dataclass(frozen=True)
 class _Round:
     """A push's quantization between :meth:`SourceQuantizer.begin` and :meth:`SourceQuantizer.finish`: the
-    step, when it began, the shards with shared cells and their own amaxes of those (on the host)."""
+    step, when it began, the shards with shared cells and their own amaxes of those (on the host), and the
+    seconds the first half took."""
 
     version: int
     t0: float
     shared: list[QuantizedShard]
     mine: list[np.ndarray]
+    seconds: float
 
 
 class QuantizedShard:
@@ -347,7 +351,7 @@ class SourceQuantizer:
                 for (d, i), m in zip(shared, mine)}).encode())
         for d in self._devices:             # while the peers' records come (GPU kernels run on meanwhile)
             d.quantize_whole()
-        return _Round(version, t0, [d.shards[i] for d, i in shared], mine)
+        return _Round(version, t0, [d.shards[i] for d, i in shared], mine, time.perf_counter() - t0)
 
     def finish(self, begun: _Round) -> QuantStats:
         """The second half of :meth:`quantize`: the peers' amaxes merged, the shared cells quantized, every
@@ -363,7 +367,7 @@ class SourceQuantizer:
         live = [s for s in self.shards if not s.empty]
         return QuantStats(self._made_bytes, sum(s.shared_bytes for s in live),
                           sum(len(s.shared_pos) for s in live), len(self._peers), wait,
-                          time.perf_counter() - begun.t0)
+                          time.perf_counter() - begun.t0, begin_seconds=begun.seconds)
 
     def _check_finite(self) -> None:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
