@@ -229,13 +229,18 @@ def test_a_nan_in_one_source_fails_the_step_on_every_target_naming_the_tensor_an
 
 @pytest.mark.parametrize("make, match", [
     (lambda: Target.shard(torch.zeros(100, 256, dtype=torch.float8_e4m3fn), "w", (200, 256), 0, 0, 2)
-     .quantized(Quantization.blocks(), torch.zeros(1, 2)), "does not hold whole blocks"),
+     .quantized(Quantization.blocks(), torch.zeros(1, 2)), "'w'.* does not hold whole blocks"),
     (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.bfloat16), "w", (256, 256), 0, 0, 2)
      .quantized(Quantization.blocks(), torch.zeros(1, 2)), "values tensor is BF16"),
     (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "w", (256, 256), 0, 0, 2)
      .quantized(Quantization.blocks(), torch.zeros(1, 2, dtype=torch.bfloat16)), "scales tensor is BF16"),
     (lambda: Target.shard(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "w", (256, 256), 0, 0, 2)
-     .quantized(Quantization.blocks(), torch.zeros(2, 2)), r"needs \(1, 2\)"),
+     .quantized(Quantization.blocks(), torch.zeros(2, 2)), r"'w'.*needs \(1, 2\)"),
+    # named by the tensors it serves (a fused target: each of its parts), before the WeightSync names it
+    (lambda: Target.fused(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), [("q", (128, 256)), ("k", (128, 256))],
+                          0, 0, 1).quantized(Quantization.blocks(), torch.zeros(1, 2)), r"'q\+k'.*needs \(2, 2\)"),
+    (lambda: Target.whole(torch.zeros(300, dtype=torch.float8_e4m3fn), "bias")
+     .quantized(Quantization.blocks(), torch.zeros(3, 1)), "'bias' of shape .300,. has fewer dimensions"),
     (lambda: Target(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), (Piece("w", Box((0, 0), (128, 256)), (0, 0)),))
      .quantized(Quantization.blocks(), torch.zeros(1, 2)), "global shape"),
 ])

@@ -128,8 +128,10 @@ class Target:
             if dtype not in want:
                 raise PlanError(f"a quantized target's {what} tensor is {dtype}; {q} keeps them as "
                                 f"{' or '.join(want)}")
-        values = TargetTensor("(quantized)", tuple(self.tensor.shape), q.values_dtype, 0, self.pieces)
-        quantized_target(values, shapes, q, "(scales)", tuple(scales.shape), 0)      # refuses what does not fit
+        # named by what it serves (its own name comes with the WeightSync's dict)
+        name = "+".join(dict.fromkeys(p.source_name for p in self.pieces if not p.is_filled)) or "(quantized)"
+        values = TargetTensor(name, tuple(self.tensor.shape), q.values_dtype, 0, self.pieces)
+        quantized_target(values, shapes, q, f"{name} scales", tuple(scales.shape), 0)  # refuses what does not fit
         return dataclasses.replace(self, global_shapes=shapes, quantization=q, scales=scales)
 
     @classmethod
