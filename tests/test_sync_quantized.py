@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -239,6 +240,8 @@ def test_a_nan_in_one_source_fails_the_step_on_every_target_naming_the_tensor_an
     # named by the tensors it serves (a fused target: each of its parts), before the WeightSync names it
     (lambda: Target.fused(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), [("q", (128, 256)), ("k", (128, 256))],
                           0, 0, 1).quantized(Quantization.blocks(), torch.zeros(1, 2)), r"'q\+k'.*needs \(2, 2\)"),
+    (lambda: Target.whole(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "w")
+     .quantized(Quantization.blocks(), np.zeros((1, 2), np.float32)), "scales must be a torch tensor.*ndarray"),
     (lambda: Target.whole(torch.zeros(300, dtype=torch.float8_e4m3fn), "bias")
      .quantized(Quantization.blocks(), torch.zeros(3, 1)), "'bias' of shape .300,. has fewer dimensions"),
     (lambda: Target(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), (Piece("w", Box((0, 0), (128, 256)), (0, 0)),))

@@ -121,10 +121,12 @@ class Target:
         for what, t, want in (("values", self.tensor, (q.values_dtype,)),
                               ("scales", scales, (q.scale_dtype, "U8") if q.scale == "e8m0" else (q.scale_dtype,))):
             try:
+                if not type(t).__module__.startswith("torch"):      # (a numpy array has a dtype too)
+                    raise TypeError
                 dtype = _dt.from_torch(t.dtype).name
             except (TypeError, AttributeError):
-                raise PlanError(f"a quantized target's {what} must be a torch tensor, got {type(t).__name__}") \
-                    from None
+                raise PlanError(f"a quantized target's {what} must be a torch tensor (the engine's own), got "
+                                f"{type(t).__name__}") from None
             if dtype not in want:
                 raise PlanError(f"a quantized target's {what} tensor is {dtype}; {q} keeps them as "
                                 f"{' or '.join(want)}")
