@@ -87,6 +87,21 @@ def _device_of(slots: list[Any]) -> str:
     return "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
 
 
+def shares_memory(t: Any) -> bool:
+    """Whether another tensor holds ``t``'s memory too: ``t`` is a view (a slice, a transpose), a view of it
+    is alive, or it is an alias such as a parameter's ``.data``.  Re-pointing ``t`` into a region then moves
+    ``t`` alone: the other keeps the old memory, and whoever reads or writes through it (the optimizer
+    stepping the parameter, the engine reading its weight) silently parts from what the region holds.
+    The count of tensors on a storage is torch's own (``_storage_Use_Count``: ``t`` and the storage object
+    asked for); a torch without it is asked about views only."""
+    import torch
+
+    if t._base is not None:
+        return True
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(t.untyped_storage()._cdata) > 2
+
+
 def tensor_view(region: Any, spec: TensorSpec) -> Any:
     """A torch tensor over ``spec``'s bytes in ``region`` (a TensorRegion), with a storage of its own that
     keeps the region's memory mapped."""

@@ -6,13 +6,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tensorxfer.binding import shares_memory
 from tensorxfer.sync.workers import Workers
 
 
 class LocalShards:
     """The trainer's tensors (``pairs``: (local tensor, its view in the region)).  Construction moves the
-    adoptable ones (``allowed``, same dtype, device, shape, contiguous) into the region and re-points them
-    there (their old storage is freed with its last reference): a push then copies only the others."""
+    adoptable ones (``allowed``, same dtype, device, shape, contiguous, and no other tensor on their memory:
+    :func:`~tensorxfer.binding.shares_memory`) into the region and re-points them there (their old storage is
+    freed with its last reference): a push then copies only the others.  A shard given as a view or as a
+    parameter's ``.data`` is one of the others: re-pointed, it would leave the parameter the optimizer steps
+    behind, and every push would send the weights of the first."""
 
     def __init__(self, pairs: Sequence[tuple[Any, Any]], allowed: Sequence[bool]) -> None:
         import torch
@@ -22,7 +26,7 @@ class LocalShards:
         with torch.no_grad():
             for (local, view), ok in zip(self.pairs, allowed):
                 if (ok and local.dtype == view.dtype and local.device == view.device and local.is_contiguous()
-                        and tuple(local.shape) == tuple(view.shape)):
+                        and tuple(local.shape) == tuple(view.shape) and not shares_memory(local)):
                     view.copy_(local)
                     local.data = view
                     self.adopted += 1
