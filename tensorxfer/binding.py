@@ -236,6 +236,24 @@ class ModuleBinding:
         if self.region is not None and self.region.is_cuda:
             torch_module().cuda.synchronize(self.region.device)    # the optimizer's kernels landed
 
+    def check_landing(self) -> None:
+        """Before a step's bytes land in the region (a weight-sync target's wait): every bound tensor must
+        still be its region view -- an engine that replaced one (re-allocated or re-laid out its weight after
+        the sync adopted it) would read its own memory while the steps land in the region, stale for good.
+
+        Raises
+        ------
+        BindingError
+            A tensor was replaced; it names the tensor and what to do.
+        """
+        stale = self._stale()
+        if stale is not None:
+            raise BindingError(f"target tensor {stale!r} no longer lives in the sync's region (it was replaced "
+                               f"after the WeightSync adopted it: a new .data, module.to(), post-load processing), "
+                               f"so a step would land where it is not read: nothing was taken in; build the "
+                               f"WeightSync from the tensors as they are served (after the engine's processing)",
+                               tensor=stale)
+
     def _stale(self) -> str | None:
         # Every send (and every receive into a module) asks this of ~a thousand tensors: one comprehension
         # compared with the remembered pointers in C, and a second pass only to name what changed.

@@ -236,6 +236,37 @@ def test_a_target_tensor_that_shares_its_memory_is_refused_naming_it(given: str)
                                                                              held.data_ptr()), "left as it was"
 
 
+def test_a_target_tensor_the_engine_replaced_fails_the_next_wait_naming_it() -> None:
+    """An engine that re-allocates a weight after the sync adopted it (post-load processing, ``.to()``, a new
+    ``.data``) reads its own memory from then on: a step landing in the region would leave it stale for good.
+    The next wait takes nothing in and raises BindingError naming the tensor; the source's push names the
+    target as failed."""
+    stores = Stores()
+    w = torch.nn.Parameter(global_tensors(0)["w"].clone())
+    served = torch.nn.Parameter(torch.zeros(12, 10), requires_grad=False)
+    source, target = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "r", "source", 0, (1, 1),
+                              {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
+                              transport="tcp", timeout=20, stall_timeout=5),
+        lambda: tx.WeightSync(stores.client(), "r", "target", 0, (1, 1), {"norm_w": Target.whole(served, "w")},
+                              transport="tcp", timeout=20, stall_timeout=5)])
+    try:
+        run_ranks([source.push, lambda: target.wait(timeout=20)])
+        assert torch.equal(served, w.detach())
+        served.data = served.data.clone()       # the engine's own copy, outside the region
+        with torch.no_grad():
+            w.mul_(2)
+        (pushed,), (waited,) = run_ranks([lambda: [_catch(source.push)],
+                                          lambda: [_catch(lambda: target.wait(timeout=20))]])
+        assert isinstance(waited, tx.BindingError) and waited.tensor == "norm_w", waited
+        assert "no longer lives in the sync's region" in str(waited)
+        assert list(pushed.failed) == [0] and not pushed.pairs, pushed      # (elastic: the target is named)
+        assert not torch.equal(served, w.detach()), "nothing landed in the replaced tensor"
+    finally:
+        source.close()
+        target.close()
+
+
 def test_targets_that_leave_a_byte_uncovered_are_refused_naming_the_tensor() -> None:
     stores = Stores()
     g = global_tensors(0)

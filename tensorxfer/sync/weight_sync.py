@@ -552,6 +552,8 @@ class WeightSync:
             The sources' shards no longer cover this rank's tensors (the box is named).
         StoreError
             The store's record of the step is not one the group wrote (named); the next wait goes on.
+        BindingError
+            A tensor given to this target was replaced since (named): nothing of the step was taken in.
         """
         if self.role != "target" or self._port is None or self.region is None:
             raise TypeError("wait() is for target ranks")
@@ -564,6 +566,7 @@ class WeightSync:
                 self._next_step = step + 1
             with self.members.busy(step):
                 try:
+                    self.region.binding.check_landing()     # the engine still reads where the steps land
                     results = self._receive(step, deadline, timeout is None)
                 except BaseException as e:
                     # no offer of this step was taken.  A plan or store error is the group's: its sources failed
