@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,19 +87,34 @@ def _device_of(slots: list[Any]) -> str:
     return "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
 
 
-def shares_memory(t: Any) -> bool:
-    """Whether another tensor holds ``t``'s memory too: ``t`` is a view (a slice, a transpose), a view of it
-    is alive, or it is an alias such as a parameter's ``.data``.  Re-pointing ``t`` into a region then moves
-    ``t`` alone: the other keeps the old memory, and whoever reads or writes through it (the optimizer
-    stepping the parameter, the engine reading its weight) silently parts from what the region holds.
-    The count of tensors on a storage is torch's own (``_storage_Use_Count``: ``t`` and the storage object
-    asked for); a torch without it is asked about views only."""
+def shares_memory(t: Any, others: bool = True) -> bool:
+    """Whether another tensor holds ``t``'s memory too: ``t`` is a view (a slice, a transpose) or over part
+    of a storage (a parameter over a flat buffer), or -- with ``others`` -- a view of it is alive or it is an
+    alias such as a parameter's ``.data``.  Re-pointing ``t`` into a region then moves ``t`` alone: the other
+    keeps the old memory, and whoever reads or writes through it (the optimizer stepping the parameter, the
+    engine reading its weight) silently parts from what the region holds.  The count of tensors on a
+    storage is torch's own (``_storage_Use_Count``: ``t`` and the storage object asked for; a torch without
+    it is asked about ``t`` alone).  It also counts the views autograd saved for a backward still to come:
+    harmless to move away from (that graph keeps its bytes), so a trainer's modules are asked without
+    ``others``."""
     import torch
 
-    if t._base is not None:
-        return True
-    count = getattr(torch._C, "_storage_Use_Count", None)
+    if t._base is not None or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return True     # a view, or over part of a storage (``param.data = flat[a:b].view(...)`` leaves no _base)
+    count = getattr(torch._C, "_storage_Use_Count", None) if others else None
     return count is not None and count(t.untyped_storage()._cdata) > 2
+
+
+def _refuse_shared(items: Sequence[tuple[str, Any]], others: bool) -> None:
+    """BindingError naming the first tensor of ``items`` that shares its memory (:func:`shares_memory`): moved
+    into a region and re-pointed, it would part from the other (the flat buffer an optimizer writes, the
+    engine's own weight), silently."""
+    for name, t in items:
+        if shares_memory(t, others):
+            raise BindingError(f"tensor {name!r} shares its memory with another tensor (it is a view or a "
+                               f"parameter's .data{', or a view of it is alive' if others else ''}): moved into the "
+                               f"region, the other would keep the old bytes; give the tensor that owns the memory "
+                               f"(the nn.Parameter itself)", tensor=name)
 
 
 def tensor_view(region: Any, spec: TensorSpec) -> Any:
@@ -151,10 +166,12 @@ class ModuleBinding:
         LayoutError
             A name the module does not have (or a tensor of the module the manifest lacks), or a shape or
             dtype that differs; the message names them.
+        BindingError
+            A module tensor is a view (of a flat buffer, say): named.
         """
         if manifest is self._fits and all(d.get(k) is not None for d, k in self._where):
             return      # a warm update offers the very same manifest object: checking 820 tensors again costs ms
-        missing, wrong, gone, seen = [], [], [], set()
+        missing, wrong, gone, seen, shared = [], [], [], set(), []
         for spec in manifest:
             name = self.module_name(spec.name)
             if name is None:
@@ -171,11 +188,13 @@ class ModuleBinding:
             dt = _dt.from_torch(t.dtype).name
             if dt != spec.dtype or tuple(t.shape) != spec.shape:
                 wrong.append(f"{name}: the module has {dt}{list(t.shape)}, the offer {spec.dtype}{list(spec.shape)}")
+            shared.append((name, t))
         extra = [n for n in self._slots if n not in seen]
         if gone:
             raise LayoutError(f"module tensor(s) {gone[:5]} were set to None or deleted since the module was bound: "
                               f"nothing was received; give the module those tensors back, or receive into a "
                               f"module that has them")
+        _refuse_shared(shared, others=False)    # re-pointed, the buffer it is a view of would keep the old bytes
         if missing or wrong or extra:
             parts = ([f"not in the module: {missing[:5]}"] if missing else []) + \
                     ([f"not in the offer: {extra[:5]}"] if extra else []) + wrong[:5]
@@ -317,6 +336,7 @@ def _adopt_slots(cls: Any, module: Any, slots: list[Any], device: str | None, ch
             _dt.from_torch(t.dtype)
         except TypeError as e:
             raise TypeError(f"module tensor {name!r}: {e}") from None
+    _refuse_shared(items, others=module is None)     # held tensors: an engine's, never under a backward
     aliases = aliases_of(items)
     manifest = Manifest.layout([(name, _dt.from_torch(t.dtype).name, tuple(t.shape)) for name, t in items],
                                alignment=alignment or DEFAULT_ALIGNMENT, metadata=metadata, aliases=aliases)

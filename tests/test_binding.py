@@ -192,6 +192,38 @@ def test_an_unsupported_dtype_is_refused_before_anything_moves() -> None:
     assert model.weight.data_ptr() == ptr
 
 
+def test_a_module_tensor_that_is_a_view_is_refused_before_anything_moves() -> None:
+    """A module whose parameter is a view of a larger tensor (a flat buffer that an optimizer or a
+    distributed wrapper writes) would lose it when the parameter moves into a region and is re-pointed: the
+    writer stepping one, the forward reading the other, silently.  ``from_module`` and ``receive(into=)``
+    refuse it, naming the tensor; nothing moves.  A view autograd saved for a backward does not count."""
+    flat = torch.zeros(4 * 4 + 4)
+    model = nn.Linear(4, 4)
+    model.weight.data = flat[:16].view(4, 4)        # the parameter over the flat buffer
+    ptr = model.weight.data_ptr()
+    with pytest.raises(tx.BindingError, match="'weight' shares its memory") as caught:
+        tx.TensorRegion.from_module(model)
+    assert caught.value.tensor == "weight" and model.weight.data_ptr() == ptr
+
+    out = nn.Linear(4, 4)(torch.ones(2, 4))     # a graph alive, holding what it saved of the weight
+    trained = nn.Linear(4, 4)
+    kept = trained(torch.ones(2, 4))
+    with tx.TensorRegion.from_module(trained):
+        assert torch.equal(trained(torch.ones(2, 4)), kept.detach())
+    del out
+
+    src, dst = nn.Linear(4, 4), nn.Linear(4, 4)
+    dst.weight.data = flat[:16].view(4, 4)
+    with tx.TensorRegion.from_module(src) as region, tx.Receiver() as rx:
+        got = Background(rx.receive, timeout=20, into=dst)
+        with tx.Sender("{}:{}".format(*rx.address)) as s, pytest.raises(tx.ManifestError, match="'weight'"):
+            s.send(region)          # refused before any byte moves
+        with pytest.raises(tx.BindingError, match="'weight' shares its memory"):
+            got.result()
+        assert dst.weight.data_ptr() == flat.data_ptr(), "left over its buffer"
+        assert rx.region is None, "nothing allocated for an offer it cannot take"
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

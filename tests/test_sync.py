@@ -230,8 +230,9 @@ def test_a_target_tensor_that_shares_its_memory_is_refused_naming_it(given: str)
     kept = held[:6]      # noqa: F841  (alive for the test: the engine's view of its weight)
     tensor = {"data": param.data, "view": big[:, :10], "base of a live view": held}[given]
     stores = Stores()
-    with pytest.raises(tx.PlanError, match=r"\[.w.\] share their memory.*the nn.Parameter itself"):
+    with pytest.raises(tx.BindingError, match=r"'w' shares its memory.*the nn.Parameter itself") as caught:
         tx.WeightSync(stores.client(), "s", "target", 0, (1, 1), {"w": Target.whole(tensor, "w")}, timeout=20)
+    assert caught.value.tensor == "w"
     assert torch.equal(tensor, torch.zeros(12, 10)) and tensor.data_ptr() in (param.data_ptr(), big.data_ptr(),
                                                                              held.data_ptr()), "left as it was"
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from tensorxfer.checksum import ALGORITHM, first_mismatch
 from tensorxfer.errors import (
+    BindingError,
     ChecksumMismatch,
     CudaError,
     LayoutError,
@@ -204,7 +205,7 @@ class ServerSession:
             self._forwarder.close()
         try:
             target.begin(offer.manifest, shareable=bool(offer.chain))     # a relay passes its region on
-        except LayoutError as e:        # the offer does not fit the module the caller bound
+        except (LayoutError, BindingError) as e:    # the offer does not fit the module the caller bound
             raise self.refuse("refused", e) from None
         except (CudaError, RegionError, MemoryError) as e:
             self.channel.send_error("transfer", f"the receiver cannot allocate {offer.nbytes} bytes on "

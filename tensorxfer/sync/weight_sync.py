@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tensorxfer.binding import adopt_tensors, shares_memory, tensor_view
+from tensorxfer.binding import adopt_tensors, tensor_view
 from tensorxfer.errors import (
     PlanError,
     ProtocolError,
@@ -186,13 +186,8 @@ class WeightSync:
     def _init_target(self, tensors: Mapping[str, Any], host: str, device: str | None,
                      copy_host: bool | None) -> None:
         shards = {name: t if isinstance(t, Target) else Target(*t) for name, t in tensors.items()}
-        live = target_tensors(shards)
-        shared = [n for n, t in live.items() if shares_memory(t)]
-        if shared:
-            raise PlanError(f"target tensor(s) {shared[:4]} share their memory with another tensor (a view, or a "
-                            f"parameter's .data): moved into the sync's region, the other would keep the old "
-                            f"weights; pass the tensor that owns the memory (the nn.Parameter itself)")
-        self.region = adopt_tensors(TensorRegion, live, device)
+        # (a tensor that shares its memory is refused, named: re-pointed, the engine's would keep the old bytes)
+        self.region = adopt_tensors(TensorRegion, target_tensors(shards), device)
         fill_padding(shards)
         spec = target_description(shards, self.region.manifest, self.rank)
         self._port = TargetPort(host, self._token, self.group, self.rank, self.stall_timeout,
