@@ -3,11 +3,14 @@ each push where they are not (:class:`LocalShards`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.binding import shares_memory
 from tensorxfer.sync.workers import Workers
+
+log = logging.getLogger(__name__)
 
 
 class LocalShards:
@@ -23,13 +26,21 @@ class LocalShards:
 
         self.pairs = list(pairs)
         self.adopted = 0
+        shared = 0
         with torch.no_grad():
             for (local, view), ok in zip(self.pairs, allowed):
                 if (ok and local.dtype == view.dtype and local.device == view.device and local.is_contiguous()
-                        and tuple(local.shape) == tuple(view.shape) and not shares_memory(local)):
+                        and tuple(local.shape) == tuple(view.shape)):
+                    if shares_memory(local):
+                        shared += 1
+                        continue
                     view.copy_(local)
                     local.data = view
                     self.adopted += 1
+        if shared:
+            log.info("%d local shard(s) share their memory with another tensor (a view, a parameter's .data, or "
+                     "a view of them alive, such as a graph kept for backward): copied in at each push instead "
+                     "of adopted", shared)
         self._view_ptrs = [view.data_ptr() for _, view in self.pairs]
         self._locals = [local for local, _ in self.pairs]     # the trainer's tensor objects (it may re-point them)
 
