@@ -99,6 +99,8 @@ def shares_memory(t: Any, others: bool = True) -> bool:
     ``others``."""
     import torch
 
+    if t.numel() == 0:
+        return False    # no bytes to part on (and a region's view of none keeps one byte)
     if t._base is not None or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return True     # a view, or over part of a storage (``param.data = flat[a:b].view(...)`` leaves no _base)
     count = getattr(torch._C, "_storage_Use_Count", None) if others else None

@@ -205,6 +205,11 @@ def test_a_module_tensor_that_is_a_view_is_refused_before_anything_moves() -> No
         tx.TensorRegion.from_module(model)
     assert caught.value.tensor == "weight" and model.weight.data_ptr() == ptr
 
+    held = nn.Module()          # adopted twice: a region's views own their storage (an empty one keeps a byte)
+    held.w, held.none = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(0, 4))
+    with tx.TensorRegion.from_module(held), tx.TensorRegion.from_module(held):
+        assert torch.equal(held.w, torch.ones(3))
+
     out = nn.Linear(4, 4)(torch.ones(2, 4))     # a graph alive, holding what it saved of the weight
     trained = nn.Linear(4, 4)
     kept = trained(torch.ones(2, 4))
