@@ -188,6 +188,30 @@ def test_an_adopted_shard_the_trainer_re_points_is_copied_in_never_sent_stale() 
         target.close()
 
 
+def test_a_shard_the_trainer_replaced_with_another_shape_fails_the_push_naming_it() -> None:
+    """The plan is made for each shard's shape; a trainer that swaps a shard for one of another size (a resized
+    embedding) gets a PlanError naming it from push, and the next push with the right shape lands."""
+    stores = Stores()
+    w = torch.nn.Parameter(global_tensors(0)["w"].clone())
+    srcs = {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))}
+    tgts = {"w": Target.whole(torch.zeros(12, 10), "w")}
+    source, target = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "z", "source", 0, (1, 1), srcs, transport="tcp", timeout=20),
+        lambda: tx.WeightSync(stores.client(), "z", "target", 0, (1, 1), tgts, transport="tcp", timeout=20)])
+    try:
+        w.data = torch.zeros(13, 10)
+        (pushed,), (waited,) = run_ranks([lambda: [_catch(source.push)],
+                                          lambda: [_catch(lambda: target.wait(timeout=20))]])
+        assert isinstance(pushed, tx.PlanError) and "'w' now has shape (13, 10)" in str(pushed), pushed
+        assert isinstance(waited, tx.TransferError), waited
+        w.data = torch.full((12, 10), 5.0)
+        _, version = run_ranks([source.push, lambda: target.wait(timeout=20)])
+        assert version == 2 and torch.equal(tgts["w"].tensor, w.detach())
+    finally:
+        source.close()
+        target.close()
+
+
 @pytest.mark.parametrize("given", ["data", "view"])
 def test_a_shard_given_as_a_parameters_data_or_a_view_is_packed_and_the_trainers_steps_land(given: str) -> None:
     """A trainer that passes ``param.data`` (or a view of a larger tensor) and steps the parameter in place:

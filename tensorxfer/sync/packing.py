@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.binding import shares_memory
+from tensorxfer.errors import PlanError
 from tensorxfer.sync.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -21,10 +22,10 @@ class LocalShards:
     parameter's ``.data`` is one of the others: re-pointed, it would leave the parameter the optimizer steps
     behind, and every push would send the weights of the first."""
 
-    def __init__(self, pairs: Sequence[tuple[Any, Any]], allowed: Sequence[bool]) -> None:
+    def __init__(self, pairs: Sequence[tuple[Any, Any]], allowed: Sequence[bool], names: Sequence[str]) -> None:
         import torch
 
-        self.pairs = list(pairs)
+        self.pairs, self.names = list(pairs), list(names)
         self.adopted = 0
         shared = 0
         with torch.no_grad():
@@ -72,8 +73,12 @@ class LocalShards:
             raise failed[0]
         if stale:
             with torch.no_grad():
-                for local, view in self.pairs:
+                for (local, view), name in zip(self.pairs, self.names):
                     if local.data_ptr() != view.data_ptr():
+                        if local.numel() != view.numel():
+                            raise PlanError(f"local shard {name!r} now has shape {tuple(local.shape)}; the group "
+                                            f"planned {tuple(view.shape)} (a shard keeps its shape for the group's "
+                                            f"life: start the group again with the new shapes)")
                         view.copy_(local.reshape(view.shape))
                         packed += view.numel() * view.element_size()
             if device is not None:

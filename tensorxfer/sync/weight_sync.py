@@ -216,7 +216,7 @@ class WeightSync:
         self._local = LocalShards(
             [(s.tensor, tensor_view(self.region, manifest[n])) for n, s in layout.plain.items()] +
             [(shards[n].tensor, tensor_view(self.region, manifest[entry])) for n, entry in own.items()],
-            [s.adopt for s in layout.plain.values()] + [True] * len(own))
+            [s.adopt for s in layout.plain.values()] + [True] * len(own), [*layout.plain, *own])
         self.adopted = self._local.adopted
         if layout.quantized:
             self._quantizer = SourceQuantizer([
