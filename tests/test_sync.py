@@ -212,6 +212,26 @@ def test_a_shard_the_trainer_replaced_with_another_shape_fails_the_push_naming_i
         target.close()
 
 
+def test_a_closed_sync_says_so_and_a_rank_asked_the_other_roles_call_says_which_it_is() -> None:
+    stores = Stores()
+    w = global_tensors(0)["w"].clone()
+    source, target = run_ranks([
+        lambda: tx.WeightSync(stores.client(), "c", "source", 0, (1, 1),
+                              {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
+                              transport="tcp", timeout=20),
+        lambda: tx.WeightSync(stores.client(), "c", "target", 0, (1, 1), {"w": Target.whole(torch.zeros(12, 10), "w")},
+                              transport="tcp", timeout=20)])
+    with pytest.raises(TypeError, match=r"push\(\) is for source ranks; this is a target rank"):
+        target.push()
+    with pytest.raises(TypeError, match=r"wait\(\) is for target ranks; this is a source rank"):
+        source.wait()
+    for sync, call in ((source, source.push), (target, lambda: target.wait(timeout=1))):
+        sync.close()
+        sync.close()        # idempotent
+        with pytest.raises(tx.RegionClosed, match="on a closed WeightSync"):
+            call()
+
+
 @pytest.mark.parametrize("given", ["data", "view"])
 def test_a_shard_given_as_a_parameters_data_or_a_view_is_packed_and_the_trainers_steps_land(given: str) -> None:
     """A trainer that passes ``param.data`` (or a view of a larger tensor) and steps the parameter in place:

@@ -48,6 +48,7 @@ from tensorxfer.errors import (
     PlanError,
     ProtocolError,
     QuantizationError,
+    RegionClosed,
     StoreError,
     TensorXferError,
     TransferError,
@@ -303,8 +304,8 @@ class WeightSync:
         StoreError
             The store's record of this step is not one the group wrote (named); the next push goes on.
         """
-        if self.role != "source" or self.region is None or self._record is None:
-            raise TypeError("push() is for source ranks")
+        self._usable("source", "push")
+        assert self.region is not None and self._record is not None
         with self._lock:
             t0 = time.perf_counter()
             version = self.version + 1
@@ -550,8 +551,8 @@ class WeightSync:
         BindingError
             A tensor given to this target was replaced since (named): nothing of the step was taken in.
         """
-        if self.role != "target" or self._port is None or self.region is None:
-            raise TypeError("wait() is for target ranks")
+        self._usable("target", "wait")
+        assert self._port is not None and self.region is not None
         with self._lock:
             t0 = time.perf_counter()
             deadline = time.monotonic() + (FOREVER if timeout is None else timeout)
@@ -658,6 +659,13 @@ class WeightSync:
     def status(self) -> dict[str, Any]:
         """The group as the store holds it (members, epoch, digests, last version per rank)."""
         return group_status(self._rdv, self.group, token_key(self._token))
+
+    def _usable(self, role: str, call: str) -> None:
+        if self.role != role:
+            raise TypeError(f"{call}() is for {role} ranks; this is a {self.role} rank")
+        if self.region is None:
+            raise RegionClosed(f"sync {self.group!r}: {call}() on a closed WeightSync (close() or its with block "
+                               f"ended); construct a new one to take part in the group again")
 
     def close(self) -> None:
         """Leave the group, close the pair sessions and the listener; the region's memory stays with the
