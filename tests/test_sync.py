@@ -212,6 +212,20 @@ def test_a_shard_the_trainer_replaced_with_another_shape_fails_the_push_naming_i
         target.close()
 
 
+@pytest.mark.parametrize("kw, match", [
+    ({"tensors": {}}, "at least one tensor"), ({"role": "trainer"}, "role must be"),
+    ({"rank": 1}, r"world=\(1, 1\) has no source rank 1"), ({"world": (0, 1)}, "has no source rank 0"),
+    ({"timeout": -1}, "seconds > 0, got -1"), ({"stall_timeout": float("nan")}, "seconds > 0"),
+])
+def test_a_sync_built_with_arguments_that_cannot_work_is_refused_at_once(kw: dict, match: str) -> None:
+    """Refused in the constructor, before it touches the store (a negative timeout was a wait that ended at
+    once, reported as ranks that did not register)."""
+    args = {"role": "source", "rank": 0, "world": (1, 1), "tensors": {"w": Source.whole(torch.zeros(2))}, **kw}
+    with pytest.raises(ValueError, match=match):
+        tx.WeightSync("tcp://127.0.0.1:1", "bad", timeout=kw.get("timeout", 5),
+                      **{k: v for k, v in args.items() if k != "timeout"})
+
+
 def test_a_closed_sync_says_so_and_a_rank_asked_the_other_roles_call_says_which_it_is() -> None:
     stores = Stores()
     w = global_tensors(0)["w"].clone()

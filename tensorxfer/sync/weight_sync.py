@@ -127,8 +127,9 @@ class WeightSync:
         sources, targets = (int(x) for x in world)
         if sources < 1 or targets < 1 or rank < 0 or (role == "source" and rank >= sources):
             raise ValueError(f"world=({sources}, {targets}) has no {role} rank {rank}")
-        if not tensors:
-            raise ValueError("a weight sync needs at least one tensor")
+        if not tensors or not (float(timeout) > 0 and float(stall_timeout) > 0):      # (NaN included)
+            raise ValueError("a weight sync needs at least one tensor" if not tensors else f"timeout and "
+                             f"stall_timeout are seconds > 0, got {timeout!r} and {stall_timeout!r}")
         self.group, self.role, self.rank, self.world = group, role, rank, (sources, targets)
         self.stall_timeout = float(stall_timeout)
         self.elastic = elastic
