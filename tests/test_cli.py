@@ -159,6 +159,16 @@ def test_bad_source_is_usage_error(tmp_path):
     assert rc == 2
 
 
+@pytest.mark.parametrize("args", [("recv", "--out", "OUT", "--stall-timeout", "0"),
+                                  ("send", "SRC", "--to", "127.0.0.1:1", "--stall-timeout", "-5"),
+                                  ("send", "SRC", "--to", "127.0.0.1:1", "--connect-timeout", "nan")])
+def test_a_timeout_that_is_not_seconds_above_zero_is_a_usage_error_naming_the_flag(tmp_path, args):
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path) if a == "SRC" else a for a in args]
+    rc, _, err = finish(cli(*args))
+    flag = next(a for a in args if a.endswith("-timeout"))
+    assert rc == 2 and f"argument {flag}: expected seconds > 0" in err, err
+
+
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "model.pth", "last.ckpt", "tf_model.h5",
                                   "model.gguf", "model.onnx"])
 @pytest.mark.slow

@@ -475,3 +475,16 @@ def test_a_receive_that_times_out_after_a_sender_came_and_went_says_so(how: str)
                 child.communicate()
         with pytest.raises(tx.TransferTimeout, match=r"connected and (said goodbye|left) without an offer"):
             got.result()
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: tx.Receiver(stall_timeout=-1), "stall_timeout"),
+    (lambda: tx.Receiver(handshake_timeout=0), "handshake_timeout"),
+    (lambda: tx.Sender("127.0.0.1:1", stall_timeout=float("nan")), "stall_timeout"),
+    (lambda: tx.Sender("127.0.0.1:1", connect_timeout=0), "connect_timeout"),
+])
+def test_a_timeout_that_is_not_seconds_above_zero_is_refused_before_anything_opens(make, name) -> None:
+    """A zero, negative or NaN timeout ended every wait at once, reported as a peer that stalled (a Receiver
+    took one; a Sender went on connecting): refused in the constructor, named."""
+    with pytest.raises(ValueError, match=f"^{name} is seconds > 0"):
+        make()

@@ -215,7 +215,8 @@ def test_a_shard_the_trainer_replaced_with_another_shape_fails_the_push_naming_i
 @pytest.mark.parametrize("kw, match", [
     ({"tensors": {}}, "at least one tensor"), ({"role": "trainer"}, "role must be"),
     ({"rank": 1}, r"world=\(1, 1\) has no source rank 1"), ({"world": (0, 1)}, "has no source rank 0"),
-    ({"timeout": -1}, "seconds > 0, got -1"), ({"stall_timeout": float("nan")}, "seconds > 0"),
+    ({"timeout": -1}, "^timeout is seconds > 0, got -1"),
+    ({"stall_timeout": float("nan")}, "stall_timeout is seconds > 0"),
 ])
 def test_a_sync_built_with_arguments_that_cannot_work_is_refused_at_once(kw: dict, match: str) -> None:
     """Refused in the constructor, before it touches the store (a negative timeout was a wait that ended at

@@ -61,6 +61,17 @@ exit codes:
 """
 
 
+def seconds(text: str) -> float:
+    """An argparse type: seconds > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def new_parser(prog: str, description: str, exit_codes: bool = True) -> argparse.ArgumentParser:
     """An argument parser that shows ``description`` as written (plain text), the exit codes after the
     options, and answers ``--version``."""
@@ -95,7 +106,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="auto (default), ipc, rdma or tcp; forced: never falls back")
     p.add_argument("--device", default="cpu",
                    help="where the region lives: cpu (default) or cuda:N (files are staged through pinned memory)")
-    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--stall-timeout", type=seconds, default=30.0, metavar="S",
                    help="fail when no data moves for S seconds (default 30)")
     p.add_argument("--verify", action="store_true",
                    help="send: per-tensor xxh3_64 checksums, checked by the receiver; recv: accept only senders "

@@ -30,6 +30,7 @@ from tensorxfer.cli.common import (
     new_parser,
     read_token,
     report_error,
+    seconds,
     summary,
 )
 from tensorxfer.cli.progress import Phase, Progress, log_above
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, action="append", metavar="HOST:PORT",
                    help="the receiver's address; repeat it to fan out to several receivers, in chain order (each "
                         "receiver forwards to the next as the bytes land; every one must have the same token)")
-    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--connect-timeout", type=seconds, default=10.0, metavar="S",
                    help="keep trying to reach a receiver that is not listening yet for S seconds (default 10)")
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help=f"parallel data streams (default: {DEFAULT_STREAMS} tcp streams, $TENSORXFER_TCP_STREAMS "

@@ -18,6 +18,18 @@ ALLOCATION_FLOOR_BYTES_PER_S = 100e6    # slowest allocation rate a live receive
 KEEPALIVE_SECONDS = 2.0                 # how often a busy receiver says "wait" (well under any ack timeout)
 
 
+def seconds(**named: float) -> tuple[float, ...]:
+    """The timeouts ``named`` as floats, each checked to be seconds > 0 (ValueError naming it: a zero, a
+    negative or a NaN timeout would end waits at once, reported as a peer that stalled or never came)."""
+    out = []
+    for name, value in named.items():
+        v = float(value)
+        if not v > 0:
+            raise ValueError(f"{name} is seconds > 0, got {value!r}")
+        out.append(v)
+    return tuple(out)
+
+
 def control_timeout(stall_timeout: float) -> float:
     """How long a control wait may take: at least :data:`CONTROL_TIMEOUT`, so that a short data stall
     timeout does not make a busy peer's allocation (before accept) or verification (before ack) look

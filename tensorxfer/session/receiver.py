@@ -89,8 +89,8 @@ class Receiver:
         self.share = bool(share)
         self.device = device
         self.max_region_bytes = default_max_region_bytes(device) if max_region_bytes is None else int(max_region_bytes)
-        self.stall_timeout = float(stall_timeout)
-        self.handshake_timeout = float(handshake_timeout)
+        self.stall_timeout, self.handshake_timeout = control.seconds(stall_timeout=stall_timeout,
+                                                                     handshake_timeout=handshake_timeout)
         self._token = token
         self._forwarder = None if self.share else forwarder
         self._no_forward = "this receiver does not relay (share=True)" if self.share else no_forward

@@ -82,7 +82,8 @@ class Sender:
             raise ValueError(f"streams must be between 1 and {MAX_STREAMS}, got {streams}")
         host, port = parse_address(connect)
         self.streams = streams
-        self.stall_timeout = float(stall_timeout)
+        self.stall_timeout, connect_timeout = control.seconds(stall_timeout=stall_timeout,
+                                                              connect_timeout=connect_timeout)
         self.recovery = recovery
         self._lock = threading.Lock()
         self._seq = 0

@@ -56,7 +56,7 @@ from tensorxfer.errors import (
 )
 from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
-from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT
+from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT, seconds
 from tensorxfer.sync.copy_host import device_identity, elect
 from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
@@ -127,11 +127,10 @@ class WeightSync:
         sources, targets = (int(x) for x in world)
         if sources < 1 or targets < 1 or rank < 0 or (role == "source" and rank >= sources):
             raise ValueError(f"world=({sources}, {targets}) has no {role} rank {rank}")
-        if not tensors or not (float(timeout) > 0 and float(stall_timeout) > 0):      # (NaN included)
-            raise ValueError("a weight sync needs at least one tensor" if not tensors else f"timeout and "
-                             f"stall_timeout are seconds > 0, got {timeout!r} and {stall_timeout!r}")
+        if not tensors:
+            raise ValueError("a weight sync needs at least one tensor")
         self.group, self.role, self.rank, self.world = group, role, rank, (sources, targets)
-        self.stall_timeout = float(stall_timeout)
+        self.stall_timeout, timeout = seconds(stall_timeout=stall_timeout, timeout=timeout)
         self.elastic = elastic
         self.version = 0
         self._timeout = float(timeout)
