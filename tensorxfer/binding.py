@@ -248,12 +248,10 @@ class ModuleBinding:
         BindingError
             A tensor was replaced; it names the tensor and what to do.
         """
-        stale = self._stale()
-        if stale is not None:
-            raise BindingError(f"module tensor {stale!r} no longer lives in the region it was adopted into (it was "
-                               f"replaced: module.to(), load_state_dict(assign=True) or a new .data): its region "
-                               f"bytes are stale, so nothing was sent; adopt the module again "
-                               f"(TensorRegion.from_module) or copy it in with update_from", tensor=stale)
+        self._refuse_stale("module tensor {} no longer lives in the region it was adopted into (it was replaced: "
+                           "module.to(), load_state_dict(assign=True) or a new .data): its region bytes are stale, "
+                           "so nothing was sent; adopt the module again (TensorRegion.from_module) or copy it in "
+                           "with update_from")
         if self.region is not None and self.region.is_cuda:
             torch_module().cuda.synchronize(self.region.device)    # the optimizer's kernels landed
 
@@ -267,13 +265,17 @@ class ModuleBinding:
         BindingError
             A tensor was replaced; it names the tensor and what to do.
         """
+        self._refuse_stale("target tensor {} no longer lives in the sync's region (it was replaced after the "
+                           "WeightSync adopted it: a new .data, module.to(), post-load processing), so a step would "
+                           "land where it is not read: nothing was taken in; build the WeightSync from the tensors "
+                           "as they are served (after the engine's processing)")
+
+    def _refuse_stale(self, why: str) -> None:
+        """BindingError naming the first bound tensor that is no longer its region view (``why``, its name
+        in the braces)."""
         stale = self._stale()
         if stale is not None:
-            raise BindingError(f"target tensor {stale!r} no longer lives in the sync's region (it was replaced "
-                               f"after the WeightSync adopted it: a new .data, module.to(), post-load processing), "
-                               f"so a step would land where it is not read: nothing was taken in; build the "
-                               f"WeightSync from the tensors as they are served (after the engine's processing)",
-                               tensor=stale)
+            raise BindingError(why.format(repr(stale)), tensor=stale)
 
     def _stale(self) -> str | None:
         # Every send (and every receive into a module) asks this of ~a thousand tensors: one comprehension

@@ -53,6 +53,13 @@ def run_ranks(fns: list[Any]) -> list[Any]:
     return results
 
 
+def one_to_one(stores: Stores, group: str, srcs: dict[str, Any], tgts: dict[str, Any], **kw: Any) -> list[Any]:
+    """One source rank and one target rank of ``group`` over tcp, formed: [source, target]."""
+    return run_ranks([
+        lambda: tx.WeightSync(stores.client(), group, "source", 0, (1, 1), srcs, transport="tcp", timeout=20, **kw),
+        lambda: tx.WeightSync(stores.client(), group, "target", 0, (1, 1), tgts, transport="tcp", timeout=20, **kw)])
+
+
 def source_tensors(rank: int, n: int, g: dict[str, Any], device: str = "cpu") -> dict[str, Source]:
     """FSDP-style: every tensor chunked along dim 0 over the sources (uneven, as torch.chunk cuts)."""
     out = {}
@@ -170,9 +177,7 @@ def test_an_adopted_shard_the_trainer_re_points_is_copied_in_never_sent_stale() 
     srcs = {"w": Source(g["w"].clone(), SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1)),
             "o": Source(g["o"].clone(), SHAPES["o"], tx.sync.chunk_box(SHAPES["o"], 0, 0, 1), adopt=False)}
     tgts = {"w": Target.whole(torch.zeros(12, 10), "w"), "o": Target.whole(torch.zeros(10, 12), "o")}
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "a", "source", 0, (1, 1), srcs, transport="tcp", timeout=20),
-        lambda: tx.WeightSync(stores.client(), "a", "target", 0, (1, 1), tgts, transport="tcp", timeout=20)])
+    source, target = one_to_one(stores, "a", srcs, tgts)
     try:
         assert source.adopted == 1, "the plain shard is adopted, the one marked adopt=False is not"
         w, o = srcs["w"].tensor, srcs["o"].tensor
@@ -195,9 +200,7 @@ def test_a_shard_the_trainer_replaced_with_another_shape_fails_the_push_naming_i
     w = torch.nn.Parameter(global_tensors(0)["w"].clone())
     srcs = {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))}
     tgts = {"w": Target.whole(torch.zeros(12, 10), "w")}
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "z", "source", 0, (1, 1), srcs, transport="tcp", timeout=20),
-        lambda: tx.WeightSync(stores.client(), "z", "target", 0, (1, 1), tgts, transport="tcp", timeout=20)])
+    source, target = one_to_one(stores, "z", srcs, tgts)
     try:
         w.data = torch.zeros(13, 10)
         (pushed,), (waited,) = run_ranks([lambda: [_catch(source.push)],
@@ -230,12 +233,8 @@ def test_a_sync_built_with_arguments_that_cannot_work_is_refused_at_once(kw: dic
 def test_a_closed_sync_says_so_and_a_rank_asked_the_other_roles_call_says_which_it_is() -> None:
     stores = Stores()
     w = global_tensors(0)["w"].clone()
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "c", "source", 0, (1, 1),
-                              {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
-                              transport="tcp", timeout=20),
-        lambda: tx.WeightSync(stores.client(), "c", "target", 0, (1, 1), {"w": Target.whole(torch.zeros(12, 10), "w")},
-                              transport="tcp", timeout=20)])
+    source, target = one_to_one(stores, "c", {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
+                                {"w": Target.whole(torch.zeros(12, 10), "w")})
     with pytest.raises(TypeError, match=r"push\(\) is for source ranks; this is a target rank"):
         target.push()
     with pytest.raises(TypeError, match=r"wait\(\) is for target ranks; this is a source rank"):
@@ -261,9 +260,7 @@ def test_a_shard_given_as_a_parameters_data_or_a_view_is_packed_and_the_trainers
     srcs = {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1)),
             "o": Source(o.data if given == "data" else o, SHAPES["o"], tx.sync.chunk_box(SHAPES["o"], 0, 0, 1))}
     tgts = {"w": Target.whole(torch.zeros(12, 10), "w"), "o": Target.whole(torch.zeros(10, 12), "o")}
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "p", "source", 0, (1, 1), srcs, transport="tcp", timeout=20),
-        lambda: tx.WeightSync(stores.client(), "p", "target", 0, (1, 1), tgts, transport="tcp", timeout=20)])
+    source, target = one_to_one(stores, "p", srcs, tgts)
     try:
         assert source.adopted == 1, "the parameter passed itself is adopted, the shared one is not"
         for step in (1, 2):
@@ -304,12 +301,8 @@ def test_a_target_tensor_the_engine_replaced_fails_the_next_wait_naming_it() -> 
     stores = Stores()
     w = torch.nn.Parameter(global_tensors(0)["w"].clone())
     served = torch.nn.Parameter(torch.zeros(12, 10), requires_grad=False)
-    source, target = run_ranks([
-        lambda: tx.WeightSync(stores.client(), "r", "source", 0, (1, 1),
-                              {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
-                              transport="tcp", timeout=20, stall_timeout=5),
-        lambda: tx.WeightSync(stores.client(), "r", "target", 0, (1, 1), {"norm_w": Target.whole(served, "w")},
-                              transport="tcp", timeout=20, stall_timeout=5)])
+    source, target = one_to_one(stores, "r", {"w": Source(w, SHAPES["w"], tx.sync.chunk_box(SHAPES["w"], 0, 0, 1))},
+                                {"norm_w": Target.whole(served, "w")}, stall_timeout=5)
     try:
         run_ranks([source.push, lambda: target.wait(timeout=20)])
         assert torch.equal(served, w.detach())
