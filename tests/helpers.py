@@ -73,6 +73,7 @@ def sync_pair(nbytes: int, transport: str = "tcp", stall_timeout: float = 5.0,
         finally:
             port.close()
 
+
 class Background:
     """Run ``fn`` in a thread; ``result()`` returns its value or raises its exception."""
 

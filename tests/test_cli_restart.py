@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from tensorxfer.files.journal import FRAME, JOURNAL_NAME, MAGIC, JournalError, read_journal
 from tensorxfer.files.pieces import PIECE_BYTES
 from tests.helpers import finish, line_within, wait_until
-from tests.test_cli import ROOT, cli, sha, start_recv
+from tests.test_cli import cli, sha, start_recv
 from tests.test_cli_resume import random_model_dir
 from tests.test_resume import start_relay, stop_relay
 
@@ -42,10 +41,8 @@ KILL_AFTER = float(os.environ.get("TENSORXFER_RESTART_KILL_AFTER", "1.5"))
 
 
 def pausing_relay(to: str, at: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.cutting_relay", "--to", to, "--pause-at", str(at)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
-    return proc, line_within(proc, 30, "the relay's address").strip()
+    host, port = to.rsplit(":", 1)
+    return start_relay((host, int(port)), [], pause_at=at)
 
 
 def wait_paused(relay: subprocess.Popen, sender: subprocess.Popen, timeout: float = 120) -> None:

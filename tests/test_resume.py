@@ -48,9 +48,13 @@ except Exception as e:
 """.replace("%d", str(PATTERN))
 
 
-def start_relay(to: tuple[str, int], cuts: list[int], stall: bool = False) -> tuple[subprocess.Popen, str]:
+def start_relay(to: tuple[str, int], cuts: list[int], stall: bool = False,
+                pause_at: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``tests.cutting_relay`` process to ``to`` (see there for ``cuts``, ``stall`` and ``pause_at``), and the
+    address it listens on."""
     proc = subprocess.Popen([sys.executable, "-m", "tests.cutting_relay", "--to", "{}:{}".format(*to),
-                             "--cut", ",".join(map(str, cuts)), *(["--stall"] if stall else [])],
+                             "--cut", ",".join(map(str, cuts)), *(["--stall"] if stall else []),
+                             *(["--pause-at", str(pause_at)] if pause_at is not None else [])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     return proc, line_within(proc, 30, "the relay's address").strip()

@@ -22,6 +22,7 @@ from tensorxfer.errors import (
     TensorXferError,
     TransportUnavailable,
 )
+from tensorxfer.session import control
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -62,14 +63,12 @@ exit codes:
 
 
 def seconds(text: str) -> float:
-    """An argparse type: seconds > 0 (argparse names the flag in its error)."""
+    """An argparse type: seconds > 0, as the API checks them (:func:`tensorxfer.session.control.seconds`;
+    argparse names the flag in its error)."""
     try:
-        value = float(text)
+        return control.seconds(value=float(text))[0]
     except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
 
 
 def new_parser(prog: str, description: str, exit_codes: bool = True) -> argparse.ArgumentParser:
