@@ -32,8 +32,9 @@ from tensorxfer.sync.fusing import (  # noqa: E402
     parts,
     segments_of,
 )
-from tensorxfer.sync.layout import source_layout, target_description, target_tensors  # noqa: E402
+from tensorxfer.sync.layout import AMAX_ENTRY, source_layout, target_description, target_tensors  # noqa: E402
 from tensorxfer.sync.plan import plan  # noqa: E402
+from tensorxfer.sync.quantizing import QuantizedShard, _AgreedAmaxes  # noqa: E402
 from tensorxfer.transport.segments import Segments  # noqa: E402
 
 FORMULA_OF = {code: pair for pair, code in kernel.FORMULAS.items()}
@@ -56,6 +57,10 @@ def run_tiles(t: tiles.QuantTiles, src: np.ndarray, dst: np.ndarray, block: tupl
                              dtype=torch.bfloat16 if row[tiles.DTYPE] == 0 else torch.float32)
         x = x.reshape(row[tiles.ROWS], row[tiles.COLS]).float()
         amax = x.abs().max()
+        if row[tiles.AMAX] >= 0:       # a shared block's part: the sources' agreed amax, from the source's region
+            at = row[tiles.AMAX]
+            agreed = torch.frombuffer(bytearray(src[at:at + 4].tobytes()), dtype=torch.float32)
+            amax = torch.maximum(amax, agreed[0]) if torch.isfinite(agreed[0]) else agreed[0]
         if not torch.isfinite(amax):
             failed.append(i)
             continue
@@ -119,14 +124,38 @@ def build(shapes: dict[str, tuple[int, int]], q: Quantization, cuts: list[int], 
             "layouts": layouts, "sspecs": sspecs}
 
 
+def agreed_amaxes(full: torch.Tensor, q: Quantization, s: Source) -> tuple[QuantizedShard, np.ndarray]:
+    """A source's shard as its quantizer holds it, and the agreed amaxes of the cells it shares with others
+    (in its order): the global reference's."""
+    shard = QuantizedShard("w", s.global_shape, s.box.offsets, q, s.tensor, None, None)
+    amax = block_amax(full.float(), q.grid(s.global_shape), (0, 0))
+    (f0, f1), (c0, c1) = shard.first, shard.count
+    return shard, amax[f0:f0 + c0, f1:f1 + c1].reshape(-1)[torch.from_numpy(shard.shared_pos)].numpy()
+
+
+def write_agreed(region: np.ndarray, lay: Any, full: dict[str, torch.Tensor], q: Quantization,
+                 shards: dict[str, Source]) -> None:
+    """The agreed amaxes of a source's shared blocks written into ``region`` by its quantizer's writer."""
+    if AMAX_ENTRY not in lay.manifest or not lay.manifest[AMAX_ENTRY].nbytes:
+        return
+    entry = lay.manifest[AMAX_ENTRY]
+    made = [agreed_amaxes(full[n], q, shards[n]) for n in lay.amax]
+    for n, (shard, _) in zip(lay.amax, made):
+        shard.agreed_at = lay.amax[n]
+    view = torch.from_numpy(region[entry.offset:entry.offset + entry.nbytes]).view(torch.float32)
+    _AgreedAmaxes(view).write([m[0] for m in made], [m[1] for m in made])
+
+
 def source_regions(case: dict[str, Any], q: Quantization) -> list[np.ndarray]:
-    """Each source's region as the source path leaves it: its input, and its FP8 values and scales (the
-    agreed ones: the global reference's, cut to its shard)."""
+    """Each source's region as the source path leaves it: its input, its FP8 values and scales (the agreed
+    ones: the global reference's, cut to its shard), and the agreed amaxes of the blocks it shares, where its
+    quantizer writes them (nothing else of that entry is written: a tile reading another place reads 0)."""
     out = []
     for lay, shards in zip(case["layouts"], case["sources"]):
         region = np.zeros(lay.manifest.nbytes, np.uint8)
         for n, entry in lay.inputs.items():
             put(region, lay.manifest[entry].offset, shards[n].tensor)
+        write_agreed(region, lay, case["full"], q, shards)
         for i, (n, _, s) in enumerate(lay.quantized):
             values, scales = reference(case["full"][n], q)
             (r0, c0), (h, w) = s.box.offsets, s.box.sizes
@@ -241,32 +270,63 @@ def test_a_tensor_every_pair_fuses_needs_no_whole_blocks_from_its_source() -> No
         assert mixed[1].segments.tiles is None and mixed[1].segments.digest == segments_of(p, s, 1).digest
 
 
-def test_a_fused_pairs_step_is_its_tiles_then_its_runs() -> None:
-    """``parts``: a pair with tiles and runs is two parts -- the tiles alone (offered before the source
-    quantizes), then the runs alone -- which together write what the pair did; any other pair is one part."""
+def test_a_fused_pairs_step_is_its_whole_blocks_then_its_shared_blocks_and_runs() -> None:
+    """``parts``: a fused pair is two parts -- the tiles of the blocks its source holds whole (offered before
+    the source's amax round), then the tiles of the blocks it shares (they read the agreed amaxes) with its
+    byte runs -- which together write what the pair did; any other pair is one part."""
     q = Quantization.blocks(8, 16)
-    c = build({"w": (64, 48), "u": (40, 32)}, q, [300, 700], "BF16", 2, {"w": 0, "u": 1}, 1)
+    c = build({"w": (64, 48), "u": (40, 32), "v": (16, 32)}, q, [300, 700], "BF16", 2, {"w": 0, "u": 1, "v": 0}, 1)
     p = plan(c["sspecs"], c["tspecs"])
     split = 0
     for s, spec in enumerate(c["sspecs"]):
         for t in range(2):
             whole = fuse(segments_of(p, s, t), fusable(spec)).segments
             steps = parts(whole)
-            if whole.tiles is None or not len(whole):
-                assert steps == (whole,) and early(steps) == (whole.tiles is not None), (s, t)
+            assert whole.tiles is not None, (s, t)      # every tensor here is fused
+            agreed = whole.tiles.agreed
+            if agreed.all() or (not agreed.any() and not len(whole)):
+                assert steps == (whole,) and early(steps) == (not agreed.any()), (s, t)
                 continue
             split += 1
-            tiles_part, runs_part = steps
-            assert early(steps) and not early((runs_part,))
-            assert len(tiles_part) == 0 and tiles_part.tiles is whole.tiles and runs_part.tiles is None
-            assert all(np.array_equal(getattr(runs_part, f), getattr(whole, f)) for f in
+            first, rest = steps
+            assert early(steps) and not early((rest,))
+            assert len(first) == 0 and not first.tiles.agreed.any() and len(first.tiles) == (~agreed).sum()
+            assert np.array_equal(first.tiles.table, whole.tiles.table[~agreed])
+            assert rest.tiles is not None and np.array_equal(rest.tiles.table, whole.tiles.table[agreed])
+            assert rest.tiles.agreed.all()
+            assert all(np.array_equal(getattr(rest, f), getattr(whole, f)) for f in
                        ("src_off", "dst_off", "nbytes", "count", "src_stride", "dst_stride"))
-            assert tiles_part.total_bytes + runs_part.total_bytes == whole.total_bytes
-            assert len({tiles_part.digest, runs_part.digest, whole.digest}) == 3
-            assert tiles_part.num_runs + runs_part.num_runs == whole.num_runs
-    assert split, "no pair of the case had both tiles and runs"
+            assert first.total_bytes + rest.total_bytes == whole.total_bytes
+            assert len({first.digest, rest.digest, whole.digest}) == 3
+    assert split, "no pair of the case had both whole and shared blocks"
     plain = segments_of(p, 0, 0)
     assert parts(plain) == (plain,) and not early((plain,))
+
+
+def test_the_agreed_amaxes_a_source_writes_are_where_its_shared_blocks_tiles_read_them() -> None:
+    """The contract between a source's quantizer and its pairs' tiles: every tile of a shared block reads its
+    amax where the source's writer put that block's agreed amax, and no whole block's tile reads one."""
+    q = Quantization.blocks(8, 16)
+    c = build({"w": (64, 48), "u": (40, 32)}, q, [300, 550, 700], "F32", 2, {"w": 0, "u": 1}, 4)
+    p = plan(c["sspecs"], c["tspecs"])
+    read = 0
+    for s, (spec, lay, shards) in enumerate(zip(c["sspecs"], c["layouts"], c["sources"])):
+        region = np.zeros(lay.manifest.nbytes, np.uint8)
+        write_agreed(region, lay, c["full"], q, shards)
+        entry = lay.manifest[AMAX_ENTRY]
+        written = {entry.offset + 4 * int(i) for i in np.flatnonzero(
+            region[entry.offset:entry.offset + entry.nbytes].view(np.float32))}
+        places: set[int] = set()
+        for t in range(2):
+            tl = fuse(segments_of(p, s, t), fusable(spec)).segments.tiles
+            assert tl is not None
+            table = tl.table
+            whole = (table[:, tiles.ROWS] == q.block[0]) & (table[:, tiles.COLS] == q.block[1])
+            assert not tl.agreed[whole].any(), (s, t)       # (the cases here: every whole block is a full one)
+            places |= set(table[tl.agreed, tiles.AMAX].tolist())
+        assert places == written, (s, sorted(places ^ written)[:4])     # the targets hold every block: all are read
+        read += len(places)
+    assert read
 
 
 def test_the_tiles_change_the_pairs_runs_digest_and_a_nan_block_is_named() -> None:
@@ -437,16 +497,16 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
                 want_values, want_scales = reference(w[k], q)
                 assert same(torch.cat([targets[t][k].tensor for t in range(m)]).cpu(), want_values)
                 assert same(torch.cat([targets[t][k].scales for t in range(m)]).cpu(), want_scales)
-        for st in results[:n]:     # the sources made only the blocks they share
+        for st in results[:n]:     # the sources made no FP8: the pairs made all of it, shared blocks too
             qs = st.quantized
-            assert qs.fused_bytes > 0 and qs.values_bytes == qs.shared_bytes, qs
+            assert qs.fused_bytes > 0 and qs.values_bytes == 0 and qs.shared_blocks > 0, qs
         # a NaN in a whole block of source 1: the step fails naming the tensor, and the next push lands
         sources[1]["w"].tensor[200, 7] = float("nan")
         got = failing_step()
         assert any(isinstance(r, QuantizationError) and r.tensor == "w" for r in got), got
         sources[1]["w"].tensor.copy_(shard("w", 1).cuda())     # w is the step's weights already
         clean_step()
-        # each fused pair's step is its tiles (offered before the sources' amax round), then its runs
+        # each fused pair's step is its whole blocks' tiles (offered before the sources' amax round), then the rest
         assert any(len(p) == 2 and early(p) for sync in syncs[:n] for p in sync._segments.values())
         # a NaN in a block source 0 shares with source 1 (rows 256-383; source 0 ends at row 342): found in the
         # round, after the tiles went out; the targets those sources feed fail naming it, the next push lands

@@ -320,10 +320,22 @@ quantize_cells(const int64_t* __restrict__ table, int64_t shards, const int64_t*
 // straight into the target's region -- only the part of the block the target holds (rows [r0, r1), columns
 // [c0, c1) of the block, to dst + (r - r0) * dst_pitch + (c - c0)) -- with its scale (at scale, or none:
 // -1).  One read of the bf16 and one write of the FP8 bytes, where quantizing at the source and copying the
-// FP8 bytes costs a write and a read more.  A block holding a NaN or an infinity writes nothing, and the
-// lowest such tile's index lands in *status (set to all ones before the launch): the caller fails the step.
+// FP8 bytes costs a write and a read more.  A block that straddles sources is a tile of each source's part
+// of it: its amax is the larger of the part's and the sources' agreed one, a float32 at amax in the source's
+// region (-1: a whole block) -- so the agreed one, and the bytes are the source path's.  A block holding a NaN
+// or an infinity (or whose agreed amax is one) writes nothing, and the lowest such tile's index lands in
+// *status (set to all ones before the launch): the caller fails the step.
 enum TileColumn { T_SRC, T_SRC_PITCH, T_ROWS, T_COLS, T_DST, T_DST_PITCH, T_R0, T_R1, T_C0, T_C1, T_SCALE, T_DTYPE,
-                  T_FORMULA, T_WIDTH };
+                  T_FORMULA, T_AMAX, T_WIDTH };
+
+// A tile's amax: its own elements' (m, over every thread), or for a shared block's part the larger of that and
+// the agreed one; *nan set where either is no finite number
+__device__ __forceinline__ float tile_amax(const int64_t* t, uint64_t src_base, float m, int* nan) {
+    if (t[T_AMAX] < 0) return m;
+    const float agreed = *reinterpret_cast<const float*>(src_base + t[T_AMAX]);
+    *nan |= !isfinite(agreed);
+    return fmaxf(m, agreed);
+}
 
 // Every element of rows [r_lo, r_hi) x columns [c_lo, c_hi) of a block at src (rows of pitch bytes), VEC at a
 // time: a row of threads at a time, as each() does
@@ -395,7 +407,7 @@ __device__ void tile_registers(const int64_t* t, uint64_t src_base, uint64_t dst
             m = fmaxf(m, fabsf(v[i]));
         }
     }
-    m = block_max(m, &nan);
+    m = tile_amax(t, src_base, block_max(m, &nan), &nan);
     if (nan || !isfinite(m)) {
         if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
         return;
@@ -432,7 +444,7 @@ __device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base
             m = fmaxf(m, fabsf(v[i]));
         }
     });
-    m = block_max(m, &nan);
+    m = tile_amax(t, src_base, block_max(m, &nan), &nan);
     if (nan || !isfinite(m)) {
         if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
         return;

@@ -61,7 +61,8 @@ FP8_MAX = 448.0                 # float8_e4m3fn's largest finite value
 FORMULAS = ("transformers", "deepgemm")
 SCALES = {"float": "F32", "e8m0": "F8_E8M0"}    # scale encoding -> the scale tensor's dtype
 SEP = "\x00"                    # derived names: never part of a name a user gives (spec refuses it)
-PARTS = ("values", "scales", "input")     # input: a source's shard in its region, for tiles (sync.fusing)
+# input: a source's shard in its region, for tiles (sync.fusing); amax: the amaxes it agreed of the blocks it shares
+PARTS = ("values", "scales", "input", "amax")
 
 
 def _block_size(value: Any) -> int | None:
@@ -251,4 +252,5 @@ def describe(name: str) -> str:
     if found is None:
         return repr(name)
     base, q, part = found
-    return f"{base!r} ({q}): its {'FP8 values' if part == 'values' else 'scales'}"
+    what = {"values": "FP8 values", "input": "input", "amax": "agreed amaxes"}.get(part, part)
+    return f"{base!r} ({q}): its {what}"

@@ -20,7 +20,12 @@ A tile is one block of one source shard: a row of :data:`WIDTH` int64 (the kerne
 ``scale``
     where the block's scale goes in the target's region (-1: this tile writes none);
 ``dtype, formula``
-    the input's dtype (0 bf16, 1 float32) and the layout's formula (:data:`tensorxfer.quant.kernel.FORMULAS`).
+    the input's dtype (0 bf16, 1 float32) and the layout's formula (:data:`tensorxfer.quant.kernel.FORMULAS`);
+``amax``
+    -1 for a block the source holds whole; for a block it shares with other sources (``src, rows, cols``
+    are then the source's part of it), where the sources' agreed amax of the whole block lies in the
+    source's region (a float32 it wrote after their store round): the tile's amax is the larger of its
+    rows' and that one -- the agreed one, so the bytes are the source path's.
 
 The formula is the source path's, so the bytes are the same (``tests/test_fusing.py``; on the GPU
 ``tests/test_quant_gpu.py``).  A block with a NaN or an infinity writes nothing and fails the pair naming
@@ -41,9 +46,9 @@ from tensorxfer.errors import ProtocolError
 __all__ = ["COLUMNS", "WIDTH", "DeviceTiles", "QuantTiles", "available"]
 
 COLUMNS = ("src", "src_pitch", "rows", "cols", "dst", "dst_pitch", "r0", "r1", "c0", "c1", "scale", "dtype",
-           "formula")
+           "formula", "amax")
 WIDTH = len(COLUMNS)
-(SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA) = range(WIDTH)
+(SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA, AMAX) = range(WIDTH)
 INPUT_SIZES = (2, 4)        # bytes per input element, by the dtype column
 E8M0 = 2                    # the formula column of power-of-two scales (kernel.FORMULAS): one byte each
 _MAX_EXTENT = 1 << 24       # a block's rows or columns, at most
@@ -105,6 +110,15 @@ class QuantTiles:
     def tensor_of(self, index: int) -> str:
         return self.names[int(self.tensor[index])]
 
+    def where(self, rows: np.ndarray) -> QuantTiles:
+        """The tiles selected by boolean mask ``rows`` (their order kept)."""
+        return QuantTiles(np.ascontiguousarray(self.table[rows]), np.ascontiguousarray(self.tensor[rows]), self.names)
+
+    @functools.cached_property
+    def agreed(self) -> np.ndarray:
+        """Which tiles take an agreed amax from the source's region (blocks shared between sources)."""
+        return self.table[:, AMAX] >= 0
+
     def check_within(self, src_size: int, dst_size: int) -> None:
         """Every tile reads inside the source's region and writes inside the target's (each step: the reach is
         computed once).  Exact in int64: every column is bounded first, so no product wraps (a copy host takes
@@ -131,7 +145,8 @@ class QuantTiles:
         extents, places = t[:, [ROWS, COLS, R0, R1, C0, C1]], t[:, [SRC, SRC_PITCH, DST, DST_PITCH]]
         sane = (((extents >= 0) & (extents <= _MAX_EXTENT)).all(axis=1)
                 & ((places >= 0) & (places <= _MAX_PLACE)).all(axis=1) & (t[:, SCALE] >= -1)
-                & (t[:, SCALE] <= _MAX_PLACE) & (t[:, DTYPE] >= 0) & (t[:, DTYPE] <= 1))
+                & (t[:, SCALE] <= _MAX_PLACE) & (t[:, DTYPE] >= 0) & (t[:, DTYPE] <= 1)
+                & ((t[:, AMAX] == -1) | ((t[:, AMAX] >= 0) & (t[:, AMAX] % 4 == 0))) & (t[:, AMAX] <= _MAX_PLACE))
         t = np.where(sane[:, None], t, 0)       # no arithmetic on the insane rows (they are refused)
         size = np.take(INPUT_SIZES, t[:, DTYPE])
         ok = (sane & (t[:, ROWS] >= 1) & (t[:, COLS] >= 1) & (t[:, SRC_PITCH] >= t[:, COLS] * size)
@@ -141,6 +156,7 @@ class QuantTiles:
         src_end = t[:, SRC] + np.maximum(t[:, ROWS] - 1, 0) * t[:, SRC_PITCH] + t[:, COLS] * size
         dst_end = np.where(rows > 0, t[:, DST] + np.maximum(rows - 1, 0) * t[:, DST_PITCH] + (t[:, C1] - t[:, C0]), 0)
         dst_end = np.maximum(dst_end, t[:, SCALE] + self.scale_bytes)
+        src_end = np.maximum(src_end, t[:, AMAX] + 4)        # an agreed amax is read from the source's region
         return (None if ok.all() else int(np.argmin(ok))), src_end, dst_end
 
 
@@ -152,7 +168,7 @@ class DeviceTiles:
         import torch
 
         self.tiles, self.device = tiles, device
-        self._table = torch.from_numpy(np.ascontiguousarray(tiles.table)).to(f"cuda:{device}")
+        self._table = torch.from_numpy(tiles.table.copy()).to(f"cuda:{device}")     # (a writable copy)
         self._status = torch.empty(1, dtype=torch.int64, device=f"cuda:{device}")
         # read back on the launch's own stream (no wait on torch's streams), into pinned memory
         self._word = torch.empty(1, dtype=torch.int64, pin_memory=True)

@@ -5,14 +5,19 @@ Where the source and the target share a GPU, the pair's copy runs there anyway (
 maps the source's region), so for every block the source holds whole, the copy reads the source's input
 (the trainer's bf16 or float32 shard, adopted into the source's region) and writes the FP8 values and the
 scale straight into the target (:mod:`tensorxfer.quant.tiles`): the source never writes them, nothing reads
-them back.  Blocks that straddle sources keep the source path (their amaxes are agreed between the sources
-first), as byte runs beside the tiles.
+them back.  A block that straddles sources is a tile of each source's part of it, which takes the block's
+amax from the source's region: the sources still agree on it in their store round, and each writes the
+agreed amaxes there (one host-to-device copy, no kernel: :mod:`tensorxfer.sync.quantizing`) before it
+offers those tiles (:func:`parts`).  Why there, and not by sending those rows in bf16 for the target to
+finish: the target would need a staging buffer and a kernel of its own, in a process of its own -- the GPU
+time-slices between processes, and every source kernel in a step measurably waited behind the copy host's
+tiles (``benchmarks/results/2026-12-06-fp8-parts``); this way the copy host's context does all the GPU work.
 
 :func:`fuse` is pure and runs on both ends of a pair, from the same plan and the same source description, so
 both make the same tiles (the pair's runs digest covers them: a disagreement fails the step, never a byte).
 A tensor whose runs in this pair do not map to boxes of the source's shard (never, for plans of 2-D shards)
 stays whole on the source path; :attr:`FusedPair.fused` names the tensors a pair fused, and a source
-quantizes the whole blocks of a tensor only if some pair reading it did not fuse it.
+quantizes a tensor only if some pair reading it did not fuse it.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ INPUT_DTYPES = {"BF16": 0, "F32": 1}
 
 @dataclass(frozen=True)
 class Fusable:
-    """One quantized shard of a source whose whole blocks a pair on its GPU can quantize: where its input,
-    FP8 values and scales lie in the source's region, and its block grid."""
+    """One quantized shard of a source whose blocks a pair on its GPU can quantize: where its input, FP8
+    values, scales and agreed amaxes lie in the source's region, and its block grid."""
 
     values_name: str
     q: Quantization
@@ -55,7 +60,7 @@ class Fusable:
     scale_bytes: int
     first: tuple[int, int]              # the first cell the shard touches (global cell coordinates)
     count: tuple[int, int]
-    whole_cells: tuple[tuple[int, int], tuple[int, int]]    # per dimension, [first, end) of the whole cells (local)
+    amax_offset: int                    # the agreed amax of its first cell (float32, cells row-major)
 
     @property
     def values_end(self) -> int:
@@ -65,25 +70,11 @@ class Fusable:
     def scales_end(self) -> int:
         return self.scales_offset + self.count[0] * self.count[1] * self.scale_bytes
 
-    def whole_elements(self, d: int) -> tuple[int, int]:
-        """[first, end) of the shard's elements (local) along ``d`` that lie in whole cells."""
-        a, b = self.whole_cells[d]
-        o, n, blk = self.offsets[d], self.grid.shape[d], self.grid.block[d]
-        lo = (self.first[d] + a) * blk - o
-        hi = min((self.first[d] + b) * blk, n) - o
-        return (lo, hi) if b > a else (0, 0)
-
-
-def _whole_range(o: int, s: int, b: int, n: int, first: int) -> tuple[int, int]:
-    """[first, end) of the cells (counted from ``first``) that a shard at ``o`` of ``s`` elements holds whole."""
-    lo = -(-o // b)
-    hi = -(-n // b) if o + s == n else (o + s) // b
-    return (lo - first, hi - first) if hi > lo else (0, 0)
-
 
 def fusable(spec: RankSpec) -> dict[str, Fusable]:
     """The source's quantized shards (by their values' derived name) that quantizing tiles can make: 2-D, blocks
-    of at least 8 rows, a formula the kernel computes, a bf16 or float32 input in the region."""
+    of at least 8 rows, a formula the kernel computes, a bf16 or float32 input in the region, and their blocks'
+    agreed amaxes there (float32, one per cell the shard touches)."""
     parts: dict[tuple[str, str], dict[str, SourceTensor]] = {}
     inputs: dict[str, SourceTensor] = {}
     for t in spec.tensors:
@@ -97,8 +88,8 @@ def fusable(spec: RankSpec) -> dict[str, Fusable]:
             parts.setdefault((base, q.tag), {})[part] = t
     out: dict[str, Fusable] = {}
     for (base, tag), got in parts.items():
-        values, scales, inp = got.get("values"), got.get("scales"), inputs.get(base)
-        if values is None or scales is None or inp is None:
+        values, scales, amax, inp = got.get("values"), got.get("scales"), got.get("amax"), inputs.get(base)
+        if values is None or scales is None or amax is None or inp is None:
             continue
         q = Quantization.from_tag(tag)
         shape = tuple(values.global_shape)
@@ -109,13 +100,14 @@ def fusable(spec: RankSpec) -> dict[str, Fusable]:
             continue
         box = values.box
         first, count = grid.cells(box.offsets, box.sizes)
-        whole = tuple(_whole_range(o, s, b, n, f) for o, s, b, n, f in zip(box.offsets, box.sizes, grid.block,
-                                                                             grid.shape, first))
+        if amax.dtype != "F32" or amax.box.offsets != tuple(first) or amax.box.sizes != tuple(count):
+            continue
         (o0, o1), (s0, s1) = box.offsets, box.sizes
         out[values.name] = Fusable(
             values.name, q, grid, (o0, o1), (s0, s1), inp.region_offset,
             INPUT_DTYPES[inp.dtype], values.region_offset, scales.region_offset,
-            _dt.DTYPES[q.scale_dtype].itemsize, tuple(first), tuple(count), whole)  # type: ignore[arg-type]
+            _dt.DTYPES[q.scale_dtype].itemsize, tuple(first), tuple(count),  # type: ignore[arg-type]
+            amax.region_offset)
     return out
 
 
@@ -162,54 +154,40 @@ def _boxes(off: int, nbytes: int, count: int, src_stride: int, dst: int, dst_str
     return out
 
 
-def _split_box(b: _Box, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[_Box | None, list[_Box]]:
-    """``b`` cut into its part inside rows x cols (None: empty) and the up to four boxes around it."""
-    r, c, h, w, dst, pitch = b
-    r0, r1 = max(r, rows[0]), min(r + h, rows[1])
-    c0, c1 = max(c, cols[0]), min(c + w, cols[1])
-    if r0 >= r1 or c0 >= c1:
-        return None, [b]
-
-    def sub(a: int, z: int, x: int, y: int) -> _Box:
-        return a, x, z - a, y - x, dst + (a - r) * pitch + (x - c), pitch
-    around = [sub(r, r0, c, c + w), sub(r1, r + h, c, c + w), sub(r0, r1, c, c0), sub(r0, r1, c1, c + w)]
-    return sub(r0, r1, c0, c1), [a for a in around if a[2] > 0 and a[3] > 0]
-
-
-def _groups(boxes: list[_Box], entry_offset: int, cols: int, size: int) -> list[tuple[int, ...]]:
-    """Byte groups copying ``boxes`` of an entry (``cols`` columns of ``size`` bytes) at ``entry_offset``."""
-    return [(entry_offset + (r * cols + c) * size, dst, w * size, h, cols * size, pitch)
-            for r, c, h, w, dst, pitch in boxes]
-
-
-def _block_tiles(f: Fusable, index: int, gi: np.ndarray, gj: np.ndarray) -> np.ndarray:
-    """Tiles of cells (``gi``, ``gj``: global cell coordinates) that write nothing yet: each reads its whole
-    block; plus, past the table's columns, the cell's flat local index and the tensor's index."""
-    (bm, bn), (o0, o1), (n0, n1) = f.grid.block, f.offsets, f.grid.shape
-    top, left = gi * bm, gj * bn
+def _block_tiles(f: Fusable, index: int, gi: np.ndarray,
+                 gj: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tiles of cells (``gi``, ``gj``: global cell coordinates) that write nothing yet: each reads the shard's
+    part of its block -- all of it, or of a block the shard shares with other sources its own rows and
+    columns, with the agreed amax; plus, past the table's columns, the cell's flat local index and the
+    tensor's index.  Also the global row and column of each part's first element."""
+    (bm, bn), (o0, o1), (n0, n1), (s0, s1) = f.grid.block, f.offsets, f.grid.shape, f.sizes
+    end0, end1 = np.minimum(gi * bm + bm, n0), np.minimum(gj * bn + bn, n1)      # the blocks, clipped to the tensor
+    whole = (gi * bm >= o0) & (end0 <= o0 + s0) & (gj * bn >= o1) & (end1 <= o1 + s1)
+    top, left = np.maximum(gi * bm, o0), np.maximum(gj * bn, o1)                  # ... and to the shard
+    bottom, right = np.minimum(end0, o0 + s0), np.minimum(end1, o1 + s1)
     size = tiles.INPUT_SIZES[f.input_dtype]
+    cell = (gi - f.first[0]) * f.count[1] + (gj - f.first[1])
     t = np.zeros((len(gi), tiles.WIDTH + 2), np.int64)
-    t[:, tiles.SRC] = f.input_offset + ((top - o0) * f.sizes[1] + (left - o1)) * size
-    t[:, tiles.SRC_PITCH] = f.sizes[1] * size
-    t[:, tiles.ROWS], t[:, tiles.COLS] = np.minimum(top + bm, n0) - top, np.minimum(left + bn, n1) - left
+    t[:, tiles.SRC] = f.input_offset + ((top - o0) * s1 + (left - o1)) * size
+    t[:, tiles.SRC_PITCH] = s1 * size
+    t[:, tiles.ROWS], t[:, tiles.COLS] = bottom - top, right - left
     t[:, tiles.SCALE] = -1
     t[:, tiles.DTYPE] = f.input_dtype
     t[:, tiles.FORMULA] = kernel.FORMULAS[(f.q.formula, f.q.scale)]
-    t[:, tiles.WIDTH] = (gi - f.first[0]) * f.count[1] + (gj - f.first[1])
+    t[:, tiles.AMAX] = np.where(whole, -1, f.amax_offset + 4 * cell)
+    t[:, tiles.WIDTH] = cell
     t[:, tiles.WIDTH + 1] = index
-    return t
+    return t, top, left
 
 
 def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
-    """The tiles of interior box ``b`` (local elements, whole cells only): each writes the part of its block
-    inside ``b``."""
+    """The tiles of box ``b`` (local elements): each writes the part of its block inside ``b``."""
     r, c, h, w, dst, pitch = b
     (bm, bn), (o0, o1) = f.grid.block, f.offsets
     gi = np.arange((o0 + r) // bm, (o0 + r + h - 1) // bm + 1, dtype=np.int64)
     gj = np.arange((o1 + c) // bn, (o1 + c + w - 1) // bn + 1, dtype=np.int64)
     gi, gj = (a.reshape(-1) for a in np.meshgrid(gi, gj, indexing="ij"))
-    t = _block_tiles(f, index, gi, gj)
-    top, left = gi * bm, gj * bn
+    t, top, left = _block_tiles(f, index, gi, gj)
     lr0 = np.maximum(o0 + r, top)                # the clip's first global row / column
     lc0 = np.maximum(o1 + c, left)
     lr1 = np.minimum(o0 + r + h, top + t[:, tiles.ROWS])
@@ -222,8 +200,8 @@ def _value_tiles(f: Fusable, index: int, b: _Box) -> np.ndarray:
 
 
 def _scale_only(f: Fusable, index: int, cells: np.ndarray) -> np.ndarray:
-    """Tiles that write only the scale of ``cells`` (flat local indices): the block read for its amax."""
-    return _block_tiles(f, index, cells // f.count[1] + f.first[0], cells % f.count[1] + f.first[1])
+    """Tiles that write only the scale of ``cells`` (flat local indices): the block's part read for its amax."""
+    return _block_tiles(f, index, cells // f.count[1] + f.first[0], cells % f.count[1] + f.first[1])[0]
 
 
 def _cut_at(segments: Segments, edges: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -293,25 +271,13 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
         if inside[i] and entries[int(at[i])][2].values_name in broken:
             keep[i] = True
     keep |= touches & ~inside
-    groups: list[tuple[int, ...]] = []
     made: list[np.ndarray] = []
     names = tuple(fused)
     for index, name in enumerate(names):
         f = found[name]
-        rows_in, cols_in = f.whole_elements(0), f.whole_elements(1)
-        mine: list[np.ndarray] = []
-        for b in boxes[name]["values"]:
-            inner, around = _split_box(b, rows_in, cols_in)
-            groups += _groups(around, f.values_offset, f.sizes[1], 1)
-            if inner is not None:
-                mine.append(_value_tiles(f, index, inner))
+        mine = [_value_tiles(f, index, b) for b in boxes[name]["values"]]
         t = np.concatenate(mine) if mine else np.zeros((0, tiles.WIDTH + 2), np.int64)
-        for b in boxes[name]["scales"]:
-            inner, around = _split_box(b, f.whole_cells[0], f.whole_cells[1])
-            groups += _groups(around, f.scales_offset, f.count[1], f.scale_bytes)
-            if inner is None:
-                continue
-            r, c, h, w, dst, pitch = inner
+        for r, c, h, w, dst, pitch in boxes[name]["scales"]:
             ci, cj = (a.reshape(-1) for a in np.meshgrid(np.arange(r, r + h), np.arange(c, c + w), indexing="ij"))
             cells = ci * f.count[1] + cj
             where = dst + (ci - r) * pitch + (cj - c) * f.scale_bytes
@@ -328,9 +294,6 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
         made.append(t)
     table = np.concatenate(made)
     kept = [a[keep] for a in (so, do, nb, ct, ss, ds)]
-    if groups:
-        extra_cols = np.array(groups, np.int64).T
-        kept = [np.concatenate([k, e]) for k, e in zip(kept, extra_cols)]
     bases = tuple(str(parse_derived(n)[0]) for n in names)     # type: ignore[index]
     qt = tiles.QuantTiles(np.ascontiguousarray(table[:, :tiles.WIDTH]), table[:, tiles.WIDTH + 1].astype(np.int32),
                           bases)
@@ -340,7 +303,7 @@ def fuse(segments: Segments, found: dict[str, Fusable], enabled: bool = True) ->
 
 
 def fused_names(pairs: Sequence[FusedPair]) -> set[str]:
-    """The tensors (values names) every pair that reads them fused: their whole blocks need no source work."""
+    """The tensors (values names) every pair that reads them fused: the source makes none of their FP8."""
     read: set[str] = set()
     unfused: set[str] = set()
     for p in pairs:
@@ -363,30 +326,34 @@ def segments_of(p: Plan, source: int, target: int) -> Segments:
 
 
 def parts(segments: Segments) -> tuple[Segments, ...]:
-    """A pair's step in parts (:data:`tensorxfer.sync.link.Parts`): a fused pair's quantizing tiles first --
-    they read the trainer's own shard, ready when the push begins -- then its byte runs (the FP8 blocks the
-    source shares with another, made after the sources' amax round, and the tensors it sends as they are);
-    any other pair's step is one part.  So the tiles, most of a fused step's work, run while the sources
-    agree on the shared blocks (before, every pair waited for that round: 4.6-7.8 ms of a 16.6 ms step on
-    the H100)."""
+    """A pair's step in parts (:data:`tensorxfer.sync.link.Parts`): a fused pair's tiles of the blocks its source
+    holds whole first -- they read only the trainer's shard, ready when the push begins -- then the tiles of the
+    blocks it shares with other sources (they read the amaxes the sources agree on in their store round) and
+    its byte runs (the tensors it sends as they are); any other pair's step is one part.  So the GPU quantizes
+    from the step's start, while the sources agree (before, every pair waited for that round: 4.6-7.8 ms of a
+    16.6 ms step on the H100), and a source makes no FP8 itself."""
     tiles = segments.tiles
-    if tiles is None or not len(tiles) or not len(segments):
+    if tiles is None or not len(tiles) or tiles.agreed.all():
         return (segments,)
     empty = np.zeros(0, np.uint64)
-    return Segments(empty, empty, empty, empty, empty, empty, tiles=tiles), dataclasses.replace(segments, tiles=None)
+    first = Segments(empty, empty, empty, empty, empty, empty, tiles=tiles.where(~tiles.agreed))
+    if not tiles.agreed.any() and not len(segments):
+        return (first,)
+    return first, dataclasses.replace(segments, tiles=tiles.where(tiles.agreed) if tiles.agreed.any() else None)
 
 
 def early(steps: tuple[Segments, ...]) -> bool:
-    """Whether a pair's first part needs nothing the source makes at push time (its quantizing tiles): it is
-    offered before the source quantizes."""
-    return steps[0].tiles is not None and len(steps[0].tiles) > 0
+    """Whether a pair's first part needs nothing the source makes at push time (tiles of whole blocks only): it
+    is offered before the source quantizes."""
+    first = steps[0]
+    return first.tiles is not None and len(first.tiles) > 0 and not first.tiles.agreed.any() and not len(first)
 
 
 def pairs_of(p: Plan, source: int, order: Sequence[int], found: dict[str, Fusable],
              devices: dict[tuple[str, int], str | None],
              mine: str | None) -> tuple[dict[int, tuple[Segments, ...]], set[str]]:
     """A source's step parts to each target in ``order`` (fused where the target registered this source's GPU,
-    ``mine``), and the tensors every pair reading them fused (their whole blocks need no work at the source)."""
+    ``mine``), and the tensors every pair reading them fused (the source makes none of their FP8)."""
     pairs = {t: fuse(segments_of(p, source, t), found, mine is not None and devices.get(("target", t)) == mine)
              for t in order}
     return {t: parts(fp.segments) for t, fp in pairs.items()}, fused_names(list(pairs.values()))

@@ -8,6 +8,10 @@
   unless the source's region is on a GPU that targets may share (``inputs``): then the trainer's shard
   (bf16 or float32, 2-D) is adopted into the region too, described as the tensor's ``input``, so that a
   pair on that GPU can quantize it on the way (:mod:`tensorxfer.sync.fusing`); adopted, it costs no memory.
+  Such a tensor's blocks that straddle sources are quantized on the way too, each source's part with the
+  amax the sources agreed: one float32 per block the shard touches, in one entry (:data:`AMAX_ENTRY`,
+  4 bytes per block: ~0.5 MB for 4.5 GB of bf16), described as the tensor's ``amax`` (a box of its scale
+  grid); the source writes the agreed ones there at every push (:mod:`tensorxfer.sync.quantizing`).
 - A **target**'s region holds its live tensors; a quantized one's scales (``<name>_scale_inv``) beside
   its FP8 values.
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +33,10 @@ from tensorxfer.sync.quantizing import requested
 from tensorxfer.sync.shards import Source, Target
 from tensorxfer.sync.spec import Box, RankSpec, SourceTensor, TargetTensor
 
-__all__ = ["SourceLayout", "fill_padding", "source_layout", "target_description", "target_tensors"]
+__all__ = ["AMAX_ENTRY", "SourceLayout", "fill_padding", "source_layout", "target_description", "target_tensors"]
 
 FLOATING = ("F32", "BF16", "F16", "F64")
+AMAX_ENTRY = "#quantized.amax"      # the agreed amaxes of every input's blocks (float32, shard after shard)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,11 @@ class SourceLayout:
     quantized: list[tuple[str, Quantization, Source]]
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # global name -> its input's entry (own,
     #                                                                    or its plain one)
+    amax: dict[str, int] = dataclasses.field(default_factory=dict)     # global name -> its first cell in AMAX_ENTRY
+
+    def amax_at(self, name: str) -> int:
+        """The region offset of the agreed amax of global tensor ``name``'s first cell (an input's)."""
+        return self.manifest[AMAX_ENTRY].offset + 4 * self.amax[name]
 
     @staticmethod
     def local(index: int, part: str) -> str:
@@ -66,6 +77,12 @@ class SourceLayout:
             q, s = asked[n]
             tensors.append(SourceTensor(derived_name(n, q, "input"), s.global_shape, m[entry].dtype, s.box,
                                         m[entry].offset))
+        for n in self.amax:
+            q, s = asked[n]
+            grid = q.grid(s.global_shape)
+            first, count = grid.cells(s.box.offsets, s.box.sizes)
+            tensors.append(SourceTensor(derived_name(n, q, "amax"), grid.scale_shape, "F32", Box(first, count),
+                                        self.amax_at(n)))
         return RankSpec("source", rank, tensors)
 
 
@@ -117,7 +134,16 @@ def source_layout(shards: Mapping[str, Source], targets: list[RankSpec], inputs:
                 continue
             names[n] = f"#quantized.input.{len(names)}"
             entries.append((names[n], dtype, s.box.sizes))
-    return SourceLayout(Manifest.layout(entries), plain, quantized, names)
+    amax: dict[str, int] = {}
+    total = 0
+    first_layout = {n: q for n, q, _ in reversed(quantized)}
+    for n in names:
+        s = shards[n]
+        amax[n] = total
+        total += math.prod(first_layout[n].grid(s.global_shape).cells(s.box.offsets, s.box.sizes)[1])
+    if names:
+        entries.append((AMAX_ENTRY, "F32", (total,)))
+    return SourceLayout(Manifest.layout(entries), plain, quantized, names, amax)
 
 
 def target_tensors(shards: Mapping[str, Target]) -> dict[str, Any]:

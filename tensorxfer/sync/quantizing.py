@@ -22,10 +22,13 @@ while the others still quantize (measured on the H100, 16 GB from 4 sources: ~30
 source waited for all the amaxes before quantizing anything).
 
 Where a target shares the source's GPU, the pair quantizes on the way instead (:mod:`tensorxfer.sync.fusing`):
-the blocks this source holds whole are read from its input and written into the target by the pair's copy,
-and a tensor every pair reading it fuses is left out here but for its shared blocks
-(:meth:`SourceQuantizer.plan`).  Such a pair's step comes in two parts: its tiles are offered before this
-round begins (they read only the trainer's shard), its byte runs -- these shared blocks among them -- after.
+its tiles read the source's input and write the FP8 values and scales straight into the target -- the blocks
+the source holds whole from the step's start, the blocks it shares after this round, with the agreed amaxes
+this source wrote into its region (:class:`_AgreedAmaxes`: one host-to-device copy).  A tensor every pair
+reading it fuses is then made here not at all (:meth:`SourceQuantizer.plan`): the source takes only its
+shared blocks' amaxes for the round, one kernel that it launches before it offers the first tiles (the GPU
+is idle then) and reads back after.  The order of such a push: that launch, the whole blocks' tiles offered,
+the amaxes read back and published, the peers' merged and written, the shared blocks' tiles offered.
 
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
@@ -58,12 +61,12 @@ __all__ = ["QuantStats", "QuantizedShard", "SourceQuantizer"]
 @dataclass(frozen=True)
 class QuantStats:
     """One push's quantization on a source: FP8 bytes it wrote, those of blocks shared with other sources
-    (quantized after the amax round), blocks exchanged, seconds spent waiting for the peers' amaxes, and
-    seconds the whole quantization took (before anything that reads what it makes was offered; a fused
-    pair's tiles were offered after its first half, ``begin_seconds``: the shared amaxes taken and
-    published); and the FP8 bytes its pairs on
-    its GPU made on the way from its input instead (``fused_bytes``, reading ``fused_input_bytes`` of the
-    input: :mod:`tensorxfer.sync.fusing`)."""
+    (quantized after the amax round, here or by the pairs), blocks exchanged, seconds spent waiting for the
+    peers' amaxes, and seconds the whole quantization took (before anything that reads what it makes was
+    offered; a fused pair's tiles of whole blocks were offered before its first half, which ended
+    ``begin_seconds`` in: the shared amaxes read back and published); and the FP8 bytes its pairs on its GPU
+    made on the way from its input instead (``fused_bytes``, reading ``fused_input_bytes`` of the input:
+    :mod:`tensorxfer.sync.fusing`)."""
 
     values_bytes: int = 0
     shared_bytes: int = 0
@@ -109,6 +112,7 @@ class QuantizedShard:
         self.key = derived_name(name, q, "scales")
         self.values_name = derived_name(name, q, "values")
         self.empty = math.prod(self.sizes) == 0
+        self.agreed_at: int | None = None   # its first cell's place among the agreed amaxes (an input's: fusing)
         self._shared_cells()
 
     def _shared_cells(self) -> None:
@@ -194,19 +198,43 @@ class _DeviceShards:
         self.shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards], device)
         self.fast_shared = _positions([starts[i] + self.shards[i].shared_pos for i in self.shared_shards
                                        if i < self.fast], device)
+        # the shared cells' amaxes, read back without a wait (launch_shared, then shared_host)
+        cuda = self.amax.is_cuda
+        self._host = torch.zeros(int(self.shared.numel()), dtype=torch.float32, pin_memory=cuda)
+        self._ready = torch.cuda.Event() if cuda else None
         self.skipped: frozenset[str] = frozenset()
         self.skip(frozenset())
 
     def skip(self, fused: frozenset[str]) -> None:
-        """Leave out the whole cells of the kernels' shards named in ``fused`` (values names): pairs on this
-        GPU quantize those on the way (:mod:`tensorxfer.sync.fusing`); their shared cells are still made here."""
+        """Make nothing of the kernels' shards named in ``fused`` (values names): pairs on this GPU quantize them
+        on the way (:mod:`tensorxfer.sync.fusing`); their shared cells' amaxes are still taken, for the round."""
         if fused == self.skipped and hasattr(self, "fast_whole"):
             return
         self.skipped = fused
         self.amax.zero_()       # no amax of an earlier epoch's cells is checked again
-        self.fast_whole = _positions([self._starts[i] + np.setdiff1d(np.arange(math.prod(s.count)), s.shared_pos)
-                                      for i, s in enumerate(self.shards[:self.fast]) if s.values_name not in fused],
+        made = [i for i, s in enumerate(self.shards[:self.fast]) if s.values_name not in fused]
+        self.fast_whole = _positions([self._starts[i] + np.setdiff1d(np.arange(math.prod(self.shards[i].count)),
+                                                                     self.shards[i].shared_pos) for i in made],
                                      self.amax.device)
+        self.fast_shared_made = _positions([self._starts[i] + self.shards[i].shared_pos for i in made],
+                                           self.amax.device)
+        # whether this device quantizes anything here (else a push waits for it once: the shared amaxes)
+        self.makes = bool(made) or self.fast < len(self.shards)
+
+    def launch_shared(self) -> None:
+        """:meth:`shared_amaxes`, and their copy to the host queued after them (:meth:`shared_host` waits)."""
+        self.shared_amaxes()
+        if self._ready is not None and len(self._host):
+            self._host.copy_(self.amax[self.shared], non_blocking=True)
+            self._ready.record()
+
+    def shared_host(self) -> np.ndarray:
+        """The shared cells' amaxes launched last (:meth:`launch_shared`), on the host (a wait for them)."""
+        if self._ready is None:
+            return self.amax[self.shared].numpy().copy()
+        if len(self._host):
+            self._ready.synchronize()
+        return self._host.numpy().copy()
 
     def shared_amaxes(self) -> None:
         """The amaxes of the cells other sources share (the kernels' shards), and every amax of the torch ones."""
@@ -229,9 +257,9 @@ class _DeviceShards:
 
     def quantize_shared(self) -> None:
         """The cells shared with other sources, their agreed amaxes in :attr:`amax`: the kernels' in one
-        launch, the torch shards that share any one by one."""
+        launch (but those of the shards pairs quantize on the way), the torch shards that share any one by one."""
         if self.table is not None:
-            self.table.quantize(self.fast_shared)
+            self.table.quantize(self.fast_shared_made)
         for i in range(self.fast, len(self.shards)):
             s = self.shards[i]
             if not s.empty and len(s.shared_pos):
@@ -277,14 +305,17 @@ class SourceQuantizer:
     twice, however many shards there are (:class:`_DeviceShards`).
     """
 
-    def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float) -> None:
+    def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float,
+                 agreed: Any = None) -> None:
         self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
         by_device: dict[Any, list[QuantizedShard]] = {}
         for s in shards:
             by_device.setdefault(s.local.device, []).append(s)
         self._devices = [_DeviceShards(group) for group in by_device.values()]
+        self._agreed = _AgreedAmaxes(agreed) if agreed is not None else None
         self._peers: tuple[int, ...] = ()
         self._made_bytes = sum(s.values.numel() for s in shards if not s.empty)
+        self._launched: tuple[int, float] | None = None
 
     def plan(self, sources: list[RankSpec], fused: set[str] | frozenset[str] = frozenset()) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
@@ -292,8 +323,8 @@ class SourceQuantizer:
         pair reading them quantizes them on the way) to those pairs."""
         for d in self._devices:
             d.skip(frozenset(fused))
-        # the FP8 bytes a push writes here: all of a shard's, or of a left-out one only its shared blocks'
-        self._made_bytes = sum(s.shared_bytes if i < d.fast and s.values_name in d.skipped else s.values.numel()
+        # the FP8 bytes a push writes here: all of a shard's, none of a left-out one's
+        self._made_bytes = sum(0 if i < d.fast and s.values_name in d.skipped else s.values.numel()
                                for d in self._devices for i, s in enumerate(d.shards) if not s.empty)
         wanted = {s.values_name: s for s in self.shards if len(s.shared_ids)}
         peers: set[int] = set()
@@ -320,24 +351,32 @@ class SourceQuantizer:
         for the device at the start (the shared amaxes) and one at the end (every amax checked)."""
         return self.finish(self.begin(version))
 
+    def launch(self, version: int) -> None:
+        """Queue the shared cells' amaxes of step ``version`` and their copy to the host, without waiting: a
+        source whose pairs quantize on the way calls it before it offers their first tiles, so that its
+        kernel runs while the GPU is still idle (it would wait for a time slice behind the tiles), then
+        :meth:`begin` after."""
+        self._launched = (version, time.perf_counter())
+        for d in self._devices:
+            d.launch_shared()
+
     def begin(self, version: int) -> _Round:
-        """The first half of :meth:`quantize`: the shared cells' amaxes taken, checked and published, the
-        cells no other source shares launched.  A source whose pairs quantize on the way calls it before it
-        offers their tiles: its one short wait for the device then comes before the tiles fill the GPU, and
-        the peers' records are in the store by the time it reads them (:meth:`finish`).
+        """The first half of :meth:`quantize`: the shared cells' amaxes taken (:meth:`launch`, unless it
+        was), checked and published, the cells no other source shares launched.
 
         Raises
         ------
         QuantizationError
             A NaN or an infinity in a shared block of this source's (the peers are told: a poisoned record).
         """
-        t0 = time.perf_counter()
-        for d in self._devices:
-            d.shared_amaxes()
+        if self._launched is None or self._launched[0] != version:
+            self.launch(version)
+        assert self._launched is not None
+        t0, self._launched = self._launched[1], None
         shared = [(d, i) for d in self._devices for i in d.shared_shards]
         mine: list[np.ndarray] = []
         if shared:
-            mine = _split(_to_host([d.amax[d.shared] for d in self._devices]),
+            mine = _split([d.shared_host() for d in self._devices],
                           [[len(d.shards[i].shared_pos) for i in d.shared_shards] for d in self._devices])
             try:
                 for (d, i), m in zip(shared, mine):
@@ -361,6 +400,8 @@ class SourceQuantizer:
             t1 = time.perf_counter()
             self._merge(begun.version, begun.shared, begun.mine)
             wait = time.perf_counter() - t1
+            if self._agreed is not None:        # where the pairs' tiles of these blocks read them
+                self._agreed.write(begun.shared, begun.mine)
         for d in self._devices:
             d.quantize_shared()
         self._check_finite()
@@ -372,7 +413,7 @@ class SourceQuantizer:
     def _check_finite(self) -> None:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
         for d in self._devices:
-            if d.finite():
+            if not d.makes or d.finite():       # (the shared amaxes were checked on the host)
                 continue
             for s, amax in zip(d.shards, d.views):
                 if not s.empty:
@@ -405,7 +446,7 @@ class SourceQuantizer:
         start = 0
         for d in self._devices:
             n = len(d.shared_shards)
-            if n:
+            if n and d.makes:
                 back = np.concatenate(mine[start:start + n])
                 agreed = torch.from_numpy(back)
                 if d.amax.is_cuda:      # queued, not waited for: the GPU may be busy with other processes' pairs,
@@ -428,9 +469,38 @@ def _split(flat: list[np.ndarray], lengths: list[list[int]]) -> list[np.ndarray]
     return out
 
 
-def _to_host(parts: list[Any]) -> list[np.ndarray]:
-    """Device tensors as float32 numpy arrays (one copy, one wait, each)."""
-    return [p.float().cpu().numpy() for p in parts]
+class _AgreedAmaxes:
+    """The agreed amaxes of a source's shared blocks where its pairs' tiles read them: the region's amax entry
+    (:data:`tensorxfer.sync.layout.AMAX_ENTRY`, ``entry``: a float32 view), written from a host copy of it in one
+    host-to-device copy on a stream of its own (no kernel: a kernel of this process would wait for a time
+    slice behind the tiles of the copy host), waited for before the tiles that read it are offered."""
+
+    def __init__(self, entry: Any) -> None:
+        import torch
+
+        self.entry = entry
+        self._host = torch.zeros(entry.numel(), dtype=torch.float32, pin_memory=entry.is_cuda)
+        self._stream = torch.cuda.Stream(entry.device) if entry.is_cuda else None
+        self._at: tuple[tuple[int, ...], np.ndarray] | None = None
+
+    def write(self, shards: list[QuantizedShard], agreed: list[np.ndarray]) -> None:
+        """Write each of ``shards``' ``agreed`` amaxes (its shared cells', in order) where its tiles read them."""
+        import torch
+
+        key = tuple(id(s) for s in shards)
+        if self._at is None or self._at[0] != key:      # the same shards step after step: their places, once
+            self._at = (key, np.concatenate([s.agreed_at + s.shared_pos for s in shards if s.agreed_at is not None]
+                                            or [np.zeros(0, np.int64)]))
+        at = self._at[1]
+        if not len(at):
+            return
+        self._host.numpy()[at] = np.concatenate([a for s, a in zip(shards, agreed) if s.agreed_at is not None])
+        if self._stream is None:
+            self.entry.copy_(self._host)
+            return
+        with torch.cuda.stream(self._stream):
+            self.entry.copy_(self._host, non_blocking=True)
+        self._stream.synchronize()
 
 
 def requested(targets: list[RankSpec]) -> dict[str, set[Quantization]]:

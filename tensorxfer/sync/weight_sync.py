@@ -60,7 +60,7 @@ from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_
 from tensorxfer.sync.copy_host import device_identity, elect
 from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
-from tensorxfer.sync.layout import fill_padding, source_layout, target_description, target_tensors
+from tensorxfer.sync.layout import AMAX_ENTRY, fill_padding, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, Parts, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.packing import LocalShards
@@ -220,11 +220,15 @@ class WeightSync:
             [s.adopt for s in layout.plain.values()] + [True] * len(own), [*layout.plain, *own])
         self.adopted = self._local.adopted
         if layout.quantized:
-            self._quantizer = SourceQuantizer([
-                QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
-                               tensor_view(self.region, manifest[layout.local(i, "values")]),
-                               tensor_view(self.region, manifest[layout.local(i, "scales")]))
-                for i, (n, q, s) in enumerate(layout.quantized)], self.members.store, self.rank, self.stall_timeout)
+            quantized = [QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
+                                        tensor_view(self.region, manifest[layout.local(i, "values")]),
+                                        tensor_view(self.region, manifest[layout.local(i, "scales")]))
+                         for i, (n, q, s) in enumerate(layout.quantized)]
+            firsts = dict(layout.amax)
+            for shard in quantized:     # an input's blocks (its first layout's): their agreed amaxes, for its tiles
+                shard.agreed_at = firsts.pop(shard.name, None)
+            agreed = tensor_view(self.region, manifest[AMAX_ENTRY]) if AMAX_ENTRY in manifest else None
+            self._quantizer = SourceQuantizer(quantized, self.members.store, self.rank, self.stall_timeout, agreed)
         spec = layout.describe(self.rank)
         if fuses and layout.inputs:
             self._device_id = device_identity(self.region)
@@ -408,11 +412,13 @@ class WeightSync:
         way.  A pack that fails leaves every offer unanswered: every pair then ends with an error too.
 
         The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
-        pair whose first part needs none of it (a fused pair's tiles: :func:`~tensorxfer.sync.fusing.parts`)
-        is offered, and its data posted, before -- after the quantizer's first half (its shared blocks'
-        amaxes, published: the one wait for the GPU before the tiles fill it), its second half (the peers'
-        amaxes, the shared blocks) while they land.  The pack comes before those offers then.  A quantization
-        that fails is told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
+        pair whose first part needs none of it (a fused pair's tiles of whole blocks:
+        :func:`~tensorxfer.sync.fusing.parts`) is offered, and its data posted, before -- right after the
+        quantizer's shared amaxes are queued (:meth:`SourceQuantizer.launch`: the GPU is idle then, and the
+        source waits for nothing); the round (those amaxes read back and published, the peers' merged and
+        written where the shared blocks' tiles read them) runs while the tiles land.  The pack comes before
+        those offers then.  A quantization that fails is told to every target (:meth:`_refuse`), so pairs
+        already landing a first part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
@@ -452,12 +458,10 @@ class WeightSync:
                             for t in self._segments if t not in results})
             return results, 0, time.perf_counter() - t0, error
 
-        packed_bytes, packed, quantizer, begun = 0, 0.0, self._quantizer, None
+        packed_bytes, packed, quantizer = 0, 0.0, self._quantizer
         try:
-            if first and quantizer is not None:     # its short wait for the GPU before the tiles fill it
-                begun, error = self._quantize(lambda: quantizer.begin(version))
-                if error is not None:
-                    return failed("the source could not quantize its weights", error)
+            if first and quantizer is not None:     # its kernel queued before the tiles fill the GPU (no wait)
+                quantizer.launch(version)
             if first:       # parts that read nothing the quantizer makes: offered, packed and posted first
                 offered = offer(first, only_first=True)
                 try:
@@ -466,8 +470,7 @@ class WeightSync:
                     return failed("the source's pack failed before its data was posted", e)
                 post(offered)
             if quantizer is not None:
-                made, error = self._quantize(lambda: quantizer.finish(begun) if begun is not None else
-                                             quantizer.quantize(version))
+                made, error = self._quantize(lambda: quantizer.quantize(version))
                 if error is not None:
                     return failed("the source could not quantize its weights", error)
                 fused = [s.tiles for steps in self._segments.values() for s in steps if s.tiles is not None]
