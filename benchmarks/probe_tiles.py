@@ -2,7 +2,9 @@
 in 128 x 128 tiles, against torch casting the same bytes (``fp8.copy_(bf16)``) and against the source path's
 kernels (``ShardTable``: amaxes and values of whole cells in one launch), CUDA events, median of --repeat.
 
-    python3 benchmarks/probe_tiles.py --gib 4 --repeat 20
+    python3 benchmarks/probe_tiles.py --gib 4 --repeat 20 [--image variant.fatbin]
+
+``--image`` runs another build of ``fp8_quantize.cu`` (a fatbin), to compare kernel variants side by side.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +38,12 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=4)
     p.add_argument("--cols", type=int, default=8192)
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--image", default=None, help="a fatbin of fp8_quantize.cu to run instead of the package's")
     args = p.parse_args()
+    if args.image is not None:
+        image = Path(args.image).read_bytes()
+        kernel._image = lambda: image      # before the first launch loads the package's
+
     cols = args.cols
     rows = int(args.gib * (1 << 30) / 2 / cols) // 128 * 128
     src = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
@@ -52,10 +60,11 @@ def main() -> None:
     t[:, tiles.R1] = t[:, tiles.C1] = 128
     base = scales.data_ptr() - dst.data_ptr()
     t[:, tiles.SCALE] = base + (gi * (cols // 128) + gj) * 4
+    t[:, tiles.AMAX] = -1       # whole blocks
     qt = tiles.QuantTiles(t, np.zeros(len(t), np.int32), ("w",))
     dev = tiles.DeviceTiles(qt, torch.cuda.current_device())
     stream = torch.cuda.current_stream().cuda_stream
-    res = {"bytes_in": src.numel() * 2, "tiles": len(t)}
+    res = {"image": args.image or "package", "bytes_in": src.numel() * 2, "tiles": len(t)}
     res["tiles_s"] = timed(lambda: dev.launch(stream, dst.data_ptr(), src.data_ptr()), args.repeat)
     assert dev.failed() is None
     q = Quantization.blocks()

@@ -413,11 +413,11 @@ class WeightSync:
 
         The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
         pair whose first part needs none of it (a fused pair's tiles of whole blocks:
-        :func:`~tensorxfer.sync.fusing.parts`) is offered, and its data posted, before -- right after the
-        quantizer's shared amaxes are queued (:meth:`SourceQuantizer.launch`: the GPU is idle then, and the
-        source waits for nothing); the round (those amaxes read back and published, the peers' merged and
-        written where the shared blocks' tiles read them) runs while the tiles land.  The pack comes before
-        those offers then.  A quantization that fails is told to every target (:meth:`_refuse`), so pairs
+        :func:`~tensorxfer.sync.fusing.parts`) is offered, packed and posted before, its shared amaxes queued
+        between the pack and the post (:meth:`SourceQuantizer.launch`: the GPU is still idle, and nothing waits
+        for them; before the pack, its wait for the device would wait for them too); the round (those amaxes
+        read back and published, the peers' merged and written where the shared blocks' tiles read them) runs
+        while the tiles land.  A quantization that fails is told to every target (:meth:`_refuse`), so pairs
         already landing a first part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
@@ -460,14 +460,16 @@ class WeightSync:
 
         packed_bytes, packed, quantizer = 0, 0.0, self._quantizer
         try:
-            if first and quantizer is not None:     # its kernel queued before the tiles fill the GPU (no wait)
-                quantizer.launch(version)
             if first:       # parts that read nothing the quantizer makes: offered, packed and posted first
                 offered = offer(first, only_first=True)
                 try:
                     packed_bytes, packed = self._pack(), time.perf_counter() - t0
                 except Exception as e:
                     return failed("the source's pack failed before its data was posted", e)
+                if quantizer is not None:   # its kernel queued just before the tiles fill the GPU (no wait)
+                    _, error = self._quantize(lambda: quantizer.launch(version))
+                    if error is not None:
+                        return failed("the source could not quantize its weights", error)
                 post(offered)
             if quantizer is not None:
                 made, error = self._quantize(lambda: quantizer.quantize(version))
