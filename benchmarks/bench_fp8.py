@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench_sync  # noqa: E402  (benchmarks/, beside this file)
 import torch  # noqa: E402
+import trace_sync  # noqa: E402
 
 import tensorxfer as tx  # noqa: E402
 from tensorxfer import synthetic  # noqa: E402
@@ -154,6 +155,9 @@ def rank_main(args: argparse.Namespace) -> int:
     store = open_tcp_store("127.0.0.1", args.store_port, False, timeout=600)
     role, rank, fp8 = args.role, args.rank, args.what == "fp8"
     prefix = "" if fp8 else "today/"
+    traced = fp8 and args.trace is not None
+    if traced:
+        trace_sync.install()
     tensors: Any = (source_shards(layout, rank, n, args.device) if role == "source" else
                     target_layout(layout, rank, m, args.device, fp8))
     engine = {}
@@ -166,6 +170,7 @@ def rank_main(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         torch.cuda.empty_cache()
     store.set(f"{prefix}ready/{role}/{rank}", b"1")
+    steps = []
     for step in range(args.repeat + 1):
         bench_sync.wait_go(store, f"{prefix}go/{step}")
         t0 = time.time()
@@ -178,7 +183,10 @@ def rank_main(args: argparse.Namespace) -> int:
                 quantize_today(tensors, engine)
             if args.device != "cpu":
                 torch.cuda.synchronize(args.device)
-        store.set(f"{prefix}done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": time.time()}).encode())
+        steps.append((t0, time.time()))
+        store.set(f"{prefix}done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": steps[-1][1]}).encode())
+    if traced:
+        trace_sync.dump(args.trace, role, rank, steps)
     report = {**st.as_dict(), "device_memory_bytes": device_memory(args.device), "region_bytes": sync.region.nbytes}
     if role == "target":
         report["engine_fp8_bytes"] = sum(v.numel() + s.numel() * 4 for v, s in engine.values())
@@ -192,7 +200,8 @@ def rank_main(args: argparse.Namespace) -> int:
 def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--what", what, "--role", role, "--rank", str(rank),
            "--store-port", str(port), "--size", str(args.size), "--sources", str(args.sources), "--targets",
-           str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat)]
+           str(args.targets), "--transport", args.transport, "--device", args.device, "--repeat", str(args.repeat),
+           *(["--trace", str(args.trace)] if args.trace else [])]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path))    # keep where cuda-bindings is
 
@@ -258,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--what", choices=["bench", "fp8", "today"], default="bench")
     bench_sync.rank_arguments(p, "ipc")
     p.add_argument("--out", type=Path, default=bench_sync.RESULTS)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="write each rank's timeline of the FP8 sync's steps here and print it (trace_sync.py; the "
+                        "traced steps run slightly slower)")
     args = p.parse_args(argv)
     if args.what != "bench":
         return rank_main(args)
@@ -274,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     for line in timeline(result["fp8_sync"]["ranks"]):
         print(line, flush=True)
+    if args.trace:
+        print(trace_sync.summarize(args.trace), flush=True)
     result["today"] = run(args, store, "today")
     print("today (bf16 sync, targets quantize)", f"{result['today']['median_s'] * 1e3:.2f} ms, wire",
           f"{result['today']['wire_bytes'] / 1e9:.3f} GB", flush=True)

@@ -74,6 +74,13 @@ def install() -> None:
                       (link._Feed, "take_offer"), (link._Feed, "land"), (delegate.CopyLane, "copy"),
                       (delegate._HostedPair, "copy")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
+    from tensorxfer.sync import quantizing
+
+    for cls, attr in ((quantizing.SourceQuantizer, "launch"), (quantizing.SourceQuantizer, "begin"),
+                      (quantizing.SourceQuantizer, "finish"), (quantizing.SourceQuantizer, "_merge"),
+                      (quantizing._AgreedAmaxes, "write"), (quantizing._DeviceShards, "shared_host"),
+                      (link._Feed, "land_parts"), (link._Feed, "_data"), (delegate._HostedPair, "step")):
+        _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
     import torch
 
     _wrap(torch.cuda, "synchronize", named("torch.cuda.synchronize"))     # the pack's, looked up per call

@@ -76,6 +76,44 @@ def test_a_step_in_two_parts_lands_both_and_sets_each_part_up_once(transport: st
         assert sorted(port._feeds[3].transports) == [transport, f"{transport}#1"]
 
 
+def test_a_warm_ipc_steps_second_part_lands_while_its_first_still_does(monkeypatch: Any) -> None:
+    """The target takes a warm ipc pair's second part in while its first still lands (each part has its own
+    transport; the second offer follows the first part's done at once) -- a first part slow to land (0.4 s
+    here) no longer holds the second up -- and still answers in the order the source reads (part 0's accept
+    and ack, then part 1's): every step lands whole.  A step that sets the data paths up lands its parts in
+    turn."""
+    from tensorxfer.sync.link import _Feed
+
+    spans: list[tuple[int, int, float, float]] = []     # (step, part, data start, data end)
+    landing = _Feed._data
+
+    def slow_first(self: Any, fs: Any, tell: bool = True) -> Any:
+        part = 0 if self.transports.get("ipc") is fs.transport else 1
+        t0 = time.monotonic()
+        try:
+            if part == 0:
+                time.sleep(0.4)
+            return landing(self, fs, tell)
+        finally:
+            spans.append((fs.version, part, t0, time.monotonic()))
+    monkeypatch.setattr(_Feed, "_data", slow_first)
+    with sync_pair(N, "ipc", STALL) as (port, link, src, dst):
+        for step in (1, 2, 3):
+            _fill(src, 30 + step, 40 + step)
+            got, receiving = _receive(port, dst, (FIRST, SECOND), step)
+            stats, _ = _send(link, src, step)
+            receiving.join(20)
+            assert not receiving.is_alive(), "the target hung"
+            version, pair = got[3]
+            assert version == step and _halves(dst) == ({40 + step}, {30 + step}), step
+            assert pair.bytes == N and [s.bytes for s in stats] == [HALF, HALF]
+    (*_, a1), (*_, b0, _) = sorted(x for x in spans if x[0] == 1)
+    assert b0 >= a1, "the step that set the data paths up took its second part in before its first landed"
+    for step in (2, 3):
+        (*_, a1), (*_, b0, _) = sorted(x for x in spans if x[0] == step)
+        assert b0 < a1 - 0.2, f"step {step}: the second part waited for the first to land"
+
+
 def test_push_runs_every_part_in_turn_and_adds_their_stats() -> None:
     with sync_pair(N, "tcp", STALL) as (port, link, src, dst):
         _fill(src, 5, 6)

@@ -25,15 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorxfer import dtypes as _dt
+from tensorxfer.binding import tensor_view
 from tensorxfer.errors import PlanError
 from tensorxfer.manifest import Manifest
 from tensorxfer.quant.layout import SEP, Quantization, derived_name
 from tensorxfer.sync.quantized_spec import quantized_target
-from tensorxfer.sync.quantizing import requested
+from tensorxfer.sync.quantizing import QuantizedShard, requested
 from tensorxfer.sync.shards import Source, Target
 from tensorxfer.sync.spec import Box, RankSpec, SourceTensor, TargetTensor
 
-__all__ = ["AMAX_ENTRY", "SourceLayout", "fill_padding", "source_layout", "target_description", "target_tensors"]
+__all__ = ["AMAX_ENTRY", "SourceLayout", "fill_padding", "quantized_shards", "source_layout", "target_description",
+           "target_tensors"]
 
 FLOATING = ("F32", "BF16", "F16", "F64")
 AMAX_ENTRY = "#quantized.amax"      # the agreed amaxes of every input's blocks (float32, shard after shard)
@@ -144,6 +146,20 @@ def source_layout(shards: Mapping[str, Source], targets: list[RankSpec], inputs:
     if names:
         entries.append((AMAX_ENTRY, "F32", (total,)))
     return SourceLayout(Manifest.layout(entries), plain, quantized, names, amax)
+
+
+def quantized_shards(layout: SourceLayout, region: Any) -> tuple[list[QuantizedShard], Any]:
+    """A source's quantized shards over their entries of ``region`` (a TensorRegion laid out as ``layout``), an
+    input's first layout with its place among the agreed amaxes; and their entry (a float32 view), or None."""
+    m = layout.manifest
+    shards = [QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
+                             tensor_view(region, m[layout.local(i, "values")]),
+                             tensor_view(region, m[layout.local(i, "scales")]))
+              for i, (n, q, s) in enumerate(layout.quantized)]
+    firsts = dict(layout.amax)
+    for shard in shards:
+        shard.agreed_at = firsts.pop(shard.name, None)
+    return shards, tensor_view(region, m[AMAX_ENTRY]) if AMAX_ENTRY in m else None
 
 
 def target_tensors(shards: Mapping[str, Target]) -> dict[str, Any]:

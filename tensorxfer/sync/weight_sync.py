@@ -60,12 +60,12 @@ from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_
 from tensorxfer.sync.copy_host import device_identity, elect
 from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
-from tensorxfer.sync.layout import AMAX_ENTRY, fill_padding, source_layout, target_description, target_tensors
+from tensorxfer.sync.layout import fill_padding, quantized_shards, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, Parts, SourceLink, TargetPort
 from tensorxfer.sync.membership import Membership, StepRecord, group_status
 from tensorxfer.sync.packing import LocalShards
 from tensorxfer.sync.plan import Plan, plan
-from tensorxfer.sync.quantizing import QuantizedShard, QuantStats, SourceQuantizer
+from tensorxfer.sync.quantizing import QuantStats, SourceQuantizer
 from tensorxfer.sync.rendezvous import Rendezvous, TorchStoreRendezvous, connect
 from tensorxfer.sync.shards import Target, source_of
 from tensorxfer.sync.stats import SyncStats
@@ -220,14 +220,7 @@ class WeightSync:
             [s.adopt for s in layout.plain.values()] + [True] * len(own), [*layout.plain, *own])
         self.adopted = self._local.adopted
         if layout.quantized:
-            quantized = [QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
-                                        tensor_view(self.region, manifest[layout.local(i, "values")]),
-                                        tensor_view(self.region, manifest[layout.local(i, "scales")]))
-                         for i, (n, q, s) in enumerate(layout.quantized)]
-            firsts = dict(layout.amax)
-            for shard in quantized:     # an input's blocks (its first layout's): their agreed amaxes, for its tiles
-                shard.agreed_at = firsts.pop(shard.name, None)
-            agreed = tensor_view(self.region, manifest[AMAX_ENTRY]) if AMAX_ENTRY in manifest else None
+            quantized, agreed = quantized_shards(layout, self.region)
             self._quantizer = SourceQuantizer(quantized, self.members.store, self.rank, self.stall_timeout, agreed)
         spec = layout.describe(self.rank)
         if fuses and layout.inputs:
