@@ -149,6 +149,8 @@ def device_memory(device: str) -> int | None:
 
 
 def rank_main(args: argparse.Namespace) -> int:
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):      # a diagnosis: the GIL's switch interval in every rank process
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     torch.set_num_threads(1 if args.device != "cpu" else max(1, (os.cpu_count() or 1) // (args.sources + args.targets)))
     n, m = args.sources, args.targets
     layout = model_layout(args.size)

@@ -42,7 +42,8 @@ def _wrap(owner: Any, attr: str, label: Any) -> None:
 
 
 class _TracedKernel:
-    """A StridedCopy whose launch is recorded (the class is Cython's: its methods cannot be replaced)."""
+    """A pair's device copy whose launch is recorded (the strided-copy class is Cython's: its methods cannot be
+    replaced)."""
 
     def __init__(self, kernel: Any) -> None:
         self._kernel = kernel
@@ -54,8 +55,8 @@ class _TracedKernel:
         finally:
             EVENTS.append(("copy-launch", threading.current_thread().name, t0, time.time()))
 
-    def close(self) -> None:
-        self._kernel.close()
+    def __getattr__(self, name: str) -> Any:      # anything else the copy asks of it (check_quantized, ...)
+        return getattr(self._kernel, name)
 
 
 def install() -> None:
@@ -74,12 +75,14 @@ def install() -> None:
                       (link._Feed, "take_offer"), (link._Feed, "land"), (delegate.CopyLane, "copy"),
                       (delegate._HostedPair, "copy")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
+    from tensorxfer.quant import tiles
     from tensorxfer.sync import quantizing
 
     for cls, attr in ((quantizing.SourceQuantizer, "launch"), (quantizing.SourceQuantizer, "begin"),
                       (quantizing.SourceQuantizer, "finish"), (quantizing.SourceQuantizer, "_merge"),
                       (quantizing._AgreedAmaxes, "write"), (quantizing._DeviceShards, "shared_host"),
-                      (link._Feed, "land_parts"), (link._Feed, "_data"), (delegate._HostedPair, "step")):
+                      (link._Feed, "land_parts"), (link._Feed, "_data"), (delegate._HostedPair, "step"),
+                      (tiles.DeviceTiles, "launch")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
     import torch
 

@@ -26,9 +26,9 @@ its tiles read the source's input and write the FP8 values and scales straight i
 the source holds whole from the step's start, the blocks it shares after this round, with the agreed amaxes
 this source wrote into its region (:class:`_AgreedAmaxes`: one host-to-device copy).  A tensor every pair
 reading it fuses is then made here not at all (:meth:`SourceQuantizer.plan`): the source takes only its
-shared blocks' amaxes for the round, one kernel that it launches before it offers the first tiles (the GPU
-is idle then) and reads back after.  The order of such a push: that launch, the whole blocks' tiles offered,
-the amaxes read back and published, the peers' merged and written, the shared blocks' tiles offered.
+shared blocks' amaxes for the round, one kernel.  The order of such a push: the whole blocks' tiles offered
+and posted, that kernel launched, the amaxes read back and published, the peers' merged and written, the
+shared blocks' tiles offered.
 
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
@@ -353,9 +353,8 @@ class SourceQuantizer:
 
     def launch(self, version: int) -> None:
         """Queue the shared cells' amaxes of step ``version`` and their copy to the host, without waiting: a
-        source whose pairs quantize on the way calls it before it offers their first tiles, so that its
-        kernel runs while the GPU is still idle (it would wait for a time slice behind the tiles), then
-        :meth:`begin` after."""
+        source whose pairs quantize on the way calls it right after it posts their first tiles, then
+        :meth:`begin` (its kernel may wait for a time slice behind the tiles; the round has until they end)."""
         self._launched = (version, time.perf_counter())
         for d in self._devices:
             d.launch_shared()

@@ -406,9 +406,9 @@ class WeightSync:
 
         The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
         pair whose first part needs none of it (a fused pair's tiles of whole blocks:
-        :func:`~tensorxfer.sync.fusing.parts`) is offered, packed and posted before, its shared amaxes queued
-        between the pack and the post (:meth:`SourceQuantizer.launch`: the GPU is still idle, and nothing waits
-        for them; before the pack, its wait for the device would wait for them too); the round (those amaxes
+        :func:`~tensorxfer.sync.fusing.parts`) is offered, packed and posted before, then its shared amaxes are
+        queued (:meth:`SourceQuantizer.launch`; after the pack, whose wait for the device would wait for them
+        too; after the post, whose ~0.3 ms of launching they held up on the H100), and the round (those amaxes
         read back and published, the peers' merged and written where the shared blocks' tiles read them) runs
         while the tiles land.  A quantization that fails is told to every target (:meth:`_refuse`), so pairs
         already landing a first part fail too.
@@ -459,11 +459,11 @@ class WeightSync:
                     packed_bytes, packed = self._pack(), time.perf_counter() - t0
                 except Exception as e:
                     return failed("the source's pack failed before its data was posted", e)
-                if quantizer is not None:   # its kernel queued just before the tiles fill the GPU (no wait)
+                post(offered)
+                if quantizer is not None:   # its kernel queued (no wait): the tiles go out first
                     _, error = self._quantize(lambda: quantizer.launch(version))
                     if error is not None:
                         return failed("the source could not quantize its weights", error)
-                post(offered)
             if quantizer is not None:
                 made, error = self._quantize(lambda: quantizer.quantize(version))
                 if error is not None:
@@ -528,7 +528,7 @@ class WeightSync:
     def _pack(self) -> int:
         """The local shards not in the region copied in (:meth:`LocalShards.pack`); the bytes copied."""
         assert self.region is not None
-        return self._local.pack(self.region.device if self.region.is_cuda else None, self._workers)
+        return self._local.pack(self.region.device if self.region.is_cuda else None)
 
     def wait(self, timeout: float | None = None) -> int:
         """Targets: wait for the next update from every source that feeds this rank; return its version.
