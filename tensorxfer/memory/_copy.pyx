@@ -389,11 +389,20 @@ cdef class StridedCopy:
             check_cu(cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
                                              copier._stream, args, NULL), b"cuLaunchKernel(strided_copy)")
 
-    def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd, uintptr_t fence):
+    def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd, uintptr_t fence,
+                   tuple quantizing=None):
         """Serve a copy lane's steps (``tensorxfer.transport.ipc.delegate``) without the GIL: for each ``G`` +
         8-byte seq read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, take the step on the follower's fence
         word at ``fence`` (granted -> running: before any byte is written), launch the copy, wait for it, mark
-        the step done on the fence, and answer ``K`` + the same 8 bytes.  The GIL is not needed from a step's
+        the step done on the fence, and answer ``K`` + the same 8 bytes.
+
+        ``quantizing``: a pair that quantizes on the way (``tensorxfer.quant.tiles.DeviceTiles.lane_launch``:
+        the kernel, its table, the tiles, the failure word on the device and its pinned copy on the host) --
+        each step also resets the word, launches the tiles after the copy and reads the word back; a step whose
+        lowest failing tile (a block with a NaN or an infinity: nothing of it written) is not all ones is
+        answered ``Q`` + the 8 bytes + that tile (8 bytes, big-endian), as the host's Python loop answers it.
+        Served here, a quantizing pair's step takes no GIL either: on the H100 the Python steps of a 4-to-2
+        FP8 sync's lanes waited 0.2-0.8 ms each to launch.  The GIL is not needed from a step's
         arrival to its answer (on the H200 machine a lane thread waited 0.1-0.3 ms for it, behind its process's
         own feeds).  A copy that fails marks its step revoked on the fence (nothing more of it is written)
         before the error is raised.
@@ -413,12 +422,31 @@ cdef class StridedCopy:
         cdef ssize_t n = 0
         cdef long served = 0
         cdef int err = 0, i
+        cdef cydriver.CUfunction tiles_fn = NULL
+        cdef cydriver.CUdeviceptr tiles_table = 0, status = 0
+        cdef unsigned int tiles_count = 0
+        cdef uint64_t* failed_tile = NULL
+        cdef uint64_t tile = 0
+        cdef void* targs[4]
         if self._closed:
             raise ValueError("operation on a closed StridedCopy")
         if copier._device != self._device:
             raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
         if word == NULL:
             raise ValueError("serve_lane needs the lane's fence word")
+        if quantizing is not None:
+            fn_, table_, count_, status_, host_ = quantizing
+            tiles_fn = <cydriver.CUfunction><uintptr_t>fn_
+            tiles_table = <cydriver.CUdeviceptr><uintptr_t>table_
+            tiles_count = <unsigned int>count_
+            status = <cydriver.CUdeviceptr><uintptr_t>status_
+            failed_tile = <uint64_t*><uintptr_t>host_
+            if tiles_fn == NULL or tiles_table == 0 or status == 0 or failed_tile == NULL or tiles_count == 0:
+                raise ValueError(f"serve_lane: quantizing tiles without a kernel, table, word or tiles: {quantizing}")
+        targs[0] = &tiles_table
+        targs[1] = &src
+        targs[2] = &dst
+        targs[3] = &status
         args[0] = &self._table
         args[1] = &src
         args[2] = &dst
@@ -446,6 +474,16 @@ cdef class StridedCopy:
                         rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
                                                      copier._stream, args, NULL)
                         failed = b"cuLaunchKernel(strided_copy)"
+                    if tiles_count and rc == cydriver.CUDA_SUCCESS:
+                        rc = cydriver.cuMemsetD32Async(status, 0xFFFFFFFF, 2, copier._stream)
+                        failed = b"cuMemsetD32Async(the tiles' word)"
+                        if rc == cydriver.CUDA_SUCCESS:
+                            rc = cydriver.cuLaunchKernel(tiles_fn, tiles_count, 1, 1, 256, 1, 1, 0, copier._stream,
+                                                         targs, NULL)
+                            failed = b"cuLaunchKernel(quantize_tiles)"
+                        if rc == cydriver.CUDA_SUCCESS:
+                            rc = cydriver.cuMemcpyDtoHAsync(failed_tile, status, 8, copier._stream)
+                            failed = b"cuMemcpyDtoHAsync(the tiles' word)"
                     if rc == cydriver.CUDA_SUCCESS:
                         rc = cydriver.cuStreamSynchronize(copier._stream)
                         failed = b"cuStreamSynchronize"
@@ -455,8 +493,16 @@ cdef class StridedCopy:
                         break
                     tx_fence_store(word, tx_fence_word(seq, TX_FENCE_DONE))
                     served += 1
+                    n = 9
                     buf[0] = b'K'
-                    if send(fd, buf, 9, MSG_NOSIGNAL) != 9:
+                    if tiles_count and failed_tile[0] != 0xFFFFFFFFFFFFFFFF:
+                        # blocks with a NaN were not written (the rest was): the follower names the tensor
+                        buf[0] = b'Q'
+                        tile = failed_tile[0]
+                        for i in range(8):
+                            buf[16 - i] = <unsigned char>(tile >> (8 * i))
+                        n = 17
+                    if send(fd, buf, n, MSG_NOSIGNAL) != n:
                         err = errno
                         # the follower hung up (it gave the lane up while this step ran): the lane's end
                         n = 0 if err == EPIPE or err == ECONNRESET else -1

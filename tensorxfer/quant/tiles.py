@@ -194,6 +194,16 @@ class DeviceTiles:
         finally:
             kernel._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
+    def lane_launch(self) -> tuple[int, int, int, int, int]:
+        """What a copy lane's loop needs to launch these tiles without the GIL (``StridedCopy.serve_lane``): the
+        kernel's function handle (loaded in the device's primary context), the table, the tiles, the failure
+        word on the device and its pinned copy on the host."""
+        from tensorxfer.quant import kernel
+
+        _, kernels = kernel._context(self.device)
+        return (int(kernels["quantize_tiles"]), self._table.data_ptr(), len(self.tiles), self._status.data_ptr(),
+                self._word.data_ptr())
+
     def failed(self) -> int | None:
         """The lowest tile whose block held a NaN or an infinity in the last launch (its stream synchronized),
         or None."""

@@ -536,9 +536,9 @@ class _HostedPair:
 
     def serve(self, conn: socket.socket, fence: Fence) -> tuple[int, bytes] | None:
         """Serve the lane's steps without the GIL where this is a device pair with the kernel (the fence taken
-        and finished in the same loop): ``(steps served, the next other message)``; else None (a pair that
-        quantizes on the way is served step by step: :meth:`step` checks its tiles)."""
-        if self._device_copy is None or self._device_copy.quantizes:
+        and finished in the same loop; a pair that quantizes on the way launches its tiles there too):
+        ``(steps served, the next other message)``; else None."""
+        if self._device_copy is None:
             return None
         return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno(), fence.address)
 

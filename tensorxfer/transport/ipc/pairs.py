@@ -63,10 +63,6 @@ class DeviceSegments:
         if self._tiles is not None:
             self._tiles.launch(copier.stream, dst_ptr, src_ptr)
 
-    @property
-    def quantizes(self) -> bool:
-        """Whether this pair's copy runs quantizing tiles (a copy lane cannot serve it)."""
-        return self._tiles is not None
 
     def check_quantized(self) -> None:
         """After the copier's stream synchronized: QuantizationError naming the tensor of the first block that
@@ -78,12 +74,14 @@ class DeviceSegments:
             raise poisoned(self.segments, bad)
 
     def serve_lane(self, copier: Any, dst_ptr: int, src_ptr: int, fd: int, fence: int) -> tuple[int, bytes] | None:
-        """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``), each taken and finished on the
-        lane's fence word at address ``fence``; None where the kernel was not built (the caller serves them
-        itself)."""
+        """A copy lane's steps served without the GIL (``StridedCopy.serve_lane``; a pair that quantizes on the
+        way launches its tiles there too, and a step whose tiles met a NaN is answered ``Q``), each taken and
+        finished on the lane's fence word at address ``fence``; None where the kernel was not built (the caller
+        serves them itself)."""
         if self._kernel is None:
             return None
-        return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd, fence)
+        quantizing = self._tiles.lane_launch() if self._tiles is not None else None
+        return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd, fence, quantizing)
 
     def close(self) -> None:
         if self._tiles is not None:
