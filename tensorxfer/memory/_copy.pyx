@@ -315,6 +315,8 @@ cdef extern from "<sys/socket.h>" nogil:
 cdef enum:
     LANE_MESSAGE = 65536        # a lane's largest message (tensorxfer.transport.ipc.messages.MAX_MESSAGE)
 
+cdef uint64_t ALL_ONES = 0xFFFFFFFFFFFFFFFF      # a quantizing launch's failure word: no tile failed
+
 
 # One loaded strided_copy module per device (per process): modules live as long as the primary context.
 cdef dict _kernels = {}
@@ -495,7 +497,7 @@ cdef class StridedCopy:
                     served += 1
                     n = 9
                     buf[0] = b'K'
-                    if tiles_count and failed_tile[0] != 0xFFFFFFFFFFFFFFFF:
+                    if tiles_count and failed_tile[0] != ALL_ONES:
                         # blocks with a NaN were not written (the rest was): the follower names the tensor
                         buf[0] = b'Q'
                         tile = failed_tile[0]
