@@ -318,6 +318,50 @@ cdef enum:
 cdef uint64_t ALL_ONES = 0xFFFFFFFFFFFFFFFF      # a quantizing launch's failure word: no tile failed
 
 
+cdef struct Quantizing:
+    # a pair's quantizing tiles (tensorxfer.quant.tiles.DeviceTiles.launch_args): none where count is 0
+    cydriver.CUfunction fn
+    cydriver.CUdeviceptr table
+    unsigned int count
+    cydriver.CUdeviceptr status     # the lowest failing tile (all ones: none), on the device
+    uint64_t* word                  # ... and its pinned copy on the host, read once the stream synchronized
+
+
+cdef int quantizing_of(tuple given, Quantizing* q) except -1:
+    q.count = 0
+    if given is None:
+        return 0
+    fn, table, count, status, word = given
+    q.fn = <cydriver.CUfunction><uintptr_t>fn
+    q.table = <cydriver.CUdeviceptr><uintptr_t>table
+    q.count = <unsigned int>count
+    q.status = <cydriver.CUdeviceptr><uintptr_t>status
+    q.word = <uint64_t*><uintptr_t>word
+    if q.fn == NULL or q.table == 0 or q.status == 0 or q.word == NULL or q.count == 0:
+        raise ValueError(f"quantizing tiles without a kernel, table, word or tiles: {given}")
+    return 0
+
+
+cdef cydriver.CUresult launch_tiles(Quantizing* q, cydriver.CUdeviceptr src, cydriver.CUdeviceptr dst,
+                                    cydriver.CUstream stream, const char** failed) noexcept nogil:
+    """Queue the tiles on ``stream``: the failure word reset, the kernel, the word read back to the host."""
+    cdef void* args[4]
+    cdef cydriver.CUresult rc
+    args[0] = &q.table
+    args[1] = &src
+    args[2] = &dst
+    args[3] = &q.status
+    rc = cydriver.cuMemsetD32Async(q.status, 0xFFFFFFFF, 2, stream)
+    failed[0] = b"cuMemsetD32Async(the tiles' word)"
+    if rc == cydriver.CUDA_SUCCESS:
+        rc = cydriver.cuLaunchKernel(q.fn, q.count, 1, 1, 256, 1, 1, 0, stream, args, NULL)
+        failed[0] = b"cuLaunchKernel(quantize_tiles)"
+    if rc == cydriver.CUDA_SUCCESS:
+        rc = cydriver.cuMemcpyDtoHAsync(q.word, q.status, 8, stream)
+        failed[0] = b"cuMemcpyDtoHAsync(the tiles' word)"
+    return rc
+
+
 # One loaded strided_copy module per device (per process): modules live as long as the primary context.
 cdef dict _kernels = {}
 
@@ -373,23 +417,36 @@ cdef class StridedCopy:
     def tiles(self):
         return self._count
 
-    def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base):
-        """Queue the copy of every tile from ``src_base`` to ``dst_base`` on ``copier``'s stream."""
+    def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, tuple quantizing=None):
+        """Queue the copy of every tile from ``src_base`` to ``dst_base`` on ``copier``'s stream; and after it a
+        pair's ``quantizing`` tiles (as :meth:`serve_lane` takes them: their failure word is on the host once
+        the stream synchronized), all without the GIL (launched from Python, a quantizing pair's launch took
+        0.2-0.8 ms on the H100, its threads taking turns)."""
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
         cdef void* args[3]
+        cdef Quantizing q
+        cdef const char* failed = NULL
+        cdef cydriver.CUresult rc = cydriver.CUDA_SUCCESS
         if self._closed:
             raise ValueError("operation on a closed StridedCopy")
         if copier._device != self._device:
             raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
-        if self._count == 0:
+        quantizing_of(quantizing, &q)
+        if self._count == 0 and q.count == 0:
             return
         args[0] = &self._table
         args[1] = &src
         args[2] = &dst
         bind_device(self._device)
         with nogil:
-            check_cu(cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
-                                             copier._stream, args, NULL), b"cuLaunchKernel(strided_copy)")
+            if self._count:
+                rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
+                                             copier._stream, args, NULL)
+                failed = b"cuLaunchKernel(strided_copy)"
+            if q.count and rc == cydriver.CUDA_SUCCESS:
+                rc = launch_tiles(&q, src, dst, copier._stream, &failed)
+        if rc != cydriver.CUDA_SUCCESS:
+            check_cu(rc, failed)
 
     def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd, uintptr_t fence,
                    tuple quantizing=None):
@@ -398,7 +455,7 @@ cdef class StridedCopy:
         word at ``fence`` (granted -> running: before any byte is written), launch the copy, wait for it, mark
         the step done on the fence, and answer ``K`` + the same 8 bytes.
 
-        ``quantizing``: a pair that quantizes on the way (``tensorxfer.quant.tiles.DeviceTiles.lane_launch``:
+        ``quantizing``: a pair that quantizes on the way (``tensorxfer.quant.tiles.DeviceTiles.launch_args``:
         the kernel, its table, the tiles, the failure word on the device and its pinned copy on the host) --
         each step also resets the word, launches the tiles after the copy and reads the word back; a step whose
         lowest failing tile (a block with a NaN or an infinity: nothing of it written) is not all ones is
@@ -424,31 +481,15 @@ cdef class StridedCopy:
         cdef ssize_t n = 0
         cdef long served = 0
         cdef int err = 0, i
-        cdef cydriver.CUfunction tiles_fn = NULL
-        cdef cydriver.CUdeviceptr tiles_table = 0, status = 0
-        cdef unsigned int tiles_count = 0
-        cdef uint64_t* failed_tile = NULL
+        cdef Quantizing q
         cdef uint64_t tile = 0
-        cdef void* targs[4]
         if self._closed:
             raise ValueError("operation on a closed StridedCopy")
         if copier._device != self._device:
             raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
         if word == NULL:
             raise ValueError("serve_lane needs the lane's fence word")
-        if quantizing is not None:
-            fn_, table_, count_, status_, host_ = quantizing
-            tiles_fn = <cydriver.CUfunction><uintptr_t>fn_
-            tiles_table = <cydriver.CUdeviceptr><uintptr_t>table_
-            tiles_count = <unsigned int>count_
-            status = <cydriver.CUdeviceptr><uintptr_t>status_
-            failed_tile = <uint64_t*><uintptr_t>host_
-            if tiles_fn == NULL or tiles_table == 0 or status == 0 or failed_tile == NULL or tiles_count == 0:
-                raise ValueError(f"serve_lane: quantizing tiles without a kernel, table, word or tiles: {quantizing}")
-        targs[0] = &tiles_table
-        targs[1] = &src
-        targs[2] = &dst
-        targs[3] = &status
+        quantizing_of(quantizing, &q)
         args[0] = &self._table
         args[1] = &src
         args[2] = &dst
@@ -476,16 +517,8 @@ cdef class StridedCopy:
                         rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
                                                      copier._stream, args, NULL)
                         failed = b"cuLaunchKernel(strided_copy)"
-                    if tiles_count and rc == cydriver.CUDA_SUCCESS:
-                        rc = cydriver.cuMemsetD32Async(status, 0xFFFFFFFF, 2, copier._stream)
-                        failed = b"cuMemsetD32Async(the tiles' word)"
-                        if rc == cydriver.CUDA_SUCCESS:
-                            rc = cydriver.cuLaunchKernel(tiles_fn, tiles_count, 1, 1, 256, 1, 1, 0, copier._stream,
-                                                         targs, NULL)
-                            failed = b"cuLaunchKernel(quantize_tiles)"
-                        if rc == cydriver.CUDA_SUCCESS:
-                            rc = cydriver.cuMemcpyDtoHAsync(failed_tile, status, 8, copier._stream)
-                            failed = b"cuMemcpyDtoHAsync(the tiles' word)"
+                    if q.count and rc == cydriver.CUDA_SUCCESS:
+                        rc = launch_tiles(&q, src, dst, copier._stream, &failed)
                     if rc == cydriver.CUDA_SUCCESS:
                         rc = cydriver.cuStreamSynchronize(copier._stream)
                         failed = b"cuStreamSynchronize"
@@ -497,10 +530,10 @@ cdef class StridedCopy:
                     served += 1
                     n = 9
                     buf[0] = b'K'
-                    if tiles_count and failed_tile[0] != ALL_ONES:
+                    if q.count and q.word[0] != ALL_ONES:
                         # blocks with a NaN were not written (the rest was): the follower names the tensor
                         buf[0] = b'Q'
-                        tile = failed_tile[0]
+                        tile = q.word[0]
                         for i in range(8):
                             buf[16 - i] = <unsigned char>(tile >> (8 * i))
                         n = 17

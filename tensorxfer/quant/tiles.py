@@ -194,10 +194,12 @@ class DeviceTiles:
         finally:
             kernel._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
-    def lane_launch(self) -> tuple[int, int, int, int, int]:
-        """What a copy lane's loop needs to launch these tiles without the GIL (``StridedCopy.serve_lane``): the
-        kernel's function handle (loaded in the device's primary context), the table, the tiles, the failure
-        word on the device and its pinned copy on the host."""
+    @functools.cached_property
+    def launch_args(self) -> tuple[int, int, int, int, int]:
+        """What the strided copy needs to launch these tiles after it without the GIL (``StridedCopy.launch``
+        and ``serve_lane``): the kernel's function handle (loaded in the device's primary context), the
+        table, the tiles, the failure word on the device and its pinned copy on the host (:meth:`failed`
+        reads it)."""
         from tensorxfer.quant import kernel
 
         _, kernels = kernel._context(self.device)

@@ -54,9 +54,10 @@ class DeviceSegments:
                                                              segments.dst_stride), image)
 
     def launch(self, copier: Any, dst_ptr: int, src_ptr: int) -> None:
-        if self._kernel is not None:
-            self._kernel.launch(copier, dst_ptr, src_ptr)
-        elif len(self.segments):   # one 2-D copy per strided group (a block of rows), not one copy per row
+        if self._kernel is not None:       # the tiles too, in the same call without the GIL
+            self._kernel.launch(copier, dst_ptr, src_ptr, self._tiles.launch_args if self._tiles is not None else None)
+            return
+        if len(self.segments):   # one 2-D copy per strided group (a block of rows), not one copy per row
             sg = self.segments
             copier.dtod_groups(sg.dst_off + np.uint64(dst_ptr), sg.src_off + np.uint64(src_ptr), sg.nbytes, sg.count,
                                sg.dst_stride, sg.src_stride)
@@ -80,7 +81,7 @@ class DeviceSegments:
         serves them itself)."""
         if self._kernel is None:
             return None
-        quantizing = self._tiles.lane_launch() if self._tiles is not None else None
+        quantizing = self._tiles.launch_args if self._tiles is not None else None
         return self._kernel.serve_lane(copier, dst_ptr, src_ptr, fd, fence, quantizing)
 
     def close(self) -> None:
