@@ -453,18 +453,17 @@ cdef class StridedCopy:
         """Serve a copy lane's steps (``tensorxfer.transport.ipc.delegate``) without the GIL: for each ``G`` +
         8-byte seq read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, take the step on the follower's fence
         word at ``fence`` (granted -> running: before any byte is written), launch the copy, wait for it, mark
-        the step done on the fence, and answer ``K`` + the same 8 bytes.
-
-        ``quantizing``: a pair that quantizes on the way (``tensorxfer.quant.tiles.DeviceTiles.launch_args``:
-        the kernel, its table, the tiles, the failure word on the device and its pinned copy on the host) --
-        each step also resets the word, launches the tiles after the copy and reads the word back; a step whose
-        lowest failing tile (a block with a NaN or an infinity: nothing of it written) is not all ones is
-        answered ``Q`` + the 8 bytes + that tile (8 bytes, big-endian), as the host's Python loop answers it.
-        Served here, a quantizing pair's step takes no GIL either: on the H100 the Python steps of a 4-to-2
-        FP8 sync's lanes waited 0.2-0.8 ms each to launch.  The GIL is not needed from a step's
+        the step done on the fence, and answer ``K`` + the same 8 bytes.  The GIL is not needed from a step's
         arrival to its answer (on the H200 machine a lane thread waited 0.1-0.3 ms for it, behind its process's
         own feeds).  A copy that fails marks its step revoked on the fence (nothing more of it is written)
         before the error is raised.
+
+        ``quantizing``: a pair that quantizes on the way (``tensorxfer.quant.tiles.DeviceTiles.launch_args``,
+        as :meth:`launch` takes it) -- each step also launches the tiles after the copy; a step whose lowest
+        failing tile (a block with a NaN or an infinity: nothing of it written) is not all ones is answered
+        ``Q`` + the 8 bytes + that tile (8 bytes, big-endian), as the host's Python loop answers it.  (Served
+        in Python, such a step's launch waited 0.2-0.8 ms on the H100 in a 4-to-2 FP8 sync, the host's
+        threads taking turns; an engine's own Python threads would make that worse.)
 
         Returns ``(steps served, the first message that is not a served step)``: ``b""`` at the end of the stream
         (or where the follower hung up before a step's answer), else a message for the caller -- a new setup, or
