@@ -41,6 +41,22 @@ def _receive(port: Any, dst: Any, parts: Any, step: int) -> tuple[dict[int, Any]
     return got, thread
 
 
+def _step(port: Any, link: Any, src: Any, dst: Any, step: int, first: int, second: int) -> tuple[Any, list[Any], bool]:
+    """One step of both parts, the source's halves filled with ``first`` and ``second``: the target's stats
+    of the pair, the source's of each part, whether the second was offered before the first was acked; the
+    target holds both halves where planned."""
+    _fill(src, first, second)
+    got, receiving = _receive(port, dst, (FIRST, SECOND), step)
+    stats, overlapped = _send(link, src, step)
+    receiving.join(20)
+    assert not receiving.is_alive(), "the target hung"
+    version, pair = got[3]
+    assert version == step
+    assert _halves(dst) == ({second}, {first}), f"step {step}: the parts did not land where planned"
+    assert pair.bytes == N and [s.bytes for s in stats] == [HALF, HALF], (pair, stats)
+    return pair, stats, overlapped
+
+
 def _send(link: Any, src: Any, version: int) -> tuple[list[Any], bool]:
     """Both parts as a push sends them: the second offered before the first is acked where the first was
     posted early (a warm ipc pair), else after it finished (its data follows the accept).  (The parts' stats,
@@ -60,15 +76,8 @@ def test_a_step_in_two_parts_lands_both_and_sets_each_part_up_once(transport: st
     its own transport: alternating parts would otherwise set one up again every step)."""
     with sync_pair(N, transport, STALL) as (port, link, src, dst):
         for step in (1, 2, 3):
-            _fill(src, 10 + step, 20 + step)
-            got, receiving = _receive(port, dst, (FIRST, SECOND), step)
-            stats, overlapped = _send(link, src, step)
-            receiving.join(20)
-            assert not receiving.is_alive(), "the target hung"
-            version, pair = got[3]
-            assert version == step
-            assert _halves(dst) == ({20 + step}, {10 + step}), f"step {step}: the parts did not land where planned"
-            assert pair.bytes == N and pair.runs == 2, pair
+            pair, stats, overlapped = _step(port, link, src, dst, step, 10 + step, 20 + step)
+            assert pair.runs == 2, pair
             assert [s.setup for s in stats] == [step == 1] * 2, (step, stats)
             assert overlapped == (transport == "ipc" and step > 1), "a warm ipc step's parts overlap, no other's"
             assert pair.setup == (step == 1)
@@ -99,14 +108,7 @@ def test_a_warm_ipc_steps_second_part_lands_while_its_first_still_does(monkeypat
     monkeypatch.setattr(_Feed, "_data", slow_first)
     with sync_pair(N, "ipc", STALL) as (port, link, src, dst):
         for step in (1, 2, 3):
-            _fill(src, 30 + step, 40 + step)
-            got, receiving = _receive(port, dst, (FIRST, SECOND), step)
-            stats, _ = _send(link, src, step)
-            receiving.join(20)
-            assert not receiving.is_alive(), "the target hung"
-            version, pair = got[3]
-            assert version == step and _halves(dst) == ({40 + step}, {30 + step}), step
-            assert pair.bytes == N and [s.bytes for s in stats] == [HALF, HALF]
+            _step(port, link, src, dst, step, 30 + step, 40 + step)
     (*_, a1), (*_, b0, _) = sorted(x for x in spans if x[0] == 1)
     assert b0 >= a1, "the step that set the data paths up took its second part in before its first landed"
     for step in (2, 3):
