@@ -376,11 +376,17 @@ def test_a_tile_reaching_past_a_region_is_refused() -> None:
         pair.segments.check_within(int(t.table[:, tiles.SRC].max()), c["tmanifests"][0].nbytes)
     for column, value in ((tiles.SRC_PITCH, 1 << 62), (tiles.ROWS, 1 << 40), (tiles.DST, -8), (tiles.SCALE, -2),
                           (tiles.DTYPE, 7), (tiles.R1, 10**6),      # hostile columns: refused, never wrapped
-                          (tiles.DST_PITCH, 0)):                    # rows written over each other
+                          (tiles.DST_PITCH, 0),                     # rows written over each other
+                          (tiles.AMAX, -2), (tiles.AMAX, 6), (tiles.AMAX, 1 << 62)):   # an agreed amax: a float32
         bad = t.table.copy()
         bad[0, column] = value
         with pytest.raises(ProtocolError, match="reaches past"):
             tiles.QuantTiles(bad, t.tensor, t.names).check_within(1 << 62, 1 << 62)
+    agreed = t.table.copy()         # a shared block's agreed amax is read from the source's region: inside it
+    agreed[0, tiles.AMAX] = src_end - 4
+    tiles.QuantTiles(agreed, t.tensor, t.names).check_within(src_end, dst_end)
+    with pytest.raises(ProtocolError, match="reaches past"):
+        tiles.QuantTiles(agreed, t.tensor, t.names).check_within(src_end - 1, dst_end)
 
 
 def test_host_sources_and_tcp_never_carry_tiles() -> None:
