@@ -383,10 +383,11 @@ def test_a_tile_reaching_past_a_region_is_refused() -> None:
         with pytest.raises(ProtocolError, match="reaches past"):
             tiles.QuantTiles(bad, t.tensor, t.names).check_within(1 << 62, 1 << 62)
     agreed = t.table.copy()         # a shared block's agreed amax is read from the source's region: inside it
-    agreed[0, tiles.AMAX] = src_end - 4
-    tiles.QuantTiles(agreed, t.tensor, t.names).check_within(src_end, dst_end)
+    at = -(-src_end // 4) * 4       # (past every tile's elements)
+    agreed[0, tiles.AMAX] = at
+    tiles.QuantTiles(agreed, t.tensor, t.names).check_within(at + 4, dst_end)
     with pytest.raises(ProtocolError, match="reaches past"):
-        tiles.QuantTiles(agreed, t.tensor, t.names).check_within(src_end - 1, dst_end)
+        tiles.QuantTiles(agreed, t.tensor, t.names).check_within(at + 3, dst_end)
 
 
 def test_host_sources_and_tcp_never_carry_tiles() -> None:
