@@ -199,7 +199,7 @@ class DeviceTiles:
         """What the strided copy needs to launch these tiles after it without the GIL (``StridedCopy.launch``
         and ``serve_lane``): the kernel's function handle (loaded in the device's primary context), the
         table, the tiles, the failure word on the device and its pinned copy on the host (:meth:`failed`
-        reads it)."""
+        reads it).  Raw addresses: valid until :meth:`close`, which the pair's copy calls after its last launch."""
         from tensorxfer.quant import kernel
 
         _, kernels = kernel._context(self.device)

@@ -64,7 +64,6 @@ class DeviceSegments:
         if self._tiles is not None:
             self._tiles.launch(copier.stream, dst_ptr, src_ptr)
 
-
     def check_quantized(self) -> None:
         """After the copier's stream synchronized: QuantizationError naming the tensor of the first block that
         held a NaN or an infinity (nothing of that block was written; the step must fail)."""
