@@ -143,7 +143,7 @@ def write_agreed(region: np.ndarray, lay: Any, full: dict[str, torch.Tensor], q:
     for n, (shard, _) in zip(lay.amax, made):
         shard.agreed_at = lay.amax[n]
     view = torch.from_numpy(region[entry.offset:entry.offset + entry.nbytes]).view(torch.float32)
-    _AgreedAmaxes(view).write([m[0] for m in made], [m[1] for m in made])
+    _AgreedAmaxes(view, [m[0] for m in made]).write([m[1] for m in made])
 
 
 def source_regions(case: dict[str, Any], q: Quantization) -> list[np.ndarray]:

@@ -312,7 +312,8 @@ class SourceQuantizer:
         for s in shards:
             by_device.setdefault(s.local.device, []).append(s)
         self._devices = [_DeviceShards(group) for group in by_device.values()]
-        self._agreed = _AgreedAmaxes(agreed) if agreed is not None else None
+        shared = [d.shards[i] for d in self._devices for i in d.shared_shards]      # the round's order
+        self._agreed = _AgreedAmaxes(agreed, shared) if agreed is not None else None
         self._peers: tuple[int, ...] = ()
         self._made_bytes = sum(s.values.numel() for s in shards if not s.empty)
         self._launched: tuple[int, float] | None = None
@@ -400,7 +401,7 @@ class SourceQuantizer:
             self._merge(begun.version, begun.shared, begun.mine)
             wait = time.perf_counter() - t1
             if self._agreed is not None:        # where the pairs' tiles of these blocks read them
-                self._agreed.write(begun.shared, begun.mine)
+                self._agreed.write(begun.mine)
         for d in self._devices:
             d.quantize_shared()
         self._check_finite()
@@ -472,28 +473,26 @@ class _AgreedAmaxes:
     """The agreed amaxes of a source's shared blocks where its pairs' tiles read them: the region's amax entry
     (:data:`tensorxfer.sync.layout.AMAX_ENTRY`, ``entry``: a float32 view), written from a host copy of it in one
     host-to-device copy on a stream of its own (no kernel: a kernel of this process would wait for a time
-    slice behind the tiles of the copy host), waited for before the tiles that read it are offered."""
+    slice behind the tiles of the copy host), waited for before the tiles that read it are offered.  ``shards``:
+    the shards with shared cells, in the order of the round's amaxes."""
 
-    def __init__(self, entry: Any) -> None:
+    def __init__(self, entry: Any, shards: list[QuantizedShard]) -> None:
         import torch
 
         self.entry = entry
         self._host = torch.zeros(entry.numel(), dtype=torch.float32, pin_memory=entry.is_cuda)
         self._stream = torch.cuda.Stream(entry.device) if entry.is_cuda else None
-        self._at: tuple[tuple[int, ...], np.ndarray] | None = None
+        firsts = [(k, s.agreed_at) for k, s in enumerate(shards) if s.agreed_at is not None]   # (inputs' first layouts)
+        self._written = [k for k, _ in firsts]
+        self._at = np.concatenate([at + shards[k].shared_pos for k, at in firsts] or [np.zeros(0, np.int64)])
 
-    def write(self, shards: list[QuantizedShard], agreed: list[np.ndarray]) -> None:
-        """Write each of ``shards``' ``agreed`` amaxes (its shared cells', in order) where its tiles read them."""
+    def write(self, agreed: list[np.ndarray]) -> None:
+        """Write the shards' ``agreed`` amaxes (each one's shared cells', in order) where their tiles read them."""
         import torch
 
-        key = tuple(id(s) for s in shards)
-        if self._at is None or self._at[0] != key:      # the same shards step after step: their places, once
-            self._at = (key, np.concatenate([s.agreed_at + s.shared_pos for s in shards if s.agreed_at is not None]
-                                            or [np.zeros(0, np.int64)]))
-        at = self._at[1]
-        if not len(at):
+        if not len(self._at):
             return
-        self._host.numpy()[at] = np.concatenate([a for s, a in zip(shards, agreed) if s.agreed_at is not None])
+        self._host.numpy()[self._at] = np.concatenate([agreed[k] for k in self._written])
         if self._stream is None:
             self.entry.copy_(self._host)
             return
