@@ -253,6 +253,37 @@ def test_a_tcpstore_key_published_as_the_wait_times_out_is_read_not_raised() -> 
         TorchStoreRendezvous(server).read(["step/6"], 0.05)
 
 
+def test_a_rank_waiting_on_a_tcpstore_stops_at_ctrl_c(tmp_path: Path) -> None:
+    """A real process waiting for a key that never comes (a target before its sources start) stops at SIGINT
+    within a second, as Python does anywhere else: c10d's wait is C++ no signal interrupts, and a whole
+    timeout's wait ignored Ctrl-C until it ended."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "wait.py"
+    script.write_text("from tensorxfer.sync.rendezvous import TorchStoreRendezvous, open_tcp_store\n"
+                      "store = open_tcp_store('127.0.0.1', 0, True)\n"
+                      "print('waiting', flush=True)\n"
+                      "TorchStoreRendezvous(store).read(['never'], 60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "waiting\n"
+        time.sleep(0.5)         # inside the wait
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        assert time.monotonic() - start < 2.0
+        assert proc.stderr is not None and "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+
+
 def test_descriptions_are_stored_compressed_and_a_bad_body_is_refused(url: str) -> None:
     """Bodies go into the store zlib-compressed under the hash of the uncompressed body; a reader inflates
     with a limit and checks the hash: a body that is not zlib, inflates too far or was altered is refused."""

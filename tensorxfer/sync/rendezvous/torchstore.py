@@ -10,10 +10,14 @@ failing and by its missing step reports.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from tensorxfer.sync.rendezvous.base import Rendezvous, not_published
+
+#: the longest one wait on the store blocks: how long Ctrl-C may take to stop a rank waiting for a key
+WAIT_SLICE = 0.25
 
 
 def open_tcp_store(host: str, port: int, is_master: bool, timeout: float = 60.0) -> Any:
@@ -60,14 +64,22 @@ class TorchStoreRendezvous(Rendezvous):
         keys = list(keys)
         if not keys:
             return []
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=max(timeout, 1e-3)))
-        except Exception as e:      # torch raises DistStoreError / RuntimeError on a timeout
-            missing = [k for k in keys if not self.store.check([k])]
-            if missing:
-                raise not_published(missing, timeout) from e
-            # every key was published just as the wait timed out (a source's leader deciding its step at
-            # LEADER_WAIT): read them; a store that failed otherwise fails the read too
+        deadline = time.monotonic() + max(timeout, 1e-3)
+        while True:
+            # in slices: c10d's wait is C++ that no signal interrupts, so a process waiting here for a whole
+            # timeout ignored Ctrl-C (SIGINT) until it ended; between slices Python's handlers run
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(min(left, WAIT_SLICE), 1e-3)))
+                break
+            except Exception as e:      # torch raises DistStoreError / RuntimeError on a timeout
+                missing = [k for k in keys if not self.store.check([k])]
+                if not missing:
+                    # every key was published just as the wait timed out (a source's leader deciding its step
+                    # at LEADER_WAIT): read them; a store that failed otherwise fails the read too
+                    break
+                if time.monotonic() >= deadline:
+                    raise not_published(missing, timeout) from e
         return [bytes(v) for v in self.store.multi_get(keys)]
 
     def join(self, prefix: str, name: str, value: bytes) -> None:
