@@ -417,13 +417,27 @@ cdef class StridedCopy:
     def tiles(self):
         return self._count
 
+    cdef cydriver.CUresult _queue_step(self, Quantizing* q, cydriver.CUdeviceptr src, cydriver.CUdeviceptr dst,
+                                       cydriver.CUstream stream, const char** failed) noexcept nogil:
+        """Queue one step on ``stream``: the strided copy of every tile, then the pair's quantizing tiles."""
+        cdef void* args[3]
+        cdef cydriver.CUresult rc = cydriver.CUDA_SUCCESS
+        args[0] = &self._table
+        args[1] = &src
+        args[2] = &dst
+        if self._count:
+            rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0, stream, args, NULL)
+            failed[0] = b"cuLaunchKernel(strided_copy)"
+        if q.count and rc == cydriver.CUDA_SUCCESS:
+            rc = launch_tiles(q, src, dst, stream, failed)
+        return rc
+
     def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, tuple quantizing=None):
         """Queue the copy of every tile from ``src_base`` to ``dst_base`` on ``copier``'s stream; and after it a
         pair's ``quantizing`` tiles (as :meth:`serve_lane` takes them: their failure word is on the host once
         the stream synchronized), all without the GIL (launched from Python, a quantizing pair's launch took
         0.2-0.8 ms on the H100, its threads taking turns)."""
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
-        cdef void* args[3]
         cdef Quantizing q
         cdef const char* failed = NULL
         cdef cydriver.CUresult rc = cydriver.CUDA_SUCCESS
@@ -434,17 +448,9 @@ cdef class StridedCopy:
         quantizing_of(quantizing, &q)
         if self._count == 0 and q.count == 0:
             return
-        args[0] = &self._table
-        args[1] = &src
-        args[2] = &dst
         bind_device(self._device)
         with nogil:
-            if self._count:
-                rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
-                                             copier._stream, args, NULL)
-                failed = b"cuLaunchKernel(strided_copy)"
-            if q.count and rc == cydriver.CUDA_SUCCESS:
-                rc = launch_tiles(&q, src, dst, copier._stream, &failed)
+            rc = self._queue_step(&q, src, dst, copier._stream, &failed)
         if rc != cydriver.CUDA_SUCCESS:
             check_cu(rc, failed)
 
@@ -475,7 +481,6 @@ cdef class StridedCopy:
         cdef const char* failed = NULL
         cdef uint64_t* word = <uint64_t*>fence
         cdef uint64_t seq = 0
-        cdef void* args[3]
         cdef unsigned char* buf
         cdef ssize_t n = 0
         cdef long served = 0
@@ -489,9 +494,6 @@ cdef class StridedCopy:
         if word == NULL:
             raise ValueError("serve_lane needs the lane's fence word")
         quantizing_of(quantizing, &q)
-        args[0] = &self._table
-        args[1] = &src
-        args[2] = &dst
         buf = <unsigned char*>malloc(LANE_MESSAGE)
         if buf == NULL:
             raise MemoryError()
@@ -512,12 +514,7 @@ cdef class StridedCopy:
                         seq = (seq << 8) | buf[i]
                     if not tx_fence_take(word, seq):
                         break       # given up by the follower: not one byte; the caller answers it
-                    if self._count:
-                        rc = cydriver.cuLaunchKernel(self._fn, <unsigned int>self._count, 1, 1, 256, 1, 1, 0,
-                                                     copier._stream, args, NULL)
-                        failed = b"cuLaunchKernel(strided_copy)"
-                    if q.count and rc == cydriver.CUDA_SUCCESS:
-                        rc = launch_tiles(&q, src, dst, copier._stream, &failed)
+                    rc = self._queue_step(&q, src, dst, copier._stream, &failed)
                     if rc == cydriver.CUDA_SUCCESS:
                         rc = cydriver.cuStreamSynchronize(copier._stream)
                         failed = b"cuStreamSynchronize"

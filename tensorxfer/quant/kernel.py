@@ -127,7 +127,6 @@ class ShardTable:
             total += math.prod(grid.cells(offsets, tuple(x.shape))[1])
         self.cells = total
         self.amax = torch.empty(total, dtype=torch.float32, device=self.device)
-        self._pointers: list[tuple[int, int, int]] = []
         self._inputs = [e[0] for e in entries]
         self._input_pointers: list[int] = []
         self._table: Any = None
@@ -152,8 +151,6 @@ class ShardTable:
         self._input_pointers = inputs
         pointers = [(px, 0 if v is None else v.data_ptr(), 0 if s is None else s.data_ptr())
                     for px, (_, _, _, _, v, s) in zip(inputs, self.entries)]
-        if pointers == self._pointers:
-            return
         rows = []
         for (x, grid, offsets, q, _, _), (px, pv, ps), start in zip(self.entries, pointers, self.starts):
             first, count = grid.cells(offsets, tuple(x.shape))
@@ -165,7 +162,6 @@ class ShardTable:
         self._rows = len(rows)
         self._table = (torch.tensor(rows, dtype=torch.int64).reshape(-1, WIDTH).to(self.device)
                        if rows else None)
-        self._pointers = pointers
 
     def amaxes(self, cells: Any = None, quantize_whole: bool = False) -> None:
         """The amax of each cell listed in ``cells`` (int64 on the device, indices into :attr:`amax`; None:
