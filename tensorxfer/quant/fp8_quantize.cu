@@ -381,33 +381,48 @@ __device__ __forceinline__ float tile_scale(int formula, float amax, char* scale
 }
 
 // A block 128 columns wide, at most 128 rows high, aligned for 16-byte loads, its values written whole rows
-// of 8-byte words (the layout FP8 checkpoints use, TP shards on block edges): one read into registers, one write
+// of 8-byte words (the layout FP8 checkpoints use, TP shards on block edges): one read into shared memory, one
+// write
 template <typename T>
 __device__ __forceinline__ bool tile_fast(const int64_t* t, uint64_t src, uint64_t dst) {
     return t[T_COLS] == 128 && t[T_ROWS] <= 128 && t[T_C0] == 0 && t[T_C1] == 128 && (src + t[T_SRC]) % 16 == 0 &&
            t[T_SRC_PITCH] % 16 == 0 && (dst + t[T_DST]) % 8 == 0 && t[T_DST_PITCH] % 8 == 0;
 }
 
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through registers
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+// The block's 32 KiB are staged in shared memory, each thread's 16 bytes of a row at stage[p * THREADS + x] (it
+// reads back only what it fetched itself: no barrier but the wait for its own copies).  Why not registers: the
+// 32 KiB took 32 registers a thread, so three blocks a multiprocessor, and the tiles ran at 1.125x torch's
+// one-pass cast on the H100; four spilled (1.25-1.28x).  Staged, 64 registers a thread and 32 KiB of shared
+// memory a block let four run at once: 0.985-0.987x torch's cast (five 0.996-0.997x, six 0.996-1.010x; probe_tiles
+// over 4 GiB of 128 x 128 tiles, benchmarks/results/2026-12-07-fp8-tiles-in-shared-memory).
 template <typename T>
-__device__ void tile_registers(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
-                               unsigned long long* status) {
+__device__ void tile_staged(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
+                            unsigned long long* status) {
     constexpr int VEC = 16 / sizeof(T), LANES = 128 / VEC, ROWS = THREADS / LANES, PASSES = 128 / ROWS;
+    __shared__ uint4 stage[PASSES * THREADS];
     const int tr = threadIdx.x / LANES, tc = threadIdx.x % LANES;
     const int64_t rows = t[T_ROWS], pitch = t[T_SRC_PITCH];
     const char* src = reinterpret_cast<const char*>(src_base + t[T_SRC]) + tc * 16;
-    uint4 raw[PASSES];
 #pragma unroll
     for (int p = 0; p < PASSES; p++) {
         const int64_t r = tr + p * ROWS;
-        if (r < rows) raw[p] = *reinterpret_cast<const uint4*>(src + r * pitch);
+        if (r < rows) copy16_async(&stage[p * THREADS + threadIdx.x], src + r * pitch);
     }
+    asm volatile("cp.async.wait_all;\n" ::);
     float m = 0.0f;
     int nan = 0;
 #pragma unroll
     for (int p = 0; p < PASSES; p++) {
         if (tr + p * ROWS >= rows) continue;
+        const uint4 raw = stage[p * THREADS + threadIdx.x];
         float v[VEC];
-        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw), v);
 #pragma unroll
         for (int i = 0; i < VEC; i++) {
             nan |= v[i] != v[i];
@@ -427,9 +442,10 @@ __device__ void tile_registers(const int64_t* t, uint64_t src_base, uint64_t dst
     for (int p = 0; p < PASSES; p++) {
         const int64_t r = tr + p * ROWS;
         if (r < r0 || r >= r1) continue;
+        const uint4 raw = stage[p * THREADS + threadIdx.x];
         float v[VEC];
         uint8_t b[VEC];
-        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw[p]), v);
+        Load<T, VEC>::at(reinterpret_cast<const T*>(&raw), v);
 #pragma unroll
         for (int i = 0; i < VEC; i += 2) {     // two at a time: the same bytes as to_fp8's (see to_fp8_pair)
             const uint16_t pair = to_fp8_pair(v[i], v[i + 1], s);
@@ -469,14 +485,15 @@ __device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base
     });
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
+// Four blocks a multiprocessor (at most 64 registers a thread; the byte loops' paths do not spill): see tile_staged
+extern "C" __global__ void __launch_bounds__(THREADS, 4)
 quantize_tiles(const int64_t* __restrict__ tiles, uint64_t src_base, uint64_t dst_base,
                unsigned long long* __restrict__ status) {
     const int64_t index = blockIdx.x;
     const int64_t* t = tiles + index * T_WIDTH;
     if (t[T_DTYPE] == BF16) {
         if (tile_fast<__nv_bfloat16>(t, src_base, dst_base))
-            tile_registers<__nv_bfloat16>(t, src_base, dst_base, index, status);
+            tile_staged<__nv_bfloat16>(t, src_base, dst_base, index, status);
         else if ((src_base + t[T_SRC]) % 16 == 0 && t[T_SRC_PITCH] % 16 == 0 && t[T_COLS] % 8 == 0)
             tile_loop<__nv_bfloat16, 8>(t, src_base, dst_base, index, status);
         else

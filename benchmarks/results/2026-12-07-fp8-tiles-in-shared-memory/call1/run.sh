@@ -14,7 +14,7 @@ probe() {   # TREE VARIANT [--persistent N]
   (cd $tree && PYTHONPATH=.:/tmp/site timeout 90 python3 $OLDPWD/.out/kv/probe_tiles.py --gib 4 --repeat 20 \
      $image "$@") >> $R/probes.txt 2>&1; echo "$tree $v: $(tail -1 $R/probes.txt)"
 }
-probe .out/m1 base; probe .out/p1 package; probe .out/m1 staged6; save
+probe .out/m1 base; probe .out/p1 package; save
 (cd .out/p1 && PYTHONPATH=.:/tmp/site timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_fusing.py \
    tests/test_step_parts.py tests/test_quant_gpu.py tests/test_sync_fp8.py tests/test_sync_quantized.py \
    tests/test_copy_host.py > "$R/tests_gpu-p1.txt" 2>&1; echo "gpu tests p1 rc=$?"; tail -1 "$R/tests_gpu-p1.txt")
@@ -32,5 +32,4 @@ rm -rf /tmp/ms && cp -r .out/m1 /tmp/ms && cp .out/kv/staged6.fatbin /tmp/ms/ten
 bench .out/p1 p1; save
 bench .out/m1 main; save
 bench .out/p1 p1-again; save
-bench /tmp/ms staged6; save
-probe .out/m1 base; probe .out/p1 package; save
+
