@@ -173,7 +173,12 @@ def rank_main(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     store.set(f"{prefix}ready/{role}/{rank}", b"1")
     steps = []
+    kineto = os.environ.get("BENCH_KINETO") if fp8 and args.device != "cpu" else None
+    profiler: Any = None
     for step in range(args.repeat + 1):
+        if kineto and step == args.repeat:      # a diagnosis: every process's GPU work in the last step (CUPTI)
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            profiler.start()
         bench_sync.wait_go(store, f"{prefix}go/{step}")
         t0 = time.time()
         if role == "source":
@@ -186,6 +191,11 @@ def rank_main(args: argparse.Namespace) -> int:
             if args.device != "cpu":
                 torch.cuda.synchronize(args.device)
         steps.append((t0, time.time()))
+        if profiler is not None:
+            profiler.stop()
+            Path(kineto).mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(Path(kineto) / f"{role}{rank}.json"))
+            (Path(kineto) / f"{role}{rank}.step.json").write_text(json.dumps(steps[-1]))
         store.set(f"{prefix}done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": steps[-1][1]}).encode())
     if traced:
         trace_sync.dump(args.trace, role, rank, steps)
