@@ -131,7 +131,18 @@ def summarize(path: Path, skip: int = 1) -> str:
     return "\n".join(lines)
 
 
+def last_step(path: Path) -> str:
+    """Every event of the last step, every rank's, in the order they began (ms from its first source push())."""
+    ranks = [json.loads(p.read_text()) for p in sorted(path.glob("trace-*.json"))]
+    origin = min(r["steps"][-1][0] for r in ranks if r["role"] == "source")
+    end = max(r["steps"][-1][1] for r in ranks)
+    rows = sorted((t0, t1, f"{r['role']}{r['rank']}", thread, phase) for r in ranks
+                  for phase, thread, t0, t1 in r["events"] if origin - 0.002 <= t0 <= end)
+    return "\n".join(f"{(t0 - origin) * 1e3:7.3f} .. {(t1 - origin) * 1e3:7.3f}  {who:8} {thread[-12:]:12} {phase}"
+                     for t0, t1, who, thread, phase in rows)
+
+
 if __name__ == "__main__":
     import sys
 
-    print(summarize(Path(sys.argv[1])))
+    print(last_step(Path(sys.argv[2])) if sys.argv[1] == "--last" else summarize(Path(sys.argv[1])))
