@@ -176,9 +176,6 @@ def rank_main(args: argparse.Namespace) -> int:
     kineto = os.environ.get("BENCH_KINETO") if fp8 and args.device != "cpu" else None
     profiler: Any = None
     for step in range(args.repeat + 1):
-        if kineto and step == args.repeat:      # a diagnosis: every process's GPU work in the last step (CUPTI)
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            profiler.start()
         bench_sync.wait_go(store, f"{prefix}go/{step}")
         t0 = time.time()
         if role == "source":
@@ -196,6 +193,11 @@ def rank_main(args: argparse.Namespace) -> int:
             Path(kineto).mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(Path(kineto) / f"{role}{rank}.json"))
             (Path(kineto) / f"{role}{rank}.step.json").write_text(json.dumps(steps[-1]))
+        if kineto and step == args.repeat - 1:
+            # a diagnosis: every process's GPU work in the last step (CUPTI), started before this rank says it
+            # is done (starting takes a while: the next step's start instant is set once every rank said so)
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            profiler.start()
         store.set(f"{prefix}done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": steps[-1][1]}).encode())
     if traced:
         trace_sync.dump(args.trace, role, rank, steps)
