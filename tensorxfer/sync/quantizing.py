@@ -26,9 +26,10 @@ its tiles read the source's input and write the FP8 values and scales straight i
 the source holds whole from the step's start, the blocks it shares after this round, with the agreed amaxes
 this source wrote into its region (:class:`_AgreedAmaxes`: one host-to-device copy).  A tensor every pair
 reading it fuses is then made here not at all (:meth:`SourceQuantizer.plan`): the source takes only its
-shared blocks' amaxes for the round, one kernel.  The order of such a push: the whole blocks' tiles offered
-and posted, that kernel launched, the amaxes read back and published, the peers' merged and written, the
-shared blocks' tiles offered.
+shared blocks' amaxes for the round, one kernel.  The order of such a push: the whole blocks' tiles offered,
+that kernel launched (before the tiles can run: the GPU time-slices between processes, and a kernel of this one's
+amid the copy host's tiles costs them ~0.3 ms), the tiles posted, the amaxes read back and published, the peers'
+merged and written, the shared blocks' tiles offered.
 
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
@@ -416,8 +417,8 @@ class SourceQuantizer:
 
     def launch(self, version: int) -> None:
         """Queue the shared cells' amaxes of step ``version`` and their copy to the host, without waiting: a
-        source whose pairs quantize on the way calls it right after it posts their first tiles, then
-        :meth:`begin` (its kernel may wait for a time slice behind the tiles; the round has until they end)."""
+        source whose pairs quantize on the way calls it right before it posts their first tiles (so that they
+        run before the tiles, not in a time slice of their own amid them), then :meth:`begin`."""
         self._launched = (version, time.perf_counter())
         for d in self._devices:
             d.launch_shared()

@@ -406,12 +406,15 @@ class WeightSync:
 
         The source quantizes (:class:`SourceQuantizer`) before it offers anything that reads what it makes; a
         pair whose first part needs none of it (a fused pair's tiles of whole blocks:
-        :func:`~tensorxfer.sync.fusing.parts`) is offered, packed and posted before, then its shared amaxes are
-        queued (:meth:`SourceQuantizer.launch`; after the pack, whose wait for the device would wait for them
-        too; after the post, whose ~0.3 ms of launching they held up on the H100), and the round (those amaxes
-        read back and published, the peers' merged and written where the shared blocks' tiles read them) runs
-        while the tiles land.  A quantization that fails is told to every target (:meth:`_refuse`), so pairs
-        already landing a first part fail too.
+        :func:`~tensorxfer.sync.fusing.parts`) is offered, packed, its shared amaxes queued
+        (:meth:`SourceQuantizer.launch`: after the pack, whose wait for the device would wait for them too) and
+        then posted, and the round (those amaxes read back and published, the peers' merged and written where the
+        shared blocks' tiles read them) runs while the tiles land.  Why the amaxes before the post: once the
+        copy host's tiles run, any work of this process's on the GPU waits ~1.35 ms for a time slice and costs
+        the tiles ~0.33 ms (``benchmarks/probe_timeslice.py`` on the H100); queued before the post, it runs
+        before the tiles can start (16 GB, 4 to 2 on the H100: 11.72-11.80 ms a step against 11.94-12.18 ms
+        after the post, ``benchmarks/results/2026-12-07-fp8-source-work-before-the-tiles``).  A quantization
+        that fails is told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
@@ -459,11 +462,11 @@ class WeightSync:
                     packed_bytes, packed = self._pack(), time.perf_counter() - t0
                 except Exception as e:
                     return failed("the source's pack failed before its data was posted", e)
-                post(offered)
-                if quantizer is not None:   # its kernel queued (no wait): the tiles go out first
+                if quantizer is not None:   # its kernel queued (no wait) before the tiles can start
                     _, error = self._quantize(lambda: quantizer.launch(version))
                     if error is not None:
                         return failed("the source could not quantize its weights", error)
+                post(offered)
             if quantizer is not None:
                 made, error = self._quantize(lambda: quantizer.quantize(version))
                 if error is not None:
