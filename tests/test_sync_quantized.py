@@ -430,3 +430,62 @@ def test_shared_cells_bytes_and_peers_match_brute_force(case: Any) -> None:
         quantizer = SourceQuantizer([s], None, r, 1.0)     # type: ignore[arg-type]  (plan reads no store)
         quantizer.plan(specs)
         assert set(quantizer._peers) == want_peers, (r, boxes)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sharded(), st.integers(0, 2**31))
+def test_a_round_folds_the_peers_records_into_whole_block_amaxes_and_refuses_forged_ones(case: Any, seed: int) -> None:
+    import numpy as np
+
+    from tensorxfer.errors import StoreError
+    from tensorxfer.sync.quantizing import QuantizedShard, _RoundIndex
+    from tensorxfer.sync.records import Amaxes
+
+    shape, q, boxes = case
+    grid = q.grid(shape)
+    rng = np.random.default_rng(seed)
+    values = {name: np.abs(rng.standard_normal(shape)).astype(np.float32) for name in ("w", "v")}
+
+    def cell_amax(name: str, cell: int, box: Box | None) -> float:
+        """The amax of one cell of ``name`` over ``box``'s part of it (None: the whole block)."""
+        i, j = (0, 0) if grid.per_tensor else divmod(cell, grid.scale_shape[1])
+        b = shape if grid.per_tensor else grid.block
+        held = np.zeros(shape, dtype=bool)
+        held[i * b[0]:(i + 1) * b[0], j * b[1]:(j + 1) * b[1]] = True
+        if box is not None:
+            inside = np.zeros(shape, dtype=bool)
+            inside[box.offsets[0]:box.offsets[0] + box.sizes[0], box.offsets[1]:box.offsets[1] + box.sizes[1]] = True
+            held &= inside
+        return float(values[name][held].max()) if held.any() else 0.0
+
+    def round_of(box: Box) -> tuple[_RoundIndex, np.ndarray]:
+        shards = [QuantizedShard(name, shape, box.offsets, q, torch.empty(box.sizes), torch.empty(0), torch.empty(0))
+                  for name in ("w", "v")]
+        index = _RoundIndex([s for s in shards if not s.empty and len(s.shared_ids)])
+        flat = np.array([cell_amax(s.name, int(c), box) for s in index.shards for c in s.shared_ids], np.float32)
+        return index, flat
+
+    rounds = [round_of(b) for b in boxes]
+    for r, (index, flat) in enumerate(rounds):
+        folded = flat.copy()
+        for k, (peer, theirs) in enumerate(rounds):
+            if k != r:
+                index.fold(folded, peer.record(theirs), f"amax/{k}")
+        want = [cell_amax(s.name, int(c), None) for s in index.shards for c in s.shared_ids]
+        assert folded.tolist() == want, (r, boxes)
+        assert [m.tolist() for m in index.split(folded)] == [
+            [cell_amax(s.name, int(c), None) for c in s.shared_ids] for s in index.shards]
+        if not len(flat):
+            continue
+        # ids that are no cell of ours, and tensors we hold no shared cell of, are passed over
+        stray = Amaxes({index.shards[0].key: (np.array([-1, 2**40 + int(index.shards[0].shared_ids[0]), 10**6],
+                                                       "<i8").tobytes(), np.full(3, 1e9, "<f4").tobytes()),
+                        "other.weight_scale_inv": (np.zeros(1, "<i8").tobytes(), np.full(1, 1e9, "<f4").tobytes())})
+        before = folded.copy()
+        index.fold(folded, stray, "amax/stray")
+        assert folded.tolist() == before.tolist()
+        for bad in (-1.0, float("nan"), float("inf")):
+            forged = Amaxes({index.shards[-1].key: (index.ids_bytes[-1],
+                                                    np.full(len(index.shards[-1].shared_ids), bad, "<f4").tobytes())})
+            with pytest.raises(StoreError, match=f"amaxes of {index.shards[-1].name!r} that are no amaxes"):
+                index.fold(folded, forged, "amax/forged")

@@ -103,9 +103,9 @@ class _Round:
 class _RoundIndex:
     """A source's shared cells in the round's order (``shards``: those with shared cells, device after device), as
     one flat array: where each shard's lie in it, its record entry's ids (encoded once), and every cell as a
-    sorted code ``(shard << 40) | cell id``, so that a peer's whole record folds in with a few array operations
-    (one search, one maximum) instead of a dozen per shard and peer: ~6 ms of Python per source in the 16 GB
-    bench's round, which held up the shared blocks' offers."""
+    sorted code ``(shard << 40) | cell id`` (at its place in the flat array), so that a peer's whole record
+    folds in with a few array operations (one search, one maximum) instead of a dozen per shard and peer:
+    ~6 ms of Python per source in the 16 GB bench's round, which held up the shared blocks' offers."""
 
     SHIFT = 40      # cell ids of one scale grid: far below 2**40
 
@@ -117,10 +117,9 @@ class _RoundIndex:
         self.by_key: dict[str, list[int]] = {}
         for k, s in enumerate(shards):
             self.by_key.setdefault(s.key, []).append(k)
-        codes = np.concatenate([(np.int64(k) << self.SHIFT) | s.shared_ids.astype(np.int64) for k, s in
-                                enumerate(shards)] or [np.zeros(0, np.int64)])
-        self.order = np.argsort(codes, kind="stable")       # sorted code -> its place in the flat array
-        self.codes = codes[self.order]
+        # sorted as they stand: a shard's shared ids ascend (its cells row-major in a box of the row-major grid)
+        self.codes = np.concatenate([(np.int64(k) << self.SHIFT) | s.shared_ids.astype(np.int64) for k, s in
+                                     enumerate(shards)] or [np.zeros(0, np.int64)])
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """Each shard's part of ``flat`` (views)."""
@@ -157,7 +156,7 @@ class _RoundIndex:
         at = np.searchsorted(self.codes, codes)
         hit = at < len(self.codes)
         hit[hit] = self.codes[at[hit]] == codes[hit]
-        np.maximum.at(flat, self.order[at[hit]], theirs[ours][hit])
+        np.maximum.at(flat, at[hit], theirs[ours][hit])
 
 
 class QuantizedShard:
