@@ -75,14 +75,18 @@ def install() -> None:
                       (link._Feed, "take_offer"), (link._Feed, "land"), (delegate.CopyLane, "copy"),
                       (delegate._HostedPair, "copy")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
+    from tensorxfer import binding
     from tensorxfer.quant import tiles
     from tensorxfer.sync import quantizing
+    from tensorxfer.transport.ipc import lane
 
     for cls, attr in ((quantizing.SourceQuantizer, "launch"), (quantizing.SourceQuantizer, "begin"),
                       (quantizing.SourceQuantizer, "finish"), (quantizing.SourceQuantizer, "_merge"),
                       (quantizing._AgreedAmaxes, "write"), (quantizing._DeviceShards, "shared_host"),
                       (link._Feed, "land_parts"), (link._Feed, "_data"), (delegate._HostedPair, "step"),
-                      (tiles.DeviceTiles, "launch")):
+                      (tiles.DeviceTiles, "launch"), (weight_sync.WeightSync, "_receive"),
+                      (link.TargetPort, "admit"), (link.TargetPort, "step"), (lane.InDoubt, "wait_clear"),
+                      (binding.ModuleBinding, "check_landing"), (link.SourceLink, "refuse")):
         _wrap(cls, attr, named(f"{cls.__name__}.{attr}"))
     import torch
 
