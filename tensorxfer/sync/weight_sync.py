@@ -410,11 +410,12 @@ class WeightSync:
         (:meth:`SourceQuantizer.launch`: after the pack, whose wait for the device would wait for them too) and
         then posted, and the round (those amaxes read back and published, the peers' merged and written where the
         shared blocks' tiles read them) runs while the tiles land.  Why the amaxes before the post: once the
-        copy host's tiles run, any work of this process's on the GPU waits ~1.35 ms for a time slice and costs
-        the tiles ~0.33 ms (``benchmarks/probe_timeslice.py`` on the H100); queued before the post, it runs
-        before the tiles can start (16 GB, 4 to 2 on the H100: 11.72-11.80 ms a step against 11.94-12.18 ms
-        after the post, ``benchmarks/results/2026-12-07-fp8-source-work-before-the-tiles``).  A quantization
-        that fails is told to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
+        copy host's tiles run, any work of this process's on the GPU waits ~1.3-1.9 ms for a time slice and
+        costs the tiles ~0.33 ms (``benchmarks/probe_timeslice.py`` on the H100); queued before the post, it
+        runs before the tiles can start.  (In the 16 GB 4-to-2 bench on the H100 the step moved by less than
+        its run-to-run spread: ``benchmarks/results/2026-12-07-fp8-source-work-before-the-tiles``.)  A
+        quantization that fails is told to every target (:meth:`_refuse`), so pairs already landing a first
+        part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
