@@ -5,7 +5,9 @@ with CUPTI (PyTorch's profiler, CUDA activity only: the copy host's kernels are 
 and CUPTI sees them as well) and writes ``DIR/<role><rank>.json`` (a Chrome trace) and its step's wall-clock
 start and end.  This prints, in ms from the first rank's start: each process's kernels and copies (first
 start, last end, busy time, count), the GPU's busy time as the union of them all, the gaps in it longer than
-``--gap-us``, and when the GPU's work began and ended against the step's::
+``--gap-us``, and when the GPU's work began and ended against the step's.  What it shows is which process put
+what on the GPU and in which order, not timings: on the H100, CUPTI made the traced 16 GB step's launches take
+0.5-6 ms and the step 12.7-13.6 ms (``benchmarks/results/2026-12-07-fp8-source-work-before-the-tiles``)::
 
     python3 benchmarks/gpu_timeline.py DIR [--gap-us 20]
 """
