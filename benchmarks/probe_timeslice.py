@@ -112,9 +112,11 @@ def main() -> None:
             alone = t
         else:
             per_window = statistics.median(counts)      # operations begun while the casts ran
-            row.update(interruptions=per_window, cost_us=(t - alone) / max(per_window, 1e-9) * 1e6,
-                       slowdown=t / alone, wait_us_median=statistics.median(waits) * 1e6,
-                       wait_us_p90=sorted(waits)[int(0.9 * (len(waits) - 1))] * 1e6)
+            row.update(interruptions=per_window, slowdown=t / alone)
+            if waits:       # (none: the other process did nothing while the casts ran)
+                row.update(cost_us=(t - alone) / max(per_window, 1e-9) * 1e6,
+                           wait_us_median=statistics.median(waits) * 1e6,
+                           wait_us_p90=sorted(waits)[int(0.9 * (len(waits) - 1))] * 1e6)
         print(json.dumps(row), flush=True)
 
 

@@ -95,9 +95,8 @@ class _Round:
     version: int
     t0: float
     shared: list[QuantizedShard]
-    mine: list[np.ndarray]      # each shard's part of ``flat`` (views: merged in place)
     seconds: float
-    flat: np.ndarray
+    flat: np.ndarray            # the shared cells' amaxes, shard after shard (:class:`_RoundIndex`)
 
 
 class _RoundIndex:
@@ -437,13 +436,12 @@ class SourceQuantizer:
         t0, self._launched = self._launched[1], None
         shared = self._round.shards
         flat = np.zeros(0, np.float32)
-        mine: list[np.ndarray] = []
         if shared:
-            flat = np.concatenate([d.shared_host() for d in self._devices if d.shared_shards]).astype(np.float32)
-            mine = self._round.split(flat)
+            flat = np.concatenate([d.shared_host() for d in self._devices if d.shared_shards]).astype(
+                np.float32, copy=False)
             try:
                 if not np.all(np.isfinite(flat)):
-                    for s, m in zip(shared, mine):
+                    for s, m in zip(shared, self._round.split(flat)):
                         if not np.all(np.isfinite(m)):
                             _refuse_shared(s, m)
             except QuantizationError as e:      # the peers would wait for amaxes that will not come
@@ -452,7 +450,7 @@ class SourceQuantizer:
             self.store.put(self._key(version, self.rank), self._round.record(flat).encode())
         for d in self._devices:             # while the peers' records come (GPU kernels run on meanwhile)
             d.quantize_whole()
-        return _Round(version, t0, shared, mine, time.perf_counter() - t0, flat)
+        return _Round(version, t0, shared, time.perf_counter() - t0, flat)
 
     def finish(self, begun: _Round) -> QuantStats:
         """The second half of :meth:`quantize`: the peers' amaxes merged, the shared cells quantized, every
@@ -460,10 +458,10 @@ class SourceQuantizer:
         wait = 0.0
         if begun.shared:
             t1 = time.perf_counter()
-            self._merge(begun.version, begun.flat, begun.mine)
+            self._merge(begun.version, begun.flat)
             wait = time.perf_counter() - t1
             if self._agreed is not None:        # where the pairs' tiles of these blocks read them
-                self._agreed.write(begun.mine)
+                self._agreed.write(self._round.split(begun.flat))
         for d in self._devices:
             d.quantize_shared()
         self._check_finite()
@@ -481,10 +479,10 @@ class SourceQuantizer:
                 if not s.empty:
                     check_finite(amax, s.name, s.grid, s.first)
 
-    def _merge(self, version: int, flat: np.ndarray, mine: list[np.ndarray]) -> None:
+    def _merge(self, version: int, flat: np.ndarray) -> None:
         """The peers' partial amaxes of step ``version`` folded into ours (``flat``, the shared cells' own, on
-        the host, in place; ``mine``: each shard's part of it); then written back into the devices' amaxes, one
-        copy per device."""
+        the host, in place); then written back into the devices' amaxes, one copy per device (each device's
+        shards are a run of ``flat``)."""
         import torch
 
         keys = [self._key(version, r) for r in self._peers]
@@ -499,8 +497,7 @@ class SourceQuantizer:
         for d in self._devices:
             n = len(d.shared_shards)
             if n and d.makes:
-                back = np.concatenate(mine[start:start + n])
-                agreed = torch.from_numpy(back)
+                agreed = torch.from_numpy(flat[self._round.starts[start]:self._round.starts[start + n]])
                 if d.amax.is_cuda:      # queued, not waited for: the GPU may be busy with other processes' pairs,
                     agreed = agreed.pin_memory().to(d.amax.device, non_blocking=True)   # one wait a push suffices
                 d.amax[d.shared] = agreed
