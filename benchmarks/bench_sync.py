@@ -293,12 +293,25 @@ def spawn(args: argparse.Namespace, port: int, role: str, rank: int, what: str) 
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
+def wait_for(store: Any, keys: list[str], procs: list[subprocess.Popen], limit: float = 900.0) -> None:
+    """Wait for ``keys`` in the store, but stop (RuntimeError) as soon as a rank process has exited with an
+    error: a failed rank never sets its key, and the bench would wait out the limit (on the GPU, device time)."""
+    end = time.monotonic() + limit
+    while not store.check(keys):     # (polled: a step's times are the ranks' own, not when this sees them)
+        failed = [p.args for p in procs if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > end:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"a rank failed ({failed[0] if failed else 'timed out'}): see its output above")
+        time.sleep(0.02)
+
+
 def run_steps(args: argparse.Namespace, store: Any, prefix: str, procs: list[subprocess.Popen],
               ready: list[str]) -> tuple[list[float], list[float]]:
     """Each step's time two ways, to the last rank's end: from the start instant this process sets in the
     store (:func:`wait_go`; a rank told late starts late) and from the first source rank's start (the
     trainer calling push())."""
-    store.wait(ready, dt.timedelta(seconds=900))
+    wait_for(store, ready, procs)
     from_go, from_push = [], []
     n, m = args.sources, args.targets
     for step in range(args.repeat + 1):
@@ -306,7 +319,7 @@ def run_steps(args: argparse.Namespace, store: Any, prefix: str, procs: list[sub
         store.set(f"{prefix}go/{step}", repr(go).encode())
         sources = [f"{prefix}done/{step}/source/{s}" for s in range(n)]
         keys = [f"{prefix}done/{step}/target/{t}" for t in range(m)] + sources
-        store.wait(keys, dt.timedelta(seconds=900))
+        wait_for(store, keys, procs)
         records = dict(zip(keys, (json.loads(v) for v in store.multi_get(keys))))
         end = max(r["end"] for r in records.values())
         from_go.append(end - go)

@@ -92,7 +92,8 @@ def send_message(sock: socket.socket, data: bytes, what: str, fds: list[int] | N
 def unpack(data: bytes, what: str) -> Any:
     scan_msgpack(data, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what=f"ipc: {what}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
+        # (bins: a token, or a weight sync pair's carried amaxes -- as long as the message, which is bounded)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE, max_ext_len=0)
     except Exception as e:
         raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
 
