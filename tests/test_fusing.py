@@ -524,8 +524,12 @@ def test_the_kernel_writes_the_reference_executors_bytes(block: Any, shapes: Any
 
 
 @pytest.mark.cuda
-def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_way() -> None:
+@pytest.mark.parametrize("carry", [True, False], ids=["amaxes-carried", "amaxes-read-in-the-region"])
+def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_way(carry: bool,
+                                                                                  monkeypatch: Any) -> None:
     _gpu()
+    if not carry:       # as if every part had more shared tiles than a message holds: the sources write the region
+        monkeypatch.setattr(tiles, "MAX_CARRIED", 0)
     from tensorxfer.errors import QuantizationError
     from tests.test_sync import _catch, run_ranks
     from tests.test_sync_quantized import close, group, reference, same, step
@@ -576,6 +580,9 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
         for st in results[:n]:     # the sources made no FP8: the pairs made all of it, shared blocks too
             qs = st.quantized
             assert qs.fused_bytes > 0 and qs.values_bytes == 0 and qs.shared_blocks > 0, qs
+        shared = [part.tiles for sync in syncs[:n] for parts in sync._segments.values() for part in parts
+                  if part.tiles is not None and part.tiles.agreed.any()]
+        assert shared and all(t.carries == carry for t in shared)
         # a NaN in a whole block of source 1: the step fails naming the tensor, and the next push lands
         sources[1]["w"].tensor[200, 7] = float("nan")
         got = failing_step()
