@@ -134,20 +134,16 @@ def agreed_amaxes(full: torch.Tensor, q: Quantization, s: Source) -> tuple[Quant
 
 
 def write_agreed(region: np.ndarray, lay: Any, full: dict[str, torch.Tensor], q: Quantization,
-                 shards: dict[str, Source]) -> _AgreedAmaxes | None:
-    """The agreed amaxes of a source's shared blocks written into ``region`` by its quantizer's writer (the
-    writer, which also holds them for the posts that carry them)."""
+                 shards: dict[str, Source]) -> None:
+    """The agreed amaxes of a source's shared blocks written into ``region`` by its quantizer's writer."""
     if AMAX_ENTRY not in lay.manifest or not lay.manifest[AMAX_ENTRY].nbytes:
-        return None
+        return
     entry = lay.manifest[AMAX_ENTRY]
     made = [agreed_amaxes(full[n], q, shards[n]) for n in lay.amax]
     for n, (shard, _) in zip(lay.amax, made):
         shard.agreed_at = lay.amax[n]
     view = torch.from_numpy(region[entry.offset:entry.offset + entry.nbytes]).view(torch.float32)
-    writer = _AgreedAmaxes(view, entry.offset, [m[0] for m in made])
-    writer.plan(region_reads=True)
-    writer.write([m[1] for m in made])
-    return writer
+    _AgreedAmaxes(view, [m[0] for m in made]).write([m[1] for m in made])
 
 
 def source_regions(case: dict[str, Any], q: Quantization) -> list[np.ndarray]:
@@ -394,54 +390,6 @@ def test_a_tile_reaching_past_a_region_is_refused() -> None:
         tiles.QuantTiles(agreed, t.tensor, t.names).check_within(at + 3, dst_end)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_the_amaxes_a_post_carries_are_those_its_tiles_would_read_in_the_sources_region(case: Any) -> None:
-    """A source carries, per tile, the float32 its tile reads at its amax column in the region (0 where none):
-    what the region path read, so both give the same bytes -- and a receiver takes nothing else."""
-    q, shapes, split, m, cuts, dtype, seed = case
-    c = build(shapes, q, cuts, dtype, m, split, seed)
-    p = plan(c["sspecs"], c["tspecs"])
-    for s, (lay, shards) in enumerate(zip(c["layouts"], c["sources"])):
-        region = np.zeros(lay.manifest.nbytes, np.uint8)
-        writer = write_agreed(region, lay, c["full"], q, shards)
-        for t in range(len(c["tspecs"])):
-            qt = fuse(segments_of(p, s, t), fusable(c["sspecs"][s])).segments.tiles
-            if qt is None or not qt.carries:
-                continue
-            assert writer is not None
-            carried = writer.carried(qt)
-            at = qt.table[:, tiles.AMAX]
-            read = np.array([region[a:a + 4].view("<f4")[0] if a >= 0 else 0 for a in at], "<f4")
-            assert carried == read.tobytes()
-            qt.check_carried(carried)
-            for bad in (None, carried[:-4], carried + bytes(4)):
-                with pytest.raises(ProtocolError, match="carried"):
-                    qt.check_carried(bad)
-
-
-def test_tiles_carry_their_agreed_amaxes_only_where_they_take_some_and_fit_a_message() -> None:
-    row = np.zeros(tiles.WIDTH, np.int64)
-    row[[tiles.ROWS, tiles.COLS, tiles.R1, tiles.C1, tiles.SRC_PITCH, tiles.DST_PITCH]] = (4, 4, 4, 4, 8, 4)
-    whole, shared = row.copy(), row.copy()
-    whole[tiles.AMAX], shared[tiles.AMAX] = -1, 64
-
-    def of(rows: list[np.ndarray]) -> tiles.QuantTiles:
-        return tiles.QuantTiles(np.stack(rows), np.zeros(len(rows), np.int32), ("w",))
-    none = of([whole, whole])
-    assert not none.carries
-    none.check_carried(None)
-    with pytest.raises(ProtocolError, match="carried 8 bytes"):
-        none.check_carried(bytes(8))        # amaxes for tiles that read none: not what was planned
-    most = tiles.MAX_CARRIED // tiles.CARRIED.itemsize
-    assert of([shared] + [whole] * (most - 1)).carries
-    past = of([shared] + [whole] * most)     # one float32 more than a message holds: read in the region
-    assert not past.carries
-    past.check_carried(None)
-    with pytest.raises(ProtocolError):
-        past.check_carried(bytes(4 * len(past)))
-
-
 def test_host_sources_and_tcp_never_carry_tiles() -> None:
     from tensorxfer.errors import TransportUnavailable
 
@@ -481,7 +429,6 @@ def test_the_kernel_writes_the_reference_executors_bytes(block: Any, shapes: Any
     p = plan(c["sspecs"], c["tspecs"])
     srcs = source_regions(c, q)
     stream = torch.cuda.current_stream()
-    carries = 0
     for s, spec in enumerate(c["sspecs"]):
         src = torch.from_numpy(srcs[s]).cuda()
         if s == 1:      # a NaN in one whole block, an infinity in another: both named, nothing of them written
@@ -497,39 +444,19 @@ def test_the_kernel_writes_the_reference_executors_bytes(block: Any, shapes: Any
                 continue
             want = np.zeros(c["tmanifests"][t].nbytes, np.uint8)
             host_src = src.cpu().numpy()
-            qt = pair.segments.tiles
-            failed = run_tiles(qt, host_src, want, block)
-            # the agreed amaxes of shared blocks come carried with the step, not from the source's region: there
-            # they are NaN now (read there, every such tile would fail)
-            carried, dsrc = None, src
-            if qt.carries:
-                at = qt.table[:, tiles.AMAX]
-                carried = np.array([host_src[a:a + 4].view(np.float32)[0] if a >= 0 else 0 for a in at], "<f4")
-                dsrc = src.clone()
-                for a in at[at >= 0]:
-                    dsrc[a:a + 4] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8).cuda()
+            failed = run_tiles(pair.segments.tiles, host_src, want, block)
             got = torch.zeros(len(want), dtype=torch.uint8, device="cuda")
-            dev = tiles.DeviceTiles(qt, torch.cuda.current_device())
-            dev.launch(stream.cuda_stream, got.data_ptr(), dsrc.data_ptr(),
-                       None if carried is None else carried.tobytes())
+            dev = tiles.DeviceTiles(pair.segments.tiles, torch.cuda.current_device())
+            dev.launch(stream.cuda_stream, got.data_ptr(), src.data_ptr())
             torch.cuda.synchronize()
             assert dev.failed() == (min(failed) if failed else None)
             assert np.array_equal(got.cpu().numpy(), want), (s, t)
-            if carried is not None:     # the same tiles reading a region with the agreed amaxes: refused (not planned)
-                with pytest.raises(ProtocolError, match="carried none"):
-                    dev.launch(stream.cuda_stream, got.data_ptr(), src.data_ptr())
             dev.close()
-            carries += qt.carries
-    assert carries, "no pair here took agreed amaxes: the carried path went untested"
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("carry", [True, False], ids=["amaxes-carried", "amaxes-read-in-the-region"])
-def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_way(carry: bool,
-                                                                                  monkeypatch: Any) -> None:
+def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_way() -> None:
     _gpu()
-    if not carry:       # as if every part had more shared tiles than a message holds: the sources write the region
-        monkeypatch.setattr(tiles, "MAX_CARRIED", 0)
     from tensorxfer.errors import QuantizationError
     from tests.test_sync import _catch, run_ranks
     from tests.test_sync_quantized import close, group, reference, same, step
@@ -580,9 +507,6 @@ def test_adopted_gpu_sources_feed_fp8_targets_on_their_gpu_by_quantizing_on_the_
         for st in results[:n]:     # the sources made no FP8: the pairs made all of it, shared blocks too
             qs = st.quantized
             assert qs.fused_bytes > 0 and qs.values_bytes == 0 and qs.shared_blocks > 0, qs
-        shared = [part.tiles for sync in syncs[:n] for parts in sync._segments.values() for part in parts
-                  if part.tiles is not None and part.tiles.agreed.any()]
-        assert shared and all(t.carries == carry for t in shared)
         # a NaN in a whole block of source 1: the step fails naming the tensor, and the next push lands
         sources[1]["w"].tensor[200, 7] = float("nan")
         got = failing_step()

@@ -20,7 +20,7 @@ from cuda.bindings cimport cydriver
 from libc.errno cimport ECONNRESET, EINTR, EPIPE, errno
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
 from tensorxfer.memory._driver cimport bind_device, check_cu
 from tensorxfer.memory._fence cimport TX_FENCE_DONE, TX_FENCE_REVOKED, tx_fence_store, tx_fence_take, tx_fence_word
@@ -325,63 +325,34 @@ cdef struct Quantizing:
     unsigned int count
     cydriver.CUdeviceptr status     # the lowest failing tile (all ones: none), on the device
     uint64_t* word                  # ... and its pinned copy on the host, read once the stream synchronized
-    cydriver.CUdeviceptr amaxes     # the agreed amaxes a post carried, one float32 a tile (0: the tiles take none)
-    void* amaxes_host               # ... their pinned host copy, filled from the post
-    bint carried                    # this step's amaxes are in amaxes_host: copied in before the tiles
 
 
 cdef int quantizing_of(tuple given, Quantizing* q) except -1:
     q.count = 0
     if given is None:
         return 0
-    fn, table, count, status, word, amaxes, amaxes_host = given
+    fn, table, count, status, word = given
     q.fn = <cydriver.CUfunction><uintptr_t>fn
     q.table = <cydriver.CUdeviceptr><uintptr_t>table
     q.count = <unsigned int>count
     q.status = <cydriver.CUdeviceptr><uintptr_t>status
     q.word = <uint64_t*><uintptr_t>word
-    q.amaxes = <cydriver.CUdeviceptr><uintptr_t>amaxes
-    q.amaxes_host = <void*><uintptr_t>amaxes_host
-    q.carried = False
     if q.fn == NULL or q.table == 0 or q.status == 0 or q.word == NULL or q.count == 0:
         raise ValueError(f"quantizing tiles without a kernel, table, word or tiles: {given}")
-    if (q.amaxes == 0) != (q.amaxes_host == NULL):
-        raise ValueError(f"quantizing tiles with half a buffer for carried amaxes: {given}")
     return 0
-
-
-cdef bint take_carried(Quantizing* q, const unsigned char* data, size_t n) noexcept nogil:
-    """Put the agreed amaxes a post carried (``n`` bytes at ``data``) in the pinned host copy, for
-    :func:`launch_tiles`.  False unless they are as the pair's tiles carry them
-    (``tensorxfer.quant.tiles.QuantTiles.check_carried``): one float32 a tile where the tiles have a buffer for
-    them (they carry them), none where not (nothing, or tiles that read no agreed amax in the source's region)."""
-    q.carried = False
-    if n == 0:
-        return q.amaxes_host == NULL
-    if q.count == 0 or q.amaxes_host == NULL or n != <size_t>q.count * 4:
-        return False
-    memcpy(q.amaxes_host, data, n)      # (the last step's copy out of it ended: its stream synchronized)
-    q.carried = True
-    return True
 
 
 cdef cydriver.CUresult launch_tiles(Quantizing* q, cydriver.CUdeviceptr src, cydriver.CUdeviceptr dst,
                                     cydriver.CUstream stream, const char** failed) noexcept nogil:
-    """Queue the tiles on ``stream``: the failure word reset, the carried amaxes copied in (where the step has
-    them), the kernel, the word read back to the host."""
-    cdef void* args[5]
+    """Queue the tiles on ``stream``: the failure word reset, the kernel, the word read back to the host."""
+    cdef void* args[4]
     cdef cydriver.CUresult rc
-    cdef cydriver.CUdeviceptr amaxes = q.amaxes if q.carried else 0
     args[0] = &q.table
     args[1] = &src
     args[2] = &dst
     args[3] = &q.status
-    args[4] = &amaxes
     rc = cydriver.cuMemsetD32Async(q.status, 0xFFFFFFFF, 2, stream)
     failed[0] = b"cuMemsetD32Async(the tiles' word)"
-    if rc == cydriver.CUDA_SUCCESS and q.carried:
-        rc = cydriver.cuMemcpyHtoDAsync(q.amaxes, q.amaxes_host, <size_t>q.count * 4, stream)
-        failed[0] = b"cuMemcpyHtoDAsync(the carried amaxes)"
     if rc == cydriver.CUDA_SUCCESS:
         rc = cydriver.cuLaunchKernel(q.fn, q.count, 1, 1, 256, 1, 1, 0, stream, args, NULL)
         failed[0] = b"cuLaunchKernel(quantize_tiles)"
@@ -461,13 +432,11 @@ cdef class StridedCopy:
             rc = launch_tiles(q, src, dst, stream, failed)
         return rc
 
-    def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, tuple quantizing=None,
-               const unsigned char[::1] carried=None):
+    def launch(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, tuple quantizing=None):
         """Queue the copy of every tile from ``src_base`` to ``dst_base`` on ``copier``'s stream; and after it a
         pair's ``quantizing`` tiles (as :meth:`serve_lane` takes them: their failure word is on the host once
-        the stream synchronized), with the agreed amaxes the post ``carried`` (one float32 a tile, or None),
-        all without the GIL (launched from Python, a quantizing pair's launch took 0.2-0.8 ms on the H100,
-        its threads taking turns)."""
+        the stream synchronized), all without the GIL (launched from Python, a quantizing pair's launch took
+        0.2-0.8 ms on the H100, its threads taking turns)."""
         cdef cydriver.CUdeviceptr src = src_base, dst = dst_base
         cdef Quantizing q
         cdef const char* failed = NULL
@@ -477,10 +446,6 @@ cdef class StridedCopy:
         if copier._device != self._device:
             raise ValueError(f"the copier is on device {copier._device}, the tiles on {self._device}")
         quantizing_of(quantizing, &q)
-        if not take_carried(&q, &carried[0] if carried is not None and len(carried) else NULL,
-                            len(carried) if carried is not None else 0):
-            raise ValueError(f"{0 if carried is None else len(carried)} bytes of carried amaxes for {q.count} "
-                             f"quantizing tiles ({'that carry' if q.amaxes else 'that do not carry'} them)")
         if self._count == 0 and q.count == 0:
             return
         bind_device(self._device)
@@ -492,8 +457,7 @@ cdef class StridedCopy:
     def serve_lane(self, Copier copier, uintptr_t dst_base, uintptr_t src_base, int fd, uintptr_t fence,
                    tuple quantizing=None):
         """Serve a copy lane's steps (``tensorxfer.transport.ipc.delegate``) without the GIL: for each ``G`` +
-        8-byte seq (+ the agreed amaxes the source carried, where the pair's tiles carry them: one float32 a
-        tile) read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, take the step on the follower's fence
+        8-byte seq read from the blocking ``SOCK_SEQPACKET`` socket ``fd``, take the step on the follower's fence
         word at ``fence`` (granted -> running: before any byte is written), launch the copy, wait for it, mark
         the step done on the fence, and answer ``K`` + the same 8 bytes.  The GIL is not needed from a step's
         arrival to its answer (on the H200 machine a lane thread waited 0.1-0.3 ms for it, behind its process's
@@ -543,8 +507,8 @@ cdef class StridedCopy:
                     if n < 0:
                         err = errno
                         break
-                    if n < 9 or buf[0] != b'G' or not take_carried(&q, buf + 9, n - 9):
-                        break       # the caller answers it (a step's amaxes that are not one a tile: refused)
+                    if n != 9 or buf[0] != b'G':
+                        break
                     seq = 0
                     for i in range(1, 9):
                         seq = (seq << 8) | buf[i]

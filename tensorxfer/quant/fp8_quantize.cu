@@ -328,10 +328,8 @@ quantize_cells(const int64_t* __restrict__ table, int64_t shards, const int64_t*
 // [c0, c1) of the block, to dst + (r - r0) * dst_pitch + (c - c0)) -- with its scale (at scale, or none:
 // -1).  One read of the bf16 and one write of the FP8 bytes, where quantizing at the source and copying the
 // FP8 bytes costs a write and a read more.  A block that straddles sources is a tile of each source's part
-// of it: its amax is the larger of the part's and the sources' agreed one (-1 at amax: a whole block) -- so the
-// agreed one, and the bytes are the source path's.  The agreed one is read from agreed[tile], where the copying
-// process put the amaxes the source carried with its post (its own buffer: no GPU work of the source's process
-// amid the tiles), or, where agreed is null, the float32 at amax in the source's region (the source wrote it).  A block holding a NaN
+// of it: its amax is the larger of the part's and the sources' agreed one, a float32 at amax in the source's
+// region (-1: a whole block) -- so the agreed one, and the bytes are the source path's.  A block holding a NaN
 // or an infinity (or whose agreed amax is one) writes nothing, and the lowest such tile's index lands in
 // *status (set to all ones before the launch): the caller fails the step.
 enum TileColumn { T_SRC, T_SRC_PITCH, T_ROWS, T_COLS, T_DST, T_DST_PITCH, T_R0, T_R1, T_C0, T_C1, T_SCALE, T_DTYPE,
@@ -339,10 +337,9 @@ enum TileColumn { T_SRC, T_SRC_PITCH, T_ROWS, T_COLS, T_DST, T_DST_PITCH, T_R0, 
 
 // A tile's amax: its own elements' (m, over every thread), or for a shared block's part the larger of that and
 // the agreed one; *nan set where either is no finite number
-__device__ __forceinline__ float tile_amax(const int64_t* t, uint64_t src_base, const float* carried, int64_t index,
-                                          float m, int* nan) {
+__device__ __forceinline__ float tile_amax(const int64_t* t, uint64_t src_base, float m, int* nan) {
     if (t[T_AMAX] < 0) return m;
-    const float agreed = carried != nullptr ? carried[index] : *reinterpret_cast<const float*>(src_base + t[T_AMAX]);
+    const float agreed = *reinterpret_cast<const float*>(src_base + t[T_AMAX]);
     *nan |= !isfinite(agreed);
     return fmaxf(m, agreed);
 }
@@ -405,8 +402,8 @@ __device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
 // memory a block let four run at once: 0.985-0.987x torch's cast (five 0.996-0.997x, six 0.996-1.010x; probe_tiles
 // over 4 GiB of 128 x 128 tiles, benchmarks/results/2026-12-07-fp8-tiles-in-shared-memory).
 template <typename T>
-__device__ void tile_staged(const int64_t* t, uint64_t src_base, uint64_t dst_base, const float* carried,
-                            int64_t index, unsigned long long* status) {
+__device__ void tile_staged(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
+                            unsigned long long* status) {
     constexpr int VEC = 16 / sizeof(T), LANES = 128 / VEC, ROWS = THREADS / LANES, PASSES = 128 / ROWS;
     __shared__ uint4 stage[PASSES * THREADS];
     const int tr = threadIdx.x / LANES, tc = threadIdx.x % LANES;
@@ -432,7 +429,7 @@ __device__ void tile_staged(const int64_t* t, uint64_t src_base, uint64_t dst_ba
             m = fmaxf(m, fabsf(v[i]));
         }
     }
-    m = tile_amax(t, src_base, carried, index, block_max(m, &nan), &nan);
+    m = tile_amax(t, src_base, block_max(m, &nan), &nan);
     if (nan || !isfinite(m)) {
         if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
         return;
@@ -461,8 +458,8 @@ __device__ void tile_staged(const int64_t* t, uint64_t src_base, uint64_t dst_ba
 
 // Any other tile: a pass for the amax, a second (from L2) for the values of the target's part
 template <typename T, int VEC>
-__device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base, const float* carried,
-                          int64_t index, unsigned long long* status) {
+__device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base, int64_t index,
+                          unsigned long long* status) {
     const char* src = reinterpret_cast<const char*>(src_base + t[T_SRC]);
     const int64_t pitch = t[T_SRC_PITCH];
     float m = 0.0f;
@@ -474,7 +471,7 @@ __device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base
             m = fmaxf(m, fabsf(v[i]));
         }
     });
-    m = tile_amax(t, src_base, carried, index, block_max(m, &nan), &nan);
+    m = tile_amax(t, src_base, block_max(m, &nan), &nan);
     if (nan || !isfinite(m)) {
         if (threadIdx.x == 0) atomicMin(status, (unsigned long long)index);
         return;
@@ -491,20 +488,20 @@ __device__ void tile_loop(const int64_t* t, uint64_t src_base, uint64_t dst_base
 // Four blocks a multiprocessor (at most 64 registers a thread; the byte loops' paths do not spill): see tile_staged
 extern "C" __global__ void __launch_bounds__(THREADS, 4)
 quantize_tiles(const int64_t* __restrict__ tiles, uint64_t src_base, uint64_t dst_base,
-               unsigned long long* __restrict__ status, const float* __restrict__ carried) {
+               unsigned long long* __restrict__ status) {
     const int64_t index = blockIdx.x;
     const int64_t* t = tiles + index * T_WIDTH;
     if (t[T_DTYPE] == BF16) {
         if (tile_fast<__nv_bfloat16>(t, src_base, dst_base))
-            tile_staged<__nv_bfloat16>(t, src_base, dst_base, carried, index, status);
+            tile_staged<__nv_bfloat16>(t, src_base, dst_base, index, status);
         else if ((src_base + t[T_SRC]) % 16 == 0 && t[T_SRC_PITCH] % 16 == 0 && t[T_COLS] % 8 == 0)
-            tile_loop<__nv_bfloat16, 8>(t, src_base, dst_base, carried, index, status);
+            tile_loop<__nv_bfloat16, 8>(t, src_base, dst_base, index, status);
         else
-            tile_loop<__nv_bfloat16, 1>(t, src_base, dst_base, carried, index, status);
+            tile_loop<__nv_bfloat16, 1>(t, src_base, dst_base, index, status);
     } else {
         if ((src_base + t[T_SRC]) % 16 == 0 && t[T_SRC_PITCH] % 16 == 0 && t[T_COLS] % 4 == 0)
-            tile_loop<float, 4>(t, src_base, dst_base, carried, index, status);
+            tile_loop<float, 4>(t, src_base, dst_base, index, status);
         else
-            tile_loop<float, 1>(t, src_base, dst_base, carried, index, status);
+            tile_loop<float, 1>(t, src_base, dst_base, index, status);
     }
 }

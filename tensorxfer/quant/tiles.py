@@ -24,17 +24,8 @@ A tile is one block of one source shard: a row of :data:`WIDTH` int64 (the kerne
 ``amax``
     -1 for a block the source holds whole; for a block it shares with other sources (``src, rows, cols``
     are then the source's part of it), where the sources' agreed amax of the whole block lies in the
-    source's amax entry (a float32 of its region): the tile's amax is the larger of its rows' and that one --
-    the agreed one, so the bytes are the source path's.
-
-How the agreed amaxes reach the tiles: the source *carries* them with the post of the part that reads them
-(:data:`CARRIED`: one float32 per tile, in table order, where the tile's amax column is not -1), and the copying
-process copies them into a buffer of its own on its copy stream, right before the tiles (:meth:`DeviceTiles.launch`,
-or the lane's step without the GIL).  Why not have the source write them into its region: that is a
-host-to-device copy of the source's process amid the tiles, and the GPU time-slices between processes (no MPS)
--- each such operation cost the tiles ~0.33 ms on the H100 (``benchmarks/probe_timeslice.py``), one per source
-per step.  A part with too many shared tiles for one message (:data:`MAX_CARRIED` bytes) is posted without
-them; its source then writes its region's entry, and the tiles read it there.
+    source's region (a float32 it wrote after their store round): the tile's amax is the larger of its
+    rows' and that one -- the agreed one, so the bytes are the source path's.
 
 The formula is the source path's, so the bytes are the same (``tests/test_fusing.py``; on the GPU
 ``tests/test_quant_gpu.py``).  A block with a NaN or an infinity writes nothing and fails the pair naming
@@ -60,8 +51,6 @@ WIDTH = len(COLUMNS)
 (SRC, SRC_PITCH, ROWS, COLS, DST, DST_PITCH, R0, R1, C0, C1, SCALE, DTYPE, FORMULA, AMAX) = range(WIDTH)
 INPUT_SIZES = (2, 4)        # bytes per input element, by the dtype column
 E8M0 = 2                    # the formula column of power-of-two scales (kernel.FORMULAS): one byte each
-CARRIED = np.dtype("<f4")   # the agreed amaxes a source carries with a post: one per tile, little-endian float32
-MAX_CARRIED = 60 << 10      # ... at most (one ipc or lane message, 64 KiB, with the rest of that message)
 _MAX_EXTENT = 1 << 24       # a block's rows or columns, at most
 _MAX_PLACE = 1 << 40        # an offset or a pitch, at most (1 TiB): (rows - 1) * pitch stays far from wrapping
 
@@ -127,32 +116,8 @@ class QuantTiles:
 
     @functools.cached_property
     def agreed(self) -> np.ndarray:
-        """Which tiles take an agreed amax (blocks shared between sources)."""
+        """Which tiles take an agreed amax from the source's region (blocks shared between sources)."""
         return self.table[:, AMAX] >= 0
-
-    @functools.cached_property
-    def carries(self) -> bool:
-        """Whether a post of these tiles carries their agreed amaxes (some tile takes one, and they fit a message)."""
-        return bool(self.agreed.any()) and len(self) * CARRIED.itemsize <= MAX_CARRIED
-
-    def check_carried(self, carried: bytes | None) -> None:
-        """Refuse a post's agreed amaxes (``carried``; None: none) unless the tiles carry them (:attr:`carries`)
-        and they are one float32 per tile -- or the tiles carry none and none came.  (Tiles that carry them read
-        no amax from the source's region: it did not write them there.)
-
-        Raises
-        ------
-        ProtocolError
-            Amaxes missing, of the wrong length, or carried for tiles that do not carry them.
-        """
-        if carried is None and not self.carries:
-            return
-        if carried is None or not self.carries or len(carried) != len(self) * CARRIED.itemsize:
-            got = "none" if carried is None else f"{len(carried)} bytes"
-            raise ProtocolError(f"the source carried {got} of agreed amaxes for {len(self)} quantizing tiles "
-                                f"({int(self.agreed.sum())} of them take one; they carry "
-                                f"{len(self) * CARRIED.itemsize if self.carries else 0} bytes): the two ends did "
-                                f"not plan the same transfer")
 
     def check_within(self, src_size: int, dst_size: int) -> None:
         """Every tile reads inside the source's region and writes inside the target's (each step: the reach is
@@ -197,9 +162,7 @@ class QuantTiles:
 
 class DeviceTiles:
     """A pair's tiles on ``device``: the table uploaded once; :meth:`launch` queues the kernel on a stream,
-    :meth:`failed` (once that stream is synchronized) names the first tile that found a NaN or an infinity.
-    Tiles that take agreed amaxes also get a buffer for the ones a post carries (:data:`CARRIED`), and a pinned
-    host copy it is filled from."""
+    :meth:`failed` (once that stream is synchronized) names the first tile that found a NaN or an infinity."""
 
     def __init__(self, tiles: QuantTiles, device: int) -> None:
         import torch
@@ -209,32 +172,21 @@ class DeviceTiles:
         self._status = torch.empty(1, dtype=torch.int64, device=f"cuda:{device}")
         # read back on the launch's own stream (no wait on torch's streams), into pinned memory
         self._word = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        n = len(tiles) if tiles.carries else 0
-        self._carried = torch.empty(n, dtype=torch.float32, device=f"cuda:{device}")
-        self._carried_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
 
-    def launch(self, stream: int, dst_base: int, src_base: int, carried: bytes | None = None) -> None:
-        """Queue the tiles (the failure word reset first; the agreed amaxes a post ``carried`` copied in before
-        them, as checked by :meth:`QuantTiles.check_carried`) on CUDA stream handle ``stream``."""
+    def launch(self, stream: int, dst_base: int, src_base: int) -> None:
+        """Queue the tiles (the failure word reset first) on CUDA stream handle ``stream``."""
         from tensorxfer.quant import kernel
 
         if not len(self.tiles):
             return
-        self.tiles.check_carried(carried)
         cu = kernel._driver()
         ctx, kernels = kernel._context(self.device)
         handle = cu.CUstream(stream)
         kernel._check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
         try:
             kernel._check(cu.cuMemsetD32Async(self._status.data_ptr(), 0xFFFFFFFF, 2, handle), "cuMemsetD32Async")
-            amaxes = 0
-            if carried is not None:     # (the last step's copy from the pinned buffer ended: its stream synchronized)
-                self._carried_host.numpy()[:] = np.frombuffer(carried, CARRIED)
-                kernel._check(cu.cuMemcpyHtoDAsync(self._carried.data_ptr(), self._carried_host.data_ptr(),
-                                                   len(carried), handle), "cuMemcpyHtoDAsync")
-                amaxes = self._carried.data_ptr()
-            args = (self._table.data_ptr(), src_base, dst_base, self._status.data_ptr(), amaxes)
-            types = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p)
+            args = (self._table.data_ptr(), src_base, dst_base, self._status.data_ptr())
+            types = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
             kernel._check(cu.cuLaunchKernel(kernels["quantize_tiles"], len(self.tiles), 1, 1, kernel.THREADS, 1, 1,
                                             0, handle, (args, types), 0), "cuLaunchKernel(quantize_tiles)")
             kernel._check(cu.cuMemcpyDtoHAsync(self._word.data_ptr(), self._status.data_ptr(), 8, handle),
@@ -243,18 +195,16 @@ class DeviceTiles:
             kernel._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
     @functools.cached_property
-    def launch_args(self) -> tuple[int, int, int, int, int, int, int]:
+    def launch_args(self) -> tuple[int, int, int, int, int]:
         """What the strided copy needs to launch these tiles after it without the GIL (``StridedCopy.launch``
         and ``serve_lane``): the kernel's function handle (loaded in the device's primary context), the
         table, the tiles, the failure word on the device and its pinned copy on the host (:meth:`failed`
-        reads it), the carried amaxes' buffer on the device and its pinned host copy (0, 0: the tiles take
-        none).  Raw addresses: valid until :meth:`close`, which the pair's copy calls after its last launch."""
+        reads it).  Raw addresses: valid until :meth:`close`, which the pair's copy calls after its last launch."""
         from tensorxfer.quant import kernel
 
         _, kernels = kernel._context(self.device)
-        carried = (self._carried.data_ptr(), self._carried_host.data_ptr()) if self._carried.numel() else (0, 0)
         return (int(kernels["quantize_tiles"]), self._table.data_ptr(), len(self.tiles), self._status.data_ptr(),
-                self._word.data_ptr(), *carried)
+                self._word.data_ptr())
 
     def failed(self) -> int | None:
         """The lowest tile whose block held a NaN or an infinity in the last launch (its stream synchronized),
@@ -265,4 +215,4 @@ class DeviceTiles:
         return None if word < 0 else word
 
     def close(self) -> None:
-        self._table = self._status = self._word = self._carried = self._carried_host = None  # type: ignore[assignment]
+        self._table = self._status = self._word = None     # type: ignore[assignment]

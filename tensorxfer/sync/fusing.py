@@ -38,7 +38,7 @@ from tensorxfer.transport.ipc.identity import unavailable as ipc_unavailable
 from tensorxfer.transport.segments import Segments
 
 __all__ = ["Fusable", "FusedPair", "early", "feeds", "fusable", "fuse", "fused_names", "fuses_on", "pairs_of", "parts",
-           "reads_region", "segments_of"]
+           "segments_of"]
 
 INPUT_DTYPES = {"BF16": 0, "F32": 1}
 
@@ -340,13 +340,6 @@ def parts(segments: Segments) -> tuple[Segments, ...]:
     if not tiles.agreed.any() and not len(segments):
         return (first,)
     return first, dataclasses.replace(segments, tiles=tiles.where(tiles.agreed) if tiles.agreed.any() else None)
-
-
-def reads_region(pairs: dict[int, tuple[Segments, ...]]) -> bool:
-    """Whether some part of a source's ``pairs`` has tiles that read the agreed amaxes in its region: too many
-    to carry with the post (:attr:`~tensorxfer.quant.tiles.QuantTiles.carries`)."""
-    return any(s.tiles is not None and s.tiles.agreed.any() and not s.tiles.carries
-               for steps in pairs.values() for s in steps)
 
 
 def early(steps: tuple[Segments, ...]) -> bool:

@@ -148,10 +148,9 @@ def source_layout(shards: Mapping[str, Source], targets: list[RankSpec], inputs:
     return SourceLayout(Manifest.layout(entries), plain, quantized, names, amax)
 
 
-def quantized_shards(layout: SourceLayout, region: Any) -> tuple[list[QuantizedShard], tuple[Any, int] | None]:
+def quantized_shards(layout: SourceLayout, region: Any) -> tuple[list[QuantizedShard], Any]:
     """A source's quantized shards over their entries of ``region`` (a TensorRegion laid out as ``layout``), an
-    input's first layout with its place among the agreed amaxes; and their entry (a float32 view, and its offset
-    in the region), or None."""
+    input's first layout with its place among the agreed amaxes; and their entry (a float32 view), or None."""
     m = layout.manifest
     shards = [QuantizedShard(n, s.global_shape, s.box.offsets, q, s.tensor,
                              tensor_view(region, m[layout.local(i, "values")]),
@@ -160,7 +159,7 @@ def quantized_shards(layout: SourceLayout, region: Any) -> tuple[list[QuantizedS
     firsts = dict(layout.amax)
     for shard in shards:
         shard.agreed_at = firsts.pop(shard.name, None)
-    return shards, (tensor_view(region, m[AMAX_ENTRY]), m[AMAX_ENTRY].offset) if AMAX_ENTRY in m else None
+    return shards, tensor_view(region, m[AMAX_ENTRY]) if AMAX_ENTRY in m else None
 
 
 def target_tensors(shards: Mapping[str, Target]) -> dict[str, Any]:

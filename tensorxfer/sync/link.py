@@ -57,11 +57,6 @@ log = logging.getLogger(__name__)
 Parts = tuple[Segments, ...]
 
 
-#: The agreed amaxes a post of a part's quantizing tiles carries (None: they carry none), by the tiles:
-#: :meth:`tensorxfer.sync.quantizing.SourceQuantizer.carried`.
-Carried = Callable[[Any], "bytes | None"]
-
-
 def parts_of(segments: Segments | Sequence[Segments]) -> Parts:
     """``segments`` as a step's parts (one Segments: a step of one part)."""
     return (segments,) if isinstance(segments, Segments) else tuple(segments)
@@ -78,7 +73,6 @@ class PairStep:
     fresh: bool                 # the offer sets the data path up
     early: bool                 # the data goes out at post(), before the accept
     transport: Any              # the part's transport (each part of a step has its own: see Parts)
-    amaxes: bytes | None = None  # the agreed amaxes its post carries for the part's quantizing tiles
     t1: float = 0.0             # the data went out
     moved: int = 0
 
@@ -191,10 +185,8 @@ class SourceLink:
             raise
         self._ch = ch
 
-    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str, part: int = 0,
-              carried: Carried | None = None) -> PairStep:
-        """Phase 1 of a step: offer this pair's segments of ``region`` for ``version`` (planned as ``digest``);
-        ``carried``: the agreed amaxes of the segments' quantizing tiles, that the post carries (:data:`Carried`).
+    def offer(self, region: TensorRegion, segments: Segments, version: int, digest: str, part: int = 0) -> PairStep:
+        """Phase 1 of a step: offer this pair's segments of ``region`` for ``version`` (planned as ``digest``).
 
         A step is :meth:`offer`, then :meth:`post` once ``region`` holds the step's bytes, then :meth:`finish`:
         the source offers every target first, packs its region while they take the offers in, and posts
@@ -226,8 +218,7 @@ class SourceLink:
                           bytes=segments.total_bytes, streams=self.streams, digest=digest, runs=segments.digest,
                           resume=transport.can_resume, part=part)
             # as Sender: a warm ipc step's data goes right behind the offer, before the accept
-            return PairStep(region, segments, self._seq, t0, fresh, transport.posts_early and not fresh, transport,
-                            amaxes=carried(segments.tiles) if carried is not None else None)
+            return PairStep(region, segments, self._seq, t0, fresh, transport.posts_early and not fresh, transport)
 
     def post(self, step: PairStep) -> None:
         """Phase 2: where the pair is warm and its transport posts early (ipc), pass the data now (the
@@ -235,7 +226,6 @@ class SourceLink:
         if step.early:
             with self._named():
                 step.t1 = time.perf_counter()
-                step.transport.amaxes = step.amaxes
                 step.moved = step.transport.post_early(step.region, step.seq, step.segments)
                 self._ch.send("done", seq=step.seq, bytes=step.moved)
 
@@ -257,8 +247,6 @@ class SourceLink:
             resumer = Resumer(transport, step.region, seq, DEFAULT_POLICY, None)
             if not step.early:
                 transport.connect(step.region, seq, descriptors, segments=step.segments)
-                if self.transport == "ipc":     # (no other transport takes quantizing tiles)
-                    transport.amaxes = step.amaxes
                 step.t1 = time.perf_counter()
                 transport.resumable = resumer.enabled
                 try:
@@ -284,14 +272,13 @@ class SourceLink:
         return PairStats(self.source, self.target, step.moved, time.perf_counter() - step.t0, wire,
                          step.segments.num_runs, self.transport, setup, rec.retries, rec.resent_bytes, rec.seconds)
 
-    def push(self, region: TensorRegion, segments: Segments | Parts, version: int, digest: str,
-             carried: Carried | None = None) -> PairStats:
+    def push(self, region: TensorRegion, segments: Segments | Parts, version: int, digest: str) -> PairStats:
         """The three phases at once: one pair's whole step, every part of it in turn (raises as :meth:`offer`)."""
         steps = parts_of(segments)
         t0 = time.perf_counter()
         stats: PairStats | None = None
         for part, seg in enumerate(steps):
-            step = self.offer(region, seg, version, digest, part, carried)
+            step = self.offer(region, seg, version, digest, part)
             self.post(step)
             done = self.finish(step)
             stats = done if stats is None else stats.then(done, time.perf_counter() - t0)

@@ -24,13 +24,12 @@ source waited for all the amaxes before quantizing anything).
 Where a target shares the source's GPU, the pair quantizes on the way instead (:mod:`tensorxfer.sync.fusing`):
 its tiles read the source's input and write the FP8 values and scales straight into the target -- the blocks
 the source holds whole from the step's start, the blocks it shares after this round, with the agreed amaxes
-this source carries with the post of those tiles (:class:`_AgreedAmaxes`: no GPU work of this process; or, for
-a part with too many tiles to carry them, written into its region in one host-to-device copy).  A tensor every pair
+this source wrote into its region (:class:`_AgreedAmaxes`: one host-to-device copy).  A tensor every pair
 reading it fuses is then made here not at all (:meth:`SourceQuantizer.plan`): the source takes only its
 shared blocks' amaxes for the round, one kernel.  The order of such a push: the whole blocks' tiles offered,
 that kernel launched (before the tiles can run: the GPU time-slices between processes, and a kernel of this one's
 amid the copy host's tiles costs them ~0.3 ms), the tiles posted, the amaxes read back and published, the peers'
-merged, the shared blocks' tiles offered and posted with the agreed amaxes.
+merged and written, the shared blocks' tiles offered.
 
 A NaN or an infinity in a shard is found before any offer goes out: the push raises
 :class:`~tensorxfer.errors.QuantizationError` naming the tensor, and the targets it feeds fail the step
@@ -48,13 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from tensorxfer.errors import PlanError, QuantizationError, StoreError
+from tensorxfer.errors import QuantizationError, StoreError
 from tensorxfer.quant import kernel
 from tensorxfer.quant.kernel import ShardTable
 from tensorxfer.quant.layout import Grid, Quantization, derived_name, parse_derived
 from tensorxfer.quant.quantize import _split as _block_lengths
 from tensorxfer.quant.quantize import check_finite, torch_block_amax, torch_quantize_into
-from tensorxfer.quant.tiles import AMAX, CARRIED, QuantTiles
 from tensorxfer.sync.records import Amaxes, GroupStore
 from tensorxfer.sync.spec import Box, RankSpec
 
@@ -368,7 +366,7 @@ class SourceQuantizer:
     """
 
     def __init__(self, shards: list[QuantizedShard], store: GroupStore, rank: int, stall_timeout: float,
-                 agreed: tuple[Any, int] | None = None) -> None:
+                 agreed: Any = None) -> None:
         self.shards, self.store, self.rank, self.stall_timeout = shards, store, rank, stall_timeout
         by_device: dict[Any, list[QuantizedShard]] = {}
         for s in shards:
@@ -376,22 +374,17 @@ class SourceQuantizer:
         self._devices = [_DeviceShards(group) for group in by_device.values()]
         shared = [d.shards[i] for d in self._devices for i in d.shared_shards]      # the round's order
         self._round = _RoundIndex(shared)
-        # (agreed: the region's amax entry and its offset there, where pairs on this GPU quantize on the way)
-        self._agreed = _AgreedAmaxes(*agreed, shared) if agreed is not None else None
+        self._agreed = _AgreedAmaxes(agreed, shared) if agreed is not None else None
         self._peers: tuple[int, ...] = ()
         self._made_bytes = sum(s.values.numel() for s in shards if not s.empty)
         self._launched: tuple[int, float] | None = None
 
-    def plan(self, sources: list[RankSpec], fused: set[str] | frozenset[str] = frozenset(),
-             region_reads: bool = False) -> None:
+    def plan(self, sources: list[RankSpec], fused: set[str] | frozenset[str] = frozenset()) -> None:
         """Find the peers of this epoch's members: sources whose shard of a tensor reaches into a block
         that one of ours shares; and leave the whole blocks of the ``fused`` tensors (values names: every
-        pair reading them quantizes them on the way) to those pairs -- ``region_reads``: some pair's tiles read
-        the agreed amaxes in the region (too many to carry), so each push writes them there."""
+        pair reading them quantizes them on the way) to those pairs."""
         for d in self._devices:
             d.skip(frozenset(fused))
-        if self._agreed is not None:
-            self._agreed.plan(region_reads)
         # the FP8 bytes a push writes here: all of a shard's, none of a left-out one's
         self._made_bytes = sum(0 if i < d.fast and s.values_name in d.skipped else s.values.numel()
                                for d in self._devices for i, s in enumerate(d.shards) if not s.empty)
@@ -467,7 +460,7 @@ class SourceQuantizer:
             t1 = time.perf_counter()
             self._merge(begun.version, begun.flat)
             wait = time.perf_counter() - t1
-            if self._agreed is not None:        # for the pairs' tiles of these blocks (carried, or in the region)
+            if self._agreed is not None:        # where the pairs' tiles of these blocks read them
                 self._agreed.write(self._round.split(begun.flat))
         for d in self._devices:
             d.quantize_shared()
@@ -476,15 +469,6 @@ class SourceQuantizer:
         return QuantStats(self._made_bytes, sum(s.shared_bytes for s in live),
                           sum(len(s.shared_pos) for s in live), len(self._peers), wait,
                           time.perf_counter() - begun.t0, begin_seconds=begun.seconds)
-
-    def carried(self, tiles: QuantTiles | None) -> bytes | None:
-        """The agreed amaxes a post of a pair's ``tiles`` carries (None: they carry none,
-        :attr:`~tensorxfer.quant.tiles.QuantTiles.carries`): this push's, one float32 a tile
-        (:data:`tensorxfer.quant.tiles.CARRIED`), after :meth:`quantize`."""
-        if tiles is None or not tiles.carries:
-            return None
-        assert self._agreed is not None
-        return self._agreed.carried(tiles)
 
     def _check_finite(self) -> None:
         """QuantizationError naming the first shard with a NaN or an infinity: one wait per device."""
@@ -524,57 +508,29 @@ class SourceQuantizer:
 
 
 class _AgreedAmaxes:
-    """The agreed amaxes of a source's shared blocks, for its pairs' tiles: a host copy of the region's amax entry
-    (:data:`tensorxfer.sync.layout.AMAX_ENTRY`, ``entry``: a float32 view at region offset ``offset``), whose
-    values a post carries (:meth:`carried`: the tiles' amax column names a float32 of the entry).  Where some
-    pair's tiles read them in the region instead (too many to carry: :meth:`plan`), each push also writes the
-    entry, in one host-to-device copy on a stream of its own (no kernel: a kernel of this process would wait
-    for a time slice behind the tiles of the copy host), waited for before the tiles that read it are offered.
-    ``shards``: the shards with shared cells, in the order of the round's amaxes."""
+    """The agreed amaxes of a source's shared blocks where its pairs' tiles read them: the region's amax entry
+    (:data:`tensorxfer.sync.layout.AMAX_ENTRY`, ``entry``: a float32 view), written from a host copy of it in one
+    host-to-device copy on a stream of its own (no kernel: a kernel of this process would wait for a time
+    slice behind the tiles of the copy host), waited for before the tiles that read it are offered.  ``shards``:
+    the shards with shared cells, in the order of the round's amaxes."""
 
-    def __init__(self, entry: Any, offset: int, shards: list[QuantizedShard]) -> None:
+    def __init__(self, entry: Any, shards: list[QuantizedShard]) -> None:
         import torch
 
-        self.entry, self.offset = entry, offset
+        self.entry = entry
         self._host = torch.zeros(entry.numel(), dtype=torch.float32, pin_memory=entry.is_cuda)
         self._stream = torch.cuda.Stream(entry.device) if entry.is_cuda else None
         firsts = [(k, s.agreed_at) for k, s in enumerate(shards) if s.agreed_at is not None]   # (inputs' first layouts)
         self._written = [k for k, _ in firsts]
         self._at = np.concatenate([at + shards[k].shared_pos for k, at in firsts] or [np.zeros(0, np.int64)])
-        self._to_region = True
-        self._tiles: dict[int, tuple[QuantTiles, np.ndarray, np.ndarray]] = {}
-
-    def plan(self, region_reads: bool) -> None:
-        """This epoch's pairs: whether some tiles read the entry in the region (``region_reads``)."""
-        self._to_region = region_reads
-        self._tiles.clear()
-
-    def carried(self, tiles: QuantTiles) -> bytes:
-        """The amaxes a post of ``tiles`` carries: each tile's float32 of the entry (0 where it reads none)."""
-        found = self._tiles.get(id(tiles))
-        if found is None or found[0] is not tiles:
-            amax = tiles.table[:, AMAX]
-            reads = amax >= 0
-            at = (amax[reads] - self.offset) // 4
-            if len(at) and (at.min() < 0 or at.max() >= len(self._host) or ((amax[reads] - self.offset) % 4).any()):
-                raise PlanError("a pair's quantizing tiles read agreed amaxes outside this source's amax entry: "
-                                    "the pair was planned from another layout")
-            found = self._tiles[id(tiles)] = (tiles, reads, at)
-        _, reads, at = found
-        out = np.zeros(len(tiles), CARRIED)
-        out[reads] = self._host.numpy()[at]
-        return out.tobytes()
 
     def write(self, agreed: list[np.ndarray]) -> None:
-        """Take the shards' ``agreed`` amaxes (each one's shared cells', in order) into the host copy, and into the
-        region where tiles read them there."""
+        """Write the shards' ``agreed`` amaxes (each one's shared cells', in order) where their tiles read them."""
         import torch
 
         if not len(self._at):
             return
         self._host.numpy()[self._at] = np.concatenate([agreed[k] for k in self._written])
-        if not self._to_region:
-            return
         if self._stream is None:
             self.entry.copy_(self._host)
             return

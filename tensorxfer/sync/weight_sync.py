@@ -58,7 +58,7 @@ from tensorxfer.protocol import token_key
 from tensorxfer.region import TensorRegion
 from tensorxfer.session.control import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_STALL_TIMEOUT, seconds
 from tensorxfer.sync.copy_host import device_identity, elect
-from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of, reads_region
+from tensorxfer.sync.fusing import Fusable, early, feeds, fusable, fuses_on, pairs_of
 from tensorxfer.sync.fusing import segments_of as segments_of  # where it lived before sync.fusing
 from tensorxfer.sync.layout import fill_padding, quantized_shards, source_layout, target_description, target_tensors
 from tensorxfer.sync.link import PairStats, PairStep, Parts, SourceLink, TargetPort
@@ -249,7 +249,7 @@ class WeightSync:
                 self._links.pop(t).close()
             self._segments, fused = pairs_of(p, self.rank, order, self._fusable, devices, self._device_id)
             if self._quantizer is not None:
-                self._quantizer.plan(sources, fused, reads_region(self._segments))
+                self._quantizer.plan(sources, fused)
             if agree:       # the group forms: a target it cannot reach fails the construction
                 self._connect(order)
             # a later epoch connects as the push runs: a new target that cannot be reached fails its own pair
@@ -408,12 +408,14 @@ class WeightSync:
         pair whose first part needs none of it (a fused pair's tiles of whole blocks:
         :func:`~tensorxfer.sync.fusing.parts`) is offered, packed, its shared amaxes queued
         (:meth:`SourceQuantizer.launch`: after the pack, whose wait for the device would wait for them too) and
-        then posted, and the round (those amaxes read back and published, the peers' merged) runs while the
-        tiles land; the shared blocks' tiles are posted with the agreed amaxes (carried: no GPU work here).  Why
-        the amaxes before the post: once the copy host's tiles run, any work of this process's on the GPU waits
-        ~1.3-1.9 ms for a time slice and costs the tiles ~0.33 ms (``benchmarks/probe_timeslice.py`` on the
-        H100); queued before the post, it runs before the tiles can start.  A quantization that fails is told
-        to every target (:meth:`_refuse`), so pairs already landing a first part fail too.
+        then posted, and the round (those amaxes read back and published, the peers' merged and written where the
+        shared blocks' tiles read them) runs while the tiles land.  Why the amaxes before the post: once the
+        copy host's tiles run, any work of this process's on the GPU waits ~1.3-1.9 ms for a time slice and
+        costs the tiles ~0.33 ms (``benchmarks/probe_timeslice.py`` on the H100); queued before the post, it
+        runs before the tiles can start.  (In the 16 GB 4-to-2 bench on the H100 the step moved by less than
+        its run-to-run spread: ``benchmarks/results/2026-12-07-fp8-source-work-before-the-tiles``.)  A
+        quantization that fails is told to every target (:meth:`_refuse`), so pairs already landing a first
+        part fail too.
 
         A target this source has no session with (new in this epoch, or its session failed) is connected on a
         pair thread of its own, after the pack: a target slow to let a session in (a process still starting,
@@ -424,7 +426,6 @@ class WeightSync:
         fresh = [t for t in self._segments if t not in self._links]
         first = [t for t, ps in self._segments.items() if t not in fresh and early(ps)]
         region, digest = self.region, self.plan.digest
-        carried = self._quantizer.carried if self._quantizer is not None else None     # (after it quantized)
 
         def offer(targets: list[int], only_first: bool) -> list[tuple[int, PairStep]]:
             """Offer each target its parts not yet offered (``only_first``: its first part only)."""
@@ -435,7 +436,7 @@ class WeightSync:
                     for part in range(len(mine), 1 if only_first else len(parts)):
                         if mine and not mine[-1].early:
                             break       # its data goes after the accept: the next part follows its finish
-                        mine.append(self._links[target].offer(region, parts[part], version, digest, part, carried))
+                        mine.append(self._links[target].offer(region, parts[part], version, digest, part))
                         offered.append((target, mine[-1]))
                 except Exception as e:
                     results[target] = e
@@ -494,7 +495,7 @@ class WeightSync:
                 stats: PairStats | None = None
                 for part, segments in enumerate(parts):
                     if part == len(mine):       # not offered: the part before it was not posted early
-                        mine.append(link.offer(region, segments, version, digest, part, carried))
+                        mine.append(link.offer(region, segments, version, digest, part))
                         link.post(mine[-1])
                     done = link.finish(mine[part])
                     stats = done if stats is None else stats.then(done, time.perf_counter() - mine[0].t0)
@@ -505,7 +506,7 @@ class WeightSync:
         def connect_and_push(target: int) -> None:
             try:
                 link = self._link(target)
-                results[target] = link.push(region, self._segments[target], version, digest, carried)
+                results[target] = link.push(region, self._segments[target], version, digest)
             except BaseException as e:
                 results[target] = e
         jobs: list[Callable[[], None]] = [functools.partial(finish, t) for t in steps if steps[t] and t not in results]

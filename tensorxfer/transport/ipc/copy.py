@@ -37,7 +37,7 @@ from tensorxfer.transport.ipc.messages import (
     Watermark,
     env_int,
 )
-from tensorxfer.transport.ipc.pairs import DeviceSegments, check_carried, copy_segments_in_host_memory, poisoned
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory, poisoned
 from tensorxfer.transport.ipc.receiving import Handles, Incoming, IpcReceiving
 from tensorxfer.transport.ipc.sourcefiles import fill_from_files
 from tensorxfer.transport.segments import Segments
@@ -205,21 +205,19 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             raise TransportUnavailable("ipc: a weight sync copies between regions of one kind (both on the host "
                                        "or both on GPUs); this receiver's and its sender's differ")
         segments.check_within(incoming.nbytes, dst.nbytes)
-        carried = incoming.amaxes
-        check_carried(segments, carried)      # (a pair between host regions has no tiles: it carries none)
         on = self._cuda_device(incoming, dst.device) if dst.is_cuda else None
         key = incoming.key(on)
         lane = self._lane(key, incoming, handles, segments) if self.copy_host is not None else None
         src = self._source(key, incoming, handles, fds, on)
         ok = False
         try:
-            if lane is not None and self._delegated(lane, carried):
+            if lane is not None and self._delegated(lane):
                 pass
             elif dst.is_cuda:
                 assert on is not None
                 copier = self._copier(on)
                 work = self._strided_copy(segments, on)
-                work.launch(copier, dst.region.ptr, src.ptr, carried)
+                work.launch(copier, dst.region.ptr, src.ptr)
                 copier.synchronize()
                 work.check_quantized()
             else:
@@ -255,7 +253,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             self._give_up_lane(e)
             return None
 
-    def _delegated(self, lane: CopyLane, carried: bytes | None) -> bool:
+    def _delegated(self, lane: CopyLane) -> bool:
         """Whether the copy host copied this step's pair (False: the host never will -- it did not take the step
         in time and the lane revoked it, its copy failed, or it is gone; copy it here, whole).
 
@@ -265,7 +263,7 @@ class IpcReceiver(IpcReceiving, ReceiverTransport):
             The host took the step and stalled: it may still write, so the pair is not copied here, the step
             fails and the region is in doubt until the host finishes or ends (:data:`.lane.IN_DOUBT`)."""
         try:
-            copied = lane.copy(self._seq, carried)
+            copied = lane.copy(self._seq)
         except QuantizationError as e:      # the host copied it but for blocks with a NaN: name the tensor
             assert self._segments is not None
             raise poisoned(self._segments, -1 if e.tile is None else e.tile) from None

@@ -16,8 +16,7 @@ each of its pairs' copies to it over a :class:`CopyLane`, one per pair:
 - setup (``S``, then ``F`` handle batches with their fds, then ``T`` batches of the segment columns): the
   source's memory handles as the follower got them, the follower's own region's handles, the pair's
   segments; the host maps both regions and builds the pair's copy, and answers ``K`` (or ``E`` + why);
-- a step is ``G`` + seq (+ the agreed amaxes the source carried for a pair whose quantizing tiles carry them:
-  :mod:`tensorxfer.quant.tiles`), answered ``K`` + seq once the bytes are in the follower's memory (the host's
+- a step is ``G`` + seq, answered ``K`` + seq once the bytes are in the follower's memory (the host's
   stream synchronized), or ``E`` + why; on a GPU the host serves a lane's steps in one loop without the GIL
   (``StridedCopy.serve_lane``), so a step does not wait behind the host's own feeds for it.
 
@@ -111,7 +110,7 @@ from tensorxfer.transport.ipc.messages import (
     recv_message,
     unpack,
 )
-from tensorxfer.transport.ipc.pairs import DeviceSegments, check_carried, copy_segments_in_host_memory
+from tensorxfer.transport.ipc.pairs import DeviceSegments, copy_segments_in_host_memory
 from tensorxfer.transport.ipc.receiving import map_handles
 from tensorxfer.transport.segments import Segments
 
@@ -328,20 +327,20 @@ class CopyHost:
                             if old is not None:
                                 old.close()     # what the new pair did not take over
                         conn.send(b"K")
-                    elif msg[:1] == b"G" and len(msg) >= 9 and pair is not None:
-                        seq = U64.unpack(msg[1:9])[0]
+                    elif msg[:1] == b"G" and len(msg) == 9 and pair is not None:
+                        seq = U64.unpack(msg[1:])[0]
                         try:
-                            took = pair.step(seq, fence, self.threads, msg[9:] or None)
+                            took = pair.step(seq, fence, self.threads)
                         except QuantizationError as e:      # copied but for blocks with a NaN: the follower names it
                             with self._lock:
                                 self.copies += 1
-                            conn.send(b"Q" + msg[1:9] + U64.pack(e.tile or 0))
+                            conn.send(b"Q" + msg[1:] + U64.pack(e.tile or 0))
                             continue
                         if took:
                             with self._lock:
                                 self.copies += 1
                             try:
-                                conn.send(b"K" + msg[1:9])
+                                conn.send(b"K" + msg[1:])
                             except OSError:
                                 return      # the follower gave the lane up while this step ran
                             continue
@@ -543,22 +542,15 @@ class _HostedPair:
             return None
         return self._device_copy.serve_lane(self._copier, self.dst.ptr, self.src.ptr, conn.fileno(), fence.address)
 
-    def step(self, seq: int, fence: Fence, threads: int, carried: bytes | None = None) -> bool:
+    def step(self, seq: int, fence: Fence, threads: int) -> bool:
         """Copy step ``seq`` if the follower still grants it (taken on the fence before any byte is written, and
-        marked done -- or revoked, when the copy failed -- once no byte of it can still be written), its tiles
-        with the agreed amaxes the source ``carried``; False: the follower gave it up, nothing was copied.
-
-        Raises
-        ------
-        ProtocolError
-            ``carried`` is not as the pair's tiles carry them (checked before the step is taken).
-        """
-        check_carried(self.segments, carried)
+        marked done -- or revoked, when the copy failed -- once no byte of it can still be written); False: the
+        follower gave it up, nothing was copied."""
         if not fence.take(seq):
             return False
         done = False
         try:
-            self.copy(threads, carried)     # returns (or raises) once every copy thread ended / the stream synchronized
+            self.copy(threads)      # returns (or raises) once every copy thread ended / the stream synchronized
             done = True
         finally:
             fence.finish(seq, done)
@@ -566,9 +558,9 @@ class _HostedPair:
             self._device_copy.check_quantized()     # QuantizationError (.tile): a block held a NaN, not written
         return True
 
-    def copy(self, threads: int, carried: bytes | None = None) -> None:
+    def copy(self, threads: int) -> None:
         if self._device_copy is not None:
-            self._device_copy.launch(self._copier, self.dst.ptr, self.src.ptr, carried)
+            self._device_copy.launch(self._copier, self.dst.ptr, self.src.ptr)
             self._copier.synchronize()
         else:
             copy_segments_in_host_memory(self.src, self.dst, self.segments, threads)

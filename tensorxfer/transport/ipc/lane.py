@@ -279,9 +279,8 @@ class CopyLane:
         self._expect(sock, b"K", "the copy host's setup", self.timeout)
         self.ready_for, self._dst = ready_for, dst
 
-    def copy(self, seq: int, carried: bytes | None = None) -> bool:
-        """Have the host copy the pair for step ``seq`` (with the agreed amaxes its source ``carried`` for the
-        quantizing tiles, checked by the caller): True once the bytes are in the follower's memory; False
+    def copy(self, seq: int) -> bool:
+        """Have the host copy the pair for step ``seq``: True once the bytes are in the follower's memory; False
         when the host never will copy this step (it did not take it in time and the step is revoked, or its copy
         failed, or it is gone): the caller copies it itself, whole.  After False, or after a True that ended
         with the lane closed (:attr:`closed`: the host answered late), the caller gives the lane up.
@@ -303,7 +302,7 @@ class CopyLane:
             fence.grant(seq)
         answer, why = b"", ""
         try:
-            send_message(sock, b"G" + U64.pack(seq) + (carried or b""), "the lane's step")
+            send_message(sock, b"G" + U64.pack(seq), "the lane's step")
             answer = recv_message(sock, "answer to the step", self.timeout / 2)
         except TransferError as e:      # no answer in time, or the host is gone
             why = f"{type(e).__name__}: {e}"

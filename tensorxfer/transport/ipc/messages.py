@@ -92,16 +92,13 @@ def send_message(sock: socket.socket, data: bytes, what: str, fds: list[int] | N
 def unpack(data: bytes, what: str) -> Any:
     scan_msgpack(data, MAX_FRAME_OBJECTS, MAX_FRAME_DEPTH, what=f"ipc: {what}")
     try:
-        # (bins: a token, or a weight sync pair's carried amaxes -- as long as the message, which is bounded)
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE, max_ext_len=0)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_ext_len=0)
     except Exception as e:
         raise ProtocolError(f"ipc: {what} is not valid msgpack: {e}") from None
 
 
-def parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int, bytes | None]:
-    """The update's chunk table header; the last items are ``ready`` (absent: ``nbytes``, everything ready) and
-    the agreed amaxes a weight sync's source carried for the pair's quantizing tiles (``amaxes``; absent: None;
-    checked against the tiles by the receiver, :meth:`tensorxfer.quant.tiles.QuantTiles.check_carried`)."""
+def parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int]:
+    """The update's chunk table header; the last item is ``ready`` (absent: ``nbytes``, everything ready)."""
     table = unpack(data, "the chunk table header")
     if not isinstance(table, dict):
         raise ProtocolError("ipc: the chunk table header is not a map")
@@ -114,7 +111,6 @@ def parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int
     seq = field(table, "seq", int)
     ready = field(table, "ready", int, optional=True)
     ready = nbytes if ready is None else ready
-    amaxes = field(table, "amaxes", bytes, optional=True)
     if not 0 <= ready <= nbytes:
         raise ProtocolError(f"ipc: the chunk table says {ready} of {nbytes} payload bytes are ready")
     if kind not in KINDS or device < 0 or nbytes < 0 or not 0 <= count <= MAX_CHUNKS \
@@ -122,7 +118,7 @@ def parse_header(data: bytes) -> tuple[str, int, int, bytes, int, bool, int, int
             or (kind == FILES and cached):
         raise ProtocolError(f"ipc: chunk table out of range: kind {kind!r}, device {device}, {nbytes} bytes, "
                             f"{count} chunks, cached {cached}, {len(token)}-byte token")
-    return kind, device, nbytes, token, count, cached, seq, ready, amaxes
+    return kind, device, nbytes, token, count, cached, seq, ready
 
 
 def add_chunks(chunks: list[tuple[int, int]], raw: Any, nbytes: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorxfer.errors import ProtocolError, QuantizationError
+from tensorxfer.errors import QuantizationError
 from tensorxfer.memory import strided
 from tensorxfer.memory._hostcopy import copy_groups
 from tensorxfer.transport.segments import Segments
@@ -53,19 +53,16 @@ class DeviceSegments:
                                                              segments.count, segments.src_stride,
                                                              segments.dst_stride), image)
 
-    def launch(self, copier: Any, dst_ptr: int, src_ptr: int, carried: bytes | None = None) -> None:
-        """Queue the step's copies (and tiles, with the agreed amaxes the source ``carried``: they were checked,
-        :meth:`check_carried`)."""
+    def launch(self, copier: Any, dst_ptr: int, src_ptr: int) -> None:
         if self._kernel is not None:       # the tiles too, in the same call without the GIL
-            self._kernel.launch(copier, dst_ptr, src_ptr, self._tiles.launch_args if self._tiles is not None else None,
-                                carried)
+            self._kernel.launch(copier, dst_ptr, src_ptr, self._tiles.launch_args if self._tiles is not None else None)
             return
         if len(self.segments):   # one 2-D copy per strided group (a block of rows), not one copy per row
             sg = self.segments
             copier.dtod_groups(sg.dst_off + np.uint64(dst_ptr), sg.src_off + np.uint64(src_ptr), sg.nbytes, sg.count,
                                sg.dst_stride, sg.src_stride)
         if self._tiles is not None:
-            self._tiles.launch(copier.stream, dst_ptr, src_ptr, carried)
+            self._tiles.launch(copier.stream, dst_ptr, src_ptr)
 
     def check_quantized(self) -> None:
         """After the copier's stream synchronized: QuantizationError naming the tensor of the first block that
@@ -93,22 +90,6 @@ class DeviceSegments:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
             kernel.close()
-
-
-def check_carried(segments: Segments, carried: bytes | None) -> None:
-    """Refuse the agreed amaxes a post carried unless the pair's tiles carry them, one a tile (or carry none and
-    none came): :meth:`~tensorxfer.quant.tiles.QuantTiles.check_carried`.
-
-    Raises
-    ------
-    ProtocolError
-        They do not match the tiles the two ends planned.
-    """
-    if segments.tiles is not None:
-        segments.tiles.check_carried(carried)
-    elif carried is not None:
-        raise ProtocolError(f"the source carried {len(carried)} bytes of agreed amaxes for a pair without "
-                            f"quantizing tiles: the two ends did not plan the same transfer")
 
 
 def poisoned(segments: Segments, tile: int) -> QuantizationError:

@@ -84,8 +84,6 @@ class Incoming:
         self.kind, self.device, self.nbytes, self.token, self.peer_pid = kind, device, nbytes, token, peer_pid
         #: kind FILES: ``(region offset, length, fd)`` of the sender's files (the fds are the caller's)
         self.files: list[tuple[int, int, int]] = []
-        #: a weight sync's pair: the agreed amaxes its source carried for the quantizing tiles (or None)
-        self.amaxes: bytes | None = None
 
     def key(self, on: int | None = None) -> tuple:
         """Identifies the sender's memory: its pid, its random token for the region, and (device memory)
@@ -216,7 +214,7 @@ class IpcReceiving(_Half):
 
     def _receive(self, conn: socket.socket, progress: Progress | None) -> int:
         timeout = self.ctx.stall_timeout
-        kind, device, nbytes, token, count, cached, seq, ready, amaxes = parse_header(
+        kind, device, nbytes, token, count, cached, seq, ready = parse_header(
             recv_message(conn, "the chunk table", timeout))
         expected = self._expected_nbytes()
         if seq != self._seq:
@@ -229,7 +227,6 @@ class IpcReceiving(_Half):
         fds: list[int] = []
         watermark = Watermark(conn, nbytes, ready, timeout)
         incoming = Incoming(kind, device, nbytes, token, self._peer_pid)
-        incoming.amaxes = amaxes
         try:
             if kind == FILES:
                 incoming.files = receive_files(conn, count, nbytes, fds, self.ctx.stall_timeout)

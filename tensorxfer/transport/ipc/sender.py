@@ -63,9 +63,6 @@ class IpcSender(SenderTransport):
         self._watermarks = False                # the receiver waits for "W" messages (accept descriptors)
         self._moving: int | None = None         # a weight sync's bytes (the receiver copies only its runs)
         self._posted: tuple[int, PrefixFollower | None] | None = None    # sent, its copy not yet collected
-        #: the agreed amaxes the next post carries for a weight sync pair's quantizing tiles (its source sets them
-        #: each step: :mod:`tensorxfer.quant.tiles`), or None
-        self.amaxes: bytes | None = None
 
     @classmethod
     def available(cls) -> str | None:
@@ -193,11 +190,9 @@ class IpcSender(SenderTransport):
             chunks = export_handles(region)
         owned = [fd for _, _, fd in chunks]     # exported handles are ours to close once passed
         try:
-            header = {"kind": kind, "device": device, "nbytes": nbytes, "token": token, "count": len(chunks),
-                      "cached": cached, "seq": self._seq, "ready": ready}
-            if self.amaxes is not None:
-                header["amaxes"] = self.amaxes
-            table = msgpack.packb(header, use_bin_type=True)
+            table = msgpack.packb({"kind": kind, "device": device, "nbytes": nbytes, "token": token,
+                                   "count": len(chunks), "cached": cached, "seq": self._seq, "ready": ready},
+                                  use_bin_type=True)
             send_message(sock, table, "the chunk table")
             send_handles(sock, chunks)
         finally:
