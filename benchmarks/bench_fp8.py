@@ -201,9 +201,12 @@ def rank_main(args: argparse.Namespace) -> int:
         store.set(f"{prefix}done/{step}/{role}/{rank}", json.dumps({"start": t0, "end": steps[-1][1]}).encode())
     if traced:
         trace_sync.dump(args.trace, role, rank, steps)
-    report = {**st.as_dict(), "device_memory_bytes": device_memory(args.device), "region_bytes": sync.region.nbytes}
+    report = {**st.as_dict(), "device_memory_bytes": device_memory(args.device), "region_bytes": sync.region.nbytes,
+              "step_seconds": [end - start for start, end in steps]}
     if role == "target":
         report["engine_fp8_bytes"] = sum(v.numel() + s.numel() * 4 for v, s in engine.values())
+        # a diagnosis (private: no user needs it): whether this target copies for the others on its GPU
+        report["copy_host"] = sync._copy_host is not None
         checked = check(layout, tensors, args.device) if fp8 else len(tensors)
         print(f"{args.what} target {rank}: {checked} tensors checked", flush=True)
     store.set(f"{prefix}stats/{role}/{rank}", json.dumps(report).encode())
@@ -261,10 +264,15 @@ def bound_with_copy(layout: list[tuple[str, tuple[int, ...]]], device: str, repe
 
 def timeline(ranks: dict[str, Any]) -> list[str]:
     """Each source's last step, in ms from its push's start: its quantizer's first half and its whole round
-    (the part waiting for peers' amaxes), and when each of its pairs' parts ended (from the pair's first offer)."""
+    (the part waiting for peers' amaxes), and when each of its pairs' parts ended (from the pair's first offer);
+    each target's steps, from the start instant to its wait's end, and whether it is its GPU's copy host (a noisy
+    H100 call had one target's steps end up to 16 ms after the other's)."""
     ms = lambda x: f"{x * 1e3:.2f}"       # noqa: E731
     out = []
     for name, r in sorted(ranks.items()):
+        if name.startswith("target") and "step_seconds" in r:
+            out.append(f"  {name}{' (copy host)' if r.get('copy_host') else ''}: steps "
+                       f"{' '.join(ms(x) for x in r['step_seconds'][1:])} (cold {ms(r['step_seconds'][0])})")
         q = r.get("quantized")
         if not name.startswith("source") or q is None:
             continue
