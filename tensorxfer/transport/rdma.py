@@ -1,11 +1,9 @@
 """RDMA transport endpoints: one-sided RDMA WRITE of a whole region over RC QPs.
 
-The receiver registers its region once (REMOTE_WRITE, for as long as the
-endpoint is open), the sender registers its own region once (local access
-only), and each update is one :meth:`RdmaSenderEndpoint.write`: the region
-is striped over several RC QPs, the last request on every QP carries an
-immediate, and :meth:`RdmaReceiverEndpoint.wait_complete` returns only when
-every QP's immediate for that update arrived.
+The receiver registers its region once (REMOTE_WRITE, for as long as the endpoint is open), the sender
+registers its own region once (local access only), and each update is one :meth:`RdmaSenderEndpoint.write`:
+the region is striped over several RC QPs, the last request on every QP carries an immediate, and
+:meth:`RdmaReceiverEndpoint.wait_complete` returns only when every QP's immediate for that update arrived.
 
 Wiring (the engine's control channel carries the dicts; both are plain
 msgpack-able values: ints, strs, bytes, lists, dicts)::
@@ -18,11 +16,10 @@ msgpack-able values: ints, strs, bytes, lists, dicts)::
     rx.wait_complete(timeout=30)                      # … and its completion
     tx.close(); rx.close()
 
-A region is anything with ``resolve_extent(offset, length)`` (HostRegion,
-CudaRegion) or a :class:`~tensorxfer.region.TensorRegion`.  CUDA regions
-that offer ``export_dmabuf()`` are registered with ``ibv_reg_dmabuf_mr``,
-falling back to ``ibv_reg_mr`` on the device address (nvidia-peermem); the
-path taken is logged and reported in ``descriptors()['mr_path']``.
+A region is anything with ``resolve_extent(offset, length)`` (HostRegion, CudaRegion) or a
+:class:`~tensorxfer.region.TensorRegion`.  CUDA regions that offer ``export_dmabuf()`` are registered with
+``ibv_reg_dmabuf_mr``, falling back to ``ibv_reg_mr`` on the device address (nvidia-peermem); the path taken
+is logged and reported in ``descriptors()['mr_path']``.
 """
 
 from __future__ import annotations
@@ -149,6 +146,7 @@ class _Endpoint:
         self._region, self.nbytes = _raw_region(region)
         self._closed = True  # until fully built: a failed __init__ leaves nothing to warn about
         self._broken: BaseException | None = None
+        self._faulted: set[int] = set()     # QPs a test's fault broke (each once; new QPs after renew())
         self._peer: dict[str, Any] | None = None
         self.port = port
         names = v.device_names()
@@ -199,6 +197,11 @@ class _Endpoint:
     def break_qp(self, index: int) -> None:
         """Move QP ``index`` to the error state now (a test's fault, made for real; see ``rdma_engine.Fault``)."""
         self._qps[index % len(self._qps)].to_error()
+        self._faulted.add(index % len(self._qps))
+
+    def faulted(self, index: int) -> bool:
+        """Whether a test's fault already broke QP ``index`` (this round's: :meth:`renew` makes new ones)."""
+        return bool(self._qps) and index % len(self._qps) in self._faulted
 
     def halt(self) -> None:
         """Move every QP to the error state: nothing more is sent or lands through them (a broken update)."""
@@ -214,7 +217,7 @@ class _Endpoint:
         half-built is left) and the error raised."""
         self._check_open()
         old_qps, old_cqs = self._qps, self._cqs
-        self._qps, self._cqs, self._peer, self._broken = [], [], None, None
+        self._qps, self._cqs, self._peer, self._broken, self._faulted = [], [], None, None, set()
         try:
             for obj in (*old_qps, *old_cqs):    # children first: a CQ is not destroyed under its QPs
                 obj.close()

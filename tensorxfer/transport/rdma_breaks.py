@@ -51,7 +51,8 @@ class Fault:
     """Test switch (``rdma_engine._FAULT``): break a QP for real mid-update -- ``ibv_modify_qp`` to the error
     state -- on the ``side`` ("sender" or "receiver"), once ``after`` bytes of the update are known landed
     (sender: the QP's posted share times the QP count, while it has more to post), ``times`` times (one per
-    update or resume round that reaches it).  Never set outside tests."""
+    update or resume round that reaches it: a QP it broke is not broken again -- a poll between the break and
+    the loop noticing it fired twice in one round).  Never set outside tests."""
 
     def __init__(self, side: str, after: int, qp: int = 0, times: int = 1) -> None:
         if side not in ("sender", "receiver"):
@@ -64,7 +65,7 @@ class Fault:
         """A sender's posting thread of QPs ``[first, first + count)``, between slices: break our QP when due --
         in its own thread, and only while it has requests to post: breaking a QP whose share had all gone out
         could leave the update complete and the QP dead."""
-        if not first <= self.qp < first + count:
+        if not first <= self.qp < first + count or endpoint.faulted(self.qp):
             return
         # progress from this QP's own count (fresh in its thread; another group's is a slice old): its posted
         # share times the QP count, as the stripe is even
@@ -74,7 +75,8 @@ class Fault:
             endpoint.break_qp(self.qp)
 
     def on_receiver(self, endpoint: RdmaReceiverEndpoint, nbytes: int) -> None:
-        if self.side == "receiver" and self.due("receiver", requests_bytes(endpoint.landed_requests(), nbytes)):
+        if self.side == "receiver" and not endpoint.faulted(self.qp) and \
+                self.due("receiver", requests_bytes(endpoint.landed_requests(), nbytes)):
             endpoint.break_qp(self.qp)
 
     def due(self, side: str, done: int) -> bool:
