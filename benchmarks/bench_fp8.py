@@ -172,12 +172,12 @@ def rank_main(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         torch.cuda.empty_cache()
     store.set(f"{prefix}ready/{role}/{rank}", b"1")
-    steps = []
+    steps, cpu = [], []
     kineto = os.environ.get("BENCH_KINETO") if fp8 and args.device != "cpu" else None
     profiler: Any = None
     for step in range(args.repeat + 1):
         bench_sync.wait_go(store, f"{prefix}go/{step}")
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         if role == "source":
             st = sync.push()
         else:
@@ -188,6 +188,7 @@ def rank_main(args: argparse.Namespace) -> int:
             if args.device != "cpu":
                 torch.cuda.synchronize(args.device)
         steps.append((t0, time.time()))
+        cpu.append(time.process_time() - c0)
         if profiler is not None:
             profiler.stop()
             Path(kineto).mkdir(parents=True, exist_ok=True)
@@ -202,7 +203,7 @@ def rank_main(args: argparse.Namespace) -> int:
     if traced:
         trace_sync.dump(args.trace, role, rank, steps)
     report = {**st.as_dict(), "device_memory_bytes": device_memory(args.device), "region_bytes": sync.region.nbytes,
-              "step_seconds": [end - start for start, end in steps]}
+              "step_seconds": [end - start for start, end in steps], "cpu_seconds": cpu}
     if role == "target":
         report["engine_fp8_bytes"] = sum(v.numel() + s.numel() * 4 for v, s in engine.values())
         # a diagnosis (private: no user needs it): whether this target copies for the others on its GPU
@@ -262,6 +263,12 @@ def bound_with_copy(layout: list[tuple[str, tuple[int, ...]]], device: str, repe
     return bench_sync.median_seconds(lambda: (dst.copy_(src), landed.copy_(dst), dst2.copy_(src2)), device, repeat)
 
 
+def cpu_of(rank: dict[str, Any]) -> str:
+    """A rank's CPU time in each warm step (all its threads: a thread spinning on the GPU counts its whole wait)."""
+    cpu = rank.get("cpu_seconds")
+    return f"; CPU ms a step {' '.join(f'{x * 1e3:.1f}' for x in cpu[1:])}" if cpu else ""
+
+
 def timeline(ranks: dict[str, Any]) -> list[str]:
     """Each source's last step, in ms from its push's start: its quantizer's first half and its whole round
     (the part waiting for peers' amaxes), and when each of its pairs' parts ended (from the pair's first offer);
@@ -272,7 +279,8 @@ def timeline(ranks: dict[str, Any]) -> list[str]:
     for name, r in sorted(ranks.items()):
         if name.startswith("target") and "step_seconds" in r:
             out.append(f"  {name}{' (copy host)' if r.get('copy_host') else ''}: steps "
-                       f"{' '.join(ms(x) for x in r['step_seconds'][1:])} (cold {ms(r['step_seconds'][0])})")
+                       f"{' '.join(ms(x) for x in r['step_seconds'][1:])} (cold {ms(r['step_seconds'][0])})"
+                       f"{cpu_of(r)}")
         q = r.get("quantized")
         if not name.startswith("source") or q is None:
             continue
@@ -280,7 +288,7 @@ def timeline(ranks: dict[str, Any]) -> list[str]:
                                                                                  [p["seconds"]]))
                           for p in r["pairs"])
         out.append(f"  {name}: quantizer first half {ms(q.get('begin_seconds', 0.0))}, round {ms(q['seconds'])} "
-                   f"(waiting for peers {ms(q['wait_seconds'])}); parts ended at {pairs}")
+                   f"(waiting for peers {ms(q['wait_seconds'])}); parts ended at {pairs}{cpu_of(r)}")
     return out
 
 
