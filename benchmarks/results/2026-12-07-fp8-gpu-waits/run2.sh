@@ -14,6 +14,5 @@ bench() {  # mode label
   echo "== $1 $2"; grep -E "fp8 sync|target[01]|bound" $R/$1-$2.txt | cut -c1-300; save
 }
 hogs() { for i in $(seq 8); do python3 -c "while True: pass" & done; }
-for m in spin block poll; do bench $m quiet1; done
+for m in spin poll; do bench $m quiet1; done
 hogs; for m in spin block poll; do bench $m loaded1; done; pkill -f "while True: pass"
-for m in poll spin; do bench $m quiet2; done
