@@ -146,7 +146,6 @@ class _Endpoint:
         self._region, self.nbytes = _raw_region(region)
         self._closed = True  # until fully built: a failed __init__ leaves nothing to warn about
         self._broken: BaseException | None = None
-        self._faulted: set[int] = set()     # QPs a test's fault broke (each once; new QPs after renew())
         self._peer: dict[str, Any] | None = None
         self.port = port
         names = v.device_names()
@@ -197,11 +196,11 @@ class _Endpoint:
     def break_qp(self, index: int) -> None:
         """Move QP ``index`` to the error state now (a test's fault, made for real; see ``rdma_engine.Fault``)."""
         self._qps[index % len(self._qps)].to_error()
-        self._faulted.add(index % len(self._qps))
 
     def faulted(self, index: int) -> bool:
-        """Whether a test's fault already broke QP ``index`` (this round's: :meth:`renew` makes new ones)."""
-        return bool(self._qps) and index % len(self._qps) in self._faulted
+        """Whether QP ``index`` is already in the error state (a test's fault or :meth:`halt` moved it there;
+        :meth:`renew` makes new ones): a fault does not break it again."""
+        return bool(self._qps) and self._qps[index % len(self._qps)].state == "ERR"
 
     def halt(self) -> None:
         """Move every QP to the error state: nothing more is sent or lands through them (a broken update)."""
@@ -217,7 +216,7 @@ class _Endpoint:
         half-built is left) and the error raised."""
         self._check_open()
         old_qps, old_cqs = self._qps, self._cqs
-        self._qps, self._cqs, self._peer, self._broken, self._faulted = [], [], None, None, set()
+        self._qps, self._cqs, self._peer, self._broken = [], [], None, None
         try:
             for obj in (*old_qps, *old_cqs):    # children first: a CQ is not destroyed under its QPs
                 obj.close()
